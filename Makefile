@@ -1,0 +1,59 @@
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+# Each contract is generated into the source root of the component that owns it.
+PROTO_ROOTS := engine:services/engine
+
+.PHONY: help setup dev test test-fast lint fmt proto proto-check bench test-chaos clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed ## create the virtualenv and install everything
+
+dev: setup ## run nats-server, the services and a demo agent (Ctrl-C stops)
+	$(BIN)/dagnats dev
+
+test: setup ## run the test suite against a real nats-server
+	$(BIN)/pytest -q
+
+lint: setup proto-check ## ruff, mypy --strict, buf lint and buf format
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/buf lint
+	$(BIN)/buf format --diff --exit-code
+
+fmt: setup ## format the code and the contracts
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+	$(BIN)/buf format -w
+
+proto: setup ## regenerate Python code and typed stubs from proto/
+	@for pair in $(PROTO_ROOTS); do \
+	  name=$${pair%%:*}; out=$${pair#*:}; \
+	  PATH="$(CURDIR)/$(BIN):$$PATH" $(PY) -m grpc_tools.protoc -I proto \
+	    --python_out=$$out --grpc_python_out=$$out \
+	    --mypy_out=$$out --mypy_grpc_out=$$out \
+	    proto/dagnats/$$name/v1/*.proto; \
+	done
+
+proto-check: proto ## fail when the generated code is stale
+	@git diff --exit-code --stat -- '*_pb2.py' '*_pb2.pyi' '*_pb2_grpc.py' '*_pb2_grpc.pyi' \
+	  || { echo "generated code is stale: run 'make proto' and commit" >&2; exit 1; }
+
+bench: setup ## measure throughput against a baseline in the same run
+	$(PY) -m tests.bench
+
+clean: ## remove the virtualenv and local data
+	rm -rf $(VENV) .dagnats

@@ -1,0 +1,56 @@
+"""Domain errors shared by every dagnats component.
+
+Services raise these; each service maps them to a gRPC status in one table
+(``dagnats.core.grpcutil.STATUS_OF``) and the SDK maps statuses back in one
+place, so no caller outside those two modules sees a ``grpc.RpcError``.
+
+    DagnatsError                      root of everything raised on purpose
+    ├── InvalidArgument               bad input; names the field
+    ├── NotFound                      unknown workflow, run, step, ...
+    ├── Conflict                      the request contradicts current state
+    ├── Unavailable                   transport or backend trouble; retriable
+    └── DeadlineExceeded              an operation ran out of time
+"""
+
+from __future__ import annotations
+
+
+class DagnatsError(Exception):
+    """Root of every error dagnats raises on purpose."""
+
+    code = "internal"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class InvalidArgument(DagnatsError):
+    """The request is malformed; ``field`` names the offending field when known."""
+
+    code = "invalid_argument"
+
+
+class NotFound(DagnatsError):
+    """The named object does not exist."""
+
+    code = "not_found"
+
+
+class Conflict(DagnatsError):
+    """The request contradicts the current state (e.g. purging a running run)."""
+
+    code = "conflict"
+
+
+class Unavailable(DagnatsError):
+    """The backend could not be reached; the call may be retried."""
+
+    code = "unavailable"
+
+
+class DeadlineExceeded(DagnatsError):
+    """The operation did not finish in time."""
+
+    code = "deadline_exceeded"
