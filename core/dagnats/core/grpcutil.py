@@ -1,0 +1,95 @@
+"""The one table between domain errors and gRPC status codes.
+
+Servicers wrap their methods with :func:`domain_errors`, which turns a raised
+:class:`~dagnats.core.errors.DagnatsError` into a status with the error's code
+and field in trailing metadata. Clients call :func:`error_from_rpc` to turn the
+status back into the same domain error. Nothing else looks at status codes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from dagnats.core import errors
+
+log = logging.getLogger(__name__)
+
+# Domain error -> status code. Subclasses defined by services (Fenced, Stale, ...)
+# are registered with register_error so that both directions stay in this table.
+STATUS_OF: dict[type[errors.DagnatsError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.Conflict: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+# The error code carried in trailing metadata -> class, for the way back.
+_CLASS_OF_CODE: dict[str, type[errors.DagnatsError]] = {c.code: c for c in STATUS_OF}
+# Status codes that mean "the transport failed, try again".
+TRANSIENT_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+)
+
+CODE_KEY = "dagnats-error-code"
+FIELD_KEY = "dagnats-error-field"
+
+
+def register_error(cls: type[errors.DagnatsError], status: grpc.StatusCode) -> None:
+    """Add a service-specific error class to the table."""
+    STATUS_OF[cls] = status
+    _CLASS_OF_CODE[cls.code] = cls
+
+
+def status_of(err: errors.DagnatsError) -> grpc.StatusCode:
+    """The status code for ``err``, found through its class hierarchy."""
+    for cls in type(err).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
+
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def domain_errors(method: F) -> F:
+    """Decorate an async servicer method so domain errors become statuses."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except errors.DagnatsError as err:
+            metadata: list[tuple[str, str]] = [(CODE_KEY, err.code)]
+            if err.field:
+                metadata.append((FIELD_KEY, err.field))
+            context.set_trailing_metadata(tuple(metadata))
+            await context.abort(status_of(err), err.message)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def error_from_rpc(err: grpc.aio.AioRpcError) -> errors.DagnatsError:
+    """Turn a failed call back into the domain error the server raised."""
+    trailing = dict(err.trailing_metadata() or ())
+    code = trailing.get(CODE_KEY)
+    field = trailing.get(FIELD_KEY)
+    message = err.details() or err.code().name.lower()
+    cls = _CLASS_OF_CODE.get(str(code)) if code else None
+    if cls is None:
+        cls = _class_for_status(err.code())
+    return cls(message, field=str(field) if field else None)
+
+
+def _class_for_status(status: grpc.StatusCode) -> type[errors.DagnatsError]:
+    for cls, code in STATUS_OF.items():
+        if code == status and cls.__module__ == errors.__name__:
+            return cls
+    if status == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return errors.DeadlineExceeded
+    return errors.DagnatsError
