@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -32,9 +32,7 @@ STATUS_OF: dict[type[errors.DagnatsError], grpc.StatusCode] = {
 # The error code carried in trailing metadata -> class, for the way back.
 _CLASS_OF_CODE: dict[str, type[errors.DagnatsError]] = {c.code: c for c in STATUS_OF}
 # Status codes that mean "the transport failed, try again".
-TRANSIENT_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-)
+TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 CODE_KEY = "dagnats-error-code"
 FIELD_KEY = "dagnats-error-field"
@@ -50,18 +48,19 @@ def status_of(err: errors.DagnatsError) -> grpc.StatusCode:
     """The status code for ``err``, found through its class hierarchy."""
     for cls in type(err).__mro__:
         if cls in STATUS_OF:
-            return STATUS_OF[cls]  # type: ignore[index]
+            return STATUS_OF[cls]
     return grpc.StatusCode.INTERNAL
 
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 def domain_errors(method: F) -> F:
     """Decorate an async servicer method so domain errors become statuses."""
 
     @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(self: Any, request: Any, context: Context) -> Any:
         try:
             return await method(self, request, context)
         except errors.DagnatsError as err:
@@ -76,7 +75,9 @@ def domain_errors(method: F) -> F:
 
 def error_from_rpc(err: grpc.aio.AioRpcError) -> errors.DagnatsError:
     """Turn a failed call back into the domain error the server raised."""
-    trailing = dict(err.trailing_metadata() or ())
+    # grpc.aio yields (key, value) pairs; the stubs describe the sync API's objects.
+    pairs = cast(Iterable[tuple[str, Any]], err.trailing_metadata() or ())
+    trailing = dict(pairs)
     code = trailing.get(CODE_KEY)
     field = trailing.get(FIELD_KEY)
     message = err.details() or err.code().name.lower()

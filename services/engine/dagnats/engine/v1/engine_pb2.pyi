@@ -28,7 +28,7 @@ class _StepType:
 class _StepTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StepType.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     STEP_TYPE_UNSPECIFIED: _StepType.ValueType  # 0
-    """Not set; rejected."""
+    """Not set; treated as a task step."""
     STEP_TYPE_TASK: _StepType.ValueType  # 1
     """One handler call that completes or fails."""
     STEP_TYPE_AGENT_LOOP: _StepType.ValueType  # 2
@@ -40,7 +40,7 @@ class StepType(_StepType, metaclass=_StepTypeEnumTypeWrapper):
     """StepType says who executes a step and how it ends."""
 
 STEP_TYPE_UNSPECIFIED: StepType.ValueType  # 0
-"""Not set; rejected."""
+"""Not set; treated as a task step."""
 STEP_TYPE_TASK: StepType.ValueType  # 1
 """One handler call that completes or fails."""
 STEP_TYPE_AGENT_LOOP: StepType.ValueType  # 2

@@ -1,0 +1,164 @@
+"""Connecting to NATS and provisioning every stream and bucket the product uses.
+
+One place holds the stream configurations so that ``dagnats dev``, the
+services and the tests create the same thing. Settings follow DESIGN.md §10:
+dedupe windows cover the whole retry horizon, task and timer consumers never
+drop a message after a delivery limit, and no stream uses async persistence.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+log = logging.getLogger(__name__)
+
+DAY = 24 * 3600.0
+DEDUPE_WINDOW = 120.0
+
+TASKS = "TASKS"
+HISTORY = "HISTORY"
+TIMERS = "SLEEP_TIMERS"
+DEAD_LETTERS = "DEAD_LETTERS"
+KV_WORKFLOWS = "WORKFLOWS"
+KV_RUNS = "RUNS"
+KV_RUN_KEYS = "RUN_KEYS"
+KV_CHECKPOINTS = "CHECKPOINTS"
+
+# Errors after which the same publish (same Msg-Id) may simply be sent again.
+TRANSIENT_NATS_ERRORS: tuple[type[BaseException], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Topology:
+    """How streams are replicated; 1 for one server, 3 for a production cluster."""
+
+    replicas: int = 1
+
+
+async def connect(url: str, *, name: str) -> NATS:
+    """Connect with unlimited reconnects: a service outlives any server restart."""
+    return await nats.connect(
+        servers=url.split(","),
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+    )
+
+
+def _streams(topology: Topology) -> list[StreamConfig]:
+    common: dict[str, Any] = {
+        "storage": StorageType.FILE,
+        "num_replicas": topology.replicas,
+        "duplicate_window": DEDUPE_WINDOW,
+    }
+    return [
+        StreamConfig(
+            name=TASKS,
+            subjects=["tasks.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            **common,
+        ),
+        StreamConfig(
+            name=HISTORY,
+            subjects=["history.>"],
+            retention=RetentionPolicy.LIMITS,
+            max_age=30 * DAY,
+            **common,
+        ),
+        StreamConfig(
+            name=TIMERS,
+            subjects=["timers.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            **common,
+        ),
+        StreamConfig(
+            name=DEAD_LETTERS,
+            subjects=["dead.>"],
+            retention=RetentionPolicy.LIMITS,
+            max_age=30 * DAY,
+            discard=DiscardPolicy.OLD,
+            **common,
+        ),
+    ]
+
+
+def _buckets(topology: Topology) -> list[KeyValueConfig]:
+    r = topology.replicas
+    return [
+        KeyValueConfig(bucket=KV_WORKFLOWS, history=5, replicas=r, storage=StorageType.FILE),
+        KeyValueConfig(bucket=KV_RUNS, history=1, replicas=r, storage=StorageType.FILE),
+        KeyValueConfig(
+            bucket=KV_RUN_KEYS, history=1, replicas=r, storage=StorageType.FILE, ttl=30 * DAY
+        ),
+        KeyValueConfig(bucket=KV_CHECKPOINTS, history=1, replicas=r, storage=StorageType.FILE),
+    ]
+
+
+async def provision(js: JetStreamContext, topology: Topology | None = None) -> None:
+    """Create or update every stream and bucket of the engine."""
+    topology = topology or Topology()
+    for config in _streams(topology):
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await js.update_stream(config)
+    for bucket in _buckets(topology):
+        await js.create_key_value(bucket)
+
+
+async def publish(
+    js: JetStreamContext,
+    subject: str,
+    data: bytes,
+    *,
+    msg_id: str,
+    headers: dict[str, str] | None = None,
+    deadline: float = 30.0,
+    attempt_timeout: float = 5.0,
+) -> int:
+    """Publish to a stream, retrying transient failures with the same Msg-Id so
+    that a retry whose first attempt landed is answered as a duplicate.
+
+    Returns:
+        The stream sequence of the message.
+    """
+    all_headers = {"Nats-Msg-Id": msg_id, **(headers or {})}
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception_type(TRANSIENT_NATS_ERRORS),
+        wait=wait_random_exponential(multiplier=0.05, max=2.0),
+        stop=stop_after_delay(deadline),
+        reraise=True,
+    ):
+        with attempt:
+            ack = await js.publish(subject, data, timeout=attempt_timeout, headers=all_headers)
+            return int(ack.seq)
+    raise AssertionError("unreachable")

@@ -1,0 +1,249 @@
+"""Moves engine values to and from protobuf. The only module besides the
+servicer and the store that touches generated types for runs and events."""
+
+from __future__ import annotations
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from dagnats.engine import model as m
+from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import internal_pb2 as ipb
+
+_RUN_STATUS = {
+    m.RunStatus.RUNNING: pb.RUN_STATUS_RUNNING,
+    m.RunStatus.COMPLETED: pb.RUN_STATUS_COMPLETED,
+    m.RunStatus.FAILED: pb.RUN_STATUS_FAILED,
+    m.RunStatus.CANCELLED: pb.RUN_STATUS_CANCELLED,
+}
+_RUN_STATUS_BACK = {v: k for k, v in _RUN_STATUS.items()}
+_STEP_STATUS = {
+    m.StepStatus.PENDING: pb.STEP_STATUS_PENDING,
+    m.StepStatus.RUNNING: pb.STEP_STATUS_RUNNING,
+    m.StepStatus.WAITING: pb.STEP_STATUS_WAITING,
+    m.StepStatus.COMPLETED: pb.STEP_STATUS_COMPLETED,
+    m.StepStatus.FAILED: pb.STEP_STATUS_FAILED,
+    m.StepStatus.CANCELLED: pb.STEP_STATUS_CANCELLED,
+}
+_STEP_STATUS_BACK = {v: k for k, v in _STEP_STATUS.items()}
+_TIMER_KIND = {
+    m.TimerKind.WAKE: ipb.TIMER_KIND_WAKE,
+    m.TimerKind.STEP_TIMEOUT: ipb.TIMER_KIND_STEP_TIMEOUT,
+    m.TimerKind.MAX_DURATION: ipb.TIMER_KIND_MAX_DURATION,
+}
+_TIMER_KIND_BACK = {v: k for k, v in _TIMER_KIND.items()}
+
+
+def run_status_to_proto(status: m.RunStatus) -> pb.RunStatus.ValueType:
+    return _RUN_STATUS[status]
+
+
+def run_status_from_proto(status: pb.RunStatus.ValueType) -> m.RunStatus:
+    return _RUN_STATUS_BACK[status]
+
+
+def timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(round(seconds * 1e9))
+    return ts
+
+
+def seconds(ts: Timestamp, present: bool = True) -> float | None:
+    return ts.ToNanoseconds() / 1e9 if present else None
+
+
+def duration(value: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(round(value * 1e9))
+    return d
+
+
+# ---- runs ---------------------------------------------------------------------
+
+
+def step_to_proto(step: m.Step) -> pb.StepState:
+    msg = pb.StepState(
+        step_id=step.step_id,
+        status=_STEP_STATUS[step.status],
+        iteration=step.iteration,
+        attempt=step.attempt,
+        iterations=step.iterations,
+        output=step.output,
+        error=step.error,
+        child_run_id=step.child_run_id,
+    )
+    for name in ("started_at", "dispatched_at", "finished_at", "wake_at"):
+        value = getattr(step, name)
+        if value is not None:
+            getattr(msg, name).CopyFrom(timestamp(value))
+    return msg
+
+
+def step_from_proto(msg: pb.StepState, record: ipb.StepRecord | None) -> m.Step:
+    def opt(name: str) -> float | None:
+        return seconds(getattr(msg, name), msg.HasField(name))  # type: ignore[arg-type]
+
+    return m.Step(
+        step_id=msg.step_id,
+        status=_STEP_STATUS_BACK[msg.status],
+        iteration=msg.iteration,
+        attempt=msg.attempt,
+        iterations=msg.iterations,
+        failures=record.failures if record else 0,
+        redispatches=record.redispatches if record else 0,
+        output=msg.output,
+        error=msg.error,
+        child_run_id=msg.child_run_id,
+        started_at=opt("started_at"),
+        dispatched_at=opt("dispatched_at"),
+        finished_at=opt("finished_at"),
+        wake_at=opt("wake_at"),
+    )
+
+
+def run_to_proto(run: m.Run) -> pb.Run:
+    msg = pb.Run(
+        run_id=run.run_id,
+        workflow=run.workflow.name,
+        status=_RUN_STATUS[run.status],
+        input=run.input,
+        output=run.output,
+        error=run.error,
+        steps=[step_to_proto(s) for s in run.steps],
+        parent_run_id=run.parent_run_id,
+        parent_step_id=run.parent_step_id,
+        idempotency_key=run.idempotency_key,
+    )
+    msg.created_at.CopyFrom(timestamp(run.created_at))
+    if run.finished_at is not None:
+        msg.finished_at.CopyFrom(timestamp(run.finished_at))
+    return msg
+
+
+def record_to_proto(
+    run: m.Run,
+    outbox: list[ipb.OutboxEntry],
+    outbox_since: float | None,
+    trace_context: dict[str, str],
+) -> ipb.RunRecord:
+    record = ipb.RunRecord(
+        run=run_to_proto(run),
+        workflow=workflow_to_proto(run.workflow),
+        outbox=outbox,
+        trace_context=trace_context,
+    )
+    for step in run.steps:
+        if step.failures or step.redispatches:
+            record.step_records[step.step_id].CopyFrom(
+                ipb.StepRecord(failures=step.failures, redispatches=step.redispatches)
+            )
+    if outbox and outbox_since is not None:
+        record.outbox_since.CopyFrom(timestamp(outbox_since))
+    return record
+
+
+def record_from_proto(record: ipb.RunRecord) -> m.Run:
+    msg = record.run
+    return m.Run(
+        run_id=msg.run_id,
+        workflow=workflow_from_proto(record.workflow),
+        status=_RUN_STATUS_BACK[msg.status],
+        input=msg.input,
+        output=msg.output,
+        error=msg.error,
+        steps=tuple(step_from_proto(s, record.step_records.get(s.step_id)) for s in msg.steps),
+        created_at=msg.created_at.ToNanoseconds() / 1e9,
+        parent_run_id=msg.parent_run_id,
+        parent_step_id=msg.parent_step_id,
+        idempotency_key=msg.idempotency_key,
+        finished_at=seconds(msg.finished_at, msg.HasField("finished_at")),
+    )
+
+
+# ---- events -----------------------------------------------------------------------
+
+
+def outcome_to_event(
+    outcome: pb.Continue | pb.Complete | pb.Fail | pb.Pause, event: ipb.HistoryEvent
+) -> None:
+    match outcome:
+        case pb.Continue():
+            getattr(event, "continue").CopyFrom(outcome)
+        case pb.Complete():
+            event.complete.CopyFrom(outcome)
+        case pb.Fail():
+            event.fail.CopyFrom(outcome)
+        case pb.Pause():
+            event.pause.CopyFrom(outcome)
+
+
+def event_to_input(event: ipb.HistoryEvent) -> m.RunInput | None:
+    """The rule input an event carries; None for events the rules do not take
+    (a child-run start, which the processor handles itself)."""
+    kind = event.WhichOneof("kind")
+    identity = (
+        m.Identity(iteration=event.iteration, attempt=event.attempt) if event.attempt > 0 else None
+    )
+    outcome: m.StepOutcome
+    if kind == "continue":
+        outcome = m.Continued(output=getattr(event, "continue").output)
+    elif kind == "complete":
+        outcome = m.Completed(output=event.complete.output)
+    elif kind == "fail":
+        failure = (
+            m.FailureKind.PERMANENT
+            if event.fail.kind == pb.FAILURE_KIND_PERMANENT
+            else m.FailureKind.RETRIABLE
+        )
+        outcome = m.Failed(error=event.fail.error, kind=failure, reason=event.fail.reason)
+    elif kind == "pause":
+        outcome = m.Paused(duration=event.pause.duration.ToNanoseconds() / 1e9)
+    elif kind == "cancel":
+        return m.CancelRequested(reason=event.cancel.reason)
+    elif kind == "child":
+        return m.ChildEnded(
+            step_id=event.step_id,
+            child_run_id=event.child.child_run_id,
+            status=_RUN_STATUS_BACK[event.child.status],
+            output=event.child.output,
+            error=event.child.error,
+        )
+    else:
+        return None
+    return m.StepReport(step_id=event.step_id, identity=identity, outcome=outcome)
+
+
+def timer_to_input(timer: ipb.Timer) -> m.TimerFired:
+    return m.TimerFired(
+        step_id=timer.step_id,
+        kind=_TIMER_KIND_BACK[timer.kind],
+        iteration=timer.iteration,
+        attempt=timer.attempt,
+    )
+
+
+def timer_to_proto(effect: m.SetTimer, trace_context: dict[str, str]) -> ipb.Timer:
+    msg = ipb.Timer(
+        run_id=effect.run_id,
+        step_id=effect.step_id,
+        kind=_TIMER_KIND[effect.kind],
+        iteration=effect.iteration,
+        attempt=effect.attempt,
+        trace_context=trace_context,
+    )
+    msg.due.CopyFrom(timestamp(effect.due))
+    return msg
+
+
+def task_to_proto(effect: m.DispatchTask, trace_context: dict[str, str]) -> pb.Task:
+    return pb.Task(
+        run_id=effect.run_id,
+        step_id=effect.step_id,
+        task_type=effect.task_type,
+        iteration=effect.iteration,
+        attempt=effect.attempt,
+        input=effect.input,
+        workflow=effect.workflow,
+        trace_context=trace_context,
+    )

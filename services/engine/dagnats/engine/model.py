@@ -1,0 +1,259 @@
+"""The engine's state as plain values: runs, steps, events, timers and effects.
+
+The rules in :mod:`dagnats.engine.rules` take these in and give these back;
+:mod:`dagnats.engine.convert` moves them to and from protobuf. Times are
+seconds since the epoch (floats), injected by the caller.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from dagnats.engine.definition import WorkflowDef
+
+
+class RunStatus(enum.Enum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self is not RunStatus.RUNNING
+
+
+class StepStatus(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    WAITING = "waiting"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED_STEP
+
+
+_FINISHED_STEP = frozenset({StepStatus.COMPLETED, StepStatus.FAILED, StepStatus.CANCELLED})
+
+
+class TimerKind(enum.Enum):
+    WAKE = "wake"
+    STEP_TIMEOUT = "step_timeout"
+    MAX_DURATION = "max_duration"
+
+
+class FailureKind(enum.Enum):
+    RETRIABLE = "retriable"
+    PERMANENT = "permanent"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Step:
+    """One step of a run. ``(iteration, attempt)`` is the current dispatch, or the
+    dispatch a waiting step will make when its timer fires."""
+
+    step_id: str
+    status: StepStatus = StepStatus.PENDING
+    iteration: int = 0
+    attempt: int = 0
+    iterations: int = 0
+    failures: int = 0
+    redispatches: int = 0
+    output: bytes = b""
+    error: str = ""
+    child_run_id: str = ""
+    started_at: float | None = None
+    dispatched_at: float | None = None
+    finished_at: float | None = None
+    wake_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Run:
+    run_id: str
+    workflow: WorkflowDef
+    status: RunStatus
+    input: bytes
+    steps: tuple[Step, ...]
+    created_at: float
+    output: bytes = b""
+    error: str = ""
+    parent_run_id: str = ""
+    parent_step_id: str = ""
+    idempotency_key: str = ""
+    finished_at: float | None = None
+
+    def step(self, step_id: str) -> Step:
+        for s in self.steps:
+            if s.step_id == step_id:
+                return s
+        raise KeyError(step_id)
+
+    def has_step(self, step_id: str) -> bool:
+        return any(s.step_id == step_id for s in self.steps)
+
+
+# ---- inputs to the rules -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Identity:
+    """Which dispatch an event claims to come from; ``None`` for legacy events."""
+
+    iteration: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Continued:
+    output: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completed:
+    output: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Failed:
+    error: str
+    kind: FailureKind = FailureKind.RETRIABLE
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Paused:
+    duration: float
+
+
+StepOutcome = Continued | Completed | Failed | Paused
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepReport:
+    """A worker's report about a step, as it arrives on the run's history."""
+
+    step_id: str
+    identity: Identity | None
+    outcome: StepOutcome
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimerFired:
+    step_id: str
+    kind: TimerKind
+    iteration: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildEnded:
+    step_id: str
+    child_run_id: str
+    status: RunStatus
+    output: bytes = b""
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CancelRequested:
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskVanished:
+    """The reconciler saw no task in flight for the step's current dispatch."""
+
+    step_id: str
+    iteration: int
+    attempt: int
+
+
+RunInput = StepReport | TimerFired | ChildEnded | CancelRequested | TaskVanished
+
+
+# ---- outputs of the rules -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DispatchTask:
+    run_id: str
+    step_id: str
+    task_type: str
+    workflow: str
+    iteration: int
+    attempt: int
+    input: bytes
+    redispatch: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetTimer:
+    run_id: str
+    step_id: str
+    kind: TimerKind
+    iteration: int
+    attempt: int
+    due: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartChildRun:
+    child_run_id: str
+    workflow: str
+    input: bytes
+    parent_run_id: str
+    parent_step_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CancelChildRun:
+    child_run_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NotifyParent:
+    parent_run_id: str
+    parent_step_id: str
+    child_run_id: str
+    status: RunStatus
+    output: bytes
+    error: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnnounceCancel:
+    run_id: str
+
+
+Effect = DispatchTask | SetTimer | StartChildRun | CancelChildRun | NotifyParent | AnnounceCancel
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Accepted:
+    """The input changed the run; save ``run`` and then carry out ``effects``."""
+
+    run: Run
+    effects: tuple[Effect, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Dropped:
+    """The input does not apply to the run as it is now; acknowledge and log it."""
+
+    reason: str
+
+
+Decision = Accepted | Dropped
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuleOptions:
+    """Engine settings the rules depend on."""
+
+    legacy_step_events: bool = True

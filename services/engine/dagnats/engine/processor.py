@@ -1,0 +1,441 @@
+"""The engine's event loops: applying history events and timers to runs,
+publishing what the rules decided, and reconciling stranded work.
+
+Every change to a run goes through :meth:`Engine.transition`: read the run
+with its revision, publish any outbox left by an earlier writer, decide with
+the pure rules, save the new run *and* its outbox with compare-and-swap, then
+publish the outbox and clear it. A crash anywhere in that sequence leaves
+either the old run (the input is redelivered) or the new run with its outbox
+(the next writer or the reconciler publishes it; Msg-Ids make that safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from dagnats.core import jetstream as jsx
+from dagnats.core import tracing
+from dagnats.core.errors import Unavailable
+from dagnats.engine import convert, rules
+from dagnats.engine import model as m
+from dagnats.engine.config import EngineConfig
+from dagnats.engine.convert_workflow import workflow_from_proto
+from dagnats.engine.store import (
+    EngineStore,
+    StaleRevision,
+    StoredRun,
+    cancel_subject,
+    history_subject,
+    task_subject,
+    timer_subject,
+)
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import internal_pb2 as ipb
+
+log = logging.getLogger(__name__)
+
+HISTORY_CONSUMER = "engine"
+TIMER_CONSUMER = "engine-timers"
+MAX_CAS_RETRIES = 100
+
+Decide = Callable[[m.Run, float], m.Decision]
+
+
+def task_msg_id(run_id: str, step_id: str, iteration: int, attempt: int) -> str:
+    return f"{run_id}.{step_id}.{iteration}.{attempt}"
+
+
+class Engine:
+    """Applies inputs to runs; shared by the gRPC servicer and the consumer loops."""
+
+    def __init__(
+        self,
+        store: EngineStore,
+        config: EngineConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.clock = clock
+        self.options = m.RuleOptions(legacy_step_events=config.legacy_step_events)
+        self.counters: Counter[str] = Counter()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
+        self._suspects: set[tuple[str, str, int, int]] = set()
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.config.legacy_step_events:
+            log.warning(
+                "DAGNATS_LEGACY_STEP_EVENTS is on: step reports without a dispatch identity "
+                "are accepted, so a duplicate report from an old worker can advance a loop "
+                "twice. Set it to false once every worker reports its identity."
+            )
+        js = self.store.js
+        await js.add_consumer(
+            jsx.HISTORY,
+            ConsumerConfig(
+                durable_name=HISTORY_CONSUMER,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=self.config.history_ack_wait,
+                max_deliver=-1,
+                max_ack_pending=-1,
+            ),
+        )
+        await js.add_consumer(
+            jsx.TIMERS,
+            ConsumerConfig(
+                durable_name=TIMER_CONSUMER,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=30.0,
+                max_deliver=-1,
+                max_ack_pending=-1,
+            ),
+        )
+        self._tasks = [
+            asyncio.create_task(self._consume(jsx.HISTORY, HISTORY_CONSUMER, self._on_event)),
+            asyncio.create_task(self._consume(jsx.TIMERS, TIMER_CONSUMER, self._on_timer)),
+            asyncio.create_task(self._reconcile_loop()),
+        ]
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    # ---- the one way a run changes ------------------------------------------------
+
+    async def transition(self, run_id: str, decide: Decide) -> tuple[m.Run, m.Decision] | None:
+        """Apply ``decide`` to the run with compare-and-swap; None if no such run."""
+        for _ in range(MAX_CAS_RETRIES):
+            stored = await self.store.load_run(run_id)
+            if stored is None:
+                return None
+            if stored.record.outbox:
+                stored = await self.flush(stored)
+            run = convert.record_from_proto(stored.record)
+            decision = decide(run, self.clock())
+            if isinstance(decision, m.Dropped):
+                self.counters["dropped"] += 1
+                log.info("run %s: dropped input: %s", run_id, decision.reason)
+                return run, decision
+            record = self._record(decision, dict(stored.record.trace_context))
+            try:
+                revision = await self.store.update_run(record, stored.revision)
+            except StaleRevision:
+                self.counters["cas_conflicts"] += 1
+                continue
+            await self.flush(StoredRun(record, revision))
+            return decision.run, decision
+        raise Unavailable(f"run {run_id} is changing too fast; try again")
+
+    async def create(self, accepted: m.Accepted, trace_context: dict[str, str]) -> m.Run:
+        """Store a new run and publish its first dispatches. A run that exists
+        already is returned as stored (after finishing its outbox)."""
+        record = self._record(accepted, trace_context)
+        revision = await self.store.create_run(record)
+        if revision is None:
+            stored = await self.store.require_run(accepted.run.run_id)
+            if stored.record.outbox:
+                stored = await self.flush(stored)
+            return convert.record_from_proto(stored.record)
+        await self.flush(StoredRun(record, revision))
+        return accepted.run
+
+    async def flush(self, stored: StoredRun) -> StoredRun:
+        """Publish a run's outbox, then clear it if nobody changed the run meanwhile."""
+        for entry in stored.record.outbox:
+            await self.store.publish(entry)
+        cleared = ipb.RunRecord()
+        cleared.CopyFrom(stored.record)
+        del cleared.outbox[:]
+        cleared.ClearField("outbox_since")
+        try:
+            revision = await self.store.update_run(cleared, stored.revision)
+        except StaleRevision:
+            latest = await self.store.load_run(stored.record.run.run_id)
+            return latest if latest is not None else stored
+        return StoredRun(cleared, revision)
+
+    def _record(self, accepted: m.Accepted, trace_context: dict[str, str]) -> ipb.RunRecord:
+        entries = [self._encode(effect) for effect in accepted.effects]
+        return convert.record_to_proto(accepted.run, entries, self.clock(), dict(trace_context))
+
+    def _encode(self, effect: m.Effect) -> ipb.OutboxEntry:
+        """The message that carries out an effect, stamped with the current trace."""
+        headers: dict[str, str] = {}
+        tracing.inject(headers)
+        match effect:
+            case m.DispatchTask():
+                task = convert.task_to_proto(effect, headers)
+                msg_id = task_msg_id(
+                    effect.run_id, effect.step_id, effect.iteration, effect.attempt
+                )
+                if effect.redispatch:
+                    msg_id += f".r{effect.redispatch}"
+                subject = task_subject(effect.task_type, effect.run_id, effect.step_id)
+                return ipb.OutboxEntry(
+                    subject=subject, data=task.SerializeToString(), msg_id=msg_id, headers=headers
+                )
+            case m.SetTimer():
+                timer = convert.timer_to_proto(effect, headers)
+                msg_id = (
+                    f"{effect.run_id}.{effect.step_id}.{effect.kind.value}"
+                    f".{effect.iteration}.{effect.attempt}"
+                )
+                return ipb.OutboxEntry(
+                    subject=timer_subject(effect.run_id, effect.step_id),
+                    data=timer.SerializeToString(),
+                    msg_id=msg_id,
+                    headers=headers,
+                )
+            case m.StartChildRun():
+                event = ipb.HistoryEvent(
+                    run_id=effect.child_run_id,
+                    trace_context=headers,
+                    start=ipb.StartChild(
+                        workflow=effect.workflow,
+                        input=effect.input,
+                        parent_run_id=effect.parent_run_id,
+                        parent_step_id=effect.parent_step_id,
+                    ),
+                )
+                return self._event_entry(event, f"{effect.child_run_id}.start", headers)
+            case m.CancelChildRun():
+                event = ipb.HistoryEvent(
+                    run_id=effect.child_run_id,
+                    trace_context=headers,
+                    cancel=ipb.CancelRequest(reason=effect.reason),
+                )
+                return self._event_entry(event, f"{effect.child_run_id}.cancel", headers)
+            case m.NotifyParent():
+                event = ipb.HistoryEvent(
+                    run_id=effect.parent_run_id,
+                    step_id=effect.parent_step_id,
+                    trace_context=headers,
+                    child=ipb.ChildFinished(
+                        child_run_id=effect.child_run_id,
+                        status=convert.run_status_to_proto(effect.status),
+                        output=effect.output,
+                        error=effect.error,
+                    ),
+                )
+                msg_id = (
+                    f"{effect.parent_run_id}.{effect.parent_step_id}.child.{effect.child_run_id}"
+                )
+                return self._event_entry(event, msg_id, headers)
+            case m.AnnounceCancel():
+                return ipb.OutboxEntry(subject=cancel_subject(effect.run_id), data=b"")
+
+    def _event_entry(
+        self, event: ipb.HistoryEvent, msg_id: str, headers: dict[str, str]
+    ) -> ipb.OutboxEntry:
+        event.time.CopyFrom(convert.timestamp(self.clock()))
+        return ipb.OutboxEntry(
+            subject=history_subject(event.run_id),
+            data=event.SerializeToString(),
+            msg_id=msg_id,
+            headers=headers,
+        )
+
+    # ---- consumers ------------------------------------------------------------------
+
+    async def _consume(
+        self, stream: str, durable: str, handle: Callable[[Msg], asyncio.Future[None] | object]
+    ) -> None:
+        sub = await self.store.js.pull_subscribe_bind(durable=durable, stream=stream)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    msgs = await sub.fetch(batch=self.config.history_batch, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    continue
+                except Exception:  # the connection is reconnecting; try again shortly
+                    log.exception("fetch from %s failed", durable)
+                    await asyncio.sleep(0.5)
+                    continue
+                await self._handle_batch(msgs, handle)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _handle_batch(self, msgs: list[Msg], handle: Callable[[Msg], object]) -> None:
+        """Messages of one subject (one run) in order; different runs concurrently."""
+        by_subject: dict[str, list[Msg]] = {}
+        for msg in msgs:
+            by_subject.setdefault(msg.subject, []).append(msg)
+
+        async def in_order(group: list[Msg]) -> None:
+            for msg in group:
+                await self._guarded(msg, handle)
+
+        await asyncio.gather(*(in_order(g) for g in by_subject.values()))
+
+    async def _guarded(self, msg: Msg, handle: Callable[[Msg], object]) -> None:
+        try:
+            await handle(msg)  # type: ignore[misc]
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            delivered = msg.metadata.num_delivered or 1
+            if delivered >= self.config.dead_letter_after:
+                await self._dead_letter(msg, err)
+                return
+            log.warning("%s: %r (delivery %d); will retry", msg.subject, err, delivered)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=min(0.1 * 2**delivered, 10.0))
+
+    async def _dead_letter(self, msg: Msg, err: Exception) -> None:
+        self.counters["dead_letters"] += 1
+        log.error("%s: moved aside after repeated failures: %r", msg.subject, err)
+        headers = {"Dagnats-Error": repr(err)[:500], "Dagnats-Subject": msg.subject}
+        seq = msg.metadata.sequence.stream
+        await jsx.publish(
+            self.store.js,
+            f"dead.{msg.subject}",
+            msg.data,
+            msg_id=f"dead.{msg.subject}.{seq}",
+            headers=headers,
+        )
+        await msg.ack()
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            event = ipb.HistoryEvent.FromString(msg.data)
+        except Exception as err:
+            await self._dead_letter(msg, err)
+            return
+        kind = event.WhichOneof("kind") or "unknown"
+        parent = tracing.extract(dict(event.trace_context))
+        with tracing.tracer.start_as_current_span(f"engine apply {kind}", context=parent) as span:
+            span.set_attribute("dagnats.run_id", event.run_id)
+            span.set_attribute("dagnats.step_id", event.step_id)
+            if kind == "start":
+                await self._start_child(event)
+            else:
+                run_input = convert.event_to_input(event)
+                if run_input is not None:
+                    await self.apply(event.run_id, run_input)
+        await msg.ack()
+
+    async def apply(self, run_id: str, run_input: m.RunInput) -> tuple[m.Run, m.Decision] | None:
+        return await self.transition(
+            run_id, lambda run, now: rules.apply(run, run_input, now, self.options)
+        )
+
+    async def _start_child(self, event: ipb.HistoryEvent) -> None:
+        start = event.start
+        if await self.store.load_run(event.run_id) is None:
+            try:
+                workflow = workflow_from_proto(await self.store.get_workflow(start.workflow))
+            except Exception as err:
+                await self._child_failed_to_start(event, str(err))
+                return
+            accepted = rules.start_run(
+                run_id=event.run_id,
+                workflow=workflow,
+                input=start.input,
+                now=self.clock(),
+                parent_run_id=start.parent_run_id,
+                parent_step_id=start.parent_step_id,
+            )
+            await self.create(accepted, dict(event.trace_context))
+            return
+        stored = await self.store.require_run(event.run_id)
+        if stored.record.outbox:
+            await self.flush(stored)
+
+    async def _child_failed_to_start(self, event: ipb.HistoryEvent, error: str) -> None:
+        start = event.start
+        ended = m.ChildEnded(
+            step_id=start.parent_step_id,
+            child_run_id=event.run_id,
+            status=m.RunStatus.FAILED,
+            error=f"could not start: {error}",
+        )
+        await self.apply(start.parent_run_id, ended)
+
+    async def _on_timer(self, msg: Msg) -> None:
+        timer = ipb.Timer.FromString(msg.data)
+        remaining = timer.due.ToNanoseconds() / 1e9 - self.clock()
+        if remaining > 0.005:
+            await msg.nak(delay=remaining)
+            return
+        parent = tracing.extract(dict(timer.trace_context))
+        with tracing.tracer.start_as_current_span("engine timer", context=parent):
+            await self.apply(timer.run_id, convert.timer_to_input(timer))
+        await msg.ack()
+
+    # ---- reconciler -----------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                await self.reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reconcile pass failed")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.config.reconcile_interval)
+
+    async def reconcile(self) -> None:
+        """Publish forgotten outboxes, and re-dispatch running steps whose task
+        vanished (a late acknowledgement from a stalled worker deletes it).
+
+        A step counts as stranded only when two passes in a row see the same
+        dispatch with no task in flight, so a report still on its way is not
+        mistaken for a lost task.
+        """
+        now = self.clock()
+        seen: set[tuple[str, str, int, int]] = set()
+        async for stored in self.store.iter_runs():
+            record = stored.record
+            if record.outbox:
+                since = record.outbox_since.ToNanoseconds() / 1e9
+                if now - since >= self.config.outbox_grace:
+                    self.counters["outbox_recovered"] += 1
+                    await self.flush(stored)
+            if record.run.status != pb.RUN_STATUS_RUNNING:
+                continue
+            for key in await self._stranded(record):
+                seen.add(key)
+                if key in self._suspects:
+                    run_id, step_id, iteration, attempt = key
+                    self.counters["redispatched"] += 1
+                    log.warning("run %s step %s: task vanished; dispatching again", run_id, step_id)
+                    await self.apply(
+                        run_id,
+                        m.TaskVanished(step_id=step_id, iteration=iteration, attempt=attempt),
+                    )
+        self._suspects = seen
+
+    async def _stranded(self, record: ipb.RunRecord) -> list[tuple[str, str, int, int]]:
+        run = record.run
+        found = []
+        for step in run.steps:
+            if step.status != pb.STEP_STATUS_RUNNING or step.child_run_id:
+                continue
+            step_def = next((s for s in record.workflow.steps if s.id == step.step_id), None)
+            if step_def is None or not step_def.task:
+                continue
+            subject = task_subject(step_def.task, run.run_id, step.step_id)
+            prefix = task_msg_id(run.run_id, step.step_id, step.iteration, step.attempt)
+            if not await self.store.task_in_flight(subject, prefix):
+                found.append((run.run_id, step.step_id, step.iteration, step.attempt))
+        return found

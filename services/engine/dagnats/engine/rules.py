@@ -1,0 +1,401 @@
+"""The engine's state machine: every rule for runs and steps, in one place.
+
+Pure functions from (run, input, now) to a decision: ``Accepted`` (the new run
+and the effects to carry out after saving it) or ``Dropped`` (the input does
+not apply; acknowledge and log it). No I/O, no clock, no randomness: the
+caller passes ``now`` and ids.
+
+Invariants:
+
+* A step's ``(iteration, attempt)`` names its current dispatch. ``iteration``
+  starts at 0 and grows by one per accepted continue; ``attempt`` starts at 1
+  for every iteration and grows by one per retry or pause of that iteration.
+* The acceptance rule: a step report is applied only while the run is running,
+  the step is running, and the report's identity is the step's current
+  dispatch. Reports without identity are applied only while legacy step
+  events are allowed. Everything else is dropped, so a duplicate or stale
+  report never advances a step twice.
+* Every wait (retry backoff, loop delay, pause) is a timer effect, and every
+  timer carries the identity it was set for; a timer for another identity is
+  dropped. Nothing waits in memory.
+* A terminal run never changes again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+
+from dagnats.engine.definition import StepDef, StepType, WorkflowDef, backoff_delay
+from dagnats.engine.model import (
+    Accepted,
+    AnnounceCancel,
+    CancelChildRun,
+    CancelRequested,
+    ChildEnded,
+    Completed,
+    Continued,
+    Decision,
+    DispatchTask,
+    Dropped,
+    Effect,
+    Failed,
+    FailureKind,
+    NotifyParent,
+    Paused,
+    RuleOptions,
+    Run,
+    RunInput,
+    RunStatus,
+    SetTimer,
+    StartChildRun,
+    Step,
+    StepReport,
+    StepStatus,
+    TaskVanished,
+    TimerFired,
+    TimerKind,
+)
+
+DEFAULT_OPTIONS = RuleOptions()
+
+
+def start_run(
+    *,
+    run_id: str,
+    workflow: WorkflowDef,
+    input: bytes,
+    now: float,
+    parent_run_id: str = "",
+    parent_step_id: str = "",
+    idempotency_key: str = "",
+) -> Accepted:
+    """A new run with its ready steps dispatched."""
+    run = Run(
+        run_id=run_id,
+        workflow=workflow,
+        status=RunStatus.RUNNING,
+        input=input,
+        steps=tuple(Step(step_id=s.id) for s in workflow.steps),
+        created_at=now,
+        parent_run_id=parent_run_id,
+        parent_step_id=parent_step_id,
+        idempotency_key=idempotency_key,
+    )
+    return _advance(run, (), now)
+
+
+def apply(
+    run: Run, event: RunInput, now: float, options: RuleOptions = DEFAULT_OPTIONS
+) -> Decision:
+    """Apply one input to a run."""
+    if run.status.terminal:
+        return Dropped(reason=f"run is {run.status.value}")
+    match event:
+        case CancelRequested(reason=reason):
+            return _cancel(run, reason or "cancelled", now)
+        case StepReport():
+            return _on_report(run, event, now, options)
+        case TimerFired():
+            return _on_timer(run, event, now)
+        case ChildEnded():
+            return _on_child(run, event, now)
+        case TaskVanished():
+            return _on_vanished(run, event, now)
+
+
+def child_run_id(run_id: str, step_id: str, iteration: int, attempt: int) -> str:
+    """The deterministic id of the child run a sub-workflow dispatch starts."""
+    digest = hashlib.sha256(f"{run_id}.{step_id}.{iteration}.{attempt}".encode()).hexdigest()
+    return digest[:32]
+
+
+def step_input(run: Run, step_def: StepDef) -> bytes:
+    """Input of a step: the run's input for a root step, else its dependencies' outputs."""
+    deps = step_def.depends_on
+    if not deps:
+        return run.input
+    if len(deps) == 1:
+        return run.step(deps[0]).output
+    merged = {d: _decode(run.step(d).output) for d in deps}
+    return json.dumps(merged).encode()
+
+
+def run_output(run: Run) -> bytes:
+    """Output of a completed run: its one sink step's output, else one per sink."""
+    sinks = run.workflow.sinks()
+    if len(sinks) == 1:
+        return run.step(sinks[0].id).output
+    return json.dumps({s.id: _decode(run.step(s.id).output) for s in sinks}).encode()
+
+
+# ---- step reports -----------------------------------------------------------------
+
+
+def _on_report(run: Run, report: StepReport, now: float, options: RuleOptions) -> Decision:
+    if not run.has_step(report.step_id):
+        return Dropped(reason=f"unknown step {report.step_id!r}")
+    step = run.step(report.step_id)
+    if step.status is not StepStatus.RUNNING:
+        return Dropped(reason=f"step {step.step_id} is {step.status.value}")
+    ident = report.identity
+    if ident is None:
+        if not options.legacy_step_events:
+            return Dropped(reason="report without dispatch identity")
+    elif (ident.iteration, ident.attempt) != (step.iteration, step.attempt):
+        return Dropped(
+            reason=(
+                f"report for dispatch ({ident.iteration}, {ident.attempt}) but step "
+                f"{step.step_id} is at ({step.iteration}, {step.attempt})"
+            )
+        )
+    step_def = run.workflow.step(step.step_id)
+    match report.outcome:
+        case Continued(output=output):
+            return _on_continue(run, step, step_def, output, now)
+        case Completed(output=output):
+            return _complete_step(run, step, output, now)
+        case Failed() as failed:
+            return _fail_attempt(run, step, failed, now)
+        case Paused(duration=duration):
+            return _wait(run, step, step.iteration, step.attempt + 1, now + duration, ())
+
+
+def _on_continue(run: Run, step: Step, step_def: StepDef, output: bytes, now: float) -> Decision:
+    if step_def.type is not StepType.AGENT_LOOP:
+        return Dropped(reason=f"continue on {step_def.type.value} step {step.step_id}")
+    bounds = step_def.agent_loop
+    assert bounds is not None
+    iterations = step.iterations + 1
+    step = replace(step, iterations=iterations, output=output, failures=0)
+    if iterations >= bounds.max_iterations:
+        error = f"agent loop reached max_iterations ({bounds.max_iterations})"
+        return _fail_step(run, step, error, now)
+    if bounds.max_duration is not None and now - (step.started_at or now) >= bounds.max_duration:
+        return _fail_step(
+            run, step, f"agent loop exceeded max_duration ({bounds.max_duration}s)", now
+        )
+    if bounds.loop_delay > 0:
+        return _wait(run, step, iterations, 1, now + bounds.loop_delay, ())
+    return _dispatch(run, step, iterations, 1, now, ())
+
+
+def _complete_step(run: Run, step: Step, output: bytes, now: float) -> Accepted:
+    done = replace(
+        step, status=StepStatus.COMPLETED, output=output, error="", finished_at=now, wake_at=None
+    )
+    return _advance(_with_step(run, done), (), now)
+
+
+def _fail_attempt(run: Run, step: Step, failed: Failed, now: float) -> Decision:
+    error = failed.error or "failed"
+    failures = step.failures + 1
+    policy = run.workflow.retry_for(step.step_id)
+    effects: tuple[Effect, ...] = ()
+    if step.child_run_id:
+        effects = (CancelChildRun(child_run_id=step.child_run_id, reason=error),)
+    if failed.kind is FailureKind.PERMANENT or failures >= policy.max_attempts:
+        return _fail_step(run, replace(step, failures=failures), error, now, effects)
+    step = replace(step, failures=failures, error=error)
+    due = now + backoff_delay(policy, failures)
+    return _wait(run, step, step.iteration, step.attempt + 1, due, effects)
+
+
+# ---- timers, children, reconciler ---------------------------------------------------
+
+
+def _on_timer(run: Run, timer: TimerFired, now: float) -> Decision:
+    if not run.has_step(timer.step_id):
+        return Dropped(reason=f"timer for unknown step {timer.step_id!r}")
+    step = run.step(timer.step_id)
+    same = (timer.iteration, timer.attempt) == (step.iteration, step.attempt)
+    match timer.kind:
+        case TimerKind.WAKE if same and step.status is StepStatus.WAITING:
+            return _dispatch(run, step, step.iteration, step.attempt, now, ())
+        case TimerKind.STEP_TIMEOUT if same and step.status is StepStatus.RUNNING:
+            timeout = run.workflow.step(step.step_id).timeout
+            failed = Failed(error=f"step timed out after {timeout}s", reason="timeout")
+            return _fail_attempt(run, step, failed, now)
+        case TimerKind.MAX_DURATION if not step.status.finished:
+            bounds = run.workflow.step(step.step_id).agent_loop
+            limit = bounds.max_duration if bounds else None
+            return _fail_step(run, step, f"agent loop exceeded max_duration ({limit}s)", now)
+    return Dropped(reason=f"{timer.kind.value} timer no longer applies to {step.step_id}")
+
+
+def _on_child(run: Run, child: ChildEnded, now: float) -> Decision:
+    if not run.has_step(child.step_id):
+        return Dropped(reason=f"child result for unknown step {child.step_id!r}")
+    step = run.step(child.step_id)
+    if step.status is not StepStatus.RUNNING or step.child_run_id != child.child_run_id:
+        return Dropped(
+            reason=f"child {child.child_run_id} is not the current child of {step.step_id}"
+        )
+    if child.status is RunStatus.COMPLETED:
+        return _complete_step(run, step, child.output, now)
+    error = f"child run {child.child_run_id} {child.status.value}: {child.error}".rstrip(": ")
+    return _fail_step(run, step, error, now)
+
+
+def _on_vanished(run: Run, gone: TaskVanished, now: float) -> Decision:
+    if not run.has_step(gone.step_id):
+        return Dropped(reason=f"unknown step {gone.step_id!r}")
+    step = run.step(gone.step_id)
+    same = (gone.iteration, gone.attempt) == (step.iteration, step.attempt)
+    if not same or step.status is not StepStatus.RUNNING or step.child_run_id:
+        return Dropped(reason=f"step {step.step_id} has moved on")
+    step = replace(step, redispatches=step.redispatches + 1)
+    return _dispatch(run, step, step.iteration, step.attempt, now, ())
+
+
+# ---- transitions shared by the rules above -----------------------------------------
+
+
+def _advance(run: Run, effects: tuple[Effect, ...], now: float) -> Accepted:
+    """Dispatch every pending step whose dependencies completed; finish the run
+    when every step completed."""
+    if all(s.status is StepStatus.COMPLETED for s in run.steps):
+        done = replace(run, status=RunStatus.COMPLETED, finished_at=now)
+        done = replace(done, output=run_output(done))
+        return Accepted(run=done, effects=effects + _notify_parent(done))
+    for step in run.steps:
+        if step.status is not StepStatus.PENDING:
+            continue
+        deps = run.workflow.step(step.step_id).depends_on
+        if all(run.step(d).status is StepStatus.COMPLETED for d in deps):
+            accepted = _dispatch(run, replace(step, started_at=now), 0, 1, now, effects)
+            run, effects = accepted.run, accepted.effects
+    return Accepted(run=run, effects=effects)
+
+
+def _dispatch(
+    run: Run, step: Step, iteration: int, attempt: int, now: float, effects: tuple[Effect, ...]
+) -> Accepted:
+    step_def = run.workflow.step(step.step_id)
+    if (iteration, attempt) != (step.iteration, step.attempt):
+        step = replace(step, redispatches=0)
+    step = replace(
+        step,
+        status=StepStatus.RUNNING,
+        iteration=iteration,
+        attempt=attempt,
+        dispatched_at=now,
+        wake_at=None,
+    )
+    new: list[Effect] = []
+    if step_def.type is StepType.SUB_WORKFLOW:
+        child = child_run_id(run.run_id, step.step_id, iteration, attempt)
+        step = replace(step, child_run_id=child)
+        assert step_def.workflow is not None
+        new.append(
+            StartChildRun(
+                child_run_id=child,
+                workflow=step_def.workflow,
+                input=step_input(run, step_def),
+                parent_run_id=run.run_id,
+                parent_step_id=step.step_id,
+            )
+        )
+    else:
+        assert step_def.task is not None
+        new.append(
+            DispatchTask(
+                run_id=run.run_id,
+                step_id=step.step_id,
+                task_type=step_def.task,
+                workflow=run.workflow.name,
+                iteration=iteration,
+                attempt=attempt,
+                input=step_input(run, step_def),
+                redispatch=step.redispatches,
+            )
+        )
+    if step_def.timeout is not None:
+        new.append(_timer(run, step, TimerKind.STEP_TIMEOUT, now + step_def.timeout))
+    bounds = step_def.agent_loop
+    first = iteration == 0 and attempt == 1 and step.redispatches == 0
+    if first and bounds is not None and bounds.max_duration is not None:
+        start = step.started_at if step.started_at is not None else now
+        new.append(_timer(run, step, TimerKind.MAX_DURATION, start + bounds.max_duration))
+    return Accepted(run=_with_step(run, step), effects=effects + tuple(new))
+
+
+def _wait(
+    run: Run, step: Step, iteration: int, attempt: int, due: float, effects: tuple[Effect, ...]
+) -> Accepted:
+    step = replace(
+        step,
+        status=StepStatus.WAITING,
+        iteration=iteration,
+        attempt=attempt,
+        wake_at=due,
+        redispatches=0,
+    )
+    timer = _timer(run, step, TimerKind.WAKE, due)
+    return Accepted(run=_with_step(run, step), effects=(*effects, timer))
+
+
+def _timer(run: Run, step: Step, kind: TimerKind, due: float) -> SetTimer:
+    return SetTimer(
+        run_id=run.run_id,
+        step_id=step.step_id,
+        kind=kind,
+        iteration=step.iteration,
+        attempt=step.attempt,
+        due=due,
+    )
+
+
+def _fail_step(
+    run: Run, step: Step, error: str, now: float, effects: tuple[Effect, ...] = ()
+) -> Accepted:
+    failed = replace(step, status=StepStatus.FAILED, error=error, finished_at=now, wake_at=None)
+    run = _with_step(run, failed)
+    return _finish(run, RunStatus.FAILED, f"step {step.step_id} failed: {error}", now, effects)
+
+
+def _cancel(run: Run, reason: str, now: float) -> Accepted:
+    return _finish(run, RunStatus.CANCELLED, reason, now, ())
+
+
+def _finish(
+    run: Run, status: RunStatus, error: str, now: float, effects: tuple[Effect, ...]
+) -> Accepted:
+    """End the run: stop every unfinished step, cancel live children, tell the
+    parent, and announce the end so running handlers stop."""
+    steps = []
+    extra: list[Effect] = []
+    for step in run.steps:
+        if step.status.finished:
+            steps.append(step)
+            continue
+        if step.child_run_id and step.status is StepStatus.RUNNING:
+            extra.append(CancelChildRun(child_run_id=step.child_run_id, reason=error))
+        steps.append(replace(step, status=StepStatus.CANCELLED, finished_at=now, wake_at=None))
+    done = replace(run, status=status, error=error, steps=tuple(steps), finished_at=now)
+    extra.append(AnnounceCancel(run_id=run.run_id))
+    return Accepted(run=done, effects=effects + tuple(extra) + _notify_parent(done))
+
+
+def _notify_parent(run: Run) -> tuple[Effect, ...]:
+    if not run.parent_run_id:
+        return ()
+    return (
+        NotifyParent(
+            parent_run_id=run.parent_run_id,
+            parent_step_id=run.parent_step_id,
+            child_run_id=run.run_id,
+            status=run.status,
+            output=run.output,
+            error=run.error,
+        ),
+    )
+
+
+def _with_step(run: Run, step: Step) -> Run:
+    return replace(run, steps=tuple(step if s.step_id == step.step_id else s for s in run.steps))
+
+
+def _decode(raw: bytes) -> object:
+    return json.loads(raw) if raw else None

@@ -1,0 +1,70 @@
+"""Running the engine: NATS connection, provisioning, consumer loops and the
+gRPC server, started and stopped as one."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+from nats.aio.client import Client as NATS
+
+from dagnats.core import jetstream as jsx
+from dagnats.core import tracing
+from dagnats.engine.config import EngineConfig
+from dagnats.engine.processor import Engine
+from dagnats.engine.service import EngineServicer
+from dagnats.engine.store import EngineStore
+from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineServer:
+    """A running engine; ``target`` is what clients and workers dial."""
+
+    engine: Engine
+    server: grpc.aio.Server
+    nc: NATS
+    host: str
+    port: int
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
+        await self.engine.stop()
+        await self.nc.drain()
+
+
+async def start_engine(
+    nats_url: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: EngineConfig | None = None,
+    topology: jsx.Topology | None = None,
+) -> EngineServer:
+    """Connect, provision streams and buckets, start the loops and serve gRPC.
+
+    Args:
+        nats_url: one or more comma-separated NATS URLs.
+        host: interface to bind.
+        port: port to bind; 0 picks a free one.
+        config: engine settings; defaults from the environment.
+        topology: stream replication.
+    """
+    config = config or EngineConfig.from_env()
+    nc = await jsx.connect(nats_url, name="dagnats-engine")
+    await jsx.provision(nc.jetstream(), topology)
+    engine = Engine(await EngineStore.open(nc), config)
+    await engine.start()
+    server = grpc.aio.server(interceptors=tracing.server_interceptors())
+    pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    log.info("engine serving on %s:%d", host, bound)
+    return EngineServer(engine=engine, server=server, nc=nc, host=host, port=bound)

@@ -1,0 +1,374 @@
+"""The EngineService servicer: validates requests, then hands them to the
+engine. Protobuf stays here and in :mod:`dagnats.engine.convert`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from dagnats.core import errors, tracing
+from dagnats.core import jetstream as jsx
+from dagnats.core.grpcutil import Context, domain_errors
+from dagnats.core.ids import check_run_id, check_token, new_run_id
+from dagnats.engine import convert, definition, rules
+from dagnats.engine import model as m
+from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
+from dagnats.engine.processor import Engine
+from dagnats.engine.store import history_subject, task_consumer
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
+from dagnats.engine.v1 import internal_pb2 as ipb
+
+log = logging.getLogger(__name__)
+
+MAX_TASK_TYPES = 32
+MAX_TASKS = 256
+MAX_POLL_WAIT = 60.0
+DEFAULT_POLL_WAIT = 10.0
+MAX_IDEMPOTENCY_KEY = 256
+MAX_INPUT_BYTES = 4 << 20
+# $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ts>.<pending>, optionally
+# with <domain>.<account hash> after ACK and a trailing random token.
+_LEASE = re.compile(
+    r"\$JS\.ACK\.(?:[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.)?TASKS\.tasks-[A-Za-z0-9_-]{1,64}"
+    r"(?:\.[0-9]+){5}(?:\.[A-Za-z0-9_-]+)?"
+)
+_TERMINAL = (pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED)
+
+
+def check_lease(lease: str) -> str:
+    if not _LEASE.fullmatch(lease):
+        raise errors.InvalidArgument("lease is not a task lease from PollTasks", field="lease")
+    return lease
+
+
+def check_json(raw: bytes, *, field: str, limit: int = MAX_INPUT_BYTES) -> bytes:
+    if len(raw) > limit:
+        raise errors.InvalidArgument(
+            f"{field} is {len(raw)} bytes; the limit is {limit}", field=field
+        )
+    if not raw:
+        return raw
+    try:
+        json.loads(raw)
+    except ValueError as err:
+        raise errors.InvalidArgument(f"{field} is not valid JSON: {err}", field=field) from None
+    return raw
+
+
+class EngineServicer(pb_grpc.EngineServiceServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.store = engine.store
+        self._consumers: set[str] = set()
+
+    # ---- workflows ----------------------------------------------------------------
+
+    @domain_errors
+    async def RegisterWorkflow(
+        self, request: pb.RegisterWorkflowRequest, context: Context
+    ) -> pb.RegisterWorkflowResponse:
+        source = request.WhichOneof("source")
+        if source == "document":
+            workflow = definition.parse_document(request.document)
+        elif source == "workflow":
+            workflow = workflow_from_proto(request.workflow)
+        else:
+            raise errors.InvalidArgument("a workflow or a document is required", field="source")
+        message = workflow_to_proto(workflow)
+        await self.store.put_workflow(message)
+        return pb.RegisterWorkflowResponse(workflow=message)
+
+    @domain_errors
+    async def GetWorkflow(
+        self, request: pb.GetWorkflowRequest, context: Context
+    ) -> pb.GetWorkflowResponse:
+        name = check_token(request.name, field="name")
+        return pb.GetWorkflowResponse(workflow=await self.store.get_workflow(name))
+
+    @domain_errors
+    async def ListWorkflows(
+        self, request: pb.ListWorkflowsRequest, context: Context
+    ) -> pb.ListWorkflowsResponse:
+        workflows = sorted(await self.store.list_workflows(), key=lambda w: w.name)
+        return pb.ListWorkflowsResponse(workflows=workflows)
+
+    # ---- runs ---------------------------------------------------------------------
+
+    @domain_errors
+    async def StartRun(self, request: pb.StartRunRequest, context: Context) -> pb.StartRunResponse:
+        name = check_token(request.workflow, field="workflow")
+        payload = check_json(request.input, field="input")
+        key = request.idempotency_key
+        if len(key) > MAX_IDEMPOTENCY_KEY:
+            raise errors.InvalidArgument(
+                f"idempotency_key is longer than {MAX_IDEMPOTENCY_KEY} characters",
+                field="idempotency_key",
+            )
+        workflow = workflow_from_proto(await self.store.get_workflow(name))
+        run_id = new_run_id()
+        if key:
+            run_id = await self.store.claim_run_key(name, key, run_id)
+            existing = await self.store.load_run(run_id)
+            if existing is not None:
+                if existing.record.outbox:
+                    await self.engine.flush(existing)
+                return pb.StartRunResponse(run=existing.record.run, created=False)
+        accepted = rules.start_run(
+            run_id=run_id,
+            workflow=workflow,
+            input=payload,
+            now=self.engine.clock(),
+            idempotency_key=key,
+        )
+        trace_context: dict[str, str] = {}
+        tracing.inject(trace_context)
+        run = await self.engine.create(accepted, trace_context)
+        return pb.StartRunResponse(run=convert.run_to_proto(run), created=True)
+
+    @domain_errors
+    async def GetRun(self, request: pb.GetRunRequest, context: Context) -> pb.GetRunResponse:
+        stored = await self.store.require_run(check_run_id(request.run_id))
+        return pb.GetRunResponse(run=stored.record.run)
+
+    @domain_errors
+    async def ListRuns(self, request: pb.ListRunsRequest, context: Context) -> pb.ListRunsResponse:
+        workflow = check_token(request.workflow, field="workflow") if request.workflow else ""
+        limit = request.limit or 100
+        if not 0 < limit <= 10_000:
+            raise errors.InvalidArgument("limit must be between 1 and 10000", field="limit")
+        runs = []
+        async for stored in self.store.iter_runs():
+            run = stored.record.run
+            if workflow and run.workflow != workflow:
+                continue
+            if request.status and run.status != request.status:
+                continue
+            runs.append(run)
+        runs.sort(key=lambda r: r.created_at.ToNanoseconds(), reverse=True)
+        return pb.ListRunsResponse(runs=runs[:limit])
+
+    @domain_errors
+    async def CancelRun(
+        self, request: pb.CancelRunRequest, context: Context
+    ) -> pb.CancelRunResponse:
+        run_id = check_run_id(request.run_id)
+        reason = request.reason or "cancelled by request"
+        result = await self.engine.apply(run_id, m.CancelRequested(reason=reason))
+        if result is None:
+            raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
+        run, decision = result
+        if isinstance(decision, m.Dropped) and run.status is not m.RunStatus.CANCELLED:
+            raise errors.Conflict(f"run {run_id} is {run.status.value}; it cannot be cancelled")
+        return pb.CancelRunResponse(run=convert.run_to_proto(run))
+
+    @domain_errors
+    async def PurgeRun(self, request: pb.PurgeRunRequest, context: Context) -> pb.PurgeRunResponse:
+        await self._purge(check_run_id(request.run_id), top=True)
+        return pb.PurgeRunResponse()
+
+    async def _purge(self, run_id: str, *, top: bool) -> None:
+        stored = await self.store.load_run(run_id)
+        if stored is None:
+            if top:
+                raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
+            return
+        run = stored.record.run
+        if run.status not in _TERMINAL:
+            raise errors.Conflict(f"run {run_id} is still running; cancel it before purging")
+        for step in run.steps:
+            if step.child_run_id:
+                await self._purge(step.child_run_id, top=False)
+            await self.store.delete_checkpoint(run_id, step.step_id)
+        await self.store.purge_subject(jsx.HISTORY, history_subject(run_id))
+        await self.store.purge_subject(jsx.TIMERS, f"timers.{run_id}.>")
+        await self.store.purge_subject(jsx.TASKS, f"tasks.*.{run_id}.>")
+        await self.store.delete_run(run_id)
+
+    # ---- tasks --------------------------------------------------------------------
+
+    @domain_errors
+    async def PollTasks(
+        self, request: pb.PollTasksRequest, context: Context
+    ) -> pb.PollTasksResponse:
+        types = list(dict.fromkeys(request.task_types))
+        if not types:
+            raise errors.InvalidArgument("at least one task type is required", field="task_types")
+        if len(types) > MAX_TASK_TYPES:
+            raise errors.InvalidArgument(
+                f"at most {MAX_TASK_TYPES} task types per poll", field="task_types"
+            )
+        for i, task_type in enumerate(types):
+            check_token(task_type, field=f"task_types[{i}]")
+        max_tasks = request.max_tasks or 1
+        if not 0 < max_tasks <= MAX_TASKS:
+            raise errors.InvalidArgument(f"max_tasks must be 1..{MAX_TASKS}", field="max_tasks")
+        wait = request.wait.ToNanoseconds() / 1e9 if request.HasField("wait") else DEFAULT_POLL_WAIT
+        wait = min(max(wait, 0.05), MAX_POLL_WAIT)
+        for task_type in types:
+            await self._ensure_consumer(task_type)
+        msgs = await self._fetch(types, max_tasks, wait)
+        leased = [t for t in await asyncio.gather(*(self._lease(msg) for msg in msgs)) if t]
+        return pb.PollTasksResponse(tasks=leased)
+
+    async def _ensure_consumer(self, task_type: str) -> None:
+        if task_type not in self._consumers:
+            await self.store.ensure_task_consumer(task_type, self.engine.config.task_ack_wait)
+            self._consumers.add(task_type)
+
+    async def _fetch(self, types: list[str], max_tasks: int, wait: float) -> list[Msg]:
+        """Wait for tasks of any of the types. Tasks that arrive for a type after
+        another type answered are released at once (nak), not held."""
+        fetches = [asyncio.create_task(self._fetch_one(t, max_tasks, wait)) for t in types]
+        got: list[Msg] = []
+        pending = set(fetches)
+        while pending and not got:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                got.extend(task.result())
+        for task in pending:
+            task.add_done_callback(_release_late)
+        for extra in got[max_tasks:]:
+            await extra.nak()
+        return got[:max_tasks]
+
+    async def _fetch_one(self, task_type: str, max_tasks: int, wait: float) -> list[Msg]:
+        sub = await self.store.js.pull_subscribe_bind(
+            durable=task_consumer(task_type), stream=jsx.TASKS
+        )
+        try:
+            return list(await sub.fetch(batch=max_tasks, timeout=wait))
+        except nats.errors.TimeoutError:
+            return []
+        finally:
+            await sub.unsubscribe()
+
+    async def _lease(self, msg: Msg) -> pb.LeasedTask | None:
+        """Turn a task message into a lease, or settle it at once when its run
+        ended or its step moved on (a stale duplicate)."""
+        task = pb.Task.FromString(msg.data)
+        stored = await self.store.load_run(task.run_id)
+        current = stored is not None and stored.record.run.status == pb.RUN_STATUS_RUNNING
+        if current and stored is not None:
+            step = next((s for s in stored.record.run.steps if s.step_id == task.step_id), None)
+            current = (
+                step is not None
+                and step.status == pb.STEP_STATUS_RUNNING
+                and (step.iteration, step.attempt) == (task.iteration, task.attempt)
+            )
+        if not current:
+            log.info("run %s step %s: task no longer current; settled", task.run_id, task.step_id)
+            await msg.ack()
+            return None
+        lease_duration = convert.duration(self.engine.config.task_ack_wait)
+        return pb.LeasedTask(
+            task=task,
+            lease=msg.reply,
+            delivery=msg.metadata.num_delivered or 1,
+            lease_duration=lease_duration,
+        )
+
+    @domain_errors
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: Context
+    ) -> pb.HeartbeatResponse:
+        lease = check_lease(request.lease)
+        run_id = check_run_id(request.run_id)
+        await self.store.nc.publish(lease, b"+WPI")
+        active = await self.store.run_is_active(run_id)
+        return pb.HeartbeatResponse(cancelled=not active)
+
+    @domain_errors
+    async def Report(self, request: pb.ReportRequest, context: Context) -> pb.ReportResponse:
+        lease = check_lease(request.lease)
+        run_id = check_run_id(request.run_id)
+        step_id = check_token(request.step_id, field="step_id")
+        kind = request.WhichOneof("outcome")
+        if kind is None:
+            raise errors.InvalidArgument("an outcome is required", field="outcome")
+        outcome = getattr(request, kind)
+        if kind in ("continue", "complete"):
+            check_json(outcome.output, field=f"{kind}.output")
+        if kind == "pause" and outcome.duration.ToNanoseconds() <= 0:
+            raise errors.InvalidArgument("pause.duration must be positive", field="pause.duration")
+        stored = await self.store.load_run(run_id)
+        if stored is None:
+            await self.store.nc.publish(lease, b"+ACK")
+            raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
+        event = ipb.HistoryEvent(
+            run_id=run_id, step_id=step_id, iteration=request.iteration, attempt=request.attempt
+        )
+        event.time.CopyFrom(convert.timestamp(self.engine.clock()))
+        headers: dict[str, str] = {}
+        tracing.inject(headers)
+        event.trace_context.update(headers)
+        convert.outcome_to_event(outcome, event)
+        if request.attempt > 0:
+            msg_id = f"{run_id}.{step_id}.{request.iteration}.{request.attempt}.{kind}"
+        else:
+            msg_id = f"{run_id}.{step_id}.legacy.{secrets.token_hex(8)}"
+        await jsx.publish(
+            self.store.js,
+            history_subject(run_id),
+            event.SerializeToString(),
+            msg_id=msg_id,
+            headers=headers,
+        )
+        # The outcome is durable on the run's history: only now may the task go.
+        await self.store.nc.publish(lease, b"+ACK")
+        cancelled = stored.record.run.status == pb.RUN_STATUS_CANCELLED
+        return pb.ReportResponse(cancelled=cancelled)
+
+    # ---- checkpoints --------------------------------------------------------------
+
+    @domain_errors
+    async def SaveCheckpoint(
+        self, request: pb.SaveCheckpointRequest, context: Context
+    ) -> pb.SaveCheckpointResponse:
+        run_id = check_run_id(request.run_id)
+        step_id = check_token(request.step_id, field="step_id")
+        limit = self.engine.config.loop_state_max_bytes
+        if len(request.state) > limit:
+            raise errors.InvalidArgument(
+                f"checkpoint is {len(request.state)} bytes; loop_state_max_bytes is {limit}",
+                field="state",
+            )
+        await self._require_step(run_id, step_id)
+        await self.store.save_checkpoint(run_id, step_id, request.state)
+        return pb.SaveCheckpointResponse()
+
+    @domain_errors
+    async def LoadCheckpoint(
+        self, request: pb.LoadCheckpointRequest, context: Context
+    ) -> pb.LoadCheckpointResponse:
+        run_id = check_run_id(request.run_id)
+        step_id = check_token(request.step_id, field="step_id")
+        state = await self.store.load_checkpoint(run_id, step_id)
+        if state is None:
+            return pb.LoadCheckpointResponse(found=False)
+        return pb.LoadCheckpointResponse(found=True, state=state)
+
+    async def _require_step(self, run_id: str, step_id: str) -> ipb.RunRecord:
+        stored = await self.store.require_run(run_id)
+        if not any(s.step_id == step_id for s in stored.record.run.steps):
+            raise errors.NotFound(f"run {run_id} has no step {step_id!r}", field="step_id")
+        return stored.record
+
+
+_background: set[asyncio.Task[None]] = set()
+
+
+def _release_late(task: asyncio.Task[list[Msg]]) -> None:
+    """A fetch that lost the race still delivers; give its tasks back at once."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    for msg in task.result():
+        nak = asyncio.ensure_future(msg.nak())
+        _background.add(nak)
+        nak.add_done_callback(_background.discard)

@@ -1,0 +1,229 @@
+"""The engine's one adapter to JetStream: buckets, streams and their errors.
+
+Everything the engine reads from or writes to NATS goes through here; NATS
+error types do not leave this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from dagnats.core import jetstream as jsx
+from dagnats.core.errors import Conflict, NotFound, Unavailable
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import internal_pb2 as ipb
+
+log = logging.getLogger(__name__)
+
+
+class StaleRevision(Exception):
+    """The run changed since it was read; read it again and retry."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRun:
+    record: ipb.RunRecord
+    revision: int
+
+
+def task_subject(task_type: str, run_id: str, step_id: str) -> str:
+    return f"tasks.{task_type}.{run_id}.{step_id}"
+
+
+def task_consumer(task_type: str) -> str:
+    return f"tasks-{task_type}"
+
+
+def history_subject(run_id: str) -> str:
+    return f"history.{run_id}"
+
+
+def timer_subject(run_id: str, step_id: str) -> str:
+    return f"timers.{run_id}.{step_id}"
+
+
+def cancel_subject(run_id: str) -> str:
+    return f"dagnats.cancel.{run_id}"
+
+
+class EngineStore:
+    def __init__(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        *,
+        workflows: KeyValue,
+        runs: KeyValue,
+        run_keys: KeyValue,
+        checkpoints: KeyValue,
+    ) -> None:
+        self.nc = nc
+        self.js = js
+        self._workflows = workflows
+        self._runs = runs
+        self._run_keys = run_keys
+        self._checkpoints = checkpoints
+
+    @classmethod
+    async def open(cls, nc: NATS) -> EngineStore:
+        js = nc.jetstream()
+        return cls(
+            nc,
+            js,
+            workflows=await js.key_value(jsx.KV_WORKFLOWS),
+            runs=await js.key_value(jsx.KV_RUNS),
+            run_keys=await js.key_value(jsx.KV_RUN_KEYS),
+            checkpoints=await js.key_value(jsx.KV_CHECKPOINTS),
+        )
+
+    # ---- workflows ----------------------------------------------------------------
+
+    async def put_workflow(self, workflow: pb.Workflow) -> None:
+        await self._workflows.put(workflow.name, workflow.SerializeToString())
+
+    async def get_workflow(self, name: str) -> pb.Workflow:
+        try:
+            entry = await self._workflows.get(name)
+        except nats.js.errors.KeyNotFoundError:
+            raise NotFound(f"workflow {name!r} is not registered", field="workflow") from None
+        return pb.Workflow.FromString(entry.value or b"")
+
+    async def list_workflows(self) -> list[pb.Workflow]:
+        return [pb.Workflow.FromString(v) async for _, v, _ in _values(self._workflows)]
+
+    # ---- runs ---------------------------------------------------------------------
+
+    async def load_run(self, run_id: str) -> StoredRun | None:
+        try:
+            entry = await self._runs.get(run_id)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return StoredRun(ipb.RunRecord.FromString(entry.value or b""), int(entry.revision or 0))
+
+    async def require_run(self, run_id: str) -> StoredRun:
+        stored = await self.load_run(run_id)
+        if stored is None:
+            raise NotFound(f"run {run_id} does not exist", field="run_id")
+        return stored
+
+    async def create_run(self, record: ipb.RunRecord) -> int | None:
+        """Store a new run; None when a run with that id exists already."""
+        try:
+            return int(await self._runs.create(record.run.run_id, record.SerializeToString()))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def update_run(self, record: ipb.RunRecord, revision: int) -> int:
+        try:
+            return int(
+                await self._runs.update(record.run.run_id, record.SerializeToString(), revision)
+            )
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise StaleRevision(record.run.run_id) from None
+
+    async def iter_runs(self) -> AsyncIterator[StoredRun]:
+        async for _, value, revision in _values(self._runs):
+            yield StoredRun(ipb.RunRecord.FromString(value), revision)
+
+    async def delete_run(self, run_id: str) -> None:
+        await self._runs.purge(run_id)
+
+    async def claim_run_key(self, workflow: str, key: str, run_id: str) -> str:
+        """Bind an idempotency key to ``run_id``; returns the run it is bound to.
+
+        The value holds the run id, so a retried create whose ack was lost
+        reads back our own id and is recognised as ours.
+        """
+        name = hashlib.sha256(f"{workflow}\0{key}".encode()).hexdigest()[:40]
+        try:
+            await self._run_keys.create(name, run_id.encode())
+            return run_id
+        except nats.js.errors.KeyWrongLastSequenceError:
+            entry = await self._run_keys.get(name)
+            return (entry.value or b"").decode()
+
+    # ---- checkpoints --------------------------------------------------------------
+
+    async def save_checkpoint(self, run_id: str, step_id: str, state: bytes) -> None:
+        await self._checkpoints.put(f"{run_id}.{step_id}", state)
+
+    async def load_checkpoint(self, run_id: str, step_id: str) -> bytes | None:
+        try:
+            entry = await self._checkpoints.get(f"{run_id}.{step_id}")
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return entry.value or b""
+
+    async def delete_checkpoint(self, run_id: str, step_id: str) -> None:
+        await self._checkpoints.purge(f"{run_id}.{step_id}")
+
+    # ---- streams ------------------------------------------------------------------
+
+    async def publish(self, entry: ipb.OutboxEntry) -> None:
+        """Publish an outbox entry; JetStream entries are deduplicated by Msg-Id."""
+        if not entry.msg_id:
+            await self.nc.publish(entry.subject, entry.data, headers=dict(entry.headers) or None)
+            return
+        try:
+            await jsx.publish(
+                self.js, entry.subject, entry.data, msg_id=entry.msg_id, headers=dict(entry.headers)
+            )
+        except jsx.TRANSIENT_NATS_ERRORS as err:
+            raise Unavailable(f"could not publish to {entry.subject}: {err!r}") from err
+
+    async def task_in_flight(self, subject: str, msg_id: str) -> bool:
+        """Whether the task queue still holds the dispatch ``msg_id`` (or a
+        re-dispatch of it), i.e. no worker has acknowledged it."""
+        try:
+            msg = await self.js.get_last_msg(jsx.TASKS, subject)
+        except nats.js.errors.NotFoundError:
+            return False
+        headers = msg.headers or {}
+        stored_id = str(headers.get("Nats-Msg-Id", ""))
+        return stored_id == msg_id or stored_id.startswith(msg_id + ".r")
+
+    async def purge_subject(self, stream: str, subject: str) -> None:
+        await self.js.purge_stream(stream, subject=subject)
+
+    async def ensure_task_consumer(self, task_type: str, ack_wait: float) -> None:
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        name = task_consumer(task_type)
+        config = ConsumerConfig(
+            durable_name=name,
+            filter_subject=f"tasks.{task_type}.>",
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait,
+            max_deliver=-1,
+            max_ack_pending=-1,
+            max_waiting=4096,
+        )
+        await self.js.add_consumer(jsx.TASKS, config)
+
+    async def run_is_active(self, run_id: str) -> bool:
+        stored = await self.load_run(run_id)
+        return stored is not None and stored.record.run.status == pb.RUN_STATUS_RUNNING
+
+
+async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
+    """Every live key of a bucket with its value, read with one ordered consumer."""
+    watcher = await kv.watchall(ignore_deletes=True)
+    try:
+        async for entry in watcher:
+            if entry is None:
+                break
+            if entry.value:
+                yield entry.key, entry.value, int(entry.revision or 0)
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]
+
+
+__all__ = ["Conflict", "EngineStore", "StaleRevision", "StoredRun"]

@@ -1,0 +1,269 @@
+"""The engine's pure rules: no event loop, no NATS."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dagnats.engine import rules
+from dagnats.engine import model as m
+from dagnats.engine.definition import parse_mapping
+
+T0 = 1_000.0
+
+
+def wf(steps: list[dict[str, object]], **extra: object) -> object:
+    return parse_mapping({"name": "wf", "steps": steps, **extra})
+
+
+LOOP = wf(
+    [
+        {
+            "id": "agent",
+            "type": "agent_loop",
+            "task": "agent",
+            "agent_loop": {"max_iterations": 3},
+            "retry": {"max_attempts": 2, "backoff": "fixed", "initial_delay": "1s"},
+        }
+    ]
+)
+
+
+def start(workflow: object = LOOP, input: bytes = b'{"q": 1}') -> m.Accepted:
+    return rules.start_run(run_id="r" * 32, workflow=workflow, input=input, now=T0)  # type: ignore[arg-type]
+
+
+def report(step: str, it: int | None, at: int | None, outcome: m.StepOutcome) -> m.StepReport:
+    ident = None if it is None or at is None else m.Identity(iteration=it, attempt=at)
+    return m.StepReport(step_id=step, identity=ident, outcome=outcome)
+
+
+def accepted(decision: m.Decision) -> m.Accepted:
+    assert isinstance(decision, m.Accepted), decision
+    return decision
+
+
+def dispatches(decision: m.Accepted) -> list[tuple[str, int, int]]:
+    return [
+        (e.step_id, e.iteration, e.attempt)
+        for e in decision.effects
+        if isinstance(e, m.DispatchTask)
+    ]
+
+
+def test_first_dispatch_carries_iteration_zero_attempt_one() -> None:
+    first = start()
+    assert dispatches(first) == [("agent", 0, 1)]
+    task = next(e for e in first.effects if isinstance(e, m.DispatchTask))
+    assert task.input == b'{"q": 1}'
+    assert first.run.step("agent").status is m.StepStatus.RUNNING
+
+
+def test_continue_advances_iteration_once() -> None:
+    run = start().run
+    nxt = accepted(rules.apply(run, report("agent", 0, 1, m.Continued(output=b"1")), T0 + 1))
+    assert dispatches(nxt) == [("agent", 1, 1)]
+    assert nxt.run.step("agent").iterations == 1
+    duplicate = rules.apply(nxt.run, report("agent", 0, 1, m.Continued()), T0 + 2)
+    assert isinstance(duplicate, m.Dropped)
+    assert "(0, 1)" in duplicate.reason
+
+
+def test_stale_attempt_is_dropped() -> None:
+    run = start().run
+    retry = accepted(rules.apply(run, report("agent", 0, 1, m.Failed(error="boom")), T0))
+    woken = accepted(
+        rules.apply(
+            retry.run,
+            m.TimerFired(step_id="agent", kind=m.TimerKind.WAKE, iteration=0, attempt=2),
+            T0 + 1,
+        )
+    )
+    assert dispatches(woken) == [("agent", 0, 2)]
+    stale = rules.apply(woken.run, report("agent", 0, 1, m.Continued()), T0 + 2)
+    assert isinstance(stale, m.Dropped)
+
+
+def test_retry_waits_for_backoff_then_fails_after_max_attempts() -> None:
+    run = start().run
+    retry = accepted(rules.apply(run, report("agent", 0, 1, m.Failed(error="boom")), T0))
+    timers = [e for e in retry.effects if isinstance(e, m.SetTimer)]
+    assert [(t.kind, t.attempt, t.due) for t in timers] == [(m.TimerKind.WAKE, 2, T0 + 1.0)]
+    assert retry.run.step("agent").status is m.StepStatus.WAITING
+    early = rules.apply(retry.run, report("agent", 0, 2, m.Continued()), T0 + 0.5)
+    assert isinstance(early, m.Dropped), "a waiting step takes no reports"
+    woken = accepted(
+        rules.apply(
+            retry.run,
+            m.TimerFired(step_id="agent", kind=m.TimerKind.WAKE, iteration=0, attempt=2),
+            T0 + 1,
+        )
+    )
+    failed = accepted(rules.apply(woken.run, report("agent", 0, 2, m.Failed(error="again")), T0))
+    assert failed.run.status is m.RunStatus.FAILED
+    assert "again" in failed.run.error
+
+
+def test_permanent_failure_skips_retries() -> None:
+    run = start().run
+    failed = accepted(
+        rules.apply(
+            run, report("agent", 0, 1, m.Failed(error="no", kind=m.FailureKind.PERMANENT)), T0
+        )
+    )
+    assert failed.run.status is m.RunStatus.FAILED
+    assert any(isinstance(e, m.AnnounceCancel) for e in failed.effects)
+
+
+def test_max_iterations_fails_the_loop() -> None:
+    run = start().run
+    for i in range(2):
+        run = accepted(rules.apply(run, report("agent", i, 1, m.Continued()), T0)).run
+    last = accepted(rules.apply(run, report("agent", 2, 1, m.Continued()), T0))
+    assert last.run.status is m.RunStatus.FAILED
+    assert "max_iterations (3)" in last.run.error
+
+
+def test_complete_finishes_run_with_sink_output() -> None:
+    run = start().run
+    done = accepted(rules.apply(run, report("agent", 0, 1, m.Completed(output=b'"hi"')), T0))
+    assert done.run.status is m.RunStatus.COMPLETED
+    assert done.run.output == b'"hi"'
+
+
+def test_legacy_reports_follow_the_option() -> None:
+    run = start().run
+    legacy = report("agent", None, None, m.Continued())
+    assert isinstance(rules.apply(run, legacy, T0), m.Accepted)
+    strict = rules.apply(run, legacy, T0, m.RuleOptions(legacy_step_events=False))
+    assert isinstance(strict, m.Dropped)
+
+
+def test_loop_delay_is_a_timer() -> None:
+    delayed = wf(
+        [{"id": "a", "type": "agent_loop", "task": "t", "agent_loop": {"loop_delay": "2s"}}]
+    )
+    run = start(delayed).run
+    nxt = accepted(rules.apply(run, report("a", 0, 1, m.Continued()), T0 + 1))
+    assert dispatches(nxt) == []
+    (timer,) = [e for e in nxt.effects if isinstance(e, m.SetTimer)]
+    assert (timer.iteration, timer.attempt, timer.due) == (1, 1, T0 + 3)
+    fired = accepted(
+        rules.apply(
+            nxt.run, m.TimerFired(step_id="a", kind=m.TimerKind.WAKE, iteration=1, attempt=1), T0 + 3
+        )
+    )
+    assert dispatches(fired) == [("a", 1, 1)]
+    again = rules.apply(
+        fired.run, m.TimerFired(step_id="a", kind=m.TimerKind.WAKE, iteration=1, attempt=1), T0 + 3
+    )
+    assert isinstance(again, m.Dropped), "a redelivered timer does not dispatch twice"
+
+
+def test_step_timeout_counts_as_a_retriable_failure() -> None:
+    timed = wf([{"id": "a", "task": "t", "timeout": "5s", "retry": {"max_attempts": 2}}])
+    first = start(timed)
+    (timer,) = [e for e in first.effects if isinstance(e, m.SetTimer)]
+    assert timer.kind is m.TimerKind.STEP_TIMEOUT and timer.due == T0 + 5
+    fired = accepted(
+        rules.apply(
+            first.run,
+            m.TimerFired(step_id="a", kind=m.TimerKind.STEP_TIMEOUT, iteration=0, attempt=1),
+            T0 + 5,
+        )
+    )
+    assert fired.run.step("a").status is m.StepStatus.WAITING
+    assert "timed out" in fired.run.step("a").error
+
+
+def test_dependencies_dispatch_in_order_and_merge_outputs() -> None:
+    dag = wf(
+        [
+            {"id": "a", "task": "t"},
+            {"id": "b", "task": "t"},
+            {"id": "c", "task": "t", "depends_on": ["a", "b"]},
+        ]
+    )
+    first = start(dag)
+    assert sorted(dispatches(first)) == [("a", 0, 1), ("b", 0, 1)]
+    run = accepted(rules.apply(first.run, report("a", 0, 1, m.Completed(output=b"1")), T0)).run
+    last = accepted(rules.apply(run, report("b", 0, 1, m.Completed(output=b"2")), T0))
+    (task,) = [e for e in last.effects if isinstance(e, m.DispatchTask)]
+    assert json.loads(task.input) == {"a": 1, "b": 2}
+
+
+def test_cancel_cascades_to_children_and_is_final() -> None:
+    nested = wf([{"id": "child", "type": "sub_workflow", "workflow": "other"}])
+    first = start(nested)
+    (spawn,) = [e for e in first.effects if isinstance(e, m.StartChildRun)]
+    assert spawn.child_run_id == first.run.step("child").child_run_id
+    cancelled = accepted(rules.apply(first.run, m.CancelRequested(reason="stop"), T0))
+    assert cancelled.run.status is m.RunStatus.CANCELLED
+    assert [e.child_run_id for e in cancelled.effects if isinstance(e, m.CancelChildRun)] == [
+        spawn.child_run_id
+    ]
+    later = rules.apply(cancelled.run, report("child", 0, 1, m.Completed()), T0)
+    assert isinstance(later, m.Dropped)
+
+
+def test_child_result_completes_parent_step() -> None:
+    nested = wf([{"id": "child", "type": "sub_workflow", "workflow": "other"}])
+    first = start(nested)
+    child = first.run.step("child").child_run_id
+    other = m.ChildEnded(step_id="child", child_run_id="x" * 32, status=m.RunStatus.COMPLETED)
+    assert isinstance(rules.apply(first.run, other, T0), m.Dropped)
+    done = accepted(
+        rules.apply(
+            first.run,
+            m.ChildEnded(
+                step_id="child", child_run_id=child, status=m.RunStatus.COMPLETED, output=b"7"
+            ),
+            T0,
+        )
+    )
+    assert done.run.status is m.RunStatus.COMPLETED and done.run.output == b"7"
+
+
+def test_child_run_reports_to_parent() -> None:
+    child = rules.start_run(
+        run_id="c" * 32,
+        workflow=LOOP,  # type: ignore[arg-type]
+        input=b"",
+        now=T0,
+        parent_run_id="p" * 32,
+        parent_step_id="s",
+    )
+    done = accepted(rules.apply(child.run, report("agent", 0, 1, m.Completed(output=b"1")), T0))
+    (note,) = [e for e in done.effects if isinstance(e, m.NotifyParent)]
+    assert (note.parent_run_id, note.status, note.output) == ("p" * 32, m.RunStatus.COMPLETED, b"1")
+
+
+def test_vanished_task_is_dispatched_again_with_same_identity() -> None:
+    run = start().run
+    again = accepted(
+        rules.apply(run, m.TaskVanished(step_id="agent", iteration=0, attempt=1), T0 + 60)
+    )
+    (task,) = [e for e in again.effects if isinstance(e, m.DispatchTask)]
+    assert (task.iteration, task.attempt, task.redispatch) == (0, 1, 1)
+    moved = accepted(rules.apply(run, report("agent", 0, 1, m.Continued()), T0)).run
+    late = rules.apply(moved, m.TaskVanished(step_id="agent", iteration=0, attempt=1), T0)
+    assert isinstance(late, m.Dropped)
+
+
+def test_pause_redispatches_same_iteration_without_spending_retries() -> None:
+    run = start().run
+    for attempt in (1, 2, 3):
+        paused = accepted(rules.apply(run, report("agent", 0, attempt, m.Paused(duration=5)), T0))
+        wake = m.TimerFired(step_id="agent", kind=m.TimerKind.WAKE, iteration=0, attempt=attempt + 1)
+        run = accepted(rules.apply(paused.run, wake, T0 + 5)).run
+    assert run.status is m.RunStatus.RUNNING
+    assert (run.step("agent").iteration, run.step("agent").attempt) == (0, 4)
+
+
+@pytest.mark.parametrize("status", [m.RunStatus.COMPLETED, m.RunStatus.FAILED])
+def test_terminal_run_never_changes(status: m.RunStatus) -> None:
+    from dataclasses import replace
+
+    run = replace(start().run, status=status)
+    assert isinstance(rules.apply(run, m.CancelRequested(), T0), m.Dropped)
