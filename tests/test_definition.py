@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import yaml
+from google.protobuf import duration_pb2
+
 from dagnats.core.errors import InvalidArgument
 from dagnats.engine import definition
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
@@ -29,7 +31,6 @@ from dagnats.engine.definition import (
     topological_order,
 )
 from dagnats.engine.v1 import engine_pb2
-from google.protobuf import duration_pb2
 
 RESEARCH = """
 name: research

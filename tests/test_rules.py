@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from dagnats.engine import rules
 from dagnats.engine import model as m
+from dagnats.engine import rules
 from dagnats.engine.definition import parse_mapping
 
 T0 = 1_000.0
@@ -151,7 +151,9 @@ def test_loop_delay_is_a_timer() -> None:
     assert (timer.iteration, timer.attempt, timer.due) == (1, 1, T0 + 3)
     fired = accepted(
         rules.apply(
-            nxt.run, m.TimerFired(step_id="a", kind=m.TimerKind.WAKE, iteration=1, attempt=1), T0 + 3
+            nxt.run,
+            m.TimerFired(step_id="a", kind=m.TimerKind.WAKE, iteration=1, attempt=1),
+            T0 + 3,
         )
     )
     assert dispatches(fired) == [("a", 1, 1)]
@@ -255,7 +257,9 @@ def test_pause_redispatches_same_iteration_without_spending_retries() -> None:
     run = start().run
     for attempt in (1, 2, 3):
         paused = accepted(rules.apply(run, report("agent", 0, attempt, m.Paused(duration=5)), T0))
-        wake = m.TimerFired(step_id="agent", kind=m.TimerKind.WAKE, iteration=0, attempt=attempt + 1)
+        wake = m.TimerFired(
+            step_id="agent", kind=m.TimerKind.WAKE, iteration=0, attempt=attempt + 1
+        )
         run = accepted(rules.apply(paused.run, wake, T0 + 5)).run
     assert run.status is m.RunStatus.RUNNING
     assert (run.step("agent").iteration, run.step("agent").attempt) == (0, 4)

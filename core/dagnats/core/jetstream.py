@@ -8,6 +8,7 @@ drop a message after a delivery limit, and no stream uses async persistence.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -162,3 +164,23 @@ async def publish(
             ack = await js.publish(subject, data, timeout=attempt_timeout, headers=all_headers)
             return int(ack.seq)
     raise AssertionError("unreachable")
+
+
+async def fetch_available(
+    sub: JetStreamContext.PullSubscription, batch: int, wait: float
+) -> list[Msg]:
+    """Wait up to ``wait`` seconds for one message, then take whatever else is
+    ready, up to ``batch``, without waiting for the batch to fill.
+
+    nats-py's ``fetch(batch=n)`` holds the messages it already has until the
+    batch is full or the timeout ends, which would add up to ``wait`` seconds
+    of latency to every message.
+    """
+    try:
+        msgs: list[Msg] = list(await sub.fetch(batch=1, timeout=wait))
+    except nats.errors.TimeoutError:
+        return []
+    if batch > 1:
+        with contextlib.suppress(nats.errors.TimeoutError):
+            msgs += await sub.fetch(batch=batch - 1, timeout=0.005)
+    return msgs

@@ -18,7 +18,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -262,9 +261,7 @@ class Engine:
         try:
             while not self._stopping.is_set():
                 try:
-                    msgs = await sub.fetch(batch=self.config.history_batch, timeout=1.0)
-                except nats.errors.TimeoutError:
-                    continue
+                    msgs = await jsx.fetch_available(sub, self.config.history_batch, 1.0)
                 except Exception:  # the connection is reconnecting; try again shortly
                     log.exception("fetch from %s failed", durable)
                     await asyncio.sleep(0.5)
@@ -399,11 +396,12 @@ class Engine:
         vanished (a late acknowledgement from a stalled worker deletes it).
 
         A step counts as stranded only when two passes in a row see the same
-        dispatch with no task in flight, so a report still on its way is not
-        mistaken for a lost task.
+        dispatch with no task in flight and no unapplied event on the run's
+        history, so a report still on its way is not mistaken for a lost task.
         """
         now = self.clock()
         seen: set[tuple[str, str, int, int]] = set()
+        applied = await self.store.history_applied_through(HISTORY_CONSUMER)
         async for stored in self.store.iter_runs():
             record = stored.record
             if record.outbox:
@@ -413,6 +411,8 @@ class Engine:
                     await self.flush(stored)
             if record.run.status != pb.RUN_STATUS_RUNNING:
                 continue
+            if await self.store.last_history_seq(record.run.run_id) > applied:
+                continue  # a report may be on its way; its task is rightly gone
             for key in await self._stranded(record):
                 seen.add(key)
                 if key in self._suspects:

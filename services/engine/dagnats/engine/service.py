@@ -4,6 +4,7 @@ engine. Protobuf stays here and in :mod:`dagnats.engine.convert`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -243,11 +244,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             durable=task_consumer(task_type), stream=jsx.TASKS
         )
         try:
-            return list(await sub.fetch(batch=max_tasks, timeout=wait))
-        except nats.errors.TimeoutError:
-            return []
+            return await jsx.fetch_available(sub, max_tasks, wait)
+        except nats.errors.ConnectionClosedError:
+            return []  # the engine is shutting down
         finally:
-            await sub.unsubscribe()
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
 
     async def _lease(self, msg: Msg) -> pb.LeasedTask | None:
         """Turn a task message into a lease, or settle it at once when its run
@@ -266,6 +268,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             log.info("run %s step %s: task no longer current; settled", task.run_id, task.step_id)
             await msg.ack()
             return None
+        log.info(
+            "run %s step %s: leased (%d, %d) delivery %d",
+            task.run_id,
+            task.step_id,
+            task.iteration,
+            task.attempt,
+            msg.metadata.num_delivered or 1,
+        )
         lease_duration = convert.duration(self.engine.config.task_ack_wait)
         return pb.LeasedTask(
             task=task,

@@ -190,6 +190,19 @@ class EngineStore:
         stored_id = str(headers.get("Nats-Msg-Id", ""))
         return stored_id == msg_id or stored_id.startswith(msg_id + ".r")
 
+    async def last_history_seq(self, run_id: str) -> int:
+        """Stream sequence of the run's newest event; 0 when it has none."""
+        try:
+            msg = await self.js.get_last_msg(jsx.HISTORY, history_subject(run_id))
+        except nats.js.errors.NotFoundError:
+            return 0
+        return int(msg.seq or 0)
+
+    async def history_applied_through(self, consumer: str) -> int:
+        """Every history event up to this sequence has been applied."""
+        info = await self.js.consumer_info(jsx.HISTORY, consumer)
+        return int(info.ack_floor.stream_seq if info.ack_floor else 0)
+
     async def purge_subject(self, stream: str, subject: str) -> None:
         await self.js.purge_stream(stream, subject=subject)
 

@@ -1,0 +1,3 @@
+"""The ``dagnats`` command line."""
+
+__all__: list[str] = []

@@ -1,0 +1,84 @@
+"""``dagnats dev``: the whole product on one machine.
+
+Starts nats-server from the virtualenv (JetStream, ``sync_interval: always``,
+data under ``.dagnats/``), creates the streams and buckets, starts the engine,
+runs the demo agent with a worker, prints what happened, and keeps serving
+until Ctrl-C. Data survives restarts, so a second ``dagnats dev`` finds the
+runs of the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import socket
+from pathlib import Path
+
+from dagnats.cli import demo
+from dagnats.cli.main import print_run
+from dagnats.core.natsserver import NatsServer, free_port
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.sdk import Client, Worker
+
+
+def _port_or_free(port: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return free_port()
+    return port
+
+
+async def run_dev(args: argparse.Namespace) -> int:
+    data = Path(args.data_dir)
+    data.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before anything runs
+    nats_port = _port_or_free(args.nats_port)
+    nats = await NatsServer.start(data / "nats", port=nats_port)
+    engine: EngineServer | None = None
+    worker: Worker | None = None
+    try:
+        engine = await start_engine(nats.url, port=_port_or_free(args.engine_port))
+        info = json.dumps({"engine": engine.target, "nats": nats.url})
+        (data / "dev.json").write_text(info)
+        print(f"nats-server  {nats.url}  (data in {data / 'nats'}, sync_interval: always)")
+        print(f"engine       {engine.target}  (gRPC)")
+        async with Client(engine.target) as client:
+            earlier = await client.list_runs(limit=10_000)
+            if earlier:
+                print(f"found {len(earlier)} earlier run(s); `dagnats run list` shows them")
+            if not args.no_demo:
+                worker = Worker(
+                    engine.target,
+                    handlers={demo.TASK_TYPE: demo.agent_handler(demo.scripted_model())},
+                )
+                await worker.__aenter__()
+                await _demo(client)
+        if args.exit_after_demo:
+            return 0
+        print("\nserving; Ctrl-C stops everything")
+        await asyncio.Event().wait()
+        return 0
+    finally:
+        if worker is not None:
+            with contextlib.suppress(Exception):
+                await worker.stop(grace=2.0)
+        if engine is not None:
+            await engine.stop()
+        await nats.stop()
+
+
+async def _demo(client: Client) -> None:
+    await client.register_workflow(demo.WORKFLOW)
+    run = await client.start_run(demo.NAME, {"question": "How warm is it in Lisbon?"})
+    print(f"\ndemo: started run {run.run_id} of workflow {run.workflow}")
+    run = await client.wait_for_run(run.run_id, timeout=60)
+    print_run(run, as_json=False)
+    print(
+        "\nlook at it with:\n"
+        f"  dagnats run get {run.run_id}\n"
+        f"  dagnats run get {run.run_id} --json\n"
+        "  dagnats run list"
+    )

@@ -1,0 +1,287 @@
+"""``dagnats``: run the product locally, serve a service, manage workflows and runs.
+
+Errors are one line on stderr and a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from dagnats.core.errors import DagnatsError
+from dagnats.engine.v1 import engine_pb2 as pb
+
+DEFAULT_ENGINE = "127.0.0.1:7233"
+DEV_FILE = Path(".dagnats") / "dev.json"
+
+_STATUS = {
+    "running": pb.RUN_STATUS_RUNNING,
+    "completed": pb.RUN_STATUS_COMPLETED,
+    "failed": pb.RUN_STATUS_FAILED,
+    "cancelled": pb.RUN_STATUS_CANCELLED,
+}
+
+
+class UsageError(Exception):
+    """Bad command-line input, reported like a domain error."""
+
+
+def default_target() -> str:
+    """``DAGNATS_ENGINE``, else the engine a local ``dagnats dev`` started, else the default."""
+    if env := os.environ.get("DAGNATS_ENGINE"):
+        return env
+    try:
+        return str(json.loads(DEV_FILE.read_text())["engine"])
+    except (OSError, ValueError, KeyError):
+        return DEFAULT_ENGINE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dagnats", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    dev = sub.add_parser("dev", help="run nats-server, the services and a demo agent")
+    dev.add_argument("--data-dir", default=".dagnats", help="where data lives (default .dagnats)")
+    dev.add_argument("--nats-port", type=int, default=4222, help="NATS port (falls back to free)")
+    dev.add_argument("--engine-port", type=int, default=7233, help="engine gRPC port")
+    dev.add_argument("--no-demo", action="store_true", help="do not run the demo agent")
+    dev.add_argument("--exit-after-demo", action="store_true", help="stop after the demo run")
+
+    serve = sub.add_parser("serve", help="serve one service against an existing NATS")
+    serve.add_argument("service", choices=["engine"])
+    serve.add_argument(
+        "--nats", default=os.environ.get("DAGNATS_NATS_URL", "nats://127.0.0.1:4222")
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=7233)
+
+    _workflow_commands(sub.add_parser("workflow", help="register and read workflows"))
+    _run_commands(sub.add_parser("run", help="start, read, cancel and watch runs"))
+    return parser
+
+
+def _with_client_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--engine", default=None, help="engine address (default: DAGNATS_ENGINE)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def _workflow_commands(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    _with_client_options(sub.add_parser("apply", help="register a YAML or JSON file")).add_argument(
+        "file"
+    )
+    _with_client_options(sub.add_parser("get", help="show a workflow")).add_argument("name")
+    _with_client_options(sub.add_parser("list", help="list workflows"))
+
+
+def _run_commands(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    start = _with_client_options(sub.add_parser("start", help="start a run"))
+    start.add_argument("workflow")
+    start.add_argument("--input", default=None, help="input as JSON")
+    start.add_argument("--idempotency-key", default="")
+    start.add_argument("--wait", action="store_true", help="wait for the run to finish")
+    for name in ("get", "watch", "purge"):
+        _with_client_options(sub.add_parser(name, help=f"{name} a run")).add_argument("run_id")
+    cancel = _with_client_options(sub.add_parser("cancel", help="cancel a run"))
+    cancel.add_argument("run_id")
+    cancel.add_argument("--reason", default="")
+    listing = _with_client_options(sub.add_parser("list", help="list runs"))
+    listing.add_argument("--workflow", default="")
+    listing.add_argument("--status", choices=sorted(_STATUS), default=None)
+    listing.add_argument("--limit", type=int, default=50)
+
+
+# ---- output ----------------------------------------------------------------------
+
+
+def _as_dict(message: Any) -> dict[str, Any]:
+    data = MessageToDict(message, preserving_proto_field_name=True)
+    for key in ("input", "output"):
+        if key in data:
+            data[key] = _decode_json_bytes(getattr(message, key))
+    for step_msg, step in zip(getattr(message, "steps", []), data.get("steps", []), strict=False):
+        if "output" in step:
+            step["output"] = _decode_json_bytes(step_msg.output)
+    return data
+
+
+def _decode_json_bytes(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def _status_name(value: int, enum: Any) -> str:
+    return str(enum.Name(value)).split("_STATUS_")[-1].lower()
+
+
+def print_run(run: pb.Run, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(_as_dict(run), indent=2))
+        return
+    print(f"run       {run.run_id}")
+    print(f"workflow  {run.workflow}")
+    print(f"status    {_status_name(run.status, pb.RunStatus)}")
+    if run.error:
+        print(f"error     {run.error}")
+    if run.output:
+        print(f"output    {json.dumps(_decode_json_bytes(run.output))}")
+    for step in run.steps:
+        line = f"  step {step.step_id:<16} {_status_name(step.status, pb.StepStatus):<10}"
+        line += f" iteration {step.iteration} attempt {step.attempt}"
+        if step.error:
+            line += f"  error: {step.error}"
+        print(line)
+
+
+# ---- commands ----------------------------------------------------------------------
+
+
+async def _workflow(args: argparse.Namespace) -> int:
+    from dagnats.sdk import Client
+
+    async with Client(args.engine or default_target()) as client:
+        if args.action == "apply":
+            try:
+                text = Path(args.file).read_text()  # noqa: ASYNC240 - one small file
+            except OSError as err:
+                raise UsageError(f"cannot read {args.file}: {err.strerror}") from None
+            workflow = await client.register_workflow(text)
+            if args.json:
+                print(json.dumps(_as_dict(workflow), indent=2))
+            else:
+                print(f"workflow {workflow.name} registered ({len(workflow.steps)} steps)")
+        elif args.action == "get":
+            print(json.dumps(_as_dict(await client.get_workflow(args.name)), indent=2))
+        else:
+            workflows = await client.list_workflows()
+            if args.json:
+                print(json.dumps([_as_dict(w) for w in workflows], indent=2))
+            for w in [] if args.json else workflows:
+                print(f"{w.name:<24} {len(w.steps)} steps  version {w.version or '-'}")
+    return 0
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from dagnats.sdk import Client
+
+    async with Client(args.engine or default_target()) as client:
+        match args.action:
+            case "start":
+                payload = _parse_input(args.input)
+                run = await client.start_run(
+                    args.workflow, payload, idempotency_key=args.idempotency_key
+                )
+                if args.wait:
+                    run = await client.wait_for_run(run.run_id, timeout=3600)
+                print_run(run, args.json)
+                return 1 if run.status == pb.RUN_STATUS_FAILED else 0
+            case "get":
+                print_run(await client.get_run(args.run_id), args.json)
+            case "cancel":
+                print_run(await client.cancel_run(args.run_id, args.reason), args.json)
+            case "purge":
+                await client.purge_run(args.run_id)
+                print(f"run {args.run_id} purged")
+            case "watch":
+                return await _watch(client, args.run_id, args.json)
+            case "list":
+                status = _STATUS[args.status] if args.status else None
+                runs = await client.list_runs(
+                    workflow=args.workflow, status=status, limit=args.limit
+                )
+                if args.json:
+                    print(json.dumps([_as_dict(r) for r in runs], indent=2))
+                    return 0
+                for r in runs:
+                    print(f"{r.run_id}  {r.workflow:<20} {_status_name(r.status, pb.RunStatus)}")
+    return 0
+
+
+def _parse_input(raw: str | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError as err:
+        raise UsageError(f"--input is not valid JSON: {err}") from None
+
+
+async def _watch(client: Any, run_id: str, as_json: bool) -> int:
+    """Print the run each time it changes until it ends."""
+    last = None
+    while True:
+        run = await client.get_run(run_id)
+        view = run.SerializeToString(deterministic=True)
+        if view != last:
+            if as_json:
+                print(json.dumps(_as_dict(run)), flush=True)
+            else:
+                print_run(run, False)
+                print(flush=True)
+            last = view
+        if run.status != pb.RUN_STATUS_RUNNING:
+            return 1 if run.status == pb.RUN_STATUS_FAILED else 0
+        await asyncio.sleep(0.5)  # a poll interval for a person watching, not a sync point
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from dagnats.core.jetstream import Topology
+    from dagnats.engine.server import start_engine
+
+    replicas = int(os.environ.get("DAGNATS_REPLICAS", "1"))
+    server = await start_engine(
+        args.nats, host=args.host, port=args.port, topology=Topology(replicas=replicas)
+    )
+    print(f"engine serving on {server.target}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()
+    return 0
+
+
+async def _dev(args: argparse.Namespace) -> int:
+    from dagnats.cli.dev import run_dev
+
+    return await run_dev(args)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] = {
+    "dev": _dev,
+    "serve": _serve,
+    "workflow": _workflow,
+    "run": _run,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return asyncio.run(COMMANDS[args.command](args))
+    except (DagnatsError, UsageError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

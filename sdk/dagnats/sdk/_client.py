@@ -1,0 +1,206 @@
+"""The client for operators and applications: workflows and runs.
+
+Every method is one engine call through ``_rpc`` (a deadline, transport
+retries, domain errors) and returns the contract's own messages, whose typed
+stubs document every field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Self
+
+from dagnats.core.errors import DeadlineExceeded
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk._codec import decode, encode
+from dagnats.sdk._rpc import EngineRpc
+
+TERMINAL_STATUSES = frozenset(
+    {pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED}
+)
+
+
+def run_output(run: pb.Run) -> Any:
+    """The run's output, JSON-decoded; None when it has none.
+
+    Raises:
+        InvalidArgument: the output is not JSON.
+    """
+    return decode(run.output, field="output")
+
+
+class Client:
+    """Registers workflows and starts, watches, cancels and purges runs.
+
+    Use it as ``async with Client(target) as c:`` or close it with
+    ``await c.close()``. The connection opens on the first call.
+
+    Args:
+        target: Address of the engine, such as ``"localhost:7233"``.
+        timeout: Deadline of one engine call, in seconds.
+
+    Every method raises the domain error the engine answered with
+    (``InvalidArgument``, ``NotFound``, ``Conflict``, ...), or ``Unavailable``
+    when the engine could not be reached after retries.
+    """
+
+    def __init__(self, target: str, *, timeout: float = 10.0) -> None:
+        self._rpc = EngineRpc(target, timeout=timeout)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connection; calls in flight are cancelled."""
+        await self._rpc.close()
+
+    # Workflows.
+
+    async def register_workflow(self, document: str | Mapping[str, Any]) -> pb.Workflow:
+        """Validate and store a workflow definition under its name.
+
+        Args:
+            document: YAML or JSON text, or a mapping (sent as JSON).
+
+        Returns:
+            The definition as stored.
+        """
+        text = document if isinstance(document, str) else _mapping_to_json(document)
+        response = await self._rpc.register_workflow(pb.RegisterWorkflowRequest(document=text))
+        return response.workflow
+
+    async def get_workflow(self, name: str) -> pb.Workflow:
+        """The definition registered under ``name``.
+
+        Raises:
+            NotFound: no workflow has that name.
+        """
+        response = await self._rpc.get_workflow(pb.GetWorkflowRequest(name=name))
+        return response.workflow
+
+    async def list_workflows(self) -> list[pb.Workflow]:
+        """Every registered definition."""
+        response = await self._rpc.list_workflows(pb.ListWorkflowsRequest())
+        return list(response.workflows)
+
+    # Runs.
+
+    async def start_run(
+        self, workflow: str, input: Any = None, *, idempotency_key: str = ""
+    ) -> pb.Run:
+        """Start a run of ``workflow``.
+
+        Args:
+            workflow: Name of a registered workflow.
+            input: The run's input (JSON-serialisable).
+            idempotency_key: A repeat with the same key returns the first run.
+                Give one to make the call safe to retry after a timeout.
+
+        Returns:
+            The run (the existing one when the key was used before).
+
+        Raises:
+            InvalidArgument: ``input`` is not JSON; nothing was sent.
+            NotFound: no workflow has that name.
+        """
+        request = pb.StartRunRequest(
+            workflow=workflow,
+            input=encode(input, field="input"),
+            idempotency_key=idempotency_key,
+        )
+        response = await self._rpc.start_run(request)
+        return response.run
+
+    async def get_run(self, run_id: str) -> pb.Run:
+        """The run and the state of its steps.
+
+        Raises:
+            NotFound: no run has that id.
+        """
+        response = await self._rpc.get_run(pb.GetRunRequest(run_id=run_id))
+        return response.run
+
+    async def list_runs(
+        self,
+        *,
+        workflow: str = "",
+        status: pb.RunStatus.ValueType | None = None,
+        limit: int = 0,
+    ) -> list[pb.Run]:
+        """Runs, newest first.
+
+        Args:
+            workflow: Only runs of this workflow, when set.
+            status: Only runs with this status, when set.
+            limit: Most runs to return; 0 lets the engine choose (100).
+        """
+        request = pb.ListRunsRequest(
+            workflow=workflow,
+            status=pb.RUN_STATUS_UNSPECIFIED if status is None else status,
+            limit=limit,
+        )
+        response = await self._rpc.list_runs(request)
+        return list(response.runs)
+
+    async def cancel_run(self, run_id: str, reason: str = "") -> pb.Run:
+        """Cancel a run and its child runs.
+
+        Returns:
+            The run after the cancel.
+        """
+        response = await self._rpc.cancel_run(pb.CancelRunRequest(run_id=run_id, reason=reason))
+        return response.run
+
+    async def purge_run(self, run_id: str) -> None:
+        """Delete a finished run and everything stored for it.
+
+        Raises:
+            Conflict: the run has not finished.
+        """
+        await self._rpc.purge_run(pb.PurgeRunRequest(run_id=run_id))
+
+    # The one public `timeout` parameter (ASYNC109): waiting for a run to finish
+    # has its own budget, separate from the deadline of each get_run call.
+    async def wait_for_run(
+        self,
+        run_id: str,
+        *,
+        timeout: float = 60.0,  # noqa: ASYNC109
+        poll: float = 0.1,
+    ) -> pb.Run:
+        """Poll the run until it is completed, failed or cancelled.
+
+        Args:
+            run_id: The run.
+            timeout: Seconds to wait in all.
+            poll: Seconds between two looks.
+
+        Returns:
+            The finished run.
+
+        Raises:
+            DeadlineExceeded: the run had not finished after ``timeout`` seconds.
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    run = await self.get_run(run_id)
+                    if run.status in TERMINAL_STATUSES:
+                        return run
+                    await asyncio.sleep(poll)
+        except TimeoutError:
+            raise DeadlineExceeded(f"run {run_id} had not finished after {timeout}s") from None
+
+
+def _mapping_to_json(document: Mapping[str, Any]) -> str:
+    return encode(dict(document), field="document").decode()

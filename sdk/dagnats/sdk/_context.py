@@ -1,0 +1,284 @@
+"""The context a handler gets for one leased task.
+
+Invariants:
+
+- A task is settled at most once: the first ``continue_``, ``complete``,
+  ``fail``, ``fail_permanent`` or ``pause`` claims it before its RPC is sent,
+  so a second one raises ``TaskAlreadySettled`` even while the first is in
+  flight. A settle whose RPC fails with a domain error (after the retries in
+  ``_rpc``) releases the claim: the engine stored nothing, so the handler may
+  settle again. A settle cancelled in flight keeps its claim: the engine may
+  have stored it.
+- Outputs are encoded before anything is sent or claimed: a value that is not
+  JSON raises ``InvalidArgument`` and leaves the task unsettled.
+- Once cancelled, a context stays cancelled; ``cancellation`` is set at the
+  same moment ``cancelled`` turns true.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+from google.protobuf.duration_pb2 import Duration
+
+from dagnats.core.errors import DagnatsError, InvalidArgument
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk._codec import decode, encode
+from dagnats.sdk._errors import RunCancelled, TaskAlreadySettled
+from dagnats.sdk._rpc import EngineRpc
+
+_UNSET: Any = object()
+
+Outcome = pb.Continue | pb.Complete | pb.Fail | pb.Pause
+
+
+def describe_error(error: str | BaseException) -> str:
+    """The text reported for a failure: a string as is, an exception as ``Type: message``."""
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__}: {error}"
+    return error
+
+
+class TaskContext:
+    """One dispatch of a step, as a handler sees it.
+
+    A handler is ``async def handler(tc: TaskContext) -> None``. It reads the
+    task (``input``, ``run_id``, ``iteration``, ...), may save and load a
+    checkpoint, and settles the task exactly once with :meth:`continue_`,
+    :meth:`complete`, :meth:`fail`, :meth:`fail_permanent` or :meth:`pause`.
+    The worker creates contexts; handlers do not.
+    """
+
+    def __init__(self, leased: pb.LeasedTask, rpc: EngineRpc) -> None:
+        self._leased = leased
+        self._task = leased.task
+        self._rpc = rpc
+        self._input: Any = _UNSET
+        self._settled_as: str | None = None
+        self._cancelled = False
+        self._cancellation = asyncio.Event()
+
+    # The task.
+
+    @property
+    def input(self) -> Any:
+        """The step's input, JSON-decoded; None when empty.
+
+        Raises:
+            InvalidArgument: when the engine sent bytes that are not JSON.
+        """
+        if self._input is _UNSET:
+            self._input = decode(self._task.input, field="input")
+        return self._input
+
+    @property
+    def run_id(self) -> str:
+        """The run of the task."""
+        return self._task.run_id
+
+    @property
+    def step_id(self) -> str:
+        """The step of the task."""
+        return self._task.step_id
+
+    @property
+    def task_type(self) -> str:
+        """The task type the worker polled for."""
+        return self._task.task_type
+
+    @property
+    def workflow(self) -> str:
+        """Name of the run's workflow."""
+        return self._task.workflow
+
+    @property
+    def iteration(self) -> int:
+        """Iteration of the step, from 0; one more per accepted continue."""
+        return self._task.iteration
+
+    @property
+    def attempt(self) -> int:
+        """Attempt of this iteration, from 1; one more per engine retry."""
+        return self._task.attempt
+
+    @property
+    def delivery(self) -> int:
+        """How many times this task message was delivered, from 1."""
+        return self._leased.delivery
+
+    @property
+    def trace_context(self) -> dict[str, str]:
+        """W3C trace context of the dispatch (``traceparent``, ``tracestate``)."""
+        return dict(self._task.trace_context)
+
+    @property
+    def lease_duration(self) -> float:
+        """Seconds the lease lasts without a heartbeat (0 when the engine did not say)."""
+        return self._leased.lease_duration.ToTimedelta().total_seconds()
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the engine said the run was cancelled."""
+        return self._cancelled
+
+    @property
+    def cancellation(self) -> asyncio.Event:
+        """Set when the run is cancelled; a handler may wait on it."""
+        return self._cancellation
+
+    @property
+    def settled(self) -> bool:
+        """True once the task was settled (or a settle is in flight)."""
+        return self._settled_as is not None
+
+    # Checkpoints.
+
+    async def load_checkpoint(self) -> Any | None:
+        """The state last saved with :meth:`checkpoint`, JSON-decoded.
+
+        Returns:
+            The state, or None when nothing was saved.
+
+        Raises:
+            DagnatsError: a domain error from the engine; ``Unavailable`` when it
+                cannot be reached.
+        """
+        response = await self._rpc.load_checkpoint(
+            pb.LoadCheckpointRequest(run_id=self.run_id, step_id=self.step_id)
+        )
+        if not response.found:
+            return None
+        return decode(response.state, field="state")
+
+    async def checkpoint(self, state: Any) -> None:
+        """Save ``state`` (JSON-encoded) as the step's checkpoint.
+
+        Raises:
+            InvalidArgument: ``state`` is not JSON, or it is larger than the
+                engine's ``loop_state_max_bytes``.
+            DagnatsError: another domain error; ``Unavailable`` when the engine
+                cannot be reached.
+        """
+        data = encode(state, field="state")
+        await self._rpc.save_checkpoint(
+            pb.SaveCheckpointRequest(
+                run_id=self.run_id, step_id=self.step_id, state=data, lease=self._leased.lease
+            )
+        )
+
+    # Settling.
+
+    async def continue_(self, output: Any = None) -> None:
+        """End this iteration and ask for the next one.
+
+        Args:
+            output: Progress output (JSON-serialisable), shown on the step.
+
+        Raises:
+            InvalidArgument: ``output`` is not JSON; nothing was sent.
+            TaskAlreadySettled: the task was already settled.
+        """
+        await self._settle("continue", pb.Continue(output=encode(output, field="output")))
+
+    async def complete(self, output: Any = None) -> None:
+        """End the step with ``output`` (JSON-serialisable).
+
+        Raises:
+            InvalidArgument: ``output`` is not JSON; nothing was sent.
+            TaskAlreadySettled: the task was already settled.
+        """
+        await self._settle("complete", pb.Complete(output=encode(output, field="output")))
+
+    async def fail(self, error: str | BaseException, *, reason: str = "") -> None:
+        """Fail this attempt; the step's retry policy decides what happens next.
+
+        Args:
+            error: What went wrong; an exception is reported as ``Type: message``.
+            reason: A machine-readable reason, such as ``"timeout"``.
+
+        Raises:
+            TaskAlreadySettled: the task was already settled.
+        """
+        await self._settle("fail", _failure(error, reason, pb.FAILURE_KIND_RETRIABLE))
+
+    async def fail_permanent(self, error: str | BaseException, *, reason: str = "") -> None:
+        """Fail the step without a retry.
+
+        Args:
+            error: What went wrong; an exception is reported as ``Type: message``.
+            reason: A machine-readable reason.
+
+        Raises:
+            TaskAlreadySettled: the task was already settled.
+        """
+        await self._settle("fail", _failure(error, reason, pb.FAILURE_KIND_PERMANENT))
+
+    async def pause(self, duration: float) -> None:
+        """Ask for this same iteration again after ``duration`` seconds.
+
+        Raises:
+            InvalidArgument: ``duration`` is negative or not finite.
+            TaskAlreadySettled: the task was already settled.
+        """
+        if not math.isfinite(duration) or duration < 0:
+            raise InvalidArgument(
+                f"duration must be a finite number of seconds >= 0, got {duration!r}",
+                field="duration",
+            )
+        wait = Duration()
+        wait.FromNanoseconds(round(duration * 1e9))
+        await self._settle("pause", pb.Pause(duration=wait))
+
+    # Cancellation.
+
+    async def heartbeat(self) -> None:
+        """Extend the task's lease; the worker also does this in the background.
+
+        Raises:
+            RunCancelled: the run was cancelled; the handler should stop.
+        """
+        if self._cancelled or await self._beat():
+            raise RunCancelled(self.run_id)
+
+    async def _beat(self) -> bool:
+        # The worker's background heartbeat: marks the context, never raises
+        # RunCancelled (the worker cancels the handler's task instead).
+        response = await self._rpc.heartbeat(
+            pb.HeartbeatRequest(lease=self._leased.lease, run_id=self.run_id)
+        )
+        if response.cancelled:
+            self._mark_cancelled()
+        return self._cancelled
+
+    def _mark_cancelled(self) -> None:
+        self._cancelled = True
+        self._cancellation.set()
+
+    async def _settle(self, field: str, outcome: Outcome) -> None:
+        if self._settled_as is not None:
+            raise TaskAlreadySettled(
+                run_id=self.run_id, step_id=self.step_id, settled_as=self._settled_as
+            )
+        self._settled_as = field
+        request = pb.ReportRequest(
+            lease=self._leased.lease,
+            run_id=self.run_id,
+            step_id=self.step_id,
+            iteration=self.iteration,
+            attempt=self.attempt,
+        )
+        # "continue" is a Python keyword, so the oneof is set by name for all four.
+        getattr(request, field).CopyFrom(outcome)
+        try:
+            response = await self._rpc.report(request)
+        except DagnatsError:
+            self._settled_as = None
+            raise
+        if response.cancelled:
+            self._mark_cancelled()
+
+
+def _failure(error: str | BaseException, reason: str, kind: pb.FailureKind.ValueType) -> pb.Fail:
+    return pb.Fail(error=describe_error(error), kind=kind, reason=reason)

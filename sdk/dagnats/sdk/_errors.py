@@ -1,0 +1,98 @@
+"""Errors the SDK raises, and the ones a handler raises to steer its task.
+
+The domain errors are the ones every dagnats component shares
+(``dagnats.core.errors``); the SDK turns a failed RPC back into one of them in
+``_rpc`` and nowhere else, so no SDK user ever sees a ``grpc.RpcError``.
+
+    BaseException
+    ├── RunCancelled                  the run was cancelled; the handler must stop
+    └── Exception
+        ├── DagnatsError              root of everything dagnats raises on purpose
+        │   ├── InvalidArgument       bad input; names the field
+        │   ├── NotFound              unknown workflow, run, step, ...
+        │   ├── Conflict              the request contradicts current state
+        │   ├── Unavailable           the engine could not be reached (after retries)
+        │   ├── DeadlineExceeded      an operation ran out of time
+        │   └── TaskAlreadySettled    a second continue_/complete/fail/pause on one task
+        └── PermanentError            raised by a handler: fail the step, no retry
+
+``RunCancelled`` derives from ``BaseException`` so that an ``except Exception:``
+in handler code cannot swallow it: the cancellation always reaches the worker.
+"""
+
+from __future__ import annotations
+
+from dagnats.core.errors import (
+    Conflict,
+    DagnatsError,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+
+__all__ = [
+    "Conflict",
+    "DagnatsError",
+    "DeadlineExceeded",
+    "InvalidArgument",
+    "NotFound",
+    "PermanentError",
+    "RunCancelled",
+    "TaskAlreadySettled",
+    "Unavailable",
+]
+
+
+class RunCancelled(BaseException):
+    """The run of the current task was cancelled; the handler should stop.
+
+    Raised into a handler by :meth:`TaskContext.heartbeat` when the engine
+    answers that the run was cancelled. The worker reports the task as failed
+    for good, and the engine drops that report because the run is cancelled.
+
+    Attributes:
+        run_id: The cancelled run.
+    """
+
+    def __init__(self, run_id: str, message: str = "") -> None:
+        self.run_id = run_id
+        self.message = message or f"run {run_id} was cancelled"
+        super().__init__(self.message)
+
+
+class PermanentError(Exception):
+    """Raised by a handler to fail its step without a retry.
+
+    Any other exception fails the attempt and lets the step's retry policy
+    decide; this one tells the engine that trying again cannot help.
+
+    Attributes:
+        message: What went wrong.
+        reason: A machine-readable reason, such as ``"bad_input"`` (may be empty).
+    """
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason
+
+
+class TaskAlreadySettled(DagnatsError):
+    """A task was settled twice (``continue_``, ``complete``, ``fail`` or ``pause``).
+
+    Attributes:
+        run_id: The run of the task.
+        step_id: The step of the task.
+        settled_as: The outcome the task was already settled with (``"complete"``, ...).
+    """
+
+    code = "task_already_settled"
+
+    def __init__(self, *, run_id: str, step_id: str, settled_as: str) -> None:
+        super().__init__(
+            f"task of step {step_id!r} of run {run_id} was already settled with {settled_as}"
+        )
+        self.run_id = run_id
+        self.step_id = step_id
+        self.settled_as = settled_as

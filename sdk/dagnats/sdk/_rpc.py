@@ -1,0 +1,202 @@
+"""The one place the SDK calls the engine.
+
+Invariants:
+
+- Every call carries a deadline (``timeout=``), per attempt.
+- A transport failure is retried a bounded number of times, with jittered
+  exponential backoff: a status in ``TRANSIENT_CODES`` for every call, and
+  ``DEADLINE_EXCEEDED`` only for calls that are safe to repeat (the first try
+  may have been applied). When the attempts run out the caller gets
+  ``Unavailable``.
+- Any other status is a domain error: it is never retried and is turned back
+  into the error the engine raised by ``grpcutil.error_from_rpc``.
+- Nothing outside this module sees a ``grpc.RpcError``; cancelling the awaiting
+  asyncio task cancels the RPC in flight.
+
+Which calls are safe to repeat: reads; RegisterWorkflow (same document, same
+result); StartRun only with an idempotency key; CancelRun and PurgeRun; the
+task calls Heartbeat, SaveCheckpoint and Report (the engine accepts one report
+per dispatch and drops repeats). PollTasks is not: a poll that timed out on
+our side may have leased tasks, and repeating it leases more; the worker's
+poll loop retries on its own terms.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
+import grpc.aio
+from google.protobuf.message import Message
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
+from dagnats.core.errors import Unavailable
+from dagnats.core.grpcutil import TRANSIENT_CODES, error_from_rpc
+from dagnats.core.tracing import client_interceptors
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import engine_pb2_grpc
+
+if TYPE_CHECKING:
+    from dagnats.engine.v1.engine_pb2_grpc import EngineServiceAsyncStub
+
+log = logging.getLogger("dagnats.sdk")
+
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """How transport failures are retried.
+
+    Attributes:
+        attempts: Total tries of one call, the first included.
+        backoff: Scale of the randomised exponential wait between tries, in seconds.
+        max_backoff: Upper bound of one wait, in seconds.
+    """
+
+    attempts: int = 5
+    backoff: float = 0.1
+    max_backoff: float = 2.0
+
+
+class EngineRpc:
+    """A connection to the engine; every method is one RPC with retries and a deadline.
+
+    The channel is opened on the first call, so that it belongs to the running
+    event loop.
+    """
+
+    def __init__(self, target: str, *, timeout: float, retry: RetryPolicy | None = None) -> None:
+        self._target = target
+        self._timeout = timeout
+        self._retry = retry or RetryPolicy()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: EngineServiceAsyncStub | None = None
+
+    @property
+    def timeout(self) -> float:
+        """Deadline of one attempt, in seconds."""
+        return self._timeout
+
+    async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled. A later call reconnects."""
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close(None)
+
+    # Workflows and runs.
+
+    async def register_workflow(
+        self, request: pb.RegisterWorkflowRequest
+    ) -> pb.RegisterWorkflowResponse:
+        return await self._call(self._connect().RegisterWorkflow, request, idempotent=True)
+
+    async def get_workflow(self, request: pb.GetWorkflowRequest) -> pb.GetWorkflowResponse:
+        return await self._call(self._connect().GetWorkflow, request, idempotent=True)
+
+    async def list_workflows(self, request: pb.ListWorkflowsRequest) -> pb.ListWorkflowsResponse:
+        return await self._call(self._connect().ListWorkflows, request, idempotent=True)
+
+    async def start_run(self, request: pb.StartRunRequest) -> pb.StartRunResponse:
+        idempotent = bool(request.idempotency_key)
+        return await self._call(self._connect().StartRun, request, idempotent=idempotent)
+
+    async def get_run(self, request: pb.GetRunRequest) -> pb.GetRunResponse:
+        return await self._call(self._connect().GetRun, request, idempotent=True)
+
+    async def list_runs(self, request: pb.ListRunsRequest) -> pb.ListRunsResponse:
+        return await self._call(self._connect().ListRuns, request, idempotent=True)
+
+    async def cancel_run(self, request: pb.CancelRunRequest) -> pb.CancelRunResponse:
+        return await self._call(self._connect().CancelRun, request, idempotent=True)
+
+    async def purge_run(self, request: pb.PurgeRunRequest) -> pb.PurgeRunResponse:
+        return await self._call(self._connect().PurgeRun, request, idempotent=True)
+
+    # The task API.
+
+    async def poll_tasks(
+        self, request: pb.PollTasksRequest, *, deadline: float
+    ) -> pb.PollTasksResponse:
+        return await self._call(
+            self._connect().PollTasks, request, idempotent=False, deadline=deadline
+        )
+
+    async def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        return await self._call(self._connect().Heartbeat, request, idempotent=True)
+
+    async def report(self, request: pb.ReportRequest) -> pb.ReportResponse:
+        return await self._call(self._connect().Report, request, idempotent=True)
+
+    async def load_checkpoint(self, request: pb.LoadCheckpointRequest) -> pb.LoadCheckpointResponse:
+        return await self._call(self._connect().LoadCheckpoint, request, idempotent=True)
+
+    async def save_checkpoint(self, request: pb.SaveCheckpointRequest) -> pb.SaveCheckpointResponse:
+        return await self._call(self._connect().SaveCheckpoint, request, idempotent=True)
+
+    def _connect(self) -> EngineServiceAsyncStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(
+                self._target, interceptors=client_interceptors()
+            )
+            self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        return self._stub
+
+    async def _call(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[Req, Resp],
+        request: Req,
+        *,
+        idempotent: bool,
+        deadline: float | None = None,
+    ) -> Resp:
+        name = type(request).__name__.removesuffix("Request")
+        if deadline is None:
+            deadline = self._timeout
+        transient = functools.partial(_is_transient, idempotent=idempotent)
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self._retry.attempts),
+            wait=wait_random_exponential(
+                multiplier=self._retry.backoff, max=self._retry.max_backoff
+            ),
+            retry=retry_if_exception(transient),
+            before_sleep=functools.partial(_log_retry, name),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await method(request, timeout=deadline)
+        except grpc.aio.AioRpcError as err:
+            # Raised "from None": the status is already in the message, and the
+            # domain error is the whole story for the caller.
+            if transient(err):
+                raise Unavailable(
+                    f"{name} failed {self._retry.attempts} times; last: "
+                    f"{err.code().name}: {err.details()}"
+                ) from None
+            raise error_from_rpc(err) from None
+        raise AssertionError("unreachable: the retry loop returns or raises")
+
+
+def _is_transient(err: BaseException, *, idempotent: bool) -> bool:
+    if not isinstance(err, grpc.aio.AioRpcError):
+        return False
+    code = err.code()
+    return code in TRANSIENT_CODES or (idempotent and code == grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _log_retry(name: str, state: RetryCallState) -> None:
+    err = state.outcome.exception() if state.outcome else None
+    status = err.code().name if isinstance(err, grpc.aio.AioRpcError) else repr(err)
+    log.info("engine %s attempt %d failed with %s; retrying", name, state.attempt_number, status)

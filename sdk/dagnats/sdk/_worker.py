@@ -1,0 +1,370 @@
+"""The worker: polls the engine for tasks and runs one handler per task.
+
+Invariants:
+
+- The poll loop never runs a handler itself and never dies of an engine
+  error: each leased task runs in its own asyncio task, and a failed poll is
+  logged and retried after a jittered backoff.
+- At most ``concurrency`` handlers run at once; a poll asks for exactly the
+  free slots, so the worker never leases a task it cannot start.
+- Every task ends with exactly one report unless the handler settled it: the
+  outcome the handler chose, or one the worker derives from how it ended
+  (see ``_conclude``). A report that cannot be delivered is logged and
+  dropped; the lease then expires and the engine delivers the task again.
+- Stopping cancels the poll in flight. Tasks that poll had already leased are
+  not lost: their leases expire and the engine delivers them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import secrets
+import socket
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from google.protobuf.duration_pb2 import Duration
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
+from dagnats.core.ids import check_token
+from dagnats.core.tracing import extract, tracer
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk._context import TaskContext, describe_error
+from dagnats.sdk._errors import PermanentError, RunCancelled
+from dagnats.sdk._rpc import EngineRpc
+
+log = logging.getLogger("dagnats.sdk")
+
+Handler = Callable[[TaskContext], Awaitable[None]]
+
+T = TypeVar("T")
+
+NOT_SETTLED = "handler returned without calling continue_, complete, fail or pause"
+# When the engine does not say how long a lease lasts, heartbeat as if it were this.
+_ASSUMED_LEASE = 30.0
+_MIN_HEARTBEAT = 0.05
+_POLL_BACKOFF = 0.2
+_POLL_BACKOFF_MAX = 10.0
+
+
+class Worker:
+    """Runs handlers for the tasks of the given task types.
+
+    Use it as ``async with Worker(target, handlers={...}):`` (it polls in the
+    background until the block ends) or ``await worker.run()`` until
+    ``await worker.stop()``. A worker runs once.
+
+    Args:
+        target: Address of the engine, such as ``"localhost:7233"``.
+        handlers: ``async def handler(tc: TaskContext) -> None`` by task type.
+        concurrency: Most handlers running at once.
+        poll_wait: Longest time one poll waits for tasks, in seconds.
+        rpc_timeout: Deadline of every other engine call, in seconds.
+        heartbeat_interval: Seconds between automatic heartbeats; by default a
+            third of the task's lease, at least 0.05.
+        worker_id: Names the worker in the engine's logs; by default
+            ``host-pid-random``.
+
+    Raises:
+        InvalidArgument: a task type is not one NATS token, or a number is out of range.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        handlers: Mapping[str, Handler],
+        concurrency: int = 4,
+        poll_wait: float = 5.0,
+        rpc_timeout: float = 10.0,
+        heartbeat_interval: float | None = None,
+        worker_id: str | None = None,
+    ) -> None:
+        _check_options(handlers, concurrency, poll_wait, rpc_timeout, heartbeat_interval)
+        self._handlers = dict(handlers)
+        self._concurrency = concurrency
+        self._poll_wait = poll_wait
+        self._heartbeat_interval = heartbeat_interval
+        self._worker_id = worker_id or _default_worker_id()
+        self._rpc = EngineRpc(target, timeout=rpc_timeout)
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._slot_freed = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._finished = asyncio.Event()
+        self._started = False
+        self._grace = 0.0
+        self._background: asyncio.Task[None] | None = None
+
+    @property
+    def worker_id(self) -> str:
+        """The id the worker polls with."""
+        return self._worker_id
+
+    @property
+    def in_flight(self) -> int:
+        """Handlers running now."""
+        return len(self._inflight)
+
+    async def __aenter__(self) -> Self:
+        self._background = asyncio.create_task(self.run(), name=f"worker {self._worker_id}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+        if self._background is not None:
+            await self._background
+
+    async def run(self) -> None:
+        """Poll and run handlers until :meth:`stop` is called or this call is cancelled.
+
+        When cancelled, handlers in flight are cancelled at once and not reported
+        (their leases expire and the engine delivers the tasks again).
+
+        Raises:
+            Conflict: the worker has already run.
+        """
+        if self._started:
+            raise Conflict("a Worker runs once; create another")
+        self._started = True
+        log.info("worker %s polling for %s", self._worker_id, sorted(self._handlers))
+        try:
+            await self._poll_loop()
+        except asyncio.CancelledError:
+            self._grace = 0.0
+            raise
+        finally:
+            try:
+                await self._drain()
+            finally:
+                await self._rpc.close()
+                self._finished.set()
+                log.info("worker %s stopped", self._worker_id)
+
+    async def stop(self, *, grace: float = 10.0) -> None:
+        """Stop polling, let handlers in flight finish, then return.
+
+        Args:
+            grace: Seconds to wait for handlers in flight; those still running
+                then are cancelled without a report (their leases expire and the
+                engine delivers the tasks again).
+        """
+        self._grace = grace
+        self._stopping.set()
+        if self._started:
+            await self._finished.wait()
+
+    # The poll loop.
+
+    async def _poll_loop(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            free = await self._free_slots()
+            if free == 0:
+                continue  # stopping
+            try:
+                leased = await self._unless_stopping(self._poll(free))
+            except Exception as err:
+                failures += 1
+                delay = _backoff(failures)
+                _log_poll_failure(err, delay)
+                await self._unless_stopping(asyncio.sleep(delay))
+                continue
+            failures = 0
+            for task in leased or ():
+                self._start(task)
+
+    async def _free_slots(self) -> int:
+        while len(self._inflight) >= self._concurrency and not self._stopping.is_set():
+            self._slot_freed.clear()
+            await self._unless_stopping(self._slot_freed.wait())
+        if self._stopping.is_set():
+            return 0
+        return self._concurrency - len(self._inflight)
+
+    async def _poll(self, max_tasks: int) -> list[pb.LeasedTask]:
+        wait = Duration()
+        wait.FromNanoseconds(round(self._poll_wait * 1e9))
+        request = pb.PollTasksRequest(
+            task_types=list(self._handlers),
+            max_tasks=max_tasks,
+            wait=wait,
+            worker_id=self._worker_id,
+        )
+        # The engine holds a poll up to poll_wait, so the deadline is on top of that.
+        deadline = self._poll_wait + self._rpc.timeout
+        response = await self._rpc.poll_tasks(request, deadline=deadline)
+        return list(response.tasks)
+
+    async def _unless_stopping(self, work: Coroutine[Any, Any, T]) -> T | None:
+        """Await ``work`` unless stop() comes first; then cancel it and return None."""
+        job = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((job, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not job.done():
+                job.cancel()
+                await asyncio.wait((job,))
+        return None if job.cancelled() else job.result()
+
+    async def _drain(self) -> None:
+        pending = set(self._inflight)
+        if pending and self._grace > 0:
+            _, pending = await asyncio.wait(pending, timeout=self._grace)
+        for task in pending:
+            task.cancel()
+        if pending:
+            log.warning("cancelled %d handler(s) still running at shutdown", len(pending))
+            await asyncio.wait(pending)
+
+    # One task.
+
+    def _start(self, leased: pb.LeasedTask) -> None:
+        tc = TaskContext(leased, self._rpc)
+        task = asyncio.create_task(self._execute(tc), name=f"task {tc.run_id}/{tc.step_id}")
+        self._inflight.add(task)
+        task.add_done_callback(self._finished_task)
+
+    def _finished_task(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        self._slot_freed.set()
+        if not task.cancelled() and (err := task.exception()) is not None:
+            log.error("task runner failed", exc_info=err)
+
+    async def _execute(self, tc: TaskContext) -> None:
+        handler = self._handlers.get(tc.task_type)
+        if handler is None:  # the engine sent a type we did not ask for
+            await _report(tc.fail(f"worker {self._worker_id} has no handler for {tc.task_type}"))
+            return
+        parent = extract(tc.trace_context)
+        with tracer.start_as_current_span(
+            f"task {tc.task_type}",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            attributes={
+                "run_id": tc.run_id,
+                "step_id": tc.step_id,
+                "iteration": tc.iteration,
+                "attempt": tc.attempt,
+            },
+        ) as span:
+            # Its own task, so that a cancelled run cancels the handler (and its
+            # RPCs) without cancelling the code that reports the outcome.
+            running = asyncio.create_task(_invoke(handler, tc))
+            beats = asyncio.create_task(self._keep_alive(tc, running))
+            try:
+                await asyncio.wait((running,))
+            finally:
+                beats.cancel()
+                if not running.done():  # stop() gave up on this task
+                    running.cancel()
+                await asyncio.wait((running, beats))
+            await self._conclude(tc, running, span)
+
+    async def _keep_alive(self, tc: TaskContext, running: asyncio.Task[None]) -> None:
+        interval = self._heartbeat_interval or max(
+            (tc.lease_duration or _ASSUMED_LEASE) / 3, _MIN_HEARTBEAT
+        )
+        while True:
+            await asyncio.sleep(interval)
+            if tc.settled:  # the lease is spent; nothing left to keep alive
+                return
+            try:
+                cancelled = await tc._beat()
+            except Exception as err:  # the next beat may get through; the lease is longer
+                log.warning("heartbeat for %s/%s failed: %s", tc.run_id, tc.step_id, err)
+                continue
+            if cancelled:
+                log.info("run %s was cancelled; cancelling step %s", tc.run_id, tc.step_id)
+                running.cancel()
+                return
+
+    async def _conclude(self, tc: TaskContext, running: asyncio.Task[None], span: Span) -> None:
+        err = None if running.cancelled() else running.exception()
+        if err is not None:
+            span.record_exception(err)
+            span.set_status(Status(StatusCode.ERROR, describe_error(err)))
+        if isinstance(err, RunCancelled):
+            tc._mark_cancelled()
+        if tc.settled:
+            if err is not None and not isinstance(err, RunCancelled):
+                log.warning("handler for %s raised after settling its task", tc.task_type)
+            return
+        if tc.cancelled:
+            # The engine drops this report (the run is cancelled) and releases the task.
+            await _report(tc.fail_permanent(f"run {tc.run_id} was cancelled", reason="cancelled"))
+        elif running.cancelled():
+            await _report(tc.fail("handler was cancelled"))
+        elif isinstance(err, PermanentError):
+            await _report(tc.fail_permanent(err, reason=err.reason))
+        elif err is not None:
+            log.error("handler for %s failed", tc.task_type, exc_info=err)
+            await _report(tc.fail(err))
+        else:
+            span.set_status(Status(StatusCode.ERROR, NOT_SETTLED))
+            await _report(tc.fail(NOT_SETTLED))
+
+
+async def _invoke(handler: Handler, tc: TaskContext) -> None:
+    await handler(tc)
+
+
+async def _report(settle: Awaitable[None]) -> None:
+    try:
+        await settle
+    except DagnatsError as err:
+        log.warning(
+            "could not report a task (%s); its lease will expire and the engine "
+            "will deliver it again",
+            err,
+        )
+
+
+def _check_options(
+    handlers: Mapping[str, Handler],
+    concurrency: int,
+    poll_wait: float,
+    rpc_timeout: float,
+    heartbeat_interval: float | None,
+) -> None:
+    if not handlers:
+        raise InvalidArgument("a worker needs at least one handler", field="handlers")
+    for task_type, handler in handlers.items():
+        check_token(task_type, field="handlers")
+        if not callable(handler):
+            raise InvalidArgument(f"handler for {task_type!r} is not callable", field="handlers")
+    if concurrency < 1:
+        raise InvalidArgument("concurrency must be at least 1", field="concurrency")
+    if poll_wait <= 0:
+        raise InvalidArgument("poll_wait must be positive", field="poll_wait")
+    if rpc_timeout <= 0:
+        raise InvalidArgument("rpc_timeout must be positive", field="rpc_timeout")
+    if heartbeat_interval is not None and heartbeat_interval <= 0:
+        raise InvalidArgument("heartbeat_interval must be positive", field="heartbeat_interval")
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _backoff(failures: int) -> float:
+    ceiling = min(_POLL_BACKOFF_MAX, _POLL_BACKOFF * 2 ** min(failures, 16))
+    return random.uniform(ceiling / 2, ceiling)
+
+
+def _log_poll_failure(err: Exception, delay: float) -> None:
+    if isinstance(err, DagnatsError):
+        log.warning("polling the engine failed (%s); retrying in %.2fs", err, delay)
+    else:
+        log.error("polling the engine failed; retrying in %.2fs", delay, exc_info=err)

@@ -1,0 +1,55 @@
+"""Fixtures: a real nats-server (and a 3-node cluster) on free ports with temp
+stores, and an in-memory span exporter for tracing assertions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from dagnats.core.natsserver import NatsCluster, NatsServer
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def nats_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[NatsServer]:
+    """A JetStream server (sync_interval: always) shared by the tests of one module."""
+    server = await NatsServer.start(tmp_path_factory.mktemp("nats"))
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[NatsCluster]:
+    """A 3-node JetStream cluster on loopback, shared by the tests of one module."""
+    cluster = await NatsCluster.start(tmp_path_factory.mktemp("nats-cluster"))
+    try:
+        yield cluster
+    finally:
+        await cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def span_exporter_session() -> Iterator[InMemorySpanExporter]:
+    """Install the process-wide TracerProvider once; OpenTelemetry allows only one."""
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield exporter
+    exporter.shutdown()
+
+
+@pytest.fixture
+def span_exporter(span_exporter_session: InMemorySpanExporter) -> InMemorySpanExporter:
+    """The session's exporter, emptied so a test sees only its own spans."""
+    span_exporter_session.clear()
+    return span_exporter_session

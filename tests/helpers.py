@@ -1,0 +1,50 @@
+"""Helpers shared by the tests.
+
+:func:`wait_for` is the only way a test waits: it polls a condition against a
+deadline, so a slow machine makes a test slower, never flaky, and a broken
+condition fails with the last value seen instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def wait_for(
+    predicate: Callable[[], Awaitable[T | None] | T | None],
+    *,
+    timeout: float = 10.0,  # noqa: ASYNC109 - a polling deadline, not a cancel scope
+    interval: float = 0.02,
+    message: str = "",
+) -> T:
+    """Poll ``predicate`` (sync or async) until it returns a truthy value.
+
+    Args:
+        predicate: called with no arguments; may return an awaitable.
+        timeout: seconds before giving up.
+        interval: seconds between polls.
+        message: what was awaited, for the failure message.
+
+    Returns:
+        The first truthy value.
+
+    Raises:
+        AssertionError: the deadline passed; the message names the last value.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() >= deadline:
+            what = message or getattr(predicate, "__qualname__", repr(predicate))
+            raise AssertionError(f"{what}: not true within {timeout}s (last value: {value!r})")
+        await asyncio.sleep(interval)

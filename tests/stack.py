@@ -1,0 +1,62 @@
+"""Helpers to run the engine and workers in tests against a real nats-server."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dagnats.engine.config import EngineConfig
+
+# Short leases and fast reconciling keep crash tests quick; nothing else differs.
+FAST = EngineConfig(
+    task_ack_wait=2.0,
+    history_ack_wait=5.0,
+    reconcile_interval=0.5,
+    outbox_grace=1.0,
+)
+
+_names = itertools.count()
+
+
+def unique(prefix: str) -> str:
+    """A name no other test in the session uses (workflows, task types)."""
+    return f"{prefix}-{os.getpid()}-{next(_names)}"
+
+
+def loop_workflow(name: str, task: str, *, max_iterations: int = 20, **step: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "steps": [
+            {
+                "id": "agent",
+                "type": "agent_loop",
+                "task": task,
+                "agent_loop": {"max_iterations": max_iterations, **step.pop("agent_loop", {})},
+                **step,
+            }
+        ],
+    }
+
+
+def spawn_worker(target: str, task: str, *, crash_at: int, marker: Path) -> subprocess.Popen[bytes]:
+    """A worker in its own process that hangs at iteration ``crash_at`` after
+    writing ``marker``, so the test can kill it mid-iteration. Its output goes
+    to ``marker`` + ``.log``."""
+    script = Path(__file__).parent / "workers" / "crashy_worker.py"
+    args = [sys.executable, str(script), target, task, str(crash_at), str(marker)]
+    with open(f"{marker}.log", "wb") as log:
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+
+def decode(raw: bytes) -> Any:
+    return json.loads(raw) if raw else None
+
+
+def steps_by_id(run: Any) -> Mapping[str, Any]:
+    return {s.step_id: s for s in run.steps}

@@ -1,0 +1,113 @@
+"""The ``dagnats`` command as a user runs it: a real process, real output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from dagnats.core.natsserver import free_port
+from dagnats.engine.server import EngineServer, start_engine
+from tests.stack import FAST, unique
+
+
+def dagnats(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> Any:
+    return subprocess.run(
+        [sys.executable, "-m", "dagnats.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+async def adagnats(*args: str, env: dict[str, str] | None = None) -> Any:
+    """The CLI in a thread, so the engine on this event loop keeps serving."""
+    return await asyncio.to_thread(dagnats, *args, env=env)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
+    server = await start_engine(nats_server.url, config=FAST)
+    yield server
+    await server.stop()
+
+
+def test_dev_runs_the_demo_and_a_second_start_finds_it(tmp_path: Path) -> None:
+    args = [
+        "dev",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--nats-port",
+        str(free_port()),
+        "--engine-port",
+        str(free_port()),
+        "--exit-after-demo",
+    ]
+    first = dagnats(*args)
+    assert first.returncode == 0, first.stderr
+    assert "status    completed" in first.stdout
+    assert "Lisbon" in first.stdout and "dagnats run get" in first.stdout
+    second = dagnats(*args)
+    assert second.returncode == 0, second.stderr
+    assert "found 1 earlier run(s)" in second.stdout
+
+
+async def test_cli_round_trip_and_json(engine: EngineServer, tmp_path: Path) -> None:
+    name = unique("cli")
+    spec = tmp_path / "wf.yaml"
+    spec.write_text(f"name: {name}\nsteps:\n  - id: only\n    task: {unique('t')}\n")
+    env = {"DAGNATS_ENGINE": engine.target}
+    applied = await adagnats("workflow", "apply", str(spec), env=env)
+    assert applied.returncode == 0, applied.stderr
+    assert f"workflow {name} registered (1 steps)" in applied.stdout
+    started = await adagnats("run", "start", name, "--input", '{"a": 1}', "--json", env=env)
+    assert started.returncode == 0, started.stderr
+    run = json.loads(started.stdout)
+    assert run["status"] == "RUN_STATUS_RUNNING" and run["input"] == {"a": 1}
+    got = await adagnats("run", "cancel", run["run_id"], "--json", env=env)
+    assert json.loads(got.stdout)["status"] == "RUN_STATUS_CANCELLED"
+    listed = await adagnats("run", "list", "--workflow", name, "--json", env=env)
+    assert [r["run_id"] for r in json.loads(listed.stdout)] == [run["run_id"]]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "get", "0" * 32], "does not exist"),
+        (["run", "get", "not.a.run"], "run_id must be"),
+        (["run", "start", "ghost-workflow"], "not registered"),
+        (["run", "start", "x", "--input", "{bad"], "--input is not valid JSON"),
+        (["workflow", "apply", "/nonexistent.yaml"], "cannot read"),
+    ],
+)
+async def test_errors_are_one_line_and_exit_non_zero(
+    engine: EngineServer, args: list[str], needle: str
+) -> None:
+    result = await adagnats(*args, env={"DAGNATS_ENGINE": engine.target})
+    assert result.returncode == 1
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+
+
+async def test_bad_definition_file_names_the_problem(engine: EngineServer, tmp_path: Path) -> None:
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("name: bad\nsteps:\n  - id: a.b\n    task: t\n")
+    result = await adagnats("workflow", "apply", str(spec), env={"DAGNATS_ENGINE": engine.target})
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "a.b" in result.stderr
+
+
+def test_unreachable_engine_is_one_line() -> None:
+    result = dagnats("run", "list", env={"DAGNATS_ENGINE": f"127.0.0.1:{free_port()}"}, timeout=60)
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1
