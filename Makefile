@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
-PROTO_ROOTS := engine:services/engine
+PROTO_ROOTS := engine:services/engine journal:services/journal
 
 .PHONY: help setup dev test test-fast lint fmt proto proto-check bench test-chaos clean
 

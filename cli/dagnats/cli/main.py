@@ -17,6 +17,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from dagnats.cli.journal import add_journal_commands, run_journal
 from dagnats.core.errors import DagnatsError
 from dagnats.engine.v1 import engine_pb2 as pb
 
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     _workflow_commands(sub.add_parser("workflow", help="register and read workflows"))
     _run_commands(sub.add_parser("run", help="start, read, cancel and watch runs"))
+    journal = sub.add_parser("journal", help="read and audit step journals")
+    add_journal_commands(journal.add_subparsers(dest="action", required=True))
     return parser
 
 
@@ -254,6 +257,10 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _journal(args: argparse.Namespace) -> int:
+    return await run_journal(args, args.engine or default_target())
+
+
 async def _dev(args: argparse.Namespace) -> int:
     from dagnats.cli.dev import run_dev
 
@@ -265,6 +272,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] = 
     "serve": _serve,
     "workflow": _workflow,
     "run": _run,
+    "journal": _journal,
 }
 
 

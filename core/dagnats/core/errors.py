@@ -9,7 +9,10 @@ place, so no caller outside those two modules sees a ``grpc.RpcError``.
     ├── NotFound                      unknown workflow, run, step, ...
     ├── Conflict                      the request contradicts current state
     ├── Unavailable                   transport or backend trouble; retriable
-    └── DeadlineExceeded              an operation ran out of time
+    ├── DeadlineExceeded              an operation ran out of time
+    ├── Fenced                        a successor holds the step; stop writing
+    └── ReplayMismatch                the handler made a different call at a
+                                      recorded position; nothing was written
 """
 
 from __future__ import annotations
@@ -54,3 +57,22 @@ class DeadlineExceeded(DagnatsError):
     """The operation did not finish in time."""
 
     code = "deadline_exceeded"
+
+
+class Fenced(DagnatsError):
+    """A journal write found a tail other than the writer's: a successor claimed."""
+
+    code = "fenced"
+
+    def __init__(
+        self, message: str, *, field: str | None = None, expected: int = 0, actual: int = 0
+    ) -> None:
+        super().__init__(message, field=field)
+        self.expected = expected
+        self.actual = actual
+
+
+class ReplayMismatch(DagnatsError):
+    """The call at a position differs from the one the journal recorded there."""
+
+    code = "replay_mismatch"

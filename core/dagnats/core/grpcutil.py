@@ -27,6 +27,8 @@ STATUS_OF: dict[type[errors.DagnatsError], grpc.StatusCode] = {
     errors.Conflict: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Fenced: grpc.StatusCode.ABORTED,
+    errors.ReplayMismatch: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 # The error code carried in trailing metadata -> class, for the way back.
@@ -64,13 +66,18 @@ def domain_errors(method: F) -> F:
         try:
             return await method(self, request, context)
         except errors.DagnatsError as err:
-            metadata: list[tuple[str, str]] = [(CODE_KEY, err.code)]
-            if err.field:
-                metadata.append((FIELD_KEY, err.field))
-            context.set_trailing_metadata(tuple(metadata))
-            await context.abort(status_of(err), err.message)
+            await abort_with(context, err)
 
     return wrapper  # type: ignore[return-value]
+
+
+async def abort_with(context: Context, err: errors.DagnatsError) -> None:
+    """End the call with the status of ``err``, its code and field in metadata."""
+    metadata: list[tuple[str, str]] = [(CODE_KEY, err.code)]
+    if err.field:
+        metadata.append((FIELD_KEY, err.field))
+    context.set_trailing_metadata(tuple(metadata))
+    await context.abort(status_of(err), err.message)
 
 
 def error_from_rpc(err: grpc.aio.AioRpcError) -> errors.DagnatsError:

@@ -42,6 +42,7 @@ TASKS = "TASKS"
 HISTORY = "HISTORY"
 TIMERS = "SLEEP_TIMERS"
 DEAD_LETTERS = "DEAD_LETTERS"
+JOURNAL = "AGENT_JOURNAL"
 KV_WORKFLOWS = "WORKFLOWS"
 KV_RUNS = "RUNS"
 KV_RUN_KEYS = "RUN_KEYS"
@@ -100,6 +101,18 @@ def _streams(topology: Topology) -> list[StreamConfig]:
             name=TIMERS,
             subjects=["timers.>"],
             retention=RetentionPolicy.WORK_QUEUE,
+            **common,
+        ),
+        # The fence of a step is the last record on its subject, so nothing may
+        # remove records early: no TTL, no deletes, no discard; MaxAge bounds the
+        # life of a run (DESIGN.md §10.4). Purged only with its terminal run.
+        StreamConfig(
+            name=JOURNAL,
+            subjects=["journal.>"],
+            retention=RetentionPolicy.LIMITS,
+            max_age=30 * DAY,
+            deny_delete=True,
+            discard=DiscardPolicy.NEW,
             **common,
         ),
         StreamConfig(

@@ -24,9 +24,12 @@ from typing import Any
 from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core.errors import DagnatsError, InvalidArgument
+from dagnats.core.seam import seam
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._codec import decode, encode
-from dagnats.sdk._errors import RunCancelled, TaskAlreadySettled
+from dagnats.sdk._errors import Committed, RestartLimit, RunCancelled, Stale, TaskAlreadySettled
+from dagnats.sdk._journal import Journal
 from dagnats.sdk._rpc import EngineRpc
 
 _UNSET: Any = object()
@@ -51,8 +54,19 @@ class TaskContext:
     The worker creates contexts; handlers do not.
     """
 
-    def __init__(self, leased: pb.LeasedTask, rpc: EngineRpc) -> None:
+    def __init__(
+        self,
+        leased: pb.LeasedTask,
+        rpc: EngineRpc,
+        *,
+        worker_id: str = "",
+        restart_limit: int = 5,
+    ) -> None:
         self._leased = leased
+        self._worker_id = worker_id
+        self._restart_limit = restart_limit
+        self._journal: Journal | None = None
+        self._state: bytes | None = None
         self._task = leased.task
         self._rpc = rpc
         self._input: Any = _UNSET
@@ -133,6 +147,82 @@ class TaskContext:
         """True once the task was settled (or a settle is in flight)."""
         return self._settled_as is not None
 
+    # The journal.
+
+    @property
+    def fenced(self) -> bool:
+        """True once a journal write found a successor holding the step."""
+        return self._journal is not None and self._journal.fenced
+
+    @property
+    def journaled(self) -> Journal | None:
+        """The journal handle once :meth:`journal` claimed it."""
+        return self._journal
+
+    async def journal(self) -> Journal:
+        """Claim this dispatch's journal; the same handle on later calls.
+
+        After the claim, :meth:`load_checkpoint` and :meth:`checkpoint` travel
+        through the journal's commits, and every settle commits before it
+        reports.
+
+        Raises:
+            Stale: a late redelivery; the task was released, nothing ran.
+            Committed: the dispatch was committed by a holder that crashed
+                before reporting; the outcome was reported now.
+            RestartLimit: the iteration was claimed too often in a row; the
+                failure was committed and reported.
+        """
+        if self._journal is not None:
+            return self._journal
+        await seam("before_claim")
+        response = await self._rpc.claim(
+            jpb.ClaimRequest(
+                run_id=self.run_id,
+                step_id=self.step_id,
+                iteration=self.iteration,
+                attempt=self.attempt,
+                delivery=self.delivery,
+                worker_id=self._worker_id,
+                restart_limit=self._restart_limit,
+            )
+        )
+        if response.HasField("settled"):
+            await self._settled_by_journal(response.settled)
+        claimed = response.claimed
+        self._journal = Journal(self._rpc, claimed.token)
+        self._state = claimed.state if claimed.has_state else None
+        await seam("after_claim")
+        return self._journal
+
+    async def _settled_by_journal(self, settled: jpb.Settled) -> None:
+        self._settled_as = settled.reason
+        if settled.reason == "stale":
+            await self._rpc.report(self._request(pb.ReportRequest(acknowledge=pb.Acknowledge())))
+            raise Stale(self.run_id, self.step_id, settled.detail)
+        commit = settled.commit
+        request = pb.ReportRequest(
+            lease=self._leased.lease,
+            run_id=self.run_id,
+            step_id=self.step_id,
+            iteration=commit.iteration,
+            attempt=commit.attempt,
+            journal_seq=commit.seq,
+        )
+        field, outcome = outcome_of(commit.commit)
+        getattr(request, field).CopyFrom(outcome)
+        await self._rpc.report(request)
+        signal = RestartLimit if settled.reason == "restart_limit" else Committed
+        raise signal(self.run_id, self.step_id, settled.detail)
+
+    def _request(self, request: pb.ReportRequest) -> pb.ReportRequest:
+        request.lease = self._leased.lease
+        request.run_id = self.run_id
+        request.step_id = self.step_id
+        request.iteration = self.iteration
+        request.attempt = self.attempt
+        return request
+
     # Checkpoints.
 
     async def load_checkpoint(self) -> Any | None:
@@ -145,6 +235,8 @@ class TaskContext:
             DagnatsError: a domain error from the engine; ``Unavailable`` when it
                 cannot be reached.
         """
+        if self._journal is not None:
+            return decode(self._state, field="state") if self._state is not None else None
         response = await self._rpc.load_checkpoint(
             pb.LoadCheckpointRequest(run_id=self.run_id, step_id=self.step_id)
         )
@@ -162,6 +254,9 @@ class TaskContext:
                 cannot be reached.
         """
         data = encode(state, field="state")
+        if self._journal is not None:
+            self._state = data  # saved by the commit that ends the dispatch
+            return
         await self._rpc.save_checkpoint(
             pb.SaveCheckpointRequest(
                 run_id=self.run_id, step_id=self.step_id, state=data, lease=self._leased.lease
@@ -262,22 +357,49 @@ class TaskContext:
                 run_id=self.run_id, step_id=self.step_id, settled_as=self._settled_as
             )
         self._settled_as = field
-        request = pb.ReportRequest(
-            lease=self._leased.lease,
-            run_id=self.run_id,
-            step_id=self.step_id,
-            iteration=self.iteration,
-            attempt=self.attempt,
-        )
+        request = self._request(pb.ReportRequest())
         # "continue" is a Python keyword, so the oneof is set by name for all four.
         getattr(request, field).CopyFrom(outcome)
         try:
+            if self._journal is not None:
+                # The commit is the state of record; the event follows it.
+                request.journal_seq = await self._journal.commit(self._commit_of(outcome))
             response = await self._rpc.report(request)
         except DagnatsError:
             self._settled_as = None
             raise
+        await seam("after_event")
         if response.cancelled:
             self._mark_cancelled()
+
+    def _commit_of(self, outcome: Outcome) -> jpb.Commit:
+        commit = jpb.Commit(has_state=self._state is not None, state=self._state or b"")
+        match outcome:
+            case pb.Continue(output=output):
+                commit.action, commit.output = jpb.ACTION_CONTINUE, output
+            case pb.Complete(output=output):
+                commit.action, commit.output = jpb.ACTION_COMPLETE, output
+            case pb.Fail(error=error, kind=kind, reason=reason):
+                permanent = kind == pb.FAILURE_KIND_PERMANENT
+                commit.action = jpb.ACTION_FAIL_PERMANENT if permanent else jpb.ACTION_FAIL
+                commit.error, commit.reason = error, reason
+            case pb.Pause(duration=duration):
+                commit.action = jpb.ACTION_PAUSE
+                commit.pause.CopyFrom(duration)
+        return commit
+
+
+def outcome_of(commit: jpb.Commit) -> tuple[str, Outcome]:
+    """The report that carries a stored commit to the engine."""
+    if commit.action == jpb.ACTION_CONTINUE:
+        return "continue", pb.Continue(output=commit.output)
+    if commit.action == jpb.ACTION_COMPLETE:
+        return "complete", pb.Complete(output=commit.output)
+    if commit.action == jpb.ACTION_PAUSE:
+        return "pause", pb.Pause(duration=commit.pause)
+    permanent = commit.action == jpb.ACTION_FAIL_PERMANENT
+    kind = pb.FAILURE_KIND_PERMANENT if permanent else pb.FAILURE_KIND_RETRIABLE
+    return "fail", pb.Fail(error=commit.error, kind=kind, reason=commit.reason)
 
 
 def _failure(error: str | BaseException, reason: str, kind: pb.FailureKind.ValueType) -> pb.Fail:

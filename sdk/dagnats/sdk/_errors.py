@@ -6,6 +6,11 @@ The domain errors are the ones every dagnats component shares
 
     BaseException
     ├── RunCancelled                  the run was cancelled; the handler must stop
+    ├── JournalSignal                 the task is settled or lost; return at once
+    │   ├── Stale                     a late redelivery: a later dispatch exists
+    │   ├── Committed                 this dispatch was committed before a crash
+    │   ├── RestartLimit              too many claims in a row; the step failed
+    │   └── Fenced                    a successor holds the step; write nothing
     └── Exception
         ├── DagnatsError              root of everything dagnats raises on purpose
         │   ├── InvalidArgument       bad input; names the field
@@ -13,11 +18,15 @@ The domain errors are the ones every dagnats component shares
         │   ├── Conflict              the request contradicts current state
         │   ├── Unavailable           the engine could not be reached (after retries)
         │   ├── DeadlineExceeded      an operation ran out of time
+        │   ├── ReplayMismatch        a different call at a recorded position
         │   └── TaskAlreadySettled    a second continue_/complete/fail/pause on one task
+        ├── ConcurrentJournalUse      two asyncio tasks used one journal handle
         └── PermanentError            raised by a handler: fail the step, no retry
 
-``RunCancelled`` derives from ``BaseException`` so that an ``except Exception:``
-in handler code cannot swallow it: the cancellation always reaches the worker.
+``RunCancelled`` and the journal signals derive from ``BaseException`` so that
+an ``except Exception:`` in handler code cannot swallow them: they always reach
+the worker, which has settled the task already (or, for ``Fenced``, must leave
+it alone: acknowledging would take the task from its successor).
 """
 
 from __future__ import annotations
@@ -28,17 +37,25 @@ from dagnats.core.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
+    ReplayMismatch,
     Unavailable,
 )
 
 __all__ = [
+    "Committed",
+    "ConcurrentJournalUse",
     "Conflict",
     "DagnatsError",
     "DeadlineExceeded",
+    "Fenced",
     "InvalidArgument",
+    "JournalSignal",
     "NotFound",
     "PermanentError",
+    "ReplayMismatch",
+    "RestartLimit",
     "RunCancelled",
+    "Stale",
     "TaskAlreadySettled",
     "Unavailable",
 ]
@@ -96,3 +113,49 @@ class TaskAlreadySettled(DagnatsError):
         self.run_id = run_id
         self.step_id = step_id
         self.settled_as = settled_as
+
+
+class JournalSignal(BaseException):
+    """The journal decided this task's fate; the handler must return at once.
+
+    Attributes:
+        run_id: The run.
+        step_id: The step.
+        detail: What the journal found.
+    """
+
+    def __init__(self, run_id: str, step_id: str, detail: str = "") -> None:
+        super().__init__(detail or type(self).__name__)
+        self.run_id = run_id
+        self.step_id = step_id
+        self.detail = detail
+
+
+class Stale(JournalSignal):
+    """A late redelivery: the journal is past this dispatch. Nothing ran."""
+
+
+class Committed(JournalSignal):
+    """This dispatch was committed by a holder that crashed before reporting;
+    its outcome was reported again and the turn is not repeated."""
+
+
+class RestartLimit(JournalSignal):
+    """The iteration was claimed too many times in a row without progress; the
+    failure was committed and reported, and the retry policy applies."""
+
+
+class Fenced(JournalSignal):
+    """A successor claimed the step: this holder must write nothing more and
+    must not settle the task. ``expected`` and ``actual`` are the tail the
+    holder knew and the one it found."""
+
+    def __init__(self, run_id: str, step_id: str, *, expected: int = 0, actual: int = 0) -> None:
+        super().__init__(run_id, step_id, f"fenced: expected tail {expected}, found {actual}")
+        self.expected = expected
+        self.actual = actual
+
+
+class ConcurrentJournalUse(RuntimeError):
+    """Two asyncio tasks used one journal handle at once. Calls are replayed by
+    position, so they must be made one at a time."""

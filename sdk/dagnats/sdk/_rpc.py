@@ -44,9 +44,12 @@ from dagnats.core.grpcutil import TRANSIENT_CODES, error_from_rpc
 from dagnats.core.tracing import client_interceptors
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc
 
 if TYPE_CHECKING:
     from dagnats.engine.v1.engine_pb2_grpc import EngineServiceAsyncStub
+    from dagnats.journal.v1.journal_pb2_grpc import JournalServiceAsyncStub
 
 log = logging.getLogger("dagnats.sdk")
 
@@ -82,6 +85,7 @@ class EngineRpc:
         self._retry = retry or RetryPolicy()
         self._channel: grpc.aio.Channel | None = None
         self._stub: EngineServiceAsyncStub | None = None
+        self._journal_stub: JournalServiceAsyncStub | None = None
 
     @property
     def timeout(self) -> float:
@@ -91,6 +95,7 @@ class EngineRpc:
     async def close(self) -> None:
         """Close the channel; calls in flight are cancelled. A later call reconnects."""
         channel, self._channel, self._stub = self._channel, None, None
+        self._journal_stub = None
         if channel is not None:
             await channel.close(None)
 
@@ -143,6 +148,38 @@ class EngineRpc:
 
     async def save_checkpoint(self, request: pb.SaveCheckpointRequest) -> pb.SaveCheckpointResponse:
         return await self._call(self._connect().SaveCheckpoint, request, idempotent=True)
+
+    # The journal (served next to the engine).
+
+    async def claim(self, request: jpb.ClaimRequest) -> jpb.ClaimResponse:
+        return await self._call(self._journal().Claim, request, idempotent=False)
+
+    async def begin_model(self, request: jpb.BeginModelRequest) -> jpb.BeginModelResponse:
+        return await self._call(self._journal().BeginModel, request, idempotent=True)
+
+    async def record_model(self, request: jpb.RecordModelRequest) -> jpb.RecordModelResponse:
+        return await self._call(self._journal().RecordModel, request, idempotent=True)
+
+    async def begin_tool(self, request: jpb.BeginToolRequest) -> jpb.BeginToolResponse:
+        return await self._call(self._journal().BeginTool, request, idempotent=True)
+
+    async def tool_output(self, request: jpb.ToolOutputRequest) -> jpb.ToolOutputResponse:
+        return await self._call(self._journal().ToolOutput, request, idempotent=True)
+
+    async def finish_tool(self, request: jpb.FinishToolRequest) -> jpb.FinishToolResponse:
+        return await self._call(self._journal().FinishTool, request, idempotent=True)
+
+    async def hold(self, request: jpb.HoldRequest) -> jpb.HoldResponse:
+        return await self._call(self._journal().Hold, request, idempotent=True)
+
+    async def commit(self, request: jpb.CommitRequest) -> jpb.CommitResponse:
+        return await self._call(self._journal().Commit, request, idempotent=True)
+
+    def _journal(self) -> JournalServiceAsyncStub:
+        self._connect()
+        if self._journal_stub is None:
+            self._journal_stub = journal_pb2_grpc.JournalServiceStub(self._channel)  # type: ignore[arg-type]
+        return self._journal_stub
 
     def _connect(self) -> EngineServiceAsyncStub:
         if self._stub is None:

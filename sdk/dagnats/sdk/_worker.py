@@ -35,7 +35,7 @@ from dagnats.core.ids import check_token
 from dagnats.core.tracing import extract, tracer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk._context import TaskContext, describe_error
-from dagnats.sdk._errors import PermanentError, RunCancelled
+from dagnats.sdk._errors import Fenced, JournalSignal, PermanentError, RunCancelled
 from dagnats.sdk._rpc import EngineRpc
 
 log = logging.getLogger("dagnats.sdk")
@@ -84,8 +84,14 @@ class Worker:
         rpc_timeout: float = 10.0,
         heartbeat_interval: float | None = None,
         worker_id: str | None = None,
+        restart_limit: int = 5,
     ) -> None:
         _check_options(handlers, concurrency, poll_wait, rpc_timeout, heartbeat_interval)
+        if not 1 <= restart_limit <= 1000:
+            raise InvalidArgument(
+                f"restart_limit must be 1..1000, got {restart_limit}", field="restart_limit"
+            )
+        self._restart_limit = restart_limit
         self._handlers = dict(handlers)
         self._concurrency = concurrency
         self._poll_wait = poll_wait
@@ -231,7 +237,9 @@ class Worker:
     # One task.
 
     def _start(self, leased: pb.LeasedTask) -> None:
-        tc = TaskContext(leased, self._rpc)
+        tc = TaskContext(
+            leased, self._rpc, worker_id=self._worker_id, restart_limit=self._restart_limit
+        )
         task = asyncio.create_task(self._execute(tc), name=f"task {tc.run_id}/{tc.step_id}")
         self._inflight.add(task)
         task.add_done_callback(self._finished_task)
@@ -281,7 +289,15 @@ class Worker:
             if tc.settled:  # the lease is spent; nothing left to keep alive
                 return
             try:
+                if tc.journaled is not None:
+                    # Only a holder may extend the lease: a zombie's heartbeat
+                    # would extend its successor's deadline.
+                    await tc.journaled.hold()
                 cancelled = await tc._beat()
+            except Fenced:
+                log.warning("%s/%s: a successor holds the step; stopping", tc.run_id, tc.step_id)
+                running.cancel()
+                return
             except Exception as err:  # the next beat may get through; the lease is longer
                 log.warning("heartbeat for %s/%s failed: %s", tc.run_id, tc.step_id, err)
                 continue
@@ -297,6 +313,11 @@ class Worker:
             span.set_status(Status(StatusCode.ERROR, describe_error(err)))
         if isinstance(err, RunCancelled):
             tc._mark_cancelled()
+        if isinstance(err, JournalSignal) or tc.fenced:
+            # Settled by the journal already, or fenced: a fenced holder must not
+            # acknowledge (it would take the task from its successor).
+            span.set_status(Status(StatusCode.OK))
+            return
         if tc.settled:
             if err is not None and not isinstance(err, RunCancelled):
                 log.warning("handler for %s raised after settling its task", tc.task_type)

@@ -211,7 +211,12 @@ def event_to_input(event: ipb.HistoryEvent) -> m.RunInput | None:
         )
     else:
         return None
-    return m.StepReport(step_id=event.step_id, identity=identity, outcome=outcome)
+    return m.StepReport(
+        step_id=event.step_id,
+        identity=identity,
+        outcome=outcome,
+        journal_seq=event.journal_seq,
+    )
 
 
 def timer_to_input(timer: ipb.Timer) -> m.TimerFired:

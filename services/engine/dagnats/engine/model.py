@@ -140,6 +140,7 @@ class StepReport:
     step_id: str
     identity: Identity | None
     outcome: StepOutcome
+    journal_seq: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

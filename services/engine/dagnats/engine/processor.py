@@ -24,6 +24,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
+from dagnats.core.seam import seam
 from dagnats.engine import convert, rules
 from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
@@ -139,6 +140,7 @@ class Engine:
             except StaleRevision:
                 self.counters["cas_conflicts"] += 1
                 continue
+            await seam("after_dispatch_saved")
             await self.flush(StoredRun(record, revision))
             return decision.run, decision
         raise Unavailable(f"run {run_id} is changing too fast; try again")

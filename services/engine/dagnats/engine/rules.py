@@ -12,9 +12,13 @@ Invariants:
   for every iteration and grows by one per retry or pause of that iteration.
 * The acceptance rule: a step report is applied only while the run is running,
   the step is running, and the report's identity is the step's current
-  dispatch. Reports without identity are applied only while legacy step
-  events are allowed. Everything else is dropped, so a duplicate or stale
-  report never advances a step twice.
+  dispatch -- or, for a journal step, the report carries a journal commit
+  (``journal_seq``) of the step's current iteration: the journal admits one
+  commit per dispatch and fences every earlier holder, so such a report is
+  the iteration's truth even when it comes from an earlier attempt. Reports
+  without identity are applied only while legacy step events are allowed.
+  Everything else is dropped, so a duplicate or stale report never advances
+  a step twice.
 * Every wait (retry backoff, loop delay, pause) is a timer effect, and every
   timer carries the identity it was set for; a timer for another identity is
   dropped. Nothing waits in memory.
@@ -137,13 +141,16 @@ def _on_report(run: Run, report: StepReport, now: float, options: RuleOptions) -
     if not run.has_step(report.step_id):
         return Dropped(reason=f"unknown step {report.step_id!r}")
     step = run.step(report.step_id)
-    if step.status is not StepStatus.RUNNING:
-        return Dropped(reason=f"step {step.step_id} is {step.status.value}")
     ident = report.identity
+    committed = report.journal_seq > 0 and ident is not None and ident.iteration == step.iteration
+    if step.status is not StepStatus.RUNNING and not (
+        committed and step.status is StepStatus.WAITING
+    ):
+        return Dropped(reason=f"step {step.step_id} is {step.status.value}")
     if ident is None:
         if not options.legacy_step_events:
             return Dropped(reason="report without dispatch identity")
-    elif (ident.iteration, ident.attempt) != (step.iteration, step.attempt):
+    elif (ident.iteration, ident.attempt) != (step.iteration, step.attempt) and not committed:
         return Dropped(
             reason=(
                 f"report for dispatch ({ident.iteration}, {ident.attempt}) but step "

@@ -16,6 +16,9 @@ from dagnats.engine.processor import Engine
 from dagnats.engine.service import EngineServicer
 from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
+from dagnats.journal.service import JournalServicer
+from dagnats.journal.store import JournalStore
+from dagnats.journal.v1 import journal_pb2_grpc as journal_grpc
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ async def start_engine(
     port: int = 0,
     config: EngineConfig | None = None,
     topology: jsx.Topology | None = None,
+    with_journal: bool = True,
 ) -> EngineServer:
     """Connect, provision streams and buckets, start the loops and serve gRPC.
 
@@ -56,6 +60,7 @@ async def start_engine(
         port: port to bind; 0 picks a free one.
         config: engine settings; defaults from the environment.
         topology: stream replication.
+        with_journal: serve the journal service on the same port.
     """
     config = config or EngineConfig.from_env()
     nc = await jsx.connect(nats_url, name="dagnats-engine")
@@ -64,6 +69,10 @@ async def start_engine(
     await engine.start()
     server = grpc.aio.server(interceptors=tracing.server_interceptors())
     pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), server)
+    if with_journal:
+        runs = await nc.jetstream().key_value(jsx.KV_RUNS)
+        journal = JournalServicer(JournalStore(nc), runs)
+        journal_grpc.add_JournalServiceServicer_to_server(journal, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     log.info("engine serving on %s:%d", host, bound)

@@ -190,6 +190,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         await self.store.purge_subject(jsx.HISTORY, history_subject(run_id))
         await self.store.purge_subject(jsx.TIMERS, f"timers.{run_id}.>")
         await self.store.purge_subject(jsx.TASKS, f"tasks.*.{run_id}.>")
+        await self.store.purge_subject(jsx.JOURNAL, f"journal.{run_id}.>")
         await self.store.delete_run(run_id)
 
     # ---- tasks --------------------------------------------------------------------
@@ -302,6 +303,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         kind = request.WhichOneof("outcome")
         if kind is None:
             raise errors.InvalidArgument("an outcome is required", field="outcome")
+        if kind == "acknowledge":
+            await self.store.nc.publish(lease, b"+ACK")
+            return pb.ReportResponse(cancelled=not await self.store.run_is_active(run_id))
         outcome = getattr(request, kind)
         if kind in ("continue", "complete"):
             check_json(outcome.output, field=f"{kind}.output")
@@ -312,7 +316,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await self.store.nc.publish(lease, b"+ACK")
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
         event = ipb.HistoryEvent(
-            run_id=run_id, step_id=step_id, iteration=request.iteration, attempt=request.attempt
+            run_id=run_id,
+            step_id=step_id,
+            iteration=request.iteration,
+            attempt=request.attempt,
+            journal_seq=request.journal_seq,
         )
         event.time.CopyFrom(convert.timestamp(self.engine.clock()))
         headers: dict[str, str] = {}

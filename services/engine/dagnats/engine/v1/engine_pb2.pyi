@@ -1194,6 +1194,25 @@ class Pause(_message.Message):
 Global___Pause: _TypeAlias = Pause  # noqa: Y015
 
 @_typing.final
+class Acknowledge(_message.Message):
+    """Acknowledge settles a task without an outcome: the journal showed it was
+    already settled (stale or committed before).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Acknowledge: _TypeAlias = Acknowledge  # noqa: Y015
+
+@_typing.final
 class ReportRequest(_message.Message):
     """ReportRequest settles a task."""
 
@@ -1208,6 +1227,8 @@ class ReportRequest(_message.Message):
     COMPLETE_FIELD_NUMBER: _builtins.int
     FAIL_FIELD_NUMBER: _builtins.int
     PAUSE_FIELD_NUMBER: _builtins.int
+    ACKNOWLEDGE_FIELD_NUMBER: _builtins.int
+    JOURNAL_SEQ_FIELD_NUMBER: _builtins.int
     lease: _builtins.str
     """Lease from PollTasks; acknowledged once the outcome is stored."""
     run_id: _builtins.str
@@ -1218,6 +1239,8 @@ class ReportRequest(_message.Message):
     """Iteration of the task."""
     attempt: _builtins.int
     """Attempt of the task."""
+    journal_seq: _builtins.int
+    """Sequence of the journal commit behind this outcome; 0 without a journal."""
     @_builtins.property
     def complete(self) -> Global___Complete:
         """Done."""
@@ -1230,6 +1253,10 @@ class ReportRequest(_message.Message):
     def pause(self) -> Global___Pause:
         """Again later."""
 
+    @_builtins.property
+    def acknowledge(self) -> Global___Acknowledge:
+        """Nothing to report; only release the task."""
+
     def __init__(
         self,
         *,
@@ -1241,12 +1268,14 @@ class ReportRequest(_message.Message):
         complete: Global___Complete | None = ...,
         fail: Global___Fail | None = ...,
         pause: Global___Pause | None = ...,
+        acknowledge: Global___Acknowledge | None = ...,
+        journal_seq: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "continue", b"continue", "fail", b"fail", "outcome", b"outcome", "pause", b"pause"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "complete", b"complete", "continue", b"continue", "fail", b"fail", "outcome", b"outcome", "pause", b"pause"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "complete", b"complete", "continue", b"continue", "fail", b"fail", "iteration", b"iteration", "lease", b"lease", "outcome", b"outcome", "pause", b"pause", "run_id", b"run_id", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "attempt", b"attempt", "complete", b"complete", "continue", b"continue", "fail", b"fail", "iteration", b"iteration", "journal_seq", b"journal_seq", "lease", b"lease", "outcome", b"outcome", "pause", b"pause", "run_id", b"run_id", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause", "acknowledge"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 

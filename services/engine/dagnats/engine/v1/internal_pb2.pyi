@@ -175,6 +175,7 @@ class HistoryEvent(_message.Message):
     ATTEMPT_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    JOURNAL_SEQ_FIELD_NUMBER: _builtins.int
     CONTINUE_FIELD_NUMBER: _builtins.int
     COMPLETE_FIELD_NUMBER: _builtins.int
     FAIL_FIELD_NUMBER: _builtins.int
@@ -190,6 +191,8 @@ class HistoryEvent(_message.Message):
     """Iteration of the dispatch that reported."""
     attempt: _builtins.int
     """Attempt of the dispatch that reported; 0 for an event without identity."""
+    journal_seq: _builtins.int
+    """Sequence of the journal commit behind a step event; 0 without a journal."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When the event was published."""
@@ -231,6 +234,7 @@ class HistoryEvent(_message.Message):
         attempt: _builtins.int = ...,
         time: _timestamp_pb2.Timestamp | None = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        journal_seq: _builtins.int = ...,
         complete: _engine_pb2.Complete | None = ...,
         fail: _engine_pb2.Fail | None = ...,
         pause: _engine_pb2.Pause | None = ...,
@@ -240,7 +244,7 @@ class HistoryEvent(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "kind", b"kind", "pause", b"pause", "start", b"start", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "iteration", b"iteration", "kind", b"kind", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "iteration", b"iteration", "journal_seq", b"journal_seq", "kind", b"kind", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause", "start", "cancel", "child"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015

@@ -1,0 +1,31 @@
+"""Crash seams: named points where a crash leaves different durable state.
+
+The SDK, the journal service and the engine call ``await seam("name")`` at
+each such boundary. Production installs no hook, and a seam is then one
+attribute check. Tests install a hook to stall or stop the holder right
+there (see ``tests/README.md``); this module is internal, not public API.
+
+Seams: ``before_claim``, ``after_claim``, ``after_intent``, ``after_result``,
+``after_model``, ``after_commit``, ``after_event``, and in the engine
+``after_dispatch_saved`` (a dispatch is saved, its task not yet published).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+Hook = Callable[[str], Awaitable[None]]
+
+_hook: Hook | None = None
+
+
+async def seam(name: str) -> None:
+    """Give an installed hook control at boundary ``name``; nothing otherwise."""
+    if _hook is not None:
+        await _hook(name)
+
+
+def install(hook: Hook | None) -> None:
+    """Install ``hook`` for every seam of this process (None removes it)."""
+    global _hook
+    _hook = hook

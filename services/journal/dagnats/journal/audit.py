@@ -1,0 +1,357 @@
+"""The journal audit: every invariant a sound journal keeps, checked in one place.
+
+Pure functions over the records of one step (:mod:`dagnats.journal.model`
+values); no I/O. The journal service reads the records and the engine's
+iteration counts and serves the findings (``JournalService.Check``, which
+``dagnats journal check`` prints).
+
+Invariants, named by the rule a violation reports:
+
+* ``chain``: each record's ``expected_seq`` is the ``seq`` of the record before
+  it on the subject (0 for the first). Every append carries
+  Nats-Expected-Last-Subject-Sequence, so a record can only follow the tail
+  its writer saw.
+* ``after_fence``: a claim fences every writer that claimed before it, and no
+  record by a fenced writer comes after that claim. A record whose writer
+  never claimed is fenced by any claim before it.
+* ``commit_count``: a dispatch ``(iteration, attempt)`` commits at most once;
+  an iteration has at most one commit that ends it (continue, complete,
+  fail_permanent); and no record of an iteration comes after its ending
+  commit, nor a record of a dispatch after that dispatch's own commit (a
+  retriable failure or a pause ends only its attempt; the retry is a new one).
+* ``unanswered_intent``: every tool intent has a result. The journal of a
+  running step is exempt where a result may still come: the intents of the
+  open dispatch (the last claim's, while no commit ends it), whose tools may
+  be running, and the intents of earlier attempts of its iteration while that
+  dispatch is still closing them (it has written only claims and results).
+* ``double_result``: no tool intent has more than one result.
+* ``orphan_result``: every tool result answers (``intent_seq``) a tool intent.
+* ``input_placed_twice``: no input is placed twice. Reserved: the journal has
+  no input records yet (see the hook in :func:`check_step`).
+* ``iteration_count``: the engine's iteration count of the step equals the
+  number of continue commits.
+
+Findings come in sequence order; findings that name no record (seq 0) last.
+A broken record is reported once per invariant it breaks: a duplicate commit
+is a ``commit_count`` finding once, not again as a record after a commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeVar, assert_never
+
+from dagnats.journal.model import (
+    Action,
+    AnyEntry,
+    ClaimEntry,
+    CommitEntry,
+    IntentEntry,
+    ModelEntry,
+    OutputEntry,
+    ResultEntry,
+)
+
+Rule = Literal[
+    "chain",
+    "after_fence",
+    "commit_count",
+    "unanswered_intent",
+    "double_result",
+    "orphan_result",
+    "input_placed_twice",
+    "iteration_count",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finding:
+    """One broken invariant.
+
+    Attributes:
+        step_id: The step whose journal breaks it.
+        seq: Sequence of the record at fault; 0 when no one record is.
+        rule: Which invariant (see the module docstring).
+        message: What is wrong, for a person.
+    """
+
+    step_id: str
+    seq: int
+    rule: Rule
+    message: str
+
+
+# A finding before it is tied to its step.
+_Found = tuple[int, Rule, str]
+
+
+def check_step(
+    step_id: str, entries: Sequence[AnyEntry], *, engine_iterations: int | None = None
+) -> list[Finding]:
+    """Audit the journal of one step.
+
+    Args:
+        step_id: The step, for the findings.
+        entries: Every record on the step's subject (sorted by ``seq`` here).
+        engine_iterations: The engine's iteration count of the step (continues
+            it accepted); ``None`` skips the ``iteration_count`` rule.
+
+    Returns:
+        The findings, in sequence order; empty when the journal is sound.
+    """
+    records = sorted(entries, key=lambda r: r.seq)
+    found = [*_chain(records), *_fencing(records), *_commits(records), *_answers(records)]
+    # input_placed_twice: once the journal holds input.placed records, check
+    # here that no request_id is placed twice across the step's records.
+    if engine_iterations is not None:
+        found.extend(_iteration_count(records, engine_iterations))
+    found.sort(key=lambda f: (f[0] == 0, f[0]))
+    return [Finding(step_id=step_id, seq=seq, rule=rule, message=msg) for seq, rule, msg in found]
+
+
+def check_run(
+    steps: Mapping[str, Sequence[AnyEntry]], engine_iterations: Mapping[str, int]
+) -> list[Finding]:
+    """Audit the journals of a run, step by step (in step id order).
+
+    Args:
+        steps: The records of each step that has a journal.
+        engine_iterations: The engine's iteration count of each step. A step
+            missing here skips ``iteration_count``; a step missing from
+            ``steps`` is not checked (it did not opt into a journal).
+
+    Returns:
+        Every step's findings.
+    """
+    return [
+        finding
+        for step_id in sorted(steps)
+        for finding in check_step(
+            step_id, steps[step_id], engine_iterations=engine_iterations.get(step_id)
+        )
+    ]
+
+
+# ---- chain -------------------------------------------------------------------------
+
+
+def _chain(records: Sequence[AnyEntry]) -> Iterator[_Found]:
+    previous = 0
+    for r in records:
+        if r.expected_seq != previous:
+            if previous == 0:
+                why = f"is the first record but expected the tail at seq {r.expected_seq}"
+            elif r.expected_seq == 0:
+                why = f"expected an empty subject, but seq {previous} comes before it"
+            else:
+                why = (
+                    f"expected the tail at seq {r.expected_seq}, "
+                    f"but the record before it is seq {previous}"
+                )
+            yield r.seq, "chain", f"seq {r.seq} ({_kind(r)}) {why}"
+        previous = r.seq
+
+
+# ---- fencing -----------------------------------------------------------------------
+
+
+def _fencing(records: Sequence[AnyEntry]) -> Iterator[_Found]:
+    claimed: set[str] = set()
+    fenced_by: dict[str, ClaimEntry] = {}
+    last_claim: ClaimEntry | None = None
+    for r in records:
+        if r.writer in fenced_by:
+            fence = fenced_by[r.writer]
+            yield (
+                r.seq,
+                "after_fence",
+                f"seq {r.seq} ({_kind(r)}) was written by writer {r.writer} after the "
+                f"claim at seq {fence.seq} (writer {fence.writer}) fenced it",
+            )
+        elif last_claim is not None and r.writer not in claimed and not isinstance(r, ClaimEntry):
+            yield (
+                r.seq,
+                "after_fence",
+                f"seq {r.seq} ({_kind(r)}) was written by writer {r.writer}, which never "
+                f"claimed the step; the claim at seq {last_claim.seq} holds it",
+            )
+        if isinstance(r, ClaimEntry):
+            for writer in claimed - {r.writer}:
+                fenced_by.setdefault(writer, r)
+            claimed.add(r.writer)
+            last_claim = r
+
+
+# ---- commits -----------------------------------------------------------------------
+
+
+def _commits(records: Sequence[AnyEntry]) -> Iterator[_Found]:
+    commits = [r for r in records if isinstance(r, CommitEntry)]
+    reported: set[int] = set()
+    for (iteration, attempt), group in _group(commits, lambda c: c.dispatch).items():
+        # Duplicates that all end the iteration are reported once, below.
+        if len(group) > 1 and not all(c.ends_iteration for c in group):
+            reported.update(c.seq for c in group[1:])
+            yield (
+                group[1].seq,
+                "commit_count",
+                f"iteration {iteration} attempt {attempt} has {len(group)} commits "
+                f"({_seqs(group)})",
+            )
+    ending = [c for c in commits if c.ends_iteration]
+    for iteration, group in _group(ending, lambda c: c.iteration).items():
+        if len(group) > 1:
+            reported.update(c.seq for c in group[1:])
+            yield (
+                group[1].seq,
+                "commit_count",
+                f"iteration {iteration} has {len(group)} commits that end it ({_seqs(group)})",
+            )
+    for r in records:
+        closing = _closing_commit(commits, r)
+        if closing is not None and r.seq not in reported:
+            yield r.seq, "commit_count", _after_commit_message(r, closing)
+
+
+def _closing_commit(commits: Sequence[CommitEntry], record: AnyEntry) -> CommitEntry | None:
+    """The first commit before ``record`` that ended its iteration or its attempt."""
+    for c in commits:
+        if c.seq >= record.seq:
+            return None
+        if c.iteration == record.iteration and (c.ends_iteration or c.attempt == record.attempt):
+            return c
+    return None
+
+
+def _after_commit_message(record: AnyEntry, commit: CommitEntry) -> str:
+    late = f"seq {record.seq} ({_kind(record)})"
+    if commit.ends_iteration:
+        return (
+            f"iteration {commit.iteration} ended with the commit at seq {commit.seq} "
+            f"({commit.action.value}), but {late} of that iteration comes after it"
+        )
+    return (
+        f"iteration {commit.iteration} attempt {commit.attempt} ended with the commit at "
+        f"seq {commit.seq} ({commit.action.value}), but {late} of that attempt comes after it"
+    )
+
+
+# ---- tool intents and results --------------------------------------------------------
+
+
+def _answers(records: Sequence[AnyEntry]) -> Iterator[_Found]:
+    by_seq = {r.seq: r for r in records}
+    results = _group([r for r in records if isinstance(r, ResultEntry)], lambda r: r.intent_seq)
+    pending = _may_still_be_answered(records)
+    for r in records:
+        if isinstance(r, ResultEntry):
+            target = by_seq.get(r.intent_seq)
+            if not isinstance(target, IntentEntry):
+                what = "not in the journal" if target is None else f"a {_kind(target)}"
+                yield (
+                    r.seq,
+                    "orphan_result",
+                    f"tool result at seq {r.seq} answers seq {r.intent_seq}, which is {what}, "
+                    "not a tool intent",
+                )
+        elif isinstance(r, IntentEntry):
+            answers = results.get(r.seq, [])
+            if not answers and r.seq not in pending:
+                yield (
+                    r.seq,
+                    "unanswered_intent",
+                    f"tool intent {r.name!r} at seq {r.seq} (iteration {r.iteration} "
+                    f"attempt {r.attempt}) has no result",
+                )
+            if len(answers) > 1:
+                yield (
+                    answers[1].seq,
+                    "double_result",
+                    f"tool intent {r.name!r} at seq {r.seq} has {len(answers)} results "
+                    f"({_seqs(answers)})",
+                )
+
+
+def _may_still_be_answered(records: Sequence[AnyEntry]) -> set[int]:
+    """Seqs of the intents a running step may still answer (see the docstring)."""
+    claims = [r for r in records if isinstance(r, ClaimEntry)]
+    if not claims:
+        return set()
+    iteration, attempt = claims[-1].dispatch
+    if any(
+        isinstance(r, CommitEntry)
+        and r.iteration == iteration
+        and (r.ends_iteration or r.attempt == attempt)
+        for r in records
+    ):
+        return set()
+    first = next(c.seq for c in claims if c.dispatch == (iteration, attempt))
+    # A new attempt's claim answers earlier attempts' intents right after it is
+    # stored; a holder that crashed in between leaves them to the next claim.
+    closing = all(isinstance(r, ClaimEntry | ResultEntry) for r in records if r.seq > first)
+    return {
+        r.seq
+        for r in records
+        if isinstance(r, IntentEntry)
+        and r.iteration == iteration
+        and (r.attempt == attempt or (closing and r.attempt < attempt))
+    }
+
+
+# ---- the engine's count --------------------------------------------------------------
+
+
+def _iteration_count(records: Sequence[AnyEntry], engine: int) -> Iterator[_Found]:
+    continues = [r for r in records if isinstance(r, CommitEntry) and r.action is Action.CONTINUE]
+    if len(continues) != engine:
+        where = f" ({_seqs(continues)})" if continues else ""
+        yield (
+            0,
+            "iteration_count",
+            f"the engine counts {_plural(engine, 'iteration')} of this step, but the journal "
+            f"has {_plural(len(continues), 'continue commit')}{where}",
+        )
+
+
+# ---- wording -----------------------------------------------------------------------
+
+K = TypeVar("K", bound=Hashable)
+E = TypeVar("E", bound=AnyEntry)
+
+
+def _group(items: Iterable[E], key: Callable[[E], K]) -> dict[K, list[E]]:
+    groups: dict[K, list[E]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return groups
+
+
+def _kind(r: AnyEntry) -> str:
+    match r:
+        case ClaimEntry():
+            return "claim"
+        case ModelEntry():
+            return "model response"
+        case IntentEntry(name=name):
+            return f"tool intent {name!r}"
+        case OutputEntry():
+            return "tool output"
+        case ResultEntry():
+            return "tool result"
+        case CommitEntry(action=action):
+            return f"commit {action.value}"
+        case _:
+            assert_never(r)
+
+
+def _seqs(records: Sequence[AnyEntry]) -> str:
+    """``seq 14 and 19``, ``seq 3, 8 and 12``."""
+    numbers = [str(r.seq) for r in records]
+    if len(numbers) == 1:
+        return f"seq {numbers[0]}"
+    return f"seq {', '.join(numbers[:-1])} and {numbers[-1]}"
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -1,0 +1,100 @@
+"""Journal records as plain values, one class per kind, for the pure rules
+(:mod:`dagnats.journal.replay`, :mod:`dagnats.journal.audit`).
+:mod:`dagnats.journal.convert` builds them from the stored protobuf records."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Action(enum.Enum):
+    CONTINUE = "continue"
+    COMPLETE = "complete"
+    FAIL = "fail"
+    FAIL_PERMANENT = "fail_permanent"
+    PAUSE = "pause"
+
+
+# A commit with one of these actions ends its iteration: no attempt of that
+# iteration runs again. A retriable failure or a pause ends only its attempt.
+ENDS_ITERATION = frozenset({Action.CONTINUE, Action.COMPLETE, Action.FAIL_PERMANENT})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """Fields every record has. ``seq`` is its stream sequence."""
+
+    seq: int
+    iteration: int
+    attempt: int
+    writer: str
+    expected_seq: int = 0
+    base_seq: int = 0
+
+    @property
+    def dispatch(self) -> tuple[int, int]:
+        return (self.iteration, self.attempt)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimEntry(Entry):
+    delivery: int = 0
+    worker_id: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelEntry(Entry):
+    position: int
+    response: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntentEntry(Entry):
+    position: int
+    name: str
+    input: bytes
+    safe: bool
+    honours_seq: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutputEntry(Entry):
+    intent_seq: int
+    chunk: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResultEntry(Entry):
+    intent_seq: int
+    output: bytes = b""
+    error: str = ""
+    interrupted: bool = False
+    partial: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommitEntry(Entry):
+    action: Action
+    state: bytes = b""
+    has_state: bool = False
+    output: bytes = b""
+    error: str = ""
+    reason: str = ""
+    pause: float = 0.0
+
+    @property
+    def ends_iteration(self) -> bool:
+        return self.action in ENDS_ITERATION
+
+
+AnyEntry = ClaimEntry | ModelEntry | IntentEntry | OutputEntry | ResultEntry | CommitEntry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCall:
+    """A tool call as the handler issues it."""
+
+    name: str
+    input: bytes
+    safe: bool

@@ -1,0 +1,260 @@
+"""Every replay rule of the journal, in one place.
+
+Pure functions over the records of one iteration (all its attempts, in
+sequence order). No I/O: the journal service reads the records, asks these
+functions what to do, and writes what they say. The same answers serve the
+Python SDK, stub-based workers in other languages and the HTTP bridge.
+
+Claim (one dispatch ``(iteration, attempt)`` opening the journal):
+
+* The tail (last record on the step's subject) belongs to a later dispatch
+  -> ``Stale``: a late redelivery; settle the task without running.
+* The iteration has a commit that ends it, or this attempt has a commit
+  -> ``AlreadyCommitted``: the holder crashed between commit and event;
+  republish the commit's event and settle.
+* Otherwise -> ``Proceed``: append a claim, which fences every earlier holder,
+  and close every intent of an *earlier attempt* that has no result with an
+  ``interrupted`` result. After the claim, ``restart_limit_reached`` says
+  whether the iteration ended in ``limit`` claims in a row.
+
+Calls, by position within the attempt (a model call and a tool call share one
+position counter):
+
+* A recorded model response at the position is reused.
+* A recorded tool result is reused, whatever the declarations say.
+* An intent without a result is run again only if the recorded and the
+  current declaration are both safe; otherwise the call gets an
+  ``interrupted`` result carrying the partial output the holder wrote.
+* A different call at a recorded position is ``Mismatch``; nothing is written.
+* A new attempt (an engine retry) runs model calls and safe tools fresh, but a
+  tool call matching an earlier attempt's *unsafe* intent by name and input
+  honours it: the earlier result (or ``interrupted``) is used and the tool is
+  not started. Each earlier intent is honoured at most once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from dagnats.journal.model import (
+    AnyEntry,
+    ClaimEntry,
+    CommitEntry,
+    IntentEntry,
+    ModelEntry,
+    OutputEntry,
+    ResultEntry,
+    ToolCall,
+)
+
+DEFAULT_RESTART_LIMIT = 5
+
+# ---- claim ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stale:
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlreadyCommitted:
+    commit: CommitEntry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Proceed:
+    """Claim, then answer these earlier-attempt intents as interrupted."""
+
+    close: tuple[IntentEntry, ...] = ()
+
+
+ClaimDecision = Stale | AlreadyCommitted | Proceed
+
+
+def decide_claim(
+    *, tail: AnyEntry | None, records: Sequence[AnyEntry], iteration: int, attempt: int
+) -> ClaimDecision:
+    """What a dispatch that opens the journal must do.
+
+    Args:
+        tail: the last record on the subject, whatever its iteration.
+        records: every record of ``iteration``, in order.
+    """
+    if tail is not None and tail.dispatch > (iteration, attempt):
+        return Stale(
+            detail=f"the journal is at dispatch {tail.dispatch}, past ({iteration}, {attempt})"
+        )
+    for record in records:
+        if isinstance(record, CommitEntry) and (record.ends_iteration or record.attempt == attempt):
+            return AlreadyCommitted(commit=record)
+    return Proceed(close=tuple(_unanswered(records, before_attempt=attempt)))
+
+
+def restart_limit_reached(records: Sequence[AnyEntry], limit: int) -> bool:
+    """Whether the iteration's last ``limit`` records are all claims."""
+    trailing = 0
+    for record in reversed(records):
+        if not isinstance(record, ClaimEntry):
+            break
+        trailing += 1
+    return trailing >= limit
+
+
+def partial_output(records: Sequence[AnyEntry], intent_seq: int) -> str:
+    """Everything a tool reported while it ran, in order."""
+    return "".join(
+        r.chunk for r in records if isinstance(r, OutputEntry) and r.intent_seq == intent_seq
+    )
+
+
+def _unanswered(records: Sequence[AnyEntry], *, before_attempt: int) -> list[IntentEntry]:
+    answered = {r.intent_seq for r in records if isinstance(r, ResultEntry)}
+    return [
+        r
+        for r in records
+        if isinstance(r, IntentEntry) and r.attempt < before_attempt and r.seq not in answered
+    ]
+
+
+# ---- model calls --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mismatch:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UseResponse:
+    response: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallModel:
+    pass
+
+
+ModelDecision = UseResponse | CallModel | Mismatch
+
+
+def decide_model(records: Sequence[AnyEntry], *, attempt: int, position: int) -> ModelDecision:
+    """A model call at ``position`` of ``attempt``."""
+    at = _at(records, attempt, position)
+    match at:
+        case ModelEntry(response=response):
+            return UseResponse(response=response)
+        case IntentEntry(name=name):
+            return Mismatch(reason=f"position {position} recorded tool {name!r}, not a model call")
+    return CallModel()
+
+
+# ---- tool calls ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UseResult:
+    result: ResultEntry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunAgain:
+    """Both declarations are safe: run the tool again under the same intent."""
+
+    intent: IntentEntry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Interrupt:
+    """Record an interrupted result for ``intent`` and hand it to the model."""
+
+    intent: IntentEntry
+    partial: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Honour:
+    """Record an intent at the position that honours ``earlier``, answered by
+    a copy of ``result``; do not start the tool."""
+
+    earlier: IntentEntry
+    result: ResultEntry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunNew:
+    """Record an intent, then run the tool."""
+
+
+ToolDecision = UseResult | RunAgain | Interrupt | Honour | RunNew | Mismatch
+
+
+def decide_tool(
+    records: Sequence[AnyEntry],
+    *,
+    attempt: int,
+    position: int,
+    call: ToolCall,
+    honoured: Collection[int] = (),
+) -> ToolDecision:
+    """A tool call at ``position`` of ``attempt``; ``honoured`` lists earlier
+    intents this writer honoured already (they are not in ``records``)."""
+    at = _at(records, attempt, position)
+    if isinstance(at, ModelEntry):
+        return Mismatch(reason=f"position {position} recorded a model call, not tool {call.name!r}")
+    if isinstance(at, IntentEntry):
+        if (at.name, at.input) != (call.name, call.input):
+            return Mismatch(
+                reason=(
+                    f"position {position} recorded tool {at.name!r} with other input; "
+                    f"the handler now calls {call.name!r}"
+                )
+            )
+        result = _result_of(records, at.seq)
+        if result is not None:
+            return UseResult(result=result)
+        if at.safe and call.safe:
+            return RunAgain(intent=at)
+        return Interrupt(intent=at, partial=partial_output(records, at.seq))
+    earlier = _honourable(records, attempt, call, honoured)
+    if earlier is not None:
+        result = _result_of(records, earlier.seq)
+        assert result is not None, "a claim answers every earlier-attempt intent"
+        return Honour(earlier=earlier, result=result)
+    return RunNew()
+
+
+def _at(records: Sequence[AnyEntry], attempt: int, position: int) -> AnyEntry | None:
+    for r in records:
+        if isinstance(r, ModelEntry | IntentEntry) and (r.attempt, r.position) == (
+            attempt,
+            position,
+        ):
+            return r
+    return None
+
+
+def _result_of(records: Sequence[AnyEntry], intent_seq: int) -> ResultEntry | None:
+    for r in records:
+        if isinstance(r, ResultEntry) and r.intent_seq == intent_seq:
+            return r
+    return None
+
+
+def _honourable(
+    records: Sequence[AnyEntry], attempt: int, call: ToolCall, honoured: Collection[int]
+) -> IntentEntry | None:
+    used = {r.honours_seq for r in records if isinstance(r, IntentEntry) and r.attempt == attempt}
+    used.update(honoured)
+    for r in records:
+        if (
+            isinstance(r, IntentEntry)
+            and r.attempt < attempt
+            and not r.safe
+            and r.honours_seq == 0
+            and (r.name, r.input) == (call.name, call.input)
+            and r.seq not in used
+        ):
+            return r
+    return None

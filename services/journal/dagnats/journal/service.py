@@ -1,0 +1,419 @@
+"""The JournalService servicer: validates requests, reads what the replay
+rules need, asks :mod:`dagnats.journal.replay`, and writes what they say.
+
+It keeps no state a replica could not rebuild: a writer's view travels in its
+token, and the replay snapshot (the iteration's records as the claim found
+them) is cached only as an optimisation and re-read on a miss.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+import nats.js.errors
+from google.protobuf.timestamp_pb2 import Timestamp
+from nats.js.kv import KeyValue
+from opentelemetry import trace
+
+from dagnats.core import errors, tracing
+from dagnats.core.grpcutil import Context, abort_with, domain_errors
+from dagnats.core.ids import check_run_id, check_token
+from dagnats.engine.v1 import engine_pb2 as epb
+from dagnats.engine.v1 import internal_pb2 as eipb
+from dagnats.journal import audit, convert, replay
+from dagnats.journal import model as jm
+from dagnats.journal.store import JournalStore, journal_subject
+from dagnats.journal.v1 import journal_pb2 as pb
+from dagnats.journal.v1 import journal_pb2_grpc as pb_grpc
+
+SNAPSHOTS = 4096
+MAX_RESTART_LIMIT = 1000
+MAX_PAGE = 1000
+_WRITER_HEX = frozenset("0123456789abcdef")
+
+
+def _check_json(raw: bytes, field: str) -> None:
+    try:
+        json.loads(raw)
+    except ValueError as err:
+        raise errors.InvalidArgument(f"{field} must be JSON: {err}", field=field) from None
+
+
+def check_writer_token(token: pb.WriterToken) -> pb.WriterToken:
+    check_run_id(token.run_id, field="token.run_id")
+    check_token(token.step_id, field="token.step_id")
+    if len(token.writer) != 16 or not set(token.writer) <= _WRITER_HEX:
+        raise errors.InvalidArgument("token.writer is not a writer nonce", field="token.writer")
+    if token.iteration < 0 or token.attempt < 1:
+        raise errors.InvalidArgument("token names no dispatch", field="token")
+    return token
+
+
+class JournalServicer(pb_grpc.JournalServiceServicer):
+    def __init__(self, store: JournalStore, runs: KeyValue) -> None:
+        self.store = store
+        self._runs = runs
+        self._snapshots: OrderedDict[tuple[str, str], list[jm.AnyEntry]] = OrderedDict()
+
+    # ---- claim ---------------------------------------------------------------------
+
+    @domain_errors
+    async def Claim(self, request: pb.ClaimRequest, context: Context) -> pb.ClaimResponse:
+        run_id = check_run_id(request.run_id)
+        step_id = check_token(request.step_id, field="step_id")
+        if request.iteration < 0 or request.attempt < 1:
+            raise errors.InvalidArgument("iteration must be >= 0 and attempt >= 1", field="attempt")
+        limit = request.restart_limit or replay.DEFAULT_RESTART_LIMIT
+        if not 1 <= limit <= MAX_RESTART_LIMIT:
+            raise errors.InvalidArgument(
+                f"restart_limit must be 1..{MAX_RESTART_LIMIT}", field="restart_limit"
+            )
+        run = await self._run(run_id)
+        if run.status != epb.RUN_STATUS_RUNNING:
+            status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
+            return _settled("stale", detail=f"run {run_id} is {status}")
+        tail = await self.store.tail(run_id, step_id)
+        base = _base_for(tail, request.iteration)
+        records = await self._iteration_records(run_id, step_id, request.iteration, base, tail)
+        entries = [convert.entry(r) for r in records]
+        decision = replay.decide_claim(
+            tail=convert.entry(tail) if tail else None,
+            records=entries,
+            iteration=request.iteration,
+            attempt=request.attempt,
+        )
+        match decision:
+            case replay.Stale(detail=detail):
+                return _settled("stale", detail=detail)
+            case replay.AlreadyCommitted(commit=commit):
+                stored = next(r for r in records if r.seq == commit.seq)
+                return _settled("committed", commit=stored, detail="already committed")
+            case replay.Proceed(close=close):
+                return await self._claim(request, tail, base, records, entries, close, limit)
+
+    async def _claim(
+        self,
+        request: pb.ClaimRequest,
+        tail: pb.Record | None,
+        base: int,
+        records: list[pb.Record],
+        entries: list[jm.AnyEntry],
+        close: tuple[jm.IntentEntry, ...],
+        limit: int,
+    ) -> pb.ClaimResponse:
+        token = pb.WriterToken(
+            run_id=request.run_id,
+            step_id=request.step_id,
+            iteration=request.iteration,
+            attempt=request.attempt,
+            writer=secrets.token_hex(8),
+            last_seq=tail.seq if tail else 0,
+            base_seq=base,
+        )
+        claim = pb.Record(claim=pb.Claim(delivery=request.delivery, worker_id=request.worker_id))
+        token, claim = await self._append(token, claim)
+        records.append(claim)
+        entries.append(convert.entry(claim))
+        if replay.restart_limit_reached(entries, limit):
+            failure = pb.Commit(
+                action=pb.ACTION_FAIL,
+                error=f"restart limit: {limit} claims in a row without progress",
+                reason="restart_limit",
+            )
+            token, commit = await self._append(token, pb.Record(commit=failure))
+            return _settled("restart_limit", commit=commit, detail=failure.error)
+        for intent in close:
+            interrupted = pb.ToolResult(
+                intent_seq=intent.seq,
+                interrupted=True,
+                partial=replay.partial_output(entries, intent.seq),
+            )
+            token, closed = await self._append(token, pb.Record(tool_result=interrupted))
+            records.append(closed)
+            entries.append(convert.entry(closed))
+        token.snapshot_seq = token.last_seq
+        self._remember(token, entries)
+        claimed = pb.Claimed(token=token, records=records)
+        previous = await self.store.get(base) if base else None
+        if previous is not None and previous.commit.has_state:
+            claimed.state = previous.commit.state
+            claimed.has_state = True
+        return pb.ClaimResponse(claimed=claimed)
+
+    async def _iteration_records(
+        self, run_id: str, step_id: str, iteration: int, base: int, tail: pb.Record | None
+    ) -> list[pb.Record]:
+        if tail is None or tail.iteration < iteration:
+            return []
+        found = await self.store.read(run_id, step_id, after=base, through=tail.seq)
+        return [r for r in found if r.iteration == iteration]
+
+    # ---- model calls -----------------------------------------------------------------
+
+    @domain_errors
+    async def BeginModel(
+        self, request: pb.BeginModelRequest, context: Context
+    ) -> pb.BeginModelResponse:
+        token = check_writer_token(request.token)
+        entries = await self._snapshot(token)
+        decision = replay.decide_model(entries, attempt=token.attempt, position=request.position)
+        match decision:
+            case replay.UseResponse(response=response):
+                return pb.BeginModelResponse(recorded=True, response=response)
+            case replay.Mismatch(reason=reason):
+                raise errors.ReplayMismatch(reason)
+        await self._hold(token)  # a fenced holder must not spend a model call
+        return pb.BeginModelResponse(recorded=False)
+
+    @domain_errors
+    async def RecordModel(
+        self, request: pb.RecordModelRequest, context: Context
+    ) -> pb.RecordModelResponse:
+        token = check_writer_token(request.token)
+        _check_json(request.response, "response")
+        record = pb.Record(model=pb.ModelCall(position=request.position, response=request.response))
+        token, _ = await self._append(token, record)
+        return pb.RecordModelResponse(token=token)
+
+    # ---- tool calls ------------------------------------------------------------------
+
+    @domain_errors
+    async def BeginTool(
+        self, request: pb.BeginToolRequest, context: Context
+    ) -> pb.BeginToolResponse:
+        token = check_writer_token(request.token)
+        if not request.name or len(request.name) > 256:
+            raise errors.InvalidArgument("name must be 1-256 characters", field="name")
+        _check_json(request.input, "input")
+        call = jm.ToolCall(
+            name=request.name, input=request.input, safe=request.replay == pb.REPLAY_SAFE
+        )
+        entries = await self._snapshot(token)
+        decision = replay.decide_tool(
+            entries,
+            attempt=token.attempt,
+            position=request.position,
+            call=call,
+            honoured=token.honoured,
+        )
+        match decision:
+            case replay.UseResult(result=result):
+                return pb.BeginToolResponse(token=token, result=convert.result_to_proto(result))
+            case replay.RunAgain(intent=intent):
+                # Only a fenced append may start a side effect: an empty output
+                # record proves this writer still holds the step.
+                marker = pb.Record(tool_output=pb.ToolOutput(intent_seq=intent.seq))
+                token, _ = await self._append(token, marker)
+                return pb.BeginToolResponse(token=token, run=True, intent_seq=intent.seq)
+            case replay.Interrupt(intent=intent, partial=partial):
+                cut = pb.ToolResult(intent_seq=intent.seq, interrupted=True, partial=partial)
+                token, _ = await self._append(token, pb.Record(tool_result=cut))
+                return pb.BeginToolResponse(token=token, result=cut)
+            case replay.Honour(earlier=earlier, result=result):
+                return await self._honour(token, request, earlier, result)
+            case replay.RunNew():
+                token, intent_record = await self._append(token, _intent(request))
+                return pb.BeginToolResponse(token=token, run=True, intent_seq=intent_record.seq)
+            case replay.Mismatch(reason=reason):
+                raise errors.ReplayMismatch(reason)
+
+    async def _honour(
+        self,
+        token: pb.WriterToken,
+        request: pb.BeginToolRequest,
+        earlier: jm.IntentEntry,
+        earlier_result: jm.ResultEntry,
+    ) -> pb.BeginToolResponse:
+        intent = _intent(request)
+        intent.tool_intent.honours_seq = earlier.seq
+        token, intent = await self._append(token, intent)
+        result = convert.result_to_proto(earlier_result)
+        result.intent_seq = intent.seq
+        token, _ = await self._append(token, pb.Record(tool_result=result))
+        token.honoured.append(earlier.seq)
+        return pb.BeginToolResponse(token=token, result=result)
+
+    @domain_errors
+    async def ToolOutput(
+        self, request: pb.ToolOutputRequest, context: Context
+    ) -> pb.ToolOutputResponse:
+        token = check_writer_token(request.token)
+        output = pb.ToolOutput(intent_seq=request.intent_seq, chunk=request.chunk)
+        token, _ = await self._append(token, pb.Record(tool_output=output))
+        return pb.ToolOutputResponse(token=token)
+
+    @domain_errors
+    async def FinishTool(
+        self, request: pb.FinishToolRequest, context: Context
+    ) -> pb.FinishToolResponse:
+        token = check_writer_token(request.token)
+        if not request.error:
+            _check_json(request.output, "output")
+        result = pb.ToolResult(
+            intent_seq=request.intent_seq, output=request.output, error=request.error
+        )
+        token, _ = await self._append(token, pb.Record(tool_result=result))
+        return pb.FinishToolResponse(token=token)
+
+    # ---- holding and committing -------------------------------------------------------
+
+    @domain_errors
+    async def Hold(self, request: pb.HoldRequest, context: Context) -> pb.HoldResponse:
+        await self._hold(check_writer_token(request.token))
+        return pb.HoldResponse()
+
+    @domain_errors
+    async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
+        token = check_writer_token(request.token)
+        commit = request.commit
+        if commit.action == pb.ACTION_UNSPECIFIED:
+            raise errors.InvalidArgument("commit.action is required", field="commit.action")
+        if commit.output:
+            _check_json(commit.output, "commit.output")
+        if commit.has_state:
+            _check_json(commit.state, "commit.state")
+        token, record = await self._append(token, pb.Record(commit=commit))
+        self._snapshots.pop((journal_subject(token.run_id, token.step_id), token.writer), None)
+        return pb.CommitResponse(commit_seq=record.seq, record=record)
+
+    # ---- reading -----------------------------------------------------------------------
+
+    async def Read(
+        self, request: pb.ReadRequest, context: Context
+    ) -> AsyncIterator[pb.ReadResponse]:
+        try:
+            run_id = check_run_id(request.run_id)
+            step_id = check_token(request.step_id, field="step_id")
+            await self._run(run_id)
+        except errors.DagnatsError as err:
+            await abort_with(context, err)
+            return
+        if request.follow:
+            async for record in self.store.follow(run_id, step_id, from_seq=request.from_seq):
+                yield pb.ReadResponse(record=record)
+            return
+        limit = min(request.limit or 500, MAX_PAGE)
+        after = max(request.from_seq, 1) - 1
+        for record in await self.store.read(run_id, step_id, after=after, limit=limit):
+            yield pb.ReadResponse(record=record)
+
+    @domain_errors
+    async def Check(self, request: pb.CheckRequest, context: Context) -> pb.CheckResponse:
+        run_id = check_run_id(request.run_id)
+        run = await self._run(run_id)
+        steps: dict[str, list[jm.AnyEntry]] = {}
+        for step in run.steps:
+            records = await self.store.read(run_id, step.step_id, after=0)
+            if records:
+                steps[step.step_id] = [convert.entry(r) for r in records]
+        iterations = {s.step_id: s.iterations for s in run.steps if s.step_id in steps}
+        findings = audit.check_run(steps, iterations)
+        return pb.CheckResponse(
+            violations=[
+                pb.Violation(step_id=f.step_id, seq=f.seq, rule=f.rule, message=f.message)
+                for f in findings
+            ],
+            steps=len(steps),
+            records=sum(len(v) for v in steps.values()),
+        )
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    async def _run(self, run_id: str) -> epb.Run:
+        try:
+            entry = await self._runs.get(run_id)
+        except nats.js.errors.KeyNotFoundError:
+            raise errors.NotFound(f"run {run_id} does not exist", field="run_id") from None
+        return eipb.RunRecord.FromString(entry.value or b"").run
+
+    async def _hold(self, token: pb.WriterToken) -> None:
+        tail = await self.store.tail(token.run_id, token.step_id)
+        actual = tail.seq if tail else 0
+        if actual != token.last_seq:
+            trace.get_current_span().add_event(
+                "fenced", {"expected_seq": token.last_seq, "actual_seq": actual}
+            )
+            raise errors.Fenced(
+                f"journal.{token.run_id}.{token.step_id}: a successor holds the step "
+                f"(expected tail {token.last_seq}, found {actual})",
+                expected=token.last_seq,
+                actual=actual,
+            )
+
+    async def _append(
+        self, token: pb.WriterToken, record: pb.Record
+    ) -> tuple[pb.WriterToken, pb.Record]:
+        record.run_id = token.run_id
+        record.step_id = token.step_id
+        record.iteration = token.iteration
+        record.attempt = token.attempt
+        record.writer = token.writer
+        record.expected_seq = token.last_seq
+        record.base_seq = token.base_seq
+        record.time.CopyFrom(_now())
+        headers: dict[str, str] = {}
+        tracing.inject(headers)
+        record.trace_context.update(headers)
+        seq = await self.store.append(token, record)
+        record.seq = seq
+        following = pb.WriterToken()
+        following.CopyFrom(token)
+        following.last_seq = seq
+        following.written = token.written + 1
+        return following, record
+
+    def _remember(self, token: pb.WriterToken, entries: list[jm.AnyEntry]) -> None:
+        key = (journal_subject(token.run_id, token.step_id), token.writer)
+        self._snapshots[key] = entries
+        self._snapshots.move_to_end(key)
+        while len(self._snapshots) > SNAPSHOTS:
+            self._snapshots.popitem(last=False)
+
+    async def _snapshot(self, token: pb.WriterToken) -> list[jm.AnyEntry]:
+        """The iteration's records as the claim found them (plus what it closed)."""
+        key = (journal_subject(token.run_id, token.step_id), token.writer)
+        cached = self._snapshots.get(key)
+        if cached is not None:
+            return cached
+        found = await self.store.read(
+            token.run_id, token.step_id, after=token.base_seq, through=token.snapshot_seq
+        )
+        entries = [convert.entry(r) for r in found if r.iteration == token.iteration]
+        self._remember(token, entries)
+        return entries
+
+
+def _base_for(tail: pb.Record | None, iteration: int) -> int:
+    """Sequence of the commit that ended the iteration before ``iteration``."""
+    if tail is None:
+        return 0
+    if tail.iteration < iteration and tail.WhichOneof("kind") == "commit":
+        action = convert.action_from_proto(tail.commit.action)
+        if action in jm.ENDS_ITERATION:
+            return int(tail.seq)
+    return int(tail.base_seq)
+
+
+def _intent(request: pb.BeginToolRequest) -> pb.Record:
+    return pb.Record(
+        tool_intent=pb.ToolIntent(
+            position=request.position,
+            name=request.name,
+            input=request.input,
+            replay=request.replay or pb.REPLAY_UNSAFE,
+        )
+    )
+
+
+def _settled(reason: str, *, commit: pb.Record | None = None, detail: str = "") -> pb.ClaimResponse:
+    return pb.ClaimResponse(settled=pb.Settled(reason=reason, commit=commit, detail=detail))
+
+
+def _now() -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(time.time_ns())
+    return ts

@@ -1,0 +1,182 @@
+"""The journal's one adapter to JetStream.
+
+Appends are fenced: a publish with ``Nats-Expected-Last-Subject-Sequence`` =
+the writer's last seen sequence on the step's exact subject, and a Msg-Id made
+of the record's identity and the claim's random writer nonce, so a retry of a
+write whose ack was lost resolves as the writer's own (``duplicate`` on R3;
+error 10071 plus a read-back on R1) and a zombie reusing its successor's
+identifiers never passes as the successor. Error 10071 becomes ``Fenced`` here
+and nowhere else. Tail reads use the stream leader (the message-get API), not
+direct gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncIterator
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from opentelemetry import trace
+
+from dagnats.core import jetstream as jsx
+from dagnats.core import tracing
+from dagnats.core.errors import Fenced, InvalidArgument, Unavailable
+from dagnats.journal.v1 import journal_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+WRONG_LAST_SEQUENCE = 10071
+IN_FLIGHT_ON_SUBJECT = 10164
+RETRY_IN_FLIGHT = 10158
+_CURRENT = re.compile(r"wrong last sequence: (\d+)")
+RETRY_DEADLINE = 30.0
+
+
+def journal_subject(run_id: str, step_id: str) -> str:
+    return f"journal.{run_id}.{step_id}"
+
+
+class JournalStore:
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+
+    async def append(self, token: pb.WriterToken, record: pb.Record) -> int:
+        """Append ``record`` after ``token.last_seq``; returns its sequence.
+
+        Raises:
+            Fenced: another writer's record follows ``token.last_seq``.
+            InvalidArgument: the record is larger than the server accepts.
+        """
+        subject = journal_subject(token.run_id, token.step_id)
+        kind = record.WhichOneof("kind") or "unknown"
+        msg_id = (
+            f"{token.run_id}.{token.step_id}.{token.iteration}.{token.attempt}"
+            f".{token.writer}.{token.written}"
+        )
+        headers = {
+            "Nats-Msg-Id": msg_id,
+            "Nats-Expected-Last-Subject-Sequence": str(token.last_seq),
+            "Dagnats-Kind": kind,
+            "Dagnats-Iteration": str(token.iteration),
+            "Dagnats-Attempt": str(token.attempt),
+        }
+        tracing.inject(headers)
+        data = record.SerializeToString()
+        if len(data) > self.nc.max_payload:
+            raise InvalidArgument(
+                f"{kind} record is {len(data)} bytes; the server accepts {self.nc.max_payload}",
+                field="record",
+            )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RETRY_DEADLINE
+        delay = 0.02
+        while True:
+            try:
+                ack = await self.js.publish(subject, data, timeout=5.0, headers=headers)
+                return int(ack.seq)
+            except nats.js.errors.APIError as err:
+                if err.err_code == WRONG_LAST_SEQUENCE:
+                    return await self._resolve(subject, token.last_seq, msg_id, err)
+                if err.err_code not in (IN_FLIGHT_ON_SUBJECT, RETRY_IN_FLIGHT):
+                    raise
+            except jsx.TRANSIENT_NATS_ERRORS:
+                pass
+            if loop.time() > deadline:
+                return await self._resolve(subject, token.last_seq, msg_id, None)
+            await asyncio.sleep(delay)  # backoff between retries of the same write
+            delay = min(delay * 2, 1.0)
+
+    async def _resolve(
+        self, subject: str, expected: int, msg_id: str, err: nats.js.errors.APIError | None
+    ) -> int:
+        """After a rejected or unanswered write: did our own earlier try land?"""
+        try:
+            first = await self.js.get_msg(jsx.JOURNAL, seq=expected + 1, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            first = None
+        if first is not None and (first.headers or {}).get("Nats-Msg-Id") == msg_id:
+            return int(first.seq or 0)
+        if err is None and first is None:
+            raise Unavailable(f"could not append to {subject}; try again")
+        actual = expected
+        if err is not None and (match := _CURRENT.search(err.description or "")):
+            actual = int(match.group(1))
+        elif first is not None:
+            actual = int(first.seq or 0)
+        span = trace.get_current_span()
+        span.add_event(
+            "fenced", {"subject": subject, "expected_seq": expected, "actual_seq": actual}
+        )
+        raise Fenced(
+            f"{subject}: another holder wrote after sequence {expected} (tail is {actual})",
+            expected=expected,
+            actual=actual,
+        )
+
+    async def tail(self, run_id: str, step_id: str) -> pb.Record | None:
+        """The last record of a step, read from the stream leader."""
+        try:
+            msg = await self.js.get_last_msg(jsx.JOURNAL, journal_subject(run_id, step_id))
+        except nats.js.errors.NotFoundError:
+            return None
+        return _decode(msg.data, msg.seq)
+
+    async def get(self, seq: int) -> pb.Record | None:
+        try:
+            msg = await self.js.get_msg(jsx.JOURNAL, seq=seq)
+        except nats.js.errors.NotFoundError:
+            return None
+        return _decode(msg.data, msg.seq)
+
+    async def read(
+        self, run_id: str, step_id: str, *, after: int, through: int | None = None, limit: int = 0
+    ) -> list[pb.Record]:
+        """Records of a step with ``after < seq <= through``, one leader read each."""
+        subject = journal_subject(run_id, step_id)
+        records: list[pb.Record] = []
+        seq = after + 1
+        while (through is None or seq <= through) and (not limit or len(records) < limit):
+            try:
+                msg = await self.js.get_msg(jsx.JOURNAL, seq=seq, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            if through is not None and (msg.seq or 0) > through:
+                break
+            records.append(_decode(msg.data, msg.seq))
+            seq = int(msg.seq or 0) + 1
+        return records
+
+    async def follow(self, run_id: str, step_id: str, *, from_seq: int) -> AsyncIterator[pb.Record]:
+        """Records from ``from_seq`` on, then each new one as it is written. The
+        ordered consumer behind it is removed when the iterator is closed."""
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if from_seq else DeliverPolicy.ALL,
+            opt_start_seq=from_seq or None,
+        )
+        sub = await self.js.subscribe(
+            journal_subject(run_id, step_id), ordered_consumer=True, config=config
+        )
+        try:
+            async for msg in sub.messages:
+                yield _decode(msg.data, msg.metadata.sequence.stream)
+        finally:
+            await sub.unsubscribe()
+
+    async def purge(self, run_id: str) -> None:
+        await self.js.purge_stream(jsx.JOURNAL, subject=f"journal.{run_id}.>")
+
+
+def _decode(data: bytes | None, seq: int | None) -> pb.Record:
+    record = pb.Record.FromString(data or b"")
+    record.seq = int(seq or 0)
+    return record
+
+
+__all__ = ["JournalStore", "journal_subject"]

@@ -1,0 +1,383 @@
+"""The journal audit on golden journals: sound ones pass, each hand-made
+corruption is reported by exactly the rule it breaks. Pure: no event loop."""
+
+from __future__ import annotations
+
+from dagnats.journal.audit import Finding, check_run, check_step
+from dagnats.journal.model import (
+    Action,
+    AnyEntry,
+    ClaimEntry,
+    CommitEntry,
+    IntentEntry,
+    ModelEntry,
+    OutputEntry,
+    ResultEntry,
+)
+
+
+class Journal:
+    """Builds one step's records as the journal service would store them.
+
+    Each record gets the next sequence and, unless ``expected=`` says otherwise,
+    expects the current tail (the chain a fenced append produces). A claim makes
+    its writer the current one; ``by=`` writes as another (a zombie).
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[AnyEntry] = []
+        self._dispatch: dict[str, tuple[int, int]] = {}
+        self._position: dict[str, int] = {}
+        self._current = ""
+
+    def claim(self, writer: str, iteration: int, attempt: int = 1) -> int:
+        self._dispatch[writer] = (iteration, attempt)
+        self._position[writer] = 0
+        self._current = writer
+        return self._add(ClaimEntry, writer, None, delivery=1, worker_id=f"worker-{writer}")
+
+    def model(self, *, by: str | None = None, expected: int | None = None) -> int:
+        writer = by or self._current
+        return self._add(
+            ModelEntry, writer, expected, position=self._next(writer), response=b'{"text": "hi"}'
+        )
+
+    def intent(
+        self,
+        name: str,
+        *,
+        safe: bool = False,
+        honours: int = 0,
+        by: str | None = None,
+        expected: int | None = None,
+    ) -> int:
+        writer = by or self._current
+        return self._add(
+            IntentEntry,
+            writer,
+            expected,
+            position=self._next(writer),
+            name=name,
+            input=b"{}",
+            safe=safe,
+            honours_seq=honours,
+        )
+
+    def output(self, intent_seq: int, *, by: str | None = None) -> int:
+        return self._add(OutputEntry, by or self._current, None, intent_seq=intent_seq, chunk="..")
+
+    def result(
+        self,
+        intent_seq: int,
+        *,
+        interrupted: bool = False,
+        by: str | None = None,
+        expected: int | None = None,
+    ) -> int:
+        return self._add(
+            ResultEntry,
+            by or self._current,
+            expected,
+            intent_seq=intent_seq,
+            output=b"" if interrupted else b'"ok"',
+            interrupted=interrupted,
+        )
+
+    def commit(
+        self, action: str, *, by: str | None = None, expected: int | None = None, reason: str = ""
+    ) -> int:
+        return self._add(
+            CommitEntry, by or self._current, expected, action=Action(action), reason=reason
+        )
+
+    @property
+    def tail(self) -> int:
+        return self.entries[-1].seq if self.entries else 0
+
+    def _next(self, writer: str) -> int:
+        position = self._position[writer]
+        self._position[writer] = position + 1
+        return position
+
+    def _add(self, kind: type, writer: str, expected: int | None, **fields: object) -> int:
+        iteration, attempt = self._dispatch[writer]
+        seq = self.tail + 1
+        self.entries.append(
+            kind(
+                seq=seq,
+                iteration=iteration,
+                attempt=attempt,
+                writer=writer,
+                expected_seq=self.tail if expected is None else expected,
+                **fields,
+            )
+        )
+        return seq
+
+
+def rules(findings: list[Finding]) -> list[str]:
+    return [f.rule for f in findings]
+
+
+def only(findings: list[Finding], rule: str) -> Finding:
+    assert rules(findings) == [rule], findings
+    return findings[0]
+
+
+def two_iterations_with_tools() -> Journal:
+    """Iteration 0 calls a safe tool and continues; iteration 1 an unsafe one and completes."""
+    j = Journal()
+    j.claim("w1", 0)
+    j.model()
+    search = j.intent("search", safe=True)
+    j.output(search)
+    j.result(search)
+    j.model()
+    j.commit("continue")
+    j.claim("w2", 1)
+    j.model()
+    charge = j.intent("charge")
+    j.result(charge)
+    j.model()
+    j.commit("complete")
+    return j
+
+
+# ---- sound journals ----------------------------------------------------------------
+
+
+def test_a_finished_journal_with_tool_calls_is_sound() -> None:
+    j = two_iterations_with_tools()
+    assert check_step("agent", j.entries, engine_iterations=1) == []
+
+
+def test_retries_after_a_failure_a_timeout_and_the_restart_limit_are_sound() -> None:
+    j = Journal()
+    j.claim("w1", 0, 1)
+    send = j.intent("send")
+    j.result(send)
+    j.commit("fail")  # the attempt failed; the engine retries
+    j.claim("w2", 0, 2)
+    j.result(j.intent("send", honours=send))  # honours the earlier unsafe intent
+    charge = j.intent("charge")  # then w2 times out mid-tool
+    j.claim("w3", 0, 3)
+    j.result(charge, interrupted=True)  # the claim answers attempt 2's intent
+    j.commit("pause")
+    for writer in ("w4", "w5", "w6"):
+        j.claim(writer, 0, 4)  # crashes right after claiming, three times
+    j.commit("fail", reason="restart_limit")
+    j.claim("w7", 0, 5)
+    j.model()
+    j.commit("continue")
+    j.claim("w8", 1)
+    j.commit("complete")
+    assert check_step("agent", j.entries, engine_iterations=1) == []
+
+
+def test_a_fenced_zombie_that_writes_nothing_more_is_sound() -> None:
+    j = Journal()
+    j.claim("zombie", 0)
+    j.model()
+    lookup = j.intent("lookup", safe=True)  # the zombie stalls inside the tool
+    j.claim("successor", 0)  # the same task, redelivered
+    j.model()
+    j.result(lookup)  # safe both times: run again under the same intent
+    j.commit("continue")
+    assert check_step("agent", j.entries, engine_iterations=1) == []
+
+
+def test_a_running_journal_may_have_a_tool_still_running() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    j.model()
+    j.intent("deploy")
+    assert check_step("agent", j.entries) == []
+
+
+def test_a_new_attempt_may_still_be_closing_earlier_intents() -> None:
+    j = Journal()
+    j.claim("w1", 0, 1)
+    j.intent("charge")
+    j.claim("w2", 0, 2)  # crashed before answering attempt 1's intent
+    assert check_step("agent", j.entries) == []
+
+
+def test_check_run_audits_every_step_in_order() -> None:
+    sound = two_iterations_with_tools().entries
+    broken = Journal()
+    broken.claim("w1", 0)
+    broken.intent("lost")
+    broken.commit("complete")
+    findings = check_run({"b": broken.entries, "a": sound}, {"a": 1, "b": 0})
+    assert [(f.step_id, f.rule) for f in findings] == [("b", "unanswered_intent")]
+    assert [f.step_id for f in check_run({"a": sound, "b": sound}, {"a": 2})] == ["a"]
+
+
+# ---- corrupted journals ------------------------------------------------------------
+
+
+def test_two_commits_ending_one_iteration() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    j.model()
+    first = j.commit("continue")
+    second = j.commit("complete")
+    finding = only(check_step("agent", j.entries), "commit_count")
+    assert finding.seq == second
+    assert finding.message == f"iteration 0 has 2 commits that end it (seq {first} and {second})"
+
+
+def test_two_commits_of_one_attempt() -> None:
+    j = Journal()
+    j.claim("w1", 0, 1)
+    first = j.commit("fail")
+    second = j.commit("pause")
+    finding = only(check_step("agent", j.entries), "commit_count")
+    assert finding.seq == second
+    assert f"attempt 1 has 2 commits (seq {first} and {second})" in finding.message
+
+
+def test_a_record_after_the_commit_that_ended_its_iteration() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    end = j.commit("continue")
+    late = j.model()
+    finding = only(check_step("agent", j.entries), "commit_count")
+    assert finding.seq == late
+    assert f"commit at seq {end}" in finding.message and f"seq {late}" in finding.message
+
+
+def test_a_record_after_its_attempt_failed() -> None:
+    j = Journal()
+    j.claim("w1", 0, 1)
+    end = j.commit("fail")
+    late = j.model()
+    finding = only(check_step("agent", j.entries), "commit_count")
+    assert finding.seq == late
+    assert f"attempt 1 ended with the commit at seq {end} (fail)" in finding.message
+
+
+def test_an_intent_without_a_result_in_a_finished_journal() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    lost = j.intent("send_email")
+    j.model()
+    j.commit("complete")
+    finding = only(check_step("agent", j.entries), "unanswered_intent")
+    assert finding.seq == lost
+    assert (
+        finding.message
+        == f"tool intent 'send_email' at seq {lost} (iteration 0 attempt 1) has no result"
+    )
+
+
+def test_an_earlier_attempt_intent_left_open_by_a_claim_that_moved_on() -> None:
+    j = Journal()
+    j.claim("w1", 0, 1)
+    lost = j.intent("charge")
+    j.claim("w2", 0, 2)
+    j.model()  # the claim should have answered `lost` before this
+    finding = only(check_step("agent", j.entries), "unanswered_intent")
+    assert finding.seq == lost
+
+
+def test_an_intent_with_two_results() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    charge = j.intent("charge")
+    first = j.result(charge)
+    second = j.result(charge)
+    j.commit("complete")
+    finding = only(check_step("agent", j.entries), "double_result")
+    assert finding.seq == second
+    assert f"seq {charge} has 2 results (seq {first} and {second})" in finding.message
+
+
+def test_a_record_after_the_claim_that_fenced_its_writer() -> None:
+    j = Journal()
+    j.claim("zombie", 0)
+    j.model()
+    fence = j.claim("successor", 0)
+    late = j.model(by="zombie")  # a zombie that re-read the tail instead of stopping
+    j.model()
+    j.commit("continue")
+    finding = only(check_step("agent", j.entries, engine_iterations=1), "after_fence")
+    assert finding.seq == late
+    assert f"seq {late}" in finding.message and f"claim at seq {fence}" in finding.message
+    assert "zombie" in finding.message and "successor" in finding.message
+
+
+def test_a_record_by_a_writer_that_never_claimed() -> None:
+    j = Journal()
+    holder = j.claim("w1", 0)
+    j._dispatch["ghost"] = (0, 1)
+    j._position["ghost"] = 0
+    ghost = j.model(by="ghost")
+    j.commit("complete")
+    finding = only(check_step("agent", j.entries), "after_fence")
+    assert finding.seq == ghost
+    assert "never claimed" in finding.message and f"seq {holder}" in finding.message
+
+
+def test_a_broken_chain() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    j.model()
+    broken = j.model(expected=1)  # the tail was seq 2
+    j.commit("complete")
+    finding = only(check_step("agent", j.entries), "chain")
+    assert finding.seq == broken
+    assert finding.message == (
+        f"seq {broken} (model response) expected the tail at seq 1, "
+        "but the record before it is seq 2"
+    )
+
+
+def test_a_first_record_that_expected_a_tail() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    j.commit("complete")
+    j.entries[0] = ClaimEntry(seq=1, iteration=0, attempt=1, writer="w1", expected_seq=7)
+    finding = only(check_step("agent", j.entries), "chain")
+    assert finding.seq == 1 and "first record" in finding.message and "seq 7" in finding.message
+
+
+def test_a_result_for_a_missing_intent() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    orphan = j.result(99)
+    j.commit("complete")
+    finding = only(check_step("agent", j.entries), "orphan_result")
+    assert finding.seq == orphan
+    assert f"seq {orphan} answers seq 99, which is not in the journal" in finding.message
+
+
+def test_a_result_that_answers_a_model_response() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    model = j.model()
+    orphan = j.result(model)
+    j.commit("complete")
+    finding = only(check_step("agent", j.entries), "orphan_result")
+    assert f"answers seq {model}, which is a model response" in finding.message
+    assert finding.seq == orphan
+
+
+def test_the_engine_counting_other_iterations_than_the_commits() -> None:
+    j = two_iterations_with_tools()
+    finding = only(check_step("agent", j.entries, engine_iterations=2), "iteration_count")
+    assert finding.seq == 0
+    assert finding.message == (
+        "the engine counts 2 iterations of this step, but the journal has 1 continue commit (seq 7)"
+    )
+
+
+def test_findings_come_in_sequence_order_with_the_count_last() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    lost = j.intent("lost")
+    j.result(99)
+    j.commit("complete")
+    findings = check_step("agent", j.entries, engine_iterations=3)
+    assert rules(findings) == ["unanswered_intent", "orphan_result", "iteration_count"]
+    assert findings[0].seq == lost

@@ -1,0 +1,266 @@
+"""The per-step journal end to end: crashes in the middle of a turn repeat no
+finished model or tool call, and an unsafe tool never starts twice."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest_asyncio
+
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
+from dagnats.sdk import Client, Worker, run_output
+from dagnats.sdk.testing import ScriptedModel
+from tests.helpers import wait_for
+from tests.journal_agent import SCRIPT, Crasher, Seen, Tools, agent
+from tests.stack import FAST, loop_workflow, steps_by_id, unique
+
+NO_HEARTBEAT = 3600.0  # a crashed holder sends nothing, heartbeats included
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
+    server = await start_engine(nats_server.url, config=FAST)
+    yield server
+    await server.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(engine: EngineServer) -> AsyncIterator[Client]:
+    async with Client(engine.target) as c:
+        yield c
+
+
+async def journal_check(engine: EngineServer, run_id: str) -> jpb.CheckResponse:
+    import grpc.aio
+
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        return await stub.Check(jpb.CheckRequest(run_id=run_id))
+
+
+async def read_journal(engine: EngineServer, run_id: str, step: str = "agent") -> list[jpb.Record]:
+    import grpc.aio
+
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        return [r.record async for r in stub.Read(jpb.ReadRequest(run_id=run_id, step_id=step))]
+
+
+async def start(client: Client, **step: Any) -> tuple[str, str]:
+    task, name = unique("jagent"), unique("jwf")
+    await client.register_workflow(loop_workflow(name, task, **step))
+    return task, name
+
+
+async def finish(client: Client, engine: EngineServer, run_id: str) -> pb.Run:
+    run = await client.wait_for_run(run_id, timeout=40)
+    assert run.status == pb.RUN_STATUS_COMPLETED, run.error
+    assert run_output(run) == "done"
+    check = await journal_check(engine, run_id)
+    assert list(check.violations) == [], check.violations
+    assert steps_by_id(run)["agent"].iterations == 3
+    return run
+
+
+async def test_a_crash_free_run(client: Client, engine: EngineServer) -> None:
+    task, name = await start(client)
+    model, tools = ScriptedModel(SCRIPT), Tools()
+    async with Worker(engine.target, handlers={task: agent(model, tools)}, poll_wait=1.0):
+        run = await client.start_run(name, {"ask": "weather"})
+        await finish(client, engine, run.run_id)
+    assert model.calls == 4
+    assert tools.starts == {"search": 2, "send_email": 1}
+    kinds = [r.WhichOneof("kind") for r in await read_journal(engine, run.run_id)]
+    assert kinds.count("commit") == 4 and kinds.count("claim") == 4
+
+
+async def test_crash_after_unsafe_intent_records_interrupted(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await start(client)
+    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    handler = agent(model, tools, seen)
+    with Crasher("after_intent", skip=1) as crash:  # iteration 1: the unsafe send_email
+        tools.block["send_email"] = crash.release
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        ) as first:
+            run = await client.start_run(name)
+            await wait_for(crash.hit.is_set, timeout=20)
+            # The holder is gone after writing the intent; a successor takes over
+            # once the lease runs out.
+            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+                await first.stop(grace=0)
+                await finish(client, engine, run.run_id)
+    assert tools.starts["send_email"] == 0, "the unsafe tool never started"
+    interrupted = [r for r in seen.results if r["tool"] == "send_email"]
+    assert interrupted == [
+        {"tool": "send_email", "output": None, "interrupted": True, "partial": ""}
+    ]
+    assert model.requests[2][-1]["interrupted"] is True, "the model sees the interrupted call"
+
+
+async def test_crash_inside_unsafe_tool_keeps_partial_output(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await start(client)
+    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    handler = agent(model, tools, seen)
+    with Crasher("after_result") as crash:  # used only to release the blocked tool at exit
+        import asyncio
+
+        tools.block["send_email"] = asyncio.Event()
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        ) as first:
+            run = await client.start_run(name)
+            await wait_for(lambda: tools.starts["send_email"] == 1, timeout=20)
+            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+                await first.stop(grace=0)
+                await finish(client, engine, run.run_id)
+        crash.release.set()
+    assert tools.starts["send_email"] == 1, "started once, never again"
+    (result,) = [r for r in seen.results if r["tool"] == "send_email"]
+    assert result["interrupted"] is True and result["partial"] == "started send_email;"
+
+
+async def test_crash_after_safe_intent_runs_it_again(client: Client, engine: EngineServer) -> None:
+    task, name = await start(client)
+    model, tools = ScriptedModel(SCRIPT), Tools()
+    handler = agent(model, tools)
+    with Crasher("after_intent") as crash:  # iteration 0: the safe search
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        ) as first:
+            run = await client.start_run(name)
+            await wait_for(crash.hit.is_set, timeout=20)
+            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+                await first.stop(grace=0)
+                await finish(client, engine, run.run_id)
+    assert tools.starts == {"search": 2, "send_email": 1}, "the safe call ran again (once)"
+    assert model.calls == 4, "the model response of the crashed turn was reused"
+
+
+async def test_crash_after_model_reuses_the_response(client: Client, engine: EngineServer) -> None:
+    task, name = await start(client)
+    model, tools = ScriptedModel(SCRIPT), Tools()
+    handler = agent(model, tools)
+    with Crasher("after_model", skip=1) as crash:
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        ) as first:
+            run = await client.start_run(name)
+            await wait_for(crash.hit.is_set, timeout=20)
+            assert model.calls == 2
+            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+                await first.stop(grace=0)
+                await finish(client, engine, run.run_id)
+    assert model.calls == 4, "reused, not requested again"
+    assert tools.starts == {"search": 2, "send_email": 1}
+
+
+async def test_crash_after_commit_republishes(client: Client, engine: EngineServer) -> None:
+    task, name = await start(client)
+    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    handler = agent(model, tools, seen)
+    with Crasher("after_commit", skip=1) as crash:
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        ) as first:
+            run = await client.start_run(name)
+            await wait_for(crash.hit.is_set, timeout=20)
+            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+                await first.stop(grace=0)
+                await finish(client, engine, run.run_id)
+    assert seen.signals.count("Committed") == 1
+    assert model.calls == 4 and tools.starts == {"search": 2, "send_email": 1}
+
+
+async def test_zombie_is_fenced_and_writes_nothing_after_its_successor(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await start(client)
+    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    handler = agent(model, tools, seen)
+    with Crasher("after_model", skip=1) as stall:
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        ):
+            run = await client.start_run(name)
+            await wait_for(stall.hit.is_set, timeout=20)
+            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+                records = []
+
+                async def successor_claimed() -> bool:
+                    nonlocal records
+                    records = await read_journal(engine, run.run_id)
+                    claims = [r for r in records if r.iteration == 1 and r.HasField("claim")]
+                    return len(claims) == 2
+
+                await wait_for(successor_claimed, timeout=20)
+                stall.release.set()  # the zombie wakes up and tries its next write
+                await wait_for(lambda: "Fenced" in seen.signals, timeout=20)
+                await finish(client, engine, run.run_id)
+    records = await read_journal(engine, run.run_id)
+    zombie = next(r.writer for r in records if r.iteration == 1 and r.HasField("claim"))
+    successor_claim = [r for r in records if r.iteration == 1 and r.HasField("claim")][1]
+    assert not [r for r in records if r.writer == zombie and r.seq > successor_claim.seq]
+    assert tools.starts["send_email"] == 1
+
+
+async def test_restart_limit_fails_the_attempt_and_the_retry_resumes(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await start(
+        client, retry={"max_attempts": 2, "backoff": "fixed", "initial_delay": "100ms"}
+    )
+    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    handler = agent(model, tools, seen)
+    # Iteration 1 dies after every claim; the fifth claim in a row hits the limit.
+    with Crasher("after_claim", skip=1, times=4):
+        async with Worker(
+            engine.target,
+            handlers={task: handler},
+            poll_wait=1.0,
+            concurrency=8,
+            heartbeat_interval=NO_HEARTBEAT,
+        ) as worker:
+            run = await client.start_run(name)
+            done = await client.wait_for_run(run.run_id, timeout=60)
+            await worker.stop(grace=0)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    assert seen.signals.count("RestartLimit") == 1
+    records = await read_journal(engine, run.run_id)
+    failure = [r for r in records if r.HasField("commit") and r.commit.reason == "restart_limit"]
+    assert len(failure) == 1 and failure[0].iteration == 1 and failure[0].attempt == 1
+    claims = [r for r in records if r.HasField("claim") and (r.iteration, r.attempt) == (1, 1)]
+    assert len(claims) == 5, "four crashed claims, then the fifth hits the limit"
+    assert steps_by_id(done)["agent"].iterations == 3
+    assert model.calls == 4, "the retry resumed from the journal"
+    check = await journal_check(engine, run.run_id)
+    assert list(check.violations) == []
+
+
+async def test_late_redelivery_of_an_older_iteration_is_stale(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await start(client)
+    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    async with Worker(engine.target, handlers={task: agent(model, tools, seen)}, poll_wait=1.0):
+        run = await client.start_run(name)
+        await finish(client, engine, run.run_id)
+    # The task of iteration 1 arrives again, long after.
+    import grpc.aio
+
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        late = await stub.Claim(
+            jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=1, attempt=1)
+        )
+    assert late.WhichOneof("outcome") == "settled" and late.settled.reason == "stale"
+    before = len(await read_journal(engine, run.run_id))
+    assert before == len(await read_journal(engine, run.run_id)), "nothing was written"
