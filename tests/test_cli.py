@@ -111,3 +111,35 @@ def test_unreachable_engine_is_one_line() -> None:
     result = dagnats("run", "list", env={"DAGNATS_ENGINE": f"127.0.0.1:{free_port()}"}, timeout=60)
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+async def test_journal_check_passes_then_catches_a_corrupted_journal(engine: EngineServer) -> None:
+    from dagnats.journal.v1 import journal_pb2 as jpb
+    from dagnats.sdk import Client, Worker
+    from dagnats.sdk.testing import ScriptedModel
+    from tests.journal_agent import SCRIPT, Tools, agent
+    from tests.stack import loop_workflow
+
+    task, name = unique("jcli"), unique("jcliwf")
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        handler = agent(ScriptedModel(SCRIPT), Tools())
+        async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+            run = await client.start_run(name)
+            await client.wait_for_run(run.run_id, timeout=30)
+    env = {"DAGNATS_ENGINE": engine.target}
+    clean = await adagnats("journal", "check", run.run_id, env=env)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert "0 violations" in clean.stdout
+
+    # A second commit for iteration 0, written around the fence by hand.
+    js = engine.nc.jetstream()
+    subject = f"journal.{run.run_id}.agent"
+    first = await js.get_msg("AGENT_JOURNAL", seq=1, subject=subject, next=True)
+    forged = jpb.Record(run_id=run.run_id, step_id="agent", iteration=0, attempt=1, writer="f" * 16)
+    forged.commit.action = jpb.ACTION_CONTINUE
+    await js.publish(subject, forged.SerializeToString())
+    assert first.seq
+    corrupt = await adagnats("journal", "check", run.run_id, env=env)
+    assert corrupt.returncode == 1
+    assert "commit_count" in corrupt.stdout and "iteration 0" in corrupt.stdout

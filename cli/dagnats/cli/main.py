@@ -68,8 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _workflow_commands(sub.add_parser("workflow", help="register and read workflows"))
     _run_commands(sub.add_parser("run", help="start, read, cancel and watch runs"))
-    journal = sub.add_parser("journal", help="read and audit step journals")
-    add_journal_commands(journal.add_subparsers(dest="action", required=True))
+    add_journal_commands(sub)
     return parser
 
 

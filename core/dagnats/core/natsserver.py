@@ -212,18 +212,27 @@ class NatsServer:
             NatsServerError: the binary is missing, or the server exited or did not
                 become ready in time (the message includes the end of its log).
         """
-        server = cls._configure(
-            store_dir,
-            port=port,
-            host=host,
-            sync_always=sync_always,
-            server_name=server_name,
-            cluster=cluster,
-            log_file=log_file,
-        )
-        await server._spawn()
-        await server._ready_or_raise(ready_timeout)
-        return server
+        # A port picked as free can be taken before the server binds it; with
+        # port=0 the start is tried again on other ports.
+        for tries_left in range(2 if port == 0 else 0, -1, -1):
+            server = cls._configure(
+                store_dir,
+                port=port,
+                host=host,
+                sync_always=sync_always,
+                server_name=server_name,
+                cluster=cluster,
+                log_file=log_file,
+            )
+            try:
+                await server._spawn()
+                await server._ready_or_raise(ready_timeout)
+            except NatsServerError as err:
+                if tries_left == 0 or "address already in use" not in str(err):
+                    raise
+                continue
+            return server
+        raise AssertionError("unreachable")
 
     @classmethod
     def _configure(
@@ -381,6 +390,9 @@ class NatsCluster:
     ) -> NatsCluster:
         """Start ``size`` servers, each with a store under ``base_dir/n<i>``.
 
+        A port found free can be taken by another socket before the server binds
+        it, so a start that fails that way is tried again with new ports.
+
         Returns:
             The cluster, once every member names the same JetStream meta leader.
 
@@ -388,6 +400,24 @@ class NatsCluster:
             NatsServerError: a member did not start, or no meta leader was elected
                 within ``ready_timeout`` seconds.
         """
+        for tries_left in range(2, -1, -1):
+            try:
+                return await cls._start_once(base_dir, size, host, name, sync_always, ready_timeout)
+            except NatsServerError as err:
+                if tries_left == 0 or "address already in use" not in str(err):
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    async def _start_once(
+        cls,
+        base_dir: Path,
+        size: int,
+        host: str,
+        name: str,
+        sync_always: bool,
+        ready_timeout: float,
+    ) -> NatsCluster:
         route_ports = _free_ports(size, host)
         routes = tuple(f"nats://{host}:{p}" for p in route_ports)
         servers = [

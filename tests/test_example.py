@@ -1,0 +1,174 @@
+"""The agent-turn example (examples/agent_turn): its pure helpers, and the
+handler end to end on a real nats-server and engine."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc.aio
+import pytest
+import pytest_asyncio
+
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
+from dagnats.sdk import Client, ToolResult, Worker, run_output
+from dagnats.sdk.testing import ScriptedModel
+from examples.agent_turn.handler import (
+    BadReply,
+    Turn,
+    answered,
+    append_turn,
+    decode_turn,
+    make_agent_turn,
+    opening,
+)
+from tests.stack import FAST, steps_by_id, unique
+
+WORKFLOW = Path(__file__).parent.parent / "examples" / "agent_turn" / "workflow.yaml"
+
+SCRIPT: list[dict[str, Any]] = [
+    {"done": False, "tool": "search", "input": {"q": "weather"}},
+    {"done": False, "tool": "send_email", "input": {"to": "ops"}},
+    {"done": True, "answer": "sunny, ops told"},
+]
+
+
+# The pure helpers.
+
+
+def test_decode_turn_reads_a_tool_call_and_an_answer() -> None:
+    assert decode_turn(SCRIPT[0]) == Turn(done=False, tool="search", input={"q": "weather"})
+    assert decode_turn({"done": True, "answer": 42}) == Turn(done=True, answer=42)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "sure, let me search",
+        None,
+        {"tool": "search"},  # no "done"
+        {"done": False, "tool": ""},
+        {"done": False, "tool": 7},
+        {"done": True},  # no answer
+        {"done": "yes", "answer": 1},
+    ],
+)
+def test_decode_turn_rejects_what_is_not_a_turn(reply: Any) -> None:
+    with pytest.raises(BadReply, match="model reply is not a turn") as raised:
+        decode_turn(reply)
+    assert raised.value.reply == reply
+
+
+def test_append_turn_tells_the_model_about_an_interrupted_call() -> None:
+    history = opening("hi")
+    assert history == [{"role": "user", "content": "hi"}]
+    done = append_turn(history, SCRIPT[0], ToolResult(output={"n": 1}))
+    assert done[-1] == {"role": "tool", "output": {"n": 1}}
+    cut = append_turn(history, SCRIPT[1], ToolResult(interrupted=True, partial="sending;"))
+    assert cut[-1] == {"role": "tool", "output": None, "interrupted": True, "partial": "sending;"}
+    failed = append_turn(history, SCRIPT[1], ToolResult(error="LookupError: no"))
+    assert failed[-1]["error"] == "LookupError: no"
+    assert history == [{"role": "user", "content": "hi"}], "the history is not changed in place"
+
+
+def test_answered() -> None:
+    history = opening("hi")
+    assert not answered(history)
+    assert not answered(append_turn(history, SCRIPT[0], ToolResult(output=1)))
+    assert answered(append_turn(history, SCRIPT[2]))
+
+
+# End to end.
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
+    server = await start_engine(nats_server.url, config=FAST)
+    yield server
+    await server.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(engine: EngineServer) -> AsyncIterator[Client]:
+    async with Client(engine.target) as c:
+        yield c
+
+
+async def register(client: Client) -> tuple[str, str]:
+    """Register workflow.yaml under a fresh workflow name and task type."""
+    name, task = unique("agent-turn"), unique("agent-turn")
+    text = WORKFLOW.read_text()
+    unique_text = text.replace("name: agent-turn\n", f"name: {name}\n").replace(
+        "task: agent-turn\n", f"task: {task}\n"
+    )
+    assert unique_text.count(name) == 1 and unique_text.count(task) == 1, unique_text
+    workflow = await client.register_workflow(unique_text)
+    assert [s.task for s in workflow.steps] == [task]
+    return name, task
+
+
+async def journal_check(engine: EngineServer, run_id: str) -> jpb.CheckResponse:
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        return await stub.Check(jpb.CheckRequest(run_id=run_id))
+
+
+class Tools:
+    """Tools that count their starts and remember the key of each call."""
+
+    def __init__(self) -> None:
+        self.starts: Counter[str] = Counter()
+        self.keys: dict[str, list[str]] = {}
+
+    async def run(self, name: str, input: Any, key: str) -> Any:
+        self.starts[name] += 1
+        self.keys.setdefault(name, []).append(key)
+        return {"tool": name, "input": input}
+
+
+async def test_the_agent_searches_sends_and_answers(client: Client, engine: EngineServer) -> None:
+    name, task = await register(client)
+    model, tools = ScriptedModel(SCRIPT), Tools()
+    handler = make_agent_turn(model, tools.run)
+    async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+        run = await client.start_run(name, "weather, then tell ops")
+        run = await client.wait_for_run(run.run_id, timeout=40)
+
+    assert run.status == pb.RUN_STATUS_COMPLETED, run.error
+    assert run_output(run) == "sunny, ops told"
+    assert steps_by_id(run)["agent"].iteration == 2, "three turns: 0, 1 and 2"
+    assert model.calls == 3
+    assert tools.starts == {"search": 1, "send_email": 1}
+    assert tools.keys == {
+        "search": [f"{run.run_id}.agent.0.1"],
+        "send_email": [f"{run.run_id}.agent.1.1"],
+    }
+    # Each turn's request is the conversation so far, tool results included.
+    last = model.requests[2]
+    assert last[0] == {"role": "user", "content": "weather, then tell ops"}
+    assert last[-1] == {"role": "tool", "output": {"tool": "send_email", "input": {"to": "ops"}}}
+    check = await journal_check(engine, run.run_id)
+    assert list(check.violations) == [], check.violations
+
+
+async def test_a_reply_that_is_not_a_turn_fails_the_run(
+    client: Client, engine: EngineServer
+) -> None:
+    name, task = await register(client)
+    model, tools = ScriptedModel([{"done": False, "tool": ""}]), Tools()
+    async with Worker(engine.target, handlers={task: make_agent_turn(model, tools.run)}):
+        run = await client.start_run(name, "hi")
+        run = await client.wait_for_run(run.run_id, timeout=40)
+
+    assert run.status == pb.RUN_STATUS_FAILED
+    assert "model reply is not a turn" in run.error, run.error
+    assert steps_by_id(run)["agent"].attempt == 1, "a permanent failure is not retried"
+    assert model.calls == 1
+    assert not tools.starts
+    check = await journal_check(engine, run.run_id)
+    assert list(check.violations) == [], check.violations

@@ -1,0 +1,40 @@
+"""The fencing tests again, on a 3-node loopback cluster with R3 streams: R3
+checks a Msg-Id before the expected sequence, so fencing must hold there too."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest_asyncio
+
+from dagnats.core.jetstream import Topology
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.sdk import Client
+from tests.stack import FAST
+from tests.test_journal import (
+    test_crash_after_commit_republishes,
+    test_crash_after_unsafe_intent_records_interrupted,
+    test_restart_limit_fails_the_attempt_and_the_retry_resumes,
+    test_zombie_is_fenced_and_writes_nothing_after_its_successor,
+)
+
+__all__ = [
+    "test_crash_after_commit_republishes",
+    "test_crash_after_unsafe_intent_records_interrupted",
+    "test_restart_limit_fails_the_attempt_and_the_retry_resumes",
+    "test_zombie_is_fenced_and_writes_nothing_after_its_successor",
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_cluster: Any) -> AsyncIterator[EngineServer]:
+    server = await start_engine(nats_cluster.url, config=FAST, topology=Topology(replicas=3))
+    yield server
+    await server.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(engine: EngineServer) -> AsyncIterator[Client]:
+    async with Client(engine.target) as c:
+        yield c

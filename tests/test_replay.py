@@ -1,0 +1,604 @@
+"""The replay rules on golden journals, one rule per test, including a journal
+that must come back as ``Mismatch`` (``ReplayMismatch`` in the service).
+
+Pure: plain records built by hand, no event loop, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import pytest
+
+from dagnats.journal.model import (
+    Action,
+    AnyEntry,
+    ClaimEntry,
+    CommitEntry,
+    IntentEntry,
+    ModelEntry,
+    OutputEntry,
+    ResultEntry,
+    ToolCall,
+)
+from dagnats.journal.replay import (
+    DEFAULT_RESTART_LIMIT,
+    AlreadyCommitted,
+    CallModel,
+    ClaimDecision,
+    Honour,
+    Interrupt,
+    Mismatch,
+    Proceed,
+    RunAgain,
+    RunNew,
+    Stale,
+    UseResponse,
+    UseResult,
+    decide_claim,
+    decide_model,
+    decide_tool,
+    partial_output,
+    restart_limit_reached,
+)
+
+E = TypeVar("E", bound=AnyEntry)
+
+
+class J:
+    """One step's journal as the service stores it, built call by call.
+
+    Every record gets the next sequence and expects the one before it (the chain
+    fenced appends produce). A claim opens dispatch ``(it, at)`` with a fresh
+    writer nonce; later records belong to it until the next claim.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[AnyEntry] = []
+        self._dispatch = (0, 1)
+        self._writer = ""
+        self._base = 0
+        self._deliveries: dict[tuple[int, int], int] = {}
+
+    def claim(self, *, it: int = 0, at: int = 1) -> J:
+        self._dispatch = (it, at)
+        self._writer = f"{len(self.entries) + 1:016x}"
+        delivery = self._deliveries.get((it, at), 0) + 1
+        self._deliveries[(it, at)] = delivery
+        return self._add(ClaimEntry, delivery=delivery, worker_id=f"worker-{delivery}")
+
+    def model(self, *, p: int, resp: bytes = b'{"text": "hi"}') -> J:
+        return self._add(ModelEntry, position=p, response=resp)
+
+    def intent(
+        self, *, p: int, name: str, input: bytes = b"{}", safe: bool = False, honours: int = 0
+    ) -> J:
+        return self._add(
+            IntentEntry, position=p, name=name, input=input, safe=safe, honours_seq=honours
+        )
+
+    def output(self, chunk: str, *, intent: int | None = None) -> J:
+        return self._add(OutputEntry, intent_seq=intent or self._last_intent(), chunk=chunk)
+
+    def result(
+        self,
+        *,
+        intent: int | None = None,
+        output: bytes = b'{"ok": true}',
+        error: str = "",
+        interrupted: bool = False,
+        partial: str = "",
+    ) -> J:
+        return self._add(
+            ResultEntry,
+            intent_seq=intent or self._last_intent(),
+            output=output,
+            error=error,
+            interrupted=interrupted,
+            partial=partial,
+        )
+
+    def commit(self, action: Action) -> J:
+        self._add(CommitEntry, action=action, error="boom" if action is Action.FAIL else "")
+        if self.last_commit.ends_iteration:
+            self._base = self.last_commit.seq
+        return self
+
+    @property
+    def last(self) -> AnyEntry:
+        return self.entries[-1]
+
+    @property
+    def last_intent(self) -> IntentEntry:
+        return self._last(IntentEntry)
+
+    @property
+    def last_result(self) -> ResultEntry:
+        return self._last(ResultEntry)
+
+    @property
+    def last_commit(self) -> CommitEntry:
+        return self._last(CommitEntry)
+
+    def _last(self, kind: type[E]) -> E:
+        entry = self.entries[-1]
+        assert isinstance(entry, kind), f"the last record is {entry!r}, not a {kind.__name__}"
+        return entry
+
+    def at(self, seq: int) -> AnyEntry:
+        return self.entries[seq - 1]
+
+    def of(self, iteration: int) -> list[AnyEntry]:
+        """The records of one iteration, as the service hands them to the rules."""
+        return [e for e in self.entries if e.iteration == iteration]
+
+    def _last_intent(self) -> int:
+        return next(e.seq for e in reversed(self.entries) if isinstance(e, IntentEntry))
+
+    def _add(self, kind: type[AnyEntry], **fields: object) -> J:
+        seq = len(self.entries) + 1
+        it, at = self._dispatch
+        entry = kind(
+            seq=seq,
+            iteration=it,
+            attempt=at,
+            writer=self._writer,
+            expected_seq=seq - 1,
+            base_seq=self._base,
+            **fields,  # type: ignore[arg-type]
+        )
+        self.entries.append(entry)
+        return self
+
+
+def unsafe(name: str, input: bytes = b"{}") -> ToolCall:
+    return ToolCall(name=name, input=input, safe=False)
+
+
+def safe(name: str, input: bytes = b"{}") -> ToolCall:
+    return ToolCall(name=name, input=input, safe=True)
+
+
+def claim(j: J, *, iteration: int = 0, attempt: int = 1) -> ClaimDecision:
+    return decide_claim(tail=j.last, records=j.of(iteration), iteration=iteration, attempt=attempt)
+
+
+def claims(j: J, n: int, *, at: int = 1) -> J:
+    for _ in range(n):
+        j.claim(it=0, at=at)
+    return j
+
+
+# ---- claim ----------------------------------------------------------------------
+
+
+def test_claim_is_stale_when_the_tail_is_from_a_later_iteration() -> None:
+    j = J().claim(it=0).model(p=0).commit(Action.CONTINUE).claim(it=1)
+    assert claim(j, iteration=0, attempt=1) == Stale(
+        detail="the journal is at dispatch (1, 1), past (0, 1)"
+    )
+
+
+def test_claim_is_stale_when_the_tail_is_from_a_later_attempt_of_the_iteration() -> None:
+    j = J().claim(it=0, at=1).commit(Action.FAIL).claim(it=0, at=2).model(p=0)
+    assert claim(j, iteration=0, attempt=1) == Stale(
+        detail="the journal is at dispatch (0, 2), past (0, 1)"
+    )
+
+
+def test_claim_on_an_empty_journal_proceeds() -> None:
+    assert decide_claim(tail=None, records=[], iteration=0, attempt=1) == Proceed(close=())
+
+
+@pytest.mark.parametrize("action", [Action.CONTINUE, Action.COMPLETE, Action.FAIL_PERMANENT])
+@pytest.mark.parametrize("attempt", [1, 2])
+def test_claim_after_an_iteration_ending_commit_is_already_committed(
+    action: Action, attempt: int
+) -> None:
+    # Attempt 2 too: a commit that ends the iteration ends it for every attempt.
+    j = J().claim(it=0, at=1).model(p=0).commit(action)
+    commit = j.last_commit
+    assert claim(j, iteration=0, attempt=attempt) == AlreadyCommitted(commit=commit)
+
+
+@pytest.mark.parametrize("action", [Action.FAIL, Action.PAUSE])
+def test_claim_after_this_attempts_own_fail_or_pause_commit_is_already_committed(
+    action: Action,
+) -> None:
+    j = J().claim(it=0, at=1).commit(Action.FAIL).claim(it=0, at=2).model(p=0).commit(action)
+    own = j.last_commit
+    assert claim(j, iteration=0, attempt=2) == AlreadyCommitted(commit=own)
+
+
+def test_claim_of_a_new_attempt_closes_earlier_attempts_unanswered_intents() -> None:
+    j = J().claim(it=0, at=1).model(p=0)
+    j.intent(p=1, name="search", safe=True).result()  # answered: not closed
+    send = j.intent(p=2, name="send", input=b'{"to": "a"}').last_intent
+    j.output("sending")
+    read = j.intent(p=3, name="read", safe=True).last_intent  # safe ones are closed too
+    j.commit(Action.FAIL)
+    assert claim(j, iteration=0, attempt=2) == Proceed(close=(send, read))
+
+
+def test_claim_of_a_third_attempt_closes_only_what_the_second_claim_left_open() -> None:
+    # Attempt 1 left `send` open and hit the restart limit; attempt 2's claim
+    # closed it, then attempt 2 left `read` open and hit the limit too.
+    j = J().claim(it=0, at=1)
+    send = j.intent(p=0, name="send").last_intent
+    claims(j, 5, at=1).commit(Action.FAIL)
+    j.claim(it=0, at=2).result(intent=send.seq, output=b"", interrupted=True)
+    read = j.intent(p=0, name="read", safe=True).last_intent
+    claims(j, 5, at=2).commit(Action.FAIL)
+    assert claim(j, iteration=0, attempt=3) == Proceed(close=(read,))
+
+
+def test_claim_of_a_later_iteration_closes_nothing_of_the_earlier_one() -> None:
+    j = J().claim(it=0).intent(p=0, name="send").commit(Action.CONTINUE)
+    assert claim(j, iteration=1, attempt=1) == Proceed(close=())
+
+
+def test_claim_redelivering_the_same_attempt_proceeds_without_closing() -> None:
+    # Attempt 1's open intent is answered per position by decide_tool, not at the claim.
+    j = J().claim(it=0, at=1).model(p=0).intent(p=1, name="send")
+    assert claim(j, iteration=0, attempt=1) == Proceed(close=())
+
+
+def test_claim_redelivering_a_retry_does_not_close_its_own_intents_again() -> None:
+    j = J().claim(it=0, at=1).intent(p=0, name="send").commit(Action.FAIL)
+    j.claim(it=0, at=2).result(interrupted=True)  # the attempt-2 claim closed `send`
+    j.intent(p=0, name="charge")  # attempt 2's own open intent
+    assert claim(j, iteration=0, attempt=2) == Proceed(close=())
+
+
+# ---- restart limit --------------------------------------------------------------
+
+
+def test_restart_limit_reached_after_five_claims_in_a_row() -> None:
+    j = claims(J().claim().model(p=0), 5)
+    assert DEFAULT_RESTART_LIMIT == 5
+    assert restart_limit_reached(j.of(0), DEFAULT_RESTART_LIMIT) is True
+
+
+def test_restart_limit_not_reached_after_four_claims_in_a_row() -> None:
+    j = claims(J().claim().model(p=0), 4)
+    assert restart_limit_reached(j.of(0), 5) is False
+
+
+def test_restart_limit_a_pause_commit_between_claims_resets_the_count() -> None:
+    j = claims(J(), 3).commit(Action.PAUSE)
+    claims(j, 2)
+    assert restart_limit_reached(j.of(0), 5) is False
+    assert restart_limit_reached(j.of(0), 3) is False
+    assert restart_limit_reached(j.of(0), 2) is True
+
+
+@pytest.mark.parametrize("progress", ["model", "intent", "output", "result"])
+def test_restart_limit_any_other_record_between_claims_resets_the_count(progress: str) -> None:
+    j = claims(J(), 3)
+    ls = j.intent(p=0, name="ls", safe=True).last_intent.seq
+    j.claim()
+    match progress:
+        case "model":
+            j.model(p=1)
+        case "intent":
+            j.intent(p=1, name="cat", safe=True)
+        case "output":
+            j.output("partial", intent=ls)
+        case "result":
+            j.result()
+    claims(j, 4)
+    assert restart_limit_reached(j.of(0), 5) is False
+    assert restart_limit_reached(j.of(0), 4) is True
+
+
+def test_restart_limit_counts_claims_of_an_earlier_attempt_that_ended_without_commit() -> None:
+    j = claims(J().claim(at=1).model(p=0), 3, at=1)
+    claims(j, 2, at=2)
+    assert restart_limit_reached(j.of(0), 5) is True
+
+
+def test_restart_limit_is_per_iteration() -> None:
+    j = claims(J(), 3).commit(Action.CONTINUE)
+    j.claim(it=1)
+    j.claim(it=1)
+    assert restart_limit_reached(j.of(1), 3) is False
+
+
+# ---- model calls ------------------------------------------------------------------
+
+
+def test_model_call_reuses_the_response_recorded_at_its_position() -> None:
+    j = J().claim().model(p=0, resp=b'{"text": "first"}').model(p=1, resp=b'{"text": "second"}')
+    j.claim()  # a redelivery replays the attempt
+    assert decide_model(j.of(0), attempt=1, position=1) == UseResponse(
+        response=b'{"text": "second"}'
+    )
+
+
+def test_model_call_at_a_new_position_calls_the_model() -> None:
+    j = J().claim().model(p=0).intent(p=1, name="ls", safe=True).result().claim()
+    assert decide_model(j.of(0), attempt=1, position=2) == CallModel()
+
+
+def test_model_call_where_a_tool_intent_is_recorded_is_a_mismatch() -> None:
+    j = J().claim().model(p=0).intent(p=1, name="search", safe=True).claim()
+    assert decide_model(j.of(0), attempt=1, position=1) == Mismatch(
+        reason="position 1 recorded tool 'search', not a model call"
+    )
+
+
+def test_model_call_in_a_new_attempt_does_not_reuse_the_earlier_attempts_response() -> None:
+    j = J().claim(at=1).model(p=0, resp=b'{"text": "old"}').commit(Action.FAIL).claim(at=2)
+    assert decide_model(j.of(0), attempt=2, position=0) == CallModel()
+
+
+# ---- tool calls: one attempt --------------------------------------------------------
+
+
+@pytest.mark.parametrize("recorded_safe", [True, False])
+@pytest.mark.parametrize("current_safe", [True, False])
+def test_tool_recorded_result_is_reused_whatever_the_declarations(
+    recorded_safe: bool, current_safe: bool
+) -> None:
+    j = J().claim().intent(p=0, name="charge", input=b'{"cents": 5}', safe=recorded_safe)
+    result = j.result(output=b'{"charged": true}').last_result
+    j.claim()
+    call = ToolCall(name="charge", input=b'{"cents": 5}', safe=current_safe)
+    assert decide_tool(j.of(0), attempt=1, position=0, call=call) == UseResult(result=result)
+
+
+def test_tool_recorded_error_result_is_reused() -> None:
+    j = J().claim().intent(p=0, name="cat", safe=True)
+    result = j.result(output=b"", error="no such file").last_result
+    j.claim()
+    assert decide_tool(j.of(0), attempt=1, position=0, call=safe("cat")) == UseResult(result=result)
+
+
+def test_tool_intent_without_result_runs_again_when_both_declarations_are_safe() -> None:
+    j = J().claim().model(p=0)
+    intent = j.intent(p=1, name="search", input=b'{"q": "x"}', safe=True).last_intent
+    j.output("half").claim()
+    decision = decide_tool(j.of(0), attempt=1, position=1, call=safe("search", b'{"q": "x"}'))
+    assert decision == RunAgain(intent=intent)
+
+
+def test_tool_intent_recorded_safe_called_unsafe_is_interrupted() -> None:
+    j = J().claim()
+    intent = j.intent(p=0, name="write", safe=True).last_intent
+    j.claim()
+    decision = decide_tool(j.of(0), attempt=1, position=0, call=unsafe("write"))
+    assert decision == Interrupt(intent=intent, partial="")
+
+
+def test_tool_intent_recorded_unsafe_called_safe_is_interrupted() -> None:
+    j = J().claim()
+    intent = j.intent(p=0, name="write", safe=False).last_intent
+    j.claim()
+    decision = decide_tool(j.of(0), attempt=1, position=0, call=safe("write"))
+    assert decision == Interrupt(intent=intent, partial="")
+
+
+def test_tool_intent_recorded_unsafe_called_unsafe_is_interrupted() -> None:
+    j = J().claim()
+    intent = j.intent(p=0, name="send", safe=False).last_intent
+    j.claim()
+    decision = decide_tool(j.of(0), attempt=1, position=0, call=unsafe("send"))
+    assert decision == Interrupt(intent=intent, partial="")
+
+
+def test_tool_interrupt_carries_the_partial_output_of_that_intent_only() -> None:
+    j = J().claim()
+    ls = j.intent(p=0, name="ls", safe=True).last_intent.seq
+    j.output("a.txt\n").output("b.txt\n").result(intent=ls)
+    deploy = j.intent(p=1, name="deploy").last_intent
+    j.output("step 1 ok\n").output("step 2 ").claim()
+    decision = decide_tool(j.of(0), attempt=1, position=1, call=unsafe("deploy"))
+    assert decision == Interrupt(intent=deploy, partial="step 1 ok\nstep 2 ")
+    assert partial_output(j.of(0), ls) == "a.txt\nb.txt\n"
+
+
+def test_tool_with_another_name_at_a_recorded_position_is_a_mismatch() -> None:
+    j = J().claim().intent(p=0, name="search", input=b'{"q": "x"}', safe=True).claim()
+    decision = decide_tool(j.of(0), attempt=1, position=0, call=safe("fetch", b'{"q": "x"}'))
+    assert decision == Mismatch(
+        reason="position 0 recorded tool 'search' with other input; the handler now calls 'fetch'"
+    )
+
+
+def test_tool_with_other_input_at_a_recorded_position_is_a_mismatch() -> None:
+    j = J().claim().intent(p=0, name="search", input=b'{"q": "x"}', safe=True).result().claim()
+    decision = decide_tool(j.of(0), attempt=1, position=0, call=safe("search", b'{"q": "y"}'))
+    assert decision == Mismatch(
+        reason="position 0 recorded tool 'search' with other input; the handler now calls 'search'"
+    )
+
+
+def test_tool_call_where_a_model_call_is_recorded_is_a_mismatch() -> None:
+    j = J().claim().model(p=0).claim()
+    assert decide_tool(j.of(0), attempt=1, position=0, call=safe("search")) == Mismatch(
+        reason="position 0 recorded a model call, not tool 'search'"
+    )
+
+
+def test_tool_call_at_a_fresh_position_runs_new() -> None:
+    j = J().claim().model(p=0).intent(p=1, name="ls", safe=True).result().claim()
+    assert decide_tool(j.of(0), attempt=1, position=2, call=safe("ls")) == RunNew()
+
+
+# ---- tool calls: a new attempt -------------------------------------------------------
+
+
+def test_new_attempt_honours_an_earlier_attempts_unsafe_intent_by_name_and_input() -> None:
+    j = J().claim(at=1).model(p=0)
+    charge = j.intent(p=1, name="charge", input=b'{"cents": 5}').last_intent
+    result = j.result(output=b'{"charged": true}').last_result
+    j.commit(Action.FAIL).claim(at=2).model(p=0, resp=b'{"text": "fresh"}')
+    # Matched by name and input, not by position: attempt 2 calls it at position 1 too,
+    # but could have called it anywhere.
+    decision = decide_tool(j.of(0), attempt=2, position=1, call=unsafe("charge", b'{"cents": 5}'))
+    assert decision == Honour(earlier=charge, result=result)
+
+
+def test_new_attempt_honours_an_earlier_intent_the_claim_closed_as_interrupted() -> None:
+    j = J().claim(at=1)
+    send = j.intent(p=0, name="send", input=b'{"to": "a"}').last_intent
+    j.output("connecting").commit(Action.FAIL).claim(at=2)
+    closed = j.result(
+        intent=send.seq, output=b"", interrupted=True, partial="connecting"
+    ).last_result
+    decision = decide_tool(j.of(0), attempt=2, position=3, call=unsafe("send", b'{"to": "a"}'))
+    assert decision == Honour(earlier=send, result=closed)
+
+
+def test_new_attempt_does_not_honour_an_earlier_safe_intent() -> None:
+    j = J().claim(at=1).intent(p=0, name="search", input=b'{"q": "x"}', safe=True).result()
+    j.commit(Action.FAIL).claim(at=2)
+    assert (
+        decide_tool(j.of(0), attempt=2, position=0, call=safe("search", b'{"q": "x"}')) == RunNew()
+    )
+    assert (
+        decide_tool(j.of(0), attempt=2, position=0, call=unsafe("search", b'{"q": "x"}'))
+        == RunNew()
+    )
+
+
+def test_new_attempt_does_not_honour_an_intent_with_other_input() -> None:
+    j = J().claim(at=1).intent(p=0, name="charge", input=b'{"cents": 5}').result()
+    j.commit(Action.FAIL).claim(at=2)
+    decision = decide_tool(j.of(0), attempt=2, position=0, call=unsafe("charge", b'{"cents": 6}'))
+    assert decision == RunNew()
+
+
+def test_new_attempt_positions_do_not_collide_with_the_earlier_attempts() -> None:
+    j = J().claim(at=1).intent(p=0, name="search", safe=True).result()
+    j.commit(Action.FAIL).claim(at=2)
+    assert decide_tool(j.of(0), attempt=2, position=0, call=safe("fetch")) == RunNew()
+
+
+def test_new_attempt_honours_each_earlier_intent_once_by_its_recorded_honour() -> None:
+    j = J().claim(at=1)
+    charge = j.intent(p=0, name="charge", input=b'{"cents": 5}').last_intent
+    j.result(output=b'{"charged": true}').commit(Action.FAIL).claim(at=2)
+    j.intent(p=0, name="charge", input=b'{"cents": 5}', honours=charge.seq)
+    j.result(intent=j.last_intent.seq, output=b'{"charged": true}')
+    decision = decide_tool(j.of(0), attempt=2, position=1, call=unsafe("charge", b'{"cents": 5}'))
+    assert decision == RunNew()
+
+
+def test_new_attempt_honours_each_earlier_intent_once_by_the_writers_honoured_list() -> None:
+    j = J().claim(at=1)
+    charge = j.intent(p=0, name="charge", input=b'{"cents": 5}').last_intent
+    j.result().commit(Action.FAIL).claim(at=2)
+    decision = decide_tool(
+        j.of(0),
+        attempt=2,
+        position=1,
+        call=unsafe("charge", b'{"cents": 5}'),
+        honoured=[charge.seq],
+    )
+    assert decision == RunNew()
+
+
+def test_new_attempt_honours_two_identical_earlier_intents_one_each() -> None:
+    call = unsafe("charge", b'{"cents": 5}')
+    j = J().claim(at=1)
+    first = j.intent(p=0, name=call.name, input=call.input).last_intent
+    first_result = j.result(output=b'{"n": 1}').last_result
+    second = j.intent(p=1, name=call.name, input=call.input).last_intent
+    second_result = j.result(output=b'{"n": 2}').last_result
+    j.commit(Action.FAIL).claim(at=2)
+    assert decide_tool(j.of(0), attempt=2, position=0, call=call) == Honour(
+        earlier=first,
+        result=first_result,
+    )
+    j.intent(p=0, name=call.name, input=call.input, honours=first.seq).result(output=b'{"n": 1}')
+    assert decide_tool(j.of(0), attempt=2, position=1, call=call) == Honour(
+        earlier=second,
+        result=second_result,
+    )
+    j.intent(p=1, name=call.name, input=call.input, honours=second.seq).result(output=b'{"n": 2}')
+    assert decide_tool(j.of(0), attempt=2, position=2, call=call) == RunNew()
+
+
+def test_third_attempt_honours_the_original_intent_not_the_second_attempts_honour() -> None:
+    call = unsafe("charge", b'{"cents": 5}')
+    j = J().claim(at=1)
+    original = j.intent(p=0, name=call.name, input=call.input).last_intent
+    result = j.result(output=b'{"charged": true}').last_result
+    j.commit(Action.FAIL).claim(at=2)
+    j.intent(p=0, name=call.name, input=call.input, honours=original.seq).result()
+    j.commit(Action.FAIL).claim(at=3)
+    assert decide_tool(j.of(0), attempt=3, position=0, call=call) == Honour(
+        earlier=original,
+        result=result,
+    )
+
+
+def test_redelivered_honour_is_reused_at_its_position() -> None:
+    call = unsafe("charge", b'{"cents": 5}')
+    j = J().claim(at=1)
+    original = j.intent(p=0, name=call.name, input=call.input).last_intent
+    j.result().commit(Action.FAIL).claim(at=2)
+    j.intent(p=0, name=call.name, input=call.input, honours=original.seq)
+    copy = j.result(output=b'{"ok": true}').last_result
+    j.claim(at=2)
+    assert decide_tool(j.of(0), attempt=2, position=0, call=call) == UseResult(result=copy)
+
+
+# ---- golden journals ------------------------------------------------------------------
+
+
+def test_golden_journal_crashed_turn_replays_up_to_where_it_stopped() -> None:
+    j = J().claim()
+    j.model(p=0, resp=b'{"tool": "ls"}')
+    ls = j.intent(p=1, name="ls", input=b'{"dir": "/"}', safe=True).last_intent
+    ls_result = j.result(output=b'["a", "b"]').last_result
+    j.model(p=2, resp=b'{"tool": "rm"}')
+    rm = j.intent(p=3, name="rm", input=b'{"path": "/a"}').last_intent
+    j.output("removing /a").claim()  # crash after the side effect may have started
+
+    records = j.of(0)
+    assert decide_model(records, attempt=1, position=0) == UseResponse(response=b'{"tool": "ls"}')
+    assert decide_tool(
+        records, attempt=1, position=1, call=safe("ls", b'{"dir": "/"}')
+    ) == UseResult(result=ls_result)
+    assert ls.seq == ls_result.intent_seq
+    assert decide_model(records, attempt=1, position=2) == UseResponse(response=b'{"tool": "rm"}')
+    assert decide_tool(
+        records, attempt=1, position=3, call=unsafe("rm", b'{"path": "/a"}')
+    ) == Interrupt(intent=rm, partial="removing /a")
+    assert decide_model(records, attempt=1, position=4) == CallModel()
+
+
+def test_golden_journal_handler_that_changed_its_tool_between_deliveries_mismatches() -> None:
+    # Delivery 1 ran `search`; a new build of the handler calls `web_search` there.
+    # The service turns this into ReplayMismatch and writes nothing.
+    j = J().claim()
+    j.model(p=0, resp=b'{"tool": "search", "input": {"q": "nats"}}')
+    j.intent(p=1, name="search", input=b'{"q": "nats"}', safe=True).result(output=b'["hit"]')
+    j.model(p=2, resp=b'{"text": "done"}')
+    j.claim()
+    before = list(j.entries)
+
+    records = j.of(0)
+    assert decide_model(records, attempt=1, position=0) == UseResponse(
+        response=b'{"tool": "search", "input": {"q": "nats"}}'
+    )
+    decision = decide_tool(
+        records, attempt=1, position=1, call=safe("web_search", b'{"q": "nats"}')
+    )
+    assert decision == Mismatch(
+        reason=(
+            "position 1 recorded tool 'search' with other input; the handler now calls 'web_search'"
+        )
+    )
+    assert j.entries == before, "the rules are pure: nothing was written"
+
+
+def test_builder_chains_sequences_and_writers() -> None:
+    j = J().claim().model(p=0).claim()
+    assert [e.seq for e in j.entries] == [1, 2, 3]
+    assert [e.expected_seq for e in j.entries] == [0, 1, 2]
+    assert j.at(1).writer == j.at(2).writer != j.at(3).writer
+    third = j.at(3)
+    assert isinstance(third, ClaimEntry) and third.delivery == 2
