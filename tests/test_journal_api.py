@@ -1,0 +1,151 @@
+"""The journal handle's rules for handlers, reading, and purging with the run."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc.aio
+import pytest
+import pytest_asyncio
+
+from dagnats.core.errors import NotFound
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
+from dagnats.sdk import (
+    Client,
+    ConcurrentJournalUse,
+    InvalidArgument,
+    Replay,
+    TaskContext,
+    ToolCall,
+    ToolRun,
+    Worker,
+    run_output,
+)
+from tests.stack import FAST, loop_workflow, unique
+from tests.test_journal import journal_check, read_journal
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
+    server = await start_engine(nats_server.url, config=FAST)
+    yield server
+    await server.stop()
+
+
+async def run_once(engine: EngineServer, handler: Any) -> pb.Run:
+    task, name = unique("api"), unique("apiwf")
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+            run = await client.start_run(name)
+            return await client.wait_for_run(run.run_id, timeout=30)
+
+
+async def test_concurrent_use_of_one_handle_raises(engine: EngineServer) -> None:
+    caught: list[BaseException] = []
+
+    async def handler(tc: TaskContext) -> None:
+        j = await tc.journal()
+
+        async def ask() -> Any:
+            return await j.model(lambda: asyncio.sleep(0.05, result={"ok": 1}))
+
+        results = await asyncio.gather(ask(), ask(), return_exceptions=True)
+        caught.extend(r for r in results if isinstance(r, BaseException))
+        await tc.complete("ok")
+
+    run = await run_once(engine, handler)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert len(caught) == 1 and isinstance(caught[0], ConcurrentJournalUse)
+
+
+async def test_tool_errors_are_results_and_output_must_be_json(engine: EngineServer) -> None:
+    seen: dict[str, Any] = {}
+
+    async def failing(run: ToolRun) -> Any:
+        raise RuntimeError("disk full")
+
+    async def not_json(run: ToolRun) -> Any:
+        return {1, 2}
+
+    async def handler(tc: TaskContext) -> None:
+        j = await tc.journal()
+        result = await j.tool(ToolCall(name="write", input={"n": 1}), Replay.UNSAFE, failing)
+        seen["error"] = result.error
+        try:
+            await j.tool(ToolCall(name="odd", input={}), Replay.SAFE, not_json)
+        except InvalidArgument as err:
+            seen["not_json"] = err.message
+        await tc.complete("survived")
+
+    run = await run_once(engine, handler)
+    assert run.status == pb.RUN_STATUS_COMPLETED and run_output(run) == "survived"
+    assert seen["error"] == "RuntimeError: disk full"
+    assert seen["not_json"].startswith("output is not JSON-serialisable")
+    check = await journal_check(engine, run.run_id)
+    assert list(check.violations) == []
+
+
+async def test_journal_state_travels_in_commits_without_the_checkpoint_cap(
+    engine: EngineServer,
+) -> None:
+    big = "x" * (FAST.loop_state_max_bytes + 1000)
+
+    async def handler(tc: TaskContext) -> None:
+        await tc.journal()
+        state = await tc.load_checkpoint()
+        if tc.iteration == 0:
+            assert state is None
+            await tc.checkpoint({"blob": big, "turn": 0})
+            await tc.continue_()
+        else:
+            await tc.complete({"len": len(state["blob"]), "turn": state["turn"]})
+
+    run = await run_once(engine, handler)
+    assert run.status == pb.RUN_STATUS_COMPLETED, run.error
+    assert run_output(run) == {"len": len(big), "turn": 0}
+
+
+async def test_read_pages_and_follows_then_purge_removes_the_journal(engine: EngineServer) -> None:
+    async def handler(tc: TaskContext) -> None:
+        j = await tc.journal()
+        await j.model(lambda: asyncio.sleep(0, result={"n": tc.iteration}))
+        if tc.iteration < 2:
+            await tc.continue_()
+        else:
+            await tc.complete("done")
+
+    run = await run_once(engine, handler)
+    records = await read_journal(engine, run.run_id)
+    assert [r.seq for r in records] == sorted(r.seq for r in records)
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        page = [
+            r.record
+            async for r in stub.Read(
+                jpb.ReadRequest(
+                    run_id=run.run_id, step_id="agent", from_seq=records[2].seq, limit=2
+                )
+            )
+        ]
+        assert [r.seq for r in page] == [records[2].seq, records[3].seq]
+        followed: list[int] = []
+        call = stub.Read(jpb.ReadRequest(run_id=run.run_id, step_id="agent", follow=True))
+        async for item in call:
+            followed.append(item.record.seq)
+            if len(followed) == len(records):
+                call.cancel()
+                break
+        assert followed == [r.seq for r in records]
+    async with Client(engine.target) as client:
+        await client.purge_run(run.run_id)
+        with pytest.raises(NotFound):
+            await client.get_run(run.run_id)
+    js = engine.nc.jetstream()
+    info = await js.stream_info("AGENT_JOURNAL", subjects_filter=f"journal.{run.run_id}.>")
+    assert not info.state.subjects, "the journal was purged with the run"
