@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
-PROTO_ROOTS := engine:services/engine journal:services/journal
+PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
 .PHONY: help setup dev test test-fast lint fmt proto proto-check bench test-chaos clean
 
@@ -52,7 +52,7 @@ proto-check: proto ## fail when the generated code is stale
 	@git diff --exit-code --stat -- '*_pb2.py' '*_pb2.pyi' '*_pb2_grpc.py' '*_pb2_grpc.pyi' \
 	  || { echo "generated code is stale: run 'make proto' and commit" >&2; exit 1; }
 
-bench: setup ## measure throughput against a baseline in the same run
+bench: setup ## journal overhead per iteration against a raw JetStream floor
 	$(PY) -m tests.bench
 
 clean: ## remove the virtualenv and local data

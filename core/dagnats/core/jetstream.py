@@ -47,6 +47,8 @@ KV_WORKFLOWS = "WORKFLOWS"
 KV_RUNS = "RUNS"
 KV_RUN_KEYS = "RUN_KEYS"
 KV_CHECKPOINTS = "CHECKPOINTS"
+KV_INPUTS = "INPUTS"
+INPUT_RETENTION = 7 * DAY
 
 # Errors after which the same publish (same Msg-Id) may simply be sent again.
 TRANSIENT_NATS_ERRORS: tuple[type[BaseException], ...] = (
@@ -135,6 +137,11 @@ def _buckets(topology: Topology) -> list[KeyValueConfig]:
             bucket=KV_RUN_KEYS, history=1, replicas=r, storage=StorageType.FILE, ttl=30 * DAY
         ),
         KeyValueConfig(bucket=KV_CHECKPOINTS, history=1, replicas=r, storage=StorageType.FILE),
+        # A request_id is recognised for seven days; the journal's input.placed
+        # record, not this bucket, is the truth about placement.
+        KeyValueConfig(
+            bucket=KV_INPUTS, history=1, replicas=r, storage=StorageType.FILE, ttl=INPUT_RETENTION
+        ),
     ]
 
 

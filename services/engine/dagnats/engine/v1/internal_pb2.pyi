@@ -144,6 +144,30 @@ class ChildFinished(_message.Message):
 Global___ChildFinished: _TypeAlias = ChildFinished  # noqa: Y015
 
 @_typing.final
+class InputSubmitted(_message.Message):
+    """InputSubmitted tells the engine that a step got an input, so a step waiting
+    for input wakes up.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The caller's request id."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputSubmitted: _TypeAlias = InputSubmitted  # noqa: Y015
+
+@_typing.final
 class HistoryEvent(_message.Message):
     """HistoryEvent is one message on history.{run}."""
 
@@ -183,6 +207,7 @@ class HistoryEvent(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
     CHILD_FIELD_NUMBER: _builtins.int
+    INPUT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -225,6 +250,10 @@ class HistoryEvent(_message.Message):
     def child(self) -> Global___ChildFinished:
         """A child of this run ended."""
 
+    @_builtins.property
+    def input(self) -> Global___InputSubmitted:
+        """An input was queued for the step."""
+
     def __init__(
         self,
         *,
@@ -241,12 +270,13 @@ class HistoryEvent(_message.Message):
         start: Global___StartChild | None = ...,
         cancel: Global___CancelRequest | None = ...,
         child: Global___ChildFinished | None = ...,
+        input: Global___InputSubmitted | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "kind", b"kind", "pause", b"pause", "start", b"start", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "kind", b"kind", "pause", b"pause", "start", b"start", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "iteration", b"iteration", "journal_seq", b"journal_seq", "kind", b"kind", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "iteration", b"iteration", "journal_seq", b"journal_seq", "kind", b"kind", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause", "start", "cancel", "child"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause", "start", "cancel", "child", "input"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -1,0 +1,1 @@
+"""The inputs service: steering a running agent step with idempotent inputs."""
