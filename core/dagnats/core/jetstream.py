@@ -196,11 +196,13 @@ async def fetch_available(
     batch is full or the timeout ends, which would add up to ``wait`` seconds
     of latency to every message.
     """
+    # nats-py raises its own TimeoutError or, once its deadline has passed,
+    # the built-in one; both mean "nothing more right now".
     try:
         msgs: list[Msg] = list(await sub.fetch(batch=1, timeout=wait))
-    except nats.errors.TimeoutError:
+    except TimeoutError:
         return []
     if batch > 1:
-        with contextlib.suppress(nats.errors.TimeoutError):
+        with contextlib.suppress(TimeoutError):
             msgs += await sub.fetch(batch=batch - 1, timeout=0.005)
     return msgs

@@ -201,8 +201,15 @@ class EngineRpc:
         if deadline is None:
             deadline = self._timeout
         transient = functools.partial(_is_transient, idempotent=idempotent)
+        try:  # the common case, without the retry machinery around it
+            return await method(request, timeout=deadline)
+        except grpc.aio.AioRpcError as err:
+            if not transient(err):
+                raise error_from_rpc(err) from None
+            if self._retry.attempts <= 1:
+                raise Unavailable(f"{name} failed: {err.code().name}: {err.details()}") from None
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(self._retry.attempts),
+            stop=stop_after_attempt(self._retry.attempts - 1),
             wait=wait_random_exponential(
                 multiplier=self._retry.backoff, max=self._retry.max_backoff
             ),

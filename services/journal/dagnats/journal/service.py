@@ -72,10 +72,14 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             raise errors.InvalidArgument(
                 f"restart_limit must be 1..{MAX_RESTART_LIMIT}", field="restart_limit"
             )
-        run = await self._run(run_id)
-        if run.status != epb.RUN_STATUS_RUNNING:
-            status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
-            return _settled("stale", detail=f"run {run_id} is {status}")
+        if request.iteration == 0:
+            # A purge resets the fence (DESIGN.md §10.4): never open a journal
+            # at iteration 0 for a run that has ended. Later iterations follow a
+            # commit on the subject, which a purge would have removed.
+            run = await self._run(run_id)
+            if run.status != epb.RUN_STATUS_RUNNING:
+                status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
+                return _settled("stale", detail=f"run {run_id} is {status}")
         tail = await self.store.tail(run_id, step_id)
         base = _base_for(tail, request.iteration)
         records = await self._iteration_records(run_id, step_id, request.iteration, base, tail)
@@ -138,7 +142,12 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         token.snapshot_seq = token.last_seq
         self._remember(token, entries)
         claimed = pb.Claimed(token=token, records=records)
-        previous = await self.store.get(base) if base else None
+        if not base:
+            previous = None
+        elif tail is not None and tail.seq == base:
+            previous = tail  # the usual case: the tail is the commit that ended the last turn
+        else:
+            previous = await self.store.get(base)
         if previous is not None and previous.commit.has_state:
             claimed.state = previous.commit.state
             claimed.has_state = True
