@@ -16,7 +16,7 @@ from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
-from dagnats.sdk import Client, ToolResult, Worker, run_output
+from dagnats.sdk import Client, InputMode, ToolResult, Worker
 from dagnats.sdk.testing import ScriptedModel
 from examples.agent_turn.handler import (
     BadReply,
@@ -27,6 +27,7 @@ from examples.agent_turn.handler import (
     make_agent_turn,
     opening,
 )
+from tests.helpers import wait_for
 from tests.stack import FAST, steps_by_id, unique
 
 WORKFLOW = Path(__file__).parent.parent / "examples" / "agent_turn" / "workflow.yaml"
@@ -131,29 +132,46 @@ class Tools:
         return {"tool": name, "input": input}
 
 
-async def test_the_agent_searches_sends_and_answers(client: Client, engine: EngineServer) -> None:
-    name, task = await register(client)
-    model, tools = ScriptedModel(SCRIPT), Tools()
-    handler = make_agent_turn(model, tools.run)
-    async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
-        run = await client.start_run(name, "weather, then tell ops")
-        run = await client.wait_for_run(run.run_id, timeout=40)
+async def waiting_for_input(client: Client, run_id: str) -> bool:
+    step = steps_by_id(await client.get_run(run_id))["agent"]
+    return step.status == pb.STEP_STATUS_WAITING and step.waiting_for_input
 
-    assert run.status == pb.RUN_STATUS_COMPLETED, run.error
-    assert run_output(run) == "sunny, ops told"
-    assert steps_by_id(run)["agent"].iteration == 2, "three turns: 0, 1 and 2"
-    assert model.calls == 3
+
+async def test_the_agent_searches_sends_answers_and_takes_a_follow_up(
+    client: Client, engine: EngineServer
+) -> None:
+    name, task = await register(client)
+    script = [*SCRIPT, {"done": True, "answer": "tomorrow too"}]
+    model, tools = ScriptedModel(script), Tools()
+    handler = make_agent_turn(model, tools.run)
+    async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0) as worker:
+        run = await client.start_run(name, "weather, then tell ops")
+        await wait_for(lambda: waiting_for_input(client, run.run_id), timeout=40)
+        await wait_for(lambda: worker.in_flight == 0, timeout=10)
+        answered_step = steps_by_id(await client.get_run(run.run_id))["agent"]
+        await client.submit_input(
+            run.run_id, "agent", "f-1", "and tomorrow?", mode=InputMode.FOLLOW_UP
+        )
+        await wait_for(lambda: model.calls == 4, timeout=20)
+        await wait_for(lambda: waiting_for_input(client, run.run_id), timeout=20)
+        run = await client.get_run(run.run_id)
+
+    # The answer is the step's output; the step waits for follow-ups, holding no worker.
+    assert answered_step.output == b'"sunny, ops told"' and answered_step.iteration == 3
+    assert steps_by_id(run)["agent"].output == b'"tomorrow too"'
     assert tools.starts == {"search": 1, "send_email": 1}
+    # Positions: place steer inputs (0), model (1), tool (2).
     assert tools.keys == {
-        "search": [f"{run.run_id}.agent.0.1"],
-        "send_email": [f"{run.run_id}.agent.1.1"],
+        "search": [f"{run.run_id}.agent.0.2"],
+        "send_email": [f"{run.run_id}.agent.1.2"],
     }
-    # Each turn's request is the conversation so far, tool results included.
     last = model.requests[2]
     assert last[0] == {"role": "user", "content": "weather, then tell ops"}
     assert last[-1] == {"role": "tool", "output": {"tool": "send_email", "input": {"to": "ops"}}}
+    assert model.requests[3][-1] == {"role": "user", "content": "and tomorrow?"}
     check = await journal_check(engine, run.run_id)
     assert list(check.violations) == [], check.violations
+    await client.cancel_run(run.run_id)
 
 
 async def test_a_reply_that_is_not_a_turn_fails_the_run(

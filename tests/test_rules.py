@@ -271,3 +271,109 @@ def test_terminal_run_never_changes(status: m.RunStatus) -> None:
 
     run = replace(start().run, status=status)
     assert isinstance(rules.apply(run, m.CancelRequested(), T0), m.Dropped)
+
+
+def continued(wait: m.Wait | None) -> m.Continued:
+    return m.Continued(wait=wait)
+
+
+def test_wait_for_time_or_input_holds_no_task_and_ignores_loop_delay() -> None:
+    delayed = wf(
+        [
+            {
+                "id": "a",
+                "type": "agent_loop",
+                "task": "t",
+                "timeout": "1h",
+                "agent_loop": {"loop_delay": "5s"},
+            }
+        ]
+    )
+    run = start(delayed).run
+    wait = m.Wait(delay=60, until_input=True)
+    waiting = accepted(rules.apply(run, report("a", 0, 1, continued(wait)), T0))
+    step = waiting.run.step("a")
+    assert (step.status, step.iteration, step.attempt) == (m.StepStatus.WAITING, 1, 1)
+    assert step.waiting_for_input and step.wake_at == T0 + 60
+    assert dispatches(waiting) == []
+    timers = {e.kind: e for e in waiting.effects if isinstance(e, m.SetTimer)}
+    assert set(timers) == {m.TimerKind.WAKE, m.TimerKind.STEP_TIMEOUT}
+    assert timers[m.TimerKind.WAKE].due == T0 + 60, "the wait's own time, not loop_delay"
+    (check,) = [e for e in waiting.effects if isinstance(e, m.StepInputs)]
+    assert not check.close, "entering the wait checks for inputs that came during the turn"
+
+
+def test_an_input_wakes_a_step_waiting_for_input_once() -> None:
+    run = start().run
+    waiting = accepted(
+        rules.apply(run, report("agent", 0, 1, continued(m.Wait(until_input=True))), T0)
+    ).run
+    woken = accepted(rules.apply(waiting, m.InputArrived(step_id="agent"), T0 + 1))
+    assert dispatches(woken) == [("agent", 1, 1)]
+    again = rules.apply(woken.run, m.InputArrived(step_id="agent"), T0 + 2)
+    assert isinstance(again, m.Dropped), "a second input does not dispatch twice"
+    fired = rules.apply(
+        woken.run, m.TimerFired(step_id="agent", kind=m.TimerKind.WAKE, iteration=1, attempt=1), T0
+    )
+    assert isinstance(fired, m.Dropped)
+
+
+def test_time_wait_is_not_woken_by_input_and_fires_on_time() -> None:
+    run = start().run
+    waiting = accepted(
+        rules.apply(run, report("agent", 0, 1, continued(m.Wait(until=T0 + 30))), T0)
+    ).run
+    assert isinstance(rules.apply(waiting, m.InputArrived(step_id="agent"), T0), m.Dropped)
+    fired = accepted(
+        rules.apply(
+            waiting,
+            m.TimerFired(step_id="agent", kind=m.TimerKind.WAKE, iteration=1, attempt=1),
+            T0 + 30,
+        )
+    )
+    assert dispatches(fired) == [("agent", 1, 1)]
+
+
+def test_step_timeout_keeps_counting_during_a_wait() -> None:
+    timed = wf([{"id": "a", "type": "agent_loop", "task": "t", "timeout": "10s"}])
+    run = start(timed).run
+    waiting = accepted(rules.apply(run, report("a", 0, 1, continued(m.Wait(until_input=True))), T0))
+    timeout = next(
+        e
+        for e in waiting.effects
+        if isinstance(e, m.SetTimer) and e.kind is m.TimerKind.STEP_TIMEOUT
+    )
+    fired = accepted(
+        rules.apply(
+            waiting.run,
+            m.TimerFired(step_id="a", kind=m.TimerKind.STEP_TIMEOUT, iteration=1, attempt=1),
+            timeout.due,
+        )
+    )
+    assert "timed out" in fired.run.step("a").error
+
+
+def test_finished_steps_close_their_inputs() -> None:
+    run = start().run
+    done = accepted(rules.apply(run, report("agent", 0, 1, m.Completed(output=b"1")), T0))
+    closes = [e for e in done.effects if isinstance(e, m.StepInputs) and e.close]
+    assert [c.step_id for c in closes] == ["agent"]
+    cancelled = accepted(rules.apply(run, m.CancelRequested(), T0))
+    assert any(isinstance(e, m.StepInputs) and e.close for e in cancelled.effects)
+
+
+def test_report_carrying_the_commit_of_the_current_iteration_is_accepted() -> None:
+    run = start().run
+    retry = accepted(rules.apply(run, report("agent", 0, 1, m.Failed(error="x")), T0)).run
+    late = m.StepReport(
+        step_id="agent",
+        identity=m.Identity(iteration=0, attempt=1),
+        outcome=m.Continued(),
+        journal_seq=42,
+    )
+    accepted_late = accepted(rules.apply(retry, late, T0))
+    assert accepted_late.run.step("agent").iterations == 1
+    stale = m.StepReport(
+        step_id="agent", identity=m.Identity(iteration=0, attempt=1), outcome=m.Continued()
+    )
+    assert isinstance(rules.apply(retry, stale, T0), m.Dropped), "no commit, no exception"

@@ -1,11 +1,13 @@
 """The spec's example handler ("A handler") with the Python SDK: one turn of a
 tool-using agent per iteration of an ``agent_loop`` step.
 
-A turn claims the step's journal, asks the model for its next move through the
-journal (a retry reuses a recorded reply instead of asking again), runs the
-tool the model picked through the journal (``search`` may run twice, anything
-else at most once), checkpoints the conversation and asks for the next
-iteration; when the model answers, it checkpoints and completes the step.
+A turn claims the step's journal, places the steering inputs people sent
+(and, after a final answer, the follow-ups), asks the model for its next move
+through the journal (a retry reuses a recorded reply instead of asking again),
+runs the tool the model picked through the journal (``search`` may run twice,
+anything else at most once), checkpoints the conversation and asks for the next
+iteration. After a final answer the step stays open: it waits, holding no
+worker, until a follow-up arrives or an hour passes.
 
 The model and the tools are yours: :func:`make_agent_turn` takes them and
 returns the handler. The model's reply is JSON shaped like
@@ -23,7 +25,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dagnats.sdk import Handler, Replay, TaskContext, ToolCall, ToolResult, ToolRun
+from dagnats.sdk import (
+    Handler,
+    InputMode,
+    InputsQueued,
+    PlacedInput,
+    Replay,
+    TaskContext,
+    ToolCall,
+    ToolResult,
+    ToolRun,
+)
 
 __all__ = [
     "SAFE_TOOLS",
@@ -33,6 +45,7 @@ __all__ = [
     "RunTool",
     "Turn",
     "answered",
+    "append_inputs",
     "append_turn",
     "decode_turn",
     "make_agent_turn",
@@ -45,6 +58,9 @@ CallModel = Callable[[History], Awaitable[Any]]
 RunTool = Callable[[str, Any, str], Awaitable[Any]]
 """``await run_tool(name, input, key)``: the tool's output (JSON). Pass ``key``
 to any system that deduplicates: it is the same on every attempt of the call."""
+
+FOLLOW_UP_WINDOW = 3600.0
+"""Seconds an answered step waits for a follow-up before the next turn."""
 
 SAFE_TOOLS = frozenset({"search"})
 """Tools that are harmless to run twice; every other tool runs at most once."""
@@ -96,9 +112,12 @@ def make_agent_turn(call_model: CallModel, run_tool: RunTool) -> Handler:
         history = await tc.load_checkpoint()
         if history is None:
             history = opening(tc.input)
-        # Once inputs exist, steering goes here: place the steering inputs (and,
-        # when answered(history), the follow-ups) and add them to the history
-        # before the model is asked.
+        placed = await tc.place_inputs(InputMode.STEER)
+        # A turn after a final answer was woken by a follow-up, and the
+        # follow-up is what this turn answers.
+        if answered(history):
+            placed += await tc.place_inputs(InputMode.FOLLOW_UP)
+        history = append_inputs(history, placed)
 
         reply = await j.model(lambda: call_model(history))
         try:
@@ -118,9 +137,10 @@ def make_agent_turn(call_model: CallModel, run_tool: RunTool) -> Handler:
             return
 
         await tc.checkpoint(append_turn(history, reply))
-        # Once waits exist, the step stays open for follow-ups instead: continue
-        # until an input arrives or an hour passes, rather than complete.
-        await tc.complete(turn.answer)
+        try:
+            await tc.continue_(turn.answer, until_input=True, delay=FOLLOW_UP_WINDOW)
+        except InputsQueued:
+            await tc.continue_(turn.answer)  # the next turn places what was queued
 
     return agent_turn
 
@@ -163,6 +183,11 @@ def append_turn(history: History, reply: Any, result: ToolResult | None = None) 
     if result.interrupted:
         message |= {"interrupted": True, "partial": result.partial}
     return [*turn, message]
+
+
+def append_inputs(history: History, placed: list[PlacedInput]) -> History:
+    """The history with each placed input as a user message, once."""
+    return [*history, *({"role": "user", "content": p.content} for p in placed)]
 
 
 def answered(history: History) -> bool:

@@ -14,6 +14,7 @@ from dagnats.sdk._errors import (
     DagnatsError,
     DeadlineExceeded,
     Fenced,
+    InputsQueued,
     InvalidArgument,
     JournalSignal,
     NotFound,
@@ -25,7 +26,15 @@ from dagnats.sdk._errors import (
     TaskAlreadySettled,
     Unavailable,
 )
-from dagnats.sdk._journal import Journal, Replay, ToolCall, ToolResult, ToolRun
+from dagnats.sdk._journal import (
+    InputMode,
+    Journal,
+    PlacedInput,
+    Replay,
+    ToolCall,
+    ToolResult,
+    ToolRun,
+)
 from dagnats.sdk._worker import Handler, Worker
 
 __all__ = [
@@ -37,11 +46,14 @@ __all__ = [
     "DeadlineExceeded",
     "Fenced",
     "Handler",
+    "InputMode",
+    "InputsQueued",
     "InvalidArgument",
     "Journal",
     "JournalSignal",
     "NotFound",
     "PermanentError",
+    "PlacedInput",
     "Replay",
     "ReplayMismatch",
     "RestartLimit",

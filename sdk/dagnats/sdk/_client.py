@@ -14,7 +14,9 @@ from typing import Any, Self
 
 from dagnats.core.errors import DeadlineExceeded
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk._codec import decode, encode
+from dagnats.sdk._journal import InputMode
 from dagnats.sdk._rpc import EngineRpc
 
 TERMINAL_STATUSES = frozenset(
@@ -200,6 +202,59 @@ class Client:
                     await asyncio.sleep(poll)
         except TimeoutError:
             raise DeadlineExceeded(f"run {run_id} had not finished after {timeout}s") from None
+
+    # Inputs.
+
+    async def submit_input(
+        self,
+        run_id: str,
+        step_id: str,
+        request_id: str,
+        content: Any,
+        *,
+        mode: InputMode = InputMode.STEER,
+    ) -> tuple[ipb.Input, bool]:
+        """Send an input to a running step; a repeat of ``request_id`` returns
+        the original unchanged.
+
+        Returns:
+            The stored input and whether this call created it.
+
+        Raises:
+            Conflict: the step has finished.
+            InvalidArgument: bad mode or content (not JSON, too large).
+        """
+        response = await self._rpc.submit_input(
+            ipb.SubmitRequest(
+                run_id=run_id,
+                step_id=step_id,
+                request_id=request_id,
+                mode=ipb.Mode.ValueType(mode.value),
+                content=encode(content, field="content"),
+            )
+        )
+        return response.input, response.created
+
+    async def get_input(
+        self, run_id: str, step_id: str, request_id: str, *, wait: float = 0.0
+    ) -> ipb.Input:
+        """An input's state, waiting up to ``wait`` seconds for it to change."""
+        request = ipb.GetRequest(run_id=run_id, step_id=step_id, request_id=request_id)
+        if wait:
+            request.wait.FromNanoseconds(round(wait * 1e9))
+        response = await self._rpc.get_input(request, deadline=wait + self._rpc.timeout)
+        return response.input
+
+    async def withdraw_input(self, run_id: str, step_id: str, request_id: str) -> ipb.Input:
+        """Withdraw a queued input.
+
+        Raises:
+            Conflict: it was placed already.
+        """
+        response = await self._rpc.withdraw_input(
+            ipb.WithdrawRequest(run_id=run_id, step_id=step_id, request_id=request_id)
+        )
+        return response.input
 
 
 def _mapping_to_json(document: Mapping[str, Any]) -> str:

@@ -19,17 +19,26 @@ from __future__ import annotations
 
 import asyncio
 import math
+from datetime import UTC, datetime
 from typing import Any
 
 from google.protobuf.duration_pb2 import Duration
 
-from dagnats.core.errors import DagnatsError, InvalidArgument
+from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
 from dagnats.core.seam import seam
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._codec import decode, encode
-from dagnats.sdk._errors import Committed, RestartLimit, RunCancelled, Stale, TaskAlreadySettled
-from dagnats.sdk._journal import Journal
+from dagnats.sdk._errors import (
+    Committed,
+    InputsQueued,
+    RestartLimit,
+    RunCancelled,
+    Stale,
+    TaskAlreadySettled,
+)
+from dagnats.sdk._journal import InputMode, Journal, PlacedInput
 from dagnats.sdk._rpc import EngineRpc
 
 _UNSET: Any = object()
@@ -265,17 +274,61 @@ class TaskContext:
 
     # Settling.
 
-    async def continue_(self, output: Any = None) -> None:
-        """End this iteration and ask for the next one.
+    async def continue_(
+        self,
+        output: Any = None,
+        *,
+        delay: float | None = None,
+        until: datetime | None = None,
+        until_input: bool = False,
+    ) -> None:
+        """End this iteration and ask for the next one, at once or after a wait.
+
+        The wait options combine; whichever comes first wakes the step. While
+        the step waits no task is in flight and no worker is held, and an engine
+        restart loses nothing. ``loop_delay`` does not apply to a waiting
+        iteration.
 
         Args:
             output: Progress output (JSON-serialisable), shown on the step.
+            delay: Wake after this many seconds.
+            until: Wake at this time (timezone-aware).
+            until_input: Wake when an input is submitted to the step.
 
         Raises:
-            InvalidArgument: ``output`` is not JSON; nothing was sent.
+            InputsQueued: ``until_input`` while inputs are queued: place them
+                and run another turn instead (nothing was settled).
+            InvalidArgument: ``output`` is not JSON or a wait is malformed.
             TaskAlreadySettled: the task was already settled.
         """
-        await self._settle("continue", pb.Continue(output=encode(output, field="output")))
+        message = pb.Continue(output=encode(output, field="output"))
+        if delay is not None or until is not None or until_input:
+            message.wait.CopyFrom(_wait(delay, until, until_input))
+        if until_input and self._settled_as is None and await self._inputs_queued():
+            raise InputsQueued(f"inputs are queued for step {self.step_id}; place them first")
+        await self._settle("continue", message)
+
+    async def place_inputs(self, mode: InputMode) -> list[PlacedInput]:
+        """Place the step's queued inputs of ``mode`` into this iteration.
+
+        Each input is claimed with compare-and-swap and recorded in the journal;
+        the record is the truth. A redelivery of the iteration gets back what an
+        earlier delivery placed, once, before any new ones; no request id is
+        ever placed twice.
+
+        Raises:
+            Conflict: the journal was not claimed (call ``await tc.journal()``).
+            Fenced: a successor holds the step.
+        """
+        if self._journal is None:
+            raise Conflict("place_inputs needs the journal: call await tc.journal() first")
+        return await self._journal.place_inputs(mode)
+
+    async def _inputs_queued(self) -> bool:
+        response = await self._rpc.list_inputs(
+            ipb.ListRequest(run_id=self.run_id, step_id=self.step_id, status=ipb.STATUS_QUEUED)
+        )
+        return bool(response.inputs)
 
     async def complete(self, output: Any = None) -> None:
         """End the step with ``output`` (JSON-serialisable).
@@ -377,6 +430,13 @@ class TaskContext:
         match outcome:
             case pb.Continue(output=output):
                 commit.action, commit.output = jpb.ACTION_CONTINUE, output
+                if outcome.HasField("wait"):
+                    wait = outcome.wait
+                    if wait.HasField("delay"):
+                        commit.wait_delay.CopyFrom(wait.delay)
+                    if wait.HasField("until"):
+                        commit.wait_until.CopyFrom(wait.until)
+                    commit.wait_until_input = wait.until_input
             case pb.Complete(output=output):
                 commit.action, commit.output = jpb.ACTION_COMPLETE, output
             case pb.Fail(error=error, kind=kind, reason=reason):
@@ -392,7 +452,18 @@ class TaskContext:
 def outcome_of(commit: jpb.Commit) -> tuple[str, Outcome]:
     """The report that carries a stored commit to the engine."""
     if commit.action == jpb.ACTION_CONTINUE:
-        return "continue", pb.Continue(output=commit.output)
+        cont = pb.Continue(output=commit.output)
+        if (
+            commit.HasField("wait_delay")
+            or commit.HasField("wait_until")
+            or commit.wait_until_input
+        ):
+            if commit.HasField("wait_delay"):
+                cont.wait.delay.CopyFrom(commit.wait_delay)
+            if commit.HasField("wait_until"):
+                cont.wait.until.CopyFrom(commit.wait_until)
+            cont.wait.until_input = commit.wait_until_input
+        return "continue", cont
     if commit.action == jpb.ACTION_COMPLETE:
         return "complete", pb.Complete(output=commit.output)
     if commit.action == jpb.ACTION_PAUSE:
@@ -400,6 +471,19 @@ def outcome_of(commit: jpb.Commit) -> tuple[str, Outcome]:
     permanent = commit.action == jpb.ACTION_FAIL_PERMANENT
     kind = pb.FAILURE_KIND_PERMANENT if permanent else pb.FAILURE_KIND_RETRIABLE
     return "fail", pb.Fail(error=commit.error, kind=kind, reason=commit.reason)
+
+
+def _wait(delay: float | None, until: datetime | None, until_input: bool) -> pb.Wait:
+    wait = pb.Wait(until_input=until_input)
+    if delay is not None:
+        if not math.isfinite(delay) or delay < 0:
+            raise InvalidArgument(f"delay must be >= 0 seconds, got {delay!r}", field="delay")
+        wait.delay.FromNanoseconds(round(delay * 1e9))
+    if until is not None:
+        if until.tzinfo is None:
+            raise InvalidArgument("until must be timezone-aware", field="until")
+        wait.until.FromDatetime(until.astimezone(UTC))
+    return wait
 
 
 def _failure(error: str | BaseException, reason: str, kind: pb.FailureKind.ValueType) -> pb.Fail:

@@ -19,6 +19,7 @@ The domain errors are the ones every dagnats component shares
         │   ├── Unavailable           the engine could not be reached (after retries)
         │   ├── DeadlineExceeded      an operation ran out of time
         │   ├── ReplayMismatch        a different call at a recorded position
+        │   ├── InputsQueued          continue_(until_input=True) with inputs queued
         │   └── TaskAlreadySettled    a second continue_/complete/fail/pause on one task
         ├── ConcurrentJournalUse      two asyncio tasks used one journal handle
         └── PermanentError            raised by a handler: fail the step, no retry
@@ -48,6 +49,7 @@ __all__ = [
     "DagnatsError",
     "DeadlineExceeded",
     "Fenced",
+    "InputsQueued",
     "InvalidArgument",
     "JournalSignal",
     "NotFound",
@@ -159,3 +161,10 @@ class Fenced(JournalSignal):
 class ConcurrentJournalUse(RuntimeError):
     """Two asyncio tasks used one journal handle at once. Calls are replayed by
     position, so they must be made one at a time."""
+
+
+class InputsQueued(DagnatsError):
+    """``continue_(until_input=True)`` found inputs already queued: place them
+    and run another turn instead of waiting. Nothing was settled."""
+
+    code = "inputs_queued"

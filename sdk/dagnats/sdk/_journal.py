@@ -41,6 +41,24 @@ class Replay(enum.Enum):
     """Send a message, open a pull request, charge a card."""
 
 
+class InputMode(enum.Enum):
+    """Where an input enters the conversation."""
+
+    STEER = 1
+    """Joins the current run after the next tool round."""
+    FOLLOW_UP = 2
+    """Starts the next turn after the agent gives a final answer."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacedInput:
+    """An input placed into this iteration; ``content`` is the caller's JSON."""
+
+    request_id: str
+    mode: InputMode
+    content: Any = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolCall:
     """A tool call. ``key`` is ``{run}.{step}.{iteration}.{position}``, filled
@@ -189,6 +207,24 @@ class Journal:
         if raised is not None:
             raise raised
         return ToolResult(output=decode(data, field="output") if data else None, error=error)
+
+    async def place_inputs(self, mode: InputMode) -> list[PlacedInput]:
+        """Place the step's queued inputs of ``mode`` (see ``TaskContext.place_inputs``)."""
+        with self._turn() as position:
+            placed = await self._guard(
+                self._rpc.place_inputs(
+                    jpb.PlaceInputsRequest(token=self._token, position=position, mode=mode.value)
+                )
+            )
+            self._token = placed.token
+            return [
+                PlacedInput(
+                    request_id=p.request_id,
+                    mode=InputMode(p.mode),
+                    content=decode(p.content, field="content") if p.content else None,
+                )
+                for p in placed.inputs
+            ]
 
     async def hold(self) -> None:
         """Raise ``Fenced`` unless this holder still owns the step."""

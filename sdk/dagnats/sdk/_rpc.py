@@ -44,11 +44,14 @@ from dagnats.core.grpcutil import TRANSIENT_CODES, error_from_rpc
 from dagnats.core.tracing import client_interceptors
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc
+from dagnats.inputs.v1 import inputs_pb2 as ipb
+from dagnats.inputs.v1 import inputs_pb2_grpc
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc
 
 if TYPE_CHECKING:
     from dagnats.engine.v1.engine_pb2_grpc import EngineServiceAsyncStub
+    from dagnats.inputs.v1.inputs_pb2_grpc import InputsServiceAsyncStub
     from dagnats.journal.v1.journal_pb2_grpc import JournalServiceAsyncStub
 
 log = logging.getLogger("dagnats.sdk")
@@ -86,6 +89,7 @@ class EngineRpc:
         self._channel: grpc.aio.Channel | None = None
         self._stub: EngineServiceAsyncStub | None = None
         self._journal_stub: JournalServiceAsyncStub | None = None
+        self._inputs_stub: InputsServiceAsyncStub | None = None
 
     @property
     def timeout(self) -> float:
@@ -96,6 +100,7 @@ class EngineRpc:
         """Close the channel; calls in flight are cancelled. A later call reconnects."""
         channel, self._channel, self._stub = self._channel, None, None
         self._journal_stub = None
+        self._inputs_stub = None
         if channel is not None:
             await channel.close(None)
 
@@ -174,6 +179,27 @@ class EngineRpc:
 
     async def commit(self, request: jpb.CommitRequest) -> jpb.CommitResponse:
         return await self._call(self._journal().Commit, request, idempotent=True)
+
+    async def place_inputs(self, request: jpb.PlaceInputsRequest) -> jpb.PlaceInputsResponse:
+        return await self._call(self._journal().PlaceInputs, request, idempotent=True)
+
+    async def list_inputs(self, request: ipb.ListRequest) -> ipb.ListResponse:
+        return await self._call(self._inputs().List, request, idempotent=True)
+
+    async def submit_input(self, request: ipb.SubmitRequest) -> ipb.SubmitResponse:
+        return await self._call(self._inputs().Submit, request, idempotent=True)
+
+    async def get_input(self, request: ipb.GetRequest, *, deadline: float) -> ipb.GetResponse:
+        return await self._call(self._inputs().Get, request, idempotent=True, deadline=deadline)
+
+    async def withdraw_input(self, request: ipb.WithdrawRequest) -> ipb.WithdrawResponse:
+        return await self._call(self._inputs().Withdraw, request, idempotent=True)
+
+    def _inputs(self) -> InputsServiceAsyncStub:
+        self._connect()
+        if self._inputs_stub is None:
+            self._inputs_stub = inputs_pb2_grpc.InputsServiceStub(self._channel)  # type: ignore[arg-type]
+        return self._inputs_stub
 
     def _journal(self) -> JournalServiceAsyncStub:
         self._connect()

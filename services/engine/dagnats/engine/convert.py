@@ -72,6 +72,7 @@ def step_to_proto(step: m.Step) -> pb.StepState:
         output=step.output,
         error=step.error,
         child_run_id=step.child_run_id,
+        waiting_for_input=step.waiting_for_input,
     )
     for name in ("started_at", "dispatched_at", "finished_at", "wake_at"):
         value = getattr(step, name)
@@ -99,6 +100,7 @@ def step_from_proto(msg: pb.StepState, record: ipb.StepRecord | None) -> m.Step:
         dispatched_at=opt("dispatched_at"),
         finished_at=opt("finished_at"),
         wake_at=opt("wake_at"),
+        waiting_for_input=msg.waiting_for_input,
     )
 
 
@@ -187,7 +189,8 @@ def event_to_input(event: ipb.HistoryEvent) -> m.RunInput | None:
     )
     outcome: m.StepOutcome
     if kind == "continue":
-        outcome = m.Continued(output=getattr(event, "continue").output)
+        cont = getattr(event, "continue")
+        outcome = m.Continued(output=cont.output, wait=wait_from_proto(cont))
     elif kind == "complete":
         outcome = m.Completed(output=event.complete.output)
     elif kind == "fail":
@@ -201,6 +204,8 @@ def event_to_input(event: ipb.HistoryEvent) -> m.RunInput | None:
         outcome = m.Paused(duration=event.pause.duration.ToNanoseconds() / 1e9)
     elif kind == "cancel":
         return m.CancelRequested(reason=event.cancel.reason)
+    elif kind == "input":
+        return m.InputArrived(step_id=event.step_id)
     elif kind == "child":
         return m.ChildEnded(
             step_id=event.step_id,
@@ -216,6 +221,17 @@ def event_to_input(event: ipb.HistoryEvent) -> m.RunInput | None:
         identity=identity,
         outcome=outcome,
         journal_seq=event.journal_seq,
+    )
+
+
+def wait_from_proto(cont: pb.Continue) -> m.Wait | None:
+    if not cont.HasField("wait"):
+        return None
+    w = cont.wait
+    return m.Wait(
+        delay=w.delay.ToNanoseconds() / 1e9 if w.HasField("delay") else None,
+        until=w.until.ToNanoseconds() / 1e9 if w.HasField("until") else None,
+        until_input=w.until_input,
     )
 
 

@@ -70,6 +70,7 @@ class Step:
     dispatched_at: float | None = None
     finished_at: float | None = None
     wake_at: float | None = None
+    waiting_for_input: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,8 +110,23 @@ class Identity:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Wait:
+    """Hold the next iteration until ``delay`` passes, ``until`` comes, or an
+    input arrives (``until_input``), whichever is first."""
+
+    delay: float | None = None
+    until: float | None = None
+    until_input: bool = False
+
+    def due(self, now: float) -> float | None:
+        times = [t for t in (None if self.delay is None else now + self.delay, self.until) if t]
+        return min(times) if times else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Continued:
     output: bytes = b""
+    wait: Wait | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,6 +177,13 @@ class ChildEnded:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class InputArrived:
+    """An input was queued for the step (or found queued when its wait began)."""
+
+    step_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CancelRequested:
     reason: str = ""
 
@@ -174,7 +197,7 @@ class TaskVanished:
     attempt: int
 
 
-RunInput = StepReport | TimerFired | ChildEnded | CancelRequested | TaskVanished
+RunInput = StepReport | TimerFired | ChildEnded | CancelRequested | TaskVanished | InputArrived
 
 
 # ---- outputs of the rules -------------------------------------------------------
@@ -232,7 +255,26 @@ class AnnounceCancel:
     run_id: str
 
 
-Effect = DispatchTask | SetTimer | StartChildRun | CancelChildRun | NotifyParent | AnnounceCancel
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepInputs:
+    """Close a finished step's queued inputs, or check a step that began to wait
+    for input for inputs that arrived during its turn."""
+
+    run_id: str
+    step_id: str
+    iteration: int
+    close: bool
+
+
+Effect = (
+    DispatchTask
+    | SetTimer
+    | StartChildRun
+    | CancelChildRun
+    | NotifyParent
+    | AnnounceCancel
+    | StepInputs
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -40,6 +40,7 @@ from dagnats.engine.store import (
 )
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
+from dagnats.inputs.store import InputStore, close_step_inputs
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,11 @@ class Engine:
         store: EngineStore,
         config: EngineConfig,
         *,
+        inputs: InputStore | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
+        self.inputs = inputs
         self.config = config
         self.clock = clock
         self.options = m.RuleOptions(legacy_step_events=config.legacy_step_events)
@@ -242,6 +245,17 @@ class Engine:
                 return self._event_entry(event, msg_id, headers)
             case m.AnnounceCancel():
                 return ipb.OutboxEntry(subject=cancel_subject(effect.run_id), data=b"")
+            case m.StepInputs():
+                event = ipb.HistoryEvent(
+                    run_id=effect.run_id,
+                    step_id=effect.step_id,
+                    iteration=effect.iteration,
+                    trace_context=headers,
+                    inputs=ipb.StepInputs(close=effect.close),
+                )
+                what = "close" if effect.close else "check"
+                msg_id = f"{effect.run_id}.{effect.step_id}.inputs.{what}.{effect.iteration}"
+                return self._event_entry(event, msg_id, headers)
 
     def _event_entry(
         self, event: ipb.HistoryEvent, msg_id: str, headers: dict[str, str]
@@ -326,6 +340,8 @@ class Engine:
             span.set_attribute("dagnats.step_id", event.step_id)
             if kind == "start":
                 await self._start_child(event)
+            elif kind == "inputs":
+                await self._step_inputs(event)
             else:
                 run_input = convert.event_to_input(event)
                 if run_input is not None:
@@ -336,6 +352,17 @@ class Engine:
         return await self.transition(
             run_id, lambda run, now: rules.apply(run, run_input, now, self.options)
         )
+
+    async def _step_inputs(self, event: ipb.HistoryEvent) -> None:
+        """Close a finished step's queued inputs, or wake a step that began to
+        wait for input while one was already queued."""
+        if self.inputs is None:
+            return
+        if event.inputs.close:
+            await close_step_inputs(self.inputs, event.run_id, event.step_id, self.clock())
+            return
+        if await self.inputs.queued(event.run_id, event.step_id):
+            await self.apply(event.run_id, m.InputArrived(step_id=event.step_id))
 
     async def _start_child(self, event: ipb.HistoryEvent) -> None:
         start = event.start

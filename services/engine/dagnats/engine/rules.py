@@ -19,9 +19,14 @@ Invariants:
   without identity are applied only while legacy step events are allowed.
   Everything else is dropped, so a duplicate or stale report never advances
   a step twice.
-* Every wait (retry backoff, loop delay, pause) is a timer effect, and every
-  timer carries the identity it was set for; a timer for another identity is
-  dropped. Nothing waits in memory.
+* Every wait (retry backoff, loop delay, pause, a continue's wait) is a timer
+  effect, and every timer carries the identity it was set for; a timer for
+  another identity is dropped. Nothing waits in memory. A wait for input has
+  no timer of its own: an ``InputArrived`` wakes it, and entering it asks the
+  engine to check for inputs that arrived during the turn.
+* A step's timeout and a loop's ``max_duration`` keep counting while the step
+  waits: the timeout of the next dispatch is armed when the wait begins.
+* When a step finishes, its queued inputs are closed (they end unanswered).
 * A terminal run never changes again.
 """
 
@@ -46,6 +51,7 @@ from dagnats.engine.model import (
     Effect,
     Failed,
     FailureKind,
+    InputArrived,
     NotifyParent,
     Paused,
     RuleOptions,
@@ -55,11 +61,13 @@ from dagnats.engine.model import (
     SetTimer,
     StartChildRun,
     Step,
+    StepInputs,
     StepReport,
     StepStatus,
     TaskVanished,
     TimerFired,
     TimerKind,
+    Wait,
 )
 
 DEFAULT_OPTIONS = RuleOptions()
@@ -105,6 +113,8 @@ def apply(
             return _on_timer(run, event, now)
         case ChildEnded():
             return _on_child(run, event, now)
+        case InputArrived():
+            return _on_input(run, event, now)
         case TaskVanished():
             return _on_vanished(run, event, now)
 
@@ -159,8 +169,8 @@ def _on_report(run: Run, report: StepReport, now: float, options: RuleOptions) -
         )
     step_def = run.workflow.step(step.step_id)
     match report.outcome:
-        case Continued(output=output):
-            return _on_continue(run, step, step_def, output, now)
+        case Continued(output=output, wait=wait):
+            return _on_continue(run, step, step_def, output, wait, now)
         case Completed(output=output):
             return _complete_step(run, step, output, now)
         case Failed() as failed:
@@ -169,7 +179,9 @@ def _on_report(run: Run, report: StepReport, now: float, options: RuleOptions) -
             return _wait(run, step, step.iteration, step.attempt + 1, now + duration, ())
 
 
-def _on_continue(run: Run, step: Step, step_def: StepDef, output: bytes, now: float) -> Decision:
+def _on_continue(
+    run: Run, step: Step, step_def: StepDef, output: bytes, wait: Wait | None, now: float
+) -> Decision:
     if step_def.type is not StepType.AGENT_LOOP:
         return Dropped(reason=f"continue on {step_def.type.value} step {step.step_id}")
     bounds = step_def.agent_loop
@@ -183,16 +195,63 @@ def _on_continue(run: Run, step: Step, step_def: StepDef, output: bytes, now: fl
         return _fail_step(
             run, step, f"agent loop exceeded max_duration ({bounds.max_duration}s)", now
         )
+    if wait is not None and (wait.until_input or wait.due(now) is not None):
+        return _wait_for(run, step, step_def, iterations, wait, now)
     if bounds.loop_delay > 0:
         return _wait(run, step, iterations, 1, now + bounds.loop_delay, ())
     return _dispatch(run, step, iterations, 1, now, ())
 
 
+def _wait_for(
+    run: Run, step: Step, step_def: StepDef, iteration: int, wait: Wait, now: float
+) -> Accepted:
+    """A continue that waits: for a time, for an input, or both."""
+    due = wait.due(now)
+    step = replace(
+        step,
+        status=StepStatus.WAITING,
+        iteration=iteration,
+        attempt=1,
+        wake_at=due,
+        redispatches=0,
+        waiting_for_input=wait.until_input,
+    )
+    effects: list[Effect] = []
+    if due is not None:
+        effects.append(_timer(run, step, TimerKind.WAKE, due))
+    if step_def.timeout is not None:
+        effects.append(_timer(run, step, TimerKind.STEP_TIMEOUT, now + step_def.timeout))
+    if wait.until_input:
+        effects.append(_inputs(run, step, close=False))
+    return Accepted(run=_with_step(run, step), effects=tuple(effects))
+
+
+def _on_input(run: Run, arrived: InputArrived, now: float) -> Decision:
+    if not run.has_step(arrived.step_id):
+        return Dropped(reason=f"input for unknown step {arrived.step_id!r}")
+    step = run.step(arrived.step_id)
+    if step.status is not StepStatus.WAITING or not step.waiting_for_input:
+        return Dropped(reason=f"step {step.step_id} is not waiting for input")
+    return _dispatch(run, step, step.iteration, step.attempt, now, ())
+
+
+def _inputs(run: Run, step: Step, *, close: bool) -> StepInputs:
+    return StepInputs(
+        run_id=run.run_id, step_id=step.step_id, iteration=step.iteration, close=close
+    )
+
+
 def _complete_step(run: Run, step: Step, output: bytes, now: float) -> Accepted:
     done = replace(
-        step, status=StepStatus.COMPLETED, output=output, error="", finished_at=now, wake_at=None
+        step,
+        status=StepStatus.COMPLETED,
+        output=output,
+        error="",
+        finished_at=now,
+        wake_at=None,
+        waiting_for_input=False,
     )
-    return _advance(_with_step(run, done), (), now)
+    return _advance(_with_step(run, done), (_inputs(run, done, close=True),), now)
 
 
 def _fail_attempt(run: Run, step: Step, failed: Failed, now: float) -> Decision:
@@ -220,7 +279,7 @@ def _on_timer(run: Run, timer: TimerFired, now: float) -> Decision:
     match timer.kind:
         case TimerKind.WAKE if same and step.status is StepStatus.WAITING:
             return _dispatch(run, step, step.iteration, step.attempt, now, ())
-        case TimerKind.STEP_TIMEOUT if same and step.status is StepStatus.RUNNING:
+        case TimerKind.STEP_TIMEOUT if same and step.status in _TIMED:
             timeout = run.workflow.step(step.step_id).timeout
             failed = Failed(error=f"step timed out after {timeout}s", reason="timeout")
             return _fail_attempt(run, step, failed, now)
@@ -289,6 +348,7 @@ def _dispatch(
         attempt=attempt,
         dispatched_at=now,
         wake_at=None,
+        waiting_for_input=False,
     )
     new: list[Effect] = []
     if step_def.type is StepType.SUB_WORKFLOW:
@@ -357,8 +417,16 @@ def _timer(run: Run, step: Step, kind: TimerKind, due: float) -> SetTimer:
 def _fail_step(
     run: Run, step: Step, error: str, now: float, effects: tuple[Effect, ...] = ()
 ) -> Accepted:
-    failed = replace(step, status=StepStatus.FAILED, error=error, finished_at=now, wake_at=None)
+    failed = replace(
+        step,
+        status=StepStatus.FAILED,
+        error=error,
+        finished_at=now,
+        wake_at=None,
+        waiting_for_input=False,
+    )
     run = _with_step(run, failed)
+    effects = (*effects, _inputs(run, failed, close=True))
     return _finish(run, RunStatus.FAILED, f"step {step.step_id} failed: {error}", now, effects)
 
 
@@ -379,7 +447,17 @@ def _finish(
             continue
         if step.child_run_id and step.status is StepStatus.RUNNING:
             extra.append(CancelChildRun(child_run_id=step.child_run_id, reason=error))
-        steps.append(replace(step, status=StepStatus.CANCELLED, finished_at=now, wake_at=None))
+        if step.status is not StepStatus.PENDING:
+            extra.append(_inputs(run, step, close=True))
+        steps.append(
+            replace(
+                step,
+                status=StepStatus.CANCELLED,
+                finished_at=now,
+                wake_at=None,
+                waiting_for_input=False,
+            )
+        )
     done = replace(run, status=status, error=error, steps=tuple(steps), finished_at=now)
     extra.append(AnnounceCancel(run_id=run.run_id))
     return Accepted(run=done, effects=effects + tuple(extra) + _notify_parent(done))
@@ -402,6 +480,9 @@ def _notify_parent(run: Run) -> tuple[Effect, ...]:
 
 def _with_step(run: Run, step: Step) -> Run:
     return replace(run, steps=tuple(step if s.step_id == step.step_id else s for s in run.steps))
+
+
+_TIMED = frozenset({StepStatus.RUNNING, StepStatus.WAITING})
 
 
 def _decode(raw: bytes) -> object:

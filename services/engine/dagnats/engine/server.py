@@ -4,10 +4,11 @@ gRPC server, started and stopped as one."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
@@ -16,6 +17,10 @@ from dagnats.engine.processor import Engine
 from dagnats.engine.service import EngineServicer
 from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
+from dagnats.inputs.natsapi import serve_nats_api
+from dagnats.inputs.service import Inputs, InputsServicer
+from dagnats.inputs.store import InputStore
+from dagnats.inputs.v1 import inputs_pb2_grpc as inputs_grpc
 from dagnats.journal.service import JournalServicer
 from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2_grpc as journal_grpc
@@ -32,6 +37,8 @@ class EngineServer:
     nc: NATS
     host: str
     port: int
+    # The api.inputs.* endpoints; stop() ends them with nc.drain().
+    subscriptions: list[Subscription] = field(default_factory=list)
 
     @property
     def target(self) -> str:
@@ -51,6 +58,7 @@ async def start_engine(
     config: EngineConfig | None = None,
     topology: jsx.Topology | None = None,
     with_journal: bool = True,
+    with_inputs: bool = True,
 ) -> EngineServer:
     """Connect, provision streams and buckets, start the loops and serve gRPC.
 
@@ -61,19 +69,29 @@ async def start_engine(
         config: engine settings; defaults from the environment.
         topology: stream replication.
         with_journal: serve the journal service on the same port.
+        with_inputs: serve the inputs service on the same port and as the
+            NATS endpoints ``api.inputs.*`` (``nc.drain()`` in ``stop`` ends them).
     """
     config = config or EngineConfig.from_env()
     nc = await jsx.connect(nats_url, name="dagnats-engine")
     await jsx.provision(nc.jetstream(), topology)
-    engine = Engine(await EngineStore.open(nc), config)
+    input_store = await InputStore.open(nc)
+    engine = Engine(await EngineStore.open(nc), config, inputs=input_store)
     await engine.start()
     server = grpc.aio.server(interceptors=tracing.server_interceptors())
     pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), server)
     if with_journal:
         runs = await nc.jetstream().key_value(jsx.KV_RUNS)
-        journal = JournalServicer(JournalStore(nc), runs)
+        journal = JournalServicer(JournalStore(nc), runs, input_store)
         journal_grpc.add_JournalServiceServicer_to_server(journal, server)
+    subscriptions: list[Subscription] = []
+    if with_inputs:
+        inputs = Inputs(input_store)
+        inputs_grpc.add_InputsServiceServicer_to_server(InputsServicer(inputs), server)
+        subscriptions = await serve_nats_api(nc, inputs)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     log.info("engine serving on %s:%d", host, bound)
-    return EngineServer(engine=engine, server=server, nc=nc, host=host, port=bound)
+    return EngineServer(
+        engine=engine, server=server, nc=nc, host=host, port=bound, subscriptions=subscriptions
+    )

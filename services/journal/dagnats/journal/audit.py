@@ -26,8 +26,8 @@ Invariants, named by the rule a violation reports:
   dispatch is still closing them (it has written only claims and results).
 * ``double_result``: no tool intent has more than one result.
 * ``orphan_result``: every tool result answers (``intent_seq``) a tool intent.
-* ``input_placed_twice``: no input is placed twice. Reserved: the journal has
-  no input records yet (see the hook in :func:`check_step`).
+* ``input_placed_twice``: no input is placed twice (copies carried into a
+  retry attempt excepted).
 * ``iteration_count``: the engine's iteration count of the step equals the
   number of continue commits.
 
@@ -47,6 +47,7 @@ from dagnats.journal.model import (
     AnyEntry,
     ClaimEntry,
     CommitEntry,
+    InputEntry,
     IntentEntry,
     ModelEntry,
     OutputEntry,
@@ -101,9 +102,13 @@ def check_step(
         The findings, in sequence order; empty when the journal is sound.
     """
     records = sorted(entries, key=lambda r: r.seq)
-    found = [*_chain(records), *_fencing(records), *_commits(records), *_answers(records)]
-    # input_placed_twice: once the journal holds input.placed records, check
-    # here that no request_id is placed twice across the step's records.
+    found = [
+        *_chain(records),
+        *_fencing(records),
+        *_commits(records),
+        *_answers(records),
+        *_placements(records),
+    ]
     if engine_iterations is not None:
         found.extend(_iteration_count(records, engine_iterations))
     found.sort(key=lambda f: (f[0] == 0, f[0]))
@@ -327,6 +332,28 @@ def _group(items: Iterable[E], key: Callable[[E], K]) -> dict[K, list[E]]:
     return groups
 
 
+def _placements(records: Sequence[AnyEntry]) -> list[tuple[int, Rule, str]]:
+    """Every input placed once: a request id has one original ``input.placed``
+    record (carried copies into a retry attempt do not count)."""
+    found: list[tuple[int, Rule, str]] = []
+    first: dict[str, int] = {}
+    for r in records:
+        if not isinstance(r, InputEntry) or r.carried:
+            continue
+        if r.request_id in first:
+            found.append(
+                (
+                    r.seq,
+                    "input_placed_twice",
+                    f"input {r.request_id!r} was placed at seq {first[r.request_id]} "
+                    f"and again at seq {r.seq}",
+                )
+            )
+        else:
+            first[r.request_id] = r.seq
+    return found
+
+
 def _kind(r: AnyEntry) -> str:
     match r:
         case ClaimEntry():
@@ -341,6 +368,8 @@ def _kind(r: AnyEntry) -> str:
             return "tool result"
         case CommitEntry(action=action):
             return f"commit {action.value}"
+        case InputEntry(request_id=request_id):
+            return f"input {request_id!r} placed"
         case _:
             assert_never(r)
 

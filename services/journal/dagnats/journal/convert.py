@@ -73,6 +73,16 @@ def entry(record: pb.Record) -> jm.AnyEntry:
             reason=c.reason,
             pause=c.pause.ToNanoseconds() / 1e9,
         )
+    if kind == "input_placed":
+        p = record.input_placed
+        return jm.InputEntry(
+            **head,
+            position=p.position,
+            request_id=p.request_id,
+            mode=p.mode,
+            content=p.content,
+            carried=p.carried,
+        )
     raise ValueError(f"record {record.seq} has no kind")
 
 

@@ -88,7 +88,18 @@ class CommitEntry(Entry):
         return self.action in ENDS_ITERATION
 
 
-AnyEntry = ClaimEntry | ModelEntry | IntentEntry | OutputEntry | ResultEntry | CommitEntry
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InputEntry(Entry):
+    position: int
+    request_id: str
+    mode: int
+    content: bytes
+    carried: bool = False
+
+
+AnyEntry = (
+    ClaimEntry | ModelEntry | IntentEntry | OutputEntry | ResultEntry | CommitEntry | InputEntry
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

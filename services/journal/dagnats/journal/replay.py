@@ -17,8 +17,8 @@ Claim (one dispatch ``(iteration, attempt)`` opening the journal):
   ``interrupted`` result. After the claim, ``restart_limit_reached`` says
   whether the iteration ended in ``limit`` claims in a row.
 
-Calls, by position within the attempt (a model call and a tool call share one
-position counter):
+Calls, by position within the attempt (model calls, tool calls and
+place-inputs calls share one position counter):
 
 * A recorded model response at the position is reused.
 * A recorded tool result is reused, whatever the declarations say.
@@ -41,6 +41,7 @@ from dagnats.journal.model import (
     AnyEntry,
     ClaimEntry,
     CommitEntry,
+    InputEntry,
     IntentEntry,
     ModelEntry,
     OutputEntry,
@@ -148,6 +149,54 @@ def decide_model(records: Sequence[AnyEntry], *, attempt: int, position: int) ->
         case IntentEntry(name=name):
             return Mismatch(reason=f"position {position} recorded tool {name!r}, not a model call")
     return CallModel()
+
+
+# ---- inputs -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayPlaced:
+    inputs: tuple[InputEntry, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlaceNew:
+    """Carry these earlier-attempt placements, then claim queued inputs; the
+    request ids in ``recorded`` already have a record in this iteration."""
+
+    carry: tuple[InputEntry, ...]
+    recorded: frozenset[str]
+
+
+PlaceDecision = ReplayPlaced | PlaceNew | Mismatch
+
+
+def decide_place(
+    records: Sequence[AnyEntry], *, attempt: int, position: int, mode: int
+) -> PlaceDecision:
+    """A place-inputs call at ``position`` of ``attempt``."""
+    here = [
+        r
+        for r in records
+        if isinstance(r, InputEntry) and (r.attempt, r.position) == (attempt, position)
+    ]
+    if here:
+        return ReplayPlaced(inputs=tuple(here))
+    at = _at(records, attempt, position)
+    if at is not None:
+        return Mismatch(reason=f"position {position} recorded another call, not place_inputs")
+    mine = {r.request_id for r in records if isinstance(r, InputEntry) and r.attempt == attempt}
+    carry: dict[str, InputEntry] = {}
+    for r in records:
+        if (
+            isinstance(r, InputEntry)
+            and r.attempt < attempt
+            and r.mode == mode
+            and r.request_id not in mine
+        ):
+            carry.setdefault(r.request_id, r)
+    recorded = frozenset(r.request_id for r in records if isinstance(r, InputEntry))
+    return PlaceNew(carry=tuple(carry.values()), recorded=recorded)
 
 
 # ---- tool calls ---------------------------------------------------------------------

@@ -22,8 +22,12 @@ from opentelemetry import trace
 from dagnats.core import errors, tracing
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
 from dagnats.core.ids import check_run_id, check_token
+from dagnats.core.seam import seam
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
+from dagnats.inputs import rules as input_rules
+from dagnats.inputs.store import InputStore
+from dagnats.inputs.store import StaleRevision as InputStaleRevision
 from dagnats.journal import audit, convert, replay
 from dagnats.journal import model as jm
 from dagnats.journal.store import JournalStore, journal_subject
@@ -54,8 +58,11 @@ def check_writer_token(token: pb.WriterToken) -> pb.WriterToken:
 
 
 class JournalServicer(pb_grpc.JournalServiceServicer):
-    def __init__(self, store: JournalStore, runs: KeyValue) -> None:
+    def __init__(
+        self, store: JournalStore, runs: KeyValue, inputs: InputStore | None = None
+    ) -> None:
         self.store = store
+        self.inputs = inputs
         self._runs = runs
         self._snapshots: OrderedDict[tuple[str, str], list[jm.AnyEntry]] = OrderedDict()
 
@@ -268,6 +275,91 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         token, _ = await self._append(token, pb.Record(tool_result=result))
         return pb.FinishToolResponse(token=token)
 
+    # ---- inputs ---------------------------------------------------------------------------
+
+    @domain_errors
+    async def PlaceInputs(
+        self, request: pb.PlaceInputsRequest, context: Context
+    ) -> pb.PlaceInputsResponse:
+        token = check_writer_token(request.token)
+        if request.mode not in _MODES:
+            raise errors.InvalidArgument("mode must be 1 (steer) or 2 (follow-up)", field="mode")
+        if self.inputs is None:
+            raise errors.Unavailable("this journal service has no inputs store")
+        entries = await self._snapshot(token)
+        decision = replay.decide_place(
+            entries, attempt=token.attempt, position=request.position, mode=request.mode
+        )
+        match decision:
+            case replay.Mismatch(reason=reason):
+                raise errors.ReplayMismatch(reason)
+            case replay.ReplayPlaced(inputs=recorded):
+                return pb.PlaceInputsResponse(token=token, inputs=[_placed(e) for e in recorded])
+            case replay.PlaceNew(carry=carry, recorded=recorded_ids):
+                placed: list[pb.InputPlaced] = []
+                for earlier in carry:
+                    copy = _placed(earlier)
+                    copy.position, copy.carried = request.position, True
+                    token, record = await self._append(token, pb.Record(input_placed=copy))
+                    placed.append(record.input_placed)
+                token = await self._claim_queued(token, request, recorded_ids, placed)
+                return pb.PlaceInputsResponse(token=token, inputs=placed)
+
+    async def _claim_queued(
+        self,
+        token: pb.WriterToken,
+        request: pb.PlaceInputsRequest,
+        recorded: frozenset[str],
+        placed: list[pb.InputPlaced],
+    ) -> pb.WriterToken:
+        """Claim each queued input (compare-and-swap), then record it. A claim
+        left without its record by a fenced or crashed holder of this iteration
+        is taken over."""
+        assert self.inputs is not None
+        now = time.time()
+        for state, revision in await self.inputs.list(token.run_id, token.step_id):
+            if _MODES.get(request.mode) != state.mode.name:
+                continue
+            if state.status is input_rules.Status.QUEUED:
+                moved = input_rules.place(
+                    state,
+                    iteration=token.iteration,
+                    attempt=token.attempt,
+                    writer=token.writer,
+                    now=now,
+                )
+            elif (
+                state.status is input_rules.Status.PLACED
+                and state.placed_iteration == token.iteration
+                and state.placed_by != token.writer
+                and state.request_id not in recorded
+            ):
+                moved = input_rules.reclaim(
+                    state,
+                    iteration=token.iteration,
+                    attempt=token.attempt,
+                    writer=token.writer,
+                    now=now,
+                )
+            else:
+                continue
+            if not isinstance(moved, input_rules.InputState):
+                continue
+            try:
+                await self.inputs.update(moved, revision)
+            except InputStaleRevision:
+                continue  # withdrawn or claimed meanwhile: it is not ours
+            await seam("after_input_claimed")
+            record = pb.InputPlaced(
+                position=request.position,
+                request_id=state.request_id,
+                mode=request.mode,
+                content=state.content,
+            )
+            token, stored = await self._append(token, pb.Record(input_placed=record))
+            placed.append(stored.input_placed)
+        return token
+
     # ---- holding and committing -------------------------------------------------------
 
     @domain_errors
@@ -405,6 +497,19 @@ def _base_for(tail: pb.Record | None, iteration: int) -> int:
         if action in jm.ENDS_ITERATION:
             return int(tail.seq)
     return int(tail.base_seq)
+
+
+_MODES = {1: "STEER", 2: "FOLLOW_UP"}
+
+
+def _placed(entry: jm.InputEntry) -> pb.InputPlaced:
+    return pb.InputPlaced(
+        position=entry.position,
+        request_id=entry.request_id,
+        mode=entry.mode,
+        content=entry.content,
+        carried=entry.carried,
+    )
 
 
 def _intent(request: pb.BeginToolRequest) -> pb.Record:

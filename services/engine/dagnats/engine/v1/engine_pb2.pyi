@@ -359,6 +359,7 @@ class StepState(_message.Message):
     DISPATCHED_AT_FIELD_NUMBER: _builtins.int
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     WAKE_AT_FIELD_NUMBER: _builtins.int
+    WAITING_FOR_INPUT_FIELD_NUMBER: _builtins.int
     step_id: _builtins.str
     """The step id."""
     status: Global___StepStatus.ValueType
@@ -375,6 +376,8 @@ class StepState(_message.Message):
     """Error of the latest failure."""
     child_run_id: _builtins.str
     """Child run of a sub-workflow step."""
+    waiting_for_input: _builtins.bool
+    """True while the step waits for an input."""
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp:
         """When the step was first dispatched."""
@@ -406,10 +409,11 @@ class StepState(_message.Message):
         dispatched_at: _timestamp_pb2.Timestamp | None = ...,
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         wake_at: _timestamp_pb2.Timestamp | None = ...,
+        waiting_for_input: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["dispatched_at", b"dispatched_at", "finished_at", b"finished_at", "started_at", b"started_at", "wake_at", b"wake_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "child_run_id", b"child_run_id", "dispatched_at", b"dispatched_at", "error", b"error", "finished_at", b"finished_at", "iteration", b"iteration", "iterations", b"iterations", "output", b"output", "started_at", b"started_at", "status", b"status", "step_id", b"step_id", "wake_at", b"wake_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "child_run_id", b"child_run_id", "dispatched_at", b"dispatched_at", "error", b"error", "finished_at", b"finished_at", "iteration", b"iteration", "iterations", b"iterations", "output", b"output", "started_at", b"started_at", "status", b"status", "step_id", b"step_id", "waiting_for_input", b"waiting_for_input", "wake_at", b"wake_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1096,22 +1100,64 @@ class HeartbeatResponse(_message.Message):
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
 
 @_typing.final
+class Wait(_message.Message):
+    """Wait holds the next iteration until a time passes or an input arrives,
+    whichever comes first. No task is in flight while a step waits.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELAY_FIELD_NUMBER: _builtins.int
+    UNTIL_FIELD_NUMBER: _builtins.int
+    UNTIL_INPUT_FIELD_NUMBER: _builtins.int
+    until_input: _builtins.bool
+    """Wake when an input is submitted to the step."""
+    @_builtins.property
+    def delay(self) -> _duration_pb2.Duration:
+        """Wake after this long."""
+
+    @_builtins.property
+    def until(self) -> _timestamp_pb2.Timestamp:
+        """Wake at this time."""
+
+    def __init__(
+        self,
+        *,
+        delay: _duration_pb2.Duration | None = ...,
+        until: _timestamp_pb2.Timestamp | None = ...,
+        until_input: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delay", b"delay", "until", b"until"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delay", b"delay", "until", b"until", "until_input", b"until_input"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Wait: _TypeAlias = Wait  # noqa: Y015
+
+@_typing.final
 class Continue(_message.Message):
     """Continue ends an iteration and asks for the next one."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     OUTPUT_FIELD_NUMBER: _builtins.int
+    WAIT_FIELD_NUMBER: _builtins.int
     output: _builtins.bytes
     """Progress output (JSON), shown on the step."""
+    @_builtins.property
+    def wait(self) -> Global___Wait:
+        """Wait before the next iteration; loop_delay does not apply when set."""
+
     def __init__(
         self,
         *,
         output: _builtins.bytes = ...,
+        wait: Global___Wait | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["output", b"output"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["output", b"output", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -168,6 +168,31 @@ class InputSubmitted(_message.Message):
 Global___InputSubmitted: _TypeAlias = InputSubmitted  # noqa: Y015
 
 @_typing.final
+class StepInputs(_message.Message):
+    """StepInputs asks the engine to look at a step's queued inputs: to close them
+    when the step finished (close), or to wake a step that just started waiting
+    for one (check).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLOSE_FIELD_NUMBER: _builtins.int
+    close: _builtins.bool
+    """True: the step finished; queued inputs become unanswered."""
+    def __init__(
+        self,
+        *,
+        close: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepInputs: _TypeAlias = StepInputs  # noqa: Y015
+
+@_typing.final
 class HistoryEvent(_message.Message):
     """HistoryEvent is one message on history.{run}."""
 
@@ -208,6 +233,7 @@ class HistoryEvent(_message.Message):
     CANCEL_FIELD_NUMBER: _builtins.int
     CHILD_FIELD_NUMBER: _builtins.int
     INPUT_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -254,6 +280,10 @@ class HistoryEvent(_message.Message):
     def input(self) -> Global___InputSubmitted:
         """An input was queued for the step."""
 
+    @_builtins.property
+    def inputs(self) -> Global___StepInputs:
+        """Close or check the step's queued inputs."""
+
     def __init__(
         self,
         *,
@@ -271,12 +301,13 @@ class HistoryEvent(_message.Message):
         cancel: Global___CancelRequest | None = ...,
         child: Global___ChildFinished | None = ...,
         input: Global___InputSubmitted | None = ...,
+        inputs: Global___StepInputs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "kind", b"kind", "pause", b"pause", "start", b"start", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "inputs", b"inputs", "kind", b"kind", "pause", b"pause", "start", b"start", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "iteration", b"iteration", "journal_seq", b"journal_seq", "kind", b"kind", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "inputs", b"inputs", "iteration", b"iteration", "journal_seq", b"journal_seq", "kind", b"kind", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause", "start", "cancel", "child", "input"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause", "start", "cancel", "child", "input", "inputs"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

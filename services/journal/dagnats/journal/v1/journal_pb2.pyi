@@ -248,6 +248,9 @@ class Commit(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     PAUSE_FIELD_NUMBER: _builtins.int
+    WAIT_DELAY_FIELD_NUMBER: _builtins.int
+    WAIT_UNTIL_FIELD_NUMBER: _builtins.int
+    WAIT_UNTIL_INPUT_FIELD_NUMBER: _builtins.int
     action: Global___Action.ValueType
     """The next action."""
     state: _builtins.bytes
@@ -260,9 +263,19 @@ class Commit(_message.Message):
     """Error of a failure."""
     reason: _builtins.str
     """Machine-readable reason of a failure, e.g. "restart_limit"."""
+    wait_until_input: _builtins.bool
+    """With continue: wake the next iteration when an input arrives."""
     @_builtins.property
     def pause(self) -> _duration_pb2.Duration:
         """Delay of a pause."""
+
+    @_builtins.property
+    def wait_delay(self) -> _duration_pb2.Duration:
+        """With continue: wake the next iteration after this long."""
+
+    @_builtins.property
+    def wait_until(self) -> _timestamp_pb2.Timestamp:
+        """With continue: wake the next iteration at this time."""
 
     def __init__(
         self,
@@ -274,14 +287,57 @@ class Commit(_message.Message):
         error: _builtins.str = ...,
         reason: _builtins.str = ...,
         pause: _duration_pb2.Duration | None = ...,
+        wait_delay: _duration_pb2.Duration | None = ...,
+        wait_until: _timestamp_pb2.Timestamp | None = ...,
+        wait_until_input: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause", "wait_delay", b"wait_delay", "wait_until", b"wait_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "error", b"error", "has_state", b"has_state", "output", b"output", "pause", b"pause", "reason", b"reason", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "error", b"error", "has_state", b"has_state", "output", b"output", "pause", b"pause", "reason", b"reason", "state", b"state", "wait_delay", b"wait_delay", "wait_until", b"wait_until", "wait_until_input", b"wait_until_input"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Commit: _TypeAlias = Commit  # noqa: Y015
+
+@_typing.final
+class InputPlaced(_message.Message):
+    """InputPlaced records an input entering the conversation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POSITION_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    CARRIED_FIELD_NUMBER: _builtins.int
+    position: _builtins.int
+    """Position of the place-inputs call in the attempt."""
+    request_id: _builtins.str
+    """The caller's request id."""
+    mode: _builtins.int
+    """1 steer, 2 follow-up (dagnats.inputs.v1.Mode)."""
+    content: _builtins.bytes
+    """Content (JSON)."""
+    carried: _builtins.bool
+    """True when an earlier attempt of the iteration placed it and this record
+    hands it to the new attempt.
+    """
+    def __init__(
+        self,
+        *,
+        position: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        mode: _builtins.int = ...,
+        content: _builtins.bytes = ...,
+        carried: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["carried", b"carried", "content", b"content", "mode", b"mode", "position", b"position", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputPlaced: _TypeAlias = InputPlaced  # noqa: Y015
 
 @_typing.final
 class Record(_message.Message):
@@ -325,6 +381,7 @@ class Record(_message.Message):
     TOOL_OUTPUT_FIELD_NUMBER: _builtins.int
     TOOL_RESULT_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    INPUT_PLACED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -373,6 +430,10 @@ class Record(_message.Message):
     def commit(self) -> Global___Commit:
         """The end of a dispatch."""
 
+    @_builtins.property
+    def input_placed(self) -> Global___InputPlaced:
+        """An input entered the conversation."""
+
     def __init__(
         self,
         *,
@@ -392,12 +453,13 @@ class Record(_message.Message):
         tool_output: Global___ToolOutput | None = ...,
         tool_result: Global___ToolResult | None = ...,
         commit: Global___Commit | None = ...,
+        input_placed: Global___InputPlaced | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "commit", b"commit", "kind", b"kind", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "commit", b"commit", "input_placed", b"input_placed", "kind", b"kind", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "iteration", b"iteration", "kind", b"kind", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["claim", "model", "tool_intent", "tool_output", "tool_result", "commit"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["claim", "model", "tool_intent", "tool_output", "tool_result", "commit", "input_placed"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -916,6 +978,68 @@ class FinishToolResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FinishToolResponse: _TypeAlias = FinishToolResponse  # noqa: Y015
+
+@_typing.final
+class PlaceInputsRequest(_message.Message):
+    """PlaceInputsRequest places queued inputs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    position: _builtins.int
+    """Position of the call."""
+    mode: _builtins.int
+    """1 steer, 2 follow-up (dagnats.inputs.v1.Mode)."""
+    @_builtins.property
+    def token(self) -> Global___WriterToken:
+        """The writer."""
+
+    def __init__(
+        self,
+        *,
+        token: Global___WriterToken | None = ...,
+        position: _builtins.int = ...,
+        mode: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "position", b"position", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlaceInputsRequest: _TypeAlias = PlaceInputsRequest  # noqa: Y015
+
+@_typing.final
+class PlaceInputsResponse(_message.Message):
+    """PlaceInputsResponse returns the placed inputs, earlier placements first."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token(self) -> Global___WriterToken:
+        """Token for the next write."""
+
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___InputPlaced]:
+        """The inputs, as recorded."""
+
+    def __init__(
+        self,
+        *,
+        token: Global___WriterToken | None = ...,
+        inputs: _abc.Iterable[Global___InputPlaced] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlaceInputsResponse: _TypeAlias = PlaceInputsResponse  # noqa: Y015
 
 @_typing.final
 class HoldRequest(_message.Message):

@@ -72,6 +72,11 @@ class JournalServiceStub:
                 request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldRequest.SerializeToString,
                 response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldResponse.FromString,
                 _registered_method=True)
+        self.PlaceInputs = channel.unary_unary(
+                '/dagnats.journal.v1.JournalService/PlaceInputs',
+                request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.PlaceInputsRequest.SerializeToString,
+                response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.PlaceInputsResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/dagnats.journal.v1.JournalService/Commit',
                 request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CommitRequest.SerializeToString,
@@ -144,6 +149,13 @@ class JournalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlaceInputs(self, request, context):
+        """PlaceInputs places the step's queued inputs of one mode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Commit(self, request, context):
         """Commit ends the dispatch with its next action.
         """
@@ -202,6 +214,11 @@ def add_JournalServiceServicer_to_server(servicer, server):
                     servicer.Hold,
                     request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldRequest.FromString,
                     response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldResponse.SerializeToString,
+            ),
+            'PlaceInputs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlaceInputs,
+                    request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.PlaceInputsRequest.FromString,
+                    response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.PlaceInputsResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -411,6 +428,33 @@ class JournalService:
             '/dagnats.journal.v1.JournalService/Hold',
             dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldRequest.SerializeToString,
             dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlaceInputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dagnats.journal.v1.JournalService/PlaceInputs',
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.PlaceInputsRequest.SerializeToString,
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.PlaceInputsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,8 @@ class JournalServiceStub:
     """FinishTool stores the result of a tool call."""
     Hold: _grpc.UnaryUnaryMultiCallable[_journal_pb2.HoldRequest, _journal_pb2.HoldResponse]
     """Hold checks that the writer still holds the step (before a heartbeat)."""
+    PlaceInputs: _grpc.UnaryUnaryMultiCallable[_journal_pb2.PlaceInputsRequest, _journal_pb2.PlaceInputsResponse]
+    """PlaceInputs places the step's queued inputs of one mode."""
     Commit: _grpc.UnaryUnaryMultiCallable[_journal_pb2.CommitRequest, _journal_pb2.CommitResponse]
     """Commit ends the dispatch with its next action."""
     Read: _grpc.UnaryStreamMultiCallable[_journal_pb2.ReadRequest, _journal_pb2.ReadResponse]
@@ -79,6 +81,8 @@ class JournalServiceAsyncStub(JournalServiceStub):
     """FinishTool stores the result of a tool call."""
     Hold: _aio.UnaryUnaryMultiCallable[_journal_pb2.HoldRequest, _journal_pb2.HoldResponse]  # type: ignore[assignment]
     """Hold checks that the writer still holds the step (before a heartbeat)."""
+    PlaceInputs: _aio.UnaryUnaryMultiCallable[_journal_pb2.PlaceInputsRequest, _journal_pb2.PlaceInputsResponse]  # type: ignore[assignment]
+    """PlaceInputs places the step's queued inputs of one mode."""
     Commit: _aio.UnaryUnaryMultiCallable[_journal_pb2.CommitRequest, _journal_pb2.CommitResponse]  # type: ignore[assignment]
     """Commit ends the dispatch with its next action."""
     Read: _aio.UnaryStreamMultiCallable[_journal_pb2.ReadRequest, _journal_pb2.ReadResponse]  # type: ignore[assignment]
@@ -147,6 +151,14 @@ class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_journal_pb2.HoldResponse, _abc.Awaitable[_journal_pb2.HoldResponse]]:
         """Hold checks that the writer still holds the step (before a heartbeat)."""
+
+    @_abc_1.abstractmethod
+    def PlaceInputs(
+        self,
+        request: _journal_pb2.PlaceInputsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_journal_pb2.PlaceInputsResponse, _abc.Awaitable[_journal_pb2.PlaceInputsResponse]]:
+        """PlaceInputs places the step's queued inputs of one mode."""
 
     @_abc_1.abstractmethod
     def Commit(

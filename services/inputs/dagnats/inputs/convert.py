@@ -1,0 +1,98 @@
+"""Protobuf to the plain values of :mod:`dagnats.inputs.rules` and back."""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from dagnats.engine.v1 import engine_pb2 as epb
+from dagnats.inputs import rules
+from dagnats.inputs.rules import InputState, Mode, Status, StepStatus
+from dagnats.inputs.v1 import inputs_pb2 as pb
+
+_MODE = {pb.MODE_STEER: Mode.STEER, pb.MODE_FOLLOW_UP: Mode.FOLLOW_UP}
+MODE_TO_PROTO = {v: k for k, v in _MODE.items()}
+_STATUS = {
+    pb.STATUS_QUEUED: Status.QUEUED,
+    pb.STATUS_PLACED: Status.PLACED,
+    pb.STATUS_DONE: Status.DONE,
+    pb.STATUS_UNANSWERED: Status.UNANSWERED,
+    pb.STATUS_WITHDRAWN: Status.WITHDRAWN,
+}
+STATUS_TO_PROTO = {v: k for k, v in _STATUS.items()}
+_STEP_STATUS = {
+    epb.STEP_STATUS_PENDING: StepStatus.PENDING,
+    epb.STEP_STATUS_RUNNING: StepStatus.RUNNING,
+    epb.STEP_STATUS_WAITING: StepStatus.WAITING,
+    epb.STEP_STATUS_COMPLETED: StepStatus.COMPLETED,
+    epb.STEP_STATUS_FAILED: StepStatus.FAILED,
+    epb.STEP_STATUS_CANCELLED: StepStatus.CANCELLED,
+}
+
+
+def mode_from_proto(mode: int) -> Mode | None:
+    """The mode, or None for an unset or unknown one."""
+    return _MODE.get(pb.Mode.ValueType(mode))
+
+
+def status_from_proto(status: int) -> Status | None:
+    """The status, or None for an unset or unknown one."""
+    return _STATUS.get(pb.Status.ValueType(status))
+
+
+def step_status(status: int) -> StepStatus:
+    # An unset status is a step the engine has not touched yet.
+    return _STEP_STATUS.get(epb.StepStatus.ValueType(status), StepStatus.PENDING)
+
+
+def find_step(run: epb.Run, step_id: str) -> epb.StepState | None:
+    return next((s for s in run.steps if s.step_id == step_id), None)
+
+
+def _ts(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(round(seconds * 1e9))
+    return ts
+
+
+def to_proto(state: InputState, status: Status | None = None) -> pb.Input:
+    """The wire form of ``state``; ``status`` overrides the stored one (the visible status)."""
+    return pb.Input(
+        run_id=state.run_id,
+        step_id=state.step_id,
+        request_id=state.request_id,
+        mode=MODE_TO_PROTO[state.mode],
+        content=state.content,
+        status=STATUS_TO_PROTO[status or state.status],
+        created_at=_ts(state.created_at),
+        updated_at=_ts(state.updated_at),
+        placed_iteration=state.placed_iteration,
+        placed_attempt=state.placed_attempt,
+        placed_by=state.placed_by,
+        created_by=state.created_by,
+    )
+
+
+def from_proto(message: pb.Input) -> InputState:
+    """The plain value of a stored record."""
+    return InputState(
+        run_id=message.run_id,
+        step_id=message.step_id,
+        request_id=message.request_id,
+        mode=_MODE[message.mode],
+        content=message.content,
+        status=_STATUS[message.status],
+        created_at=message.created_at.ToNanoseconds() / 1e9,
+        updated_at=message.updated_at.ToNanoseconds() / 1e9,
+        placed_iteration=message.placed_iteration,
+        placed_attempt=message.placed_attempt,
+        placed_by=message.placed_by,
+        created_by=message.created_by,
+    )
+
+
+def visible(state: InputState, run: epb.Run | None) -> Status:
+    """What a client sees of ``state`` given its run (None when the run is gone)."""
+    step = find_step(run, state.step_id) if run is not None else None
+    if step is None:
+        return rules.visible_status(state, None, 0)
+    return rules.visible_status(state, step_status(step.status), step.iteration)

@@ -1,0 +1,288 @@
+"""Every rule of the inputs state machine, in one place.
+
+Pure functions over :class:`InputState` values: no I/O, no ``async``, no
+``nats``, no ``grpc``. The clock is passed in (``now``). The service reads a
+record, asks these functions what it becomes, and writes the answer with a
+compare-and-swap on the record's revision, so two writers never both win.
+
+Stored states and the only transitions between them::
+
+    queued ──withdraw──> withdrawn      (withdraw again: unchanged)
+    queued ──place─────> placed         (by one dispatch: iteration, attempt, writer)
+    queued ──close─────> unanswered     (the step finished first)
+    placed ──reclaim───> placed         (same iteration, another writer)
+
+Invariants:
+
+* A record is created ``queued`` and never goes back to ``queued``.
+* ``withdrawn`` and ``unanswered`` are final; ``placed`` changes only by a
+  reclaim within the iteration that placed it. So a withdrawal that won is
+  never followed by a placement, and a placed input is never withdrawn.
+* ``done`` is never stored. A client sees ``done`` once the placing iteration
+  committed: the step moved to a later iteration, or completed
+  (:func:`visible_status`). The journal's ``input.placed`` record, not this
+  record, is the truth about placement.
+* A refused transition changes nothing and says why (:class:`Refusal`).
+* Every key is ``{run}.{step}.{base64url(request_id)}``: the caller's
+  request id never reaches a key or subject raw, whatever characters it has.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import json
+from dataclasses import dataclass, replace
+
+from dagnats.core.errors import InvalidArgument
+from dagnats.core.ids import check_run_id, check_token
+
+MAX_CONTENT_BYTES = 64 * 1024
+MAX_REQUEST_ID = 256
+
+
+class Mode(enum.Enum):
+    """Where an input enters the conversation."""
+
+    STEER = "steer"
+    FOLLOW_UP = "follow_up"
+
+
+class Status(enum.Enum):
+    """Where an input is. ``DONE`` is only ever computed, never stored."""
+
+    QUEUED = "queued"
+    PLACED = "placed"
+    DONE = "done"
+    UNANSWERED = "unanswered"
+    WITHDRAWN = "withdrawn"
+
+
+class StepStatus(enum.Enum):
+    """The engine's view of the step, as far as inputs care."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    WAITING = "waiting"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINISHED = frozenset({StepStatus.COMPLETED, StepStatus.FAILED, StepStatus.CANCELLED})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InputState:
+    """One submission, as stored (mirrors ``dagnats.inputs.v1.Input``)."""
+
+    run_id: str
+    step_id: str
+    request_id: str
+    mode: Mode
+    content: bytes
+    status: Status = Status.QUEUED
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    placed_iteration: int = 0
+    placed_attempt: int = 0
+    placed_by: str = ""
+    created_by: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A transition that does not apply; ``message`` says why, for the caller."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Submission:
+    """A validated submission."""
+
+    run_id: str
+    step_id: str
+    request_id: str
+    mode: Mode
+    content: bytes
+
+
+# ---- transitions ----------------------------------------------------------------
+
+
+def new_input(submission: Submission, *, created_by: str, now: float) -> InputState:
+    """The queued record a submission creates; ``created_by`` is the caller's nonce."""
+    return InputState(
+        run_id=submission.run_id,
+        step_id=submission.step_id,
+        request_id=submission.request_id,
+        mode=submission.mode,
+        content=submission.content,
+        status=Status.QUEUED,
+        created_at=now,
+        updated_at=now,
+        created_by=created_by,
+    )
+
+
+def withdraw(state: InputState, now: float) -> InputState | Refusal:
+    """Queued -> withdrawn; withdrawn stays as it is (a repeat is fine)."""
+    match state.status:
+        case Status.QUEUED:
+            return replace(state, status=Status.WITHDRAWN, updated_at=now)
+        case Status.WITHDRAWN:
+            return state
+        case Status.PLACED | Status.DONE:
+            return Refusal(
+                f"input was placed into iteration {state.placed_iteration}; it cannot be withdrawn"
+            )
+        case Status.UNANSWERED:
+            return Refusal("the step finished before the input was placed; it cannot be withdrawn")
+
+
+def place(
+    state: InputState, *, iteration: int, attempt: int, writer: str, now: float
+) -> InputState | Refusal:
+    """Queued -> placed by the dispatch ``(iteration, attempt)`` of ``writer``."""
+    if state.status is not Status.QUEUED:
+        return Refusal(f"input is {state.status.value}; only a queued input can be placed")
+    return _placed(state, iteration=iteration, attempt=attempt, writer=writer, now=now)
+
+
+def reclaim(
+    state: InputState, *, iteration: int, attempt: int, writer: str, now: float
+) -> InputState | Refusal:
+    """Placed -> placed by another writer of the same iteration.
+
+    For an input whose placement never reached the journal (its writer was
+    fenced or crashed first); the journal service decides when that is so.
+    """
+    if state.status is not Status.PLACED:
+        return Refusal(f"input is {state.status.value}; only a placed input can be reclaimed")
+    if state.placed_iteration != iteration:
+        return Refusal(f"input was placed into iteration {state.placed_iteration}, not {iteration}")
+    return _placed(state, iteration=iteration, attempt=attempt, writer=writer, now=now)
+
+
+def _placed(
+    state: InputState, *, iteration: int, attempt: int, writer: str, now: float
+) -> InputState:
+    return replace(
+        state,
+        status=Status.PLACED,
+        placed_iteration=iteration,
+        placed_attempt=attempt,
+        placed_by=writer,
+        updated_at=now,
+    )
+
+
+def close(state: InputState, now: float) -> InputState | None:
+    """Queued -> unanswered, because the step finished; None when nothing changes."""
+    if state.status is not Status.QUEUED:
+        return None
+    return replace(state, status=Status.UNANSWERED, updated_at=now)
+
+
+def visible_status(
+    state: InputState, step_status: StepStatus | None, step_iteration: int
+) -> Status:
+    """The status a client sees: ``placed`` reads as ``done`` once the placing
+    iteration committed. ``step_status`` is None when the step is gone."""
+    if state.status is not Status.PLACED or step_status is None:
+        return state.status
+    if step_iteration > state.placed_iteration:
+        return Status.DONE
+    if step_status is StepStatus.COMPLETED and state.placed_iteration <= step_iteration:
+        return Status.DONE
+    return state.status
+
+
+def accepts_inputs(run_running: bool, step_status: StepStatus) -> bool:
+    """Whether a step takes new inputs: its run runs and it has not finished."""
+    return run_running and step_status not in FINISHED
+
+
+# ---- validation -----------------------------------------------------------------
+
+
+def check_request_id(request_id: str) -> str:
+    """Return ``request_id`` if it is 1..256 characters of valid Unicode.
+
+    Raises:
+        InvalidArgument: naming ``request_id`` otherwise.
+    """
+    if not 1 <= len(request_id) <= MAX_REQUEST_ID:
+        raise InvalidArgument(
+            f"request_id must be 1-{MAX_REQUEST_ID} characters, got {len(request_id)}",
+            field="request_id",
+        )
+    try:
+        request_id.encode()
+    except UnicodeEncodeError:
+        raise InvalidArgument("request_id is not valid Unicode", field="request_id") from None
+    return request_id
+
+
+def check_content(content: bytes, *, max_bytes: int = MAX_CONTENT_BYTES) -> bytes:
+    """Return ``content`` if it is one JSON value of at most ``max_bytes``.
+
+    Raises:
+        InvalidArgument: naming ``content`` otherwise.
+    """
+    if len(content) > max_bytes:
+        raise InvalidArgument(
+            f"content is {len(content)} bytes; the limit is {max_bytes}", field="content"
+        )
+    try:
+        json.loads(content)
+    except ValueError as err:
+        raise InvalidArgument(f"content must be JSON: {err}", field="content") from None
+    return content
+
+
+def check_submission(
+    run_id: str,
+    step_id: str,
+    request_id: str,
+    mode: Mode | None,
+    content: bytes,
+    *,
+    max_bytes: int = MAX_CONTENT_BYTES,
+) -> Submission:
+    """Validate a submission; ``mode`` is None when the caller named none.
+
+    Returns:
+        The validated submission.
+
+    Raises:
+        InvalidArgument: naming the first offending field.
+    """
+    check_run_id(run_id)
+    check_token(step_id, field="step_id")
+    check_request_id(request_id)
+    if mode is None:
+        raise InvalidArgument("mode must be steer or follow_up", field="mode")
+    check_content(content, max_bytes=max_bytes)
+    return Submission(
+        run_id=run_id, step_id=step_id, request_id=request_id, mode=mode, content=content
+    )
+
+
+# ---- keys -----------------------------------------------------------------------
+
+
+def encode_request_id(request_id: str) -> str:
+    """base64url of the UTF-8 request id without padding: safe in a key or subject."""
+    return base64.urlsafe_b64encode(request_id.encode()).decode().rstrip("=")
+
+
+def prefix(run_id: str, step_id: str) -> str:
+    """The key prefix shared by every input of a step (ends with a dot)."""
+    return f"{run_id}.{step_id}."
+
+
+def key(run_id: str, step_id: str, request_id: str) -> str:
+    """The key of one input: ``{run}.{step}.{encoded request_id}``."""
+    return prefix(run_id, step_id) + encode_request_id(request_id)

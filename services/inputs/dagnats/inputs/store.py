@@ -1,0 +1,393 @@
+"""The inputs service's one adapter to JetStream: the ``INPUTS`` bucket, the
+``RUNS`` bucket (read only) and the history event that wakes a waiting step.
+
+NATS error types do not leave this module. Two JetStream facts shape it
+(DESIGN.md §10.9 and §10.5):
+
+* A KV create carries no Msg-Id, so a retried create whose ack was lost looks
+  exactly like losing the race to another caller. Every record therefore holds
+  the nonce of the call that created it (``created_by``); after a "wrong last
+  sequence" the record is read back, and our own nonce means the create was
+  ours.
+* Reads are hints. Every change is a compare-and-swap on the revision that was
+  read (:meth:`InputStore.update`); a stale read only costs a retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import nats.errors
+import nats.js.errors
+from google.protobuf.timestamp_pb2 import Timestamp
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from dagnats.core import jetstream as jsx
+from dagnats.core import tracing
+from dagnats.core.errors import Unavailable
+from dagnats.engine.v1 import engine_pb2 as epb
+from dagnats.engine.v1 import internal_pb2 as eipb
+from dagnats.inputs import convert, rules
+from dagnats.inputs.rules import InputState, Status
+from dagnats.inputs.v1 import inputs_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RETRY_DEADLINE = 30.0
+# How long the first values of a watch may take before the backend counts as down.
+WATCH_START = 10.0
+_DELETED = frozenset({"DEL", "PURGE"})
+
+
+class StaleRevision(Exception):
+    """The input changed since it was read; read it again and retry."""
+
+
+def history_subject(run_id: str) -> str:
+    return f"history.{run_id}"
+
+
+def submitted_msg_id(run_id: str, step_id: str, request_id: str) -> str:
+    # One event per input however often it is submitted: the Msg-Id dedupes.
+    return f"{run_id}.{step_id}.input.{rules.encode_request_id(request_id)}"
+
+
+async def _retrying(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """Run ``call`` again on transient NATS errors until the deadline, then
+    raise ``Unavailable``. Only for calls that are safe to repeat."""
+    try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(jsx.TRANSIENT_NATS_ERRORS),
+            wait=wait_random_exponential(multiplier=0.05, max=2.0),
+            stop=stop_after_delay(RETRY_DEADLINE),
+            reraise=True,
+        ):
+            with attempt:
+                return await call()
+    except jsx.TRANSIENT_NATS_ERRORS as err:
+        raise Unavailable(f"could not {what}: {err!r}") from err
+    raise AssertionError("unreachable")
+
+
+def _decode_input(value: bytes | None) -> InputState:
+    return convert.from_proto(pb.Input.FromString(value or b""))
+
+
+class InputStore:
+    """Inputs in the ``INPUTS`` bucket, keyed by :func:`dagnats.inputs.rules.key`."""
+
+    def __init__(self, inputs: KeyValue, runs: KeyValue, js: JetStreamContext) -> None:
+        self._inputs = inputs
+        self._runs = runs
+        self._js = js
+
+    @classmethod
+    async def open(cls, nc: NATS) -> InputStore:
+        """The store over the buckets ``jsx.provision`` created."""
+        js = nc.jetstream()
+        return cls(await js.key_value(jsx.KV_INPUTS), await js.key_value(jsx.KV_RUNS), js)
+
+    # ---- inputs -------------------------------------------------------------------
+
+    async def create(self, state: InputState) -> tuple[InputState, bool]:
+        """Store ``state`` unless its key exists.
+
+        ``state.created_by`` must be a nonce fresh for this call: it is how a
+        retried create whose first attempt landed is recognised as ours.
+
+        Returns:
+            The stored input and whether this call created it; for an existing
+            key, the stored input unchanged.
+        """
+        name = rules.key(state.run_id, state.step_id, state.request_id)
+        value = convert.to_proto(state).SerializeToString()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RETRY_DEADLINE
+        while True:
+            try:
+                revision = await _retrying(lambda: self._inputs.create(name, value), "create")
+                log.debug("created input %s at revision %d", name, revision)
+                return state, True
+            except nats.js.errors.KeyWrongLastSequenceError:
+                pass
+            stored = await self.get(state.run_id, state.step_id, state.request_id)
+            if stored is not None:
+                current, _ = stored
+                return current, current.created_by == state.created_by
+            # The key exists but the read missed it (a stale replica, or it was
+            # deleted in between): try the create again.
+            if loop.time() > deadline:
+                raise Unavailable(f"input {name} exists but cannot be read")
+            await asyncio.sleep(0.05)
+
+    async def get(
+        self, run_id: str, step_id: str, request_id: str
+    ) -> tuple[InputState, int] | None:
+        """The input and its revision; None when there is none."""
+        name = rules.key(run_id, step_id, request_id)
+        try:
+            entry = await _retrying(lambda: self._inputs.get(name), "read an input")
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return _decode_input(entry.value), int(entry.revision or 0)
+
+    async def update(self, state: InputState, revision: int) -> int:
+        """Replace the input stored at ``revision`` with ``state``.
+
+        Returns:
+            The new revision.
+
+        Raises:
+            StaleRevision: the input changed since ``revision`` (or an earlier
+                attempt of this very update landed); read it again.
+        """
+        name = rules.key(state.run_id, state.step_id, state.request_id)
+        value = convert.to_proto(state).SerializeToString()
+        try:
+            return int(
+                await _retrying(lambda: self._inputs.update(name, value, revision), "update")
+            )
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise StaleRevision(name) from None
+
+    async def list(self, run_id: str, step_id: str) -> list[tuple[InputState, int]]:
+        """Every input of a step with its revision, oldest first."""
+        found: list[tuple[InputState, int]] = []
+        watcher = await _retrying(
+            lambda: self._inputs.watch(rules.prefix(run_id, step_id) + ">", ignore_deletes=True),
+            "list inputs",
+        )
+        try:
+            async with asyncio.timeout(RETRY_DEADLINE):
+                async for entry in watcher:
+                    if entry is None:
+                        break
+                    if entry.value:
+                        found.append((_decode_input(entry.value), int(entry.revision or 0)))
+        except TimeoutError:
+            raise Unavailable(f"listing the inputs of {run_id}.{step_id} timed out") from None
+        finally:
+            await watcher.stop()  # type: ignore[no-untyped-call]
+        return sorted(found, key=lambda pair: (pair[0].created_at, pair[0].request_id))
+
+    async def queued(self, run_id: str, step_id: str) -> builtins.list[InputState]:
+        """The queued inputs of a step, oldest first."""
+        listed = await self.list(run_id, step_id)
+        return [state for state, _ in listed if state.status is Status.QUEUED]
+
+    def watch(self, run_id: str, step_id: str, request_id: str) -> InputWatch:
+        """Follow one input and its run (``async with store.watch(...) as w``)."""
+        return InputWatch(self._inputs, self._runs, run_id, step_id, request_id)
+
+    async def wait_change(
+        self,
+        run_id: str,
+        step_id: str,
+        request_id: str,
+        status: Status,
+        timeout: float,  # noqa: ASYNC109 - a deadline for a watch, returned at, not raised
+    ) -> InputState | None:
+        """Wait until the stored status differs from ``status``.
+
+        Returns:
+            The input as soon as its stored status differs, or as it is at the
+            deadline; None when there is no such input.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with self.watch(run_id, step_id, request_id) as watch:
+            while watch.input is not None and watch.input.status is status:
+                if not await watch.next(deadline - loop.time()):
+                    break
+            return watch.input
+
+    # ---- runs and history -----------------------------------------------------------
+
+    async def load_run(self, run_id: str) -> epb.Run | None:
+        """The engine's view of a run; None when there is none."""
+        try:
+            entry = await _retrying(lambda: self._runs.get(run_id), "read the run")
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return eipb.RunRecord.FromString(entry.value or b"").run
+
+    async def publish_submitted(self, state: InputState, now: float) -> None:
+        """Tell the engine the step has an input, so a step waiting for one wakes."""
+        time = Timestamp()
+        time.FromNanoseconds(round(now * 1e9))
+        event = eipb.HistoryEvent(
+            run_id=state.run_id,
+            step_id=state.step_id,
+            time=time,
+            input=eipb.InputSubmitted(request_id=state.request_id),
+        )
+        tracing.inject(event.trace_context)  # type: ignore[arg-type]
+        try:
+            await jsx.publish(
+                self._js,
+                history_subject(state.run_id),
+                event.SerializeToString(),
+                msg_id=submitted_msg_id(state.run_id, state.step_id, state.request_id),
+            )
+        except jsx.TRANSIENT_NATS_ERRORS as err:
+            raise Unavailable(f"could not publish the input event: {err!r}") from err
+
+
+class InputWatch:
+    """The latest stored input and run, kept current by two KV watches.
+
+    ``input`` and ``run`` hold the values as of the last change (None when the
+    key does not exist); :meth:`next` waits for the next change of either.
+    """
+
+    def __init__(
+        self, inputs: KeyValue, runs: KeyValue, run_id: str, step_id: str, request_id: str
+    ) -> None:
+        self._inputs = inputs
+        self._runs = runs
+        self._run_id = run_id
+        self._key = rules.key(run_id, step_id, request_id)
+        self.input: InputState | None = None
+        self.run: epb.Run | None = None
+        self._changed = asyncio.Event()
+        self._watchers: list[Any] = []
+        self._pumps: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Self:
+        try:
+            # The input last: its first value is the one a caller compares
+            # with, so nothing may change it between that read and the return.
+            await self._follow(self._runs, self._run_id, self._set_run)
+            await self._follow(self._inputs, self._key, self._set_input)
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._close()
+
+    async def next(self, timeout: float) -> bool:  # noqa: ASYNC109 - returns False at the deadline
+        """Wait up to ``timeout`` seconds for a change; False when none came."""
+        if timeout <= 0 and not self._changed.is_set():
+            return False
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)):
+                await self._changed.wait()
+        except TimeoutError:
+            return False
+        self._changed.clear()
+        return True
+
+    async def _follow(self, kv: KeyValue, key: str, apply: Callable[[Any], None]) -> None:
+        watcher = await _retrying(lambda: kv.watch(key), f"watch {key}")
+        self._watchers.append(watcher)
+        # A watch delivers the current value (if any), then None, then changes.
+        try:
+            async with asyncio.timeout(WATCH_START):
+                async for entry in watcher:
+                    if entry is None:
+                        break
+                    apply(entry)
+        except TimeoutError:
+            raise Unavailable(f"watching {key} timed out") from None
+        self._pumps.append(asyncio.create_task(self._pump(watcher, apply)))
+
+    async def _pump(self, watcher: Any, apply: Callable[[Any], None]) -> None:
+        async for entry in watcher:
+            if entry is None:
+                continue
+            try:
+                apply(entry)
+            except Exception:
+                log.exception("cannot decode %s", entry.key)
+                continue
+            self._changed.set()
+
+    def _set_input(self, entry: Any) -> None:
+        gone = entry.operation in _DELETED or not entry.value
+        self.input = None if gone else _decode_input(entry.value)
+
+    def _set_run(self, entry: Any) -> None:
+        gone = entry.operation in _DELETED or not entry.value
+        self.run = None if gone else eipb.RunRecord.FromString(entry.value).run
+
+    async def _close(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()
+        for watcher in self._watchers:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        for pump in self._pumps:
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+
+
+async def close_step_inputs(store: InputStore, run_id: str, step_id: str, now: float) -> int:
+    """Mark every queued input of a finished step ``unanswered``.
+
+    Returns:
+        How many inputs this call changed.
+    """
+    changed = 0
+    for state, revision in await store.list(run_id, step_id):
+        _, closed = await close_input(store, state, revision, now)
+        changed += closed
+    return changed
+
+
+async def close_input(
+    store: InputStore, state: InputState, revision: int, now: float
+) -> tuple[InputState | None, bool]:
+    """Mark one input ``unanswered`` if it is still queued, with compare-and-swap;
+    an input that changed since it was read is read again, so one placed or
+    withdrawn meanwhile keeps that status.
+
+    Returns:
+        The input as stored afterwards (None when it is gone) and whether this
+        call changed it.
+    """
+    while True:
+        closed = rules.close(state, now)
+        if closed is None:
+            return state, False
+        try:
+            await store.update(closed, revision)
+            return closed, True
+        except StaleRevision:
+            stored = await store.get(state.run_id, state.step_id, state.request_id)
+            if stored is None:
+                return None, False
+            state, revision = stored
+
+
+__all__ = [
+    "InputStore",
+    "InputWatch",
+    "StaleRevision",
+    "close_input",
+    "close_step_inputs",
+    "history_subject",
+    "submitted_msg_id",
+]

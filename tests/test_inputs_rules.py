@@ -1,0 +1,201 @@
+"""The inputs state machine and its validation, with no I/O."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import replace
+
+import pytest
+
+from dagnats.core.errors import InvalidArgument
+from dagnats.inputs import rules
+from dagnats.inputs.rules import InputState, Mode, Refusal, Status, StepStatus
+
+RUN = "0123456789abcdef0123456789abcdef"
+
+
+def queued(**fields: object) -> InputState:
+    base = InputState(
+        run_id=RUN,
+        step_id="agent",
+        request_id="msg-1",
+        mode=Mode.STEER,
+        content=b'{"text": "hi"}',
+        created_at=1.0,
+        updated_at=1.0,
+        created_by="nonce",
+    )
+    return replace(base, **fields)  # type: ignore[arg-type]
+
+
+def placed(iteration: int = 2) -> InputState:
+    state = rules.place(queued(), iteration=iteration, attempt=1, writer="w1", now=2.0)
+    assert isinstance(state, InputState)
+    return state
+
+
+# ---- withdraw -------------------------------------------------------------------
+
+
+def test_withdraw_a_queued_input() -> None:
+    assert rules.withdraw(queued(), 5.0) == queued(status=Status.WITHDRAWN, updated_at=5.0)
+
+
+def test_withdraw_twice_changes_nothing() -> None:
+    withdrawn = queued(status=Status.WITHDRAWN, updated_at=5.0)
+    assert rules.withdraw(withdrawn, 9.0) == withdrawn
+
+
+def test_a_placed_input_cannot_be_withdrawn() -> None:
+    refused = rules.withdraw(placed(iteration=3), 5.0)
+    assert refused == Refusal("input was placed into iteration 3; it cannot be withdrawn")
+
+
+def test_an_unanswered_input_cannot_be_withdrawn() -> None:
+    assert isinstance(rules.withdraw(queued(status=Status.UNANSWERED), 5.0), Refusal)
+
+
+# ---- place and reclaim ----------------------------------------------------------
+
+
+def test_place_a_queued_input_records_the_dispatch() -> None:
+    state = rules.place(queued(), iteration=4, attempt=2, writer="w1", now=7.0)
+    assert state == queued(
+        status=Status.PLACED,
+        placed_iteration=4,
+        placed_attempt=2,
+        placed_by="w1",
+        updated_at=7.0,
+    )
+
+
+@pytest.mark.parametrize("status", [Status.PLACED, Status.WITHDRAWN, Status.UNANSWERED])
+def test_only_a_queued_input_can_be_placed(status: Status) -> None:
+    state = queued(status=status)
+    assert isinstance(rules.place(state, iteration=0, attempt=1, writer="w", now=2.0), Refusal)
+
+
+def test_another_writer_of_the_same_iteration_reclaims_a_placement() -> None:
+    state = rules.reclaim(placed(iteration=2), iteration=2, attempt=3, writer="w2", now=8.0)
+    assert isinstance(state, InputState)
+    assert (state.status, state.placed_attempt, state.placed_by) == (Status.PLACED, 3, "w2")
+
+
+def test_reclaim_refuses_another_iteration_or_an_unplaced_input() -> None:
+    other = rules.reclaim(placed(iteration=2), iteration=3, attempt=1, writer="w2", now=8.0)
+    assert isinstance(other, Refusal)
+    unplaced = rules.reclaim(queued(), iteration=0, attempt=1, writer="w2", now=8.0)
+    assert isinstance(unplaced, Refusal)
+
+
+# ---- close ----------------------------------------------------------------------
+
+
+def test_close_turns_queued_into_unanswered() -> None:
+    assert rules.close(queued(), 6.0) == queued(status=Status.UNANSWERED, updated_at=6.0)
+
+
+@pytest.mark.parametrize("status", [Status.PLACED, Status.WITHDRAWN, Status.UNANSWERED])
+def test_close_leaves_everything_else(status: Status) -> None:
+    assert rules.close(queued(status=status), 6.0) is None
+
+
+# ---- visible status ---------------------------------------------------------------
+
+
+def test_placed_stays_placed_while_its_iteration_runs() -> None:
+    assert rules.visible_status(placed(2), StepStatus.RUNNING, 2) is Status.PLACED
+
+
+def test_placed_is_done_once_the_step_moved_on() -> None:
+    assert rules.visible_status(placed(2), StepStatus.RUNNING, 3) is Status.DONE
+
+
+def test_placed_is_done_when_the_step_completed() -> None:
+    assert rules.visible_status(placed(2), StepStatus.COMPLETED, 2) is Status.DONE
+
+
+def test_placed_is_not_done_when_the_step_failed_in_that_iteration() -> None:
+    assert rules.visible_status(placed(2), StepStatus.FAILED, 2) is Status.PLACED
+
+
+def test_placed_without_a_step_shows_as_stored() -> None:
+    assert rules.visible_status(placed(2), None, 0) is Status.PLACED
+
+
+@pytest.mark.parametrize("status", [Status.QUEUED, Status.WITHDRAWN, Status.UNANSWERED])
+def test_other_statuses_show_as_stored(status: Status) -> None:
+    assert rules.visible_status(queued(status=status), StepStatus.COMPLETED, 9) is status
+
+
+def test_a_finished_step_takes_no_inputs() -> None:
+    assert rules.accepts_inputs(True, StepStatus.RUNNING)
+    assert rules.accepts_inputs(True, StepStatus.PENDING)
+    assert not rules.accepts_inputs(True, StepStatus.COMPLETED)
+    assert not rules.accepts_inputs(False, StepStatus.RUNNING)
+
+
+# ---- validation -------------------------------------------------------------------
+
+
+def check(**fields: object) -> rules.Submission:
+    args: dict[str, object] = {
+        "run_id": RUN,
+        "step_id": "agent",
+        "request_id": "msg-1",
+        "mode": Mode.STEER,
+        "content": b'{"text": "hi"}',
+    }
+    args.update(fields)
+    return rules.check_submission(**args)  # type: ignore[arg-type]
+
+
+def test_a_valid_submission_passes() -> None:
+    assert check().mode is Mode.STEER
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"run_id": "nope"}, "run_id"),
+        ({"step_id": "a.b"}, "step_id"),
+        ({"step_id": ""}, "step_id"),
+        ({"request_id": ""}, "request_id"),
+        ({"request_id": "x" * 257}, "request_id"),
+        ({"request_id": "\ud800"}, "request_id"),
+        ({"mode": None}, "mode"),
+        ({"content": b""}, "content"),
+        ({"content": b"{not json"}, "content"),
+    ],
+)
+def test_bad_fields_are_named(fields: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        check(**fields)
+    assert caught.value.field == field
+
+
+def test_oversized_content_says_how_big() -> None:
+    content = b'"' + b"x" * 69998 + b'"'
+    with pytest.raises(InvalidArgument, match="content is 70000 bytes; the limit is 65536"):
+        check(content=content)
+    assert check(content=content[:100] + b'"', max_bytes=200)
+
+
+def test_a_request_id_of_256_characters_of_any_kind_passes() -> None:
+    assert check(request_id="é. *>" * 51 + "z").request_id.startswith("é. *>")
+
+
+# ---- keys ---------------------------------------------------------------------------
+
+
+def test_keys_encode_the_request_id_without_padding() -> None:
+    key = rules.key(RUN, "agent", "a.b *>")
+    assert key.startswith(rules.prefix(RUN, "agent"))
+    encoded = key.removeprefix(f"{RUN}.agent.")
+    assert "=" not in encoded and "." not in encoded
+    assert base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)) == b"a.b *>"
+
+
+def test_distinct_request_ids_get_distinct_keys() -> None:
+    ids = ["a", "a=", "A", "a.b", "a b", "ab", "\u00e9", "e\u0301"]
+    assert len({rules.key(RUN, "agent", r) for r in ids}) == len(ids)
