@@ -225,3 +225,58 @@ async def test_time_wait_survives_an_engine_restart(client: Client, nats_server:
     finally:
         await engine.stop()
     assert done.status == pb.RUN_STATUS_COMPLETED and turns == [0, 1]
+
+
+async def test_crash_after_recording_an_input_places_it_once(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = unique("icrash2"), unique("icrash2wf")
+    await client.register_workflow(loop_workflow(name, task))
+    model = ScriptedModel([{"done": True, "answer": "ok"}])
+    handler = make_agent_turn(model, GatedTools().run)
+    with Crasher("after_inputs_placed") as crash:
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        ) as first:
+            run = await client.start_run(name, "go")
+            await client.submit_input(run.run_id, "agent", "s1", {"steer": 1})
+            await wait_for(crash.hit.is_set, timeout=20)
+            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+                await first.stop(grace=0)
+                await wait_for(lambda: waiting_for_input(client, run.run_id), timeout=30)
+    records = await read_journal(engine, run.run_id)
+    placed = [r.input_placed.request_id for r in records if r.HasField("input_placed")]
+    assert placed == ["s1"], "the redelivery got the recorded input back, nothing new"
+    assert model.calls == 1
+    assert user_messages(model.requests[0]) == ["go", {"steer": 1}]
+    assert list((await journal_check(engine, run.run_id)).violations) == []
+    await client.cancel_run(run.run_id)
+
+
+async def test_a_withdrawn_input_is_never_placed(client: Client, engine: EngineServer) -> None:
+    task, name = unique("wd"), unique("wdwf")
+    await client.register_workflow(loop_workflow(name, task))
+    model = ScriptedModel(
+        [{"done": False, "tool": "search", "input": {}}, {"done": True, "answer": "ok"}]
+    )
+    tools = GatedTools()
+    async with Worker(engine.target, handlers={task: make_agent_turn(model, tools.run)}):
+        run = await client.start_run(name, "go")
+        await wait_for(tools.entered.is_set, timeout=20)
+        await client.submit_input(run.run_id, "agent", "keep", {"n": 1})
+        await client.submit_input(run.run_id, "agent", "drop", {"n": 2})
+        withdrawn = await client.withdraw_input(run.run_id, "agent", "drop")
+        assert withdrawn.status == ipb.STATUS_WITHDRAWN
+        tools.gate.set()
+        await wait_for(lambda: waiting_for_input(client, run.run_id), timeout=20)
+    assert user_messages(model.requests[1]) == ["go", {"n": 1}]
+    assert (await client.get_input(run.run_id, "agent", "drop")).status == ipb.STATUS_WITHDRAWN
+    from dagnats.sdk import Conflict
+
+    try:
+        await client.withdraw_input(run.run_id, "agent", "keep")
+    except Conflict as err:
+        assert "placed" in err.message
+    else:
+        raise AssertionError("a placed input cannot be withdrawn")
+    await client.cancel_run(run.run_id)

@@ -8,7 +8,9 @@ drop a message after a delivery limit, and no stream uses async persistence.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -205,4 +207,51 @@ async def fetch_available(
     if batch > 1:
         with contextlib.suppress(TimeoutError):
             msgs += await sub.fetch(batch=batch - 1, timeout=0.005)
+    return msgs
+
+
+async def pull_now(nc: NATS, stream: str, durable: str, batch: int, wait: float) -> list[Msg]:
+    """Wait up to ``wait`` seconds for a message of a pull consumer, then take
+    whatever else is ready, up to ``batch``, and return.
+
+    Every pull request is read to its end (a message count reached or the
+    server's closing status), so no message delivered to this call is left
+    unread when it returns: a message dropped on the floor would stay
+    invisible until its ack wait ran out.
+    """
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+    try:
+        first = {"batch": 1, "expires": max(int(wait * 1e9) - 1_000_000, 1_000_000)}
+        msgs = await _read_pull(nc, sub, subject, first, 1, wait + 2.0)
+        if msgs and batch > 1:
+            more = {"batch": batch - 1, "no_wait": True}
+            msgs += await _read_pull(nc, sub, subject, more, batch - 1, 2.0)
+        return msgs
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+
+
+async def _read_pull(
+    nc: NATS, sub: Any, subject: str, request: dict[str, Any], limit: int, deadline: float
+) -> list[Msg]:
+    await nc.publish(subject, json.dumps(request).encode(), reply=sub.subject)
+    msgs: list[Msg] = []
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    while len(msgs) < limit:
+        remaining = end - loop.time()
+        if remaining <= 0:
+            break
+        try:
+            msg = await sub.next_msg(timeout=remaining)
+        except (TimeoutError, nats.errors.TimeoutError):
+            break
+        if JetStreamContext.is_status_msg(msg):
+            if msg.headers and msg.headers.get("Status") == "100":
+                continue  # an idle heartbeat
+            break  # 404 no messages, 408 expired, 409 ...: the request is over
+        msgs.append(msg)
     return msgs

@@ -217,6 +217,7 @@ class Journal:
                 )
             )
             self._token = placed.token
+            await seam("after_inputs_placed")
             return [
                 PlacedInput(
                     request_id=p.request_id,

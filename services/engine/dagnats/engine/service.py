@@ -4,7 +4,6 @@ engine. Protobuf stays here and in :mod:`dagnats.engine.convert`."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -241,16 +240,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return got[:max_tasks]
 
     async def _fetch_one(self, task_type: str, max_tasks: int, wait: float) -> list[Msg]:
-        sub = await self.store.js.pull_subscribe_bind(
-            durable=task_consumer(task_type), stream=jsx.TASKS
-        )
         try:
-            return await jsx.fetch_available(sub, max_tasks, wait)
+            return await jsx.pull_now(
+                self.store.nc, jsx.TASKS, task_consumer(task_type), max_tasks, wait
+            )
         except nats.errors.ConnectionClosedError:
             return []  # the engine is shutting down
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
 
     async def _lease(self, msg: Msg) -> pb.LeasedTask | None:
         """Turn a task message into a lease, or settle it at once when its run

@@ -167,23 +167,29 @@ class InputStore:
             raise StaleRevision(name) from None
 
     async def list(self, run_id: str, step_id: str) -> list[tuple[InputState, int]]:
-        """Every input of a step with its revision, oldest first."""
+        """Every input of a step with its revision, oldest first.
+
+        Read message by message from the bucket's stream (next message on the
+        step's subjects), so listing creates no consumer: a consumer per call
+        would pile up faster than the server removes idle ones.
+        """
+        subject = f"$KV.{jsx.KV_INPUTS}.{rules.prefix(run_id, step_id)}>"
         found: list[tuple[InputState, int]] = []
-        watcher = await _retrying(
-            lambda: self._inputs.watch(rules.prefix(run_id, step_id) + ">", ignore_deletes=True),
-            "list inputs",
-        )
-        try:
-            async with asyncio.timeout(RETRY_DEADLINE):
-                async for entry in watcher:
-                    if entry is None:
-                        break
-                    if entry.value:
-                        found.append((_decode_input(entry.value), int(entry.revision or 0)))
-        except TimeoutError:
-            raise Unavailable(f"listing the inputs of {run_id}.{step_id} timed out") from None
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
+        seq = 1
+        while True:
+            try:
+                msg = await _retrying(
+                    lambda: self._js.get_msg(
+                        f"KV_{jsx.KV_INPUTS}", seq=seq, subject=subject, next=True
+                    ),
+                    "list inputs",
+                )
+            except nats.js.errors.NotFoundError:
+                break
+            seq = int(msg.seq or 0) + 1
+            operation = (msg.headers or {}).get("KV-Operation")
+            if msg.data and operation not in ("DEL", "PURGE"):
+                found.append((_decode_input(msg.data), int(msg.seq or 0)))
         return sorted(found, key=lambda pair: (pair[0].created_at, pair[0].request_id))
 
     async def queued(self, run_id: str, step_id: str) -> builtins.list[InputState]:
