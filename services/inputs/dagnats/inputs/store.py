@@ -16,6 +16,7 @@ NATS error types do not leave this module. Two JetStream facts shape it
 from __future__ import annotations
 
 import asyncio
+import functools
 import builtins
 import contextlib
 import logging
@@ -179,8 +180,8 @@ class InputStore:
         while True:
             try:
                 msg = await _retrying(
-                    lambda: self._js.get_msg(
-                        f"KV_{jsx.KV_INPUTS}", seq=seq, subject=subject, next=True
+                    functools.partial(
+                        self._js.get_msg, f"KV_{jsx.KV_INPUTS}", seq=seq, subject=subject, next=True
                     ),
                     "list inputs",
                 )
