@@ -16,9 +16,9 @@ NATS error types do not leave this module. Two JetStream facts shape it
 from __future__ import annotations
 
 import asyncio
-import functools
 import builtins
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from types import TracebackType
