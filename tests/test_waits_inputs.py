@@ -70,14 +70,24 @@ async def test_steer_is_placed_at_the_next_turn_once(client: Client, engine: Eng
             {"done": True, "answer": "used staging"},
         ]
     )
+    second_turn = asyncio.Event()
+
+    async def gated_model(history: list[Any]) -> Any:
+        if model.calls == 1:
+            await second_turn.wait()  # hold the turn that placed the input
+        return await model(history)
+
     tools = GatedTools()
-    async with Worker(engine.target, handlers={task: make_agent_turn(model, tools.run)}):
+    async with Worker(engine.target, handlers={task: make_agent_turn(gated_model, tools.run)}):
         run = await client.start_run(name, "migrate the db")
         await wait_for(tools.entered.is_set, timeout=20)
         steer = {"text": "use the staging database"}
         stored, created = await client.submit_input(run.run_id, "agent", "msg-42", steer)
         assert created and stored.status == ipb.STATUS_QUEUED
         tools.gate.set()
+        placed = await client.get_input(run.run_id, "agent", "msg-42", wait=20)
+        assert placed.status == ipb.STATUS_PLACED and placed.placed_iteration == 1
+        second_turn.set()
         await wait_for(lambda: waiting_for_input(client, run.run_id), timeout=20)
         final = await client.get_input(run.run_id, "agent", "msg-42")
     assert final.status == ipb.STATUS_DONE
