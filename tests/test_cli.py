@@ -143,3 +143,56 @@ async def test_journal_check_passes_then_catches_a_corrupted_journal(engine: Eng
     corrupt = await adagnats("journal", "check", run.run_id, env=env)
     assert corrupt.returncode == 1
     assert "commit_count" in corrupt.stdout and "iteration 0" in corrupt.stdout
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_dev_stops_cleanly_on_a_signal(tmp_path: Path, sig: str) -> None:
+    import signal as signals
+
+    args = [
+        sys.executable,
+        "-m",
+        "dagnats.cli.main",
+        "dev",
+        "--data-dir",
+        str(tmp_path),
+        "--nats-port",
+        str(free_port()),
+        "--engine-port",
+        str(free_port()),
+        "--no-demo",
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("serving"):
+                break
+        proc.send_signal(getattr(signals, sig))
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        out, err = proc.communicate()
+    assert code in (0, 130), err
+    assert "Traceback" not in err
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", "nats-server stopped with dev"
+
+
+async def test_run_watch_prints_until_the_run_ends(engine: EngineServer) -> None:
+    name = unique("watch")
+    from dagnats.sdk import Client
+
+    async with Client(engine.target) as client:
+        await client.register_workflow(
+            {"name": name, "steps": [{"id": "only", "task": unique("idle")}]}
+        )
+        run = await client.start_run(name)
+        watcher = asyncio.create_task(
+            adagnats("run", "watch", run.run_id, "--json", env={"DAGNATS_ENGINE": engine.target})
+        )
+        await client.cancel_run(run.run_id, "enough")
+        result = await watcher
+    assert result.returncode == 0, result.stderr
+    states = [json.loads(line)["status"] for line in result.stdout.splitlines()]
+    assert states[-1] == "RUN_STATUS_CANCELLED"

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 from pathlib import Path
 
@@ -33,6 +34,10 @@ def _port_or_free(port: int) -> int:
 
 
 async def run_dev(args: argparse.Namespace) -> int:
+    # SIGTERM stops everything as cleanly as Ctrl-C does.
+    main = asyncio.current_task()
+    if main is not None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     data = Path(args.data_dir)
     data.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before anything runs
     nats_port = _port_or_free(args.nats_port)
@@ -58,7 +63,7 @@ async def run_dev(args: argparse.Namespace) -> int:
                 await _demo(client)
         if args.exit_after_demo:
             return 0
-        print("\nserving; Ctrl-C stops everything")
+        print("\nserving; Ctrl-C stops everything", flush=True)
         await asyncio.Event().wait()
         return 0
     finally:

@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DagnatsError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         return 130
 
 

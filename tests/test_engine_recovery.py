@@ -1,0 +1,81 @@
+"""The engine recovers work that a crash or a stray acknowledgement stranded."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest_asyncio
+
+from dagnats.core import jetstream as jsx
+from dagnats.core import seam
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk import Client, TaskContext, Worker, run_output
+from tests.helpers import wait_for
+from tests.stack import FAST, loop_workflow, steps_by_id, unique
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
+    server = await start_engine(nats_server.url, config=FAST)
+    yield server
+    await server.stop()
+
+
+async def counting_loop(tc: TaskContext) -> None:
+    if tc.iteration == 2:
+        await tc.complete(tc.iteration)
+    else:
+        await tc.continue_()
+
+
+async def test_crash_between_saving_a_dispatch_and_publishing_it(engine: EngineServer) -> None:
+    task, name = unique("outbox"), unique("outboxwf")
+    crashes: list[str] = []
+
+    async def crash_once(point: str) -> None:
+        # The engine dies right after saving the next dispatch: nothing after
+        # this line runs, so the task is not published by this engine.
+        if point == "after_dispatch_saved" and not crashes:
+            crashes.append(point)
+            raise RuntimeError("engine crashed after saving a dispatch")
+
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        async with Worker(engine.target, handlers={task: counting_loop}, poll_wait=1.0):
+            run = await client.start_run(name)
+            await wait_for(lambda: _iterations(client, run.run_id, at_least=1), timeout=20)
+            seam.install(crash_once)
+            try:
+                done = await client.wait_for_run(run.run_id, timeout=30)
+            finally:
+                seam.install(None)
+    assert crashes == ["after_dispatch_saved"]
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    assert run_output(done) == 2 and steps_by_id(done)["agent"].iterations == 2
+
+
+async def _iterations(client: Client, run_id: str, *, at_least: int) -> bool:
+    run = await client.get_run(run_id)
+    return steps_by_id(run)["agent"].iterations >= at_least
+
+
+async def test_a_task_acknowledged_without_an_outcome_is_dispatched_again(
+    engine: EngineServer,
+) -> None:
+    task, name = unique("lost"), unique("lostwf")
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        run = await client.start_run(name)
+        # A stalled worker's late ack deletes the task from the work queue while
+        # the step is still at its dispatch (acks are not fenced).
+        await engine.engine.store.ensure_task_consumer(task, FAST.task_ack_wait)
+        (msg,) = await jsx.pull_now(engine.nc, jsx.TASKS, f"tasks-{task}", 1, 10.0)
+        await msg.ack_sync()
+        before = engine.engine.counters["redispatched"]
+        await wait_for(lambda: engine.engine.counters["redispatched"] > before, timeout=20)
+        async with Worker(engine.target, handlers={task: counting_loop}, poll_wait=1.0):
+            done = await client.wait_for_run(run.run_id, timeout=30)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    assert steps_by_id(done)["agent"].iterations == 2
