@@ -172,7 +172,7 @@ def test_dev_stops_cleanly_on_a_signal(tmp_path: Path, sig: str) -> None:
         code = proc.wait(timeout=30)
     finally:
         proc.kill()
-        out, err = proc.communicate()
+        _out, err = proc.communicate()
     assert code in (0, 130), err
     assert "Traceback" not in err
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
