@@ -1,5 +1,6 @@
 """Fixtures: a real nats-server (and a 3-node cluster) on free ports with temp
-stores, and an in-memory span exporter for tracing assertions."""
+stores, the engine on it (gRPC on port 0) with a client, and an in-memory span
+exporter for tracing assertions."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from dagnats.core.natsserver import NatsCluster, NatsServer
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.sdk import Client
+from tests.stack import FAST
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -53,3 +57,17 @@ def span_exporter(span_exporter_session: InMemorySpanExporter) -> InMemorySpanEx
     """The session's exporter, emptied so a test sees only its own spans."""
     span_exporter_session.clear()
     return span_exporter_session
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
+    """The engine (with the journal and inputs services) on the module's server."""
+    server = await start_engine(nats_server.url, config=FAST)
+    yield server
+    await server.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(engine: EngineServer) -> AsyncIterator[Client]:
+    async with Client(engine.target) as c:
+        yield c

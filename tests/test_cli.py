@@ -7,16 +7,14 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from dagnats.core.natsserver import free_port
-from dagnats.engine.server import EngineServer, start_engine
-from tests.stack import FAST, unique
+from dagnats.engine.server import EngineServer
+from tests.stack import unique
 
 
 def dagnats(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> Any:
@@ -32,13 +30,6 @@ def dagnats(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
 async def adagnats(*args: str, env: dict[str, str] | None = None) -> Any:
     """The CLI in a thread, so the engine on this event loop keeps serving."""
     return await asyncio.to_thread(dagnats, *args, env=env)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
-    server = await start_engine(nats_server.url, config=FAST)
-    yield server
-    await server.stop()
 
 
 def test_dev_runs_the_demo_and_a_second_start_finds_it(tmp_path: Path) -> None:

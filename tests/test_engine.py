@@ -6,12 +6,10 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from dagnats.core.errors import InvalidArgument, NotFound
 from dagnats.engine.server import EngineServer, start_engine
@@ -21,19 +19,6 @@ from dagnats.sdk import Client, TaskContext, Worker, run_output
 from dagnats.sdk.testing import ScriptedModel
 from tests.helpers import wait_for
 from tests.stack import FAST, loop_workflow, spawn_worker, steps_by_id, unique
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
-    server = await start_engine(nats_server.url, config=FAST)
-    yield server
-    await server.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(engine: EngineServer) -> AsyncIterator[Client]:
-    async with Client(engine.target) as c:
-        yield c
 
 
 def scripted_agent(model: ScriptedModel, seen: Counter[int] | None = None) -> Any:

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
-
-import pytest_asyncio
-
 from dagnats.core import jetstream as jsx
 from dagnats.core import seam
-from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, TaskContext, Worker, run_output
 from tests.helpers import wait_for
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
-    server = await start_engine(nats_server.url, config=FAST)
-    yield server
-    await server.stop()
 
 
 async def counting_loop(tc: TaskContext) -> None:

@@ -4,15 +4,13 @@ handler end to end on a real nats-server and engine."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc.aio
 import pytest
-import pytest_asyncio
 
-from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
@@ -28,7 +26,7 @@ from examples.agent_turn.handler import (
     opening,
 )
 from tests.helpers import wait_for
-from tests.stack import FAST, steps_by_id, unique
+from tests.stack import steps_by_id, unique
 
 WORKFLOW = Path(__file__).parent.parent / "examples" / "agent_turn" / "workflow.yaml"
 
@@ -85,19 +83,6 @@ def test_answered() -> None:
 
 
 # End to end.
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
-    server = await start_engine(nats_server.url, config=FAST)
-    yield server
-    await server.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(engine: EngineServer) -> AsyncIterator[Client]:
-    async with Client(engine.target) as c:
-        yield c
 
 
 async def register(client: Client) -> tuple[str, str]:

@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 from dagnats.core import errors
 from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import error_from_rpc
-from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs import natsapi, rules
@@ -28,23 +28,10 @@ from dagnats.inputs.v1 import inputs_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2_grpc as pb_grpc
 from dagnats.sdk import Client
 from tests.helpers import wait_for
-from tests.stack import FAST, loop_workflow, steps_by_id, unique
+from tests.stack import loop_workflow, steps_by_id, unique
 
 STEP = "agent"
 UNKNOWN_RUN = "f" * 32
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
-    server = await start_engine(nats_server.url, config=FAST)
-    yield server
-    await server.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(engine: EngineServer) -> AsyncIterator[Client]:
-    async with Client(engine.target) as c:
-        yield c
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -3,12 +3,9 @@ finished model or tool call, and an unsafe tool never starts twice."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest_asyncio
-
-from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
@@ -16,22 +13,9 @@ from dagnats.sdk import Client, Worker, run_output
 from dagnats.sdk.testing import ScriptedModel
 from tests.helpers import wait_for
 from tests.journal_agent import SCRIPT, Crasher, Seen, Tools, agent
-from tests.stack import FAST, loop_workflow, steps_by_id, unique
+from tests.stack import loop_workflow, steps_by_id, unique
 
 NO_HEARTBEAT = 3600.0  # a crashed holder sends nothing, heartbeats included
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
-    server = await start_engine(nats_server.url, config=FAST)
-    yield server
-    await server.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(engine: EngineServer) -> AsyncIterator[Client]:
-    async with Client(engine.target) as c:
-        yield c
 
 
 async def journal_check(engine: EngineServer, run_id: str) -> jpb.CheckResponse:

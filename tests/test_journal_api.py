@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc.aio
 import pytest
-import pytest_asyncio
 
 from dagnats.core.errors import NotFound
-from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
@@ -28,13 +26,6 @@ from dagnats.sdk import (
 )
 from tests.stack import FAST, loop_workflow, unique
 from tests.test_journal import journal_check, read_journal
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
-    server = await start_engine(nats_server.url, config=FAST)
-    yield server
-    await server.stop()
 
 
 async def run_once(engine: EngineServer, handler: Any) -> pb.Run:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
-
-import pytest_asyncio
 
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -18,19 +15,6 @@ from tests.helpers import wait_for
 from tests.journal_agent import Crasher
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
 from tests.test_journal import NO_HEARTBEAT, journal_check, read_journal
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
-    server = await start_engine(nats_server.url, config=FAST)
-    yield server
-    await server.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(engine: EngineServer) -> AsyncIterator[Client]:
-    async with Client(engine.target) as c:
-        yield c
 
 
 class GatedTools:
