@@ -140,3 +140,26 @@ async def test_read_pages_and_follows_then_purge_removes_the_journal(engine: Eng
     js = engine.nc.jetstream()
     info = await js.stream_info("AGENT_JOURNAL", subjects_filter=f"journal.{run.run_id}.>")
     assert not info.state.subjects, "the journal was purged with the run"
+
+
+async def test_calls_per_dispatch_are_bounded(engine: EngineServer) -> None:
+    from dagnats.core.errors import InvalidArgument as CoreInvalid
+    from dagnats.core.grpcutil import error_from_rpc
+
+    seen: list[str] = []
+
+    async def handler(tc: TaskContext) -> None:
+        j = await tc.journal()
+        async with grpc.aio.insecure_channel(engine.target) as channel:
+            stub = jgrpc.JournalServiceStub(channel)
+            try:
+                await stub.BeginModel(jpb.BeginModelRequest(token=j.token, position=1000))
+            except grpc.aio.AioRpcError as err:
+                mapped = error_from_rpc(err)
+                assert isinstance(mapped, CoreInvalid)
+                seen.append(mapped.field or "")
+        await tc.complete("ok")
+
+    run = await run_once(engine, handler)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert seen == ["position"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -122,3 +123,19 @@ async def test_cluster_member_restarts_after_a_crash(nats_cluster: NatsCluster) 
         await js.add_stream(name="AFTER", subjects=["after.>"], num_replicas=3)
         ack = await js.publish("after.a", b"ok")
         assert (await js.get_msg("AFTER", ack.seq)).data == b"ok"
+
+
+async def test_engine_warns_when_the_server_does_not_fsync_every_write(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dagnats.engine.server import start_engine
+    from tests.stack import FAST
+
+    server = await NatsServer.start(tmp_path / "lazy", sync_always=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dagnats.engine.server"):
+            engine = await start_engine(server.url, config=FAST, monitor_url=server.monitor_url)
+            await engine.stop()
+    finally:
+        await server.stop()
+    assert any("sync_interval: always" in r.getMessage() for r in caplog.records)

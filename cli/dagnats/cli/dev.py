@@ -45,7 +45,9 @@ async def run_dev(args: argparse.Namespace) -> int:
     engine: EngineServer | None = None
     worker: Worker | None = None
     try:
-        engine = await start_engine(nats.url, port=_port_or_free(args.engine_port))
+        engine = await start_engine(
+            nats.url, port=_port_or_free(args.engine_port), monitor_url=nats.monitor_url
+        )
         info = json.dumps({"engine": engine.target, "nats": nats.url})
         (data / "dev.json").write_text(info)
         print(f"nats-server  {nats.url}  (data in {data / 'nats'}, sync_interval: always)")

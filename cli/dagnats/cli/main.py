@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=7233)
+    serve.add_argument(
+        "--nats-monitor",
+        default=os.environ.get("DAGNATS_NATS_MONITOR"),
+        help="nats-server monitoring URL, to check sync_interval at start-up",
+    )
 
     _workflow_commands(sub.add_parser("workflow", help="register and read workflows"))
     _run_commands(sub.add_parser("run", help="start, read, cancel and watch runs"))
@@ -246,7 +251,11 @@ async def _serve(args: argparse.Namespace) -> int:
 
     replicas = int(os.environ.get("DAGNATS_REPLICAS", "1"))
     server = await start_engine(
-        args.nats, host=args.host, port=args.port, topology=Topology(replicas=replicas)
+        args.nats,
+        host=args.host,
+        port=args.port,
+        topology=Topology(replicas=replicas),
+        monitor_url=args.nats_monitor,
     )
     print(f"engine serving on {server.target}", flush=True)
     try:

@@ -12,6 +12,7 @@ from nats.aio.subscription import Subscription
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
+from dagnats.core.natsserver import check_sync_always
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.processor import Engine
 from dagnats.engine.service import EngineServicer
@@ -59,6 +60,7 @@ async def start_engine(
     topology: jsx.Topology | None = None,
     with_journal: bool = True,
     with_inputs: bool = True,
+    monitor_url: str | None = None,
 ) -> EngineServer:
     """Connect, provision streams and buckets, start the loops and serve gRPC.
 
@@ -71,8 +73,11 @@ async def start_engine(
         with_journal: serve the journal service on the same port.
         with_inputs: serve the inputs service on the same port and as the
             NATS endpoints ``api.inputs.*`` (``nc.drain()`` in ``stop`` ends them).
+        monitor_url: nats-server's monitoring address; when given, the engine
+            warns at start-up unless the server fsyncs every write.
     """
     config = config or EngineConfig.from_env()
+    await _check_durability(monitor_url)
     nc = await jsx.connect(nats_url, name="dagnats-engine")
     await jsx.provision(nc.jetstream(), topology)
     input_store = await InputStore.open(nc)
@@ -95,3 +100,22 @@ async def start_engine(
     return EngineServer(
         engine=engine, server=server, nc=nc, host=host, port=bound, subscriptions=subscriptions
     )
+
+
+async def _check_durability(monitor_url: str | None) -> None:
+    """Warn unless nats-server runs with ``sync_interval: always``: by default it
+    acknowledges writes up to two minutes before they reach the disk."""
+    if monitor_url is None:
+        log.info("no NATS monitoring address given; sync_interval not checked")
+        return
+    try:
+        always = await check_sync_always(monitor_url)
+    except Exception as err:
+        log.warning("could not read %s/varz to check sync_interval: %s", monitor_url, err)
+        return
+    if not always:
+        log.warning(
+            "nats-server at %s does not run with sync_interval: always; acknowledged "
+            "writes can be lost in a power failure (DESIGN.md §10.10)",
+            monitor_url,
+        )

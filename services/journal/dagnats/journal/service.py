@@ -35,6 +35,9 @@ from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.journal.v1 import journal_pb2_grpc as pb_grpc
 
 SNAPSHOTS = 4096
+# Calls (model, tool, place-inputs) one dispatch may journal; a step that needs
+# more has outgrown a per-step journal (the spec's "bounded calls per iteration").
+MAX_POSITIONS = 1000
 MAX_RESTART_LIMIT = 1000
 MAX_PAGE = 1000
 _WRITER_HEX = frozenset("0123456789abcdef")
@@ -45,6 +48,16 @@ def _check_json(raw: bytes, field: str) -> None:
         json.loads(raw)
     except ValueError as err:
         raise errors.InvalidArgument(f"{field} must be JSON: {err}", field=field) from None
+
+
+def check_position(position: int) -> int:
+    if not 0 <= position < MAX_POSITIONS:
+        raise errors.InvalidArgument(
+            f"position must be 0..{MAX_POSITIONS - 1}: one dispatch journals at most "
+            f"{MAX_POSITIONS} calls",
+            field="position",
+        )
+    return position
 
 
 def check_writer_token(token: pb.WriterToken) -> pb.WriterToken:
@@ -175,6 +188,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self, request: pb.BeginModelRequest, context: Context
     ) -> pb.BeginModelResponse:
         token = check_writer_token(request.token)
+        check_position(request.position)
         entries = await self._snapshot(token)
         decision = replay.decide_model(entries, attempt=token.attempt, position=request.position)
         match decision:
@@ -202,6 +216,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self, request: pb.BeginToolRequest, context: Context
     ) -> pb.BeginToolResponse:
         token = check_writer_token(request.token)
+        check_position(request.position)
         if not request.name or len(request.name) > 256:
             raise errors.InvalidArgument("name must be 1-256 characters", field="name")
         _check_json(request.input, "input")
@@ -282,6 +297,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self, request: pb.PlaceInputsRequest, context: Context
     ) -> pb.PlaceInputsResponse:
         token = check_writer_token(request.token)
+        check_position(request.position)
         if request.mode not in _MODES:
             raise errors.InvalidArgument("mode must be 1 (steer) or 2 (follow-up)", field="mode")
         if self.inputs is None:
