@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup dev test test-fast lint fmt proto proto-check bench test-chaos clean
+.PHONY: help setup dev test test-fast lint fmt proto proto-check bench test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -54,6 +54,9 @@ proto-check: proto ## fail when the generated code is stale
 
 bench: setup ## journal overhead per iteration against a raw JetStream floor
 	$(PY) -m tests.bench
+
+test-guards: setup ## delete each safety guard in a scratch copy; a named test must fail
+	$(PY) -m tests.guards
 
 clean: ## remove the virtualenv and local data
 	rm -rf $(VENV) .dagnats

@@ -1,0 +1,167 @@
+"""Delete each safety guard once, in a scratch copy, and check that a named
+test fails: a guard that no test misses is a guard nobody would notice losing.
+
+Run with ``make test-guards``. Exits 1 when any guard goes unnoticed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE_ROOTS = ("core", "cli", "sdk", "services/engine", "services/journal", "services/inputs")
+
+
+@dataclass(frozen=True)
+class Guard:
+    name: str
+    file: str
+    guard: str
+    removed: str
+    how: str
+    tests: tuple[str, ...]
+
+
+GUARDS = (
+    Guard(
+        name="expected-sequence header",
+        file="services/journal/dagnats/journal/store.py",
+        guard='            "Nats-Expected-Last-Subject-Sequence": str(token.last_seq),\n',
+        removed="",
+        how="appends are sent without Nats-Expected-Last-Subject-Sequence",
+        tests=("tests/test_journal_store.py::test_writer_with_a_stale_view_is_fenced",),
+    ),
+    Guard(
+        name="writer nonce in the Msg-Id",
+        file="services/journal/dagnats/journal/store.py",
+        guard='            f".{token.writer}.{token.written}"\n',
+        removed='            f".{token.written}"\n',
+        how="the Msg-Id is built from the dispatch only, without the writer nonce",
+        tests=(
+            "tests/test_journal_store.py::test_zombie_reusing_its_successors_identity_is_fenced",
+        ),
+    ),
+    Guard(
+        name="claim identity (the claim record that fences earlier holders)",
+        file="services/journal/dagnats/journal/service.py",
+        guard="        token, claim = await self._append(token, claim)\n",
+        removed="        claim.seq = token.last_seq  # guard removed: the claim is not written\n",
+        how="a claim is not appended, so earlier holders are not fenced",
+        tests=(
+            "tests/test_journal.py::test_zombie_is_fenced_and_writes_nothing_after_its_successor",
+        ),
+    ),
+    Guard(
+        name="engine acceptance rule",
+        file="services/engine/dagnats/engine/rules.py",
+        guard=(
+            "    elif (ident.iteration, ident.attempt) != (step.iteration, step.attempt)"
+            " and not committed:\n"
+        ),
+        removed="    elif False:\n",
+        how="a report for another dispatch is applied like the current one",
+        tests=("tests/test_engine.py::test_duplicate_and_stale_continues_are_dropped",),
+    ),
+    Guard(
+        name="restart limit",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    return trailing >= limit\n",
+        removed="    return False\n",
+        how="the restart limit is never reached",
+        tests=(
+            "tests/test_journal.py::test_restart_limit_fails_the_attempt_and_the_retry_resumes",
+        ),
+    ),
+    Guard(
+        name="replay rule for unsafe tools",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="        if at.safe and call.safe:\n",
+        removed="        if True:\n",
+        how="an intent without a result is run again whatever its declaration",
+        tests=("tests/test_journal.py::test_crash_after_unsafe_intent_records_interrupted",),
+    ),
+    Guard(
+        name="replay rule for safe tools",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="        if at.safe and call.safe:\n",
+        removed="        if False:\n",
+        how="a safe intent without a result is never run again",
+        tests=("tests/test_journal.py::test_crash_after_safe_intent_runs_it_again",),
+    ),
+)
+
+
+def scratch_copy() -> Path:
+    """The tracked files of the working tree, in a temporary folder."""
+    target = Path(tempfile.mkdtemp(prefix="dagnats-guards-"))
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    for name in filter(None, files):
+        source = ROOT / name.decode()
+        if source.is_file():
+            dest = target / name.decode()
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest)
+    return target
+
+
+def run_without(guard: Guard | None, tests: tuple[str, ...]) -> tuple[int, float]:
+    """Remove the guard (None: remove nothing) in a scratch copy and run the
+    tests; returns pytest's exit code (1: a test failed) and the time taken."""
+    copy = scratch_copy()
+    try:
+        if guard is not None:
+            path = copy / guard.file
+            text = path.read_text()
+            if text.count(guard.guard) != 1:
+                raise SystemExit(f"guard {guard.name!r}: its code is no longer in {guard.file}")
+            path.write_text(text.replace(guard.guard, guard.removed))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [*(str(copy / r) for r in SOURCE_ROOTS), str(copy), env.get("PYTHONPATH", "")]
+        )
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        return result.returncode, time.monotonic() - started
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def main() -> int:
+    every_test = tuple(dict.fromkeys(t for g in GUARDS for t in g.tests))
+    code, seconds = run_without(None, every_test)
+    if code != 0:
+        print(f"the guard tests fail with every guard in place (exit {code}); fix them first")
+        return 1
+    print(f"baseline: the {len(every_test)} guard tests pass with every guard ({seconds:.0f}s)")
+    missed = []
+    for guard in GUARDS:
+        code, seconds = run_without(guard, guard.tests)
+        caught = code == 1  # a test failed; not a crash of pytest itself
+        verdict = "caught" if caught else "MISSED"
+        print(f"{verdict:7} {guard.name}  ({seconds:.0f}s)")
+        print(f"        removed: {guard.how}")
+        print(f"        by: {', '.join(guard.tests)}", flush=True)
+        if not caught:
+            missed.append(guard.name)
+    print(f"\n{len(GUARDS) - len(missed)} of {len(GUARDS)} guards caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
