@@ -199,3 +199,31 @@ def test_keys_encode_the_request_id_without_padding() -> None:
 def test_distinct_request_ids_get_distinct_keys() -> None:
     ids = ["a", "a=", "A", "a.b", "a b", "ab", "\u00e9", "e\u0301"]
     assert len({rules.key(RUN, "agent", r) for r in ids}) == len(ids)
+
+
+def claim(state: InputState, **overrides: object) -> InputState | None:
+    args: dict[str, object] = {
+        "mode": Mode.STEER,
+        "iteration": 2,
+        "attempt": 1,
+        "writer": "b" * 16,
+        "recorded": (),
+        "now": 9.0,
+    }
+    args.update(overrides)
+    return rules.claim_for(state, **args)  # type: ignore[arg-type]
+
+
+def test_claim_for_places_a_queued_input_of_the_mode_only() -> None:
+    taken = claim(queued())
+    assert taken is not None and taken.status is Status.PLACED and taken.placed_by == "b" * 16
+    assert claim(queued(), mode=Mode.FOLLOW_UP) is None
+
+
+def test_claim_for_takes_over_a_placement_that_never_reached_the_journal() -> None:
+    left = placed(iteration=2)
+    taken = claim(left)
+    assert taken is not None and taken.placed_by == "b" * 16
+    assert claim(left, recorded=(left.request_id,)) is None, "its record exists: it is placed"
+    assert claim(left, writer=left.placed_by) is None, "our own placement"
+    assert claim(left, iteration=3) is None, "another iteration's placement"

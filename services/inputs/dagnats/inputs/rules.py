@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import enum
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from dagnats.core.errors import InvalidArgument
@@ -163,6 +164,35 @@ def reclaim(
     if state.placed_iteration != iteration:
         return Refusal(f"input was placed into iteration {state.placed_iteration}, not {iteration}")
     return _placed(state, iteration=iteration, attempt=attempt, writer=writer, now=now)
+
+
+def claim_for(
+    state: InputState,
+    *,
+    mode: Mode,
+    iteration: int,
+    attempt: int,
+    writer: str,
+    recorded: Collection[str],
+    now: float,
+) -> InputState | None:
+    """The claim a dispatch placing ``mode`` inputs makes on ``state``, if any.
+
+    A queued input is placed. An input placed into this same iteration by
+    another writer, whose ``input.placed`` record is not in the journal
+    (``recorded`` lists the request ids that are), was left by a holder that
+    was fenced or crashed between its claim and its record: it is reclaimed.
+    Everything else is not this dispatch's to take.
+    """
+    if state.mode is not mode:
+        return None
+    if state.status is Status.QUEUED:
+        moved = place(state, iteration=iteration, attempt=attempt, writer=writer, now=now)
+    elif state.placed_by != writer and state.request_id not in recorded:
+        moved = reclaim(state, iteration=iteration, attempt=attempt, writer=writer, now=now)
+    else:
+        return None
+    return moved if isinstance(moved, InputState) else None
 
 
 def _placed(

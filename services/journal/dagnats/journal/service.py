@@ -333,33 +333,18 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         is taken over."""
         assert self.inputs is not None
         now = time.time()
+        mode = input_rules.Mode[_MODES[request.mode]]
         for state, revision in await self.inputs.list(token.run_id, token.step_id):
-            if _MODES.get(request.mode) != state.mode.name:
-                continue
-            if state.status is input_rules.Status.QUEUED:
-                moved = input_rules.place(
-                    state,
-                    iteration=token.iteration,
-                    attempt=token.attempt,
-                    writer=token.writer,
-                    now=now,
-                )
-            elif (
-                state.status is input_rules.Status.PLACED
-                and state.placed_iteration == token.iteration
-                and state.placed_by != token.writer
-                and state.request_id not in recorded
-            ):
-                moved = input_rules.reclaim(
-                    state,
-                    iteration=token.iteration,
-                    attempt=token.attempt,
-                    writer=token.writer,
-                    now=now,
-                )
-            else:
-                continue
-            if not isinstance(moved, input_rules.InputState):
+            moved = input_rules.claim_for(
+                state,
+                mode=mode,
+                iteration=token.iteration,
+                attempt=token.attempt,
+                writer=token.writer,
+                recorded=recorded,
+                now=now,
+            )
+            if moved is None:
                 continue
             try:
                 await self.inputs.update(moved, revision)
