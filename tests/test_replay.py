@@ -602,3 +602,18 @@ def test_builder_chains_sequences_and_writers() -> None:
     assert j.at(1).writer == j.at(2).writer != j.at(3).writer
     third = j.at(3)
     assert isinstance(third, ClaimEntry) and third.delivery == 2
+
+
+def test_base_before_is_the_commit_that_ended_the_previous_iteration() -> None:
+    from dagnats.journal import replay
+    from dagnats.journal.model import Action, ClaimEntry, CommitEntry
+
+    commit = CommitEntry(
+        seq=9, iteration=0, attempt=1, writer="w", base_seq=0, action=Action.CONTINUE
+    )
+    assert replay.base_before(None, 0) == 0
+    assert replay.base_before(commit, 1) == 9, "the tail is the commit that ended iteration 0"
+    claim = ClaimEntry(seq=10, iteration=1, attempt=1, writer="v", base_seq=9)
+    assert replay.base_before(claim, 1) == 9, "a record of the iteration carries its base"
+    failed = CommitEntry(seq=11, iteration=1, attempt=1, writer="v", base_seq=9, action=Action.FAIL)
+    assert replay.base_before(failed, 1) == 9, "a retriable failure ends no iteration"

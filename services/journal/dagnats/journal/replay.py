@@ -93,6 +93,17 @@ def decide_claim(
     return Proceed(close=tuple(_unanswered(records, before_attempt=attempt)))
 
 
+def base_before(tail: AnyEntry | None, iteration: int) -> int:
+    """Sequence of the commit that ended the iteration before ``iteration``: the
+    records of ``iteration`` come after it. Every record carries the base of
+    its own iteration, so the tail alone tells."""
+    if tail is None:
+        return 0
+    if tail.iteration < iteration and isinstance(tail, CommitEntry) and tail.ends_iteration:
+        return tail.seq
+    return tail.base_seq
+
+
 def restart_limit_reached(records: Sequence[AnyEntry], limit: int) -> bool:
     """Whether the iteration's last ``limit`` records are all claims."""
     trailing = 0

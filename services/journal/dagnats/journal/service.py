@@ -101,7 +101,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
                 return _settled("stale", detail=f"run {run_id} is {status}")
         tail = await self.store.tail(run_id, step_id)
-        base = _base_for(tail, request.iteration)
+        base = replay.base_before(convert.entry(tail) if tail else None, request.iteration)
         records = await self._iteration_records(run_id, step_id, request.iteration, base, tail)
         entries = [convert.entry(r) for r in records]
         decision = replay.decide_claim(
@@ -487,17 +487,6 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         entries = [convert.entry(r) for r in found if r.iteration == token.iteration]
         self._remember(token, entries)
         return entries
-
-
-def _base_for(tail: pb.Record | None, iteration: int) -> int:
-    """Sequence of the commit that ended the iteration before ``iteration``."""
-    if tail is None:
-        return 0
-    if tail.iteration < iteration and tail.WhichOneof("kind") == "commit":
-        action = convert.action_from_proto(tail.commit.action)
-        if action in jm.ENDS_ITERATION:
-            return int(tail.seq)
-    return int(tail.base_seq)
 
 
 _MODES = {1: "STEER", 2: "FOLLOW_UP"}
