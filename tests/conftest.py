@@ -4,7 +4,9 @@ exporter for tracing assertions."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -71,3 +73,14 @@ async def engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
 async def client(engine: EngineServer) -> AsyncIterator[Client]:
     async with Client(engine.target) as c:
         yield c
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The crash-point matrix's cases, by seam and mode."""
+    matrix = sys.modules.get("tests.test_crash_matrix")
+    cases = getattr(matrix, "CASES", None)
+    if cases:
+        terminalreporter.section("crash-point matrix")
+        for key in sorted(cases):
+            terminalreporter.write_line(f"{key:<28} {cases[key]} case(s)")
+        terminalreporter.write_line(f"{'total':<28} {sum(cases.values())} case(s)")
