@@ -240,11 +240,13 @@ async def test_late_redelivery_of_an_older_iteration_is_stale(
     # The task of iteration 1 arrives again, long after.
     import grpc.aio
 
+    before = await read_journal(engine, run.run_id)
     async with grpc.aio.insecure_channel(engine.target) as channel:
         stub = jgrpc.JournalServiceStub(channel)
         late = await stub.Claim(
             jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=1, attempt=1)
         )
     assert late.WhichOneof("outcome") == "settled" and late.settled.reason == "stale"
-    before = len(await read_journal(engine, run.run_id))
-    assert before == len(await read_journal(engine, run.run_id)), "nothing was written"
+    after = await read_journal(engine, run.run_id)
+    assert [r.seq for r in after] == [r.seq for r in before], "the stale claim wrote nothing"
+    assert model.calls == 4 and tools.starts == {"search": 2, "send_email": 1}, "nothing ran"

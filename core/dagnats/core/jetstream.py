@@ -188,28 +188,6 @@ async def publish(
     raise AssertionError("unreachable")
 
 
-async def fetch_available(
-    sub: JetStreamContext.PullSubscription, batch: int, wait: float
-) -> list[Msg]:
-    """Wait up to ``wait`` seconds for one message, then take whatever else is
-    ready, up to ``batch``, without waiting for the batch to fill.
-
-    nats-py's ``fetch(batch=n)`` holds the messages it already has until the
-    batch is full or the timeout ends, which would add up to ``wait`` seconds
-    of latency to every message.
-    """
-    # nats-py raises its own TimeoutError or, once its deadline has passed,
-    # the built-in one; both mean "nothing more right now".
-    try:
-        msgs: list[Msg] = list(await sub.fetch(batch=1, timeout=wait))
-    except TimeoutError:
-        return []
-    if batch > 1:
-        with contextlib.suppress(TimeoutError):
-            msgs += await sub.fetch(batch=batch - 1, timeout=0.005)
-    return msgs
-
-
 async def pull_now(nc: NATS, stream: str, durable: str, batch: int, wait: float) -> list[Msg]:
     """Wait up to ``wait`` seconds for a message of a pull consumer, then take
     whatever else is ready, up to ``batch``, and return.

@@ -273,19 +273,15 @@ class Engine:
     async def _consume(
         self, stream: str, durable: str, handle: Callable[[Msg], asyncio.Future[None] | object]
     ) -> None:
-        sub = await self.store.js.pull_subscribe_bind(durable=durable, stream=stream)
-        try:
-            while not self._stopping.is_set():
-                try:
-                    msgs = await jsx.fetch_available(sub, self.config.history_batch, 1.0)
-                except Exception:  # the connection is reconnecting; try again shortly
-                    log.exception("fetch from %s failed", durable)
-                    await asyncio.sleep(0.5)
-                    continue
-                await self._handle_batch(msgs, handle)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        nc = self.store.nc
+        while not self._stopping.is_set():
+            try:
+                msgs = await jsx.pull_now(nc, stream, durable, self.config.history_batch, 1.0)
+            except Exception:  # the connection is reconnecting; try again shortly
+                log.exception("fetch from %s failed", durable)
+                await asyncio.sleep(0.5)
+                continue
+            await self._handle_batch(msgs, handle)
 
     async def _handle_batch(self, msgs: list[Msg], handle: Callable[[Msg], object]) -> None:
         """Messages of one subject (one run) in order; different runs concurrently."""

@@ -17,7 +17,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
-from dagnats.core.errors import Conflict, NotFound, Unavailable
+from dagnats.core.errors import NotFound, Unavailable
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 
@@ -239,4 +239,4 @@ async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
         await watcher.stop()  # type: ignore[no-untyped-call]
 
 
-__all__ = ["Conflict", "EngineStore", "StaleRevision", "StoredRun"]
+__all__ = ["EngineStore", "StaleRevision", "StoredRun"]

@@ -14,11 +14,6 @@ _ACTION = {
     pb.ACTION_FAIL_PERMANENT: jm.Action.FAIL_PERMANENT,
     pb.ACTION_PAUSE: jm.Action.PAUSE,
 }
-ACTION_TO_PROTO = {v: k for k, v in _ACTION.items()}
-
-
-def action_from_proto(action: pb.Action.ValueType) -> jm.Action:
-    return _ACTION[action]
 
 
 def entry(record: pb.Record) -> jm.AnyEntry:
