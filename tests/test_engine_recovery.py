@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from dagnats.core import jetstream as jsx
 from dagnats.core import seam
 from dagnats.engine.server import EngineServer
@@ -21,6 +23,7 @@ async def counting_loop(tc: TaskContext) -> None:
 async def test_crash_between_saving_a_dispatch_and_publishing_it(engine: EngineServer) -> None:
     task, name = unique("outbox"), unique("outboxwf")
     crashes: list[str] = []
+    in_iteration_1, release = asyncio.Event(), asyncio.Event()
 
     async def crash_once(point: str) -> None:
         # The engine dies right after saving the next dispatch: nothing after
@@ -29,24 +32,28 @@ async def test_crash_between_saving_a_dispatch_and_publishing_it(engine: EngineS
             crashes.append(point)
             raise RuntimeError("engine crashed after saving a dispatch")
 
+    async def gated_loop(tc: TaskContext) -> None:
+        # Iteration 1 waits for the hook, so the crash hits the dispatch of
+        # iteration 2 whatever the machine's speed.
+        if tc.iteration == 1:
+            in_iteration_1.set()
+            await release.wait()
+        await counting_loop(tc)
+
     async with Client(engine.target) as client:
         await client.register_workflow(loop_workflow(name, task))
-        async with Worker(engine.target, handlers={task: counting_loop}, poll_wait=1.0):
+        async with Worker(engine.target, handlers={task: gated_loop}, poll_wait=1.0):
             run = await client.start_run(name)
-            await wait_for(lambda: _iterations(client, run.run_id, at_least=1), timeout=20)
+            await asyncio.wait_for(in_iteration_1.wait(), timeout=20)
             seam.install(crash_once)
             try:
+                release.set()
                 done = await client.wait_for_run(run.run_id, timeout=30)
             finally:
                 seam.install(None)
     assert crashes == ["after_dispatch_saved"]
     assert done.status == pb.RUN_STATUS_COMPLETED, done.error
     assert run_output(done) == 2 and steps_by_id(done)["agent"].iterations == 2
-
-
-async def _iterations(client: Client, run_id: str, *, at_least: int) -> bool:
-    run = await client.get_run(run_id)
-    return steps_by_id(run)["agent"].iterations >= at_least
 
 
 async def test_a_task_acknowledged_without_an_outcome_is_dispatched_again(
