@@ -63,9 +63,9 @@ async def test_cli_round_trip_and_json(engine: EngineServer, tmp_path: Path) -> 
     started = await adagnats("run", "start", name, "--input", '{"a": 1}', "--json", env=env)
     assert started.returncode == 0, started.stderr
     run = json.loads(started.stdout)
-    assert run["status"] == "RUN_STATUS_RUNNING" and run["input"] == {"a": 1}
+    assert run["status"] == "running" and run["input"] == {"a": 1}
     got = await adagnats("run", "cancel", run["run_id"], "--json", env=env)
-    assert json.loads(got.stdout)["status"] == "RUN_STATUS_CANCELLED"
+    assert json.loads(got.stdout)["status"] == "cancelled"
     listed = await adagnats("run", "list", "--workflow", name, "--json", env=env)
     assert [r["run_id"] for r in json.loads(listed.stdout)] == [run["run_id"]]
 
@@ -186,4 +186,4 @@ async def test_run_watch_prints_until_the_run_ends(engine: EngineServer) -> None
         result = await watcher
     assert result.returncode == 0, result.stderr
     states = [json.loads(line)["status"] for line in result.stdout.splitlines()]
-    assert states[-1] == "RUN_STATUS_CANCELLED"
+    assert states[-1] == "cancelled"

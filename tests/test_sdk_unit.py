@@ -56,6 +56,7 @@ def test_public_names_are_exactly_the_documented_ones() -> None:
         "InputsQueued",
         "InvalidArgument",
         "Journal",
+        "JournalClient",
         "JournalSignal",
         "NotFound",
         "PermanentError",

@@ -15,11 +15,10 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
-
 from dagnats.cli.journal import add_journal_commands, run_journal
 from dagnats.core.errors import DagnatsError
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk.views import decode_payload, enum_name, run_dict, workflow_dict
 
 DEFAULT_ENGINE = "127.0.0.1:7233"
 DEV_FILE = Path(".dagnats") / "dev.json"
@@ -113,41 +112,19 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
 # ---- output ----------------------------------------------------------------------
 
 
-def _as_dict(message: Any) -> dict[str, Any]:
-    data = MessageToDict(message, preserving_proto_field_name=True)
-    for key in ("input", "output"):
-        if key in data:
-            data[key] = _decode_json_bytes(getattr(message, key))
-    for step_msg, step in zip(getattr(message, "steps", []), data.get("steps", []), strict=False):
-        if "output" in step:
-            step["output"] = _decode_json_bytes(step_msg.output)
-    return data
-
-
-def _decode_json_bytes(raw: bytes) -> Any:
-    try:
-        return json.loads(raw) if raw else None
-    except ValueError:
-        return raw.decode(errors="replace")
-
-
-def _status_name(value: int, enum: Any) -> str:
-    return str(enum.Name(value)).split("_STATUS_")[-1].lower()
-
-
 def print_run(run: pb.Run, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(_as_dict(run), indent=2))
+        print(json.dumps(run_dict(run), indent=2))
         return
     print(f"run       {run.run_id}")
     print(f"workflow  {run.workflow}")
-    print(f"status    {_status_name(run.status, pb.RunStatus)}")
+    print(f"status    {enum_name(pb.RunStatus, run.status)}")
     if run.error:
         print(f"error     {run.error}")
     if run.output:
-        print(f"output    {json.dumps(_decode_json_bytes(run.output))}")
+        print(f"output    {json.dumps(decode_payload(run.output))}")
     for step in run.steps:
-        line = f"  step {step.step_id:<16} {_status_name(step.status, pb.StepStatus):<10}"
+        line = f"  step {step.step_id:<16} {enum_name(pb.StepStatus, step.status):<10}"
         line += f" iteration {step.iteration} attempt {step.attempt}"
         if step.error:
             line += f"  error: {step.error}"
@@ -168,15 +145,15 @@ async def _workflow(args: argparse.Namespace) -> int:
                 raise UsageError(f"cannot read {args.file}: {err.strerror}") from None
             workflow = await client.register_workflow(text)
             if args.json:
-                print(json.dumps(_as_dict(workflow), indent=2))
+                print(json.dumps(workflow_dict(workflow), indent=2))
             else:
                 print(f"workflow {workflow.name} registered ({len(workflow.steps)} steps)")
         elif args.action == "get":
-            print(json.dumps(_as_dict(await client.get_workflow(args.name)), indent=2))
+            print(json.dumps(workflow_dict(await client.get_workflow(args.name)), indent=2))
         else:
             workflows = await client.list_workflows()
             if args.json:
-                print(json.dumps([_as_dict(w) for w in workflows], indent=2))
+                print(json.dumps([workflow_dict(w) for w in workflows], indent=2))
             for w in [] if args.json else workflows:
                 print(f"{w.name:<24} {len(w.steps)} steps  version {w.version or '-'}")
     return 0
@@ -211,10 +188,10 @@ async def _run(args: argparse.Namespace) -> int:
                     workflow=args.workflow, status=status, limit=args.limit
                 )
                 if args.json:
-                    print(json.dumps([_as_dict(r) for r in runs], indent=2))
+                    print(json.dumps([run_dict(r) for r in runs], indent=2))
                     return 0
                 for r in runs:
-                    print(f"{r.run_id}  {r.workflow:<20} {_status_name(r.status, pb.RunStatus)}")
+                    print(f"{r.run_id}  {r.workflow:<20} {enum_name(pb.RunStatus, r.status)}")
     return 0
 
 
@@ -235,7 +212,7 @@ async def _watch(client: Any, run_id: str, as_json: bool) -> int:
         view = run.SerializeToString(deterministic=True)
         if view != last:
             if as_json:
-                print(json.dumps(_as_dict(run)), flush=True)
+                print(json.dumps(run_dict(run)), flush=True)
             else:
                 print_run(run, False)
                 print(flush=True)

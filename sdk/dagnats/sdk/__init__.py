@@ -1,6 +1,7 @@
 """The dagnats Python SDK.
 
-``Client`` registers workflows and starts and watches runs; ``Worker`` polls
+``Client`` registers workflows and starts and watches runs; ``JournalClient``
+reads and audits a run's journal; ``Worker`` polls
 the engine and runs ``async def handler(tc: TaskContext) -> None`` for each
 task. ``dagnats.sdk.testing`` has a scripted model for tests.
 """
@@ -35,6 +36,7 @@ from dagnats.sdk._journal import (
     ToolResult,
     ToolRun,
 )
+from dagnats.sdk._journal_client import JournalClient
 from dagnats.sdk._worker import Handler, Worker
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "InputsQueued",
     "InvalidArgument",
     "Journal",
+    "JournalClient",
     "JournalSignal",
     "NotFound",
     "PermanentError",

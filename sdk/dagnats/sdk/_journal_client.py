@@ -1,0 +1,127 @@
+"""Reading and auditing the journal from a client.
+
+:class:`JournalClient` calls the journal service's read-only methods; the
+worker side of the journal is ``TaskContext.journal()``. Failed calls become
+the domain error the service raised, never a ``grpc.RpcError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Self
+
+import grpc
+import grpc.aio
+
+from dagnats.core import errors
+from dagnats.core.grpcutil import error_from_rpc
+from dagnats.core.tracing import client_interceptors
+from dagnats.journal.v1 import journal_pb2 as pb
+from dagnats.journal.v1 import journal_pb2_grpc
+
+if TYPE_CHECKING:
+    from dagnats.journal.v1.journal_pb2_grpc import JournalServiceAsyncStub
+
+# Records per Read page when not following; a shorter page is the last one.
+PAGE = 500
+
+
+class JournalClient:
+    """Calls the journal service's read-only methods.
+
+    Use it as ``async with JournalClient(target) as journal:``. The channel
+    opens on the first call, so that it belongs to the running event loop.
+
+    Args:
+        target: Address of the journal service, such as ``"localhost:7233"``.
+        timeout: Deadline of one call (of one page, for ``read``), in seconds.
+
+    Every method raises the domain error the service answered with
+    (``NotFound``, ``InvalidArgument``, ``Unavailable``, ...).
+    """
+
+    def __init__(self, target: str, *, timeout: float = 30.0) -> None:
+        self._target = target
+        self._timeout = timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: JournalServiceAsyncStub | None = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close(None)
+
+    async def check(self, run_id: str) -> pb.CheckResponse:
+        """Audit the journal of a run.
+
+        Returns:
+            The violations and how many steps and records were checked.
+        """
+        try:
+            return await self._connect().Check(
+                pb.CheckRequest(run_id=run_id), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError as err:
+            raise self._domain_error(err) from None
+
+    async def read(
+        self, run_id: str, step_id: str, *, from_seq: int = 0, follow: bool = False
+    ) -> AsyncIterator[pb.Record]:
+        """Yield a step's records from ``from_seq`` on, in sequence order.
+
+        Without ``follow`` it ends at the tail; with it, it waits for new
+        records until the caller stops iterating.
+        """
+        if follow:
+            request = pb.ReadRequest(run_id=run_id, step_id=step_id, from_seq=from_seq, follow=True)
+            async for record in self._stream(request, deadline=None):
+                yield record
+            return
+        while True:
+            request = pb.ReadRequest(run_id=run_id, step_id=step_id, from_seq=from_seq, limit=PAGE)
+            count = 0
+            async for record in self._stream(request, deadline=self._timeout):
+                count += 1
+                from_seq = record.seq + 1
+                yield record
+            if count < PAGE:
+                return
+
+    async def _stream(
+        self, request: pb.ReadRequest, *, deadline: float | None
+    ) -> AsyncIterator[pb.Record]:
+        call = self._connect().Read(request, timeout=deadline)
+        try:
+            async for response in call:
+                yield response.record
+        except grpc.aio.AioRpcError as err:
+            raise self._domain_error(err) from None
+        finally:
+            call.cancel()  # a no-op once the stream ended; stops it if the caller left early
+
+    def _connect(self) -> JournalServiceAsyncStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(
+                self._target, interceptors=client_interceptors()
+            )
+            self._stub = journal_pb2_grpc.JournalServiceStub(self._channel)
+        return self._stub
+
+    def _domain_error(self, err: grpc.aio.AioRpcError) -> errors.DagnatsError:
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            # A server without the journal service (an engine served on its own).
+            return errors.Unavailable(f"{self._target} does not serve the journal service")
+        return error_from_rpc(err)

@@ -1,0 +1,133 @@
+"""The JSON shape of dagnats objects, shared by ``dagnats --json`` and the HTTP API.
+
+Each function turns a contract message into plain JSON values: field names
+as in the contract (``run_id``, not ``runId``), enum values as short lower-case
+names (``"running"``), timestamps as RFC 3339 strings, durations as seconds
+with an ``s`` suffix, and the contract's JSON ``bytes`` fields (inputs,
+outputs, states, tool inputs, model responses) decoded rather than base64. A
+payload that is not JSON is returned as text, so a view never fails.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.inputs.v1 import inputs_pb2 as ipb
+from dagnats.journal.v1 import journal_pb2 as jpb
+
+__all__ = [
+    "check_dict",
+    "decode_payload",
+    "enum_name",
+    "input_dict",
+    "record_dict",
+    "run_dict",
+    "workflow_dict",
+]
+
+
+def run_dict(run: pb.Run) -> dict[str, Any]:
+    """A run, its steps included."""
+    data = _as_dict(run)
+    data["status"] = enum_name(pb.RunStatus, run.status)
+    data["input"] = decode_payload(run.input)
+    data["output"] = decode_payload(run.output)
+    data["steps"] = [_step_dict(step) for step in run.steps]
+    return data
+
+
+def workflow_dict(workflow: pb.Workflow) -> dict[str, Any]:
+    """A registered workflow definition."""
+    data = _as_dict(workflow)
+    for step_msg, step in zip(workflow.steps, data["steps"], strict=True):
+        step["type"] = enum_name(pb.StepType, step_msg.type)
+        if step_msg.HasField("retry"):
+            step["retry"]["backoff"] = enum_name(pb.BackoffStrategy, step_msg.retry.backoff)
+    if workflow.HasField("default_retry"):
+        data["default_retry"]["backoff"] = enum_name(
+            pb.BackoffStrategy, workflow.default_retry.backoff
+        )
+    return data
+
+
+def input_dict(item: ipb.Input) -> dict[str, Any]:
+    """A submitted input and where it is in its life."""
+    data = _as_dict(item)
+    data["mode"] = enum_name(ipb.Mode, item.mode)
+    data["status"] = enum_name(ipb.Status, item.status)
+    data["content"] = decode_payload(item.content)
+    return data
+
+
+def record_dict(record: jpb.Record) -> dict[str, Any]:
+    """A journal record; ``kind`` names which of the record's bodies is set."""
+    data = _as_dict(record)
+    kind = record.WhichOneof("kind")
+    data["kind"] = kind
+    for field_kind, field in _JSON_PAYLOADS:
+        if kind == field_kind and field in data[kind]:
+            data[kind][field] = decode_payload(getattr(getattr(record, kind), field))
+    if kind == "tool_intent":
+        data[kind]["replay"] = enum_name(jpb.Replay, record.tool_intent.replay)
+    if kind == "commit":
+        data[kind]["action"] = enum_name(jpb.Action, record.commit.action)
+    if kind == "input_placed":
+        data[kind]["mode"] = enum_name(ipb.Mode, record.input_placed.mode)
+    return data
+
+
+def check_dict(response: jpb.CheckResponse) -> dict[str, Any]:
+    """The audit of a run's journal: the violations and what was checked."""
+    return _as_dict(response)
+
+
+def decode_payload(raw: bytes) -> Any:
+    """A JSON payload as a value; empty is None, and non-JSON comes back as text."""
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def enum_name(enum: Any, value: int) -> str:
+    """``RUN_STATUS_RUNNING`` -> ``running``: the value's name without its prefix."""
+    name = str(enum.Name(value))
+    prefix = _common_prefix(enum)
+    return name.removeprefix(prefix).lower()
+
+
+def _common_prefix(enum: Any) -> str:
+    # Every contract enum has an UNSPECIFIED zero value named PREFIX_UNSPECIFIED.
+    zero = str(enum.Name(0))
+    return zero.removesuffix("UNSPECIFIED")
+
+
+def _step_dict(step: pb.StepState) -> dict[str, Any]:
+    data = _as_dict(step)
+    data["status"] = enum_name(pb.StepStatus, step.status)
+    data["output"] = decode_payload(step.output)
+    return data
+
+
+_JSON_PAYLOADS = (
+    ("model", "response"),
+    ("tool_intent", "input"),
+    ("tool_result", "output"),
+    ("commit", "state"),
+    ("commit", "output"),
+    ("input_placed", "content"),
+)
+
+
+def _as_dict(message: Message) -> dict[str, Any]:
+    # Zero values printed too: a script reading iteration 0 should not find it missing.
+    return MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
