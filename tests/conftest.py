@@ -8,6 +8,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 from opentelemetry import trace
@@ -17,6 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from dagnats.core.natsserver import NatsCluster, NatsServer
 from dagnats.engine.server import EngineServer, start_engine
+from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
 from dagnats.sdk import Client
 from tests.stack import FAST
 
@@ -72,6 +74,21 @@ async def engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(engine: EngineServer) -> AsyncIterator[Client]:
     async with Client(engine.target) as c:
+        yield c
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gateway(engine: EngineServer) -> AsyncIterator[GatewayServer]:
+    """The HTTP gateway in front of the module's engine, on a free loopback port."""
+    server = await start_gateway(GatewayConfig(engine_target=engine.target, port=0))
+    yield server
+    await server.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def http(gateway: GatewayServer) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of the module's gateway."""
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30.0) as c:
         yield c
 
 

@@ -1,0 +1,90 @@
+"""The ASGI application: routers, error handlers, body limit, metrics."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dagnats.gateway import metrics, rest
+from dagnats.gateway.backend import Backend
+from dagnats.gateway.config import GatewayConfig
+from dagnats.gateway.errors import error_response, install_error_handlers
+
+DESCRIPTION = """\
+The dagnats HTTP API: workflows, runs, inputs that steer a running agent, and
+the per-step journal as a JSON page or a live stream of server-sent events.
+The worker bridge under `/bridge` lets a worker in any language poll tasks and
+use the journal with the same fencing as the Python SDK.
+
+Every error is JSON `{"code": ..., "message": ...}`; a validation error also
+names the `field`. Send `Authorization: Bearer <token>` when the gateway is
+configured with tokens.
+"""
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway for ``config``; its backend connects on startup."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.backend = Backend.connect(config.engine_target, timeout=config.rpc_timeout)
+        try:
+            yield
+        finally:
+            await app.state.backend.close()
+
+    app = FastAPI(title="dagnats", version="1", description=DESCRIPTION, lifespan=lifespan)
+    app.state.config = config
+    app.state.metrics = metrics.Metrics()
+    install_error_handlers(app)
+    app.include_router(metrics.router)
+    app.include_router(rest.router)
+    # Outermost first: the body limit sees the request before anything reads it.
+    app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    return app
+
+
+class BodyLimit:
+    """Answers 413 to a request body larger than ``max_bytes``, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            413, "too_large", f"the request body is larger than {self.max_bytes} bytes"
+        )
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass

@@ -1,0 +1,46 @@
+"""The gateway's connections to the gRPC services, one set per application."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from dagnats.sdk import Client, JournalClient
+from dagnats.sdk._rpc import EngineRpc
+
+
+@dataclass(slots=True)
+class Backend:
+    """Clients of the engine, journal and inputs services (one gRPC target).
+
+    ``client`` and ``journal`` serve the REST API; ``rpc`` is the task and
+    journal-writer API the worker bridge speaks for its HTTP workers.
+    """
+
+    client: Client
+    journal: JournalClient
+    rpc: EngineRpc
+
+    @classmethod
+    def connect(cls, target: str, *, timeout: float) -> Backend:
+        return cls(
+            client=Client(target, timeout=timeout),
+            journal=JournalClient(target, timeout=timeout),
+            rpc=EngineRpc(target, timeout=timeout),
+        )
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self.journal.close()
+        await self.rpc.close()
+
+
+def backend(request: Request) -> Backend:
+    """FastAPI dependency: the application's backend."""
+    found: Backend = request.app.state.backend
+    return found
+
+
+BackendDep = Annotated[Backend, Depends(backend)]

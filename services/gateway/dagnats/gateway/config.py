@@ -1,0 +1,71 @@
+"""How the gateway is configured: flags and ``DAGNATS_*`` environment variables."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+
+# Defaults a user can rely on; each is documented in the README.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+# The largest request body accepted, in bytes: an input's content is capped
+# lower by the inputs service, a workflow document is small.
+DEFAULT_MAX_BODY = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayConfig:
+    """Settings of one gateway.
+
+    Attributes:
+        engine_target: gRPC address of the engine (which also serves the
+            journal and inputs services).
+        host: Address to bind. Without ``api_token`` it must be a loopback address.
+        port: Port to bind; 0 picks a free one.
+        api_token: Bearer token for run control, inputs and the journal; None
+            leaves the API open (loopback only).
+        bridge_token: Bearer token for the worker bridge; None leaves it open
+            (loopback only).
+        max_body_bytes: Largest request body accepted.
+        rpc_timeout: Deadline of one backend call, in seconds.
+    """
+
+    engine_target: str
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_token: str | None = None
+    bridge_token: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    rpc_timeout: float = 10.0
+
+    @classmethod
+    def from_env(cls, engine_target: str, *, host: str, port: int) -> GatewayConfig:
+        """Tokens from ``DAGNATS_API_TOKEN`` and ``DAGNATS_BRIDGE_TOKEN`` (empty is unset)."""
+        return cls(
+            engine_target=engine_target,
+            host=host,
+            port=port,
+            api_token=os.environ.get("DAGNATS_API_TOKEN") or None,
+            bridge_token=os.environ.get("DAGNATS_BRIDGE_TOKEN") or None,
+        )
+
+    @property
+    def open_endpoints(self) -> list[str]:
+        """Which parts of the API take requests without a token."""
+        parts = []
+        if self.api_token is None:
+            parts.append("the API")
+        if self.bridge_token is None:
+            parts.append("the worker bridge")
+        return parts
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,304 @@
+"""The REST API: workflows, runs, inputs and the journal.
+
+Every route needs the API token (when one is configured). Ids that end up in
+a NATS subject are validated here first, so a bad one is a 400 naming the
+field before any service is called. Bodies are JSON; the JSON shapes of the
+answers are ``dagnats.sdk.views``, the same as ``dagnats ... --json``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from dagnats.core.errors import InvalidArgument, NotFound
+from dagnats.core.ids import check_run_id, check_token
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.gateway import journal_stream
+from dagnats.gateway.auth import api_auth
+from dagnats.gateway.backend import BackendDep
+from dagnats.inputs.v1 import inputs_pb2 as ipb
+from dagnats.sdk import InputMode
+from dagnats.sdk._codec import encode
+from dagnats.sdk.views import input_dict, record_dict, run_dict, workflow_dict
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "invalid request; `field` names the problem"},
+    401: {"description": "missing or wrong bearer token"},
+    404: {"description": "no such workflow, run, step or input"},
+    409: {"description": "the request contradicts the current state"},
+    413: {"description": "the body is too large"},
+    503: {"description": "a backend service cannot be reached"},
+}
+
+router = APIRouter(dependencies=[Depends(api_auth)], responses=ERRORS)
+
+# Longest an inputs GET may wait for a change, and the page sizes of the journal.
+MAX_WAIT_SECONDS = 300.0
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StartRun(_Body):
+    workflow: str = Field(min_length=1, max_length=64, description="a registered workflow")
+    input: Any = Field(default=None, description="the run's input, any JSON value")
+    idempotency_key: str = Field(
+        default="", max_length=256, description="a repeat with the same key returns the first run"
+    )
+
+
+class CancelRun(_Body):
+    reason: str = Field(default="", max_length=1024)
+
+
+class SubmitInput(_Body):
+    request_id: str = Field(
+        min_length=1, max_length=256, description="the caller's id; a repeat returns the original"
+    )
+    mode: Literal["steer", "follow_up"] = "steer"
+    content: Any = Field(description="any JSON value")
+
+
+def _run_id(run_id: str) -> str:
+    return check_run_id(run_id, field="run_id")
+
+
+def _step_id(step_id: str) -> str:
+    return check_token(step_id, field="step_id")
+
+
+ValidRun = Annotated[str, Depends(_run_id)]
+ValidStep = Annotated[str, Depends(_step_id)]
+
+
+# ---- workflows --------------------------------------------------------------------
+
+
+@router.post("/workflows", tags=["workflows"], summary="Register a workflow definition")
+async def apply_workflow(
+    b: BackendDep,
+    document: Annotated[dict[str, Any], Body(description="the workflow definition")],
+) -> dict[str, Any]:
+    return workflow_dict(await b.client.register_workflow(document))
+
+
+@router.get("/workflows", tags=["workflows"], summary="List workflows")
+async def list_workflows(b: BackendDep) -> dict[str, Any]:
+    return {"workflows": [workflow_dict(w) for w in await b.client.list_workflows()]}
+
+
+@router.get("/workflows/{name}", tags=["workflows"], summary="Get a workflow")
+async def get_workflow(b: BackendDep, name: str) -> dict[str, Any]:
+    check_token(name, field="name")
+    return workflow_dict(await b.client.get_workflow(name))
+
+
+# ---- runs -------------------------------------------------------------------------
+
+
+@router.post(
+    "/runs",
+    tags=["runs"],
+    summary="Start a run",
+    status_code=201,
+    responses={200: {"description": "a run with this idempotency key existed; it is returned"}},
+)
+async def start_run(
+    b: BackendDep,
+    body: StartRun,
+    idempotency_key: Annotated[str, Header(max_length=256)] = "",
+) -> JSONResponse:
+    key = body.idempotency_key or idempotency_key
+    request = pb.StartRunRequest(
+        workflow=body.workflow, input=encode(body.input, field="input"), idempotency_key=key
+    )
+    response = await b.rpc.start_run(request)
+    return JSONResponse(run_dict(response.run), status_code=201 if response.created else 200)
+
+
+_STATUSES = {
+    "running": pb.RUN_STATUS_RUNNING,
+    "completed": pb.RUN_STATUS_COMPLETED,
+    "failed": pb.RUN_STATUS_FAILED,
+    "cancelled": pb.RUN_STATUS_CANCELLED,
+}
+
+
+@router.get("/runs", tags=["runs"], summary="List runs, newest first")
+async def list_runs(
+    b: BackendDep,
+    workflow: Annotated[str, Query(max_length=64)] = "",
+    status: Literal["running", "completed", "failed", "cancelled"] | None = None,
+    limit: Annotated[int, Query(ge=0, le=10_000)] = 0,
+) -> dict[str, Any]:
+    if workflow:
+        check_token(workflow, field="workflow")
+    runs = await b.client.list_runs(
+        workflow=workflow, status=_STATUSES[status] if status else None, limit=limit
+    )
+    return {"runs": [run_dict(r) for r in runs]}
+
+
+@router.get("/runs/{run_id}", tags=["runs"], summary="Get a run and its steps")
+async def get_run(b: BackendDep, run_id: ValidRun) -> dict[str, Any]:
+    return run_dict(await b.client.get_run(run_id))
+
+
+@router.post("/runs/{run_id}/cancel", tags=["runs"], summary="Cancel a run and its child runs")
+async def cancel_run(
+    b: BackendDep, run_id: ValidRun, body: CancelRun | None = None
+) -> dict[str, Any]:
+    reason = body.reason if body else ""
+    return run_dict(await b.client.cancel_run(run_id, reason))
+
+
+@router.delete("/runs/{run_id}", tags=["runs"], summary="Purge a finished run", status_code=204)
+async def purge_run(b: BackendDep, run_id: ValidRun) -> Response:
+    await b.client.purge_run(run_id)
+    return Response(status_code=204)
+
+
+@router.get("/runs/{run_id}/journal/check", tags=["journal"], summary="Audit a run's journal")
+async def check_journal(b: BackendDep, run_id: ValidRun) -> dict[str, Any]:
+    from dagnats.sdk.views import check_dict
+
+    return check_dict(await b.journal.check(run_id))
+
+
+# ---- inputs -----------------------------------------------------------------------
+
+_MODES = {"steer": InputMode.STEER, "follow_up": InputMode.FOLLOW_UP}
+
+
+@router.post(
+    "/runs/{run_id}/steps/{step_id}/inputs",
+    tags=["inputs"],
+    summary="Submit an input to a running step",
+    status_code=201,
+    responses={200: {"description": "a repeat of the request_id; the original is returned"}},
+)
+async def submit_input(
+    b: BackendDep, run_id: ValidRun, step_id: ValidStep, body: SubmitInput
+) -> JSONResponse:
+    item, created = await b.client.submit_input(
+        run_id, step_id, body.request_id, body.content, mode=_MODES[body.mode]
+    )
+    return JSONResponse(input_dict(item), status_code=201 if created else 200)
+
+
+@router.get("/runs/{run_id}/steps/{step_id}/inputs", tags=["inputs"], summary="List inputs")
+async def list_inputs(b: BackendDep, run_id: ValidRun, step_id: ValidStep) -> dict[str, Any]:
+    response = await b.rpc.list_inputs(ipb.ListRequest(run_id=run_id, step_id=step_id))
+    return {"inputs": [input_dict(i) for i in response.inputs]}
+
+
+@router.get(
+    "/runs/{run_id}/steps/{step_id}/inputs/{request_id}",
+    tags=["inputs"],
+    summary="Get an input's status, waiting up to `wait` for a change",
+)
+async def get_input(
+    b: BackendDep,
+    run_id: ValidRun,
+    step_id: ValidStep,
+    request_id: str,
+    wait: Annotated[str, Query(description="e.g. 30s, 500ms, 2m; at most 5m")] = "0s",
+) -> dict[str, Any]:
+    seconds = parse_duration(wait, field="wait")
+    return input_dict(await b.client.get_input(run_id, step_id, request_id, wait=seconds))
+
+
+@router.delete(
+    "/runs/{run_id}/steps/{step_id}/inputs/{request_id}",
+    tags=["inputs"],
+    summary="Withdraw a queued input (409 once placed)",
+    status_code=204,
+)
+async def withdraw_input(
+    b: BackendDep, run_id: ValidRun, step_id: ValidStep, request_id: str
+) -> Response:
+    await b.client.withdraw_input(run_id, step_id, request_id)
+    return Response(status_code=204)
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m)?")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def parse_duration(text: str, *, field: str) -> float:
+    """``"30s"``, ``"500ms"``, ``"2m"`` or plain seconds, up to five minutes.
+
+    Raises:
+        InvalidArgument: naming ``field`` for anything else.
+    """
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise InvalidArgument(f"{field} must be a duration such as 30s, got {text!r}", field=field)
+    seconds = float(match.group(1)) * _UNIT[match.group(2)]
+    if seconds > MAX_WAIT_SECONDS:
+        raise InvalidArgument(f"{field} is at most {MAX_WAIT_SECONDS:.0f}s", field=field)
+    return seconds
+
+
+# ---- journal ----------------------------------------------------------------------
+
+
+@router.get(
+    "/runs/{run_id}/steps/{step_id}/journal",
+    tags=["journal"],
+    summary="A step's journal records: a JSON page, or server-sent events",
+    description=(
+        "Without `follow`, a JSON page of records from sequence `from`. With `follow=1` "
+        "or `Accept: text/event-stream`, server-sent events: each event's `id` is the "
+        "record's sequence and its data the record; a reconnect with `Last-Event-ID` "
+        "resumes right after that record. A commit with action `continue` ends an "
+        "iteration."
+    ),
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def read_journal(
+    request: Request,
+    b: BackendDep,
+    run_id: ValidRun,
+    step_id: ValidStep,
+    from_: Annotated[int, Query(alias="from", ge=0)] = 0,
+    follow: bool = False,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> Response:
+    await _require_step(b, run_id, step_id)
+    streaming = follow or "text/event-stream" in request.headers.get("accept", "")
+    if streaming:
+        start = from_
+        if last_event_id:
+            if not last_event_id.strip().isdigit():
+                raise InvalidArgument(
+                    "Last-Event-ID must be a record sequence", field="Last-Event-ID"
+                )
+            start = int(last_event_id) + 1
+        return StreamingResponse(
+            journal_stream.events(request, b.journal, run_id, step_id, start),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    records = []
+    async for record in b.journal.read(run_id, step_id, from_seq=from_):
+        records.append(record_dict(record))
+        if len(records) == limit:
+            break
+    next_from = records[-1]["seq"] + 1 if records else from_
+    return JSONResponse({"records": records, "next": int(next_from)})
+
+
+async def _require_step(b: BackendDep, run_id: str, step_id: str) -> None:
+    run = await b.client.get_run(run_id)
+    if all(step.step_id != step_id for step in run.steps):
+        raise NotFound(f"run {run_id} has no step {step_id!r}", field="step_id")

@@ -1,0 +1,100 @@
+"""Serving the gateway with uvicorn inside the caller's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+
+from dagnats.core.errors import InvalidArgument, Unavailable
+from dagnats.gateway.app import create_app
+from dagnats.gateway.config import GatewayConfig, is_loopback
+
+log = logging.getLogger("dagnats.gateway")
+
+# How long a stop waits for open requests (event streams included) before
+# cancelling them.
+GRACE_SECONDS = 1
+STARTUP_SECONDS = 10.0
+
+
+class _Server(uvicorn.Server):
+    # The process that embeds the gateway owns its signals (``dagnats dev``
+    # stops everything on Ctrl-C), so uvicorn installs no handlers.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass(slots=True)
+class GatewayServer:
+    """A running gateway; ``url`` is where it listens."""
+
+    url: str
+    _server: _Server
+    _task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+async def start_gateway(config: GatewayConfig) -> GatewayServer:
+    """Bind, start serving, and return once the gateway answers.
+
+    Raises:
+        InvalidArgument: a non-loopback address without both tokens.
+        Unavailable: the gateway did not start.
+    """
+    open_parts = config.open_endpoints
+    if open_parts and not is_loopback(config.host):
+        raise InvalidArgument(
+            f"refusing to serve {' and '.join(open_parts)} without a token on {config.host}: "
+            "set DAGNATS_API_TOKEN and DAGNATS_BRIDGE_TOKEN, or bind to 127.0.0.1",
+            field="host",
+        )
+    if open_parts:
+        log.warning(
+            "%s accept requests without a token; serving on loopback only",
+            " and ".join(open_parts),
+        )
+    sock = _bind(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    uv_config = uvicorn.Config(
+        create_app(config),
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=GRACE_SECONDS,
+    )
+    server = _Server(uv_config)
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="dagnats-gateway")
+    deadline = asyncio.get_running_loop().time() + STARTUP_SECONDS
+    while not server.started:  # uvicorn offers no event for "started"; poll its flag
+        if task.done() or asyncio.get_running_loop().time() > deadline:
+            server.should_exit = True
+            with contextlib.suppress(BaseException):
+                await task
+            raise Unavailable(f"the gateway did not start on {host}:{port}")
+        await asyncio.sleep(0.01)
+    shown = f"[{host}]" if ":" in host else host
+    return GatewayServer(url=f"http://{shown}:{port}", _server=server, _task=task)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise Unavailable(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
