@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from dagnats.core.natsserver import free_port
@@ -40,6 +41,8 @@ def test_dev_runs_the_demo_and_a_second_start_finds_it(tmp_path: Path) -> None:
         "--nats-port",
         str(free_port()),
         "--engine-port",
+        str(free_port()),
+        "--gateway-port",
         str(free_port()),
         "--exit-after-demo",
     ]
@@ -151,14 +154,22 @@ def test_dev_stops_cleanly_on_a_signal(tmp_path: Path, sig: str) -> None:
         str(free_port()),
         "--engine-port",
         str(free_port()),
+        "--gateway-port",
+        str(free_port()),
         "--no-demo",
     ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
+        gateway = ""
         for line in proc.stdout:
+            if line.startswith("gateway"):
+                gateway = line.split()[1]
             if line.startswith("serving"):
                 break
+        # The gateway dev started answers over HTTP, backed by the engine.
+        assert httpx.get(f"{gateway}/readyz", timeout=10).status_code == 200
+        assert httpx.get(f"{gateway}/runs", timeout=10).json() == {"runs": []}
         proc.send_signal(getattr(signals, sig))
         code = proc.wait(timeout=30)
     finally:

@@ -9,12 +9,13 @@ from dagnats.sdk import TaskContext
 from dagnats.sdk.testing import ScriptedModel
 
 NAME = "demo-agent"
+STEP_ID = "agent"
 WORKFLOW: dict[str, Any] = {
     "name": NAME,
     "version": "1",
     "steps": [
         {
-            "id": "agent",
+            "id": STEP_ID,
             "type": "agent_loop",
             "task": "demo-agent",
             "agent_loop": {"max_iterations": 10, "max_duration": "5m"},

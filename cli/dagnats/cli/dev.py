@@ -21,6 +21,7 @@ from dagnats.cli import demo
 from dagnats.cli.main import print_run
 from dagnats.core.natsserver import NatsServer, free_port
 from dagnats.engine.server import EngineServer, start_engine
+from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
 from dagnats.sdk import Client, Worker
 
 
@@ -43,15 +44,22 @@ async def run_dev(args: argparse.Namespace) -> int:
     nats_port = _port_or_free(args.nats_port)
     nats = await NatsServer.start(data / "nats", port=nats_port)
     engine: EngineServer | None = None
+    gateway: GatewayServer | None = None
     worker: Worker | None = None
     try:
         engine = await start_engine(
             nats.url, port=_port_or_free(args.engine_port), monitor_url=nats.monitor_url
         )
-        info = json.dumps({"engine": engine.target, "nats": nats.url})
+        gateway = await start_gateway(
+            GatewayConfig.from_env(
+                engine.target, host="127.0.0.1", port=_port_or_free(args.gateway_port)
+            )
+        )
+        info = json.dumps({"engine": engine.target, "nats": nats.url, "gateway": gateway.url})
         (data / "dev.json").write_text(info)
         print(f"nats-server  {nats.url}  (data in {data / 'nats'}, sync_interval: always)")
         print(f"engine       {engine.target}  (gRPC)")
+        print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")
         async with Client(engine.target) as client:
             earlier = await client.list_runs(limit=10_000)
             if earlier:
@@ -62,7 +70,7 @@ async def run_dev(args: argparse.Namespace) -> int:
                     handlers={demo.TASK_TYPE: demo.agent_handler(demo.scripted_model())},
                 )
                 await worker.__aenter__()
-                await _demo(client)
+                await _demo(client, gateway.url)
         if args.exit_after_demo:
             return 0
         print("\nserving; Ctrl-C stops everything", flush=True)
@@ -72,12 +80,14 @@ async def run_dev(args: argparse.Namespace) -> int:
         if worker is not None:
             with contextlib.suppress(Exception):
                 await worker.stop(grace=2.0)
+        if gateway is not None:
+            await gateway.stop()
         if engine is not None:
             await engine.stop()
         await nats.stop()
 
 
-async def _demo(client: Client) -> None:
+async def _demo(client: Client, gateway_url: str) -> None:
     await client.register_workflow(demo.WORKFLOW)
     run = await client.start_run(demo.NAME, {"question": "How warm is it in Lisbon?"})
     print(f"\ndemo: started run {run.run_id} of workflow {run.workflow}")
@@ -87,5 +97,8 @@ async def _demo(client: Client) -> None:
         "\nlook at it with:\n"
         f"  dagnats run get {run.run_id}\n"
         f"  dagnats run get {run.run_id} --json\n"
-        "  dagnats run list"
+        f"  dagnats journal read {run.run_id} {demo.STEP_ID}\n"
+        "  dagnats run list\n"
+        f"  curl {gateway_url}/runs/{run.run_id}\n"
+        f"  curl {gateway_url}/runs/{run.run_id}/steps/{demo.STEP_ID}/journal"
     )

@@ -54,16 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--data-dir", default=".dagnats", help="where data lives (default .dagnats)")
     dev.add_argument("--nats-port", type=int, default=4222, help="NATS port (falls back to free)")
     dev.add_argument("--engine-port", type=int, default=7233, help="engine gRPC port")
+    dev.add_argument("--gateway-port", type=int, default=8080, help="HTTP gateway port")
     dev.add_argument("--no-demo", action="store_true", help="do not run the demo agent")
     dev.add_argument("--exit-after-demo", action="store_true", help="stop after the demo run")
 
-    serve = sub.add_parser("serve", help="serve one service against an existing NATS")
-    serve.add_argument("service", choices=["engine"])
+    serve = sub.add_parser(
+        "serve", help="serve the engine (against NATS) or the HTTP gateway (against the engine)"
+    )
+    serve.add_argument("service", choices=["engine", "gateway"])
     serve.add_argument(
         "--nats", default=os.environ.get("DAGNATS_NATS_URL", "nats://127.0.0.1:4222")
     )
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=7233)
+    serve.add_argument(
+        "--port", type=int, default=None, help="default 7233 (engine), 8080 (gateway)"
+    )
+    serve.add_argument("--engine", default=None, help="gateway: engine address (DAGNATS_ENGINE)")
     serve.add_argument(
         "--nats-monitor",
         default=os.environ.get("DAGNATS_NATS_MONITOR"),
@@ -223,6 +229,8 @@ async def _watch(client: Any, run_id: str, as_json: bool) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    if args.service == "gateway":
+        return await _serve_gateway(args)
     from dagnats.core.jetstream import Topology
     from dagnats.engine.server import start_engine
 
@@ -230,11 +238,29 @@ async def _serve(args: argparse.Namespace) -> int:
     server = await start_engine(
         args.nats,
         host=args.host,
-        port=args.port,
+        port=7233 if args.port is None else args.port,
         topology=Topology(replicas=replicas),
         monitor_url=args.nats_monitor,
     )
     print(f"engine serving on {server.target}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()
+    return 0
+
+
+async def _serve_gateway(args: argparse.Namespace) -> int:
+    from dagnats.gateway import GatewayConfig, start_gateway
+    from dagnats.gateway.config import DEFAULT_PORT
+
+    config = GatewayConfig.from_env(
+        args.engine or default_target(),
+        host=args.host,
+        port=DEFAULT_PORT if args.port is None else args.port,
+    )
+    server = await start_gateway(config)
+    print(f"gateway serving on {server.url} (engine {config.engine_target})", flush=True)
     try:
         await asyncio.Event().wait()
     finally:
