@@ -372,6 +372,31 @@ def test_the_engine_counting_other_iterations_than_the_commits() -> None:
     )
 
 
+def test_a_running_or_cancelled_step_may_lag_its_newest_continue_by_one() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    j.commit("continue")
+    j.claim("w1", 1)
+    j.commit("continue")
+    # The event of the second continue is in flight, or a cancel dropped it.
+    assert check_step("agent", j.entries, engine_iterations=1, settling=True) == []
+    assert check_step("agent", j.entries, engine_iterations=2, settling=True) == []
+    # Never more than one behind, never ahead, and not once the step settled.
+    for engine, settling in ((0, True), (3, True), (1, False)):
+        found = check_step("agent", j.entries, engine_iterations=engine, settling=settling)
+        assert rules(found) == ["iteration_count"], (engine, settling)
+
+
+def test_a_lagging_count_is_sound_only_when_the_newest_commit_is_a_continue() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    j.commit("continue")
+    j.claim("w1", 1)
+    j.commit("pause")
+    found = check_step("agent", j.entries, engine_iterations=0, settling=True)
+    assert rules(found) == ["iteration_count"]
+
+
 def test_findings_come_in_sequence_order_with_the_count_last() -> None:
     j = Journal()
     j.claim("w1", 0)

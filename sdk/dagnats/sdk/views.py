@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
@@ -128,6 +129,42 @@ _JSON_PAYLOADS = (
 
 def _as_dict(message: Message) -> dict[str, Any]:
     # Zero values printed too: a script reading iteration 0 should not find it missing.
-    return MessageToDict(
+    data = MessageToDict(
         message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    _numbers(message, data)
+    return data
+
+
+_INT64 = frozenset(
+    {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+)
+
+
+def _numbers(message: Message, data: dict[str, Any]) -> None:
+    # Protobuf's JSON writes 64-bit integers as strings; sequences and counts
+    # are far below 2**53, so they are plain JSON numbers here.
+    for field in message.DESCRIPTOR.fields:
+        value = data.get(field.name)
+        if value is None:
+            continue
+        if field.type in _INT64:
+            data[field.name] = [int(v) for v in value] if field.is_repeated else int(value)
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            nested = getattr(message, field.name)
+            if field.is_repeated and isinstance(value, list):
+                for item, item_data in zip(nested, value, strict=True):
+                    _numbers(item, item_data)
+            elif isinstance(value, dict) and not _is_map(field):
+                _numbers(nested, value)
+
+
+def _is_map(field: Any) -> bool:
+    entry = field.message_type
+    return entry is not None and bool(entry.GetOptions().map_entry)

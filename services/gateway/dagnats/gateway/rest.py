@@ -116,6 +116,7 @@ async def start_run(
     body: StartRun,
     idempotency_key: Annotated[str, Header(max_length=256)] = "",
 ) -> JSONResponse:
+    check_token(body.workflow, field="workflow")
     key = body.idempotency_key or idempotency_key
     request = pb.StartRunRequest(
         workflow=body.workflow, input=encode(body.input, field="input"), idempotency_key=key

@@ -41,6 +41,9 @@ MAX_POSITIONS = 1000
 MAX_RESTART_LIMIT = 1000
 MAX_PAGE = 1000
 _WRITER_HEX = frozenset("0123456789abcdef")
+# Steps whose newest continue commit the engine may not have applied: it is
+# in flight, or a cancel dropped it.
+_SETTLING = frozenset({epb.STEP_STATUS_RUNNING, epb.STEP_STATUS_CANCELLED})
 
 
 def _check_json(raw: bytes, field: str) -> None:
@@ -413,7 +416,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             if records:
                 steps[step.step_id] = [convert.entry(r) for r in records]
         iterations = {s.step_id: s.iterations for s in run.steps if s.step_id in steps}
-        findings = audit.check_run(steps, iterations)
+        settling = {s.step_id for s in run.steps if s.status in _SETTLING}
+        findings = audit.check_run(steps, iterations, settling)
         return pb.CheckResponse(
             violations=[
                 pb.Violation(step_id=f.step_id, seq=f.seq, rule=f.rule, message=f.message)
