@@ -19,7 +19,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-setup: $(VENV)/.installed ## create the virtualenv and install everything
+# The Node.js worker example (tests/test_node_worker.py runs it).
+NODE_WORKER := examples/node-worker
+$(NODE_WORKER)/node_modules/.installed: $(NODE_WORKER)/package.json $(NODE_WORKER)/package-lock.json
+	npm ci --prefix $(NODE_WORKER) --no-audit --no-fund
+	touch $@
+
+setup: $(VENV)/.installed $(NODE_WORKER)/node_modules/.installed ## create the virtualenv and install everything
 
 dev: setup ## run nats-server, the services and a demo agent (Ctrl-C stops)
 	$(BIN)/dagnats dev

@@ -1,0 +1,222 @@
+"""The Node.js worker (examples/node-worker): a journaled agent loop driven
+through the gRPC contracts from another language, against a real nats-server
+and engine. It charges a card (an unsafe tool that counts its starts in a file)
+and then answers. A crash-free run, a holder killed inside the tool, and a turn
+that a Python holder committed but never reported must all end with the same
+answer, a clean journal, and the card charged at most once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dagnats.engine.server import EngineServer
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, Worker, run_output
+from tests.helpers import wait_for
+from tests.journal_agent import Crasher
+from tests.stack import loop_workflow, steps_by_id, unique
+from tests.test_journal import journal_check, read_journal
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "node-worker"
+INPUT = {"order": "A-1001", "amount_cents": 4200}
+CHARGE = {"tool": "charge_card", "input": INPUT}  # the scripted model's first reply
+ANSWER = "Order A-1001: payment submitted."
+PARTIAL = "charging 4200 cents for order A-1001;"  # what the tool reports before it hangs
+
+Processes = list[subprocess.Popen[bytes]]
+
+
+@pytest.fixture(scope="module")
+def node() -> str:
+    """The node binary. A missing Node.js or node_modules fails the tests: they
+    are part of the suite, not optional."""
+    path = shutil.which("node")
+    if path is None:
+        pytest.fail("node is not on PATH: the Node.js worker example needs Node.js 20 or later")
+    for package in ("@grpc/grpc-js", "@grpc/proto-loader"):
+        if not (EXAMPLE / "node_modules" / package).is_dir():
+            pytest.fail(
+                f"{EXAMPLE / 'node_modules' / package} is missing: run `make setup` "
+                "(npm ci --prefix examples/node-worker)"
+            )
+    return path
+
+
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    """Node workers started by a test; killed at its end, whatever happened."""
+    started: Processes = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+class NodeWorkers:
+    """Starts node workers for one task type; they share the files in ``state``."""
+
+    def __init__(self, node: str, target: str, task: str, state: Path, started: Processes) -> None:
+        self.node, self.target, self.task, self.state = node, target, task, state
+        self.started = started
+        self.starts = state / "starts"
+        self.model_calls = state / "model"
+        self.hanging = state / "hanging"
+
+    def spawn(self, name: str, *, hang: bool = False) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "DAGNATS_ENGINE": self.target,
+            "TOOL_STARTS_FILE": str(self.starts),
+            "MODEL_CALLS_FILE": str(self.model_calls),
+            # One task at a time and short polls, as tests/workers/matrix_worker.py:
+            # a killed worker leaves no poll behind that would lease the task's
+            # redelivery into a response nobody reads.
+            "WORKER_CONCURRENCY": "1",
+            "WORKER_POLL_WAIT": "0.5",
+        }
+        if hang:
+            env["HANG_IN_TOOL_MARKER"] = str(self.hanging)
+        with open(self.state / f"{name}.log", "wb") as out:
+            proc = subprocess.Popen(
+                [self.node, str(EXAMPLE / "main.js"), self.task],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.state,
+            )
+        self.started.append(proc)
+        return proc
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {log.name}\n{log.read_text()}" for log in sorted(self.state.glob("*.log"))
+        )
+
+    def alive(self, proc: subprocess.Popen[bytes]) -> None:
+        """Fail at once, with the logs, when a worker died on its own."""
+        if proc.poll() is not None:
+            raise AssertionError(f"a node worker exited with {proc.returncode}\n{self.logs()}")
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+async def start(client: Client) -> tuple[str, str]:
+    task, name = unique("node"), unique("nodewf")
+    await client.register_workflow(loop_workflow(name, task))
+    return task, name
+
+
+async def finish(
+    client: Client,
+    engine: EngineServer,
+    run_id: str,
+    workers: NodeWorkers,
+    proc: subprocess.Popen[bytes],
+) -> pb.Run:
+    """Wait for the run to end; check the answer, the journal and the engine's count."""
+
+    async def ended() -> pb.Run | None:
+        workers.alive(proc)
+        run = await client.get_run(run_id)
+        return None if run.status == pb.RUN_STATUS_RUNNING else run
+
+    run: pb.Run = await wait_for(ended, timeout=30, interval=0.05, message="the run never ended")
+    assert run.status == pb.RUN_STATUS_COMPLETED, f"{run.error}\n{workers.logs()}"
+    assert run_output(run) == ANSWER
+    check = await journal_check(engine, run_id)
+    assert list(check.violations) == [], check.violations
+    assert steps_by_id(run)["agent"].iterations == 1  # one continue, then the answer
+    return run
+
+
+async def tool_results(engine: EngineServer, run_id: str) -> list[jpb.ToolResult]:
+    records = await read_journal(engine, run_id)
+    return [r.tool_result for r in records if r.WhichOneof("kind") == "tool_result"]
+
+
+async def test_node_worker_completes_a_durable_run(
+    client: Client, engine: EngineServer, node: str, tmp_path: Path, processes: Processes
+) -> None:
+    task, name = await start(client)
+    workers = NodeWorkers(node, engine.target, task, tmp_path, processes)
+    worker = workers.spawn("worker")
+    run = await client.start_run(name, INPUT)
+    await finish(client, engine, run.run_id, workers, worker)
+    assert lines(workers.starts) == [f"charge_card {run.run_id}.agent.0.1"]
+    assert lines(workers.model_calls) == ["turn 0", "turn 1"]
+    (result,) = await tool_results(engine, run.run_id)
+    assert not result.interrupted and b'"charged":true' in result.output
+
+
+async def test_node_worker_killed_inside_the_unsafe_tool(
+    client: Client, engine: EngineServer, node: str, tmp_path: Path, processes: Processes
+) -> None:
+    task, name = await start(client)
+    workers = NodeWorkers(node, engine.target, task, tmp_path, processes)
+    first = workers.spawn("first", hang=True)
+    run = await client.start_run(name, INPUT)
+
+    def hanging() -> bool:
+        workers.alive(first)
+        return workers.hanging.exists()
+
+    await wait_for(hanging, timeout=30, message="the tool never started")
+    first.kill()  # SIGKILL, inside the tool: its lease runs out, a successor takes over
+    first.wait()
+    second = workers.spawn("second")
+    await finish(client, engine, run.run_id, workers, second)
+    assert len(lines(workers.starts)) == 1, "the unsafe tool started again"
+    assert lines(workers.model_calls) == ["turn 0", "turn 1"], "the recorded reply was reused"
+    (result,) = await tool_results(engine, run.run_id)
+    assert result.interrupted and result.partial == PARTIAL
+
+
+async def test_node_worker_reports_a_turn_committed_by_a_crashed_holder(
+    client: Client, engine: EngineServer, node: str, tmp_path: Path, processes: Processes
+) -> None:
+    """A Python holder commits iteration 0 and stops before reporting; the node
+    worker's claim finds the commit and reports it, running nothing."""
+    task, name = await start(client)
+    workers = NodeWorkers(node, engine.target, task, tmp_path, processes)
+
+    async def charge(run: ToolRun) -> Any:
+        with open(workers.starts, "a") as f:
+            f.write(f"{run.call.name} {run.call.key}\n")
+        return {"charged": True, "order": "A-1001", "amount_cents": 4200}
+
+    async def python_turn(tc: TaskContext) -> None:  # iteration 0 of the node agent
+        j = await tc.journal()
+        history = await tc.load_checkpoint() or [tc.input]
+
+        async def model() -> Any:
+            return CHARGE
+
+        reply = await j.model(model)
+        result = await j.tool(ToolCall(name="charge_card", input=INPUT), Replay.UNSAFE, charge)
+        await tc.checkpoint([*history, {"reply": reply, "output": result.output}])
+        await tc.continue_()
+
+    with Crasher("after_commit") as crash:
+        python = Worker(engine.target, handlers={task: python_turn}, poll_wait=0.5, concurrency=1)
+        async with python:
+            run = await client.start_run(name, INPUT)
+            await wait_for(
+                crash.hit.is_set, timeout=30, message="the Python holder never committed"
+            )
+            worker = workers.spawn("worker")
+            await python.stop(grace=0)  # gone between its commit and its report
+        await finish(client, engine, run.run_id, workers, worker)
+    assert lines(workers.starts) == [f"charge_card {run.run_id}.agent.0.1"]
+    assert lines(workers.model_calls) == ["turn 1"], "the node worker ran iteration 1 only"
+    assert "settled by the journal (committed" in workers.logs()
