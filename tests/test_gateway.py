@@ -366,6 +366,24 @@ async def test_bad_input_is_a_json_error_and_stores_nothing(
         ("GET", f"{inputs}/x?wait=soon", {}, 400, "invalid_argument", "wait"),
         ("GET", f"{inputs}/never", {}, 404, "not_found", None),
         ("GET", "/workflows/a*b", {}, 400, "invalid_argument", "name"),
+        # Errors that quote the request in a status message or field (found by
+        # the OpenAPI property test: a 500, and a lone surrogate that hung).
+        (
+            "POST",
+            "/workflows",
+            {"content": rb'{"\u7dbb": null}', "headers": json_headers},
+            400,
+            "invalid_argument",
+            None,
+        ),
+        (
+            "POST",
+            "/workflows",
+            {"content": rb'{"a\udbab": {}}', "headers": json_headers},
+            400,
+            "invalid_argument",
+            None,
+        ),
     ]
     for method, path, options, status, code, field in cases:
         response = await http.request(method, path, **options)
