@@ -74,11 +74,11 @@ def domain_errors(method: F) -> F:
 async def abort_with(context: Context, err: errors.DagnatsError) -> None:
     """End the call with the status of ``err``, its code and field in metadata."""
     # Messages and fields may quote a request (an unknown field's name): the
-    # status message must be valid UTF-8 and metadata values ASCII, or gRPC
+    # status message must be valid UTF-8 and metadata values printable ASCII, or gRPC
     # fails to send the status at all and the caller waits out its deadline.
     metadata: list[tuple[str, str]] = [(CODE_KEY, err.code)]
     if err.field:
-        metadata.append((FIELD_KEY, err.field.encode("ascii", "backslashreplace").decode()))
+        metadata.append((FIELD_KEY, err.field.encode("unicode_escape").decode("ascii")))
     context.set_trailing_metadata(tuple(metadata))
     await context.abort(status_of(err), err.message.encode("utf-8", "backslashreplace").decode())
 
