@@ -84,5 +84,5 @@ def test_no_generated_request_gets_a_server_error(dev_gateway: str, tmp_path: Pa
         "--exclude-path",
         "/bridge/poll",
     ]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
