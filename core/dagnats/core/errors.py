@@ -9,6 +9,7 @@ place, so no caller outside those two modules sees a ``grpc.RpcError``.
     ├── NotFound                      unknown workflow, run, step, ...
     ├── Conflict                      the request contradicts current state
     ├── Unavailable                   transport or backend trouble; retriable
+    │   └── NotProvisioned            a stream or bucket the call needs is missing
     ├── DeadlineExceeded              an operation ran out of time
     ├── Fenced                        a successor holds the step; stop writing
     └── ReplayMismatch                the handler made a different call at a
@@ -51,6 +52,13 @@ class Unavailable(DagnatsError):
     """The backend could not be reached; the call may be retried."""
 
     code = "unavailable"
+
+
+class NotProvisioned(Unavailable):
+    """A stream or bucket the call needs does not exist: the install was not
+    provisioned (or was damaged). Retrying does not help until it is."""
+
+    code = "not_provisioned"
 
 
 class DeadlineExceeded(DagnatsError):

@@ -29,6 +29,8 @@ STATUS_OF: dict[type[errors.DagnatsError], grpc.StatusCode] = {
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.Fenced: grpc.StatusCode.ABORTED,
     errors.ReplayMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    # Not UNAVAILABLE: clients retry that, and no retry creates a stream.
+    errors.NotProvisioned: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 # The error code carried in trailing metadata -> class, for the way back.

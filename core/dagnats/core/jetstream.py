@@ -196,40 +196,69 @@ async def pull_now(nc: NATS, stream: str, durable: str, batch: int, wait: float)
     server's closing status), so no message delivered to this call is left
     unread when it returns: a message dropped on the floor would stay
     invisible until its ack wait ran out.
+
+    Cancelled, it withdraws its interest, which makes the server drop the
+    pull instead of delivering to it, and gives back every message that had
+    reached it (see :func:`give_back`): its caller is gone and would leave
+    them invisible for an ack wait.
     """
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
+    arrived: asyncio.Queue[Msg] = asyncio.Queue()
+    sub = await nc.subscribe(nc.new_inbox(), cb=arrived.put)
     subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+    msgs: list[Msg] = []
     try:
         first = {"batch": 1, "expires": max(int(wait * 1e9) - 1_000_000, 1_000_000)}
-        msgs = await _read_pull(nc, sub, subject, first, 1, wait + 2.0)
+        await _read_pull(nc, sub, arrived, subject, first, msgs, 1, wait + 2.0)
         if msgs and batch > 1:
             more = {"batch": batch - 1, "no_wait": True}
-            msgs += await _read_pull(nc, sub, subject, more, batch - 1, 2.0)
+            await _read_pull(nc, sub, arrived, subject, more, msgs, batch, 2.0)
         return msgs
+    except asyncio.CancelledError:
+        with contextlib.suppress(nats.errors.Error):
+            # Unsubscribes, then waits for every message sent to it before that.
+            await sub.drain()  # type: ignore[no-untyped-call]
+        while not arrived.empty():
+            msg = arrived.get_nowait()
+            if not JetStreamContext.is_status_msg(msg):
+                msgs.append(msg)
+        await give_back(msgs)
+        raise
     finally:
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
 
 
+async def give_back(msgs: list[Msg]) -> None:
+    """Nak ``msgs`` without a delay, so each is delivered again at once instead
+    of after its ack wait. A message settled already is left alone."""
+    for msg in msgs:
+        with contextlib.suppress(nats.errors.Error):
+            await msg.nak()
+
+
 async def _read_pull(
-    nc: NATS, sub: Any, subject: str, request: dict[str, Any], limit: int, deadline: float
-) -> list[Msg]:
+    nc: NATS,
+    sub: Any,
+    arrived: asyncio.Queue[Msg],
+    subject: str,
+    request: dict[str, Any],
+    into: list[Msg],
+    limit: int,
+    deadline: float,
+) -> None:
     await nc.publish(subject, json.dumps(request).encode(), reply=sub.subject)
-    msgs: list[Msg] = []
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline
-    while len(msgs) < limit:
+    while len(into) < limit:
         remaining = end - loop.time()
         if remaining <= 0:
             break
         try:
-            msg = await sub.next_msg(timeout=remaining)
-        except (TimeoutError, nats.errors.TimeoutError):
+            msg = await asyncio.wait_for(arrived.get(), timeout=remaining)
+        except TimeoutError:
             break
         if JetStreamContext.is_status_msg(msg):
             if msg.headers and msg.headers.get("Status") == "100":
                 continue  # an idle heartbeat
             break  # 404 no messages, 408 expired, 409 ...: the request is over
-        msgs.append(msg)
-    return msgs
+        into.append(msg)

@@ -25,6 +25,7 @@ from typing import Any
 from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
+from dagnats.core.errors import Fenced as FencedError
 from dagnats.core.seam import seam
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
@@ -32,6 +33,7 @@ from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._codec import decode, encode
 from dagnats.sdk._errors import (
     Committed,
+    Fenced,
     InputsQueued,
     RestartLimit,
     RunCancelled,
@@ -181,25 +183,32 @@ class TaskContext:
                 before reporting; the outcome was reported now.
             RestartLimit: the iteration was claimed too often in a row; the
                 failure was committed and reported.
+            Fenced: another holder's claim landed first; it holds the step.
         """
         if self._journal is not None:
             return self._journal
         await seam("before_claim")
-        response = await self._rpc.claim(
-            jpb.ClaimRequest(
-                run_id=self.run_id,
-                step_id=self.step_id,
-                iteration=self.iteration,
-                attempt=self.attempt,
-                delivery=self.delivery,
-                worker_id=self._worker_id,
-                restart_limit=self._restart_limit,
-            )
+        request = jpb.ClaimRequest(
+            run_id=self.run_id,
+            step_id=self.step_id,
+            iteration=self.iteration,
+            attempt=self.attempt,
+            delivery=self.delivery,
+            worker_id=self._worker_id,
+            restart_limit=self._restart_limit,
         )
+        try:
+            response = await self._rpc.claim(request)
+        except FencedError as err:
+            # A concurrent claim of this dispatch came between our read of the
+            # tail and our append: the task is its holder's, not ours to report.
+            raise Fenced(
+                self.run_id, self.step_id, expected=err.expected, actual=err.actual
+            ) from None
         if response.HasField("settled"):
             await self._settled_by_journal(response.settled)
         claimed = response.claimed
-        self._journal = Journal(self._rpc, claimed.token)
+        self._journal = Journal(self._rpc, claimed.token, cancellation=self._cancellation)
         self._state = claimed.state if claimed.has_state else None
         await seam("after_claim")
         return self._journal
@@ -416,7 +425,7 @@ class TaskContext:
         try:
             if self._journal is not None:
                 # The commit is the state of record; the event follows it.
-                request.journal_seq = await self._journal.commit(self._commit_of(outcome))
+                request.journal_seq = await self._journal.commit(commit_of(outcome, self._state))
             response = await self._rpc.report(request)
         except DagnatsError:
             self._settled_as = None
@@ -425,28 +434,31 @@ class TaskContext:
         if response.cancelled:
             self._mark_cancelled()
 
-    def _commit_of(self, outcome: Outcome) -> jpb.Commit:
-        commit = jpb.Commit(has_state=self._state is not None, state=self._state or b"")
-        match outcome:
-            case pb.Continue(output=output):
-                commit.action, commit.output = jpb.ACTION_CONTINUE, output
-                if outcome.HasField("wait"):
-                    wait = outcome.wait
-                    if wait.HasField("delay"):
-                        commit.wait_delay.CopyFrom(wait.delay)
-                    if wait.HasField("until"):
-                        commit.wait_until.CopyFrom(wait.until)
-                    commit.wait_until_input = wait.until_input
-            case pb.Complete(output=output):
-                commit.action, commit.output = jpb.ACTION_COMPLETE, output
-            case pb.Fail(error=error, kind=kind, reason=reason):
-                permanent = kind == pb.FAILURE_KIND_PERMANENT
-                commit.action = jpb.ACTION_FAIL_PERMANENT if permanent else jpb.ACTION_FAIL
-                commit.error, commit.reason = error, reason
-            case pb.Pause(duration=duration):
-                commit.action = jpb.ACTION_PAUSE
-                commit.pause.CopyFrom(duration)
-        return commit
+
+def commit_of(outcome: Outcome, state: bytes | None) -> jpb.Commit:
+    """The journal commit that stores ``outcome`` with ``state`` (JSON; None keeps
+    no state). The HTTP bridge builds its commits here too."""
+    commit = jpb.Commit(has_state=state is not None, state=state or b"")
+    match outcome:
+        case pb.Continue(output=output):
+            commit.action, commit.output = jpb.ACTION_CONTINUE, output
+            if outcome.HasField("wait"):
+                wait = outcome.wait
+                if wait.HasField("delay"):
+                    commit.wait_delay.CopyFrom(wait.delay)
+                if wait.HasField("until"):
+                    commit.wait_until.CopyFrom(wait.until)
+                commit.wait_until_input = wait.until_input
+        case pb.Complete(output=output):
+            commit.action, commit.output = jpb.ACTION_COMPLETE, output
+        case pb.Fail(error=error, kind=kind, reason=reason):
+            permanent = kind == pb.FAILURE_KIND_PERMANENT
+            commit.action = jpb.ACTION_FAIL_PERMANENT if permanent else jpb.ACTION_FAIL
+            commit.error, commit.reason = error, reason
+        case pb.Pause(duration=duration):
+            commit.action = jpb.ACTION_PAUSE
+            commit.pause.CopyFrom(duration)
+    return commit
 
 
 def outcome_of(commit: jpb.Commit) -> tuple[str, Outcome]:

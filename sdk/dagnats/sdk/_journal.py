@@ -11,22 +11,32 @@ Invariants:
   calls alike, in the order the handler makes them.
 - One asyncio task at a time: calls are matched by position, so concurrent use
   raises ``ConcurrentJournalUse`` instead of recording a race.
-- After ``Fenced`` the handle writes nothing more.
+- One RPC at a time, each with the newest token: the worker's keep-alive
+  (``hold``) and a tool's ``report`` run beside the handler's calls, and a call
+  made with the token a write in flight is about to replace would find that
+  write's record on the tail and fence its own holder. A call cancelled on
+  this side is still waited for, since its write may land anyway.
+- After ``Fenced`` the handle writes nothing more; after its commit, ``hold``
+  has nothing left to check.
+- A tool stopped because its run was cancelled is answered ``interrupted``
+  before the worker commits, so every intent the handle wrote has a result.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from dagnats.core.errors import DagnatsError, InvalidArgument
 from dagnats.core.errors import Fenced as FencedError
-from dagnats.core.errors import InvalidArgument
 from dagnats.core.seam import seam
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._codec import decode, encode
-from dagnats.sdk._errors import ConcurrentJournalUse, Fenced
+from dagnats.sdk._errors import ConcurrentJournalUse, Fenced, RunCancelled
 
 if TYPE_CHECKING:
     from dagnats.sdk._rpc import EngineRpc
@@ -98,16 +108,38 @@ class ToolRun:
 ToolFn = Callable[[ToolRun], Awaitable[Any]]
 ModelFn = Callable[[], Awaitable[Any]]
 
+log = logging.getLogger("dagnats.sdk")
+
+
+class _Written(Protocol):
+    """The answer to a call that may append: it carries the next token."""
+
+    @property
+    def token(self) -> jpb.WriterToken: ...
+
+
+R = TypeVar("R")
+W = TypeVar("W", bound=_Written)
+
 
 class Journal:
     """Durable model and tool calls for one dispatch of a step."""
 
-    def __init__(self, rpc: EngineRpc, token: jpb.WriterToken) -> None:
+    def __init__(
+        self,
+        rpc: EngineRpc,
+        token: jpb.WriterToken,
+        *,
+        cancellation: asyncio.Event | None = None,
+    ) -> None:
         self._rpc = rpc
         self._token = token
         self._position = 0
         self._busy = False
         self._fenced = False
+        self._committed = False
+        self._sending = asyncio.Lock()
+        self._cancellation = cancellation or asyncio.Event()
 
     @property
     def token(self) -> jpb.WriterToken:
@@ -127,19 +159,19 @@ class Journal:
             Fenced: a successor holds the step.
         """
         with self._turn() as position:
-            begin = await self._guard(
-                self._rpc.begin_model(jpb.BeginModelRequest(token=self._token, position=position))
+            begin = await self._send(
+                lambda t: self._rpc.begin_model(jpb.BeginModelRequest(token=t, position=position)),
+                writes=False,
             )
             if begin.recorded:
                 return decode(begin.response, field="response")
             response = await fn()
             data = encode(response, field="response")
-            recorded = await self._guard(
-                self._rpc.record_model(
-                    jpb.RecordModelRequest(token=self._token, position=position, response=data)
+            await self._write(
+                lambda t: self._rpc.record_model(
+                    jpb.RecordModelRequest(token=t, position=position, response=data)
                 )
             )
-            self._token = recorded.token
             await seam("after_model")
             return response
 
@@ -158,18 +190,18 @@ class Journal:
         with self._turn() as position:
             t = self._token
             call = replace(call, key=f"{t.run_id}.{t.step_id}.{t.iteration}.{position}")
-            begin = await self._guard(
-                self._rpc.begin_tool(
+            data = encode(call.input, field="input")
+            begin = await self._write(
+                lambda token: self._rpc.begin_tool(
                     jpb.BeginToolRequest(
-                        token=self._token,
+                        token=token,
                         position=position,
                         name=call.name,
-                        input=encode(call.input, field="input"),
+                        input=data,
                         replay=jpb.REPLAY_SAFE if replay is Replay.SAFE else jpb.REPLAY_UNSAFE,
                     )
                 )
             )
-            self._token = begin.token
             if not begin.run:
                 return _result(begin.result, replayed=True)
             await seam("after_intent")
@@ -178,45 +210,69 @@ class Journal:
             return result
 
     async def _run(self, call: ToolCall, intent_seq: int, fn: ToolFn) -> ToolResult:
+        reported: list[str] = []
+
         async def report(chunk: str) -> None:
-            out = await self._guard(
-                self._rpc.tool_output(
-                    jpb.ToolOutputRequest(token=self._token, intent_seq=intent_seq, chunk=chunk)
-                )
+            await self._write(
+                lambda t: self._rpc.tool_output(
+                    jpb.ToolOutputRequest(token=t, intent_seq=intent_seq, chunk=chunk)
+                ),
+                lambda _: reported.append(chunk),  # stored, even if the caller was cancelled
             )
-            self._token = out.token
 
         error, data, raised = "", b"", None
         try:
             output = await fn(ToolRun(call=call, _report=report))
         except Exception as err:  # the tool's own error is part of its result
             error = f"{type(err).__name__}: {err}"
+        except (asyncio.CancelledError, RunCancelled):
+            if self._cancellation.is_set():
+                await self._interrupted(intent_seq, "".join(reported))
+            raise
         else:
             try:
                 data = encode(output, field="output")
             except InvalidArgument as err:
                 error, raised = f"tool output is not JSON: {err.message}", err
-        finished = await self._guard(
-            self._rpc.finish_tool(
-                jpb.FinishToolRequest(
-                    token=self._token, intent_seq=intent_seq, output=data, error=error
-                )
+        await self._write(
+            lambda t: self._rpc.finish_tool(
+                jpb.FinishToolRequest(token=t, intent_seq=intent_seq, output=data, error=error)
             )
         )
-        self._token = finished.token
         if raised is not None:
             raise raised
         return ToolResult(output=decode(data, field="output") if data else None, error=error)
 
+    async def _interrupted(self, intent_seq: int, partial: str) -> None:
+        """Answer the intent of a tool its run's cancellation stopped: the run
+        ends with a commit, and nothing answers an intent after that."""
+        if self._fenced:
+            return  # the successor answers it
+        try:
+            await self._write(
+                lambda t: self._rpc.finish_tool(
+                    jpb.FinishToolRequest(
+                        token=t, intent_seq=intent_seq, interrupted=True, partial=partial
+                    )
+                )
+            )
+        except (DagnatsError, Fenced) as err:
+            log.warning(
+                "%s/%s: could not record the cancelled tool call at seq %d as interrupted: %s",
+                self._token.run_id,
+                self._token.step_id,
+                intent_seq,
+                err,
+            )
+
     async def place_inputs(self, mode: InputMode) -> list[PlacedInput]:
         """Place the step's queued inputs of ``mode`` (see ``TaskContext.place_inputs``)."""
         with self._turn() as position:
-            placed = await self._guard(
-                self._rpc.place_inputs(
-                    jpb.PlaceInputsRequest(token=self._token, position=position, mode=mode.value)
+            placed = await self._write(
+                lambda t: self._rpc.place_inputs(
+                    jpb.PlaceInputsRequest(token=t, position=position, mode=mode.value)
                 )
             )
-            self._token = placed.token
             await seam("after_inputs_placed")
             return [
                 PlacedInput(
@@ -228,13 +284,27 @@ class Journal:
             ]
 
     async def hold(self) -> None:
-        """Raise ``Fenced`` unless this holder still owns the step."""
-        await self._guard(self._rpc.hold(jpb.HoldRequest(token=self._token)))
+        """Raise ``Fenced`` unless this holder still owns the step.
+
+        Waits for a write in flight and checks with the token it returns.
+        """
+        await self._send(self._hold, writes=False)
+
+    async def _hold(self, token: jpb.WriterToken) -> jpb.HoldResponse:
+        if self._committed:
+            # The dispatch is over and only its report is left: no successor
+            # claims a committed dispatch, and the commit moved the tail.
+            return jpb.HoldResponse()
+        return await self._rpc.hold(jpb.HoldRequest(token=token))
 
     async def commit(self, commit: jpb.Commit) -> int:
         """Store the dispatch's commit; returns its sequence."""
-        done = await self._guard(
-            self._rpc.commit(jpb.CommitRequest(token=self._token, commit=commit))
+
+        def committed(done: jpb.CommitResponse) -> None:
+            self._committed = True
+
+        done = await self._send(
+            lambda t: self._rpc.commit(jpb.CommitRequest(token=t, commit=commit)), committed
         )
         await seam("after_commit")
         return int(done.commit_seq)
@@ -249,14 +319,62 @@ class Journal:
             raise Fenced(self._token.run_id, self._token.step_id)
         return _Turn(self)
 
-    async def _guard(self, call: Awaitable[Any]) -> Any:
+    async def _write(
+        self,
+        rpc: Callable[[jpb.WriterToken], Awaitable[W]],
+        then: Callable[[W], None] | None = None,
+    ) -> W:
+        """A call that may append: the token it answers with is the next one."""
+
+        def advance(answer: W) -> None:
+            self._token = answer.token
+            if then is not None:
+                then(answer)
+
+        return await self._send(rpc, advance)
+
+    async def _send(
+        self,
+        rpc: Callable[[jpb.WriterToken], Awaitable[R]],
+        then: Callable[[R], None] | None = None,
+        *,
+        writes: bool = True,
+    ) -> R:
+        """Call ``rpc`` with the newest token once no other call is in flight;
+        ``then`` sees the answer before the next call goes out.
+
+        A call that ``writes``, cancelled here, is waited for before the
+        cancellation goes on: its write may land all the same, and the next
+        write (an interrupted result, the commit) must follow it rather than
+        reuse its identity.
+        """
+        async with self._sending:
+            if self._fenced:
+                raise Fenced(self._token.run_id, self._token.step_id)
+            if not writes:
+                return await self._exchange(rpc, then)
+            call = asyncio.ensure_future(self._exchange(rpc, then))
+            try:
+                return await asyncio.shield(call)
+            except asyncio.CancelledError:
+                await asyncio.wait((call,))
+                if not call.cancelled():
+                    call.exception()  # seen: the caller gets the cancellation
+                raise
+
+    async def _exchange(
+        self, rpc: Callable[[jpb.WriterToken], Awaitable[R]], then: Callable[[R], None] | None
+    ) -> R:
         try:
-            return await call
+            answer = await rpc(self._token)
         except FencedError as err:
             self._fenced = True
             raise Fenced(
                 self._token.run_id, self._token.step_id, expected=err.expected, actual=err.actual
             ) from None
+        if then is not None:
+            then(answer)
+        return answer
 
 
 class _Turn:

@@ -78,27 +78,38 @@ class JournalClient:
             raise self._domain_error(err) from None
 
     async def read(
-        self, run_id: str, step_id: str, *, from_seq: int = 0, follow: bool = False
+        self,
+        run_id: str,
+        step_id: str,
+        *,
+        from_seq: int = 0,
+        follow: bool = False,
+        limit: int = 0,
     ) -> AsyncIterator[pb.Record]:
         """Yield a step's records from ``from_seq`` on, in sequence order.
 
-        Without ``follow`` it ends at the tail; with it, it waits for new
-        records until the caller stops iterating.
+        Without ``follow`` it ends at the tail, or after ``limit`` records when
+        ``limit`` is positive; with it, it waits for new records until the
+        caller stops iterating (``limit`` does not apply).
         """
         if follow:
             request = pb.ReadRequest(run_id=run_id, step_id=step_id, from_seq=from_seq, follow=True)
             async for record in self._stream(request, deadline=None):
                 yield record
             return
-        while True:
-            request = pb.ReadRequest(run_id=run_id, step_id=step_id, from_seq=from_seq, limit=PAGE)
+        left = limit if limit > 0 else None
+        while left is None or left > 0:
+            page = PAGE if left is None else min(PAGE, left)
+            request = pb.ReadRequest(run_id=run_id, step_id=step_id, from_seq=from_seq, limit=page)
             count = 0
             async for record in self._stream(request, deadline=self._timeout):
                 count += 1
                 from_seq = record.seq + 1
                 yield record
-            if count < PAGE:
+            if count < page:
                 return
+            if left is not None:
+                left -= count
 
     async def _stream(
         self, request: pb.ReadRequest, *, deadline: float | None

@@ -20,7 +20,7 @@ from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
 from dagnats.engine.processor import Engine
-from dagnats.engine.store import history_subject, task_consumer
+from dagnats.engine.store import StoredRun, history_subject, task_consumer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.engine.v1 import internal_pb2 as ipb
@@ -215,7 +215,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         for task_type in types:
             await self._ensure_consumer(task_type)
         msgs = await self._fetch(types, max_tasks, wait)
-        leased = [t for t in await asyncio.gather(*(self._lease(msg) for msg in msgs)) if t]
+        try:
+            leased = [t for t in await asyncio.gather(*(self._lease(msg) for msg in msgs)) if t]
+        except asyncio.CancelledError:
+            await jsx.give_back(msgs)  # the caller left: no one will read these leases
+            raise
         return pb.PollTasksResponse(tasks=leased)
 
     async def _ensure_consumer(self, task_type: str) -> None:
@@ -225,14 +229,26 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     async def _fetch(self, types: list[str], max_tasks: int, wait: float) -> list[Msg]:
         """Wait for tasks of any of the types. Tasks that arrive for a type after
-        another type answered are released at once (nak), not held."""
+        another type answered are released at once (nak), not held; so are all
+        of them when the caller leaves (the poll is cancelled) first."""
         fetches = [asyncio.create_task(self._fetch_one(t, max_tasks, wait)) for t in types]
         got: list[Msg] = []
         pending = set(fetches)
-        while pending and not got:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                got.extend(task.result())
+        try:
+            while pending and not got:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    got.extend(task.result())
+        except asyncio.CancelledError:
+            # Each pull, cancelled, gives back what reached it; a pull that
+            # finished in the meantime is given back here.
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+            finished = [t for t in pending if not t.cancelled() and t.exception() is None]
+            await jsx.give_back([*got, *(m for t in finished for m in t.result())])
+            raise
         for task in pending:
             task.add_done_callback(_release_late)
         for extra in got[max_tasks:]:
@@ -336,7 +352,20 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # The outcome is durable on the run's history: only now may the task go.
         await self.store.nc.publish(lease, b"+ACK")
         cancelled = stored.record.run.status == pb.RUN_STATUS_CANCELLED
-        return pb.ReportResponse(cancelled=cancelled)
+        return pb.ReportResponse(
+            cancelled=cancelled, stale=not cancelled and self._stale(stored, event)
+        )
+
+    def _stale(self, stored: StoredRun, event: ipb.HistoryEvent) -> bool:
+        """Whether the rules would drop ``event`` on the run as stored now. A hint
+        for the reporter (the HTTP bridge answers 410 with it); the event is
+        published all the same and the processor, on the latest run, decides."""
+        run_input = convert.event_to_input(event)
+        if run_input is None:
+            return False
+        run = convert.record_from_proto(stored.record)
+        decision = rules.apply(run, run_input, self.engine.clock(), self.engine.options)
+        return isinstance(decision, m.Dropped)
 
     # ---- checkpoints --------------------------------------------------------------
 

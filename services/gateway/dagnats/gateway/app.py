@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dagnats.gateway import metrics, rest
+from dagnats.gateway import bridge, metrics, rest
 from dagnats.gateway.backend import Backend
 from dagnats.gateway.config import GatewayConfig
 from dagnats.gateway.errors import error_response, install_error_handlers
@@ -42,6 +42,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     install_error_handlers(app)
     app.include_router(metrics.router)
     app.include_router(rest.router)
+    app.include_router(bridge.router)
     # Outermost first: the body limit sees the request before anything reads it.
     app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)

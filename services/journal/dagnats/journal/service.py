@@ -285,11 +285,16 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self, request: pb.FinishToolRequest, context: Context
     ) -> pb.FinishToolResponse:
         token = check_writer_token(request.token)
-        if not request.error:
-            _check_json(request.output, "output")
-        result = pb.ToolResult(
-            intent_seq=request.intent_seq, output=request.output, error=request.error
-        )
+        if request.interrupted:
+            result = pb.ToolResult(
+                intent_seq=request.intent_seq, interrupted=True, partial=request.partial
+            )
+        else:
+            if not request.error:
+                _check_json(request.output, "output")
+            result = pb.ToolResult(
+                intent_seq=request.intent_seq, output=request.output, error=request.error
+            )
         token, _ = await self._append(token, pb.Record(tool_result=result))
         return pb.FinishToolResponse(token=token)
 

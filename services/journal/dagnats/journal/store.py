@@ -5,9 +5,13 @@ the writer's last seen sequence on the step's exact subject, and a Msg-Id made
 of the record's identity and the claim's random writer nonce, so a retry of a
 write whose ack was lost resolves as the writer's own (``duplicate`` on R3;
 error 10071 plus a read-back on R1) and a zombie reusing its successor's
-identifiers never passes as the successor. Error 10071 becomes ``Fenced`` here
-and nowhere else. Tail reads use the stream leader (the message-get API), not
-direct gets.
+identifiers never passes as the successor. A record found under our Msg-Id
+counts as ours only if it records the same thing: a writer token sent again for
+another record (an HTTP worker that lost track of its latest token) is behind,
+not retried. Error 10071 becomes ``Fenced`` here and nowhere else. Tail reads
+use the stream leader (the message-get API), not direct gets. A missing
+``AGENT_JOURNAL`` stream is ``NotProvisioned``, told apart from an empty
+subject here and nowhere else.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from opentelemetry import trace
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
-from dagnats.core.errors import Fenced, InvalidArgument, Unavailable
+from dagnats.core.errors import Fenced, InvalidArgument, NotProvisioned, Unavailable
 from dagnats.journal.v1 import journal_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,7 @@ log = logging.getLogger(__name__)
 WRONG_LAST_SEQUENCE = 10071
 IN_FLIGHT_ON_SUBJECT = 10164
 RETRY_IN_FLIGHT = 10158
+STREAM_NOT_FOUND = 10059
 _CURRENT = re.compile(r"wrong last sequence: (\d+)")
 RETRY_DEADLINE = 30.0
 
@@ -80,28 +85,38 @@ class JournalStore:
         while True:
             try:
                 ack = await self.js.publish(subject, data, timeout=5.0, headers=headers)
+                if ack.duplicate:  # R3: our Msg-Id landed before; is it this record?
+                    landed = await self.get(int(ack.seq))
+                    _same_or_fenced(subject, token.last_seq, landed, record)
                 return int(ack.seq)
             except nats.js.errors.APIError as err:
                 if err.err_code == WRONG_LAST_SEQUENCE:
-                    return await self._resolve(subject, token.last_seq, msg_id, err)
+                    return await self._resolve(subject, token.last_seq, msg_id, record, err)
                 if err.err_code not in (IN_FLIGHT_ON_SUBJECT, RETRY_IN_FLIGHT):
                     raise
             except jsx.TRANSIENT_NATS_ERRORS:
                 pass
             if loop.time() > deadline:
-                return await self._resolve(subject, token.last_seq, msg_id, None)
+                return await self._resolve(subject, token.last_seq, msg_id, record, None)
             await asyncio.sleep(delay)  # backoff between retries of the same write
             delay = min(delay * 2, 1.0)
 
     async def _resolve(
-        self, subject: str, expected: int, msg_id: str, err: nats.js.errors.APIError | None
+        self,
+        subject: str,
+        expected: int,
+        msg_id: str,
+        record: pb.Record,
+        err: nats.js.errors.APIError | None,
     ) -> int:
         """After a rejected or unanswered write: did our own earlier try land?"""
         try:
             first = await self.js.get_msg(jsx.JOURNAL, seq=expected + 1, subject=subject, next=True)
-        except nats.js.errors.NotFoundError:
+        except nats.js.errors.NotFoundError as missing:
+            _unless_stream_missing(missing)
             first = None
         if first is not None and (first.headers or {}).get("Nats-Msg-Id") == msg_id:
+            _same_or_fenced(subject, expected, _decode(first.data, first.seq), record)
             return int(first.seq or 0)
         if err is None and first is None:
             raise Unavailable(f"could not append to {subject}; try again")
@@ -124,14 +139,16 @@ class JournalStore:
         """The last record of a step, read from the stream leader."""
         try:
             msg = await self.js.get_last_msg(jsx.JOURNAL, journal_subject(run_id, step_id))
-        except nats.js.errors.NotFoundError:
+        except nats.js.errors.NotFoundError as err:
+            _unless_stream_missing(err)
             return None
         return _decode(msg.data, msg.seq)
 
     async def get(self, seq: int) -> pb.Record | None:
         try:
             msg = await self.js.get_msg(jsx.JOURNAL, seq=seq)
-        except nats.js.errors.NotFoundError:
+        except nats.js.errors.NotFoundError as err:
+            _unless_stream_missing(err)
             return None
         return _decode(msg.data, msg.seq)
 
@@ -145,7 +162,8 @@ class JournalStore:
         while (through is None or seq <= through) and (not limit or len(records) < limit):
             try:
                 msg = await self.js.get_msg(jsx.JOURNAL, seq=seq, subject=subject, next=True)
-            except nats.js.errors.NotFoundError:
+            except nats.js.errors.NotFoundError as err:
+                _unless_stream_missing(err)
                 break
             if through is not None and (msg.seq or 0) > through:
                 break
@@ -171,6 +189,38 @@ class JournalStore:
 
     async def purge(self, run_id: str) -> None:
         await self.js.purge_stream(jsx.JOURNAL, subject=f"journal.{run_id}.>")
+
+
+def _same_or_fenced(
+    subject: str, expected: int, landed: pb.Record | None, record: pb.Record
+) -> None:
+    """A record with our Msg-Id landed: it is our earlier try of this write only
+    if it records the same thing. A writer token used again for another record
+    (a worker that lost track of its latest token) wrote nothing and is behind."""
+    kind = record.WhichOneof("kind")
+    if (
+        landed is not None
+        and kind is not None
+        and landed.WhichOneof("kind") == kind
+        and getattr(landed, kind) == getattr(record, kind)
+    ):
+        return
+    actual = landed.seq if landed is not None else expected
+    raise Fenced(
+        f"{subject}: this writer already wrote sequence {actual} with the token it sent; "
+        "that token is behind",
+        expected=expected,
+        actual=actual,
+    )
+
+
+def _unless_stream_missing(err: nats.js.errors.NotFoundError) -> None:
+    """A "not found" is an empty subject, unless the stream itself is gone."""
+    if err.err_code == STREAM_NOT_FOUND:
+        raise NotProvisioned(
+            f"the {jsx.JOURNAL} stream does not exist; provision the streams "
+            "(start the engine, or run `dagnats dev`)"
+        ) from None
 
 
 def _decode(data: bytes | None, seq: int | None) -> pb.Record:

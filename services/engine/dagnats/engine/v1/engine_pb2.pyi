@@ -1329,21 +1329,29 @@ Global___ReportRequest: _TypeAlias = ReportRequest  # noqa: Y015
 
 @_typing.final
 class ReportResponse(_message.Message):
-    """ReportResponse says whether the run was cancelled meanwhile."""
+    """ReportResponse says whether the outcome will be applied."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     CANCELLED_FIELD_NUMBER: _builtins.int
+    STALE_FIELD_NUMBER: _builtins.int
     cancelled: _builtins.bool
     """True when the run was cancelled; the outcome will be dropped."""
+    stale: _builtins.bool
+    """True when the outcome does not apply to the step's current dispatch (the
+    step moved on, finished, or the run ended), judged on the run as stored
+    when the report arrived: the engine will drop it. A repeat of a report the
+    engine already applied answers true as well. Not set with cancelled.
+    """
     def __init__(
         self,
         *,
         cancelled: _builtins.bool = ...,
+        stale: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "stale", b"stale"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

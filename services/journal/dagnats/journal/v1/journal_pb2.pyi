@@ -929,12 +929,20 @@ class FinishToolRequest(_message.Message):
     INTENT_SEQ_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    INTERRUPTED_FIELD_NUMBER: _builtins.int
+    PARTIAL_FIELD_NUMBER: _builtins.int
     intent_seq: _builtins.int
     """Intent it answers."""
     output: _builtins.bytes
     """Output (JSON) when the tool returned."""
     error: _builtins.str
     """The tool's own error."""
+    interrupted: _builtins.bool
+    """True when the tool was stopped before it returned (its run was
+    cancelled): the result is recorded as interrupted, output and error unset.
+    """
+    partial: _builtins.str
+    """With interrupted: the partial output the tool had reported."""
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """The writer."""
@@ -946,10 +954,12 @@ class FinishToolRequest(_message.Message):
         intent_seq: _builtins.int = ...,
         output: _builtins.bytes = ...,
         error: _builtins.str = ...,
+        interrupted: _builtins.bool = ...,
+        partial: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "intent_seq", b"intent_seq", "output", b"output", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

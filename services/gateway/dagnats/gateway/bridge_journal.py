@@ -1,0 +1,271 @@
+"""The bridge's journal actions, under ``/bridge/journal``.
+
+The first action on a task claims its journal. The replay actions are the
+SDK journal handle's calls: ``model/begin`` then (unless a response is
+recorded) ``model/record``; ``tool/begin`` then (when told to run)
+``tool/output`` and ``tool/finish``; ``inputs/place``. ``append`` writes a
+record the worker built itself, through the same RPCs, so it obeys the same
+replay rules. Positions are counted in the token: each begun call, placement
+or appended model or intent takes the next one, unless an append names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fastapi import APIRouter
+
+from dagnats.core.errors import Conflict
+from dagnats.gateway import bridge_models as bm
+from dagnats.gateway import bridge_ops as ops
+from dagnats.gateway.backend import Backend, BackendDep
+from dagnats.gateway.bridge_token import BridgeToken
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk._codec import encode
+from dagnats.sdk.views import decode_payload, record_dict
+
+router = APIRouter(prefix="/journal")
+
+_REPLAY = {"safe": jpb.REPLAY_SAFE, "unsafe": jpb.REPLAY_UNSAFE}
+_MODE = {"steer": 1, "follow_up": 2}
+
+
+@router.post("/read", summary="Claim (first action), then this iteration's records and state")
+async def read(b: BackendDep, body: bm.TokenBody) -> bm.ReadResult:
+    t, claimed = await ops.claim(b, BridgeToken.decode(body.token))
+    if claimed is not None:
+        records = list(claimed.records)
+        state = claimed.state if claimed.has_state else None
+    else:
+        await ops.holding(b, t)
+        records = await _iteration_records(b, t)
+        state = await ops.state_of(b, t)
+    return bm.ReadResult(
+        token=t.encode(),
+        records=[record_dict(r) for r in records],
+        state=decode_payload(state) if state is not None else None,
+        has_state=state is not None,
+    )
+
+
+async def _iteration_records(b: Backend, t: BridgeToken) -> list[jpb.Record]:
+    assert t.writer is not None
+    w = t.writer
+    found: list[jpb.Record] = []
+    # At most last_seq - base_seq records of this step lie in between.
+    limit = max(w.last_seq - w.base_seq, 1)
+    async with ops.records_from(b, t, w.base_seq + 1, limit=limit) as records:
+        async for record in records:
+            if record.seq > w.last_seq:
+                break
+            if record.iteration == w.iteration:
+                found.append(record)
+    return found
+
+
+# ---- model calls --------------------------------------------------------------------------
+
+
+@router.post("/model/begin", summary="The response recorded at the next position, if any")
+async def model_begin(b: BackendDep, body: bm.TokenBody) -> bm.ModelBeginResult:
+    t, _ = await ops.claim(b, BridgeToken.decode(body.token))
+    position = t.position
+    t, response = await _begin_model(b, t, position)
+    return bm.ModelBeginResult(
+        token=t.encode(),
+        position=position,
+        recorded=response is not None,
+        response=decode_payload(response) if response is not None else None,
+    )
+
+
+async def _begin_model(
+    b: Backend, t: BridgeToken, position: int
+) -> tuple[BridgeToken, bytes | None]:
+    assert t.writer is not None
+    request = jpb.BeginModelRequest(token=t.writer, position=position)
+    begin = await ops.writing(b, t, b.rpc.begin_model(request))
+    if begin.recorded:
+        return replace(t, position=position + 1, model_position=None), begin.response
+    return replace(t, position=position + 1, model_position=position), None
+
+
+@router.post("/model/record", summary="Record the response of the begun model call")
+async def model_record(b: BackendDep, body: bm.ModelRecordBody) -> bm.TokenResult:
+    t = BridgeToken.decode(body.token)
+    if t.writer is None or t.model_position is None:
+        raise Conflict("no model call is begun: call /bridge/journal/model/begin first")
+    t = await _record_model(b, t, t.model_position, encode(body.response, field="response"))
+    return bm.TokenResult(token=t.encode())
+
+
+async def _record_model(b: Backend, t: BridgeToken, position: int, data: bytes) -> BridgeToken:
+    assert t.writer is not None
+    request = jpb.RecordModelRequest(token=t.writer, position=position, response=data)
+    recorded = await ops.writing(b, t, b.rpc.record_model(request))
+    return replace(t, writer=recorded.token, model_position=None)
+
+
+# ---- tool calls ---------------------------------------------------------------------------
+
+
+@router.post("/tool/begin", summary="Record a tool call's intent, or the result to use instead")
+async def tool_begin(b: BackendDep, body: bm.ToolBeginBody) -> bm.ToolBeginResult:
+    t, _ = await ops.claim(b, BridgeToken.decode(body.token))
+    position = t.position
+    t, begin = await _begin_tool(b, t, position, body.name, body.input, body.replay)
+    return bm.ToolBeginResult(
+        token=t.encode(),
+        position=position,
+        key=f"{t.run_id}.{t.step_id}.{t.iteration}.{position}",
+        run=begin.run,
+        intent_seq=_intent_of(begin),
+        result=None if begin.run else _result_view(begin.result),
+    )
+
+
+async def _begin_tool(
+    b: Backend, t: BridgeToken, position: int, name: str, value: object, replay: str
+) -> tuple[BridgeToken, jpb.BeginToolResponse]:
+    assert t.writer is not None
+    request = jpb.BeginToolRequest(
+        token=t.writer,
+        position=position,
+        name=name,
+        input=encode(value, field="input"),
+        replay=_REPLAY[replay],
+    )
+    begin = await ops.writing(b, t, b.rpc.begin_tool(request))
+    intent_seq = begin.intent_seq if begin.run else 0
+    return replace(t, writer=begin.token, position=position + 1, intent_seq=intent_seq), begin
+
+
+def _intent_of(begin: jpb.BeginToolResponse) -> int:
+    return int(begin.intent_seq or begin.result.intent_seq)
+
+
+def _result_view(result: jpb.ToolResult) -> bm.ToolResultView:
+    return bm.ToolResultView(
+        output=decode_payload(result.output),
+        error=result.error,
+        interrupted=result.interrupted,
+        partial=result.partial,
+    )
+
+
+@router.post("/tool/output", summary="Record partial output of the running tool")
+async def tool_output(b: BackendDep, body: bm.ToolOutputBody) -> bm.TokenResult:
+    t = BridgeToken.decode(body.token)
+    t = await _tool_output(b, t, _intent(t, body.intent_seq), body.chunk)
+    return bm.TokenResult(token=t.encode())
+
+
+async def _tool_output(b: Backend, t: BridgeToken, intent_seq: int, chunk: str) -> BridgeToken:
+    assert t.writer is not None
+    request = jpb.ToolOutputRequest(token=t.writer, intent_seq=intent_seq, chunk=chunk)
+    out = await ops.writing(b, t, b.rpc.tool_output(request))
+    return replace(t, writer=out.token)
+
+
+@router.post("/tool/finish", summary="Record the result of the running tool")
+async def tool_finish(b: BackendDep, body: bm.ToolFinishBody) -> bm.TokenResult:
+    t = BridgeToken.decode(body.token)
+    t = await _finish_tool(b, t, _intent(t, body.intent_seq), body.output, body.error)
+    return bm.TokenResult(token=t.encode())
+
+
+async def _finish_tool(
+    b: Backend, t: BridgeToken, intent_seq: int, output: object, error: str
+) -> BridgeToken:
+    assert t.writer is not None
+    # As the SDK: a tool that failed has an error and no output.
+    data = b"" if error and output is None else encode(output, field="output")
+    request = jpb.FinishToolRequest(token=t.writer, intent_seq=intent_seq, output=data, error=error)
+    finished = await ops.writing(b, t, b.rpc.finish_tool(request))
+    return replace(t, writer=finished.token, intent_seq=0)
+
+
+def _intent(t: BridgeToken, given: int | None) -> int:
+    intent = given or t.intent_seq
+    if t.writer is None or not intent:
+        raise Conflict("no tool call is running: call /bridge/journal/tool/begin first")
+    return intent
+
+
+# ---- inputs -------------------------------------------------------------------------------
+
+
+@router.post("/inputs/place", summary="Place the step's queued inputs of one mode")
+async def place_inputs(b: BackendDep, body: bm.PlaceInputsBody) -> bm.PlaceInputsResult:
+    t, _ = await ops.claim(b, BridgeToken.decode(body.token))
+    assert t.writer is not None
+    position = t.position
+    request = jpb.PlaceInputsRequest(token=t.writer, position=position, mode=_MODE[body.mode])
+    placed = await ops.writing(b, t, b.rpc.place_inputs(request))
+    t = replace(t, writer=placed.token, position=position + 1)
+    inputs = [
+        bm.PlacedInputView(
+            request_id=p.request_id,
+            mode="follow_up" if p.mode == _MODE["follow_up"] else "steer",
+            content=decode_payload(p.content),
+            carried=p.carried,
+        )
+        for p in placed.inputs
+    ]
+    return bm.PlaceInputsResult(token=t.encode(), inputs=inputs)
+
+
+# ---- records the worker builds --------------------------------------------------------------
+
+
+@router.post("/append", summary="Write one record (model, tool_intent, tool_output, tool_result)")
+async def append(b: BackendDep, body: bm.AppendBody) -> bm.AppendResult:
+    record = body.record
+    t = BridgeToken.decode(body.token)
+    if isinstance(record, bm.ToolOutputRecord | bm.ToolResultRecord):
+        _intent(t, record.intent_seq)  # they follow a begun call: no claim for them
+    t, _ = await ops.claim(b, t)
+    assert t.writer is not None
+    before = t.writer.last_seq
+    match record:
+        case bm.ModelRecord():
+            position = t.position if record.position is None else record.position
+            t, recorded = await _begin_model(b, t, position)
+            if recorded is None:
+                data = encode(record.response, field="record.response")
+                t = await _record_model(b, t, position, data)
+            return bm.AppendResult(
+                token=t.encode(),
+                kind=record.kind,
+                seq=_written(t, before),
+                position=position,
+                recorded=recorded is not None,
+                response=decode_payload(recorded) if recorded is not None else None,
+            )
+        case bm.ToolIntentRecord():
+            position = t.position if record.position is None else record.position
+            t, begin = await _begin_tool(b, t, position, record.name, record.input, record.replay)
+            return bm.AppendResult(
+                token=t.encode(),
+                kind=record.kind,
+                seq=_written(t, before),
+                position=position,
+                run=begin.run,
+                intent_seq=_intent_of(begin),
+                result=None if begin.run else _result_view(begin.result),
+            )
+        case bm.ToolOutputRecord():
+            intent = _intent(t, record.intent_seq)
+            t = await _tool_output(b, t, intent, record.chunk)
+        case bm.ToolResultRecord():
+            intent = _intent(t, record.intent_seq)
+            t = await _finish_tool(b, t, intent, record.output, record.error)
+    return bm.AppendResult(
+        token=t.encode(), kind=record.kind, seq=_written(t, before), intent_seq=intent
+    )
+
+
+def _written(t: BridgeToken, before: int) -> int:
+    """Sequence of the last record this call wrote; 0 when it wrote none."""
+    assert t.writer is not None
+    return int(t.writer.last_seq) if t.writer.last_seq != before else 0

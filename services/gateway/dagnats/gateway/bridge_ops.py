@@ -1,0 +1,199 @@
+"""What the bridge's routes share: claiming, settling a task the journal
+settled, and turning a fenced journal call into the answer that says why.
+
+A journal refusal (``Fenced``) is explained from the records that follow the
+writer's last seen one, with the claim's own rules: a record of a later
+dispatch means the task is finished (410 ``stale``); a commit that ends this
+dispatch means a successor finished it (410 ``committed``); any other record
+of another writer means a successor holds it (409 ``fenced``); only this
+writer's own records mean the token was behind a write of its own. A
+cancelled run is 409 ``cancelled`` whatever the journal says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Literal, TypeVar, cast
+
+from dagnats.core.errors import Fenced
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.gateway.backend import Backend
+from dagnats.gateway.bridge_token import BridgeToken
+from dagnats.gateway.errors import ApiError
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk._context import outcome_of
+
+T = TypeVar("T")
+
+FenceReason = Literal["own", "stale", "committed", "fenced"]
+
+_ENDS_ITERATION = (jpb.ACTION_CONTINUE, jpb.ACTION_COMPLETE, jpb.ACTION_FAIL_PERMANENT)
+
+
+def fence_reason(record: jpb.Record, writer: jpb.WriterToken) -> FenceReason:
+    """What one record after ``writer``'s last seen sequence says about it."""
+    if record.writer == writer.writer:
+        return "own"
+    if (record.iteration, record.attempt) > (writer.iteration, writer.attempt):
+        return "stale"
+    if (
+        record.HasField("commit")
+        and record.iteration == writer.iteration
+        and (record.attempt == writer.attempt or record.commit.action in _ENDS_ITERATION)
+    ):
+        return "committed"
+    return "fenced"
+
+
+async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | None]:
+    """Claim the task's journal unless ``t`` holds it already.
+
+    Returns:
+        The token that holds the journal, and the claim when this call made it.
+
+    Raises:
+        ApiError: 410 ``stale``, ``committed`` or ``restart_limit`` when the
+            journal settled the task (it is then settled with the engine
+            here); 409 ``cancelled`` when the run was cancelled.
+    """
+    if t.writer is not None:
+        return t, None
+    response = await b.rpc.claim(
+        jpb.ClaimRequest(
+            run_id=t.run_id,
+            step_id=t.step_id,
+            iteration=t.iteration,
+            attempt=t.attempt,
+            delivery=t.delivery,
+            worker_id=t.worker_id,
+            restart_limit=t.restart_limit,
+        )
+    )
+    if response.HasField("settled"):
+        raise await _settle(b, t, response.settled)
+    claimed = response.claimed
+    return replace(t, writer=claimed.token, has_state=claimed.has_state, position=0), claimed
+
+
+async def _settle(b: Backend, t: BridgeToken, settled: jpb.Settled) -> ApiError:
+    # As TaskContext.journal(): release a stale task; report a stored commit
+    # again (committed before a crash, or the restart limit's failure).
+    request = pb.ReportRequest(lease=t.lease, run_id=t.run_id, step_id=t.step_id)
+    if settled.reason == "stale":
+        request.iteration, request.attempt = t.iteration, t.attempt
+        request.acknowledge.SetInParent()
+    else:
+        commit = settled.commit
+        request.iteration, request.attempt = commit.iteration, commit.attempt
+        request.journal_seq = commit.seq
+        field, outcome = outcome_of(commit.commit)
+        getattr(request, field).CopyFrom(outcome)
+    response = await b.rpc.report(request)
+    if response.cancelled:
+        return await ended(b, t)
+    reason = settled.reason if settled.reason in ("stale", "committed") else "restart_limit"
+    return ApiError(410, reason, settled.detail or f"the task is settled: {reason}")
+
+
+async def writing(b: Backend, t: BridgeToken, call: Awaitable[T]) -> T:
+    """Await a journal write; a refusal becomes the answer that says why."""
+    try:
+        return await call
+    except Fenced as err:
+        reason = await why_fenced(b, t)
+        if reason == "own":
+            raise ApiError(
+                409, "fenced", "the token is behind the journal: send the latest token"
+            ) from None
+        raise _explained(t, reason, err) from None
+
+
+async def holding(b: Backend, t: BridgeToken) -> None:
+    """Check that ``t`` still holds the step. A token behind only this
+    worker's own writes (a heartbeat that raced a write) still holds it."""
+    assert t.writer is not None
+    try:
+        await b.rpc.hold(jpb.HoldRequest(token=t.writer))
+    except Fenced as err:
+        reason = await why_fenced(b, t)
+        if reason != "own":
+            raise _explained(t, reason, err) from None
+
+
+async def why_fenced(b: Backend, t: BridgeToken) -> FenceReason | Literal["cancelled"]:
+    """Why the journal refused ``t``'s writer (see the module docstring)."""
+    run = (await b.rpc.get_run(pb.GetRunRequest(run_id=t.run_id))).run
+    if run.status == pb.RUN_STATUS_CANCELLED:
+        return "cancelled"
+    assert t.writer is not None
+    writer = t.writer
+    seen: FenceReason = "own"
+    after = writer.last_seq + 1
+    async with records_from(b, t, after) as records:
+        async for record in records:
+            reason = fence_reason(record, writer)
+            if reason in ("stale", "committed"):
+                return reason
+            if reason == "fenced":
+                seen = reason
+    return seen
+
+
+def _explained(t: BridgeToken, reason: str, err: Fenced) -> Exception:
+    if reason == "cancelled":
+        return cancelled(t)
+    if reason == "stale":
+        return ApiError(410, "stale", "the task is finished: the step has moved on")
+    if reason == "committed":
+        return ApiError(410, "committed", "the task is finished: a successor committed it")
+    return err
+
+
+@asynccontextmanager
+async def records_from(
+    b: Backend, t: BridgeToken, from_seq: int, *, limit: int = 0
+) -> AsyncIterator[AsyncIterator[jpb.Record]]:
+    """The step's records from ``from_seq`` on (at most ``limit`` when
+    positive); leaving early ends the read."""
+    stream = b.journal.read(t.run_id, t.step_id, from_seq=from_seq, limit=limit)
+    try:
+        yield stream
+    finally:
+        # JournalClient.read is an async generator: closing it cancels the RPC.
+        await cast(AsyncGenerator[jpb.Record, None], stream).aclose()
+
+
+def cancelled(t: BridgeToken) -> ApiError:
+    """The answer for a task whose run was cancelled."""
+    return ApiError(409, "cancelled", f"run {t.run_id} was cancelled")
+
+
+async def ended(b: Backend, t: BridgeToken) -> ApiError:
+    """The answer for a task whose run is no longer running. (Heartbeat and an
+    acknowledging report say ``cancelled`` for any run that is not running.)"""
+    run = (await b.rpc.get_run(pb.GetRunRequest(run_id=t.run_id))).run
+    if run.status == pb.RUN_STATUS_CANCELLED:
+        return cancelled(t)
+    return ApiError(410, "stale", f"the task is finished: run {t.run_id} has ended")
+
+
+async def state_of(b: Backend, t: BridgeToken) -> bytes | None:
+    """The state a commit of ``t`` carries unless told otherwise: one saved
+    since the claim, else the one the claim loaded (the last commit's).
+
+    Every commit carries the state forward, because a claim loads the state
+    of the commit right before its iteration only.
+    """
+    if t.state is not None:
+        return t.state
+    if t.writer is None or not t.has_state:
+        return None
+    base = t.writer.base_seq
+    async with records_from(b, t, base, limit=1) as records:
+        async for record in records:
+            if record.seq == base and record.commit.has_state:
+                return record.commit.state
+            break
+    return None

@@ -1,0 +1,120 @@
+"""A poll whose worker left takes no task with it: the engine stops the pull
+and gives back at once whatever reached it, so the next poll gets the task."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+
+import nats.js.errors
+import pytest_asyncio
+
+from dagnats.core import jetstream as jsx
+from dagnats.core.natsserver import NatsServer
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk import Client, TaskContext, Worker
+from tests.helpers import wait_for
+from tests.stack import FAST, loop_workflow, unique
+
+# Far longer than any wait below: a task leased into a poll nobody reads comes
+# back only after this, so a test that sees it again sooner saw it given back.
+LEASE = 120.0
+POLL_WAIT = 30.0  # the departed worker's pull would stay open this long
+
+# A worker process that polls and never finishes a task; the test kills it.
+POLLING_WORKER = """
+import asyncio, sys
+from dagnats.sdk import Worker
+
+async def main(target: str, task: str) -> None:
+    async def handler(tc) -> None:
+        await asyncio.Event().wait()
+    async with Worker(target, handlers={task: handler}, poll_wait=float(sys.argv[3])):
+        await asyncio.Event().wait()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def long_lease_engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
+    server = await start_engine(nats_server.url, config=replace(FAST, task_ack_wait=LEASE))
+    yield server
+    await server.stop()
+
+
+async def waiting_pulls(engine: EngineServer, task: str) -> int:
+    """Pull requests the task type's consumer holds open."""
+    try:
+        info = await engine.nc.jetstream().consumer_info(jsx.TASKS, f"tasks-{task}")
+    except nats.js.errors.NotFoundError:
+        return 0  # no poll has created it yet
+    return info.num_waiting
+
+
+async def run_after_a_poll_left(
+    engine: EngineServer, leave: Callable[[], Awaitable[None]], task: str
+) -> list[int]:
+    """With the departing poll first in line and another worker's behind it,
+    let the first leave, start a run and return the deliveries its task had."""
+    name = unique("pollswf")
+    deliveries: list[int] = []
+
+    async def handler(tc: TaskContext) -> None:
+        deliveries.append(tc.delivery)
+        await tc.complete("done")
+
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        async with Worker(engine.target, handlers={task: handler}, poll_wait=POLL_WAIT):
+            await wait_for(lambda: _at_least(engine, task, 2), timeout=20)
+            await leave()
+            run = await client.start_run(name)
+            done = await client.wait_for_run(run.run_id, timeout=20)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    return deliveries
+
+
+async def _at_least(engine: EngineServer, task: str, pulls: int) -> bool:
+    return await waiting_pulls(engine, task) >= pulls
+
+
+async def test_a_stopped_workers_poll_does_not_take_the_next_task(
+    long_lease_engine: EngineServer,
+) -> None:
+    engine, task = long_lease_engine, unique("polls")
+    departing = Worker(engine.target, handlers={task: _never_runs}, poll_wait=POLL_WAIT)
+    async with departing:
+        await wait_for(lambda: _at_least(engine, task, 1), timeout=20)
+        deliveries = await run_after_a_poll_left(engine, departing.stop, task)
+    # Delivered once, or once more at once if it reached the departing poll
+    # before that poll was stopped; never left to wait out its lease.
+    assert len(deliveries) == 1 and deliveries[0] <= 2, deliveries
+
+
+async def test_a_killed_workers_poll_does_not_take_the_next_task(
+    long_lease_engine: EngineServer,
+) -> None:
+    engine, task = long_lease_engine, unique("polls")
+    args = [sys.executable, "-c", POLLING_WORKER, engine.target, task, str(POLL_WAIT)]
+    proc = await asyncio.create_subprocess_exec(*args)
+    try:
+        await wait_for(lambda: _at_least(engine, task, 1), timeout=30)
+
+        async def kill() -> None:
+            proc.kill()  # SIGKILL
+            await proc.wait()
+
+        deliveries = await run_after_a_poll_left(engine, kill, task)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert len(deliveries) == 1 and deliveries[0] <= 2, deliveries
+
+
+async def _never_runs(tc: TaskContext) -> None:
+    raise AssertionError("the departing worker ran a task")
