@@ -9,6 +9,7 @@ import grpc.aio
 import pytest
 
 from dagnats.core.errors import NotFound
+from dagnats.core.grpcutil import error_from_rpc
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.v1 import journal_pb2 as jpb
@@ -163,3 +164,46 @@ async def test_calls_per_dispatch_are_bounded(engine: EngineServer) -> None:
     run = await run_once(engine, handler)
     assert run.status == pb.RUN_STATUS_COMPLETED
     assert seen == ["position"]
+
+
+async def test_an_output_or_result_must_answer_a_record_the_writer_has_seen(
+    engine: EngineServer,
+) -> None:
+    name, task = unique("intentseq"), unique("intentseq")
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        run = await client.start_run(name)  # no worker: the step's dispatch stays open
+        async with grpc.aio.insecure_channel(engine.target) as channel:
+            stub = jgrpc.JournalServiceStub(channel)
+            claimed = await stub.Claim(
+                jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+            )
+            begun = await stub.BeginTool(
+                jpb.BeginToolRequest(
+                    token=claimed.claimed.token,
+                    position=0,
+                    name="charge",
+                    input=b"{}",
+                    replay=jpb.REPLAY_UNSAFE,
+                )
+            )
+            token, intent = begun.token, begun.intent_seq
+            for bad in (0, intent + 1, intent + 100):
+                for call in (
+                    stub.ToolOutput(jpb.ToolOutputRequest(token=token, intent_seq=bad, chunk="x")),
+                    stub.FinishTool(
+                        jpb.FinishToolRequest(token=token, intent_seq=bad, output=b"1")
+                    ),
+                ):
+                    try:
+                        await call
+                    except grpc.aio.AioRpcError as err:
+                        refused = error_from_rpc(err)
+                    else:
+                        raise AssertionError(f"intent_seq {bad} was accepted")
+                    assert isinstance(refused, InvalidArgument) and refused.field == "intent_seq"
+            done = await stub.FinishTool(
+                jpb.FinishToolRequest(token=token, intent_seq=intent, output=b"1")
+            )
+            assert done.token.last_seq == intent + 1, "nothing was written by the refused calls"
+        await client.cancel_run(run.run_id)

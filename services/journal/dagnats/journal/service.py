@@ -73,6 +73,17 @@ def check_writer_token(token: pb.WriterToken) -> pb.WriterToken:
     return token
 
 
+def _check_intent_seq(token: pb.WriterToken, intent_seq: int) -> None:
+    """An output or result answers a record of this iteration that the writer
+    has seen: after the iteration's base, not after the writer's tail."""
+    if not token.base_seq < intent_seq <= token.last_seq:
+        raise errors.InvalidArgument(
+            f"intent_seq {intent_seq} is no record of iteration {token.iteration} this "
+            f"writer has seen ({token.base_seq + 1}..{token.last_seq})",
+            field="intent_seq",
+        )
+
+
 class JournalServicer(pb_grpc.JournalServiceServicer):
     def __init__(
         self, store: JournalStore, runs: KeyValue, inputs: InputStore | None = None
@@ -276,6 +287,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self, request: pb.ToolOutputRequest, context: Context
     ) -> pb.ToolOutputResponse:
         token = check_writer_token(request.token)
+        _check_intent_seq(token, request.intent_seq)
         output = pb.ToolOutput(intent_seq=request.intent_seq, chunk=request.chunk)
         token, _ = await self._append(token, pb.Record(tool_output=output))
         return pb.ToolOutputResponse(token=token)
@@ -285,6 +297,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self, request: pb.FinishToolRequest, context: Context
     ) -> pb.FinishToolResponse:
         token = check_writer_token(request.token)
+        _check_intent_seq(token, request.intent_seq)
         if request.interrupted:
             result = pb.ToolResult(
                 intent_seq=request.intent_seq, interrupted=True, partial=request.partial
