@@ -24,6 +24,48 @@ FAST = EngineConfig(
 _names = itertools.count()
 
 
+def dev_args(data_dir: Path, *flags: str) -> list[str]:
+    """``dagnats dev`` arguments: every port free, the data in ``data_dir``."""
+    from dagnats.core.natsserver import free_port
+
+    ports = ("--nats-port", "--engine-port", "--gateway-port")
+    return [
+        "dev",
+        "--data-dir",
+        str(data_dir),
+        *(arg for flag in ports for arg in (flag, str(free_port()))),
+        *flags,
+    ]
+
+
+def start_dev(data_dir: Path, *flags: str, env: Mapping[str, str] | None = None) -> DevProcess:
+    """``dagnats dev`` in its own process, returned once it serves."""
+    args = [sys.executable, "-m", "dagnats.cli.main", *dev_args(data_dir, *flags)]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None
+    printed: dict[str, str] = {}
+    for line in proc.stdout:
+        name, _, rest = line.partition(" ")
+        if name in ("nats-server", "engine", "gateway") and rest.strip():
+            printed[name] = rest.split()[0]
+        if line.startswith("serving"):
+            return DevProcess(proc, printed)
+    proc.kill()
+    _out, err = proc.communicate()
+    raise AssertionError(f"dagnats dev did not start: {err}")
+
+
+class DevProcess:
+    """A running ``dagnats dev`` and the addresses it printed."""
+
+    def __init__(self, proc: subprocess.Popen[str], printed: dict[str, str]) -> None:
+        self.proc = proc
+        self.gateway = printed["gateway"]
+        self.engine = printed["engine"]
+
+
 def unique(prefix: str) -> str:
     """A name no other test in the session uses (workflows, task types)."""
     return f"{prefix}-{os.getpid()}-{next(_names)}"

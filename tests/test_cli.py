@@ -15,7 +15,7 @@ import pytest
 
 from dagnats.core.natsserver import free_port
 from dagnats.engine.server import EngineServer
-from tests.stack import unique
+from tests.stack import dev_args, start_dev, unique
 
 
 def dagnats(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> Any:
@@ -34,18 +34,7 @@ async def adagnats(*args: str, env: dict[str, str] | None = None) -> Any:
 
 
 def test_dev_runs_the_demo_and_a_second_start_finds_it(tmp_path: Path) -> None:
-    args = [
-        "dev",
-        "--data-dir",
-        str(tmp_path / "data"),
-        "--nats-port",
-        str(free_port()),
-        "--engine-port",
-        str(free_port()),
-        "--gateway-port",
-        str(free_port()),
-        "--exit-after-demo",
-    ]
+    args = dev_args(tmp_path / "data", "--exit-after-demo")
     first = dagnats(*args)
     assert first.returncode == 0, first.stderr
     assert "status    completed" in first.stdout
@@ -143,33 +132,12 @@ async def test_journal_check_passes_then_catches_a_corrupted_journal(engine: Eng
 def test_dev_stops_cleanly_on_a_signal(tmp_path: Path, sig: str) -> None:
     import signal as signals
 
-    args = [
-        sys.executable,
-        "-m",
-        "dagnats.cli.main",
-        "dev",
-        "--data-dir",
-        str(tmp_path),
-        "--nats-port",
-        str(free_port()),
-        "--engine-port",
-        str(free_port()),
-        "--gateway-port",
-        str(free_port()),
-        "--no-demo",
-    ]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    dev = start_dev(tmp_path, "--no-demo")
+    proc = dev.proc
     try:
-        assert proc.stdout is not None
-        gateway = ""
-        for line in proc.stdout:
-            if line.startswith("gateway"):
-                gateway = line.split()[1]
-            if line.startswith("serving"):
-                break
         # The gateway dev started answers over HTTP, backed by the engine.
-        assert httpx.get(f"{gateway}/readyz", timeout=10).status_code == 200
-        assert httpx.get(f"{gateway}/runs", timeout=10).json() == {"runs": []}
+        assert httpx.get(f"{dev.gateway}/readyz", timeout=10).status_code == 200
+        assert httpx.get(f"{dev.gateway}/runs", timeout=10).json() == {"runs": []}
         proc.send_signal(getattr(signals, sig))
         code = proc.wait(timeout=30)
     finally:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dagnats.core.natsserver import free_port
+from tests.stack import start_dev
 
 BIN = Path(sys.executable).parent
 SEED = os.environ.get("DAGNATS_OPENAPI_SEED", "20261129")
@@ -27,36 +27,13 @@ EXAMPLES = os.environ.get("DAGNATS_OPENAPI_EXAMPLES", "10")
 
 @pytest.fixture
 def dev_gateway(tmp_path: Path) -> Iterator[str]:
-    args = [
-        str(BIN / "dagnats"),
-        "dev",
-        "--no-demo",
-        "--data-dir",
-        str(tmp_path / "data"),
-        "--nats-port",
-        str(free_port()),
-        "--engine-port",
-        str(free_port()),
-        "--gateway-port",
-        str(free_port()),
-    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAGNATS_")}
-    proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    dev = start_dev(tmp_path / "data", "--no-demo", env=env)
     try:
-        assert proc.stdout is not None
-        url = ""
-        for line in proc.stdout:
-            if line.startswith("gateway"):
-                url = line.split()[1]
-            if line.startswith("serving"):
-                break
-        assert url, f"dagnats dev did not start: {proc.stderr.read() if proc.stderr else ''}"
-        yield url
+        yield dev.gateway
     finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
+        dev.proc.terminate()
+        dev.proc.communicate(timeout=30)
 
 
 @pytest.mark.slow
