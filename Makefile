@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup dev test lint fmt proto proto-check bench test-guards clean
+.PHONY: help setup dev test lint fmt proto proto-check bench test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -63,6 +63,11 @@ bench: setup ## journal overhead per iteration against a raw JetStream floor
 
 test-guards: setup ## delete each safety guard in a scratch copy; a named test must fail
 	$(PY) -m tests.guards
+
+# SEED=n replays a schedule; CHAOS_SECONDS (300) and CHAOS_TOPOLOGY (server, cluster, both).
+test-chaos: setup ## fault-injection soak: SEED=n replays, CHAOS_SECONDS, CHAOS_TOPOLOGY
+	CHAOS_SEED="$(SEED)" CHAOS_SECONDS="$(or $(CHAOS_SECONDS),300)" \
+	  CHAOS_TOPOLOGY="$(or $(CHAOS_TOPOLOGY),both)" $(BIN)/pytest -q -s -m chaos tests/chaos
 
 clean: ## remove the virtualenv and local data
 	rm -rf $(VENV) .dagnats

@@ -93,11 +93,28 @@ async def http(gateway: GatewayServer) -> AsyncIterator[httpx.AsyncClient]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The crash-point matrix's cases, by seam and mode."""
-    matrix = sys.modules.get("tests.test_crash_matrix")
+    """The chaos soaks' reports, then the crash-point matrix's cases by seam
+    and mode, on one server and on the cluster (``tests/matrix.py`` counts them)."""
+    _soak_summary(terminalreporter)
+    matrix = sys.modules.get("tests.matrix")
     cases = getattr(matrix, "CASES", None)
-    if cases:
-        terminalreporter.section("crash-point matrix")
-        for key in sorted(cases):
-            terminalreporter.write_line(f"{key:<28} {cases[key]} case(s)")
-        terminalreporter.write_line(f"{'total':<28} {sum(cases.values())} case(s)")
+    if not cases:
+        return
+    places = sorted({where for where, _ in cases}, reverse=True)
+    rows = sorted({row for _, row in cases})
+    terminalreporter.section("crash-point matrix: cases run")
+    terminalreporter.write_line(f"{'seam/mode':<30}" + "".join(f"{p:>16}" for p in places))
+    for row in rows:
+        counts = "".join(f"{cases[p, row]:>16}" for p in places)
+        terminalreporter.write_line(f"{row:<30}{counts}")
+    totals = "".join(f"{sum(n for (p, _), n in cases.items() if p == pl):>16}" for pl in places)
+    terminalreporter.write_line(f"{'total':<30}{totals}")
+
+
+def _soak_summary(terminalreporter: Any) -> None:
+    """The chaos soaks' reports (``tests/chaos/soak.py`` keeps them)."""
+    soak = sys.modules.get("tests.chaos.soak")
+    for report in getattr(soak, "REPORTS", ()):
+        terminalreporter.section("chaos soak")
+        for line in report.lines():
+            terminalreporter.write_line(line)

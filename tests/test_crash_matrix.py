@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,8 @@ from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, run_output
 from tests.helpers import wait_for
-from tests.stack import FAST, loop_workflow, steps_by_id, unique
+from tests.matrix import CASES, MATRIX, activate, lines, reap, spawn_worker, zombie_turn
+from tests.stack import loop_workflow, steps_by_id, unique
 from tests.test_journal import journal_check
 
 SEAMS = (
@@ -36,39 +34,26 @@ SEAMS = (
     "after_commit",
     "after_event",
 )
-WORKER = Path(__file__).parent / "workers" / "matrix_worker.py"
-CASES: Counter[str] = Counter()
+
+
+@pytest.fixture(scope="module")
+def where() -> str:
+    """Where the streams live; the cluster module overrides it."""
+    return "one server"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def second_engine(nats_server: Any) -> AsyncIterator[EngineServer]:
-    server = await start_engine(nats_server.url, config=FAST)
+async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
+    server = await start_engine(nats_server.url, config=MATRIX)
     yield server
     await server.stop()
 
 
-def spawn(target: str, task: str, state: Path, crash: str = "") -> subprocess.Popen[bytes]:
-    with open(state / f"worker-{crash or 'clean'}.log", "wb") as out:
-        return subprocess.Popen(
-            [sys.executable, str(WORKER), target, task, str(state), crash],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        )
-
-
-def zombie_turn(state: Path, pid: int, iteration: int) -> str | None:
-    """How the frozen holder's turn ended once it woke, if it has."""
-    for line in lines(state, "turns"):
-        who, at, outcome = line.split()
-        if (int(who), int(at)) == (pid, iteration):
-            return outcome
-    return None
-
-
-def lines(state: Path, name: str) -> list[str]:
-    path = state / name
-    return path.read_text().splitlines() if path.exists() else []
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def second_engine(nats_server: Any, engine: EngineServer) -> AsyncIterator[EngineServer]:
+    server = await start_engine(nats_server.url, config=MATRIX)
+    yield server
+    await server.stop()
 
 
 @pytest.mark.slow
@@ -79,6 +64,7 @@ async def test_crash_point(
     engine: EngineServer,
     second_engine: EngineServer,
     client: Client,
+    where: str,
     tmp_path: Path,
     seam: str,
     mode: str,
@@ -86,8 +72,8 @@ async def test_crash_point(
 ) -> None:
     task, name = unique("matrix"), unique("matrixwf")
     await client.register_workflow(loop_workflow(name, task))
-    crasher = spawn(engine.target, task, tmp_path, f"{seam}:{iteration}")
-    successor: subprocess.Popen[bytes] | None = None
+    crasher = spawn_worker(engine.target, task, tmp_path, f"{seam}:{iteration}")
+    successor = spawn_worker(second_engine.target, task, tmp_path, standby=True)
     try:
         await wait_for(lambda: (tmp_path / f"ready-{seam}:{iteration}").exists(), timeout=30)
         run = await client.start_run(name, {"ask": "weather"})
@@ -97,7 +83,7 @@ async def test_crash_point(
             crasher.wait()
         else:
             os.kill(crasher.pid, signal.SIGSTOP)
-        successor = spawn(second_engine.target, task, tmp_path)
+        await activate(successor, tmp_path, "clean")
         done = await client.wait_for_run(run.run_id, timeout=60)
         if mode == "stall":
             os.kill(crasher.pid, signal.SIGCONT)  # the zombie wakes and tries its next write
@@ -107,10 +93,7 @@ async def test_crash_point(
                 message="the zombie never finished its turn",
             )
     finally:
-        for proc in (crasher, successor):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        reap(crasher, successor)
     assert done.status == pb.RUN_STATUS_COMPLETED, done.error
     assert run_output(done) == "done"
     check = await journal_check(engine, run.run_id)
@@ -131,4 +114,4 @@ async def test_crash_point(
         assert fenced or outcome in ("Stale", "Committed", "returned", "CancelledError"), outcome
         if seam in ("after_claim", "after_model", "after_intent", "inside_tool", "after_result"):
             assert fenced, f"a zombie with writes left must be fenced, got {outcome}"
-    CASES[f"{seam}/{mode}"] += 1
+    CASES[where, f"{seam}/{mode}"] += 1

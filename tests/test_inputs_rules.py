@@ -225,5 +225,7 @@ def test_claim_for_takes_over_a_placement_that_never_reached_the_journal() -> No
     taken = claim(left)
     assert taken is not None and taken.placed_by == "b" * 16
     assert claim(left, recorded=(left.request_id,)) is None, "its record exists: it is placed"
-    assert claim(left, writer=left.placed_by) is None, "our own placement"
+    own = claim(left, writer=left.placed_by)
+    assert own is not None, "our own earlier try claimed it and never recorded it"
+    assert claim(left, writer=left.placed_by, recorded=(left.request_id,)) is None
     assert claim(left, iteration=3) is None, "another iteration's placement"

@@ -1,16 +1,27 @@
 """A worker process for the crash-point matrix.
 
+usage: matrix_worker.py TARGET TASK STATE [CRASH] [--gate N] [--inputs] [--name NAME] [--standby]
+
 It runs a scripted agent (a safe tool, an unsafe tool, a safe tool, an
 answer) whose model is a pure function of the conversation, so any process
-answers the same. Tools count their starts and effects in files in STATE, outside
-the journal. With CRASH="seam:iteration" the process stops at that seam of
-that iteration, after writing STATE/hit: the test kills it there (SIGKILL), or
-freezes it (SIGSTOP) and later thaws it (SIGCONT), and the holder goes on
-from the seam as a zombie.
+answers the same. Tools count their starts and effects in files in STATE,
+outside the journal; claims and placed inputs are logged there too. With
+CRASH="seam:iteration" the process stops at that seam of that iteration,
+after writing STATE/hit: the test kills it there (SIGKILL), or freezes it
+(SIGSTOP) and later thaws it (SIGCONT), and the holder goes on from the seam
+as a zombie.
+
+``--gate N``: the first worker (of all sharing STATE) to start iteration N
+writes its pid to STATE/gated and waits for SIGUSR1 before it claims, so the
+test can arm a service's seam, or submit an input, at a known point of the
+run. ``--inputs``: every turn places the step's queued inputs after its claim.
+``--standby``: start, write STATE/standby-<name>, and poll only after SIGUSR2, so a
+successor costs no start-up time when it is needed.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -19,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dagnats.core import seam
-from dagnats.sdk import Replay, TaskContext, ToolCall, ToolRun, Worker
+from dagnats.sdk import InputMode, Replay, TaskContext, ToolCall, ToolRun, Worker
 
 SCRIPT: list[dict[str, Any]] = [
     {"tool": "search", "input": {"q": "weather"}},
@@ -35,12 +46,26 @@ def log(state: Path, name: str, line: str) -> None:
         f.write(line + "\n")
 
 
-def main(target: str, task: str, state: Path, crash: str) -> None:
-    current = {"iteration": -1}
-    seam_name, _, at = crash.partition(":")
-    fired = False
+def take(path: Path, content: str) -> bool:
+    """Create ``path`` holding ``content`` unless it exists; atomic across processes."""
+    partial = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    partial.write_text(content)
+    try:
+        os.link(partial, path)
+    except FileExistsError:
+        return False
+    finally:
+        partial.unlink()
+    return True
 
+
+def main(args: argparse.Namespace) -> None:
+    state: Path = args.state
+    current = {"iteration": -1}
+    seam_name, _, at = args.crash.partition(":")
+    fired = False
     thawed = asyncio.Event()
+    released = asyncio.Event()
 
     async def hook(name: str) -> None:
         nonlocal fired
@@ -65,11 +90,22 @@ def main(target: str, task: str, state: Path, crash: str) -> None:
         turns = sum(1 for m in history if isinstance(m, dict) and "reply" in m)
         return SCRIPT[turns]
 
+    async def gate(iteration: int) -> None:
+        if iteration == args.gate and take(state / "gated", str(os.getpid())):
+            await released.wait()
+
     async def turn(tc: TaskContext) -> None:
         current["iteration"] = tc.iteration
+        pid = os.getpid()
         try:
+            await gate(tc.iteration)
             j = await tc.journal()
+            log(state, "claims", f"{pid} {tc.iteration}")
             history = await tc.load_checkpoint() or [tc.input]
+            if args.inputs:
+                for placed in await j.place_inputs(InputMode.STEER):
+                    log(state, "placed", f"{pid} {tc.iteration} {placed.request_id}")
+                    history = [*history, {"input": placed.content}]
             reply = await j.model(lambda: model(history))
             if "answer" in reply:
                 await tc.complete(reply["answer"])
@@ -80,17 +116,38 @@ def main(target: str, task: str, state: Path, crash: str) -> None:
             await tc.checkpoint([*history, entry])
             await tc.continue_()
         except BaseException as signal:
-            log(state, "turns", f"{os.getpid()} {tc.iteration} {type(signal).__name__}")
+            log(state, "turns", f"{pid} {tc.iteration} {type(signal).__name__}")
             raise
-        log(state, "turns", f"{os.getpid()} {tc.iteration} returned")
+        log(state, "turns", f"{pid} {tc.iteration} returned")
 
     async def serve() -> None:
-        async with Worker(target, handlers={task: turn}, poll_wait=0.5, concurrency=1):
-            (state / f"ready-{crash or 'clean'}").write_text("1")
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, released.set)
+        label = args.name or args.crash or "clean"
+        if args.standby:
+            go = asyncio.Event()
+            loop.add_signal_handler(signal.SIGUSR2, go.set)
+            (state / f"standby-{label}").write_text("1")
+            await go.wait()
+        async with Worker(args.target, handlers={args.task: turn}, poll_wait=0.5, concurrency=1):
+            (state / f"ready-{label}").write_text("1")
             await asyncio.Event().wait()
 
     asyncio.run(serve())
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("target")
+    parser.add_argument("task")
+    parser.add_argument("state", type=Path)
+    parser.add_argument("crash", nargs="?", default="")
+    parser.add_argument("--gate", type=int, default=None)
+    parser.add_argument("--inputs", action="store_true")
+    parser.add_argument("--name", default="")
+    parser.add_argument("--standby", action="store_true")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "")
+    main(parse(sys.argv[1:]))

@@ -158,6 +158,7 @@ class Engine:
             if stored.record.outbox:
                 stored = await self.flush(stored)
             return convert.record_from_proto(stored.record)
+        await seam("after_dispatch_saved")
         await self.flush(StoredRun(record, revision))
         return accepted.run
 

@@ -178,17 +178,18 @@ def claim_for(
 ) -> InputState | None:
     """The claim a dispatch placing ``mode`` inputs makes on ``state``, if any.
 
-    A queued input is placed. An input placed into this same iteration by
-    another writer, whose ``input.placed`` record is not in the journal
-    (``recorded`` lists the request ids that are), was left by a holder that
-    was fenced or crashed between its claim and its record: it is reclaimed.
+    A queued input is placed. An input placed into this same iteration whose
+    ``input.placed`` record is not in the journal (``recorded`` lists the
+    request ids that are, this writer's own records included) was left by a
+    holder that was fenced or crashed between its claim and its record -- an
+    earlier try of this writer's own call included: it is reclaimed.
     Everything else is not this dispatch's to take.
     """
     if state.mode is not mode:
         return None
     if state.status is Status.QUEUED:
         moved = place(state, iteration=iteration, attempt=attempt, writer=writer, now=now)
-    elif state.placed_by != writer and state.request_id not in recorded:
+    elif state.request_id not in recorded:
         moved = reclaim(state, iteration=iteration, attempt=attempt, writer=writer, now=now)
     else:
         return None

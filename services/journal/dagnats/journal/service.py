@@ -323,24 +323,59 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             raise errors.InvalidArgument("mode must be 1 (steer) or 2 (follow-up)", field="mode")
         if self.inputs is None:
             raise errors.Unavailable("this journal service has no inputs store")
-        entries = await self._snapshot(token)
+        snapshot = await self._snapshot(token)
+        token, earlier, retried = await self._own_records(token)
+        entries = [*snapshot, *earlier]
         decision = replay.decide_place(
             entries, attempt=token.attempt, position=request.position, mode=request.mode
         )
+        # What an earlier try of this very call recorded before its answer was
+        # lost is part of this answer; the rest of the plan goes on after it.
+        placed = [r.input_placed for r in retried if r.HasField("input_placed")]
+        done = frozenset(p.request_id for p in placed)
+        recorded = done | {e.request_id for e in entries if isinstance(e, jm.InputEntry)}
         match decision:
             case replay.Mismatch(reason=reason):
                 raise errors.ReplayMismatch(reason)
-            case replay.ReplayPlaced(inputs=recorded):
-                return pb.PlaceInputsResponse(token=token, inputs=[_placed(e) for e in recorded])
-            case replay.PlaceNew(carry=carry, recorded=recorded_ids):
-                placed: list[pb.InputPlaced] = []
-                for earlier in carry:
-                    copy = _placed(earlier)
+            case replay.ReplayPlaced(inputs=replayed):
+                placed[:0] = [_placed(e) for e in replayed]
+                token = await self._claim_queued(token, request, recorded, placed, queued=False)
+            case replay.PlaceNew(carry=carry):
+                for earlier_input in carry:
+                    if earlier_input.request_id in done:
+                        continue
+                    copy = _placed(earlier_input)
                     copy.position, copy.carried = request.position, True
                     token, record = await self._append(token, pb.Record(input_placed=copy))
                     placed.append(record.input_placed)
-                token = await self._claim_queued(token, request, recorded_ids, placed)
-                return pb.PlaceInputsResponse(token=token, inputs=placed)
+                token = await self._claim_queued(token, request, recorded, placed, queued=True)
+        return pb.PlaceInputsResponse(token=token, inputs=placed)
+
+    async def _own_records(
+        self, token: pb.WriterToken
+    ) -> tuple[pb.WriterToken, list[jm.AnyEntry], list[pb.Record]]:
+        """This writer's records since its claim: those its token knows (earlier
+        calls of this dispatch), and those after its ``last_seq``, which an
+        earlier try of this very call wrote before its answer was lost. The token
+        returned goes on after those, so no new record reuses their Msg-Ids.
+
+        Raises:
+            Fenced: another writer's record follows the claim.
+        """
+        after = token.snapshot_seq or token.last_seq
+        records = await self.store.read(token.run_id, token.step_id, after=after)
+        for record in records:
+            if record.writer != token.writer:
+                raise _fenced(token, record.seq)
+        known = [convert.entry(r) for r in records if r.seq <= token.last_seq]
+        retried = [r for r in records if r.seq > token.last_seq]
+        if retried:
+            moved = pb.WriterToken()
+            moved.CopyFrom(token)
+            moved.last_seq = retried[-1].seq
+            moved.written = token.written + len(retried)
+            token = moved
+        return token, known, retried
 
     async def _claim_queued(
         self,
@@ -348,14 +383,20 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         request: pb.PlaceInputsRequest,
         recorded: frozenset[str],
         placed: list[pb.InputPlaced],
+        *,
+        queued: bool,
     ) -> pb.WriterToken:
         """Claim each queued input (compare-and-swap), then record it. A claim
-        left without its record by a fenced or crashed holder of this iteration
-        is taken over."""
+        left without its record by a holder of this iteration that was fenced
+        or crashed in between -- this writer's own earlier try included -- is
+        taken over. ``recorded`` names every input with a record in this
+        iteration; with ``queued`` False only such left claims are taken."""
         assert self.inputs is not None
         now = time.time()
         mode = input_rules.Mode[_MODES[request.mode]]
         for state, revision in await self.inputs.list(token.run_id, token.step_id):
+            if not queued and state.status is input_rules.Status.QUEUED:
+                continue  # a replayed call places nothing new
             moved = input_rules.claim_for(
                 state,
                 mode=mode,
@@ -458,15 +499,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         tail = await self.store.tail(token.run_id, token.step_id)
         actual = tail.seq if tail else 0
         if actual != token.last_seq:
-            trace.get_current_span().add_event(
-                "fenced", {"expected_seq": token.last_seq, "actual_seq": actual}
-            )
-            raise errors.Fenced(
-                f"journal.{token.run_id}.{token.step_id}: a successor holds the step "
-                f"(expected tail {token.last_seq}, found {actual})",
-                expected=token.last_seq,
-                actual=actual,
-            )
+            raise _fenced(token, actual)
 
     async def _append(
         self, token: pb.WriterToken, record: pb.Record
@@ -512,6 +545,18 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
 
 
 _MODES = {1: "STEER", 2: "FOLLOW_UP"}
+
+
+def _fenced(token: pb.WriterToken, actual: int) -> errors.Fenced:
+    trace.get_current_span().add_event(
+        "fenced", {"expected_seq": token.last_seq, "actual_seq": actual}
+    )
+    return errors.Fenced(
+        f"journal.{token.run_id}.{token.step_id}: a successor holds the step "
+        f"(expected tail {token.last_seq}, found {actual})",
+        expected=token.last_seq,
+        actual=actual,
+    )
 
 
 def _placed(entry: jm.InputEntry) -> pb.InputPlaced:

@@ -1,0 +1,565 @@
+"""The chaos soak: many runs of the scripted agent at once, under a seeded
+random schedule of faults, on one server or on a 3-node cluster with R3
+streams.
+
+Two engines (each with the journal and inputs services) run in this process
+and share the history consumer; worker processes (``tests/chaos/worker.py``)
+dial both, each preferring one. Faults:
+
+* ``worker-kill``: SIGKILL a worker; a fresh one starts a moment later.
+* ``worker-stall``: SIGSTOP a worker past its leases, then SIGCONT: its
+  holders wake as zombies.
+* ``duplicate-delivery``: publish a second copy of a run's task in flight.
+* ``lost-ack``: a journal append or an engine publish lands and its ack is
+  lost, so the same Msg-Id is sent again (see :mod:`tests.chaos.faults`).
+* cluster only: ``stepdown`` (a stream's leader steps down) and
+  ``leader-kill`` (SIGKILL the node leading a stream, restarted a moment later).
+
+The seed fixes the schedule (which fault, when, against which target); the
+interleavings it meets still vary, so a replay repeats the pressure, not
+every instant. After each run: the answer, ``journal check``, the iteration
+count, at most one start of the unsafe tool, and every input placed once or
+answered as unanswered. At the end, over the whole ``AGENT_JOURNAL`` stream:
+no Msg-Id stored twice, every record the journal store acknowledged stored
+at its sequence, and each record's expected sequence equal to the previous
+record's sequence on its subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc.aio
+import nats
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig
+
+from dagnats.core import errors
+from dagnats.core import jetstream as jsx
+from dagnats.core.natsserver import NatsCluster, NatsServer
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.inputs.v1 import inputs_pb2 as ipb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
+from dagnats.sdk import Client, run_output
+from tests.chaos import worker as chaos_worker
+from tests.chaos.faults import JournalTap, LossyPublish, instrumented_journal
+from tests.helpers import wait_for
+from tests.matrix import child_env
+from tests.stack import FAST, loop_workflow, steps_by_id
+
+T = TypeVar("T")
+
+SOAK = dataclasses.replace(FAST, reconcile_interval=1.0)
+LEASE = SOAK.task_ack_wait
+STREAMS = (jsx.JOURNAL, jsx.TASKS, jsx.HISTORY, f"KV_{jsx.KV_RUNS}", f"KV_{jsx.KV_INPUTS}")
+WEIGHTS = {"worker-kill": 3, "worker-stall": 3, "duplicate-delivery": 3}
+CLUSTER_WEIGHTS = {**WEIGHTS, "stepdown": 2, "leader-kill": 1}
+REPORTS: list[Report] = []  # printed by conftest.pytest_terminal_summary
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SoakConfig:
+    seed: int
+    seconds: float
+    topology: str  # "server" or "cluster"
+    runs_in_flight: int = 12
+    workers: int = 4
+    concurrency: int = 6
+    lost_ack_rate: float = 0.03
+    fault_gap: tuple[float, float] = (0.3, 1.2)
+    run_deadline: float = 120.0
+
+    @property
+    def replicas(self) -> int:
+        return 3 if self.topology == "cluster" else 1
+
+
+@dataclasses.dataclass
+class Report:
+    config: SoakConfig
+    runs: int = 0
+    records: int = 0
+    acks: int = 0
+    seconds: float = 0.0
+    faults: Counter[str] = dataclasses.field(default_factory=Counter)
+    missed: Counter[str] = dataclasses.field(default_factory=Counter)
+    unacknowledged: Counter[str] = dataclasses.field(default_factory=Counter)
+    inputs: Counter[str] = dataclasses.field(default_factory=Counter)
+    engine: Counter[str] = dataclasses.field(default_factory=Counter)
+    violations: list[str] = dataclasses.field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        c = self.config
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
+        inputs = ", ".join(f"{k} {v}" for k, v in sorted(self.inputs.items())) or "none"
+        engine = ", ".join(f"{k} {v}" for k, v in sorted(self.engine.items())) or "none"
+        missed = ", ".join(f"{k} {v}" for k, v in sorted(self.missed.items())) or "none"
+        unacked = ", ".join(f"{k} {v}" for k, v in sorted(self.unacknowledged.items())) or "none"
+        return [
+            f"seed {c.seed}, {c.topology} (R{c.replicas}), {c.seconds:g}s of faults, "
+            f"{self.seconds:.0f}s in all",
+            f"runs checked: {self.runs}; journal records scanned: {self.records}; "
+            f"acknowledged appends checked: {self.acks}",
+            f"faults injected: {faults}",
+            f"faults not injected (the cluster did not answer the nemesis): {missed}",
+            f"records stored whose append returned no sequence, by how it ended: {unacked}",
+            f"inputs: {inputs}",
+            f"engine counters: {engine}",
+            f"violations: {len(self.violations)}",
+            *(f"  {v}" for v in self.violations[:50]),
+        ]
+
+
+class Soak:
+    def __init__(self, config: SoakConfig, base: Path) -> None:
+        self.config = config
+        self.base = base
+        self.state = base / "tools"
+        self.state.mkdir(parents=True, exist_ok=True)
+        seed = config.seed
+        self.schedule = random.Random(f"{seed}/schedule")
+        self.choices = random.Random(f"{seed}/runs")
+        self.report = Report(config)
+        self.faults = self.report.faults
+        self.stop = asyncio.Event()  # no new runs, no new faults
+        self.healing = asyncio.Event()  # undo every pending fault now
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.stalled: set[int] = set()
+        self.node_down: int | None = None
+        self.in_flight: set[str] = set()
+        self.pending: set[asyncio.Task[None]] = set()
+        self.task = f"chaos-{seed}"
+        self.workflow = f"chaos-{seed}"
+        self.targets: list[str] = []
+        self.worker_logs = 0
+
+    # ---- the whole soak ------------------------------------------------------------
+
+    async def run(self) -> Report:
+        c = self.config
+        print(
+            f"chaos soak: seed {c.seed} ({c.topology}, {c.seconds:g}s); replay with make "
+            f"test-chaos SEED={c.seed} CHAOS_TOPOLOGY={c.topology} CHAOS_SECONDS={c.seconds:g}",
+            flush=True,
+        )
+        began = time.monotonic()
+        nats_dir = self.base / "nats"
+        self.nats: NatsServer | NatsCluster = await (
+            NatsCluster.start(nats_dir) if c.topology == "cluster" else NatsServer.start(nats_dir)
+        )
+        try:
+            acks_rng = random.Random(f"{c.seed}/acks")
+            with instrumented_journal(acks_rng, self.faults, c.lost_ack_rate) as tap:
+                await self._soak(tap)
+        finally:
+            await self.nats.stop()
+        self.report.seconds = time.monotonic() - began
+        REPORTS.append(self.report)
+        for line in self.report.lines():
+            print(f"chaos soak: {line}", flush=True)
+        return self.report
+
+    async def _soak(self, tap: JournalTap) -> None:
+        c = self.config
+        topology = jsx.Topology(replicas=c.replicas)
+        engines: list[EngineServer] = []
+        clients: list[Client] = []
+        self.nc = await jsx.connect(self.nats.url, name="chaos-soak")
+        try:
+            for _ in range(2):
+                engines.append(await start_engine(self.nats.url, config=SOAK, topology=topology))
+            lossy = [self._lossy_engine(i, e) for i, e in enumerate(engines)]
+            self.targets = [e.target for e in engines]
+            clients = [Client(t) for t in self.targets]
+            await clients[0].register_workflow(loop_workflow(self.workflow, self.task))
+            for i in range(c.workers):
+                self._spawn_worker(i)
+            await wait_for(self._all_ready, timeout=60, message="chaos workers polling")
+            drivers = [
+                asyncio.create_task(self._driver(i, clients[i % 2], engines[i % 2].target))
+                for i in range(c.runs_in_flight)
+            ]
+            nemesis = asyncio.create_task(self._nemesis())
+            await asyncio.sleep(c.seconds)  # the soak's length, not a synchronisation
+            self.stop.set()
+            await nemesis
+            await self._heal()
+            tap.lose_acks(False)
+            for publisher in lossy:
+                publisher.active = False
+            await asyncio.gather(*drivers)
+            await self._scan(tap)
+            for engine in engines:
+                self.report.engine.update(engine.engine.counters)
+            if self.report.engine["dead_letters"]:
+                self.report.violations.append(
+                    f"{self.report.engine['dead_letters']} history event(s) moved to dead letters"
+                )
+        finally:
+            self.healing.set()
+            self.stop.set()
+            for proc in self.workers:
+                _reap(proc)
+            for client in clients:
+                await client.close()
+            for engine in engines:
+                await engine.stop()
+            await self.nc.close()
+
+    def _lossy_engine(self, index: int, engine: EngineServer) -> LossyPublish:
+        rng = random.Random(f"{self.config.seed}/engine-acks/{index}")
+        store = engine.engine.store
+        publisher = LossyPublish(store.js, rng, self.faults, self.config.lost_ack_rate / 2)
+        store.js = publisher  # type: ignore[assignment]
+        return publisher
+
+    # ---- runs ------------------------------------------------------------------------
+
+    async def _driver(self, index: int, client: Client, target: str) -> None:
+        async with grpc.aio.insecure_channel(target) as channel:
+            journal = jgrpc.JournalServiceStub(channel)
+            n = 0
+            while not self.stop.is_set():
+                label = f"{index}-{n}"
+                try:
+                    await self._one_run(client, journal, label)
+                except Exception as err:  # reported with the rest, the soak goes on
+                    self.report.violations.append(f"run {label}: {type(err).__name__}: {err}")
+                n += 1
+
+    async def _one_run(self, client: Client, journal: Any, label: str) -> None:
+        key = f"{self.config.seed}-{label}"
+        run = await _retry(
+            lambda: client.start_run(self.workflow, {"run": label}, idempotency_key=key)
+        )
+        run_id = run.run_id
+        self.in_flight.add(run_id)
+        submitted: list[str] = []
+        count = self.choices.choice((0, 0, 1, 2))
+        delays = [self.choices.uniform(0, 0.5) for _ in range(count)]
+        inputs = asyncio.create_task(self._submit(client, run_id, delays, submitted))
+        try:
+            done = await self._finished(client, run_id)
+        finally:
+            await inputs
+            self.in_flight.discard(run_id)
+        problems = await self._check(client, journal, run_id, done, submitted)
+        self.report.runs += 1
+        self.report.violations.extend(f"run {run_id} ({label}): {p}" for p in problems)
+
+    async def _submit(
+        self, client: Client, run_id: str, delays: list[float], submitted: list[str]
+    ) -> None:
+        for k, delay in enumerate(delays):
+            await asyncio.sleep(delay)  # when the person types, not a synchronisation
+            request_id = f"in-{k}"
+            try:
+                await _retry(
+                    lambda r=request_id, k=k: client.submit_input(run_id, "agent", r, {"k": k})
+                )
+            except errors.Conflict:
+                continue  # the step finished first
+            submitted.append(request_id)
+
+    async def _finished(self, client: Client, run_id: str) -> pb.Run | None:
+        async def ended() -> pb.Run | None:
+            run = await _retry(lambda: client.get_run(run_id))
+            return run if run.status != pb.RUN_STATUS_RUNNING else None
+
+        try:
+            return await wait_for(ended, timeout=self.config.run_deadline, interval=0.25)
+        except AssertionError:
+            return None
+
+    async def _check(
+        self, client: Client, journal: Any, run_id: str, done: pb.Run | None, inputs: list[str]
+    ) -> list[str]:
+        if done is None:
+            return [f"not finished after {self.config.run_deadline:g}s"]
+        problems = []
+        status = pb.RunStatus.Name(done.status)
+        if done.status != pb.RUN_STATUS_COMPLETED or run_output(done) != chaos_worker.ANSWER:
+            problems.append(f"{status} with output {done.output!r}, error {done.error!r}")
+        iterations = steps_by_id(done)["agent"].iterations
+        if iterations != chaos_worker.ITERATIONS:
+            problems.append(f"the engine counted {iterations} iterations")
+        check = await _retry(lambda: journal.Check(jpb.CheckRequest(run_id=run_id)))
+        problems += [f"journal check: {v.rule} at {v.seq}: {v.message}" for v in check.violations]
+        tools = self.state / f"{run_id}.tools"
+        lines = tools.read_text().splitlines() if tools.exists() else []
+        sends = sum(1 for line in lines if line.startswith("start send "))
+        if sends > 1:
+            problems.append(f"the unsafe tool started {sends} times")
+        problems += await self._check_inputs(client, journal, run_id, inputs)
+        return problems
+
+    async def _check_inputs(
+        self, client: Client, journal: Any, run_id: str, inputs: list[str]
+    ) -> list[str]:
+        if not inputs:
+            return []
+        request = jpb.ReadRequest(run_id=run_id, step_id="agent")
+        records = await _retry(lambda: _read_all(journal, request))
+        placed = Counter(
+            r.input_placed.request_id
+            for r in records
+            if r.HasField("input_placed") and not r.input_placed.carried
+        )
+        problems = []
+        for request_id in inputs:
+            got = await self._settled_input(client, run_id, request_id)
+            self.report.inputs[ipb.Status.Name(got.status).removeprefix("STATUS_").lower()] += 1
+            expected = 1 if got.status == ipb.STATUS_DONE else 0
+            if got.status not in (ipb.STATUS_DONE, ipb.STATUS_UNANSWERED):
+                problems.append(f"input {request_id} is {ipb.Status.Name(got.status)}")
+            elif placed[request_id] != expected:
+                problems.append(
+                    f"input {request_id} reads {ipb.Status.Name(got.status)} "
+                    f"with {placed[request_id]} input.placed record(s)"
+                )
+        return problems
+
+    async def _settled_input(self, client: Client, run_id: str, request_id: str) -> ipb.Input:
+        """The input once the finished step settled it (a queued one is closed as
+        unanswered shortly after the step ends); the last state seen otherwise."""
+        last: list[ipb.Input] = []
+
+        async def settled() -> bool:
+            last[:] = [await _retry(lambda: client.get_input(run_id, "agent", request_id))]
+            return last[0].status in (ipb.STATUS_DONE, ipb.STATUS_UNANSWERED)
+
+        with contextlib.suppress(AssertionError):
+            await wait_for(settled, timeout=30, interval=0.2)
+        return last[0]
+
+    # ---- workers ---------------------------------------------------------------------
+
+    def _spawn_worker(self, preference: int) -> None:
+        order = [self.targets[preference % 2], self.targets[1 - preference % 2]]
+        target = "ipv4:" + ",".join(order)
+        args = [sys.executable, chaos_worker.__file__, target, self.task, str(self.state)]
+        args.append(str(self.config.concurrency))
+        self.worker_logs += 1
+        with open(self.base / f"worker-{self.worker_logs}.log", "wb") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+        self.workers.append(proc)
+
+    def _all_ready(self) -> bool:
+        return all((self.state / f"ready-{p.pid}").exists() for p in self.workers)
+
+    def _healthy(self) -> list[subprocess.Popen[bytes]]:
+        return [p for p in self.workers if p.poll() is None and p.pid not in self.stalled]
+
+    # ---- the nemesis -------------------------------------------------------------------
+
+    async def _nemesis(self) -> None:
+        weights = CLUSTER_WEIGHTS if self.config.topology == "cluster" else WEIGHTS
+        kinds, shares = list(weights), list(weights.values())
+        while not self.stop.is_set():
+            gap = self.schedule.uniform(*self.config.fault_gap)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), gap)
+                return
+            kind = self.schedule.choices(kinds, shares)[0]
+            pick = self.schedule.random()  # which target: fixed by the seed, not the moment
+            delay = self.schedule.uniform(0.0, 1.0)
+            try:
+                await getattr(self, "_" + kind.replace("-", "_"))(pick, delay)
+            except (nats.errors.Error, nats.js.errors.Error, OSError) as err:
+                self.report.missed[f"{kind} ({type(err).__name__})"] += 1
+
+    async def _worker_kill(self, pick: float, delay: float) -> None:
+        healthy = self._healthy()
+        if len(healthy) < 2:
+            return
+        victim = healthy[int(pick * len(healthy))]
+        _reap(victim)
+        self.workers.remove(victim)
+        self.faults["worker-kill"] += 1
+        preference = self.worker_logs
+        self._later(0.2 + 1.5 * delay, lambda: self._spawn_worker(preference))
+
+    async def _worker_stall(self, pick: float, delay: float) -> None:
+        healthy = self._healthy()
+        if len(healthy) < 2:
+            return
+        victim = healthy[int(pick * len(healthy))]
+        victim.send_signal(signal.SIGSTOP)
+        self.stalled.add(victim.pid)
+        self.faults["worker-stall"] += 1
+
+        def thaw() -> None:
+            self.stalled.discard(victim.pid)
+            if victim.poll() is None:
+                victim.send_signal(signal.SIGCONT)
+
+        self._later(LEASE + 0.5 + (LEASE + 1.0) * delay, thaw)
+
+    async def _duplicate_delivery(self, pick: float, delay: float) -> None:
+        if not self.in_flight:
+            return
+        runs = sorted(self.in_flight)
+        subject = f"tasks.{self.task}.{runs[int(pick * len(runs))]}.agent"
+        js = self.nc.jetstream()
+        try:
+            task = await js.get_last_msg(jsx.TASKS, subject)
+        except nats.js.errors.NotFoundError:
+            return  # between two dispatches
+        self.faults["duplicate-delivery"] += 1
+        headers = dict(task.headers or {})
+        headers["Nats-Msg-Id"] = f"{headers.get('Nats-Msg-Id', subject)}.dup{int(pick * 1e9)}"
+        await js.publish(subject, task.data or b"", headers=headers)
+
+    async def _stepdown(self, pick: float, delay: float) -> None:
+        stream = STREAMS[int(pick * len(STREAMS))]
+        reply = await self.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=5)
+        if "error" not in json.loads(reply.data):
+            self.faults["stepdown"] += 1
+
+    async def _leader_kill(self, pick: float, delay: float) -> None:
+        cluster = self.nats
+        if not isinstance(cluster, NatsCluster) or self.node_down is not None:
+            return
+        stream = STREAMS[int(pick * len(STREAMS))]
+        info = await self.nc.jetstream(timeout=5).stream_info(stream)
+        leader = info.cluster.leader if info.cluster else None
+        if not leader:
+            return
+        index = int(leader.removeprefix("n")) - 1
+        cluster.kill(index)
+        self.node_down = index
+        self.faults["leader-kill"] += 1
+
+        async def restart() -> None:
+            await cluster.restart(index)
+            self.node_down = None
+
+        self._later(0.5 + 2.5 * delay, restart)
+
+    def _later(self, seconds: float, undo: Callable[[], Awaitable[None] | None]) -> None:
+        """Undo a fault after ``seconds``, or as soon as the soak heals."""
+
+        async def run() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.healing.wait(), seconds)
+            result = undo()
+            if result is not None:
+                await result
+
+        task = asyncio.create_task(run())
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def _heal(self) -> None:
+        """Undo every fault: thaw, restart, and bring the workers back to strength."""
+        self.healing.set()
+        while self.pending:
+            await asyncio.gather(*list(self.pending))
+        while len([p for p in self.workers if p.poll() is None]) < self.config.workers:
+            self._spawn_worker(self.worker_logs)
+        if isinstance(self.nats, NatsCluster):
+            await self.nats.wait_for_meta_leader()
+
+    # ---- the whole journal -------------------------------------------------------------
+
+    async def _scan(self, tap: JournalTap) -> None:
+        """Read every record's headers once and check the journal as a whole."""
+        js = self.nc.jetstream(timeout=10)
+        stored = await _headers_by_seq(js)
+        self.report.records = len(stored)
+        self.report.acks = len(tap.acks)
+        violations = self.report.violations
+        ids = Counter(h.get("Nats-Msg-Id", "") for _, h in stored.values())
+        violations += [f"Msg-Id {i} stored {n} times" for i, n in ids.items() if n > 1]
+        for msg_id in ids.keys() - {a.msg_id for a in tap.acks}:
+            # Stored, yet its append returned no sequence: an outcome left
+            # unknown (cancelled, unavailable) is fine; a refusal is a lie.
+            ended = tap.failed.get(msg_id, "never returned")
+            self.report.unacknowledged[ended] += 1
+            if ended in ("Fenced", "InvalidArgument"):
+                violations.append(f"{msg_id} is stored, but its append raised {ended}")
+        for ack in tap.acks:
+            found = stored.get(ack.seq)
+            want = (ack.subject, ack.msg_id, ack.kind)
+            got = None
+            if found is not None:
+                subject, headers = found
+                got = (subject, headers.get("Nats-Msg-Id"), headers.get("Dagnats-Kind"))
+            if got != want:
+                violations.append(f"acknowledged {want} at {ack.seq}, stored there: {got}")
+        previous: dict[str, int] = defaultdict(int)
+        for seq in sorted(stored):
+            subject, headers = stored[seq]
+            expected = int(headers.get("Nats-Expected-Last-Subject-Sequence", "-1"))
+            if expected != previous[subject]:
+                violations.append(
+                    f"{subject} record {seq} expected {expected}, follows {previous[subject]}"
+                )
+            previous[subject] = seq
+
+
+async def _headers_by_seq(js: JetStreamContext) -> dict[int, tuple[str, dict[str, str]]]:
+    info = await js.stream_info(jsx.JOURNAL)
+    count = info.state.messages
+    stored: dict[int, tuple[str, dict[str, str]]] = {}
+    if not count:
+        return stored
+    config = ConsumerConfig(headers_only=True)
+    sub = await js.subscribe("journal.>", ordered_consumer=True, config=config)
+    try:
+        while len(stored) < count:
+            msg = await sub.next_msg(timeout=30)
+            stored[msg.metadata.sequence.stream] = (msg.subject, dict(msg.headers or {}))
+    finally:
+        await sub.unsubscribe()
+    return stored
+
+
+async def _read_all(journal: Any, request: jpb.ReadRequest) -> list[jpb.Record]:
+    return [r.record async for r in journal.Read(request)]
+
+
+async def _retry(call: Callable[[], Awaitable[T]], *, within: float = 60.0) -> T:
+    """Repeat a call that failed in transit (the soak's own reads and writes
+    meet the same faults); domain answers pass through."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    delay = 0.05
+    while True:
+        try:
+            return await call()
+        except (errors.Unavailable, errors.DeadlineExceeded, grpc.aio.AioRpcError) as err:
+            transient = not isinstance(err, grpc.aio.AioRpcError) or err.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNKNOWN,
+            )
+            if not transient or loop.time() > deadline:
+                raise
+        except errors.DagnatsError as err:
+            if type(err) is not errors.DagnatsError or loop.time() > deadline:
+                raise  # a domain answer, not a transport failure
+        await asyncio.sleep(delay)  # backoff before the same call again
+        delay = min(delay * 2, 1.0)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()

@@ -1,0 +1,186 @@
+"""Processes and bookkeeping shared by the crash-point matrix modules and the
+chaos soak: matrix workers, engine processes that can be killed, frozen and
+started again on their port, and the count of cases by seam and mode that
+``conftest.py`` prints at the end of a run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from dagnats.core.natsserver import free_port
+from tests.helpers import wait_for
+from tests.stack import FAST
+
+WORKERS = Path(__file__).parent / "workers"
+MATRIX_WORKER = WORKERS / "matrix_worker.py"
+ENGINE_PROCESS = WORKERS / "engine_process.py"
+
+# One-second leases: a holder that stopped loses its task a second after its
+# last heartbeat (it sends one every third of a lease), which is most of what a
+# case waits for.
+MATRIX = dataclasses.replace(FAST, task_ack_wait=1.0)
+
+# (where, "seam/mode") -> cases run; printed by conftest.pytest_terminal_summary.
+CASES: Counter[tuple[str, str]] = Counter()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+
+
+def spawn_worker(
+    target: str,
+    task: str,
+    state: Path,
+    crash: str = "",
+    *,
+    gate: int | None = None,
+    inputs: bool = False,
+    name: str = "",
+    standby: bool = False,
+) -> subprocess.Popen[bytes]:
+    """A matrix worker process (see ``tests/workers/matrix_worker.py``); it
+    writes ``state/ready-<name or crash or 'clean'>`` once it polls (with
+    ``standby``, only once :func:`activate` let it)."""
+    args = [sys.executable, str(MATRIX_WORKER), target, task, str(state), crash]
+    if gate is not None:
+        args += ["--gate", str(gate)]
+    if inputs:
+        args.append("--inputs")
+    if name:
+        args += ["--name", name]
+    if standby:
+        args.append("--standby")
+    with open(state / f"worker-{name or crash or 'clean'}.log", "wb") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+
+
+async def activate(worker: subprocess.Popen[bytes], state: Path, label: str) -> None:
+    """Let a standby worker start polling."""
+    await wait_for(lambda: (state / f"standby-{label}").exists(), timeout=30)
+    worker.send_signal(signal.SIGUSR2)
+
+
+def lines(state: Path, name: str) -> list[str]:
+    path = state / name
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def zombie_turn(state: Path, pid: int, iteration: int) -> str | None:
+    """How the frozen holder's turn ended once it woke, if it has."""
+    for line in lines(state, "turns"):
+        who, at, outcome = line.split()
+        if (int(who), int(at)) == (pid, iteration):
+            return outcome
+    return None
+
+
+def reap(*procs: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL (a frozen process too) and wait."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+class EngineProcess:
+    """The engine, journal and inputs services in a process of their own
+    (``tests/workers/engine_process.py``) on a port that survives restarts,
+    so workers dialling it reconnect to the next process as they would to a
+    restarted service. ``arm`` and ``hit`` are the seam files the launcher
+    watches; without them it installs no hook."""
+
+    def __init__(
+        self,
+        nats_url: str,
+        state: Path,
+        name: str,
+        *,
+        replicas: int = 1,
+        arm: Path | None = None,
+        hit: Path | None = None,
+    ) -> None:
+        self.nats_url = nats_url
+        self.state = state
+        self.name = name
+        self.replicas = replicas
+        self.arm = arm
+        self.hit = hit
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def start(self, *, within: float = 30.0) -> None:
+        """Start a fresh process on the same port and wait until it serves."""
+        assert not self.running, f"{self.name} is still running"
+        ready = self._spawn()
+        await wait_for(
+            lambda: ready.exists() or not self.running,
+            timeout=within,
+            message=f"{self.name} serving",
+        )
+        assert self.running, f"{self.name} exited; see {self.state / f'{self.name}.log'}"
+
+    def _spawn(self) -> Path:
+        ready = self.state / f"{self.name}.ready"
+        ready.unlink(missing_ok=True)
+        env = child_env()
+        if self.arm is not None and self.hit is not None:
+            env |= {"DAGNATS_TEST_SEAM_ARM": str(self.arm), "DAGNATS_TEST_SEAM_HIT": str(self.hit)}
+        args = [sys.executable, str(ENGINE_PROCESS), self.nats_url, str(self.port), str(ready)]
+        args.append(str(self.replicas))
+        with open(self.state / f"{self.name}.log", "ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.starts += 1
+        return ready
+
+    async def exited(self, *, within: float = 10.0) -> None:
+        await wait_for(lambda: not self.running, timeout=within, message=f"{self.name} exits")
+
+    def kill(self) -> None:
+        reap(self.proc)
+
+    def freeze(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        if self.running:
+            os.kill(self.pid, signal.SIGCONT)
+
+    async def stop(self) -> None:
+        """SIGTERM and a short grace, then SIGKILL; a frozen process is thawed first."""
+        if not self.running:
+            return
+        self.thaw()
+        assert self.proc is not None
+        self.proc.terminate()
+        with contextlib.suppress(AssertionError):
+            await wait_for(lambda: not self.running, timeout=5.0)
+        self.kill()
+
+    async def ensure_serving(self) -> None:
+        """Thaw a frozen process, start a dead one: the state a case expects."""
+        if self.running:
+            self.thaw()
+        else:
+            await self.start()

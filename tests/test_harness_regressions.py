@@ -1,0 +1,157 @@
+"""Regression tests for bugs the crash-point matrix and the chaos soak found,
+each named after the bug. They drive the services directly, so each bug's
+exact interleaving is reproduced every time rather than by chance."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+import pytest
+import pytest_asyncio
+
+from dagnats.core import seam
+from dagnats.engine.server import EngineServer
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
+from dagnats.sdk import Client
+from tests.stack import loop_workflow, unique
+from tests.test_journal import read_journal
+
+STEER = 1
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def journal(engine: EngineServer) -> AsyncIterator[jgrpc.JournalServiceStub]:
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        yield jgrpc.JournalServiceStub(channel)
+
+
+async def claimed_run(client: Client, journal: jgrpc.JournalServiceStub) -> jpb.WriterToken:
+    """A run whose iteration 0 is claimed by this test, acting as the worker."""
+    task, name = unique("regress"), unique("regresswf")
+    await client.register_workflow(loop_workflow(name, task))
+    run = await client.start_run(name, "go")
+    claim = await journal.Claim(
+        jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+    )
+    return claim.claimed.token
+
+
+async def test_place_inputs_retried_after_the_service_died_between_claim_and_record(
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+) -> None:
+    # The journal service claims the input in the inputs bucket and dies before
+    # it writes input.placed; the SDK retries the call with the same token. The
+    # input was claimed by that very writer, and must now be recorded, not
+    # skipped as "placed already" (it would read as done, never seen by a turn).
+    token = await claimed_run(client, journal)
+    await client.submit_input(token.run_id, "agent", "s1", {"steer": 1})
+
+    async def die_once(name: str) -> None:
+        if name == "after_input_claimed":
+            seam.install(None)
+            raise RuntimeError("the journal service died after claiming an input")
+
+    seam.install(die_once)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError):
+            await journal.PlaceInputs(jpb.PlaceInputsRequest(token=token, position=0, mode=STEER))
+    finally:
+        seam.install(None)
+    retried = await journal.PlaceInputs(jpb.PlaceInputsRequest(token=token, position=0, mode=STEER))
+    assert [p.request_id for p in retried.inputs] == ["s1"]
+    records = await read_journal(engine, token.run_id)
+    placed = [r.input_placed.request_id for r in records if r.HasField("input_placed")]
+    assert placed == ["s1"]
+    assert retried.token.last_seq == records[-1].seq
+
+
+async def test_place_inputs_retried_after_a_lost_answer_returns_the_first_answer(
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+) -> None:
+    # The first try recorded the input but its answer was lost; the retry, with
+    # the same token, must answer the same, with a token past that record.
+    # Answering "nothing placed" with the old token made the writer's next
+    # record reuse the input record's Msg-Id, so that record was acknowledged as
+    # written while the journal held the input in its place.
+    token = await claimed_run(client, journal)
+    await client.submit_input(token.run_id, "agent", "s1", {"steer": 1})
+    request = jpb.PlaceInputsRequest(token=token, position=0, mode=STEER)
+    first = await journal.PlaceInputs(request)
+    retried = await journal.PlaceInputs(request)
+    assert [p.request_id for p in retried.inputs] == [p.request_id for p in first.inputs]
+    assert retried.token == first.token
+    model = await journal.RecordModel(
+        jpb.RecordModelRequest(token=retried.token, position=1, response=b'{"answer": "ok"}')
+    )
+    kinds = [r.WhichOneof("kind") for r in await read_journal(engine, token.run_id)]
+    assert kinds == ["claim", "input_placed", "model"]
+    assert model.token.last_seq > first.token.last_seq
+
+
+def die_at_claim(number: int) -> seam.Hook:
+    """A journal service that dies after claiming its ``number``-th input."""
+    seen = [0]
+
+    async def hook(name: str) -> None:
+        if name == "after_input_claimed":
+            seen[0] += 1
+            if seen[0] == number:
+                raise RuntimeError("the journal service died after claiming an input")
+
+    return hook
+
+
+async def test_place_inputs_retried_after_dying_between_two_inputs_places_both(
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+) -> None:
+    # The first input was claimed and recorded, the second only claimed. The
+    # retry answers both, in order, and records only the second.
+    token = await claimed_run(client, journal)
+    for request_id in ("s1", "s2"):
+        await client.submit_input(token.run_id, "agent", request_id, {"steer": request_id})
+    request = jpb.PlaceInputsRequest(token=token, position=0, mode=STEER)
+    seam.install(die_at_claim(2))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError):
+            await journal.PlaceInputs(request)
+    finally:
+        seam.install(None)
+    retried = await journal.PlaceInputs(request)
+    assert [p.request_id for p in retried.inputs] == ["s1", "s2"]
+    records = await read_journal(engine, token.run_id)
+    assert [r.input_placed.request_id for r in records if r.HasField("input_placed")] == [
+        "s1",
+        "s2",
+    ]
+    assert retried.token.last_seq == records[-1].seq
+
+
+async def test_a_redelivery_takes_over_an_input_its_predecessor_claimed_but_never_recorded(
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+) -> None:
+    # The first holder recorded one input and died after claiming the next;
+    # the redelivery replays the recorded one and places the other, which no
+    # later iteration could take (a claim is reclaimed only in its iteration).
+    token = await claimed_run(client, journal)
+    for request_id in ("s1", "s2"):
+        await client.submit_input(token.run_id, "agent", request_id, {"steer": request_id})
+    seam.install(die_at_claim(2))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError):
+            await journal.PlaceInputs(jpb.PlaceInputsRequest(token=token, position=0, mode=STEER))
+    finally:
+        seam.install(None)
+    again = await journal.Claim(
+        jpb.ClaimRequest(run_id=token.run_id, step_id="agent", iteration=0, attempt=1)
+    )
+    successor = again.claimed.token
+    replayed = await journal.PlaceInputs(
+        jpb.PlaceInputsRequest(token=successor, position=0, mode=STEER)
+    )
+    assert [p.request_id for p in replayed.inputs] == ["s1", "s2"]
+    records = await read_journal(engine, token.run_id)
+    placed = [(r.input_placed.request_id, r.writer) for r in records if r.HasField("input_placed")]
+    assert placed == [("s1", token.writer), ("s2", successor.writer)]
