@@ -23,12 +23,7 @@ from dagnats.sdk.views import decode_payload, enum_name, run_dict, workflow_dict
 DEFAULT_ENGINE = "127.0.0.1:7233"
 DEV_FILE = Path(".dagnats") / "dev.json"
 
-_STATUS = {
-    "running": pb.RUN_STATUS_RUNNING,
-    "completed": pb.RUN_STATUS_COMPLETED,
-    "failed": pb.RUN_STATUS_FAILED,
-    "cancelled": pb.RUN_STATUS_CANCELLED,
-}
+RUN_STATUSES = ("running", "completed", "failed", "cancelled")
 
 
 class UsageError(Exception):
@@ -111,7 +106,7 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
     cancel.add_argument("--reason", default="")
     listing = _with_client_options(sub.add_parser("list", help="list runs"))
     listing.add_argument("--workflow", default="")
-    listing.add_argument("--status", choices=sorted(_STATUS), default=None)
+    listing.add_argument("--status", choices=RUN_STATUSES, default=None)
     listing.add_argument("--limit", type=int, default=50)
 
 
@@ -189,7 +184,9 @@ async def _run(args: argparse.Namespace) -> int:
             case "watch":
                 return await _watch(client, args.run_id, args.json)
             case "list":
-                status = _STATUS[args.status] if args.status else None
+                status = (
+                    pb.RunStatus.Value(f"RUN_STATUS_{args.status.upper()}") if args.status else None
+                )
                 runs = await client.list_runs(
                     workflow=args.workflow, status=status, limit=args.limit
                 )

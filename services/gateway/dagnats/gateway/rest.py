@@ -24,7 +24,13 @@ from dagnats.gateway.backend import BackendDep
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk import InputMode
 from dagnats.sdk._codec import encode
-from dagnats.sdk.views import input_dict, record_dict, run_dict, workflow_dict
+from dagnats.sdk.views import (
+    check_dict,
+    input_dict,
+    record_dict,
+    run_dict,
+    workflow_dict,
+)
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "invalid request; `field` names the problem"},
@@ -125,14 +131,6 @@ async def start_run(
     return JSONResponse(run_dict(response.run), status_code=201 if response.created else 200)
 
 
-_STATUSES = {
-    "running": pb.RUN_STATUS_RUNNING,
-    "completed": pb.RUN_STATUS_COMPLETED,
-    "failed": pb.RUN_STATUS_FAILED,
-    "cancelled": pb.RUN_STATUS_CANCELLED,
-}
-
-
 @router.get("/runs", tags=["runs"], summary="List runs, newest first")
 async def list_runs(
     b: BackendDep,
@@ -143,7 +141,9 @@ async def list_runs(
     if workflow:
         check_token(workflow, field="workflow")
     runs = await b.client.list_runs(
-        workflow=workflow, status=_STATUSES[status] if status else None, limit=limit
+        workflow=workflow,
+        status=pb.RunStatus.Value(f"RUN_STATUS_{status.upper()}") if status else None,
+        limit=limit,
     )
     return {"runs": [run_dict(r) for r in runs]}
 
@@ -169,8 +169,6 @@ async def purge_run(b: BackendDep, run_id: ValidRun) -> Response:
 
 @router.get("/runs/{run_id}/journal/check", tags=["journal"], summary="Audit a run's journal")
 async def check_journal(b: BackendDep, run_id: ValidRun) -> dict[str, Any]:
-    from dagnats.sdk.views import check_dict
-
     return check_dict(await b.journal.check(run_id))
 
 
