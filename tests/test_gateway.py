@@ -168,6 +168,10 @@ async def test_the_spec_agent_driven_through_rest_alone(
 
         cancelled = await http.post(f"/runs/{run_id}/cancel", json={"reason": "done here"})
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        listed = await http.get("/runs", params={"workflow": name, "status": "cancelled"})
+        assert [r["run_id"] for r in listed.json()["runs"]] == [run_id]
+        running = await http.get("/runs", params={"workflow": name, "status": "running"})
+        assert running.json()["runs"] == []
         check = (await http.get(f"/runs/{run_id}/journal/check")).json()
         assert check["violations"] == [] and check["records"] == len(records) + len(live)
 
