@@ -22,8 +22,8 @@ from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
-from dagnats.gateway.bridge_ops import fence_reason
 from dagnats.gateway.bridge_token import BridgeToken
+from dagnats.journal import convert, replay
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, JournalClient, run_output
 from tests.stack import FAST, loop_workflow, unique
@@ -86,20 +86,28 @@ def test_a_token_survives_its_round_trip_and_a_damaged_one_is_invalid() -> None:
 
 
 def test_what_follows_a_writers_last_record_says_why_it_was_fenced() -> None:
-    writer = jpb.WriterToken(run_id=RUN, step_id="agent", iteration=1, attempt=2, writer="a" * 16)
+    mine, dispatch = "a" * 16, (1, 2)
+
+    def why(*records: jpb.Record) -> str:
+        entries = [convert.entry(r) for r in records]
+        return replay.why_fenced(entries, writer=mine, dispatch=dispatch)
 
     def record(iteration: int, attempt: int, who: str = "b" * 16, **kind: Any) -> jpb.Record:
         return jpb.Record(iteration=iteration, attempt=attempt, writer=who, **kind)
 
-    assert fence_reason(record(1, 2, "a" * 16, claim=jpb.Claim()), writer) == "own"
-    assert fence_reason(record(1, 2, claim=jpb.Claim()), writer) == "fenced"
-    assert fence_reason(record(1, 3, claim=jpb.Claim()), writer) == "stale"
-    assert fence_reason(record(2, 1, claim=jpb.Claim()), writer) == "stale"
+    assert why(record(1, 2, mine, claim=jpb.Claim())) == "own"
+    assert why(record(1, 2, claim=jpb.Claim())) == "fenced"
+    assert why(record(1, 3, claim=jpb.Claim())) == "stale"
+    assert why(record(2, 1, claim=jpb.Claim())) == "stale"
     paused = jpb.Commit(action=jpb.ACTION_PAUSE)
-    assert fence_reason(record(1, 2, commit=paused), writer) == "committed"
-    assert fence_reason(record(1, 1, commit=paused), writer) == "fenced"
+    assert why(record(1, 2, commit=paused)) == "committed"
+    assert why(record(1, 1, commit=paused)) == "fenced"
     done = jpb.Commit(action=jpb.ACTION_COMPLETE)
-    assert fence_reason(record(1, 1, commit=done), writer) == "committed"
+    assert why(record(1, 1, commit=done)) == "committed"
+    # Another writer's record, then the commit that finished the dispatch.
+    assert why(record(1, 3, claim=jpb.Claim()), record(1, 2, mine, claim=jpb.Claim())) == "stale"
+    assert why(record(1, 2, claim=jpb.Claim()), record(1, 1, commit=done)) == "committed"
+    assert why() == "own"
 
 
 # ---- (1) a journaled run over HTTP only ---------------------------------------------------

@@ -2,12 +2,10 @@
 settled, and turning a fenced journal call into the answer that says why.
 
 A journal refusal (``Fenced``) is explained from the records that follow the
-writer's last seen one, with the claim's own rules: a record of a later
-dispatch means the task is finished (410 ``stale``); a commit that ends this
-dispatch means a successor finished it (410 ``committed``); any other record
-of another writer means a successor holds it (409 ``fenced``); only this
-writer's own records mean the token was behind a write of its own. A
-cancelled run is 409 ``cancelled`` whatever the journal says.
+writer's last seen one by the pure rule ``dagnats.journal.replay.why_fenced``:
+410 ``stale`` or ``committed`` when the task is finished, 409 ``fenced`` when a
+successor holds it, and no refusal when the token was only behind a write of
+its own. A cancelled run is 409 ``cancelled`` whatever the journal says.
 """
 
 from __future__ import annotations
@@ -22,29 +20,12 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway.backend import Backend
 from dagnats.gateway.bridge_token import BridgeToken
 from dagnats.gateway.errors import ApiError
+from dagnats.journal import convert, replay
+from dagnats.journal.replay import FenceReason
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._context import outcome_of
 
 T = TypeVar("T")
-
-FenceReason = Literal["own", "stale", "committed", "fenced"]
-
-_ENDS_ITERATION = (jpb.ACTION_CONTINUE, jpb.ACTION_COMPLETE, jpb.ACTION_FAIL_PERMANENT)
-
-
-def fence_reason(record: jpb.Record, writer: jpb.WriterToken) -> FenceReason:
-    """What one record after ``writer``'s last seen sequence says about it."""
-    if record.writer == writer.writer:
-        return "own"
-    if (record.iteration, record.attempt) > (writer.iteration, writer.attempt):
-        return "stale"
-    if (
-        record.HasField("commit")
-        and record.iteration == writer.iteration
-        and (record.attempt == writer.attempt or record.commit.action in _ENDS_ITERATION)
-    ):
-        return "committed"
-    return "fenced"
 
 
 async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | None]:
@@ -129,16 +110,11 @@ async def why_fenced(b: Backend, t: BridgeToken) -> FenceReason | Literal["cance
         return "cancelled"
     assert t.writer is not None
     writer = t.writer
-    seen: FenceReason = "own"
-    after = writer.last_seq + 1
-    async with records_from(b, t, after) as records:
-        async for record in records:
-            reason = fence_reason(record, writer)
-            if reason in ("stale", "committed"):
-                return reason
-            if reason == "fenced":
-                seen = reason
-    return seen
+    async with records_from(b, t, writer.last_seq + 1) as records:
+        entries = [convert.entry(record) async for record in records]
+    return replay.why_fenced(
+        entries, writer=writer.writer, dispatch=(writer.iteration, writer.attempt)
+    )
 
 
 def _explained(t: BridgeToken, reason: str, err: Fenced) -> Exception:

@@ -30,12 +30,18 @@ place-inputs calls share one position counter):
   tool call matching an earlier attempt's *unsafe* intent by name and input
   honours it: the earlier result (or ``interrupted``) is used and the tool is
   not started. Each earlier intent is honoured at most once.
+
+Why a writer was fenced (``why_fenced``), from the records after its last
+seen sequence: a record of a later dispatch -> ``stale``; a commit that ends
+the writer's dispatch -> ``committed``; another writer's record -> ``fenced``;
+only its own records -> ``own`` (its token was behind its own write).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from dagnats.journal.model import (
     AnyEntry,
@@ -318,3 +324,37 @@ def _honourable(
         ):
             return r
     return None
+
+
+FenceReason = Literal["own", "stale", "committed", "fenced"]
+
+
+def fence_reason(record: AnyEntry, *, writer: str, dispatch: tuple[int, int]) -> FenceReason:
+    """What one record after a writer's last seen sequence says about it."""
+    if record.writer == writer:
+        return "own"
+    if record.dispatch > dispatch:
+        return "stale"
+    if (
+        isinstance(record, CommitEntry)
+        and record.iteration == dispatch[0]
+        and (record.attempt == dispatch[1] or record.ends_iteration)
+    ):
+        return "committed"
+    return "fenced"
+
+
+def why_fenced(
+    records: Iterable[AnyEntry], *, writer: str, dispatch: tuple[int, int]
+) -> FenceReason:
+    """Why ``writer`` of ``dispatch`` was refused, given the records after its
+    last seen sequence: the first ``stale`` or ``committed`` decides, else any
+    other writer's record makes it ``fenced``, else it is ``own``."""
+    seen: FenceReason = "own"
+    for record in records:
+        reason = fence_reason(record, writer=writer, dispatch=dispatch)
+        if reason in ("stale", "committed"):
+            return reason
+        if reason == "fenced":
+            seen = reason
+    return seen
