@@ -215,21 +215,18 @@ class TaskContext:
 
     async def _settled_by_journal(self, settled: jpb.Settled) -> None:
         self._settled_as = settled.reason
-        if settled.reason == "stale":
-            await self._rpc.report(self._request(pb.ReportRequest(acknowledge=pb.Acknowledge())))
-            raise Stale(self.run_id, self.step_id, settled.detail)
-        commit = settled.commit
-        request = pb.ReportRequest(
-            lease=self._leased.lease,
-            run_id=self.run_id,
-            step_id=self.step_id,
-            iteration=commit.iteration,
-            attempt=commit.attempt,
-            journal_seq=commit.seq,
+        await self._rpc.report(
+            settled_report(
+                settled,
+                lease=self._leased.lease,
+                run_id=self.run_id,
+                step_id=self.step_id,
+                iteration=self.iteration,
+                attempt=self.attempt,
+            )
         )
-        field, outcome = outcome_of(commit.commit)
-        getattr(request, field).CopyFrom(outcome)
-        await self._rpc.report(request)
+        if settled.reason == "stale":
+            raise Stale(self.run_id, self.step_id, settled.detail)
         signal = RestartLimit if settled.reason == "restart_limit" else Committed
         raise signal(self.run_id, self.step_id, settled.detail)
 
@@ -459,6 +456,26 @@ def commit_of(outcome: Outcome, state: bytes | None) -> jpb.Commit:
             commit.action = jpb.ACTION_PAUSE
             commit.pause.CopyFrom(duration)
     return commit
+
+
+def settled_report(
+    settled: jpb.Settled, *, lease: str, run_id: str, step_id: str, iteration: int, attempt: int
+) -> pb.ReportRequest:
+    """What settles a task (``iteration``, ``attempt``) whose claim the journal
+    answered ``settled``: a stale task is acknowledged; a stored commit
+    (committed before a crash, or the restart limit's failure) is reported
+    again, under its own dispatch."""
+    request = pb.ReportRequest(lease=lease, run_id=run_id, step_id=step_id)
+    if settled.reason == "stale":
+        request.iteration, request.attempt = iteration, attempt
+        request.acknowledge.SetInParent()
+        return request
+    commit = settled.commit
+    request.iteration, request.attempt = commit.iteration, commit.attempt
+    request.journal_seq = commit.seq
+    field, outcome = outcome_of(commit.commit)
+    getattr(request, field).CopyFrom(outcome)
+    return request
 
 
 def outcome_of(commit: jpb.Commit) -> tuple[str, Outcome]:

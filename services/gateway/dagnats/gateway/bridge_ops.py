@@ -23,7 +23,7 @@ from dagnats.gateway.errors import ApiError
 from dagnats.journal import convert, replay
 from dagnats.journal.replay import FenceReason
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._context import outcome_of
+from dagnats.sdk._context import settled_report
 
 T = TypeVar("T")
 
@@ -61,16 +61,14 @@ async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | 
 async def _settle(b: Backend, t: BridgeToken, settled: jpb.Settled) -> ApiError:
     # As TaskContext.journal(): release a stale task; report a stored commit
     # again (committed before a crash, or the restart limit's failure).
-    request = pb.ReportRequest(lease=t.lease, run_id=t.run_id, step_id=t.step_id)
-    if settled.reason == "stale":
-        request.iteration, request.attempt = t.iteration, t.attempt
-        request.acknowledge.SetInParent()
-    else:
-        commit = settled.commit
-        request.iteration, request.attempt = commit.iteration, commit.attempt
-        request.journal_seq = commit.seq
-        field, outcome = outcome_of(commit.commit)
-        getattr(request, field).CopyFrom(outcome)
+    request = settled_report(
+        settled,
+        lease=t.lease,
+        run_id=t.run_id,
+        step_id=t.step_id,
+        iteration=t.iteration,
+        attempt=t.attempt,
+    )
     response = await b.rpc.report(request)
     if response.cancelled:
         return await ended(b, t)
