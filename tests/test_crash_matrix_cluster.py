@@ -12,7 +12,6 @@ import pytest_asyncio
 
 from dagnats.core.jetstream import Topology
 from dagnats.engine.server import EngineServer, start_engine
-from dagnats.sdk import Client
 from tests.matrix import MATRIX
 from tests.test_crash_matrix import test_crash_point
 
@@ -36,9 +35,3 @@ async def second_engine(nats_cluster: Any, engine: EngineServer) -> AsyncIterato
     server = await start_engine(nats_cluster.url, config=MATRIX, topology=Topology(replicas=3))
     yield server
     await server.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(engine: EngineServer) -> AsyncIterator[Client]:
-    async with Client(engine.target) as c:
-        yield c

@@ -10,7 +10,6 @@ import pytest_asyncio
 
 from dagnats.core.jetstream import Topology
 from dagnats.engine.server import EngineServer, start_engine
-from dagnats.sdk import Client
 from tests.stack import FAST
 from tests.test_journal import (
     test_crash_after_commit_republishes,
@@ -32,9 +31,3 @@ async def engine(nats_cluster: Any) -> AsyncIterator[EngineServer]:
     server = await start_engine(nats_cluster.url, config=FAST, topology=Topology(replicas=3))
     yield server
     await server.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(engine: EngineServer) -> AsyncIterator[Client]:
-    async with Client(engine.target) as c:
-        yield c
