@@ -5,9 +5,10 @@ Run with ``make bench`` or ``python -m tests.bench [--iterations N]``.
 One scripted agent turn per iteration (claim, model, one unsafe tool, commit),
 with a model and a tool that return at once and are timed apart. The journal
 overhead of an iteration is the wall time from just before ``tc.journal()`` to
-just after ``tc.continue_()`` returns, minus the time inside the model and the
-tool functions; ``continue_`` commits and then reports to the engine, so the
-report RPC is part of it (and shown apart).
+just after its commit is stored, minus the time inside the model and the tool
+functions. ``tc.continue_()`` then reports to the engine, which every step does,
+journaled or not, and which the floor does not hold: the report is shown apart,
+and so is the whole of claim..settle with its own ratio.
 
 The floor is what the same journal writes cost when done directly with nats-py
 on the same server, in the same process: one tail read plus as many fenced
@@ -85,6 +86,11 @@ class Turn:
     @property
     def report(self) -> float:
         return self.settle - self.commit
+
+    @property
+    def journal(self) -> float:
+        """Claim to commit stored: the overhead without the engine report."""
+        return self.overhead - self.report
 
 
 @dataclass
@@ -272,13 +278,13 @@ def report(turns: list[Turn], floors: list[float]) -> None:
     table(
         [
             (f"floor: 1 tail read + {APPENDS} fenced appends, nats-py", floors),
-            ("journal overhead per iteration (claim..settle)", [t.overhead for t in turns]),
+            ("journal overhead per iteration (claim..commit)", [t.journal for t in turns]),
             ("  claim           Claim", [t.claim for t in turns]),
             ("  model           BeginModel + RecordModel", [t.model_call - t.model for t in turns]),
             ("  tool            BeginTool + FinishTool", [t.tool_call - t.tool for t in turns]),
-            ("  settle: commit  Commit", [t.commit for t in turns]),
-            ("  settle: report  Report (engine)", [t.report for t in turns]),
-            ("journal overhead without the report", [t.overhead - t.report for t in turns]),
+            ("  commit          Commit", [t.commit for t in turns]),
+            ("engine report     Report (every step makes it)", [t.report for t in turns]),
+            ("with the report (claim..settle)", [t.overhead for t in turns]),
             ("reference: settled -> next task received", gaps),
             ("reference: full period, task -> next task", periods),
         ],
@@ -290,13 +296,18 @@ def report(turns: list[Turn], floors: list[float]) -> None:
             f"{len(stalls)} of {len(gaps)} iterations waited over {STALL}s for the next task "
             f"(longest {max(stalls):.2f}s); medians are unaffected, the run time is not"
         )
-    overhead = 1000 * statistics.median(t.overhead for t in turns)
-    ratio = overhead / base
-    verdict = "within" if ratio <= TARGET else "ABOVE"
-    print(
-        f"\nfloor {base:.2f}ms, journal overhead {overhead:.2f}ms: "
-        f"ratio {ratio:.2f}x, {verdict} the {TARGET}x target"
-    )
+    print()
+    for label, samples in (
+        ("journal overhead (claim..commit)", [t.journal for t in turns]),
+        ("with the engine report (claim..settle)", [t.overhead for t in turns]),
+    ):
+        median = 1000 * statistics.median(samples)
+        ratio = median / base
+        verdict = "within" if ratio <= TARGET else "ABOVE"
+        print(
+            f"{label:40} {median:6.2f}ms over a {base:.2f}ms floor: "
+            f"ratio {ratio:.2f}x, {verdict} the {TARGET}x target"
+        )
 
 
 def print_traffic(seen: Counter[str], iterations: int) -> None:

@@ -75,14 +75,21 @@ def domain_errors(method: F) -> F:
 
 async def abort_with(context: Context, err: errors.DagnatsError) -> None:
     """End the call with the status of ``err``, its code and field in metadata."""
+    status, message, field = wire_status(err)
+    metadata: list[tuple[str, str]] = [(CODE_KEY, err.code)]
+    if field:
+        metadata.append((FIELD_KEY, field))
+    context.set_trailing_metadata(tuple(metadata))
+    await context.abort(status, message)
+
+
+def wire_status(err: errors.DagnatsError) -> tuple[grpc.StatusCode, str, str]:
+    """The status code, message and field that carry ``err`` to a client."""
     # Messages and fields may quote a request (an unknown field's name): the
     # status message must be valid UTF-8 and metadata values printable ASCII, or gRPC
     # fails to send the status at all and the caller waits out its deadline.
-    metadata: list[tuple[str, str]] = [(CODE_KEY, err.code)]
-    if err.field:
-        metadata.append((FIELD_KEY, err.field.encode("unicode_escape").decode("ascii")))
-    context.set_trailing_metadata(tuple(metadata))
-    await context.abort(status_of(err), err.message.encode("utf-8", "backslashreplace").decode())
+    field = err.field.encode("unicode_escape").decode("ascii") if err.field else ""
+    return status_of(err), err.message.encode("utf-8", "backslashreplace").decode(), field
 
 
 def error_from_rpc(err: grpc.aio.AioRpcError) -> errors.DagnatsError:
@@ -90,13 +97,28 @@ def error_from_rpc(err: grpc.aio.AioRpcError) -> errors.DagnatsError:
     # grpc.aio yields (key, value) pairs; the stubs describe the sync API's objects.
     pairs = cast(Iterable[tuple[str, Any]], err.trailing_metadata() or ())
     trailing = dict(pairs)
-    code = trailing.get(CODE_KEY)
-    field = trailing.get(FIELD_KEY)
-    message = err.details() or err.code().name.lower()
-    cls = _CLASS_OF_CODE.get(str(code)) if code else None
+    code, field = trailing.get(CODE_KEY), trailing.get(FIELD_KEY)
+    return error_from_status(
+        err.code(), err.details() or "", str(code) if code else "", str(field) if field else ""
+    )
+
+
+def error_from_status(
+    status: grpc.StatusCode, message: str, code: str, field: str
+) -> errors.DagnatsError:
+    """The domain error named by ``code`` (or, without one, by ``status``)."""
+    cls = _CLASS_OF_CODE.get(code) if code else None
     if cls is None:
-        cls = _class_for_status(err.code())
-    return cls(message, field=str(field) if field else None)
+        cls = _class_for_status(status)
+    return cls(message or status.name.lower(), field=field or None)
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The status code whose number is ``value`` (UNKNOWN for none)."""
+    return _STATUS_BY_NUMBER.get(value, grpc.StatusCode.UNKNOWN)
+
+
+_STATUS_BY_NUMBER = {s.value[0]: s for s in grpc.StatusCode}
 
 
 def _class_for_status(status: grpc.StatusCode) -> type[errors.DagnatsError]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -22,7 +23,16 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-__all__ = ["client_interceptors", "extract", "inject", "server_interceptors", "tracer"]
+__all__ = [
+    "client_interceptors",
+    "client_span",
+    "extract",
+    "inject",
+    "server_interceptors",
+    "server_span",
+    "set_status",
+    "tracer",
+]
 
 tracer = trace.get_tracer("dagnats")
 
@@ -175,20 +185,41 @@ class _ServerInterceptor(_Server):
         return handler
 
 
+def server_span(method: str, parent: otel_context.Context) -> AbstractContextManager[Span]:
+    """The current SERVER span of one call of ``method`` ("/pkg.Service/Name")."""
+    return tracer.start_as_current_span(
+        _span_name(method),
+        context=parent,
+        kind=SpanKind.SERVER,
+        attributes=_rpc_attributes(method),
+        record_exception=False,
+        set_status_on_exception=False,
+    )
+
+
+def client_span(method: str, carrier: dict[str, str]) -> AbstractContextManager[Span]:
+    """A CLIENT span of one call of ``method``, its context written to ``carrier``
+    (for calls that carry trace context in the message, not in metadata)."""
+    span = _start_client_span(method)
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return trace.use_span(
+        span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+    )
+
+
+def set_status(span: Span, code: grpc.StatusCode, details: str, *, server: bool) -> None:
+    """Record the status a call ended with: any non-OK code fails a client span,
+    only a server-side failure (UNKNOWN, INTERNAL, ...) a server span."""
+    _set_grpc_status(span, code, details, error_codes=_SERVER_ERROR_CODES if server else None)
+
+
 def _traced_call(
     behaviour: Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]],
     method: str,
     parent: otel_context.Context,
 ) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]:
     async def traced(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        with tracer.start_as_current_span(
-            _span_name(method),
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes=_rpc_attributes(method),
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
+        with server_span(method, parent) as span:
             try:
                 response = await behaviour(request, context)
             except BaseException as exc:

@@ -42,6 +42,7 @@ from dagnats.sdk._errors import (
 )
 from dagnats.sdk._journal import InputMode, Journal, PlacedInput
 from dagnats.sdk._rpc import EngineRpc
+from dagnats.sdk._session import JournalSession
 
 _UNSET: Any = object()
 
@@ -77,6 +78,7 @@ class TaskContext:
         self._worker_id = worker_id
         self._restart_limit = restart_limit
         self._journal: Journal | None = None
+        self._session: JournalSession | None = None
         self._state: bytes | None = None
         self._task = leased.task
         self._rpc = rpc
@@ -197,8 +199,9 @@ class TaskContext:
             worker_id=self._worker_id,
             restart_limit=self._restart_limit,
         )
+        self._session = self._session or JournalSession(self._rpc)
         try:
-            response = await self._rpc.claim(request)
+            response = await self._session.claim(request)
         except FencedError as err:
             # A concurrent claim of this dispatch came between our read of the
             # tail and our append: the task is its holder's, not ours to report.
@@ -208,7 +211,7 @@ class TaskContext:
         if response.HasField("settled"):
             await self._settled_by_journal(response.settled)
         claimed = response.claimed
-        self._journal = Journal(self._rpc, claimed.token, cancellation=self._cancellation)
+        self._journal = Journal(self._session, claimed.token, cancellation=self._cancellation)
         self._state = claimed.state if claimed.has_state else None
         await seam("after_claim")
         return self._journal
@@ -405,6 +408,12 @@ class TaskContext:
         if response.cancelled:
             self._mark_cancelled()
         return self._cancelled
+
+    def _close(self) -> None:
+        """Give back the journal's stream, once nothing is left to write (the
+        worker calls this after the task is settled)."""
+        if self._session is not None:
+            self._session.close()
 
     def _mark_cancelled(self) -> None:
         self._cancelled = True

@@ -39,7 +39,7 @@ from dagnats.sdk._codec import decode, encode
 from dagnats.sdk._errors import ConcurrentJournalUse, Fenced, RunCancelled
 
 if TYPE_CHECKING:
-    from dagnats.sdk._rpc import EngineRpc
+    from dagnats.sdk._session import JournalCalls
 
 
 class Replay(enum.Enum):
@@ -127,7 +127,7 @@ class Journal:
 
     def __init__(
         self,
-        rpc: EngineRpc,
+        rpc: JournalCalls,
         token: jpb.WriterToken,
         *,
         cancellation: asyncio.Event | None = None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -56,6 +57,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dagnats.sdk")
 
+# Session streams kept open between dispatches, so that a journaled dispatch
+# does not pay for opening one; more than a worker's slots are rarely idle.
+MAX_IDLE_SESSIONS = 64
+SessionStream = grpc.aio.StreamStreamCall[jpb.SessionRequest, jpb.SessionResponse]
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
 
@@ -90,6 +95,7 @@ class EngineRpc:
         self._stub: EngineServiceAsyncStub | None = None
         self._journal_stub: JournalServiceAsyncStub | None = None
         self._inputs_stub: InputsServiceAsyncStub | None = None
+        self._idle_sessions: list[SessionStream] = []
 
     @property
     def timeout(self) -> float:
@@ -101,6 +107,9 @@ class EngineRpc:
         channel, self._channel, self._stub = self._channel, None, None
         self._journal_stub = None
         self._inputs_stub = None
+        idle, self._idle_sessions = self._idle_sessions, []
+        for stream in idle:
+            stream.cancel()
         if channel is not None:
             await channel.close(None)
 
@@ -223,12 +232,36 @@ class EngineRpc:
         idempotent: bool,
         deadline: float | None = None,
     ) -> Resp:
+        timeout = self._timeout if deadline is None else deadline
         name = type(request).__name__.removesuffix("Request")
-        if deadline is None:
-            deadline = self._timeout
+        return await self.retrying(
+            name, lambda: method(request, timeout=timeout), idempotent=idempotent
+        )
+
+    def open_session(self) -> SessionStream:
+        """A journal Session stream (see ``JournalSession``): an idle one given
+        back by an earlier dispatch, or a new one."""
+        while self._idle_sessions:
+            stream = self._idle_sessions.pop()
+            if not stream.done():
+                return stream
+        return self._journal().Session(None)  # None: written with write()
+
+    def release_session(self, stream: SessionStream) -> None:
+        """Keep ``stream`` for the next dispatch; it must have no call pending."""
+        if len(self._idle_sessions) < MAX_IDLE_SESSIONS and not stream.done():
+            self._idle_sessions.append(stream)
+        else:
+            stream.cancel()
+
+    async def retrying(
+        self, name: str, attempt: Callable[[], Awaitable[Resp]], *, idempotent: bool
+    ) -> Resp:
+        """``await attempt()``, tried again by the rules above; ``attempt``
+        raises ``AioRpcError`` when the transport fails."""
         transient = functools.partial(_is_transient, idempotent=idempotent)
         try:  # the common case, without the retry machinery around it
-            return await method(request, timeout=deadline)
+            return await attempt()
         except grpc.aio.AioRpcError as err:
             if not transient(err):
                 raise error_from_rpc(err) from None
@@ -244,9 +277,9 @@ class EngineRpc:
             reraise=True,
         )
         try:
-            async for attempt in retrying:
-                with attempt:
-                    return await method(request, timeout=deadline)
+            async for tried in retrying:
+                with tried:
+                    return await attempt()
         except grpc.aio.AioRpcError as err:
             # Raised "from None": the status is already in the message, and the
             # domain error is the whole story for the caller.

@@ -278,7 +278,10 @@ class Worker:
                 if not running.done():  # stop() gave up on this task
                     running.cancel()
                 await asyncio.wait((running, beats))
-            await self._conclude(tc, running, span)
+            try:
+                await self._conclude(tc, running, span)
+            finally:
+                tc._close()
 
     async def _keep_alive(self, tc: TaskContext, running: asyncio.Task[None]) -> None:
         interval = self._heartbeat_interval or max(

@@ -28,7 +28,7 @@ from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs import rules as input_rules
 from dagnats.inputs.store import InputStore
 from dagnats.inputs.store import StaleRevision as InputStaleRevision
-from dagnats.journal import audit, convert, replay
+from dagnats.journal import audit, convert, replay, session
 from dagnats.journal import model as jm
 from dagnats.journal.store import JournalStore, journal_subject
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -444,6 +444,16 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self._snapshots.pop((journal_subject(token.run_id, token.step_id), token.writer), None)
         return pb.CommitResponse(commit_seq=record.seq, record=record)
 
+    # ---- one dispatch over one stream --------------------------------------------------
+
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: Context
+    ) -> AsyncIterator[pb.SessionResponse]:
+        # An async generator, not a function returning one: grpc.aio runs any
+        # other stream handler in a thread.
+        async for response in session.serve(self, _SESSION_CALLS, request_iterator, context):
+            yield response
+
     # ---- reading -----------------------------------------------------------------------
 
     async def Read(
@@ -545,6 +555,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
 
 
 _MODES = {1: "STEER", 2: "FOLLOW_UP"}
+_SESSION_CALLS = session.behaviours(JournalServicer)
 
 
 def _fenced(token: pb.WriterToken, actual: int) -> errors.Fenced:

@@ -1299,3 +1299,225 @@ class CheckResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CheckResponse: _TypeAlias = CheckResponse  # noqa: Y015
+
+@_typing.final
+class SessionRequest(_message.Message):
+    """SessionRequest is one journal call on a Session stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    CLAIM_FIELD_NUMBER: _builtins.int
+    BEGIN_MODEL_FIELD_NUMBER: _builtins.int
+    RECORD_MODEL_FIELD_NUMBER: _builtins.int
+    BEGIN_TOOL_FIELD_NUMBER: _builtins.int
+    TOOL_OUTPUT_FIELD_NUMBER: _builtins.int
+    FINISH_TOOL_FIELD_NUMBER: _builtins.int
+    HOLD_FIELD_NUMBER: _builtins.int
+    PLACE_INPUTS_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the client and echoed in the answer."""
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """W3C trace context (traceparent, tracestate) of the caller's span."""
+
+    @_builtins.property
+    def claim(self) -> Global___ClaimRequest:
+        """See Claim."""
+
+    @_builtins.property
+    def begin_model(self) -> Global___BeginModelRequest:
+        """See BeginModel."""
+
+    @_builtins.property
+    def record_model(self) -> Global___RecordModelRequest:
+        """See RecordModel."""
+
+    @_builtins.property
+    def begin_tool(self) -> Global___BeginToolRequest:
+        """See BeginTool."""
+
+    @_builtins.property
+    def tool_output(self) -> Global___ToolOutputRequest:
+        """See ToolOutput."""
+
+    @_builtins.property
+    def finish_tool(self) -> Global___FinishToolRequest:
+        """See FinishTool."""
+
+    @_builtins.property
+    def hold(self) -> Global___HoldRequest:
+        """See Hold."""
+
+    @_builtins.property
+    def place_inputs(self) -> Global___PlaceInputsRequest:
+        """See PlaceInputs."""
+
+    @_builtins.property
+    def commit(self) -> Global___CommitRequest:
+        """See Commit."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        claim: Global___ClaimRequest | None = ...,
+        begin_model: Global___BeginModelRequest | None = ...,
+        record_model: Global___RecordModelRequest | None = ...,
+        begin_tool: Global___BeginToolRequest | None = ...,
+        tool_output: Global___ToolOutputRequest | None = ...,
+        finish_tool: Global___FinishToolRequest | None = ...,
+        hold: Global___HoldRequest | None = ...,
+        place_inputs: Global___PlaceInputsRequest | None = ...,
+        commit: Global___CommitRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "call", b"call", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "hold", b"hold", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "call", b"call", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "hold", b"hold", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output", "trace_context", b"trace_context"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "hold", "place_inputs", "commit"]  # noqa: Y015
+    _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
+
+Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class SessionResponse(_message.Message):
+    """SessionResponse answers one SessionRequest."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CLAIM_FIELD_NUMBER: _builtins.int
+    BEGIN_MODEL_FIELD_NUMBER: _builtins.int
+    RECORD_MODEL_FIELD_NUMBER: _builtins.int
+    BEGIN_TOOL_FIELD_NUMBER: _builtins.int
+    TOOL_OUTPUT_FIELD_NUMBER: _builtins.int
+    FINISH_TOOL_FIELD_NUMBER: _builtins.int
+    HOLD_FIELD_NUMBER: _builtins.int
+    PLACE_INPUTS_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The request's id."""
+    @_builtins.property
+    def claim(self) -> Global___ClaimResponse:
+        """See Claim."""
+
+    @_builtins.property
+    def begin_model(self) -> Global___BeginModelResponse:
+        """See BeginModel."""
+
+    @_builtins.property
+    def record_model(self) -> Global___RecordModelResponse:
+        """See RecordModel."""
+
+    @_builtins.property
+    def begin_tool(self) -> Global___BeginToolResponse:
+        """See BeginTool."""
+
+    @_builtins.property
+    def tool_output(self) -> Global___ToolOutputResponse:
+        """See ToolOutput."""
+
+    @_builtins.property
+    def finish_tool(self) -> Global___FinishToolResponse:
+        """See FinishTool."""
+
+    @_builtins.property
+    def hold(self) -> Global___HoldResponse:
+        """See Hold."""
+
+    @_builtins.property
+    def place_inputs(self) -> Global___PlaceInputsResponse:
+        """See PlaceInputs."""
+
+    @_builtins.property
+    def commit(self) -> Global___CommitResponse:
+        """See Commit."""
+
+    @_builtins.property
+    def error(self) -> Global___SessionError:
+        """The call failed as its own RPC would have."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        claim: Global___ClaimResponse | None = ...,
+        begin_model: Global___BeginModelResponse | None = ...,
+        record_model: Global___RecordModelResponse | None = ...,
+        begin_tool: Global___BeginToolResponse | None = ...,
+        tool_output: Global___ToolOutputResponse | None = ...,
+        finish_tool: Global___FinishToolResponse | None = ...,
+        hold: Global___HoldResponse | None = ...,
+        place_inputs: Global___PlaceInputsResponse | None = ...,
+        commit: Global___CommitResponse | None = ...,
+        error: Global___SessionError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "hold", b"hold", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "hold", b"hold", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "hold", "place_inputs", "commit", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015
+
+@_typing.final
+class SessionError(_message.Message):
+    """SessionError is the status the same call would have ended with as its own RPC."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    FIELD_FIELD_NUMBER: _builtins.int
+    status: _builtins.int
+    """The gRPC status code (ABORTED for fenced, ...)."""
+    message: _builtins.str
+    """What went wrong, readably."""
+    code: _builtins.str
+    """The domain error's code, as in the dagnats-error-code trailer ("fenced", ...)."""
+    field: _builtins.str
+    """The request field at fault, as in the dagnats-error-field trailer; empty if none."""
+    def __init__(
+        self,
+        *,
+        status: _builtins.int = ...,
+        message: _builtins.str = ...,
+        code: _builtins.str = ...,
+        field: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "field", b"field", "message", b"message", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionError: _TypeAlias = SessionError  # noqa: Y015

@@ -92,6 +92,11 @@ class JournalServiceStub:
                 request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckRequest.SerializeToString,
                 response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/dagnats.journal.v1.JournalService/Session',
+                request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionRequest.SerializeToString,
+                response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class JournalServiceServicer:
@@ -177,6 +182,16 @@ class JournalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Session carries the calls above, from Claim to Commit, of one dispatch over
+        one stream: the same requests, rules and answers, without the cost of a
+        call per record. The server answers each request before it reads the next.
+        A domain error answers its request and leaves the stream open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JournalServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +249,11 @@ def add_JournalServiceServicer_to_server(servicer, server):
                     servicer.Check,
                     request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckRequest.FromString,
                     response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionRequest.FromString,
+                    response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -536,6 +556,33 @@ class JournalService:
             '/dagnats.journal.v1.JournalService/Check',
             dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckRequest.SerializeToString,
             dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dagnats.journal.v1.JournalService/Session',
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionRequest.SerializeToString,
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

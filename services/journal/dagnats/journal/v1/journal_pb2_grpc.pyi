@@ -58,6 +58,12 @@ class JournalServiceStub:
     """Read streams the records of a step from a sequence."""
     Check: _grpc.UnaryUnaryMultiCallable[_journal_pb2.CheckRequest, _journal_pb2.CheckResponse]
     """Check audits the journal of a run."""
+    Session: _grpc.StreamStreamMultiCallable[_journal_pb2.SessionRequest, _journal_pb2.SessionResponse]
+    """Session carries the calls above, from Claim to Commit, of one dispatch over
+    one stream: the same requests, rules and answers, without the cost of a
+    call per record. The server answers each request before it reads the next.
+    A domain error answers its request and leaves the stream open.
+    """
 
 @_typing.type_check_only
 class JournalServiceAsyncStub(JournalServiceStub):
@@ -89,6 +95,12 @@ class JournalServiceAsyncStub(JournalServiceStub):
     """Read streams the records of a step from a sequence."""
     Check: _aio.UnaryUnaryMultiCallable[_journal_pb2.CheckRequest, _journal_pb2.CheckResponse]  # type: ignore[assignment]
     """Check audits the journal of a run."""
+    Session: _aio.StreamStreamMultiCallable[_journal_pb2.SessionRequest, _journal_pb2.SessionResponse]  # type: ignore[assignment]
+    """Session carries the calls above, from Claim to Commit, of one dispatch over
+    one stream: the same requests, rules and answers, without the cost of a
+    call per record. The server answers each request before it reads the next.
+    A domain error answers its request and leaves the stream open.
+    """
 
 class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
     """JournalService is the only writer of the AGENT_JOURNAL stream. Every write is
@@ -183,5 +195,17 @@ class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_journal_pb2.CheckResponse, _abc.Awaitable[_journal_pb2.CheckResponse]]:
         """Check audits the journal of a run."""
+
+    @_abc_1.abstractmethod
+    def Session(
+        self,
+        request_iterator: _MaybeAsyncIterator[_journal_pb2.SessionRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_journal_pb2.SessionResponse], _abc.AsyncIterator[_journal_pb2.SessionResponse]]:
+        """Session carries the calls above, from Claim to Commit, of one dispatch over
+        one stream: the same requests, rules and answers, without the cost of a
+        call per record. The server answers each request before it reads the next.
+        A domain error answers its request and leaves the stream open.
+        """
 
 def add_JournalServiceServicer_to_server(servicer: JournalServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,81 @@
+"""The Session stream: one dispatch's journal calls over one gRPC stream.
+
+A unary call costs a new HTTP/2 stream with its headers and trailers; a message
+on an open stream costs a fraction of that, and a journaled turn makes several
+calls in a row. Each request runs the servicer's own method for its call (the
+same checks, replay rules and fenced writes as the unary RPC) inside a SERVER
+span whose parent is the trace context the request carries, so a fenced write
+is an event in the worker's trace. Requests are answered one at a time, in
+order. A domain error answers its request and the stream goes on; any other
+exception ends the stream with UNKNOWN, as it would end a unary call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from dagnats.core import errors, tracing
+from dagnats.core.grpcutil import Context, status_of, wire_status
+from dagnats.journal.v1 import journal_pb2 as pb
+
+SERVICE = "/dagnats.journal.v1.JournalService/"
+# The request's oneof field -> the unary RPC it stands for.
+CALLS = {
+    "claim": "Claim",
+    "begin_model": "BeginModel",
+    "record_model": "RecordModel",
+    "begin_tool": "BeginTool",
+    "tool_output": "ToolOutput",
+    "finish_tool": "FinishTool",
+    "hold": "Hold",
+    "place_inputs": "PlaceInputs",
+    "commit": "Commit",
+}
+
+Behaviour = Callable[[Any, Any, Context], Awaitable[Any]]
+
+
+def behaviours(servicer_class: type) -> dict[str, Behaviour]:
+    """Each call's method of ``servicer_class``, without the decorator that
+    turns its domain errors into a status (here they answer the request)."""
+    return {kind: inspect.unwrap(getattr(servicer_class, rpc)) for kind, rpc in CALLS.items()}
+
+
+async def serve(
+    servicer: object,
+    methods: dict[str, Behaviour],
+    requests: AsyncIterator[pb.SessionRequest],
+    context: Context,
+) -> AsyncIterator[pb.SessionResponse]:
+    async for request in requests:
+        yield await _answer(servicer, methods, request, context)
+
+
+async def _answer(
+    servicer: object,
+    methods: dict[str, Behaviour],
+    request: pb.SessionRequest,
+    context: Context,
+) -> pb.SessionResponse:
+    kind = request.WhichOneof("call")
+    if kind is None:
+        missing = errors.InvalidArgument("the request names no call", field="call")
+        return _failed(request.id, missing)
+    parent = tracing.extract(request.trace_context)
+    with tracing.server_span(SERVICE + CALLS[kind], parent) as span:
+        try:
+            answer = await methods[kind](servicer, getattr(request, kind), context)
+        except errors.DagnatsError as err:
+            tracing.set_status(span, status_of(err), err.message, server=True)
+            return _failed(request.id, err)
+        response = pb.SessionResponse(id=request.id)
+        getattr(response, kind).CopyFrom(answer)
+        return response
+
+
+def _failed(request_id: int, err: errors.DagnatsError) -> pb.SessionResponse:
+    status, message, field = wire_status(err)
+    error = pb.SessionError(status=status.value[0], message=message, code=err.code, field=field)
+    return pb.SessionResponse(id=request_id, error=error)
