@@ -30,6 +30,7 @@ from nats.js.api import (
 )
 from tenacity import (
     AsyncRetrying,
+    retry_if_exception,
     retry_if_exception_type,
     stop_after_delay,
     wait_random_exponential,
@@ -147,14 +148,41 @@ def _buckets(topology: Topology) -> list[KeyValueConfig]:
     ]
 
 
-async def provision(js: JetStreamContext, topology: Topology | None = None) -> None:
-    """Create or update every stream and bucket of the engine."""
+# What a cluster answers while its peers are still joining: placement found no
+# peer (10005), or JetStream is not available yet (10008).
+_CLUSTER_FORMING = frozenset({10005, 10008})
+
+
+def _forming(err: BaseException) -> bool:
+    if isinstance(err, nats.js.errors.APIError):
+        return err.err_code in _CLUSTER_FORMING
+    return isinstance(err, TRANSIENT_NATS_ERRORS)
+
+
+async def provision(
+    js: JetStreamContext, topology: Topology | None = None, *, deadline: float = 60.0
+) -> None:
+    """Create or update every stream and bucket of the engine, waiting up to
+    ``deadline`` seconds for a cluster that is still forming."""
     topology = topology or Topology()
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception(_forming),
+        wait=wait_random_exponential(multiplier=0.1, max=2.0),
+        stop=stop_after_delay(deadline),
+        reraise=True,
+    ):
+        with attempt:
+            await _provision_once(js, topology)
+
+
+async def _provision_once(js: JetStreamContext, topology: Topology) -> None:
     for config in _streams(topology):
         try:
             await js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            await js.update_stream(config)
+        except nats.js.errors.BadRequestError as err:
+            if _forming(err):
+                raise
+            await js.update_stream(config)  # it exists: bring it to this config
     for bucket in _buckets(topology):
         await js.create_key_value(bucket)
 
