@@ -51,7 +51,7 @@ GUARDS = (
     Guard(
         name="claim identity (the claim record that fences earlier holders)",
         file="services/journal/dagnats/journal/service.py",
-        guard="        token, claim = await self._append(token, claim)\n",
+        guard="        token, claim = await self._writer.append(token, claim)\n",
         removed="        claim.seq = token.last_seq  # guard removed: the claim is not written\n",
         how="a claim is not appended, so earlier holders are not fenced",
         tests=(

@@ -189,6 +189,34 @@ async def test_a_journaled_run_over_the_bridge(
 # ---- (2) and (3): stalled workers and finished tasks ---------------------------------------
 
 
+async def test_a_tool_stopped_by_its_worker_is_recorded_interrupted(
+    engine: EngineServer, client: Client, http: httpx.AsyncClient
+) -> None:
+    # A worker whose run was cancelled while a tool ran answers the intent as
+    # the SDK does: interrupted, with what the tool reported.
+    task, run_id = await start(client)
+    token = (await call(http, "journal/read", token=(await poll(http, task))["token"]))["token"]
+    tool = await call(http, "journal/tool/begin", token=token, name="send", input={"to": "ops"})
+    token = (await call(http, "journal/tool/output", token=tool["token"], chunk="half"))["token"]
+    mixed = await call(
+        http, "journal/tool/finish", 400, token=token, interrupted=True, output={"ok": 1}
+    )
+    error(mixed, "invalid_argument")
+    assert mixed["field"] == "interrupted"
+    alone = await call(http, "journal/tool/finish", 400, token=token, partial="half")
+    assert alone["field"] == "partial"
+    await call(http, "journal/tool/finish", token=token, interrupted=True, partial="half")
+    records = await read_journal(engine, run_id)
+    assert [r.WhichOneof("kind") for r in records] == [
+        "claim",
+        "tool_intent",
+        "tool_output",
+        "tool_result",
+    ]
+    result = records[-1].tool_result
+    assert (result.interrupted, result.partial, result.output) == (True, "half", b"")
+
+
 async def test_a_stalled_workers_late_calls_are_fenced_and_change_nothing(
     engine: EngineServer, client: Client, http: httpx.AsyncClient
 ) -> None:

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from fastapi import APIRouter
 
-from dagnats.core.errors import Conflict
+from dagnats.core.errors import Conflict, InvalidArgument
 from dagnats.gateway import bridge_models as bm
 from dagnats.gateway import bridge_ops as ops
 from dagnats.gateway.backend import Backend, BackendDep
@@ -170,18 +170,34 @@ async def _tool_output(b: Backend, t: BridgeToken, intent_seq: int, chunk: str) 
 @router.post("/tool/finish", summary="Record the result of the running tool")
 async def tool_finish(b: BackendDep, body: bm.ToolFinishBody) -> bm.TokenResult:
     t = BridgeToken.decode(body.token)
-    t = await _finish_tool(b, t, _intent(t, body.intent_seq), body.output, body.error)
+    intent_seq = _intent(t, body.intent_seq)
+    if body.interrupted:
+        if body.output is not None or body.error:
+            raise InvalidArgument(
+                "an interrupted tool call has no output or error; send `partial`",
+                field="interrupted",
+            )
+        result = jpb.FinishToolRequest(
+            intent_seq=intent_seq, interrupted=True, partial=body.partial
+        )
+    elif body.partial:
+        raise InvalidArgument("`partial` goes with `interrupted`", field="partial")
+    else:
+        result = _finished(intent_seq, body.output, body.error)
+    t = await _finish_tool(b, t, result)
     return bm.TokenResult(token=t.encode())
 
 
-async def _finish_tool(
-    b: Backend, t: BridgeToken, intent_seq: int, output: object, error: str
-) -> BridgeToken:
-    assert t.writer is not None
+def _finished(intent_seq: int, output: object, error: str) -> jpb.FinishToolRequest:
     # As the SDK: a tool that failed has an error and no output.
     data = b"" if error and output is None else encode(output, field="output")
-    request = jpb.FinishToolRequest(token=t.writer, intent_seq=intent_seq, output=data, error=error)
-    finished = await ops.writing(b, t, b.rpc.finish_tool(request))
+    return jpb.FinishToolRequest(intent_seq=intent_seq, output=data, error=error)
+
+
+async def _finish_tool(b: Backend, t: BridgeToken, result: jpb.FinishToolRequest) -> BridgeToken:
+    assert t.writer is not None
+    result.token.CopyFrom(t.writer)
+    finished = await ops.writing(b, t, b.rpc.finish_tool(result))
     return replace(t, writer=finished.token, intent_seq=0)
 
 
@@ -259,7 +275,7 @@ async def append(b: BackendDep, body: bm.AppendBody) -> bm.AppendResult:
             t = await _tool_output(b, t, intent, record.chunk)
         case bm.ToolResultRecord():
             intent = _intent(t, record.intent_seq)
-            t = await _finish_tool(b, t, intent, record.output, record.error)
+            t = await _finish_tool(b, t, _finished(intent, record.output, record.error))
     return bm.AppendResult(
         token=t.encode(), kind=record.kind, seq=_written(t, before), intent_seq=intent
     )

@@ -192,6 +192,12 @@ class ToolFinishBody(_Body):
     token: Token
     output: Any = None
     error: Text = Field(default="", description="the tool's own error; part of its result")
+    interrupted: bool = Field(
+        default=False,
+        description="the tool was stopped before it finished (its run was cancelled); "
+        "no output or error, `partial` says what it reported",
+    )
+    partial: Text = Field(default="", description="with `interrupted`: the output it reported")
     intent_seq: RecordSeq | None = Field(default=None, description="default: the begun tool call")
 
 

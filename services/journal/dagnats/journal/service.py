@@ -3,38 +3,35 @@ rules need, asks :mod:`dagnats.journal.replay`, and writes what they say.
 
 It keeps no state a replica could not rebuild: a writer's view travels in its
 token, and the replay snapshot (the iteration's records as the claim found
-them) is cached only as an optimisation and re-read on a miss.
+them) is cached only as an optimisation and re-read on a miss. Every record
+is written by :mod:`dagnats.journal.writer`; input placement lives in
+:mod:`dagnats.journal.placement`, and the Session stream in
+:mod:`dagnats.journal.session`.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import nats.js.errors
-from google.protobuf.timestamp_pb2 import Timestamp
 from nats.js.kv import KeyValue
-from opentelemetry import trace
 
-from dagnats.core import errors, tracing
+from dagnats.core import errors
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
 from dagnats.core.ids import check_run_id, check_token
-from dagnats.core.seam import seam
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
-from dagnats.inputs import rules as input_rules
 from dagnats.inputs.store import InputStore
-from dagnats.inputs.store import StaleRevision as InputStaleRevision
 from dagnats.journal import audit, convert, replay, session
 from dagnats.journal import model as jm
-from dagnats.journal.store import JournalStore, journal_subject
+from dagnats.journal.placement import MODES, InputPlacement
+from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.journal.v1 import journal_pb2_grpc as pb_grpc
+from dagnats.journal.writer import JournalWriter
 
-SNAPSHOTS = 4096
 # Calls (model, tool, place-inputs) one dispatch may journal; a step that needs
 # more has outgrown a per-step journal (the spec's "bounded calls per iteration").
 MAX_POSITIONS = 1000
@@ -91,7 +88,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self.store = store
         self.inputs = inputs
         self._runs = runs
-        self._snapshots: OrderedDict[tuple[str, str], list[jm.AnyEntry]] = OrderedDict()
+        self._writer = JournalWriter(store)
+        self._placement = InputPlacement(self._writer, inputs) if inputs is not None else None
 
     # ---- claim ---------------------------------------------------------------------
 
@@ -153,7 +151,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             base_seq=base,
         )
         claim = pb.Record(claim=pb.Claim(delivery=request.delivery, worker_id=request.worker_id))
-        token, claim = await self._append(token, claim)
+        token, claim = await self._writer.append(token, claim)
         records.append(claim)
         entries.append(convert.entry(claim))
         if replay.restart_limit_reached(entries, limit):
@@ -162,7 +160,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 error=f"restart limit: {limit} claims in a row without progress",
                 reason="restart_limit",
             )
-            token, commit = await self._append(token, pb.Record(commit=failure))
+            token, commit = await self._writer.append(token, pb.Record(commit=failure))
             return _settled("restart_limit", commit=commit, detail=failure.error)
         for intent in close:
             interrupted = pb.ToolResult(
@@ -170,11 +168,11 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 interrupted=True,
                 partial=replay.partial_output(entries, intent.seq),
             )
-            token, closed = await self._append(token, pb.Record(tool_result=interrupted))
+            token, closed = await self._writer.append(token, pb.Record(tool_result=interrupted))
             records.append(closed)
             entries.append(convert.entry(closed))
         token.snapshot_seq = token.last_seq
-        self._remember(token, entries)
+        self._writer.remember(token, entries)
         claimed = pb.Claimed(token=token, records=records)
         if not base:
             previous = None
@@ -203,14 +201,14 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
     ) -> pb.BeginModelResponse:
         token = check_writer_token(request.token)
         check_position(request.position)
-        entries = await self._snapshot(token)
+        entries = await self._writer.snapshot(token)
         decision = replay.decide_model(entries, attempt=token.attempt, position=request.position)
         match decision:
             case replay.UseResponse(response=response):
                 return pb.BeginModelResponse(recorded=True, response=response)
             case replay.Mismatch(reason=reason):
                 raise errors.ReplayMismatch(reason)
-        await self._hold(token)  # a fenced holder must not spend a model call
+        await self._writer.hold(token)  # a fenced holder must not spend a model call
         return pb.BeginModelResponse(recorded=False)
 
     @domain_errors
@@ -220,7 +218,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         token = check_writer_token(request.token)
         _check_json(request.response, "response")
         record = pb.Record(model=pb.ModelCall(position=request.position, response=request.response))
-        token, _ = await self._append(token, record)
+        token, _ = await self._writer.append(token, record)
         return pb.RecordModelResponse(token=token)
 
     # ---- tool calls ------------------------------------------------------------------
@@ -237,7 +235,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         call = jm.ToolCall(
             name=request.name, input=request.input, safe=request.replay == pb.REPLAY_SAFE
         )
-        entries = await self._snapshot(token)
+        entries = await self._writer.snapshot(token)
         decision = replay.decide_tool(
             entries,
             attempt=token.attempt,
@@ -252,16 +250,16 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 # Only a fenced append may start a side effect: an empty output
                 # record proves this writer still holds the step.
                 marker = pb.Record(tool_output=pb.ToolOutput(intent_seq=intent.seq))
-                token, _ = await self._append(token, marker)
+                token, _ = await self._writer.append(token, marker)
                 return pb.BeginToolResponse(token=token, run=True, intent_seq=intent.seq)
             case replay.Interrupt(intent=intent, partial=partial):
                 cut = pb.ToolResult(intent_seq=intent.seq, interrupted=True, partial=partial)
-                token, _ = await self._append(token, pb.Record(tool_result=cut))
+                token, _ = await self._writer.append(token, pb.Record(tool_result=cut))
                 return pb.BeginToolResponse(token=token, result=cut)
             case replay.Honour(earlier=earlier, result=result):
                 return await self._honour(token, request, earlier, result)
             case replay.RunNew():
-                token, intent_record = await self._append(token, _intent(request))
+                token, intent_record = await self._writer.append(token, _intent(request))
                 return pb.BeginToolResponse(token=token, run=True, intent_seq=intent_record.seq)
             case replay.Mismatch(reason=reason):
                 raise errors.ReplayMismatch(reason)
@@ -275,10 +273,10 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
     ) -> pb.BeginToolResponse:
         intent = _intent(request)
         intent.tool_intent.honours_seq = earlier.seq
-        token, intent = await self._append(token, intent)
+        token, intent = await self._writer.append(token, intent)
         result = convert.result_to_proto(earlier_result)
         result.intent_seq = intent.seq
-        token, _ = await self._append(token, pb.Record(tool_result=result))
+        token, _ = await self._writer.append(token, pb.Record(tool_result=result))
         token.honoured.append(earlier.seq)
         return pb.BeginToolResponse(token=token, result=result)
 
@@ -289,7 +287,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         token = check_writer_token(request.token)
         _check_intent_seq(token, request.intent_seq)
         output = pb.ToolOutput(intent_seq=request.intent_seq, chunk=request.chunk)
-        token, _ = await self._append(token, pb.Record(tool_output=output))
+        token, _ = await self._writer.append(token, pb.Record(tool_output=output))
         return pb.ToolOutputResponse(token=token)
 
     @domain_errors
@@ -308,7 +306,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             result = pb.ToolResult(
                 intent_seq=request.intent_seq, output=request.output, error=request.error
             )
-        token, _ = await self._append(token, pb.Record(tool_result=result))
+        token, _ = await self._writer.append(token, pb.Record(tool_result=result))
         return pb.FinishToolResponse(token=token)
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -319,115 +317,17 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
     ) -> pb.PlaceInputsResponse:
         token = check_writer_token(request.token)
         check_position(request.position)
-        if request.mode not in _MODES:
+        if request.mode not in MODES:
             raise errors.InvalidArgument("mode must be 1 (steer) or 2 (follow-up)", field="mode")
-        if self.inputs is None:
+        if self._placement is None:
             raise errors.Unavailable("this journal service has no inputs store")
-        snapshot = await self._snapshot(token)
-        token, earlier, retried = await self._own_records(token)
-        entries = [*snapshot, *earlier]
-        decision = replay.decide_place(
-            entries, attempt=token.attempt, position=request.position, mode=request.mode
-        )
-        # What an earlier try of this very call recorded before its answer was
-        # lost is part of this answer; the rest of the plan goes on after it.
-        placed = [r.input_placed for r in retried if r.HasField("input_placed")]
-        done = frozenset(p.request_id for p in placed)
-        recorded = done | {e.request_id for e in entries if isinstance(e, jm.InputEntry)}
-        match decision:
-            case replay.Mismatch(reason=reason):
-                raise errors.ReplayMismatch(reason)
-            case replay.ReplayPlaced(inputs=replayed):
-                placed[:0] = [_placed(e) for e in replayed]
-                token = await self._claim_queued(token, request, recorded, placed, queued=False)
-            case replay.PlaceNew(carry=carry):
-                for earlier_input in carry:
-                    if earlier_input.request_id in done:
-                        continue
-                    copy = _placed(earlier_input)
-                    copy.position, copy.carried = request.position, True
-                    token, record = await self._append(token, pb.Record(input_placed=copy))
-                    placed.append(record.input_placed)
-                token = await self._claim_queued(token, request, recorded, placed, queued=True)
-        return pb.PlaceInputsResponse(token=token, inputs=placed)
-
-    async def _own_records(
-        self, token: pb.WriterToken
-    ) -> tuple[pb.WriterToken, list[jm.AnyEntry], list[pb.Record]]:
-        """This writer's records since its claim: those its token knows (earlier
-        calls of this dispatch), and those after its ``last_seq``, which an
-        earlier try of this very call wrote before its answer was lost. The token
-        returned goes on after those, so no new record reuses their Msg-Ids.
-
-        Raises:
-            Fenced: another writer's record follows the claim.
-        """
-        after = token.snapshot_seq or token.last_seq
-        records = await self.store.read(token.run_id, token.step_id, after=after)
-        for record in records:
-            if record.writer != token.writer:
-                raise _fenced(token, record.seq)
-        known = [convert.entry(r) for r in records if r.seq <= token.last_seq]
-        retried = [r for r in records if r.seq > token.last_seq]
-        if retried:
-            moved = pb.WriterToken()
-            moved.CopyFrom(token)
-            moved.last_seq = retried[-1].seq
-            moved.written = token.written + len(retried)
-            token = moved
-        return token, known, retried
-
-    async def _claim_queued(
-        self,
-        token: pb.WriterToken,
-        request: pb.PlaceInputsRequest,
-        recorded: frozenset[str],
-        placed: list[pb.InputPlaced],
-        *,
-        queued: bool,
-    ) -> pb.WriterToken:
-        """Claim each queued input (compare-and-swap), then record it. A claim
-        left without its record by a holder of this iteration that was fenced
-        or crashed in between -- this writer's own earlier try included -- is
-        taken over. ``recorded`` names every input with a record in this
-        iteration; with ``queued`` False only such left claims are taken."""
-        assert self.inputs is not None
-        now = time.time()
-        mode = input_rules.Mode[_MODES[request.mode]]
-        for state, revision in await self.inputs.list(token.run_id, token.step_id):
-            if not queued and state.status is input_rules.Status.QUEUED:
-                continue  # a replayed call places nothing new
-            moved = input_rules.claim_for(
-                state,
-                mode=mode,
-                iteration=token.iteration,
-                attempt=token.attempt,
-                writer=token.writer,
-                recorded=recorded,
-                now=now,
-            )
-            if moved is None:
-                continue
-            try:
-                await self.inputs.update(moved, revision)
-            except InputStaleRevision:
-                continue  # withdrawn or claimed meanwhile: it is not ours
-            await seam("after_input_claimed")
-            record = pb.InputPlaced(
-                position=request.position,
-                request_id=state.request_id,
-                mode=request.mode,
-                content=state.content,
-            )
-            token, stored = await self._append(token, pb.Record(input_placed=record))
-            placed.append(stored.input_placed)
-        return token
+        return await self._placement.place(token, request)
 
     # ---- holding and committing -------------------------------------------------------
 
     @domain_errors
     async def Hold(self, request: pb.HoldRequest, context: Context) -> pb.HoldResponse:
-        await self._hold(check_writer_token(request.token))
+        await self._writer.hold(check_writer_token(request.token))
         return pb.HoldResponse()
 
     @domain_errors
@@ -440,8 +340,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             _check_json(commit.output, "commit.output")
         if commit.has_state:
             _check_json(commit.state, "commit.state")
-        token, record = await self._append(token, pb.Record(commit=commit))
-        self._snapshots.pop((journal_subject(token.run_id, token.step_id), token.writer), None)
+        token, record = await self._writer.append(token, pb.Record(commit=commit))
+        self._writer.forget(token)
         return pb.CommitResponse(commit_seq=record.seq, record=record)
 
     # ---- one dispatch over one stream --------------------------------------------------
@@ -505,79 +405,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id") from None
         return eipb.RunRecord.FromString(entry.value or b"").run
 
-    async def _hold(self, token: pb.WriterToken) -> None:
-        tail = await self.store.tail(token.run_id, token.step_id)
-        actual = tail.seq if tail else 0
-        if actual != token.last_seq:
-            raise _fenced(token, actual)
 
-    async def _append(
-        self, token: pb.WriterToken, record: pb.Record
-    ) -> tuple[pb.WriterToken, pb.Record]:
-        record.run_id = token.run_id
-        record.step_id = token.step_id
-        record.iteration = token.iteration
-        record.attempt = token.attempt
-        record.writer = token.writer
-        record.expected_seq = token.last_seq
-        record.base_seq = token.base_seq
-        record.time.CopyFrom(_now())
-        headers: dict[str, str] = {}
-        tracing.inject(headers)
-        record.trace_context.update(headers)
-        seq = await self.store.append(token, record)
-        record.seq = seq
-        following = pb.WriterToken()
-        following.CopyFrom(token)
-        following.last_seq = seq
-        following.written = token.written + 1
-        return following, record
-
-    def _remember(self, token: pb.WriterToken, entries: list[jm.AnyEntry]) -> None:
-        key = (journal_subject(token.run_id, token.step_id), token.writer)
-        self._snapshots[key] = entries
-        self._snapshots.move_to_end(key)
-        while len(self._snapshots) > SNAPSHOTS:
-            self._snapshots.popitem(last=False)
-
-    async def _snapshot(self, token: pb.WriterToken) -> list[jm.AnyEntry]:
-        """The iteration's records as the claim found them (plus what it closed)."""
-        key = (journal_subject(token.run_id, token.step_id), token.writer)
-        cached = self._snapshots.get(key)
-        if cached is not None:
-            return cached
-        found = await self.store.read(
-            token.run_id, token.step_id, after=token.base_seq, through=token.snapshot_seq
-        )
-        entries = [convert.entry(r) for r in found if r.iteration == token.iteration]
-        self._remember(token, entries)
-        return entries
-
-
-_MODES = {1: "STEER", 2: "FOLLOW_UP"}
 _SESSION_CALLS = session.behaviours(JournalServicer)
-
-
-def _fenced(token: pb.WriterToken, actual: int) -> errors.Fenced:
-    trace.get_current_span().add_event(
-        "fenced", {"expected_seq": token.last_seq, "actual_seq": actual}
-    )
-    return errors.Fenced(
-        f"journal.{token.run_id}.{token.step_id}: a successor holds the step "
-        f"(expected tail {token.last_seq}, found {actual})",
-        expected=token.last_seq,
-        actual=actual,
-    )
-
-
-def _placed(entry: jm.InputEntry) -> pb.InputPlaced:
-    return pb.InputPlaced(
-        position=entry.position,
-        request_id=entry.request_id,
-        mode=entry.mode,
-        content=entry.content,
-        carried=entry.carried,
-    )
 
 
 def _intent(request: pb.BeginToolRequest) -> pb.Record:
@@ -593,9 +422,3 @@ def _intent(request: pb.BeginToolRequest) -> pb.Record:
 
 def _settled(reason: str, *, commit: pb.Record | None = None, detail: str = "") -> pb.ClaimResponse:
     return pb.ClaimResponse(settled=pb.Settled(reason=reason, commit=commit, detail=detail))
-
-
-def _now() -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(time.time_ns())
-    return ts

@@ -1,0 +1,144 @@
+"""PlaceInputs: the step's queued inputs, claimed in the inputs bucket and
+recorded in the journal, exactly once across crashes, retries and successors.
+
+An input is claimed with compare-and-swap, then recorded as ``input.placed``.
+The replay rules decide whether a call places anything new; a claim left
+without its record by a holder of this iteration (fenced, crashed, or this
+writer's own earlier try whose answer was lost) is taken over, and what an
+earlier try recorded is part of the answer.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dagnats.core import errors
+from dagnats.core.seam import seam
+from dagnats.inputs import rules as input_rules
+from dagnats.inputs.store import InputStore
+from dagnats.inputs.store import StaleRevision as InputStaleRevision
+from dagnats.journal import convert, replay
+from dagnats.journal import model as jm
+from dagnats.journal.v1 import journal_pb2 as pb
+from dagnats.journal.writer import JournalWriter, fenced
+
+MODES = {1: "STEER", 2: "FOLLOW_UP"}
+
+
+class InputPlacement:
+    def __init__(self, writer: JournalWriter, inputs: InputStore) -> None:
+        self._writer = writer
+        self._inputs = inputs
+
+    async def place(
+        self, token: pb.WriterToken, request: pb.PlaceInputsRequest
+    ) -> pb.PlaceInputsResponse:
+        """Place the inputs of ``request.mode`` for a writer; the request is valid."""
+        snapshot = await self._writer.snapshot(token)
+        token, earlier, retried = await self._own_records(token)
+        entries = [*snapshot, *earlier]
+        decision = replay.decide_place(
+            entries, attempt=token.attempt, position=request.position, mode=request.mode
+        )
+        # What an earlier try of this very call recorded before its answer was
+        # lost is part of this answer; the rest of the plan goes on after it.
+        placed = [r.input_placed for r in retried if r.HasField("input_placed")]
+        done = frozenset(p.request_id for p in placed)
+        recorded = done | {e.request_id for e in entries if isinstance(e, jm.InputEntry)}
+        match decision:
+            case replay.Mismatch(reason=reason):
+                raise errors.ReplayMismatch(reason)
+            case replay.ReplayPlaced(inputs=replayed):
+                placed[:0] = [_placed(e) for e in replayed]
+                token = await self._claim_queued(token, request, recorded, placed, queued=False)
+            case replay.PlaceNew(carry=carry):
+                for earlier_input in carry:
+                    if earlier_input.request_id in done:
+                        continue
+                    copy = _placed(earlier_input)
+                    copy.position, copy.carried = request.position, True
+                    token, record = await self._writer.append(token, pb.Record(input_placed=copy))
+                    placed.append(record.input_placed)
+                token = await self._claim_queued(token, request, recorded, placed, queued=True)
+        return pb.PlaceInputsResponse(token=token, inputs=placed)
+
+    async def _own_records(
+        self, token: pb.WriterToken
+    ) -> tuple[pb.WriterToken, list[jm.AnyEntry], list[pb.Record]]:
+        """This writer's records since its claim: those its token knows (earlier
+        calls of this dispatch), and those after its ``last_seq``, which an
+        earlier try of this very call wrote before its answer was lost. The token
+        returned goes on after those, so no new record reuses their Msg-Ids.
+
+        Raises:
+            Fenced: another writer's record follows the claim.
+        """
+        after = token.snapshot_seq or token.last_seq
+        records = await self._writer.store.read(token.run_id, token.step_id, after=after)
+        for record in records:
+            if record.writer != token.writer:
+                raise fenced(token, record.seq)
+        known = [convert.entry(r) for r in records if r.seq <= token.last_seq]
+        retried = [r for r in records if r.seq > token.last_seq]
+        if retried:
+            moved = pb.WriterToken()
+            moved.CopyFrom(token)
+            moved.last_seq = retried[-1].seq
+            moved.written = token.written + len(retried)
+            token = moved
+        return token, known, retried
+
+    async def _claim_queued(
+        self,
+        token: pb.WriterToken,
+        request: pb.PlaceInputsRequest,
+        recorded: frozenset[str],
+        placed: list[pb.InputPlaced],
+        *,
+        queued: bool,
+    ) -> pb.WriterToken:
+        """Claim each queued input (compare-and-swap), then record it. A claim
+        left without its record by a holder of this iteration that was fenced
+        or crashed in between -- this writer's own earlier try included -- is
+        taken over. ``recorded`` names every input with a record in this
+        iteration; with ``queued`` False only such left claims are taken."""
+        now = time.time()
+        mode = input_rules.Mode[MODES[request.mode]]
+        for state, revision in await self._inputs.list(token.run_id, token.step_id):
+            if not queued and state.status is input_rules.Status.QUEUED:
+                continue  # a replayed call places nothing new
+            moved = input_rules.claim_for(
+                state,
+                mode=mode,
+                iteration=token.iteration,
+                attempt=token.attempt,
+                writer=token.writer,
+                recorded=recorded,
+                now=now,
+            )
+            if moved is None:
+                continue
+            try:
+                await self._inputs.update(moved, revision)
+            except InputStaleRevision:
+                continue  # withdrawn or claimed meanwhile: it is not ours
+            await seam("after_input_claimed")
+            record = pb.InputPlaced(
+                position=request.position,
+                request_id=state.request_id,
+                mode=request.mode,
+                content=state.content,
+            )
+            token, stored = await self._writer.append(token, pb.Record(input_placed=record))
+            placed.append(stored.input_placed)
+        return token
+
+
+def _placed(entry: jm.InputEntry) -> pb.InputPlaced:
+    return pb.InputPlaced(
+        position=entry.position,
+        request_id=entry.request_id,
+        mode=entry.mode,
+        content=entry.content,
+        carried=entry.carried,
+    )
