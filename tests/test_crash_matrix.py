@@ -31,7 +31,6 @@ SEAMS = (
     "after_intent",
     "inside_tool",
     "after_result",
-    "after_commit",
     "after_event",
 )
 

@@ -1,7 +1,9 @@
 """The crash-point matrix for the seams a service owns: the engine's
 ``after_dispatch_saved`` (a dispatch saved in the run, its task not yet
-published) and the journal service's ``after_input_claimed`` (an input claimed
-in the inputs bucket, its ``input.placed`` record not yet written).
+published), and the journal service's ``after_input_claimed`` (an input claimed
+in the inputs bucket, its ``input.placed`` record not yet written) and
+``after_commit_stored`` (a commit that settles its task stored, its lifecycle
+event not yet published nor the task acknowledged).
 
 Two engine processes (engine, journal and inputs services each) share the
 history consumer, and a worker dials each. Whichever process reaches the seam
@@ -40,7 +42,7 @@ from tests.helpers import wait_for
 from tests.matrix import CASES, EngineProcess, lines, reap, spawn_worker, zombie_turn
 from tests.stack import loop_workflow, steps_by_id, unique
 
-SEAMS = ("after_dispatch_saved", "after_input_claimed")
+SEAMS = ("after_dispatch_saved", "after_input_claimed", "after_commit_stored")
 PLACES = {"one server": 1, "3-node cluster": 3}
 REQUEST = "steer-1"
 
@@ -130,11 +132,12 @@ async def test_service_crash_point(
     stack: Stack, tmp_path: Path, seam: str, mode: str, iteration: int
 ) -> None:
     inputs = seam == "after_input_claimed"
+    committing = seam == "after_commit_stored"
     # Where the run waits while the test arms the seam: before the claim of the
-    # iteration that places the input, or of the one whose continue the engine
-    # applies into the next dispatch. Iteration 0's dispatch is saved by the
-    # start itself, so nothing waits.
-    gate = iteration if inputs else iteration - 1
+    # iteration that places the input or commits, or of the one whose continue
+    # the engine applies into the next dispatch. Iteration 0's dispatch is
+    # saved by the start itself, so nothing waits.
+    gate = iteration if inputs or committing else iteration - 1
     task, name, key = unique("svc"), unique("svcwf"), unique("svckey")
     stack.hit.unlink(missing_ok=True)
     engines = stack.engines
@@ -180,6 +183,11 @@ async def test_service_crash_point(
         else:
             if inputs:
                 took_over = lambda: placed_by_successor(tmp_path, holder, iteration)  # noqa: E731
+            elif committing:
+                # The holder's task comes back to the other worker, whose claim
+                # finds the commit (raising Committed, so it logs no claim) and
+                # republishes its event: the run goes on to the next iteration.
+                took_over = lambda: claimed(tmp_path, iteration + 1)  # noqa: E731
             else:
                 took_over = lambda: claimed(tmp_path, iteration)  # noqa: E731
             await wait_for(took_over, timeout=30, message="no successor took over")

@@ -148,18 +148,28 @@ async def test_crash_after_model_reuses_the_response(client: Client, engine: Eng
 
 
 async def test_crash_after_commit_republishes(client: Client, engine: EngineServer) -> None:
+    # The journal service stores iteration 1's commit and stops before it
+    # publishes the event and releases the task; its worker is gone too (no
+    # heartbeat, no retry within the test). The task comes back, the next claim
+    # finds the commit, republishes its event and raises Committed.
     task, name = await start(client)
     model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
     handler = agent(model, tools, seen)
-    with Crasher("after_commit", skip=1) as crash:
+    with Crasher("after_commit_stored", skip=1) as crash:
         async with Worker(
-            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+            engine.target,
+            handlers={task: handler},
+            poll_wait=1.0,
+            heartbeat_interval=NO_HEARTBEAT,
+            rpc_timeout=120.0,
         ) as first:
             run = await client.start_run(name)
             await wait_for(crash.hit.is_set, timeout=20)
             async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
-                await first.stop(grace=0)
                 await finish(client, engine, run.run_id)
+            # The stopped service goes on: its event is a duplicate, its ack a no-op.
+            crash.release.set()
+            await first.stop(grace=0)
     assert seen.signals.count("Committed") == 1
     assert model.calls == 4 and tools.starts == {"search": 2, "send_email": 1}
 

@@ -29,6 +29,7 @@ from dagnats.core.errors import Fenced as FencedError
 from dagnats.core.seam import seam
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
+from dagnats.journal.outcomes import Outcome, commit_of, outcome_of
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._codec import decode, encode
 from dagnats.sdk._errors import (
@@ -45,8 +46,6 @@ from dagnats.sdk._rpc import EngineRpc
 from dagnats.sdk._session import JournalSession
 
 _UNSET: Any = object()
-
-Outcome = pb.Continue | pb.Complete | pb.Fail | pb.Pause
 
 
 def describe_error(error: str | BaseException) -> str:
@@ -425,46 +424,24 @@ class TaskContext:
                 run_id=self.run_id, step_id=self.step_id, settled_as=self._settled_as
             )
         self._settled_as = field
-        request = self._request(pb.ReportRequest())
-        # "continue" is a Python keyword, so the oneof is set by name for all four.
-        getattr(request, field).CopyFrom(outcome)
         try:
             if self._journal is not None:
-                # The commit is the state of record; the event follows it.
-                request.journal_seq = await self._journal.commit(commit_of(outcome, self._state))
-            response = await self._rpc.report(request)
+                # The commit is the state of record; the journal service
+                # publishes its event and releases the task after storing it.
+                commit = commit_of(outcome, self._state)
+                await self._journal.commit(commit, lease=self._leased.lease)
+                cancelled = False  # the engine drops the event of a cancelled run
+            else:
+                request = self._request(pb.ReportRequest())
+                # "continue" is a Python keyword, so the oneof is set by name for all four.
+                getattr(request, field).CopyFrom(outcome)
+                cancelled = (await self._rpc.report(request)).cancelled
         except DagnatsError:
             self._settled_as = None
             raise
         await seam("after_event")
-        if response.cancelled:
+        if cancelled:
             self._mark_cancelled()
-
-
-def commit_of(outcome: Outcome, state: bytes | None) -> jpb.Commit:
-    """The journal commit that stores ``outcome`` with ``state`` (JSON; None keeps
-    no state). The HTTP bridge builds its commits here too."""
-    commit = jpb.Commit(has_state=state is not None, state=state or b"")
-    match outcome:
-        case pb.Continue(output=output):
-            commit.action, commit.output = jpb.ACTION_CONTINUE, output
-            if outcome.HasField("wait"):
-                wait = outcome.wait
-                if wait.HasField("delay"):
-                    commit.wait_delay.CopyFrom(wait.delay)
-                if wait.HasField("until"):
-                    commit.wait_until.CopyFrom(wait.until)
-                commit.wait_until_input = wait.until_input
-        case pb.Complete(output=output):
-            commit.action, commit.output = jpb.ACTION_COMPLETE, output
-        case pb.Fail(error=error, kind=kind, reason=reason):
-            permanent = kind == pb.FAILURE_KIND_PERMANENT
-            commit.action = jpb.ACTION_FAIL_PERMANENT if permanent else jpb.ACTION_FAIL
-            commit.error, commit.reason = error, reason
-        case pb.Pause(duration=duration):
-            commit.action = jpb.ACTION_PAUSE
-            commit.pause.CopyFrom(duration)
-    return commit
 
 
 def settled_report(
@@ -485,30 +462,6 @@ def settled_report(
     field, outcome = outcome_of(commit.commit)
     getattr(request, field).CopyFrom(outcome)
     return request
-
-
-def outcome_of(commit: jpb.Commit) -> tuple[str, Outcome]:
-    """The report that carries a stored commit to the engine."""
-    if commit.action == jpb.ACTION_CONTINUE:
-        cont = pb.Continue(output=commit.output)
-        if (
-            commit.HasField("wait_delay")
-            or commit.HasField("wait_until")
-            or commit.wait_until_input
-        ):
-            if commit.HasField("wait_delay"):
-                cont.wait.delay.CopyFrom(commit.wait_delay)
-            if commit.HasField("wait_until"):
-                cont.wait.until.CopyFrom(commit.wait_until)
-            cont.wait.until_input = commit.wait_until_input
-        return "continue", cont
-    if commit.action == jpb.ACTION_COMPLETE:
-        return "complete", pb.Complete(output=commit.output)
-    if commit.action == jpb.ACTION_PAUSE:
-        return "pause", pb.Pause(duration=commit.pause)
-    permanent = commit.action == jpb.ACTION_FAIL_PERMANENT
-    kind = pb.FAILURE_KIND_PERMANENT if permanent else pb.FAILURE_KIND_RETRIABLE
-    return "fail", pb.Fail(error=commit.error, kind=kind, reason=commit.reason)
 
 
 def _wait(delay: float | None, until: datetime | None, until_input: bool) -> pb.Wait:

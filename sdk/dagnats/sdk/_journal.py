@@ -297,17 +297,20 @@ class Journal:
             return jpb.HoldResponse()
         return await self._rpc.hold(jpb.HoldRequest(token=token))
 
-    async def commit(self, commit: jpb.Commit) -> int:
-        """Store the dispatch's commit; returns its sequence."""
+    async def commit(self, commit: jpb.Commit, *, lease: str) -> None:
+        """Store the dispatch's commit, then settle the task with ``lease``: the
+        journal service publishes the commit's event and acknowledges the task."""
 
         def committed(done: jpb.CommitResponse) -> None:
             self._committed = True
 
-        done = await self._send(
-            lambda t: self._rpc.commit(jpb.CommitRequest(token=t, commit=commit)), committed
-        )
-        await seam("after_commit")
-        return int(done.commit_seq)
+        request = jpb.CommitRequest(commit=commit, lease=lease)
+
+        def send(token: jpb.WriterToken) -> Awaitable[jpb.CommitResponse]:
+            request.token.CopyFrom(token)
+            return self._rpc.commit(request)
+
+        await self._send(send, committed)
 
     def _turn(self) -> _Turn:
         if self._busy:

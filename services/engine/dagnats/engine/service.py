@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
-import secrets
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -20,6 +18,7 @@ from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
 from dagnats.engine.processor import Engine
+from dagnats.engine.report import check_lease, outcome_event, publish_outcome
 from dagnats.engine.store import StoredRun, history_subject, task_consumer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -33,19 +32,7 @@ MAX_POLL_WAIT = 60.0
 DEFAULT_POLL_WAIT = 10.0
 MAX_IDEMPOTENCY_KEY = 256
 MAX_INPUT_BYTES = 4 << 20
-# $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ts>.<pending>, optionally
-# with <domain>.<account hash> after ACK and a trailing random token.
-_LEASE = re.compile(
-    r"\$JS\.ACK\.(?:[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.)?TASKS\.tasks-[A-Za-z0-9_-]{1,64}"
-    r"(?:\.[0-9]+){5}(?:\.[A-Za-z0-9_-]+)?"
-)
 _TERMINAL = (pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED)
-
-
-def check_lease(lease: str) -> str:
-    if not _LEASE.fullmatch(lease):
-        raise errors.InvalidArgument("lease is not a task lease from PollTasks", field="lease")
-    return lease
 
 
 def check_json(raw: bytes, *, field: str, limit: int = MAX_INPUT_BYTES) -> bytes:
@@ -326,31 +313,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if stored is None:
             await self.store.nc.publish(lease, b"+ACK")
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
-        event = ipb.HistoryEvent(
+        event = outcome_event(
             run_id=run_id,
             step_id=step_id,
             iteration=request.iteration,
             attempt=request.attempt,
             journal_seq=request.journal_seq,
+            outcome=outcome,
+            now=self.engine.clock(),
         )
-        event.time.CopyFrom(convert.timestamp(self.engine.clock()))
-        headers: dict[str, str] = {}
-        tracing.inject(headers)
-        event.trace_context.update(headers)
-        convert.outcome_to_event(outcome, event)
-        if request.attempt > 0:
-            msg_id = f"{run_id}.{step_id}.{request.iteration}.{request.attempt}.{kind}"
-        else:
-            msg_id = f"{run_id}.{step_id}.legacy.{secrets.token_hex(8)}"
-        await jsx.publish(
-            self.store.js,
-            history_subject(run_id),
-            event.SerializeToString(),
-            msg_id=msg_id,
-            headers=headers,
-        )
-        # The outcome is durable on the run's history: only now may the task go.
-        await self.store.nc.publish(lease, b"+ACK")
+        await publish_outcome(self.store.js, self.store.nc, lease, event)
         cancelled = stored.record.run.status == pb.RUN_STATUS_CANCELLED
         return pb.ReportResponse(
             cancelled=cancelled, stale=not cancelled and self._stale(stored, event)

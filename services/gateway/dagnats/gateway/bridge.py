@@ -43,9 +43,9 @@ from dagnats.gateway.backend import Backend, BackendDep
 from dagnats.gateway.bridge_token import BridgeToken
 from dagnats.gateway.errors import ApiError
 from dagnats.inputs.v1 import inputs_pb2 as ipb
+from dagnats.journal.outcomes import Outcome, commit_of
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._codec import encode
-from dagnats.sdk._context import Outcome, commit_of
 from dagnats.sdk.views import decode_payload
 
 ERRORS: dict[int | str, dict[str, Any]] = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 import nats.js.errors
@@ -21,10 +22,12 @@ from nats.js.kv import KeyValue
 from dagnats.core import errors
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
 from dagnats.core.ids import check_run_id, check_token
+from dagnats.core.seam import seam
+from dagnats.engine.report import check_lease, outcome_event, publish_outcome
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs.store import InputStore
-from dagnats.journal import audit, convert, replay, session
+from dagnats.journal import audit, convert, outcomes, replay, session
 from dagnats.journal import model as jm
 from dagnats.journal.placement import MODES, InputPlacement
 from dagnats.journal.store import JournalStore
@@ -340,9 +343,31 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             _check_json(commit.output, "commit.output")
         if commit.has_state:
             _check_json(commit.state, "commit.state")
+        if commit.action == pb.ACTION_PAUSE and commit.pause.ToNanoseconds() <= 0:
+            raise errors.InvalidArgument("commit.pause must be positive", field="commit.pause")
+        lease = check_lease(request.lease) if request.lease else ""
         token, record = await self._writer.append(token, pb.Record(commit=commit))
         self._writer.forget(token)
-        return pb.CommitResponse(commit_seq=record.seq, record=record)
+        answer = pb.CommitResponse(commit_seq=record.seq, record=record)
+        if lease:
+            await seam("after_commit_stored")
+            await self._settle(lease, record)
+            answer.settled = True
+        return answer
+
+    async def _settle(self, lease: str, record: pb.Record) -> None:
+        """Publish the event of a stored commit and acknowledge its task, as Report would."""
+        _, outcome = outcomes.outcome_of(record.commit)
+        event = outcome_event(
+            run_id=record.run_id,
+            step_id=record.step_id,
+            iteration=record.iteration,
+            attempt=record.attempt,
+            journal_seq=record.seq,
+            outcome=outcome,
+            now=time.time(),
+        )
+        await publish_outcome(self.store.js, self.store.nc, lease, event)
 
     # ---- one dispatch over one stream --------------------------------------------------
 

@@ -1100,6 +1100,13 @@ class CommitRequest(_message.Message):
 
     TOKEN_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    lease: _builtins.str
+    """The task's lease (LeasedTask.lease). Set: once the commit is stored, the
+    journal service settles the task as Report would with journal_seq (it
+    publishes the commit's lifecycle event, then acknowledges the lease), and
+    no Report follows. Empty: the caller reports.
+    """
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """The writer."""
@@ -1113,10 +1120,11 @@ class CommitRequest(_message.Message):
         *,
         token: Global___WriterToken | None = ...,
         commit: Global___Commit | None = ...,
+        lease: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "lease", b"lease", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1130,8 +1138,11 @@ class CommitResponse(_message.Message):
 
     COMMIT_SEQ_FIELD_NUMBER: _builtins.int
     RECORD_FIELD_NUMBER: _builtins.int
+    SETTLED_FIELD_NUMBER: _builtins.int
     commit_seq: _builtins.int
     """The commit's sequence, to carry on the lifecycle event."""
+    settled: _builtins.bool
+    """The lease was given, the event is published and the task acknowledged."""
     @_builtins.property
     def record(self) -> Global___Record:
         """The stored record."""
@@ -1141,10 +1152,11 @@ class CommitResponse(_message.Message):
         *,
         commit_seq: _builtins.int = ...,
         record: Global___Record | None = ...,
+        settled: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "record", b"record"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "record", b"record", "settled", b"settled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
