@@ -430,18 +430,16 @@ class TaskContext:
                 # publishes its event and releases the task after storing it.
                 commit = commit_of(outcome, self._state)
                 await self._journal.commit(commit, lease=self._leased.lease)
-                cancelled = False  # the engine drops the event of a cancelled run
             else:
                 request = self._request(pb.ReportRequest())
                 # "continue" is a Python keyword, so the oneof is set by name for all four.
                 getattr(request, field).CopyFrom(outcome)
-                cancelled = (await self._rpc.report(request)).cancelled
+                if (await self._rpc.report(request)).cancelled:
+                    self._mark_cancelled()
         except DagnatsError:
             self._settled_as = None
             raise
         await seam("after_event")
-        if cancelled:
-            self._mark_cancelled()
 
 
 def settled_report(

@@ -71,41 +71,39 @@ class JournalSession:
     async def claim(self, request: jpb.ClaimRequest) -> jpb.ClaimResponse:
         # Not idempotent, as the unary Claim: a claim whose answer was lost may
         # have landed, and claiming again fences it (the restart limit counts it).
-        return await self._call("claim", "Claim", request, jpb.ClaimResponse, idempotent=False)
+        return await self._call("claim", request, jpb.ClaimResponse, idempotent=False)
 
     async def begin_model(self, request: jpb.BeginModelRequest) -> jpb.BeginModelResponse:
-        return await self._call("begin_model", "BeginModel", request, jpb.BeginModelResponse)
+        return await self._call("begin_model", request, jpb.BeginModelResponse)
 
     async def record_model(self, request: jpb.RecordModelRequest) -> jpb.RecordModelResponse:
-        return await self._call("record_model", "RecordModel", request, jpb.RecordModelResponse)
+        return await self._call("record_model", request, jpb.RecordModelResponse)
 
     async def begin_tool(self, request: jpb.BeginToolRequest) -> jpb.BeginToolResponse:
-        return await self._call("begin_tool", "BeginTool", request, jpb.BeginToolResponse)
+        return await self._call("begin_tool", request, jpb.BeginToolResponse)
 
     async def tool_output(self, request: jpb.ToolOutputRequest) -> jpb.ToolOutputResponse:
-        return await self._call("tool_output", "ToolOutput", request, jpb.ToolOutputResponse)
+        return await self._call("tool_output", request, jpb.ToolOutputResponse)
 
     async def finish_tool(self, request: jpb.FinishToolRequest) -> jpb.FinishToolResponse:
-        return await self._call("finish_tool", "FinishTool", request, jpb.FinishToolResponse)
+        return await self._call("finish_tool", request, jpb.FinishToolResponse)
 
     async def hold(self, request: jpb.HoldRequest) -> jpb.HoldResponse:
-        return await self._call("hold", "Hold", request, jpb.HoldResponse)
+        return await self._call("hold", request, jpb.HoldResponse)
 
     async def place_inputs(self, request: jpb.PlaceInputsRequest) -> jpb.PlaceInputsResponse:
-        return await self._call("place_inputs", "PlaceInputs", request, jpb.PlaceInputsResponse)
+        return await self._call("place_inputs", request, jpb.PlaceInputsResponse)
 
     async def commit(self, request: jpb.CommitRequest) -> jpb.CommitResponse:
-        return await self._call("commit", "Commit", request, jpb.CommitResponse)
+        return await self._call("commit", request, jpb.CommitResponse)
 
     async def _call(
-        self,
-        kind: str,
-        name: str,
-        request: Message,
-        answer_type: type[Resp],
-        *,
-        idempotent: bool = True,
+        self, kind: str, request: Message, answer_type: type[Resp], *, idempotent: bool = True
     ) -> Resp:
+        """Call ``kind`` (the request's field in ``SessionRequest``: "begin_model"
+        stands for the RPC BeginModel) on the stream."""
+        name = kind.title().replace("_", "")
+
         async def attempt() -> Resp:
             return await self._exchange(kind, name, request, answer_type)
 
@@ -152,10 +150,10 @@ class JournalSession:
                 raise _failure(grpc.StatusCode.UNAVAILABLE, f"{name}: the session stream ended")
             result = answer.WhichOneof("result")
             if result == "error":
-                status = status_code(answer.error.status)
-                tracing.set_status(span, status, answer.error.message, server=False)
-                e = answer.error
-                raise error_from_status(status, e.message, e.code, e.field)
+                error = answer.error
+                status = status_code(error.status)
+                tracing.set_status(span, status, error.message, server=False)
+                raise error_from_status(status, error.message, error.code, error.field)
             tracing.set_status(span, grpc.StatusCode.OK, "", server=False)
             found = getattr(answer, kind) if result == kind else None
             if not isinstance(found, answer_type):

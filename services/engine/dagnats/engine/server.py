@@ -87,7 +87,7 @@ async def start_engine(
     pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), server)
     if with_journal:
         runs = await nc.jetstream().key_value(jsx.KV_RUNS)
-        journal = JournalServicer(JournalStore(nc), runs, input_store)
+        journal = JournalServicer(JournalStore(nc), runs, input_store, clock=engine.clock)
         journal_grpc.add_JournalServiceServicer_to_server(journal, server)
     subscriptions: list[Subscription] = []
     if with_inputs:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import nats.js.errors
 from nats.js.kv import KeyValue
@@ -86,9 +86,15 @@ def _check_intent_seq(token: pb.WriterToken, intent_seq: int) -> None:
 
 class JournalServicer(pb_grpc.JournalServiceServicer):
     def __init__(
-        self, store: JournalStore, runs: KeyValue, inputs: InputStore | None = None
+        self,
+        store: JournalStore,
+        runs: KeyValue,
+        inputs: InputStore | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
+        self._clock = clock  # the engine's: it stamps the events the journal publishes
         self.inputs = inputs
         self._runs = runs
         self._writer = JournalWriter(store)
@@ -365,7 +371,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             attempt=record.attempt,
             journal_seq=record.seq,
             outcome=outcome,
-            now=time.time(),
+            now=self._clock(),
         )
         await publish_outcome(self.store.js, self.store.nc, lease, event)
 
