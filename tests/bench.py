@@ -15,8 +15,9 @@ The floor is what the same journal writes cost when done directly with nats-py
 on the same server, in the same process: one tail read plus as many fenced
 appends as an iteration makes, with payloads the size of the real records.
 Machines are noisy, so the result is a ratio against that floor, measured in
-the same run (half just before the timed agent run, half just after). Nothing
-here asserts on time.
+the same run and paired with the agent: one floor round just before each timed
+iteration, so both see the machine in the same state. Nothing here asserts on
+time.
 
 Everything runs in one process and one event loop (nats-server aside): the
 engine, the journal service, the worker and the floor's client. A last, untimed
@@ -70,6 +71,7 @@ class Turn:
     """The timestamps and durations of one iteration, in seconds (perf_counter)."""
 
     iteration: int
+    floor: float = 0.0  # a floor round, just before this iteration
     start: float = 0.0  # the handler was invoked
     claim: float = 0.0
     model: float = 0.0  # inside the model function
@@ -89,10 +91,13 @@ class Probe:
     """A journaled handler that times itself; the last iteration completes."""
 
     iterations: int
+    floor: Floor | None = None
     turns: list[Turn] = field(default_factory=list)
 
     async def handle(self, tc: TaskContext) -> None:
         turn = Turn(iteration=tc.iteration)
+        if self.floor is not None:
+            turn.floor = await self.floor.round()
         turn.start = time.perf_counter()
         j = await tc.journal()
         turn.claim = time.perf_counter() - turn.start
@@ -133,10 +138,11 @@ def _timed(fn: Callable[..., Awaitable[Any]], turn: Turn, name: str) -> Callable
     return timed
 
 
-async def run_agent(target: str, iterations: int) -> tuple[Probe, str]:
-    """One run of ``iterations`` iterations on one worker; returns the probe and the run id."""
+async def run_agent(target: str, iterations: int, floor: Floor | None = None) -> tuple[Probe, str]:
+    """One run of ``iterations`` iterations on one worker, each after a round of
+    ``floor`` if given; returns the probe and the run id."""
     task, name = unique("bench"), unique("bench-wf")
-    probe = Probe(iterations)
+    probe = Probe(iterations, floor)
     async with Client(target) as client:
         await client.register_workflow(loop_workflow(name, task, max_iterations=iterations + 1))
         # One slot: polls then ask for one task, as a sequential agent loop needs.
@@ -164,19 +170,26 @@ async def record_sizes(js: JetStreamContext, run_id: str, limit: int = 100) -> l
     return sizes
 
 
-async def floor(js: JetStreamContext, repetitions: int, payload: int) -> list[float]:
-    """Time ``repetitions`` rounds of one tail read and APPENDS fenced appends on one subject."""
-    subject, data = f"journal.{secrets.token_hex(16)}.bench", os.urandom(payload)
-    await js.publish(subject, data, headers=_fence(0))
-    samples = []
-    for _ in range(repetitions):
+@dataclass
+class Floor:
+    """Rounds of one tail read and APPENDS fenced appends, on a subject of its own."""
+
+    js: JetStreamContext
+    data: bytes
+    subject: str = field(default_factory=lambda: f"journal.{secrets.token_hex(16)}.bench")
+    opened: bool = False
+
+    async def round(self) -> float:
+        """One round; returns its wall time."""
+        if not self.opened:
+            await self.js.publish(self.subject, self.data, headers=_fence(0))
+            self.opened = True
         started = time.perf_counter()
-        last = int((await js.get_last_msg(jsx.JOURNAL, subject)).seq or 0)
+        last = int((await self.js.get_last_msg(jsx.JOURNAL, self.subject)).seq or 0)
         for _ in range(APPENDS):
-            headers = _fence(last)
-            last = int((await js.publish(subject, data, headers=headers)).seq)
-        samples.append(time.perf_counter() - started)
-    return samples
+            ack = await self.js.publish(self.subject, self.data, headers=_fence(last))
+            last = int(ack.seq)
+        return time.perf_counter() - started
 
 
 def _fence(last: int) -> dict[str, str]:
@@ -337,12 +350,12 @@ async def _measure(url: str, nc: NATS, iterations: int, warmup: int) -> Results:
         # A short run, not timed, warms every code path and gives the record size.
         _, warm_run = await run_agent(engine.target, warmup)
         results.sizes = await record_sizes(js, warm_run)
-        payload = round(statistics.mean(results.sizes))
-        await floor(js, warmup, payload)
-        results.floors = await floor(js, iterations // 2, payload)
-        probe, _ = await run_agent(engine.target, iterations)
+        floor = Floor(js, os.urandom(round(statistics.mean(results.sizes))))
+        for _ in range(warmup):
+            await floor.round()
+        probe, _ = await run_agent(engine.target, iterations, floor)
         results.turns = probe.turns
-        results.floors += await floor(js, iterations - iterations // 2, payload)
+        results.floors = [t.floor for t in probe.turns]
         _, results.seen = await traffic(nc, run_agent(engine.target, warmup))
     finally:
         await engine.stop()
