@@ -18,7 +18,7 @@ export function agentTurn({ model, tools }) {
     if ('answer' in reply) {
       log(`${tc.runId}: answer ${JSON.stringify(reply.answer)}`);
       tc.checkpoint([...history, { reply }]);
-      await tc.complete(reply.answer); // commits, then reports
+      await tc.complete(reply.answer); // commits; the journal publishes the event
       return;
     }
     const tool = tools[reply.tool];

@@ -116,8 +116,9 @@ export class Journal {
   }
 
   // Stores the dispatch's commit; returns its sequence (a string).
-  async commit(commit) {
-    const done = await this.#send('commit', (token) => ({ token, commit }), null);
+  // Stores the commit; with the task's lease, the service then settles the task.
+  async commit(commit, lease = '') {
+    const done = await this.#send('commit', (token) => ({ token, commit, lease }), null);
     return done.commit_seq;
   }
 

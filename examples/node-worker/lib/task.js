@@ -151,13 +151,15 @@ export class TaskContext {
   async #settle(field, outcome) {
     if (this.#settledAs !== null) throw new TaskAlreadySettled(this.#settledAs);
     this.#settledAs = field;
-    const request = this.#request({ [field]: outcome });
     try {
       if (this.#journal) {
-        request.journal_seq = await this.#journal.commit(this.#commitOf(field, outcome));
+        // The commit carries the lease: once it is stored, the journal service
+        // publishes its event and releases the task, so no Report follows.
+        await this.#journal.commit(this.#commitOf(field, outcome), this.#leased.lease);
+      } else {
+        const response = await this.#rpc.call('report', this.#request({ [field]: outcome }));
+        if (response.cancelled) this.#markCancelled();
       }
-      const response = await this.#rpc.call('report', request);
-      if (response.cancelled) this.#markCancelled();
     } catch (err) {
       if (err instanceof DagnatsError) this.#settledAs = null; // nothing was stored
       throw err;
