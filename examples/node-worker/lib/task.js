@@ -6,9 +6,10 @@
 //   failPermanent claims it before its RPCs are sent, so a second one throws
 //   TaskAlreadySettled. A settle refused by the engine or the journal with a
 //   domain error releases the claim: nothing was stored.
-// - Once the journal is claimed, every settle commits first and then reports
-//   with journal_seq = the commit's sequence: the commit is the state of
-//   record, the report only carries it to the engine.
+// - Once the journal is claimed, every settle is a commit that carries the
+//   lease: the commit is the state of record, and the journal service then
+//   publishes its event (journal_seq = the commit's sequence) and releases
+//   the task.
 // - A Claim answered `settled` runs nothing: the task is settled here (stale:
 //   acknowledged; committed or restart_limit: the stored commit is reported)
 //   and a JournalSignal is thrown for the handler to let through.
@@ -102,7 +103,7 @@ export class TaskContext {
       await this.#rpc.call('report', this.#request({ acknowledge: {} }));
       throw new Stale(`stale: ${detail}`, where);
     }
-    // Committed by a holder that crashed before reporting (or the restart
+    // Committed by a holder that crashed before its event was published (or the restart
     // limit's failure, just committed): report that commit, under its own
     // dispatch identity and sequence.
     const [field, outcome] = outcomeOf(commit.commit);

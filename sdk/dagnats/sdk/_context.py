@@ -181,7 +181,7 @@ class TaskContext:
         Raises:
             Stale: a late redelivery; the task was released, nothing ran.
             Committed: the dispatch was committed by a holder that crashed
-                before reporting; the outcome was reported now.
+                before its event was published; the outcome was reported now.
             RestartLimit: the iteration was claimed too often in a row; the
                 failure was committed and reported.
             Fenced: another holder's claim landed first; it holds the step.

@@ -138,8 +138,8 @@ class Stale(JournalSignal):
 
 
 class Committed(JournalSignal):
-    """This dispatch was committed by a holder that crashed before reporting;
-    its outcome was reported again and the turn is not repeated."""
+    """This dispatch was committed by a holder that crashed before its event
+    was published; the outcome was reported again and the turn is not repeated."""
 
 
 class RestartLimit(JournalSignal):
