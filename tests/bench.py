@@ -71,8 +71,9 @@ class Turn:
     """The timestamps and durations of one iteration, in seconds (perf_counter)."""
 
     iteration: int
-    floor: float = 0.0  # a floor round, just before this iteration
-    start: float = 0.0  # the handler was invoked
+    received: float = 0.0  # the handler was invoked
+    floor: float = 0.0  # a floor round, run first
+    start: float = 0.0  # just before tc.journal()
     claim: float = 0.0
     model: float = 0.0  # inside the model function
     tool: float = 0.0  # inside the tool function
@@ -95,7 +96,7 @@ class Probe:
     turns: list[Turn] = field(default_factory=list)
 
     async def handle(self, tc: TaskContext) -> None:
-        turn = Turn(iteration=tc.iteration)
+        turn = Turn(iteration=tc.iteration, received=time.perf_counter())
         if self.floor is not None:
             turn.floor = await self.floor.round()
         turn.start = time.perf_counter()
@@ -273,8 +274,9 @@ def table(rows: list[tuple[str, list[float]]], base_ms: float) -> None:
 
 
 def report(turns: list[Turn], floors: list[float]) -> None:
-    gaps = [b.start - a.end for a, b in itertools.pairwise(turns)]
-    periods = [b.start - a.start for a, b in itertools.pairwise(turns)]
+    # Both leave out the floor round each handler runs first.
+    gaps = [b.received - a.end for a, b in itertools.pairwise(turns)]
+    periods = [b.received - a.received - a.floor for a, b in itertools.pairwise(turns)]
     base = 1000 * statistics.median(floors)
     table(
         [
