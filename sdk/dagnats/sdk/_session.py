@@ -31,12 +31,12 @@ from google.protobuf.message import Message
 
 from dagnats.core import tracing
 from dagnats.core.grpcutil import error_from_status, status_code
+from dagnats.journal.session import CALLS, SERVICE
 from dagnats.journal.v1 import journal_pb2 as jpb
 
 if TYPE_CHECKING:
     from dagnats.sdk._rpc import EngineRpc, SessionStream
 
-_SERVICE = "/dagnats.journal.v1.JournalService/"
 Resp = TypeVar("Resp", bound=Message)
 
 
@@ -100,9 +100,8 @@ class JournalSession:
     async def _call(
         self, kind: str, request: Message, answer_type: type[Resp], *, idempotent: bool = True
     ) -> Resp:
-        """Call ``kind`` (the request's field in ``SessionRequest``: "begin_model"
-        stands for the RPC BeginModel) on the stream."""
-        name = kind.title().replace("_", "")
+        """Call ``kind`` (the request's field in ``SessionRequest``) on the stream."""
+        name = CALLS[kind]
 
         async def attempt() -> Resp:
             return await self._exchange(kind, name, request, answer_type)
@@ -118,7 +117,7 @@ class JournalSession:
         stream = self._stream
         self._sent += 1
         carrier: dict[str, str] = {}
-        with tracing.client_span(_SERVICE + name, carrier) as span:
+        with tracing.client_span(SERVICE + name, carrier) as span:
             message = jpb.SessionRequest(id=self._sent, trace_context=carrier)
             getattr(message, kind).CopyFrom(request)
             try:

@@ -89,3 +89,13 @@ def result_to_proto(result: jm.ResultEntry) -> pb.ToolResult:
         interrupted=result.interrupted,
         partial=result.partial,
     )
+
+
+def placed_to_proto(entry: jm.InputEntry) -> pb.InputPlaced:
+    return pb.InputPlaced(
+        position=entry.position,
+        request_id=entry.request_id,
+        mode=entry.mode,
+        content=entry.content,
+        carried=entry.carried,
+    )

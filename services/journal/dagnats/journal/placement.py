@@ -49,13 +49,13 @@ class InputPlacement:
             case replay.Mismatch(reason=reason):
                 raise errors.ReplayMismatch(reason)
             case replay.ReplayPlaced(inputs=replayed):
-                placed[:0] = [_placed(e) for e in replayed]
+                placed[:0] = [convert.placed_to_proto(e) for e in replayed]
                 token = await self._claim_queued(token, request, recorded, placed, queued=False)
             case replay.PlaceNew(carry=carry):
                 for earlier_input in carry:
                     if earlier_input.request_id in done:
                         continue
-                    copy = _placed(earlier_input)
+                    copy = convert.placed_to_proto(earlier_input)
                     copy.position, copy.carried = request.position, True
                     token, record = await self._writer.append(token, pb.Record(input_placed=copy))
                     placed.append(record.input_placed)
@@ -132,13 +132,3 @@ class InputPlacement:
             token, stored = await self._writer.append(token, pb.Record(input_placed=record))
             placed.append(stored.input_placed)
         return token
-
-
-def _placed(entry: jm.InputEntry) -> pb.InputPlaced:
-    return pb.InputPlaced(
-        position=entry.position,
-        request_id=entry.request_id,
-        mode=entry.mode,
-        content=entry.content,
-        carried=entry.carried,
-    )

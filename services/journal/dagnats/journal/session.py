@@ -21,17 +21,11 @@ from dagnats.core.grpcutil import Context, status_of, wire_status
 from dagnats.journal.v1 import journal_pb2 as pb
 
 SERVICE = "/dagnats.journal.v1.JournalService/"
-# The request's oneof field -> the unary RPC it stands for.
+_METHODS = pb.DESCRIPTOR.services_by_name["JournalService"].methods
+# The request's oneof field -> the unary RPC that takes the same request.
 CALLS = {
-    "claim": "Claim",
-    "begin_model": "BeginModel",
-    "record_model": "RecordModel",
-    "begin_tool": "BeginTool",
-    "tool_output": "ToolOutput",
-    "finish_tool": "FinishTool",
-    "hold": "Hold",
-    "place_inputs": "PlaceInputs",
-    "commit": "Commit",
+    field.name: next(m.name for m in _METHODS if m.input_type is field.message_type)
+    for field in pb.SessionRequest.DESCRIPTOR.oneofs_by_name["call"].fields
 }
 
 Behaviour = Callable[[Any, Any, Context], Awaitable[Any]]
