@@ -7,10 +7,13 @@ from typing import Any
 
 import grpc.aio
 import pytest
+from nats.aio.msg import Msg
 
-from dagnats.core.errors import NotFound
+from dagnats.core import jetstream as jsx
+from dagnats.core.errors import Fenced, NotFound
 from dagnats.core.grpcutil import error_from_rpc
-from dagnats.engine.server import EngineServer
+from dagnats.core.natsserver import NatsServer
+from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
@@ -207,3 +210,76 @@ async def test_an_output_or_result_must_answer_a_record_the_writer_has_seen(
             )
             assert done.token.last_seq == intent + 1, "nothing was written by the refused calls"
         await client.cancel_run(run.run_id)
+
+
+async def test_a_claim_after_its_own_commit_reads_no_tail_and_a_wrong_guess_reads_it(
+    engine: EngineServer, nats_server: NatsServer
+) -> None:
+    """A replica claims the next iteration right after the commit it stored,
+    without a tail read. If another replica wrote since, the guess is wrong:
+    the claim reads the tail, lands after the other claim and fences it."""
+    name, task = unique("guess"), unique("guess")
+    other = await start_engine(nats_server.url, config=FAST)  # a second journal replica
+    nc = await jsx.connect(nats_server.url, name="tail-reads")
+    reads: list[str] = []
+
+    async def tap(msg: Msg) -> None:
+        reads.append(msg.subject)
+
+    sub = await nc.subscribe(f"$JS.API.STREAM.MSG.GET.{jsx.JOURNAL}", cb=tap)
+    try:
+        async with (
+            Client(engine.target) as client,
+            grpc.aio.insecure_channel(engine.target) as a_channel,
+            grpc.aio.insecure_channel(other.target) as b_channel,
+        ):
+            await client.register_workflow(loop_workflow(name, task))
+            run = await client.start_run(name)  # no worker: the journal is driven by hand
+            a, b = jgrpc.JournalServiceStub(a_channel), jgrpc.JournalServiceStub(b_channel)
+
+            def claim(iteration: int) -> jpb.ClaimRequest:
+                return jpb.ClaimRequest(
+                    run_id=run.run_id, step_id="agent", iteration=iteration, attempt=1
+                )
+
+            first = (await a.Claim(claim(0))).claimed.token
+            state = b'{"turn": 0}'
+            commit = jpb.Commit(action=jpb.ACTION_CONTINUE, state=state, has_state=True)
+            committed = await a.Commit(jpb.CommitRequest(token=first, commit=commit))
+
+            await nc.flush()
+            reads.clear()
+            mine = (await a.Claim(claim(1))).claimed
+            await nc.flush()
+            assert reads == [], "the claim after its own commit read the tail"
+            assert mine.token.base_seq == committed.commit_seq
+            assert mine.token.last_seq == committed.commit_seq + 1
+            assert mine.has_state and mine.state == state
+            await a.Commit(jpb.CommitRequest(token=mine.token, commit=commit))
+
+            theirs = (await b.Claim(claim(2))).claimed  # B claims iteration 2 first
+            again = (await a.Claim(claim(2))).claimed  # a duplicate delivery reaches A
+            assert again.token.last_seq > theirs.token.last_seq, "A's claim follows B's"
+            assert [r.seq for r in again.records] == [theirs.token.last_seq, again.token.last_seq]
+            assert again.has_state and again.state == state
+            with pytest.raises(grpc.aio.AioRpcError) as fenced:
+                await b.RecordModel(
+                    jpb.RecordModelRequest(token=theirs.token, position=0, response=b"{}")
+                )
+            assert isinstance(error_from_rpc(fenced.value), Fenced)
+            await client.cancel_run(run.run_id)
+        kinds = [
+            (r.iteration, r.WhichOneof("kind")) for r in await read_journal(engine, run.run_id)
+        ]
+        assert kinds == [
+            (0, "claim"),
+            (0, "commit"),
+            (1, "claim"),
+            (1, "commit"),
+            (2, "claim"),
+            (2, "claim"),
+        ]
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
+        await other.stop()

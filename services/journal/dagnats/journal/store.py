@@ -52,8 +52,13 @@ class JournalStore:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
 
-    async def append(self, token: pb.WriterToken, record: pb.Record) -> int:
+    async def append(
+        self, token: pb.WriterToken, record: pb.Record, *, guessed: bool = False
+    ) -> int:
         """Append ``record`` after ``token.last_seq``; returns its sequence.
+
+        ``guessed``: ``token.last_seq`` is a guess at the tail; a miss raises
+        ``Fenced`` without recording a fenced writer on the span.
 
         Raises:
             Fenced: another writer's record follows ``token.last_seq``.
@@ -91,13 +96,17 @@ class JournalStore:
                 return int(ack.seq)
             except nats.js.errors.APIError as err:
                 if err.err_code == WRONG_LAST_SEQUENCE:
-                    return await self._resolve(subject, token.last_seq, msg_id, record, err)
+                    return await self._resolve(
+                        subject, token.last_seq, msg_id, record, err, guessed=guessed
+                    )
                 if err.err_code not in (IN_FLIGHT_ON_SUBJECT, RETRY_IN_FLIGHT):
                     raise
             except jsx.TRANSIENT_NATS_ERRORS:
                 pass
             if loop.time() > deadline:
-                return await self._resolve(subject, token.last_seq, msg_id, record, None)
+                return await self._resolve(
+                    subject, token.last_seq, msg_id, record, None, guessed=guessed
+                )
             await asyncio.sleep(delay)  # backoff between retries of the same write
             delay = min(delay * 2, 1.0)
 
@@ -108,6 +117,8 @@ class JournalStore:
         msg_id: str,
         record: pb.Record,
         err: nats.js.errors.APIError | None,
+        *,
+        guessed: bool = False,
     ) -> int:
         """After a rejected or unanswered write: did our own earlier try land?"""
         try:
@@ -127,7 +138,8 @@ class JournalStore:
             actual = int(first.seq or 0)
         span = trace.get_current_span()
         span.add_event(
-            "fenced", {"subject": subject, "expected_seq": expected, "actual_seq": actual}
+            "tail guess missed" if guessed else "fenced",
+            {"subject": subject, "expected_seq": expected, "actual_seq": actual},
         )
         raise Fenced(
             f"{subject}: another holder wrote after sequence {expected} (tail is {actual})",

@@ -2,9 +2,13 @@
 
 An append stamps the record with its writer's dispatch and view of the tail,
 stores it fenced (``JournalStore.append``), and returns the writer's next token.
-The writer also keeps the replay snapshot (the iteration's records as the claim
-found them) per writer, as an optimisation only: a miss, on another replica or
-after an eviction, reads them again from the stream.
+The writer also keeps two caches, as optimisations only: a miss, on another
+replica or after an eviction, reads from the stream instead.
+
+- The replay snapshot (the iteration's records as the claim found them), per writer.
+- The last commit it stored on each step: the likely tail when the step's next
+  iteration is claimed. A claim appends after it without reading the tail
+  first; the fenced append itself checks the guess (see ``Claim``).
 """
 
 from __future__ import annotations
@@ -22,17 +26,24 @@ from dagnats.journal.store import JournalStore, journal_subject
 from dagnats.journal.v1 import journal_pb2 as pb
 
 SNAPSHOTS = 4096
+COMMITS = 4096
+COMMIT_BYTES = 64 * 1024  # a commit with a larger state is read again instead
 
 
 class JournalWriter:
     def __init__(self, store: JournalStore) -> None:
         self.store = store
         self._snapshots: OrderedDict[tuple[str, str], list[jm.AnyEntry]] = OrderedDict()
+        self._commits: OrderedDict[str, pb.Record] = OrderedDict()
 
     async def append(
-        self, token: pb.WriterToken, record: pb.Record
+        self, token: pb.WriterToken, record: pb.Record, *, guessed: bool = False
     ) -> tuple[pb.WriterToken, pb.Record]:
         """Store ``record`` after the writer's last seen sequence.
+
+        Args:
+            guessed: ``token.last_seq`` is a guess at the tail, not a sequence
+                the writer read: a miss is no fenced writer (no span event).
 
         Returns:
             The writer's next token, and the record as stored (with its sequence).
@@ -51,8 +62,10 @@ class JournalWriter:
         headers: dict[str, str] = {}
         tracing.inject(headers)
         record.trace_context.update(headers)
-        seq = await self.store.append(token, record)
+        seq = await self.store.append(token, record, guessed=guessed)
         record.seq = seq
+        if record.HasField("commit"):
+            self._remember_commit(record)
         following = pb.WriterToken()
         following.CopyFrom(token)
         following.last_seq = seq
@@ -72,6 +85,20 @@ class JournalWriter:
         self._snapshots.move_to_end(key)
         while len(self._snapshots) > SNAPSHOTS:
             self._snapshots.popitem(last=False)
+
+    def last_commit(self, run_id: str, step_id: str) -> pb.Record | None:
+        """The last commit this writer stored on the step, if it is still cached."""
+        return self._commits.get(journal_subject(run_id, step_id))
+
+    def _remember_commit(self, record: pb.Record) -> None:
+        subject = journal_subject(record.run_id, record.step_id)
+        if record.ByteSize() > COMMIT_BYTES:
+            self._commits.pop(subject, None)
+            return
+        self._commits[subject] = record
+        self._commits.move_to_end(subject)
+        while len(self._commits) > COMMITS:
+            self._commits.popitem(last=False)
 
     def forget(self, token: pb.WriterToken) -> None:
         """Drop the writer's snapshot (its dispatch committed)."""
