@@ -6,10 +6,12 @@ One scripted agent turn per iteration (claim, model, one unsafe tool, commit),
 with a model and a tool that return at once and are timed apart. The journal
 overhead of an iteration is the wall time from just before ``tc.journal()`` to
 just after ``tc.continue_()`` returns, minus the time inside the model and the
-tool functions. ``continue_()`` is the commit: the journal service stores it,
-publishes its lifecycle event and releases the task, so no engine report
-follows. The window thus holds two operations the floor does not: the tail
-read before the model call, and the event's publish.
+tool functions. ``continue_()`` is the commit: the journal service answers once
+it is stored, then publishes its lifecycle event and releases the task (ADR 9),
+so no engine report follows. The window thus holds the floor's own operations:
+the tail read before the model call and five fenced appends. The claim appends
+after the commit it stored last instead of reading the tail; a claim whose
+guess misses reads it as well.
 
 The floor is what the same journal writes cost when done directly with nats-py
 on the same server, in the same process: one tail read plus as many fenced
@@ -56,7 +58,7 @@ from tests.stack import loop_workflow, unique
 
 TARGET = 2.5  # the bound: journal overhead at most 2.5x the floor
 APPENDS = 5  # fenced appends per iteration: claim, model, tool intent, tool result, commit
-STALL = 0.5  # seconds between a settle and the next task that count as a stall
+STALL = 0.5  # seconds between a commit and the next task that count as a stall
 # Long leases keep heartbeats (a tail read and an RPC each) out of the timed turns.
 # A short history ack wait bounds the stall when the engine drops a fetched
 # history event (it is redelivered after this wait); stalls are counted apart.
@@ -79,7 +81,7 @@ class Turn:
     tool: float = 0.0  # inside the tool function
     model_call: float = 0.0  # j.model() as a whole
     tool_call: float = 0.0  # j.tool() as a whole
-    settle: float = 0.0  # continue_(): the commit, its event, the task released
+    commit: float = 0.0  # continue_(): the commit, answered once stored
     end: float = 0.0  # continue_() returned
 
     @property
@@ -116,7 +118,7 @@ class Probe:
         else:
             await tc.complete("done")
         turn.end = time.perf_counter()
-        turn.settle = turn.end - started
+        turn.commit = turn.end - started
         self.turns.append(turn)
 
 
@@ -281,12 +283,12 @@ def report(turns: list[Turn], floors: list[float]) -> None:
     table(
         [
             (f"floor: 1 tail read + {APPENDS} fenced appends, nats-py", floors),
-            ("journal overhead per iteration (claim..settled)", [t.overhead for t in turns]),
+            ("journal overhead per iteration (claim..commit)", [t.overhead for t in turns]),
             ("  claim           Claim", [t.claim for t in turns]),
             ("  model           BeginModel + RecordModel", [t.model_call - t.model for t in turns]),
             ("  tool            BeginTool + FinishTool", [t.tool_call - t.tool for t in turns]),
-            ("  settle          Commit (+ event, task released)", [t.settle for t in turns]),
-            ("reference: settled -> next task received", gaps),
+            ("  commit          Commit (its event follows)", [t.commit for t in turns]),
+            ("reference: commit -> next task received", gaps),
             ("reference: full period, task -> next task", periods),
         ],
         base,

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import nats.errors
+
+from dagnats.core import seam
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.v1 import journal_pb2 as jpb
@@ -148,29 +151,48 @@ async def test_crash_after_model_reuses_the_response(client: Client, engine: Eng
 
 
 async def test_crash_after_commit_republishes(client: Client, engine: EngineServer) -> None:
-    # The journal service stores iteration 1's commit and stops before it
-    # publishes the event and releases the task; its worker is gone too (no
-    # heartbeat, no retry within the test). The task comes back, the next claim
-    # finds the commit, republishes its event and raises Committed.
+    # The journal service answers iteration 1's commit and stops before it
+    # publishes the event and releases the task; its worker is gone too. The
+    # task comes back, the next claim finds the commit, republishes its event
+    # and raises Committed.
     task, name = await start(client)
     model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
     handler = agent(model, tools, seen)
     with Crasher("after_commit_stored", skip=1) as crash:
-        async with Worker(
-            engine.target,
-            handlers={task: handler},
-            poll_wait=1.0,
-            heartbeat_interval=NO_HEARTBEAT,
-            rpc_timeout=120.0,
-        ) as first:
+        async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
             run = await client.start_run(name)
             await wait_for(crash.hit.is_set, timeout=20)
-            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
-                await finish(client, engine, run.run_id)
-            # The stopped service goes on: its event is a duplicate, its ack a no-op.
-            crash.release.set()
-            await first.stop(grace=0)
+        async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+            await finish(client, engine, run.run_id)
+        # The stopped service goes on: its event is a duplicate, its ack a no-op.
+        crash.release.set()
     assert seen.signals.count("Committed") == 1
+    assert model.calls == 4 and tools.starts == {"search": 2, "send_email": 1}
+
+
+async def test_a_settle_that_fails_after_the_commit_answered_is_redone_by_the_next_claim(
+    client: Client, engine: EngineServer
+) -> None:
+    # The commit answers once stored; its event and the task's release follow.
+    # Here publishing the event fails: the task comes back, and its next claim
+    # finds the commit, republishes the event, and the run goes on.
+    task, name = await start(client)
+    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    failed: list[str] = []
+
+    async def fail_once(point: str) -> None:
+        if point == "after_commit_stored" and not failed:
+            failed.append(point)
+            raise nats.errors.TimeoutError
+
+    seam.install(fail_once)
+    try:
+        async with Worker(engine.target, handlers={task: agent(model, tools, seen)}, poll_wait=1.0):
+            run = await client.start_run(name)
+            await finish(client, engine, run.run_id)
+    finally:
+        seam.install(None)
+    assert failed and seen.signals.count("Committed") == 1
     assert model.calls == 4 and tools.starts == {"search": 2, "send_email": 1}
 
 

@@ -208,27 +208,19 @@ async def test_node_worker_reports_a_turn_committed_by_a_crashed_holder(
         await tc.checkpoint([*history, {"reply": reply, "output": result.output}])
         await tc.continue_()
 
-    # The journal service stores the Python holder's commit and stops before
-    # it publishes the event; the holder sends nothing more (no heartbeat, no
-    # retry within the test), as if both were gone.
+    # The journal service answers the Python holder's commit and stops before
+    # it publishes the event; the holder is gone then, as if both had died.
     with Crasher("after_commit_stored") as crash:
-        python = Worker(
-            engine.target,
-            handlers={task: python_turn},
-            poll_wait=0.5,
-            concurrency=1,
-            heartbeat_interval=3600.0,
-            rpc_timeout=120.0,
-        )
-        async with python:
+        async with Worker(
+            engine.target, handlers={task: python_turn}, poll_wait=0.5, concurrency=1
+        ):
             run = await client.start_run(name, INPUT)
             await wait_for(
                 crash.hit.is_set, timeout=30, message="the Python holder never committed"
             )
-            worker = workers.spawn("worker")
-            await finish(client, engine, run.run_id, workers, worker)
-            crash.release.set()  # the stopped service goes on: a duplicate event
-            await python.stop(grace=0)
+        worker = workers.spawn("worker")
+        await finish(client, engine, run.run_id, workers, worker)
+        crash.release.set()  # the stopped service goes on: a duplicate event
     assert lines(workers.starts) == [f"charge_card {run.run_id}.agent.0.1"]
     assert lines(workers.model_calls) == ["turn 1"], "the node worker ran iteration 1 only"
     assert "settled by the journal (committed" in workers.logs()

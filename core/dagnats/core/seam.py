@@ -9,8 +9,8 @@ Seams: ``before_claim``, ``after_claim``, ``after_intent``, ``after_result``,
 ``after_model``, ``after_inputs_placed``, ``after_event`` (the commit settled
 the task); in the journal service ``after_input_claimed`` (an input is
 claimed in its bucket, its ``input.placed`` record not yet written) and
-``after_commit_stored`` (a commit that settles its task is stored, its event
-not yet published); and in the engine ``after_dispatch_saved`` (a dispatch is
+``after_commit_stored`` (a commit that settles its task is stored and
+answered, its event not yet published); and in the engine ``after_dispatch_saved`` (a dispatch is
 saved, its task not yet published).
 """
 

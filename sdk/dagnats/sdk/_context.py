@@ -427,7 +427,8 @@ class TaskContext:
         try:
             if self._journal is not None:
                 # The commit is the state of record; the journal service
-                # publishes its event and releases the task after storing it.
+                # answers once it is stored, then publishes its event and
+                # releases the task (ADR 9).
                 commit = commit_of(outcome, self._state)
                 await self._journal.commit(commit, lease=self._leased.lease)
             else:

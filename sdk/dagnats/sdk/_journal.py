@@ -298,8 +298,9 @@ class Journal:
         return await self._rpc.hold(jpb.HoldRequest(token=token))
 
     async def commit(self, commit: jpb.Commit, *, lease: str) -> None:
-        """Store the dispatch's commit, then settle the task with ``lease``: the
-        journal service publishes the commit's event and acknowledges the task."""
+        """Store the dispatch's commit and settle the task with ``lease``: once
+        the commit is stored, the journal service answers, then publishes the
+        commit's event and acknowledges the task (ADR 9)."""
 
         def committed(done: jpb.CommitResponse) -> None:
             self._committed = True

@@ -40,6 +40,7 @@ class EngineServer:
     port: int
     # The api.inputs.* endpoints; stop() ends them with nc.drain().
     subscriptions: list[Subscription] = field(default_factory=list)
+    journal: JournalServicer | None = None
 
     @property
     def target(self) -> str:
@@ -47,6 +48,8 @@ class EngineServer:
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
+        if self.journal is not None:
+            await self.journal.close()  # the settles of commits it answered
         await self.engine.stop()
         await self.nc.drain()
 
@@ -85,6 +88,7 @@ async def start_engine(
     await engine.start()
     server = grpc.aio.server(interceptors=tracing.server_interceptors())
     pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), server)
+    journal: JournalServicer | None = None
     if with_journal:
         runs = await nc.jetstream().key_value(jsx.KV_RUNS)
         journal = JournalServicer(JournalStore(nc), runs, input_store, clock=engine.clock)
@@ -98,7 +102,13 @@ async def start_engine(
     await server.start()
     log.info("engine serving on %s:%d", host, bound)
     return EngineServer(
-        engine=engine, server=server, nc=nc, host=host, port=bound, subscriptions=subscriptions
+        engine=engine,
+        server=server,
+        nc=nc,
+        host=host,
+        port=bound,
+        subscriptions=subscriptions,
+        journal=journal,
     )
 
 

@@ -11,7 +11,10 @@ is written by :mod:`dagnats.journal.writer`; input placement lives in
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,11 +38,14 @@ from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.journal.v1 import journal_pb2_grpc as pb_grpc
 from dagnats.journal.writer import JournalWriter
 
+log = logging.getLogger(__name__)
+
 # Calls (model, tool, place-inputs) one dispatch may journal; a step that needs
 # more has outgrown a per-step journal (the spec's "bounded calls per iteration").
 MAX_POSITIONS = 1000
 MAX_RESTART_LIMIT = 1000
 MAX_PAGE = 1000
+SETTLE_GRACE = 10.0  # seconds a stopping service waits for the settles it owes
 _WRITER_HEX = frozenset("0123456789abcdef")
 # Steps whose newest continue commit the engine may not have applied: it is
 # in flight, or a cancel dropped it.
@@ -98,6 +104,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self.inputs = inputs
         self._runs = runs
         self._writer = JournalWriter(store)
+        self._settling: set[asyncio.Task[None]] = set()
         self._placement = InputPlacement(self._writer, inputs) if inputs is not None else None
 
     # ---- claim ---------------------------------------------------------------------
@@ -384,13 +391,19 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self._writer.forget(token)
         answer = pb.CommitResponse(commit_seq=record.seq, record=record)
         if lease:
-            await seam("after_commit_stored")
-            await self._settle(lease, record)
+            # The stored commit is the step's progress: answer now, and settle
+            # the task behind the answer (ADR 9).
+            settle = asyncio.create_task(self._settle(lease, record))
+            self._settling.add(settle)
+            settle.add_done_callback(self._settling.discard)
             answer.settled = True
         return answer
 
     async def _settle(self, lease: str, record: pb.Record) -> None:
-        """Publish the event of a stored commit and acknowledge its task, as Report would."""
+        """Publish the event of a stored commit and acknowledge its task, as Report
+        would. If that fails, the task comes back, and its next claim finds the
+        commit and republishes the event; a negative acknowledgement brings it
+        back at once rather than when its lease runs out."""
         _, outcome = outcomes.outcome_of(record.commit)
         event = outcome_event(
             run_id=record.run_id,
@@ -401,7 +414,26 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             outcome=outcome,
             now=self._clock(),
         )
-        await publish_outcome(self.store.js, self.store.nc, lease, event)
+        try:
+            await seam("after_commit_stored")
+            await publish_outcome(self.store.js, self.store.nc, lease, event)
+        except Exception as err:
+            log.warning(
+                "%s/%s: commit at seq %d is stored but its event was not published (%s); "
+                "the task comes back and its next claim republishes it",
+                record.run_id,
+                record.step_id,
+                record.seq,
+                err,
+            )
+            with contextlib.suppress(Exception):
+                await self.store.nc.publish(lease, b"-NAK")
+
+    async def close(self) -> None:
+        """Wait up to ``SETTLE_GRACE`` seconds for the settles of answered commits;
+        a task whose settle is cut short comes back when its lease runs out."""
+        if self._settling:
+            await asyncio.wait(set(self._settling), timeout=SETTLE_GRACE)
 
     # ---- one dispatch over one stream --------------------------------------------------
 

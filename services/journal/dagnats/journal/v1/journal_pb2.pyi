@@ -1103,9 +1103,10 @@ class CommitRequest(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     lease: _builtins.str
     """The task's lease (LeasedTask.lease). Set: once the commit is stored, the
-    journal service settles the task as Report would with journal_seq (it
-    publishes the commit's lifecycle event, then acknowledges the lease), and
-    no Report follows. Empty: the caller reports.
+    journal service answers and then settles the task as Report would with
+    journal_seq (it publishes the commit's lifecycle event, then acknowledges
+    the lease), and no Report follows. If that settle fails, the task comes
+    back and its next claim republishes the event. Empty: the caller reports.
     """
     @_builtins.property
     def token(self) -> Global___WriterToken:
@@ -1142,7 +1143,9 @@ class CommitResponse(_message.Message):
     commit_seq: _builtins.int
     """The commit's sequence, to carry on the lifecycle event."""
     settled: _builtins.bool
-    """The lease was given, the event is published and the task acknowledged."""
+    """The lease was given: the journal service publishes the event and
+    acknowledges the task after this answer.
+    """
     @_builtins.property
     def record(self) -> Global___Record:
         """The stored record."""
