@@ -51,8 +51,12 @@ GUARDS = (
     Guard(
         name="claim identity (the claim record that fences earlier holders)",
         file="services/journal/dagnats/journal/service.py",
-        guard="        token, claim = await self._writer.append(token, claim)\n",
-        removed="        claim.seq = token.last_seq  # guard removed: the claim is not written\n",
+        guard=(
+            "            token, claim = await self._writer.append(token, claim, guessed=guessed)\n"
+        ),
+        removed=(
+            "            claim.seq = token.last_seq  # guard removed: the claim is not written\n"
+        ),
         how="a claim is not appended, so earlier holders are not fenced",
         tests=(
             "tests/test_journal.py::test_zombie_is_fenced_and_writes_nothing_after_its_successor",

@@ -89,14 +89,16 @@ def instrumented_journal(
         tap.publishers.append(publisher)
         self.js = publisher  # type: ignore[assignment]
 
-    async def logged_append(self: JournalStore, token: pb.WriterToken, record: pb.Record) -> int:
+    async def logged_append(
+        self: JournalStore, token: pb.WriterToken, record: pb.Record, *, guessed: bool = False
+    ) -> int:
         # The store's Msg-Id: the dispatch, the writer's nonce, its record count.
         msg_id = (
             f"{token.run_id}.{token.step_id}.{token.iteration}.{token.attempt}"
             f".{token.writer}.{token.written}"
         )
         try:
-            seq = await append(self, token, record)
+            seq = await append(self, token, record, guessed=guessed)
         except BaseException as err:
             tap.failed[msg_id] = type(err).__name__
             raise
