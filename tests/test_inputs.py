@@ -317,6 +317,27 @@ async def test_a_finished_step_takes_no_inputs(
     assert not repeat.created and repeat.input.status == pb.STATUS_UNANSWERED
 
 
+async def test_a_retry_closes_an_input_its_first_try_left_queued_on_a_finished_step(
+    client: Client, stub: Any, store: InputStore
+) -> None:
+    # The first try created the input after the step finished and stopped
+    # before it checked the run again; the engine had closed the step's inputs
+    # before the input existed. The client's retry must not leave it queued.
+    run_id = await running_step(client)
+    await client.cancel_run(run_id)
+
+    async def closed() -> bool:
+        return bool((await client.get_run(run_id)).status == epb.RUN_STATUS_CANCELLED)
+
+    await wait_for(closed, message="run cancelled")
+    submission = rules.check_submission(run_id, STEP, "orphan", rules.Mode.STEER, b"{}")
+    first_try = rules.new_input(submission, created_by="c" * 16, now=time.time())
+    assert await store.create(first_try) == (first_try, True)
+    repeat = await submit(stub, run_id, "orphan")
+    assert not repeat.created and repeat.input.status == pb.STATUS_UNANSWERED
+    assert (await get(stub, run_id, "orphan")).status == pb.STATUS_UNANSWERED
+
+
 # ---- bad input --------------------------------------------------------------------------------
 
 
