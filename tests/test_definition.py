@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from typing import Any
 
 import pytest
@@ -25,7 +24,6 @@ from dagnats.engine.definition import (
     WorkflowDef,
     backoff_delay,
     parse_document,
-    parse_duration,
     parse_mapping,
     to_mapping,
     topological_order,
@@ -752,60 +750,6 @@ def test_yaml_syntax_error_names_the_line() -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Durations
-
-
-@pytest.mark.parametrize(
-    ("value", "seconds"),
-    [
-        (0, 0.0),
-        (45, 45.0),
-        (2.5, 2.5),
-        ("500ms", 0.5),
-        ("30s", 30.0),
-        ("1.5s", 1.5),
-        ("5m", 300.0),
-        ("1h", 3600.0),
-        ("1h30m", 5400.0),
-        ("2d", 172800.0),
-        ("1m30s250ms", 90.25),
-        ("0s", 0.0),
-    ],
-)
-def test_duration_parsing(value: Any, seconds: float) -> None:
-    assert parse_duration(value, field="timeout") == seconds
-
-
-@pytest.mark.parametrize(
-    ("value", "message"),
-    [
-        ("", "timeout must be seconds as a number or a string like"),
-        ("30", "timeout must be seconds as a number or a string like"),
-        ("5 m", "timeout must be seconds as a number or a string like"),
-        ("1w", "timeout must be seconds as a number or a string like"),
-        ("-1s", "timeout must be seconds as a number or a string like"),
-        ("1h-30m", "timeout must be seconds as a number or a string like"),
-        ("s", "timeout must be seconds as a number or a string like"),
-        (True, "timeout must be seconds as a number or a string like"),
-        (None, "timeout must be seconds as a number or a string like"),
-        ([1], "timeout must be seconds as a number or a string like"),
-        (math.nan, "timeout must be seconds as a number or a string like"),
-        (-1, "timeout must not be negative, got -1"),
-        (-0.5, "timeout must not be negative"),
-        (math.inf, "timeout must be at most 10000 years"),
-        (10**20, "timeout must be at most 10000 years"),
-        ("4000000d", "timeout must be at most 10000 years"),
-    ],
-)
-def test_invalid_duration_is_rejected_naming_the_field(value: Any, message: str) -> None:
-    with pytest.raises(InvalidArgument) as info:
-        parse_duration(value, field="timeout")
-
-    assert info.value.field == "timeout"
-    assert info.value.message.startswith(message)
-
-
-# --------------------------------------------------------------------------------------
 # Backoff
 
 
@@ -864,7 +808,6 @@ def test_exported_names() -> None:
         "WorkflowDef",
         "backoff_delay",
         "parse_document",
-        "parse_duration",
         "parse_mapping",
         "to_mapping",
         "topological_order",

@@ -21,16 +21,14 @@ path such as ``steps[1].depends_on[0]``.
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from decimal import Decimal
 from enum import Enum
-from typing import Any, TypeGuard, TypeVar, assert_never
+from typing import Any, TypeVar, assert_never
 
 import yaml
 
+from dagnats.core.durations import parse_duration
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import check_token
 from dagnats.engine.graph import (
@@ -51,7 +49,6 @@ __all__ = [
     "WorkflowDef",
     "backoff_delay",
     "parse_document",
-    "parse_duration",
     "parse_mapping",
     "to_mapping",
     "topological_order",
@@ -161,8 +158,6 @@ DEFAULT_AGENT_LOOP = AgentLoopBounds(max_iterations=100, max_duration=None, loop
 
 _MAX_ATTEMPTS = 100
 _MAX_ITERATIONS = 1_000_000
-# google.protobuf.Duration holds at most 10,000 years; a larger value could not be stored.
-_MAX_DURATION_SECONDS = 315_576_000_000
 # 2.0 ** 1023 is the largest finite power of two; beyond the cap the delay is max_delay.
 _MAX_DOUBLINGS = 1000
 
@@ -200,63 +195,6 @@ def _uncapped_delay(policy: RetryPolicy, failed_attempt: int) -> float:
             return policy.initial_delay * 2.0 ** min(failed_attempt - 1, _MAX_DOUBLINGS)
         case _:
             assert_never(policy.backoff)
-
-
-# ---------------------------------------------------------------------------------------
-# Durations
-
-_DURATION_TEXT = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d))+")
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-_UNIT_SECONDS = {
-    "ms": Decimal("0.001"),
-    "s": Decimal(1),
-    "m": Decimal(60),
-    "h": Decimal(3600),
-    "d": Decimal(86400),
-}
-
-
-def parse_duration(value: object, *, field: str) -> float:
-    """Return seconds from a number of seconds or a string such as ``"1h30m"``.
-
-    Strings are one or more ``<number><unit>`` parts with the units ``ms``, ``s``,
-    ``m``, ``h`` and ``d``. Booleans are not numbers.
-
-    Args:
-        value: the value from the document.
-        field: path of the field, used in the error.
-
-    Returns:
-        The duration in seconds, from 0 to 10,000 years.
-
-    Raises:
-        InvalidArgument: naming ``field`` for anything else, or a negative value.
-    """
-    seconds: int | float | Decimal
-    if isinstance(value, str) and _DURATION_TEXT.fullmatch(value):
-        seconds = sum(
-            (Decimal(n) * _UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(value)),
-            Decimal(0),
-        )
-    elif _is_number(value):
-        seconds = value
-    else:
-        raise InvalidArgument(
-            f"{field} must be seconds as a number or a string like "
-            f"'500ms', '30s', '5m', '1h30m' or '2d', got {value!r}",
-            field=field,
-        )
-    if seconds < 0:
-        raise InvalidArgument(f"{field} must not be negative, got {value!r}", field=field)
-    if seconds > _MAX_DURATION_SECONDS:
-        raise InvalidArgument(f"{field} must be at most 10000 years, got {value!r}", field=field)
-    return float(seconds)
-
-
-def _is_number(value: object) -> TypeGuard[int | float]:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    return not (isinstance(value, float) and math.isnan(value))
 
 
 def _positive_duration(value: Any, field: str) -> float:

@@ -8,7 +8,6 @@ number of seconds or a string such as ``"500ms"``, ``"30s"``, ``"2m"``, ``"1h"``
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -21,29 +20,21 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from dagnats.core.durations import PATTERN, parse_duration
+from dagnats.core.errors import InvalidArgument
+
 # The engine holds a poll at most a minute.
 MAX_POLL_WAIT = 60.0
-# The longest duration the contract's Duration holds (10,000 years).
-MAX_SECONDS = 315_576_000_000.0
 INT32 = 2**31 - 1
 UINT64 = 2**64 - 1
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)?")
-_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
 def parse_seconds(value: Any) -> float:
-    """``30``, ``"30s"``, ``"500ms"``, ``"2m"`` or ``"1h"`` as seconds (>= 0)."""
-    if isinstance(value, bool):
-        raise ValueError("a duration is a number of seconds or a string such as 30s")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
-        seconds = float(match.group(1)) * _UNIT[match.group(2)]
-    else:
-        raise ValueError("a duration is a number of seconds or a string such as 30s")
-    if not 0 <= seconds <= MAX_SECONDS:
-        raise ValueError(f"a duration must be between 0 and {MAX_SECONDS:.0f} seconds")
-    return seconds
+    """A duration (``dagnats.core.durations``) as seconds, for pydantic."""
+    try:
+        return parse_duration(value, field="duration")
+    except InvalidArgument as err:
+        raise ValueError(err.message.removeprefix("duration ")) from None
 
 
 def _unicode(value: str) -> str:
@@ -67,9 +58,9 @@ Seconds = Annotated[
         {
             "anyOf": [
                 {"type": "number", "minimum": 0},
-                {"type": "string", "pattern": r"^\d+(\.\d+)?(ms|s|m|h)?$"},
+                {"type": "string", "pattern": PATTERN},
             ],
-            "description": "seconds, or a string such as 500ms, 30s, 2m, 1h",
+            "description": "seconds, or a string such as 500ms, 30s, 2m, 1h30m, 2d",
         }
     ),
 ]

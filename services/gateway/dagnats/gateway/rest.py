@@ -8,13 +8,13 @@ answers are ``dagnats.sdk.views``, the same as ``dagnats ... --json``.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from dagnats.core.durations import parse_duration
 from dagnats.core.errors import InvalidArgument, NotFound
 from dagnats.core.ids import check_run_id, check_token
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -211,7 +211,7 @@ async def get_input(
     request_id: str,
     wait: Annotated[str, Query(description="e.g. 30s, 500ms, 2m; at most 5m")] = "0s",
 ) -> dict[str, Any]:
-    seconds = parse_duration(wait, field="wait")
+    seconds = parse_duration(wait, field="wait", maximum=MAX_WAIT_SECONDS)
     return input_dict(await b.client.get_input(run_id, step_id, request_id, wait=seconds))
 
 
@@ -226,25 +226,6 @@ async def withdraw_input(
 ) -> Response:
     await b.client.withdraw_input(run_id, step_id, request_id)
     return Response(status_code=204)
-
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m)?")
-_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
-
-
-def parse_duration(text: str, *, field: str) -> float:
-    """``"30s"``, ``"500ms"``, ``"2m"`` or plain seconds, up to five minutes.
-
-    Raises:
-        InvalidArgument: naming ``field`` for anything else.
-    """
-    match = _DURATION.fullmatch(text.strip())
-    if match is None:
-        raise InvalidArgument(f"{field} must be a duration such as 30s, got {text!r}", field=field)
-    seconds = float(match.group(1)) * _UNIT[match.group(2)]
-    if seconds > MAX_WAIT_SECONDS:
-        raise InvalidArgument(f"{field} is at most {MAX_WAIT_SECONDS:.0f}s", field=field)
-    return seconds
 
 
 # ---- journal ----------------------------------------------------------------------
