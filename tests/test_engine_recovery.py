@@ -7,6 +7,7 @@ import asyncio
 from dagnats.core import jetstream as jsx
 from dagnats.core import seam
 from dagnats.engine.server import EngineServer
+from dagnats.engine.store import INDEX_COMPLETE
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, TaskContext, Worker, run_output
 from tests.helpers import wait_for
@@ -56,6 +57,17 @@ async def test_crash_between_saving_a_dispatch_and_publishing_it(engine: EngineS
     assert run_output(done) == 2 and steps_by_id(done)["agent"].iterations == 2
 
 
+async def lose_the_task(engine: EngineServer, task: str) -> None:
+    """A stalled worker's late ack deletes the task from the work queue while
+    the step is still at its dispatch (acks are not fenced); returns once the
+    reconciler has dispatched it again."""
+    await engine.engine.store.ensure_task_consumer(task, FAST.task_ack_wait)
+    (msg,) = await jsx.pull_now(engine.nc, jsx.TASKS, f"tasks-{task}", 1, 10.0)
+    before = engine.engine.counters["redispatched"]
+    await msg.ack_sync()
+    await wait_for(lambda: engine.engine.counters["redispatched"] > before, timeout=20)
+
+
 async def test_a_task_acknowledged_without_an_outcome_is_dispatched_again(
     engine: EngineServer,
 ) -> None:
@@ -63,14 +75,49 @@ async def test_a_task_acknowledged_without_an_outcome_is_dispatched_again(
     async with Client(engine.target) as client:
         await client.register_workflow(loop_workflow(name, task))
         run = await client.start_run(name)
-        # A stalled worker's late ack deletes the task from the work queue while
-        # the step is still at its dispatch (acks are not fenced).
-        await engine.engine.store.ensure_task_consumer(task, FAST.task_ack_wait)
-        (msg,) = await jsx.pull_now(engine.nc, jsx.TASKS, f"tasks-{task}", 1, 10.0)
-        await msg.ack_sync()
-        before = engine.engine.counters["redispatched"]
-        await wait_for(lambda: engine.engine.counters["redispatched"] > before, timeout=20)
+        await lose_the_task(engine, task)
         async with Worker(engine.target, handlers={task: counting_loop}, poll_wait=1.0):
             done = await client.wait_for_run(run.run_id, timeout=30)
     assert done.status == pb.RUN_STATUS_COMPLETED, done.error
     assert steps_by_id(done)["agent"].iterations == 2
+
+
+async def test_the_reconciler_reads_running_runs_from_an_index_that_lets_finished_ones_go(
+    engine: EngineServer,
+) -> None:
+    store = engine.engine.store
+    task, name = unique("indexed"), unique("indexedwf")
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        run = await client.start_run(name)  # no worker: it stays running
+        assert run.run_id in await store.active_run_ids()
+        await client.cancel_run(run.run_id)
+
+        async def gone() -> bool:
+            return run.run_id not in await store.active_run_ids()
+
+        await wait_for(gone, timeout=20, message="a finished run stays in the index")
+        assert (await client.get_run(run.run_id)).status == pb.RUN_STATUS_CANCELLED
+
+
+async def test_a_run_stored_before_the_index_existed_is_entered_and_recovered(
+    engine: EngineServer,
+) -> None:
+    # A deployment upgraded to the index: its running runs are not in it, until
+    # the first reconcile pass enters them once. Then a vanished task of such a
+    # run is dispatched again, as for any other.
+    store = engine.engine.store
+    task, name = unique("older"), unique("olderwf")
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        run = await client.start_run(name)
+        await store.leave_active(run.run_id)
+        await store.leave_active(INDEX_COMPLETE)
+        assert run.run_id not in await store.active_run_ids()
+        assert await store.index_active_runs() >= 1
+        assert run.run_id in await store.active_run_ids()
+        assert await store.index_active_runs() == 0, "entered once"
+        await lose_the_task(engine, task)
+        async with Worker(engine.target, handlers={task: counting_loop}, poll_wait=1.0):
+            done = await client.wait_for_run(run.run_id, timeout=30)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error

@@ -51,6 +51,7 @@ KV_RUNS = "RUNS"
 KV_RUN_KEYS = "RUN_KEYS"
 KV_CHECKPOINTS = "CHECKPOINTS"
 KV_INPUTS = "INPUTS"
+KV_ACTIVE_RUNS = "ACTIVE_RUNS"
 INPUT_RETENTION = 7 * DAY
 
 # Errors after which the same publish (same Msg-Id) may simply be sent again.
@@ -140,6 +141,8 @@ def _buckets(topology: Topology) -> list[KeyValueConfig]:
             bucket=KV_RUN_KEYS, history=1, replicas=r, storage=StorageType.FILE, ttl=30 * DAY
         ),
         KeyValueConfig(bucket=KV_CHECKPOINTS, history=1, replicas=r, storage=StorageType.FILE),
+        # The runs the reconciler looks at: running, or with an outbox to publish.
+        KeyValueConfig(bucket=KV_ACTIVE_RUNS, history=1, replicas=r, storage=StorageType.FILE),
         # A request_id is recognised for seven days; the journal's input.placed
         # record, not this bucket, is the truth about placement.
         KeyValueConfig(

@@ -75,6 +75,8 @@ class Engine:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._suspects: set[tuple[str, str, int, int]] = set()
+        self._missing: set[str] = set()  # indexed runs not found on the last pass
+        self._indexed = False
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -424,11 +426,27 @@ class Engine:
         A step counts as stranded only when two passes in a row see the same
         dispatch with no task in flight and no unapplied event on the run's
         history, so a report still on its way is not mistaken for a lost task.
+        It reads the runs of the active-run index (``EngineStore``), not every
+        stored run: a pass costs what the running runs cost.
         """
+        if not self._indexed:
+            if entered := await self.store.index_active_runs():
+                log.info("entered %d runs stored before the active-run index", entered)
+            self._indexed = True
         now = self.clock()
         seen: set[tuple[str, str, int, int]] = set()
+        missing: set[str] = set()
         applied = await self.store.history_applied_through(HISTORY_CONSUMER)
-        async for stored in self.store.iter_runs():
+        for run_id in await self.store.active_run_ids():
+            stored = await self.store.load_run(run_id)
+            if stored is None:
+                # Indexed just before it is stored, or by a start that failed:
+                # missing on two passes in a row, it leaves the index.
+                if run_id in self._missing:
+                    await self.store.leave_active(run_id)
+                else:
+                    missing.add(run_id)
+                continue
             record = stored.record
             if record.outbox:
                 since = record.outbox_since.ToNanoseconds() / 1e9
@@ -436,6 +454,8 @@ class Engine:
                     self.counters["outbox_recovered"] += 1
                     await self.flush(stored)
             if record.run.status != pb.RUN_STATUS_RUNNING:
+                if not record.outbox:  # finished, nothing left to publish: for good
+                    await self.store.leave_active(run_id)
                 continue
             if await self.store.last_history_seq(record.run.run_id) > applied:
                 continue  # a report may be on its way; its task is rightly gone
@@ -450,6 +470,7 @@ class Engine:
                         m.TaskVanished(step_id=step_id, iteration=iteration, attempt=attempt),
                     )
         self._suspects = seen
+        self._missing = missing
 
     async def _stranded(self, record: ipb.RunRecord) -> list[tuple[str, str, int, int]]:
         run = record.run

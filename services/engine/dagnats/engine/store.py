@@ -28,6 +28,10 @@ class StaleRevision(Exception):
     """The run changed since it was read; read it again and retry."""
 
 
+# The key in the active-run index that says every older run was entered.
+INDEX_COMPLETE = "index-complete"
+
+
 @dataclass(frozen=True, slots=True)
 class StoredRun:
     record: ipb.RunRecord
@@ -64,6 +68,7 @@ class EngineStore:
         runs: KeyValue,
         run_keys: KeyValue,
         checkpoints: KeyValue,
+        active_runs: KeyValue,
     ) -> None:
         self.nc = nc
         self.js = js
@@ -71,6 +76,7 @@ class EngineStore:
         self._runs = runs
         self._run_keys = run_keys
         self._checkpoints = checkpoints
+        self._active = active_runs
 
     @classmethod
     async def open(cls, nc: NATS) -> EngineStore:
@@ -82,6 +88,7 @@ class EngineStore:
             runs=await js.key_value(jsx.KV_RUNS),
             run_keys=await js.key_value(jsx.KV_RUN_KEYS),
             checkpoints=await js.key_value(jsx.KV_CHECKPOINTS),
+            active_runs=await js.key_value(jsx.KV_ACTIVE_RUNS),
         )
 
     # ---- workflows ----------------------------------------------------------------
@@ -115,7 +122,9 @@ class EngineStore:
         return stored
 
     async def create_run(self, record: ipb.RunRecord) -> int | None:
-        """Store a new run; None when a run with that id exists already."""
+        """Store a new run; None when a run with that id exists already. The run
+        enters the active-run index first, so the reconciler cannot miss it."""
+        await self._active.put(record.run.run_id, b"1")
         try:
             return int(await self._runs.create(record.run.run_id, record.SerializeToString()))
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -135,6 +144,41 @@ class EngineStore:
 
     async def delete_run(self, run_id: str) -> None:
         await self._runs.purge(run_id)
+        await self.leave_active(run_id)
+
+    # ---- the active-run index -----------------------------------------------------
+    #
+    # The reconciler reads the runs in this index instead of every stored run.
+    # A run enters it before it is stored, and only the reconciler (and a purge)
+    # takes it out, once the run is finished with nothing left to publish: a
+    # finished run never changes again. So every run that may need the
+    # reconciler is in the index, and the index grows with the active runs only.
+
+    async def active_run_ids(self) -> list[str]:
+        """The runs in the index: running, or finished with an outbox not yet cleared."""
+        return [key async for key, _, _ in _values(self._active) if key != INDEX_COMPLETE]
+
+    async def leave_active(self, run_id: str) -> None:
+        """Take a run out of the index. A subject purge, not a KV delete: a
+        delete leaves a marker that every later read of the index goes through."""
+        await self.purge_subject(f"KV_{jsx.KV_ACTIVE_RUNS}", f"$KV.{jsx.KV_ACTIVE_RUNS}.{run_id}")
+
+    async def index_active_runs(self) -> int:
+        """Enter the runs that may need the reconciler, stored before the index
+        existed; once per deployment (a marker records it). Returns how many."""
+        try:
+            await self._active.get(INDEX_COMPLETE)
+            return 0
+        except nats.js.errors.KeyNotFoundError:
+            pass
+        entered = 0
+        async for stored in self.iter_runs():
+            record = stored.record
+            if record.run.status == pb.RUN_STATUS_RUNNING or record.outbox:
+                await self._active.put(record.run.run_id, b"1")
+                entered += 1
+        await self._active.put(INDEX_COMPLETE, b"1")
+        return entered
 
     async def claim_run_key(self, workflow: str, key: str, run_id: str) -> str:
         """Bind an idempotency key to ``run_id``; returns the run it is bound to.
