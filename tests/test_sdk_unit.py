@@ -14,10 +14,12 @@ from typing import Any
 
 import grpc
 import grpc.aio
+import nats.errors
 import pytest
 
 import dagnats.core.errors as core_errors
 import dagnats.sdk
+from dagnats.core.grpcutil import domain_errors
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc
 from dagnats.sdk import (
@@ -410,3 +412,58 @@ def test_worker_rejects_bad_options(options: dict[str, Any], field: str) -> None
         Worker("127.0.0.1:1", **options)
 
     assert caught.value.field == field
+
+
+class NatsHiccup(engine_pb2_grpc.EngineServiceServicer):
+    """A servicer whose first call of each method meets ``fault`` from NATS."""
+
+    def __init__(self, fault: type[Exception]) -> None:
+        self.fault = fault
+        self.calls: Counter[str] = Counter()
+
+    def _first_fails(self, method: str) -> None:
+        self.calls[method] += 1
+        if self.calls[method] == 1:
+            raise self.fault
+
+    @domain_errors
+    async def GetWorkflow(
+        self, request: pb.GetWorkflowRequest, context: Any
+    ) -> pb.GetWorkflowResponse:
+        self._first_fails("GetWorkflow")
+        return pb.GetWorkflowResponse(workflow=pb.Workflow(name=request.name))
+
+    @domain_errors
+    async def StartRun(self, request: pb.StartRunRequest, context: Any) -> pb.StartRunResponse:
+        self._first_fails("StartRun")
+        return pb.StartRunResponse()
+
+
+@pytest.mark.parametrize(
+    ("fault", "start_retried"),
+    [
+        (nats.errors.NoRespondersError, True),  # nobody got it: not applied
+        (nats.errors.TimeoutError, False),  # no answer: it may have been applied
+    ],
+)
+async def test_a_nats_request_that_went_unanswered_is_retried_where_that_is_safe(
+    fault: type[Exception], start_retried: bool
+) -> None:
+    servicer = NatsHiccup(fault)
+    srv = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    engine = EngineRpc(f"127.0.0.1:{port}", timeout=5.0, retry=FAST_RETRY)
+    try:
+        answer = await engine.get_workflow(pb.GetWorkflowRequest(name="wf"))
+        assert answer.workflow.name == "wf" and servicer.calls["GetWorkflow"] == 2
+        if start_retried:
+            await engine.start_run(pb.StartRunRequest(workflow="wf"))
+        else:
+            with pytest.raises(core_errors.DeadlineExceeded):
+                await engine.start_run(pb.StartRunRequest(workflow="wf"))
+    finally:
+        await engine.close()
+        await srv.stop(None)
+    assert servicer.calls["StartRun"] == (2 if start_retried else 1)

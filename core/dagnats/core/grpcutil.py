@@ -61,7 +61,8 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 
 def domain_errors(method: F) -> F:
-    """Decorate an async servicer method so domain errors become statuses."""
+    """Decorate an async servicer method so domain errors become statuses, and
+    a NATS request that went unanswered becomes UNAVAILABLE (see ``unavailable``)."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: Context) -> Any:
@@ -69,8 +70,34 @@ def domain_errors(method: F) -> F:
             return await method(self, request, context)
         except errors.DagnatsError as err:
             await abort_with(context, err)
+        except Exception as err:
+            if (transient := transient_nats(err)) is None:
+                raise
+            await abort_with(context, transient)
 
     return wrapper  # type: ignore[return-value]
+
+
+def transient_nats(err: Exception) -> errors.Unavailable | errors.DeadlineExceeded | None:
+    """``err`` as the error a client should see when NATS did not answer (a
+    stream electing its leader, a server restarting); None for anything else,
+    which stays a server error.
+
+    A request that found no responder was not applied: ``Unavailable``, which
+    every caller retries. One that timed out may have been: ``DeadlineExceeded``,
+    which callers retry only where repeating is safe.
+    """
+    # Imported here: servers call this, and the SDK, which imports this module
+    # too, does not depend on nats-py.
+    import nats.errors
+
+    from dagnats.core.jetstream import TRANSIENT_NATS_ERRORS
+
+    if isinstance(err, nats.errors.TimeoutError):
+        return errors.DeadlineExceeded("NATS did not answer in time; the outcome is unknown")
+    if isinstance(err, TRANSIENT_NATS_ERRORS):
+        return errors.Unavailable(f"NATS is unavailable ({type(err).__name__}); try again")
+    return None
 
 
 async def abort_with(context: Context, err: errors.DagnatsError) -> None:
