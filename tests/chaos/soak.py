@@ -62,6 +62,7 @@ from tests.chaos.faults import JournalTap, LossyPublish, instrumented_journal
 from tests.helpers import wait_for
 from tests.matrix import child_env
 from tests.stack import FAST, loop_workflow, steps_by_id
+from tests.workers import agent
 
 T = TypeVar("T")
 
@@ -294,10 +295,10 @@ class Soak:
             return [f"not finished after {self.config.run_deadline:g}s"]
         problems = []
         status = pb.RunStatus.Name(done.status)
-        if done.status != pb.RUN_STATUS_COMPLETED or run_output(done) != chaos_worker.ANSWER:
+        if done.status != pb.RUN_STATUS_COMPLETED or run_output(done) != agent.ANSWER:
             problems.append(f"{status} with output {done.output!r}, error {done.error!r}")
         iterations = steps_by_id(done)["agent"].iterations
-        if iterations != chaos_worker.ITERATIONS:
+        if iterations != agent.ITERATIONS:
             problems.append(f"the engine counted {iterations} iterations")
         check = await _retry(lambda: journal.Check(jpb.CheckRequest(run_id=run_id)))
         problems += [f"journal check: {v.rule} at {v.seq}: {v.message}" for v in check.violations]

@@ -2,10 +2,9 @@
 
 usage: worker.py TARGET TASK STATE CONCURRENCY
 
-Each turn claims the journal, places the step's queued inputs, asks a model
-that is a pure function of the conversation (so any process answers the
-same), and runs the tool it picks -- a safe search, an unsafe send, a safe
-search, then the answer. Tools take a few milliseconds, so a fault can land
+Each turn claims the journal, places the step's queued inputs, and runs a
+turn of the scripted agent (``tests/workers/agent.py``): a safe search, an
+unsafe send, a safe search, then the answer. Tools take a few milliseconds, so a fault can land
 inside one. Every tool start and effect is appended to STATE/<run_id>.tools,
 outside the journal, for the soak's after-run checks; STATE/ready-<pid> says
 the process polls. The soak kills and freezes this process; nothing here
@@ -21,16 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dagnats.sdk import InputMode, Replay, TaskContext, ToolCall, ToolRun, Worker
-
-SCRIPT: list[dict[str, Any]] = [
-    {"tool": "search", "input": {"q": "weather"}},
-    {"tool": "send", "input": {"to": "ops"}},
-    {"tool": "search", "input": {"q": "confirm"}},
-    {"answer": "done"},
-]
-ANSWER = "done"
-ITERATIONS = 3  # the continues before the answer
+from dagnats.sdk import InputMode, TaskContext, ToolRun, Worker
+from tests.workers import agent
 
 
 def main(target: str, task: str, state: Path, concurrency: int) -> None:
@@ -43,12 +34,6 @@ def main(target: str, task: str, state: Path, concurrency: int) -> None:
         history = await tc.load_checkpoint() or [tc.input]
         for placed in await j.place_inputs(InputMode.STEER):
             history = [*history, {"input": placed.request_id}]
-        turns = sum(1 for m in history if isinstance(m, dict) and "reply" in m)
-        reply = await j.model(lambda: model(turns))
-        if "answer" in reply:
-            await tc.complete(reply["answer"])
-            return
-        replay = Replay.SAFE if reply["tool"] == "search" else Replay.UNSAFE
 
         async def tool(run: ToolRun) -> Any:
             log(tc.run_id, f"start {run.call.name} {tc.iteration}")
@@ -56,14 +41,11 @@ def main(target: str, task: str, state: Path, concurrency: int) -> None:
             log(tc.run_id, f"effect {run.call.name} {tc.iteration}")
             return {"tool": run.call.name, "ok": True}
 
-        result = await j.tool(ToolCall(name=reply["tool"], input=reply["input"]), replay, tool)
-        entry = {"reply": reply, "output": result.output, "interrupted": result.interrupted}
-        await tc.checkpoint([*history, entry])
-        await tc.continue_()
+        await agent.turn(tc, j, history, model=model, tool=tool)
 
-    async def model(turns: int) -> Any:
+    async def model(history: list[Any]) -> Any:
         await asyncio.sleep(random.uniform(0, 0.01))  # the model's own latency
-        return SCRIPT[turns]
+        return agent.reply_for(history)
 
     async def serve() -> None:
         async with Worker(target, handlers={task: turn}, poll_wait=0.5, concurrency=concurrency):

@@ -2,9 +2,8 @@
 
 usage: matrix_worker.py TARGET TASK STATE [CRASH] [--gate N] [--inputs] [--name NAME] [--standby]
 
-It runs a scripted agent (a safe tool, an unsafe tool, a safe tool, an
-answer) whose model is a pure function of the conversation, so any process
-answers the same. Tools count their starts and effects in files in STATE,
+It runs the scripted agent of ``tests/workers/agent.py`` (a safe tool, an
+unsafe tool, a safe tool, an answer). Tools count their starts and effects in files in STATE,
 outside the journal; claims and placed inputs are logged there too. With
 CRASH="seam:iteration" the process stops at that seam of that iteration,
 after writing STATE/hit: the test kills it there (SIGKILL), or freezes it
@@ -30,15 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from dagnats.core import seam
-from dagnats.sdk import InputMode, Replay, TaskContext, ToolCall, ToolRun, Worker
-
-SCRIPT: list[dict[str, Any]] = [
-    {"tool": "search", "input": {"q": "weather"}},
-    {"tool": "send", "input": {"to": "ops"}},
-    {"tool": "search", "input": {"q": "confirm"}},
-    {"answer": "done"},
-]
-ANSWER = "done"
+from dagnats.sdk import InputMode, TaskContext, ToolRun, Worker
+from tests.workers import agent
 
 
 def log(state: Path, name: str, line: str) -> None:
@@ -87,8 +79,7 @@ def main(args: argparse.Namespace) -> None:
 
     async def model(history: list[Any]) -> Any:
         log(state, "model", str(current["iteration"]))
-        turns = sum(1 for m in history if isinstance(m, dict) and "reply" in m)
-        return SCRIPT[turns]
+        return agent.reply_for(history)
 
     async def gate(iteration: int) -> None:
         if iteration == args.gate and take(state / "gated", str(os.getpid())):
@@ -106,15 +97,7 @@ def main(args: argparse.Namespace) -> None:
                 for placed in await j.place_inputs(InputMode.STEER):
                     log(state, "placed", f"{pid} {tc.iteration} {placed.request_id}")
                     history = [*history, {"input": placed.content}]
-            reply = await j.model(lambda: model(history))
-            if "answer" in reply:
-                await tc.complete(reply["answer"])
-                return
-            replay = Replay.SAFE if reply["tool"] == "search" else Replay.UNSAFE
-            result = await j.tool(ToolCall(name=reply["tool"], input=reply["input"]), replay, tool)
-            entry = {"reply": reply, "output": result.output, "interrupted": result.interrupted}
-            await tc.checkpoint([*history, entry])
-            await tc.continue_()
+            await agent.turn(tc, j, history, model=model, tool=tool)
         except BaseException as signal:
             log(state, "turns", f"{pid} {tc.iteration} {type(signal).__name__}")
             raise
