@@ -80,23 +80,32 @@ export class EngineRpc {
   // Calls `method` (a key of METHODS) with retries; `deadline` in seconds
   // replaces the default timeout (PollTasks waits on the server first).
   async call(method, request, { signal, deadline = this.timeout } = {}) {
-    const [service, rpc, idempotent] = METHODS[method];
+    const [service, rpc] = METHODS[method];
     const client = this.clients[service];
-    for (let attempt = 1; ; attempt++) {
+    return this.retrying(method, () => unary(client, rpc, request, deadline, signal), signal);
+  }
+
+  // `await attempt()`, tried again by the rules at the top. `attempt` rejects
+  // with a gRPC error (`code`, `details`, `metadata`) when the transport
+  // failed, or with an error of ./errors.js, which is passed on untouched.
+  async retrying(method, attempt, signal) {
+    const [, rpc, idempotent] = METHODS[method];
+    for (let tries = 1; ; tries++) {
       signal?.throwIfAborted();
       try {
-        return await unary(client, rpc, request, deadline, signal);
+        return await attempt();
       } catch (err) {
         if (signal?.aborted) throw signal.reason;
+        if (err instanceof DagnatsError || err instanceof Fenced) throw err;
         const transient =
           TRANSIENT.has(err.code) || (idempotent && err.code === grpc.status.DEADLINE_EXCEEDED);
         if (!transient) throw domainError(rpc, err);
-        if (attempt >= ATTEMPTS) {
-          throw new Unavailable(`${rpc} failed ${attempt} times; last: ${err.details}`, {
+        if (tries >= ATTEMPTS) {
+          throw new Unavailable(`${rpc} failed ${tries} times; last: ${err.details}`, {
             status: err.code,
           });
         }
-        const wait = Math.random() * Math.min(MAX_BACKOFF, BACKOFF * 2 ** attempt);
+        const wait = Math.random() * Math.min(MAX_BACKOFF, BACKOFF * 2 ** tries);
         await sleep(wait * 1000, undefined, { signal });
       }
     }
@@ -120,9 +129,115 @@ function unary(client, rpc, request, deadline, signal) {
 // (core/dagnats/core/grpcutil.py); the status is the fallback.
 function domainError(rpc, err) {
   const [code = ''] = err.metadata?.get('dagnats-error-code') ?? [];
-  const message = `${rpc}: ${err.details || grpc.status[err.code]}`;
-  if (code === 'fenced' || err.code === grpc.status.ABORTED) return new Fenced(message);
-  return new DagnatsError(message, { status: err.code, code: String(code) });
+  return refusal(rpc, err.code, err.details, String(code));
+}
+
+function refusal(rpc, status, details, code) {
+  const message = `${rpc}: ${details || grpc.status[status]}`;
+  if (code === 'fenced' || status === grpc.status.ABORTED) return new Fenced(message);
+  return new DagnatsError(message, { status, code });
+}
+
+// Each journal call's field in SessionRequest and SessionResponse.
+const SESSION_FIELDS = {
+  claim: 'claim',
+  beginModel: 'begin_model',
+  recordModel: 'record_model',
+  beginTool: 'begin_tool',
+  toolOutput: 'tool_output',
+  finishTool: 'finish_tool',
+  hold: 'hold',
+  commit: 'commit',
+};
+
+// One dispatch's journal calls on one JournalService.Session stream, as
+// sdk/dagnats/sdk/_session.py: a message each way per call instead of a new
+// call. Same interface as EngineRpc.call for the journal's methods.
+// - One call at a time (the journal handle queues its calls, and the claim
+//   comes before the handle exists), so the next answer is the pending call's.
+// - A call whose answer did not arrive (timed out, aborted, the stream broke)
+//   drops the stream: its answer would be taken for the next call's. The next
+//   call opens a new one. EngineRpc's retry rules and deadline apply per try.
+// - A refusal (a domain error) answers its call and the stream goes on.
+export class JournalSession {
+  #rpc;
+  #stream = null;
+  #pending = null; // the call waiting for its answer: { stream, id, settle }
+  #sent = 0;
+
+  constructor(rpc) {
+    this.#rpc = rpc;
+  }
+
+  async call(method, request, { signal } = {}) {
+    return this.#rpc.retrying(method, () => this.#exchange(method, request, signal), signal);
+  }
+
+  // Ends the stream once the dispatch has nothing left to send.
+  close() {
+    const stream = this.#stream;
+    this.#stream = null;
+    stream?.end();
+  }
+
+  #exchange(method, request, signal) {
+    const field = SESSION_FIELDS[method];
+    const stream = this.#open();
+    const id = String(++this.#sent);
+    return new Promise((resolve, reject) => {
+      const settle = (err, answer) => {
+        clearTimeout(timer);
+        signal?.removeEventListener('abort', aborted);
+        this.#pending = null;
+        if (err) {
+          this.#drop(stream);
+          reject(err);
+        } else if (answer.id !== id || (answer.result !== field && answer.result !== 'error')) {
+          this.#drop(stream);
+          reject(broken(`${method}: answered out of turn`));
+        } else if (answer.result === 'error') {
+          const { status, message, code } = answer.error;
+          reject(refusal(METHODS[method][1], status, message, code));
+        } else {
+          resolve(answer[field]);
+        }
+      };
+      const aborted = () => settle(signal.reason);
+      const timer = setTimeout(
+        () => settle({ code: grpc.status.DEADLINE_EXCEEDED, details: `${method}: no answer` }),
+        this.#rpc.timeout * 1000,
+      );
+      signal?.addEventListener('abort', aborted, { once: true });
+      this.#pending = { stream, settle };
+      stream.write({ id, trace_context: {}, [field]: request });
+    });
+  }
+
+  #open() {
+    if (this.#stream) return this.#stream;
+    const stream = this.#rpc.clients.journal.Session();
+    const lost = (err) => {
+      if (this.#pending?.stream === stream) this.#pending.settle(err);
+      this.#drop(stream);
+    };
+    stream.on('data', (answer) => {
+      if (this.#pending?.stream === stream) this.#pending.settle(null, answer);
+    });
+    stream.on('error', (err) => lost(broken(`the session stream failed: ${err.details}`)));
+    stream.on('end', () => lost(broken('the session stream ended')));
+    this.#stream = stream;
+    return stream;
+  }
+
+  #drop(stream) {
+    if (this.#stream === stream) this.#stream = null;
+    stream.cancel();
+  }
+}
+
+// A stream that failed under a call: the call is tried again on a new one.
+function broken(details) {
+  return { code: grpc.status.UNAVAILABLE, details };
 }
 
 // A protobuf Duration as seconds.

@@ -25,7 +25,7 @@ import {
   describe,
 } from './errors.js';
 import { Journal } from './journal.js';
-import { decode, encode, seconds } from './rpc.js';
+import { JournalSession, decode, encode, seconds } from './rpc.js';
 
 export class TaskContext {
   #leased;
@@ -33,6 +33,7 @@ export class TaskContext {
   #workerId;
   #restartLimit;
   #journal = null;
+  #session = null; // the journal calls' stream, from the claim to the commit
   #claimFenced = false;
   #state = null; // the checkpoint as JSON bytes; saved by the commit
   #settledAs = null;
@@ -69,9 +70,10 @@ export class TaskContext {
   // Stale, Committed or RestartLimit after settling the task (see the top).
   async journal() {
     if (this.#journal) return this.#journal;
+    this.#session ??= new JournalSession(this.#rpc);
     let response;
     try {
-      response = await this.#rpc.call(
+      response = await this.#session.call(
         'claim',
         {
           run_id: this.runId,
@@ -91,7 +93,7 @@ export class TaskContext {
     }
     if (response.outcome === 'settled') await this.#settledByJournal(response.settled);
     const { token, state, has_state } = response.claimed;
-    this.#journal = new Journal(this.#rpc, token, this.signal);
+    this.#journal = new Journal(this.#session, token, this.signal);
     this.#state = has_state ? state : null;
     return this.#journal;
   }
@@ -208,6 +210,11 @@ export class TaskContext {
     );
     if (response.cancelled) this.#markCancelled();
     return this.#cancelled;
+  }
+
+  // Ends the journal's stream once the task is settled: nothing is left to write.
+  close() {
+    this.#session?.close();
   }
 
   // Tells the handler to stop: in-flight calls are cancelled, journal calls refused.

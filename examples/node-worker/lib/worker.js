@@ -148,7 +148,11 @@ export class Worker {
       beats.abort();
       await keepAlive;
     }
-    await this.#conclude(tc, error);
+    try {
+      await this.#conclude(tc, error);
+    } finally {
+      tc.close();
+    }
   }
 
   async #keepAlive(tc, stopped) {
