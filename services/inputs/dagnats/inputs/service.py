@@ -118,9 +118,9 @@ class Inputs:
             existing = await self.store.get(run_id, step_id, submission.request_id)
             if existing is None:
                 raise _finished(run_id, step_id)
-            # Still queued: its first try created it after the step finished
-            # and stopped before checking the run again, so the step's close
-            # missed it. Closed here, it is answered as the original.
+            # If it is still queued, its first try created it after the step
+            # finished and stopped before checking the run again, so the
+            # step's close missed it: it is closed here, then answered.
             state, _ = await close_input(self.store, *existing, self._clock())
             return self._submitted(state or existing[0], run, created=False)
         fresh = rules.new_input(submission, created_by=self._nonce(), now=self._clock())

@@ -58,7 +58,7 @@ class JournalStore:
         """Append ``record`` after ``token.last_seq``; returns its sequence.
 
         ``guessed``: ``token.last_seq`` is a guess at the tail; a miss raises
-        ``Fenced`` without recording a fenced writer on the span.
+        ``Fenced`` but marks the span "tail guess missed", not "fenced".
 
         Raises:
             Fenced: another writer's record follows ``token.last_seq``.

@@ -43,7 +43,7 @@ class JournalWriter:
 
         Args:
             guessed: ``token.last_seq`` is a guess at the tail, not a sequence
-                the writer read: a miss is no fenced writer (no span event).
+                the writer read: a miss is no fenced writer (see the store).
 
         Returns:
             The writer's next token, and the record as stored (with its sequence).
