@@ -331,3 +331,32 @@ async def test_idempotent_start_returns_the_first_run(client: Client) -> None:
     await client.purge_run(first.run_id)
     with pytest.raises(NotFound):
         await client.get_run(first.run_id)
+
+
+async def test_runs_being_written_are_still_listed(engine: EngineServer) -> None:
+    # A listing must hold every run that existed when it began, even while the
+    # engine rewrites runs: a KV watcher can end its initial values early while
+    # keys change, and a run went missing from `dagnats run list` that way.
+    store = engine.engine.store
+    task, name = unique("listed"), unique("listedwf")
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        started = {(await client.start_run(name)).run_id for _ in range(20)}
+        writing = True
+
+        async def rewrite() -> None:
+            while writing:  # the same records again and again, each a new revision
+                for run_id in started:
+                    stored = await store.require_run(run_id)
+                    await store.update_run(stored.record, stored.revision)
+
+        writer = asyncio.create_task(rewrite())
+        try:
+            for _ in range(30):
+                listed = {r.run_id for r in await client.list_runs(workflow=name)}
+                assert listed == started
+        finally:
+            writing = False
+            await writer
+        for run_id in started:
+            await client.cancel_run(run_id)

@@ -104,7 +104,7 @@ class EngineStore:
         return pb.Workflow.FromString(entry.value or b"")
 
     async def list_workflows(self) -> list[pb.Workflow]:
-        return [pb.Workflow.FromString(v) async for _, v, _ in _values(self._workflows)]
+        return [pb.Workflow.FromString(v) async for _, v, _ in _walk(self.js, jsx.KV_WORKFLOWS)]
 
     # ---- runs ---------------------------------------------------------------------
 
@@ -139,7 +139,7 @@ class EngineStore:
             raise StaleRevision(record.run.run_id) from None
 
     async def iter_runs(self) -> AsyncIterator[StoredRun]:
-        async for _, value, revision in _values(self._runs):
+        async for _, value, revision in _walk(self.js, jsx.KV_RUNS):
             yield StoredRun(ipb.RunRecord.FromString(value), revision)
 
     async def delete_run(self, run_id: str) -> None:
@@ -155,7 +155,11 @@ class EngineStore:
     # reconciler is in the index, and the index grows with the active runs only.
 
     async def active_run_ids(self) -> list[str]:
-        """The runs in the index: running, or finished with an outbox not yet cleared."""
+        """The runs in the index: running, or finished with an outbox not yet cleared.
+
+        Read with a watcher, which may end early while keys change (see
+        ``_walk``): a run left out is read on the next pass.
+        """
         return [key async for key, _, _ in _values(self._active) if key != INDEX_COMPLETE]
 
     async def leave_active(self, run_id: str) -> None:
@@ -268,6 +272,31 @@ class EngineStore:
     async def run_is_active(self, run_id: str) -> bool:
         stored = await self.load_run(run_id)
         return stored is not None and stored.record.run.status == pb.RUN_STATUS_RUNNING
+
+
+async def _walk(js: JetStreamContext, bucket: str) -> AsyncIterator[tuple[str, bytes, int]]:
+    """Every live key of a bucket with its value and revision, read message by
+    message (the next message on the bucket's subjects), so that no key that
+    existed when the walk began is missed. A watcher can report its initial
+    values complete early while keys change (nats-io/nats.py#995); a key
+    changed during the walk is read again further on, and its newest value wins.
+    """
+    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
+    latest: dict[str, tuple[bytes, int]] = {}
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=prefix + ">", next=True)
+        except nats.js.errors.NotFoundError:
+            break
+        seq = int(msg.seq or 0) + 1
+        key = (msg.subject or "").removeprefix(prefix)
+        if msg.data and (msg.headers or {}).get("KV-Operation") not in ("DEL", "PURGE"):
+            latest[key] = (msg.data, int(msg.seq or 0))
+        else:
+            latest.pop(key, None)
+    for key, (value, revision) in latest.items():
+        yield key, value, revision
 
 
 async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
