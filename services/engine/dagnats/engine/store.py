@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -28,6 +29,8 @@ class StaleRevision(Exception):
     """The run changed since it was read; read it again and retry."""
 
 
+# Seconds a watcher may stay silent before a listing ends (see _values).
+WATCH_IDLE = 2.0
 # The key in the active-run index that says every older run was entered.
 INDEX_COMPLETE = "index-complete"
 
@@ -300,10 +303,18 @@ async def _walk(js: JetStreamContext, bucket: str) -> AsyncIterator[tuple[str, b
 
 
 async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
-    """Every live key of a bucket with its value, read with one ordered consumer."""
+    """The live keys of a bucket with their values, read with one ordered
+    consumer: fast, but it may leave out a key that changes meanwhile (see
+    ``_walk``). It also ends when nothing arrives for ``WATCH_IDLE`` seconds: a
+    key purged while the consumer starts can keep the watcher from ever saying
+    it is done (as nats.go fixed in nats-io/nats.go#1824)."""
     watcher = await kv.watchall(ignore_deletes=True)
     try:
-        async for entry in watcher:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=WATCH_IDLE)  # type: ignore[no-untyped-call]
+            except nats.errors.TimeoutError:
+                break
             if entry is None:
                 break
             if entry.value:
