@@ -62,7 +62,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 def domain_errors(method: F) -> F:
     """Decorate an async servicer method so domain errors become statuses, and
-    a NATS request that went unanswered becomes UNAVAILABLE (see ``unavailable``)."""
+    so does a NATS request that went unanswered (see ``transient_nats``)."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: Context) -> Any:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -36,7 +38,10 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from dagnats.core.errors import Unavailable
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DAY = 24 * 3600.0
 DEDUPE_WINDOW = 120.0
@@ -188,6 +193,56 @@ async def _provision_once(js: JetStreamContext, topology: Topology) -> None:
             await js.update_stream(config)  # it exists: bring it to this config
     for bucket in _buckets(topology):
         await js.create_key_value(bucket)
+
+
+async def retry_transient(
+    call: Callable[[], Awaitable[T]], what: str, *, deadline: float = 30.0
+) -> T:
+    """Run ``call`` again on transient NATS errors until ``deadline`` seconds
+    have passed, then raise ``Unavailable``. Only for calls that are safe to repeat."""
+    try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(TRANSIENT_NATS_ERRORS),
+            wait=wait_random_exponential(multiplier=0.05, max=2.0),
+            stop=stop_after_delay(deadline),
+            reraise=True,
+        ):
+            with attempt:
+                return await call()
+    except TRANSIENT_NATS_ERRORS as err:
+        raise Unavailable(f"could not {what}: {err!r}") from err
+    raise AssertionError("unreachable")
+
+
+async def walk_kv(
+    js: JetStreamContext, bucket: str, keys: str = ">"
+) -> AsyncIterator[tuple[str, bytes, int]]:
+    """The live keys of a bucket matching ``keys`` (a subject filter under the
+    bucket), each with its newest value and revision, in the order first seen.
+
+    Read message by message (the next message on the matching subjects), not
+    with a watcher: no consumer is created, and no key that existed when the
+    walk began is missed. A watcher can report its initial values complete
+    early while keys change (nats-io/nats.py#995). A key changed during the
+    walk is read again further on, and its newest value wins.
+    """
+    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
+    latest: dict[str, tuple[bytes, int]] = {}
+    seq = 1
+    while True:
+        try:
+            get = functools.partial(js.get_msg, stream, seq=seq, subject=prefix + keys, next=True)
+            msg = await retry_transient(get, f"read {bucket}")
+        except nats.js.errors.NotFoundError:
+            break
+        seq = int(msg.seq or 0) + 1
+        key = (msg.subject or "").removeprefix(prefix)
+        if msg.data and (msg.headers or {}).get("KV-Operation") not in ("DEL", "PURGE"):
+            latest[key] = (msg.data, int(msg.seq or 0))
+        else:
+            latest.pop(key, None)
+    for key, (value, revision) in latest.items():
+        yield key, value, revision
 
 
 async def publish(

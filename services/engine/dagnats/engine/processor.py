@@ -453,9 +453,10 @@ class Engine:
                 if now - since >= self.config.outbox_grace:
                     self.counters["outbox_recovered"] += 1
                     await self.flush(stored)
+            if not self.store.needs_reconciler(record):  # finished for good
+                await self.store.leave_active(run_id)
+                continue
             if record.run.status != pb.RUN_STATUS_RUNNING:
-                if not record.outbox:  # finished, nothing left to publish: for good
-                    await self.store.leave_active(run_id)
                 continue
             if await self.store.last_history_seq(record.run.run_id) > applied:
                 continue  # a report may be on its way; its task is rightly gone

@@ -107,7 +107,9 @@ class EngineStore:
         return pb.Workflow.FromString(entry.value or b"")
 
     async def list_workflows(self) -> list[pb.Workflow]:
-        return [pb.Workflow.FromString(v) async for _, v, _ in _walk(self.js, jsx.KV_WORKFLOWS)]
+        return [
+            pb.Workflow.FromString(v) async for _, v, _ in jsx.walk_kv(self.js, jsx.KV_WORKFLOWS)
+        ]
 
     # ---- runs ---------------------------------------------------------------------
 
@@ -142,7 +144,7 @@ class EngineStore:
             raise StaleRevision(record.run.run_id) from None
 
     async def iter_runs(self) -> AsyncIterator[StoredRun]:
-        async for _, value, revision in _walk(self.js, jsx.KV_RUNS):
+        async for _, value, revision in jsx.walk_kv(self.js, jsx.KV_RUNS):
             yield StoredRun(ipb.RunRecord.FromString(value), revision)
 
     async def delete_run(self, run_id: str) -> None:
@@ -157,11 +159,16 @@ class EngineStore:
     # finished run never changes again. So every run that may need the
     # reconciler is in the index, and the index grows with the active runs only.
 
+    @staticmethod
+    def needs_reconciler(record: ipb.RunRecord) -> bool:
+        """Whether a run belongs in the index: running, or with an outbox to publish."""
+        return record.run.status == pb.RUN_STATUS_RUNNING or bool(record.outbox)
+
     async def active_run_ids(self) -> list[str]:
         """The runs in the index: running, or finished with an outbox not yet cleared.
 
         Read with a watcher, which may end early while keys change (see
-        ``_walk``): a run left out is read on the next pass.
+        ``jsx.walk_kv``): a run left out is read on the next pass.
         """
         return [key async for key, _, _ in _values(self._active) if key != INDEX_COMPLETE]
 
@@ -180,9 +187,8 @@ class EngineStore:
             pass
         entered = 0
         async for stored in self.iter_runs():
-            record = stored.record
-            if record.run.status == pb.RUN_STATUS_RUNNING or record.outbox:
-                await self._active.put(record.run.run_id, b"1")
+            if self.needs_reconciler(stored.record):
+                await self._active.put(stored.record.run.run_id, b"1")
                 entered += 1
         await self._active.put(INDEX_COMPLETE, b"1")
         return entered
@@ -277,35 +283,10 @@ class EngineStore:
         return stored is not None and stored.record.run.status == pb.RUN_STATUS_RUNNING
 
 
-async def _walk(js: JetStreamContext, bucket: str) -> AsyncIterator[tuple[str, bytes, int]]:
-    """Every live key of a bucket with its value and revision, read message by
-    message (the next message on the bucket's subjects), so that no key that
-    existed when the walk began is missed. A watcher can report its initial
-    values complete early while keys change (nats-io/nats.py#995); a key
-    changed during the walk is read again further on, and its newest value wins.
-    """
-    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
-    latest: dict[str, tuple[bytes, int]] = {}
-    seq = 1
-    while True:
-        try:
-            msg = await js.get_msg(stream, seq=seq, subject=prefix + ">", next=True)
-        except nats.js.errors.NotFoundError:
-            break
-        seq = int(msg.seq or 0) + 1
-        key = (msg.subject or "").removeprefix(prefix)
-        if msg.data and (msg.headers or {}).get("KV-Operation") not in ("DEL", "PURGE"):
-            latest[key] = (msg.data, int(msg.seq or 0))
-        else:
-            latest.pop(key, None)
-    for key, (value, revision) in latest.items():
-        yield key, value, revision
-
-
 async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
     """The live keys of a bucket with their values, read with one ordered
     consumer: fast, but it may leave out a key that changes meanwhile (see
-    ``_walk``). It also ends when nothing arrives for ``WATCH_IDLE`` seconds: a
+    ``jsx.walk_kv``). It also ends when nothing arrives for ``WATCH_IDLE`` seconds: a
     key purged while the consumer starts can keep the watcher from ever saying
     it is done (as nats.go fixed in nats-io/nats.go#1824)."""
     watcher = await kv.watchall(ignore_deletes=True)

@@ -18,11 +18,10 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
 import nats.errors
 import nats.js.errors
@@ -30,12 +29,6 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception_type,
-    stop_after_delay,
-    wait_random_exponential,
-)
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
@@ -48,7 +41,6 @@ from dagnats.inputs.v1 import inputs_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 RETRY_DEADLINE = 30.0
 # How long the first values of a watch may take before the backend counts as down.
@@ -67,23 +59,6 @@ def history_subject(run_id: str) -> str:
 def submitted_msg_id(run_id: str, step_id: str, request_id: str) -> str:
     # One event per input however often it is submitted: the Msg-Id dedupes.
     return f"{run_id}.{step_id}.input.{rules.encode_request_id(request_id)}"
-
-
-async def _retrying(call: Callable[[], Awaitable[T]], what: str) -> T:
-    """Run ``call`` again on transient NATS errors until the deadline, then
-    raise ``Unavailable``. Only for calls that are safe to repeat."""
-    try:
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(jsx.TRANSIENT_NATS_ERRORS),
-            wait=wait_random_exponential(multiplier=0.05, max=2.0),
-            stop=stop_after_delay(RETRY_DEADLINE),
-            reraise=True,
-        ):
-            with attempt:
-                return await call()
-    except jsx.TRANSIENT_NATS_ERRORS as err:
-        raise Unavailable(f"could not {what}: {err!r}") from err
-    raise AssertionError("unreachable")
 
 
 def _decode_input(value: bytes | None) -> InputState:
@@ -122,7 +97,9 @@ class InputStore:
         deadline = loop.time() + RETRY_DEADLINE
         while True:
             try:
-                revision = await _retrying(lambda: self._inputs.create(name, value), "create")
+                revision = await jsx.retry_transient(
+                    lambda: self._inputs.create(name, value), "create"
+                )
                 log.debug("created input %s at revision %d", name, revision)
                 return state, True
             except nats.js.errors.KeyWrongLastSequenceError:
@@ -143,7 +120,7 @@ class InputStore:
         """The input and its revision; None when there is none."""
         name = rules.key(run_id, step_id, request_id)
         try:
-            entry = await _retrying(lambda: self._inputs.get(name), "read an input")
+            entry = await jsx.retry_transient(lambda: self._inputs.get(name), "read an input")
         except nats.js.errors.KeyNotFoundError:
             return None
         return _decode_input(entry.value), int(entry.revision or 0)
@@ -162,7 +139,9 @@ class InputStore:
         value = convert.to_proto(state).SerializeToString()
         try:
             return int(
-                await _retrying(lambda: self._inputs.update(name, value, revision), "update")
+                await jsx.retry_transient(
+                    lambda: self._inputs.update(name, value, revision), "update"
+                )
             )
         except nats.js.errors.KeyWrongLastSequenceError:
             raise StaleRevision(name) from None
@@ -170,27 +149,15 @@ class InputStore:
     async def list(self, run_id: str, step_id: str) -> list[tuple[InputState, int]]:
         """Every input of a step with its revision, oldest first.
 
-        Read message by message from the bucket's stream (next message on the
-        step's subjects), so listing creates no consumer: a consumer per call
-        would pile up faster than the server removes idle ones.
+        Read message by message (``jsx.walk_kv``), so listing creates no
+        consumer: a consumer per call would pile up faster than the server
+        removes idle ones.
         """
-        subject = f"$KV.{jsx.KV_INPUTS}.{rules.prefix(run_id, step_id)}>"
-        found: list[tuple[InputState, int]] = []
-        seq = 1
-        while True:
-            try:
-                msg = await _retrying(
-                    functools.partial(
-                        self._js.get_msg, f"KV_{jsx.KV_INPUTS}", seq=seq, subject=subject, next=True
-                    ),
-                    "list inputs",
-                )
-            except nats.js.errors.NotFoundError:
-                break
-            seq = int(msg.seq or 0) + 1
-            operation = (msg.headers or {}).get("KV-Operation")
-            if msg.data and operation not in ("DEL", "PURGE"):
-                found.append((_decode_input(msg.data), int(msg.seq or 0)))
+        keys = f"{rules.prefix(run_id, step_id)}>"
+        found = [
+            (_decode_input(value), revision)
+            async for _, value, revision in jsx.walk_kv(self._js, jsx.KV_INPUTS, keys)
+        ]
         return sorted(found, key=lambda pair: (pair[0].created_at, pair[0].request_id))
 
     async def queued(self, run_id: str, step_id: str) -> builtins.list[InputState]:
@@ -229,7 +196,7 @@ class InputStore:
     async def load_run(self, run_id: str) -> epb.Run | None:
         """The engine's view of a run; None when there is none."""
         try:
-            entry = await _retrying(lambda: self._runs.get(run_id), "read the run")
+            entry = await jsx.retry_transient(lambda: self._runs.get(run_id), "read the run")
         except nats.js.errors.KeyNotFoundError:
             return None
         return eipb.RunRecord.FromString(entry.value or b"").run
@@ -308,7 +275,7 @@ class InputWatch:
         return True
 
     async def _follow(self, kv: KeyValue, key: str, apply: Callable[[Any], None]) -> None:
-        watcher = await _retrying(lambda: kv.watch(key), f"watch {key}")
+        watcher = await jsx.retry_transient(lambda: kv.watch(key), f"watch {key}")
         self._watchers.append(watcher)
         # A watch delivers the current value (if any), then None, then changes.
         try:
