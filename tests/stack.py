@@ -38,12 +38,22 @@ def dev_args(data_dir: Path, *flags: str) -> list[str]:
     ]
 
 
-def start_dev(data_dir: Path, *flags: str, env: Mapping[str, str] | None = None) -> DevProcess:
-    """``dagnats dev`` in its own process, returned once it serves."""
+def start_dev(
+    data_dir: Path,
+    *flags: str,
+    env: Mapping[str, str] | None = None,
+    stderr: Path | None = None,
+) -> DevProcess:
+    """``dagnats dev`` in its own process, returned once it serves. Its
+    stderr goes to the file ``stderr`` when given (readable while it runs)."""
     args = [sys.executable, "-m", "dagnats.cli.main", *dev_args(data_dir, *flags)]
-    proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    if stderr is None:
+        proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+    else:
+        with stderr.open("w") as err:  # the child keeps its own copy open
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     assert proc.stdout is not None
     printed: dict[str, str] = {}
     for line in proc.stdout:
@@ -53,8 +63,10 @@ def start_dev(data_dir: Path, *flags: str, env: Mapping[str, str] | None = None)
         if line.startswith("serving"):
             return DevProcess(proc, printed)
     proc.kill()
-    _out, err = proc.communicate()
-    raise AssertionError(f"dagnats dev did not start: {err}")
+    _out, problem = proc.communicate()
+    if stderr is not None:
+        problem = stderr.read_text()
+    raise AssertionError(f"dagnats dev did not start: {problem}")
 
 
 class DevProcess:

@@ -38,7 +38,9 @@ def test_dev_runs_the_demo_and_a_second_start_finds_it(tmp_path: Path) -> None:
     first = dagnats(*args)
     assert first.returncode == 0, first.stderr
     assert "status    completed" in first.stdout
-    assert "Lisbon" in first.stdout and "dagnats run get" in first.stdout
+    # The commands it prints name the data directory, so they find this engine.
+    assert "Lisbon" in first.stdout
+    assert f"dagnats --data-dir {tmp_path / 'data'} run get" in first.stdout
     second = dagnats(*args)
     assert second.returncode == 0, second.stderr
     assert "found 1 earlier run(s)" in second.stdout
@@ -166,3 +168,45 @@ async def test_run_watch_prints_until_the_run_ends(engine: EngineServer) -> None
     assert result.returncode == 0, result.stderr
     states = [json.loads(line)["status"] for line in result.stdout.splitlines()]
     assert states[-1] == "cancelled"
+
+
+VALID = "name: {name}\nsteps:\n  - id: agent\n    type: agent_loop\n    task: t\n"
+INVALID = [
+    "name: bad\nsteps:\n  - id: a.b\n    task: t\n",  # not a token
+    "name: bad\nsteps:\n  - id: a\n    task: t\n    depends_on: [b]\n",  # unknown step
+    "name: bad\nsteps:\n  - {id: a, task: t, depends_on: [b]}\n"
+    "  - {id: b, task: t, depends_on: [a]}\n",  # a cycle
+    "name: bad\nsteps:\n  - id: a\n    task: t\n    timeout: soon\n",  # not a duration
+    "name: bad\nsteps: [\n",  # not YAML
+    "- just\n- a list\n",
+    "",
+]
+
+
+async def test_workflow_validate_checks_a_file_offline_with_the_engines_messages(
+    engine: EngineServer, tmp_path: Path
+) -> None:
+    offline = {"DAGNATS_ENGINE": f"127.0.0.1:{free_port()}"}  # no engine there
+    good = tmp_path / "good.yaml"
+    name = unique("valid")
+    good.write_text(VALID.format(name=name))
+    ok = await adagnats("workflow", "validate", str(good), env=offline)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout == f"workflow {name} is valid (1 steps)\n"
+    as_json = await adagnats("workflow", "validate", str(good), "--json", env=offline)
+    assert json.loads(as_json.stdout)["steps"][0]["agent_loop"]["max_iterations"] > 0
+
+    for i, text in enumerate(INVALID):
+        bad = tmp_path / f"bad{i}.yaml"
+        bad.write_text(text)
+        checked = await adagnats("workflow", "validate", str(bad), env=offline)
+        applied = await adagnats(
+            "workflow", "apply", str(bad), env={"DAGNATS_ENGINE": engine.target}
+        )
+        assert checked.returncode == 1 and checked.stdout == "", (text, checked.stdout)
+        assert checked.stderr.startswith("error: ") and checked.stderr.count("\n") == 1
+        # The same words the engine answers when the file is applied.
+        assert applied.returncode == 1
+        assert checked.stderr == applied.stderr, (text, checked.stderr, applied.stderr)
+    missing = await adagnats("workflow", "validate", str(tmp_path / "none.yaml"), env=offline)
+    assert missing.returncode == 1 and "cannot read" in missing.stderr

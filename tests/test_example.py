@@ -175,3 +175,25 @@ async def test_a_reply_that_is_not_a_turn_fails_the_run(
     assert not tools.starts
     check = await journal_check(engine, run.run_id)
     assert list(check.violations) == [], check.violations
+
+
+async def test_run_py_as_a_user_runs_it(engine: EngineServer) -> None:
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "DAGNATS_ENGINE": engine.target}
+    command = [sys.executable, "-m", "examples.agent_turn.run"]
+    result = await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, timeout=100, cwd=root, env=env
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    run_id = lines[0].split()[1]
+    assert f"key={run_id}.agent.0.2" in lines[1] and f"key={run_id}.agent.1.2" in lines[2]
+    assert "answer: It is 21 °C in Lisbon; ops has been told." in lines
+    assert "answer: Tomorrow: 23 °C and clear." in lines
+    check = await journal_check(engine, run_id)
+    assert list(check.violations) == [], check.violations

@@ -419,13 +419,22 @@ async def test_tokens_guard_the_api_and_the_inputs_alike(engine: EngineServer) -
                 {"Authorization": "Bearer bridge-secret"},
                 {"Authorization": "api-secret"},
             ):
-                for method, path in (("GET", "/runs"), ("GET", run_path), ("POST", input_path)):
+                for method, path in (
+                    ("GET", "/runs"),
+                    ("GET", run_path),
+                    ("POST", input_path),
+                    ("GET", "/openapi.json"),
+                    ("GET", "/docs"),
+                ):
                     response = await http.request(method, path, headers=headers, json={})
                     assert response.status_code == 401, (method, path, headers)
                     assert response.json()["code"] == "unauthenticated"
             good = {"Authorization": "Bearer api-secret"}
             assert (await http.get("/runs", headers=good)).status_code == 200
             assert (await http.get(run_path, headers=good)).status_code == 404
+            document = await http.get("/openapi.json", headers=good)
+            assert document.status_code == 200 and "/runs" in document.json()["paths"]
+            assert (await http.get("/docs", headers=good)).status_code == 200
             # Health and metrics stay open for probes and scrapers.
             assert (await http.get("/healthz")).status_code == 200
             assert (await http.get("/metrics")).status_code == 200

@@ -163,6 +163,10 @@ def test_a_valid_submission_passes() -> None:
         ({"request_id": ""}, "request_id"),
         ({"request_id": "x" * 257}, "request_id"),
         ({"request_id": "\ud800"}, "request_id"),
+        # Not addressable again as one segment of the input's URL.
+        ({"request_id": "a/b"}, "request_id"),
+        ({"request_id": "."}, "request_id"),
+        ({"request_id": ".."}, "request_id"),
         ({"mode": None}, "mode"),
         ({"content": b""}, "content"),
         ({"content": b"{not json"}, "content"),

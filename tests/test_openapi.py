@@ -3,7 +3,8 @@ for every operation of the served document, and no answer may be a 5xx.
 
 The whole product runs as ``dagnats dev --no-demo`` in its own process (so
 schemathesis's blocking client does not share an event loop with it), on
-free ports with a temp data directory. The seed is fixed so a failure
+free ports with a temp data directory, with an API token: schemathesis sends
+it, for the document as for every request. The seed is fixed so a failure
 replays; ``DAGNATS_OPENAPI_SEED`` picks another.
 """
 
@@ -23,11 +24,13 @@ from tests.stack import start_dev
 BIN = Path(sys.executable).parent
 SEED = os.environ.get("DAGNATS_OPENAPI_SEED", "20261129")
 EXAMPLES = os.environ.get("DAGNATS_OPENAPI_EXAMPLES", "10")
+TOKEN = "openapi-test-token"
 
 
 @pytest.fixture
 def dev_gateway(tmp_path: Path) -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAGNATS_")}
+    env["DAGNATS_API_TOKEN"] = TOKEN
     dev = start_dev(tmp_path / "data", "--no-demo", env=env)
     try:
         yield dev.gateway
@@ -39,10 +42,13 @@ def dev_gateway(tmp_path: Path) -> Iterator[str]:
 @pytest.mark.slow
 def test_no_generated_request_gets_a_server_error(dev_gateway: str, tmp_path: Path) -> None:
     assert httpx.get(f"{dev_gateway}/readyz", timeout=10).status_code == 200
+    assert httpx.get(f"{dev_gateway}/openapi.json", timeout=10).status_code == 401
     args = [
         str(BIN / "schemathesis"),
         "run",
         f"{dev_gateway}/openapi.json",
+        "--header",
+        f"Authorization: Bearer {TOKEN}",
         "--checks",
         "not_a_server_error",
         "--max-examples",

@@ -1,15 +1,21 @@
-"""The demo agent that ``dagnats dev`` runs: an agent loop whose model is
-scripted, so it runs anywhere with no model provider."""
+"""The demo agent that ``dagnats dev`` runs: a journaled agent loop whose
+model is a stand-in, so it runs anywhere with no model provider.
+
+The stand-in model answers from the conversation it is shown (how many tool
+results it holds), not from a counter, so the one worker of ``dagnats dev``
+serves any number of runs, retries and redeliveries alike.
+"""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-from dagnats.sdk import TaskContext
-from dagnats.sdk.testing import ScriptedModel
+from dagnats.sdk import Replay, TaskContext, ToolCall, ToolRun
 
 NAME = "demo-agent"
 STEP_ID = "agent"
+TASK_TYPE = "demo-agent"
 WORKFLOW: dict[str, Any] = {
     "name": NAME,
     "version": "1",
@@ -17,15 +23,14 @@ WORKFLOW: dict[str, Any] = {
         {
             "id": STEP_ID,
             "type": "agent_loop",
-            "task": "demo-agent",
+            "task": TASK_TYPE,
             "agent_loop": {"max_iterations": 10, "max_duration": "5m"},
             "retry": {"max_attempts": 3, "backoff": "exponential", "initial_delay": "1s"},
         }
     ],
 }
 
-TASK_TYPE = "demo-agent"
-
+# The stand-in model's replies, by the number of tool results so far.
 SCRIPT: list[dict[str, Any]] = [
     {"tool": "lookup", "input": {"city": "Lisbon"}},
     {"tool": "convert", "input": {"celsius": 21}},
@@ -38,22 +43,31 @@ TOOLS = {
 }
 
 
-def scripted_model() -> ScriptedModel:
-    return ScriptedModel(SCRIPT)
+async def demo_model(history: list[Any]) -> dict[str, Any]:
+    """The stand-in model's reply to ``history``: the next line of the script
+    after the tool results the conversation already holds."""
+    done = sum(1 for message in history if message.get("role") == "tool")
+    return copy.deepcopy(SCRIPT[min(done, len(SCRIPT) - 1)])
 
 
-def agent_handler(model: ScriptedModel) -> Any:
-    """One turn per iteration: ask the model, run the tool it picks, repeat."""
+async def _run_tool(run: ToolRun) -> Any:
+    return TOOLS[run.call.name](run.call.input)
 
-    async def turn(tc: TaskContext) -> None:
-        history = await tc.load_checkpoint() or [{"role": "user", "content": tc.input}]
-        reply = await model(history)
-        if "answer" in reply:
-            await tc.complete(reply["answer"])
-            return
-        result = TOOLS[reply["tool"]](reply["input"])
-        history += [{"role": "assistant", "content": reply}, {"role": "tool", "content": result}]
-        await tc.checkpoint(history)
-        await tc.continue_({"tool": reply["tool"], "result": result})
 
-    return turn
+async def agent_turn(tc: TaskContext) -> None:
+    """One turn per iteration: ask the model, run the tool it picks, repeat.
+    Both go through the journal, so ``dagnats journal read`` shows them."""
+    j = await tc.journal()
+    history = await tc.load_checkpoint() or [{"role": "user", "content": tc.input}]
+    reply = await j.model(lambda: demo_model(history))
+    if "answer" in reply:
+        await tc.complete(reply["answer"])
+        return
+    call = ToolCall(name=reply["tool"], input=reply["input"])
+    result = await j.tool(call, Replay.SAFE, _run_tool)
+    history += [
+        {"role": "assistant", "content": reply},
+        {"role": "tool", "content": result.output},
+    ]
+    await tc.checkpoint(history)
+    await tc.continue_({"tool": call.name, "result": result.output})

@@ -13,12 +13,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import shlex
 import signal
 import socket
 from pathlib import Path
 
 from dagnats.cli import demo
-from dagnats.cli.main import print_run
+from dagnats.cli.main import DEFAULT_DATA_DIR, DEV_FILE, print_run
 from dagnats.core.natsserver import NatsServer, free_port
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
@@ -39,7 +40,7 @@ async def run_dev(args: argparse.Namespace) -> int:
     main = asyncio.current_task()
     if main is not None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
-    data = Path(args.data_dir)
+    data = Path(args.dev_data_dir or args.data_dir)
     data.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before anything runs
     nats_port = _port_or_free(args.nats_port)
     nats = await NatsServer.start(data / "nats", port=nats_port)
@@ -56,7 +57,7 @@ async def run_dev(args: argparse.Namespace) -> int:
             )
         )
         info = json.dumps({"engine": engine.target, "nats": nats.url, "gateway": gateway.url})
-        (data / "dev.json").write_text(info)
+        (data / DEV_FILE).write_text(info)
         print(f"nats-server  {nats.url}  (data in {data / 'nats'}, sync_interval: always)")
         print(f"engine       {engine.target}  (gRPC)")
         print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")
@@ -67,10 +68,10 @@ async def run_dev(args: argparse.Namespace) -> int:
             if not args.no_demo:
                 worker = Worker(
                     engine.target,
-                    handlers={demo.TASK_TYPE: demo.agent_handler(demo.scripted_model())},
+                    handlers={demo.TASK_TYPE: demo.agent_turn},
                 )
                 await worker.__aenter__()
-                await _demo(client, gateway.url)
+                await _demo(client, gateway.url, _cli(data))
         if args.exit_after_demo:
             return 0
         print("\nserving; Ctrl-C stops everything", flush=True)
@@ -87,7 +88,15 @@ async def run_dev(args: argparse.Namespace) -> int:
         await nats.stop()
 
 
-async def _demo(client: Client, gateway_url: str) -> None:
+def _cli(data: Path) -> str:
+    """How the printed commands find this engine: through ``dev.json`` in the
+    data directory, named when it is not the default."""
+    if data == Path(DEFAULT_DATA_DIR):
+        return "dagnats"
+    return f"dagnats --data-dir {shlex.quote(str(data))}"
+
+
+async def _demo(client: Client, gateway_url: str, cli: str) -> None:
     await client.register_workflow(demo.WORKFLOW)
     run = await client.start_run(demo.NAME, {"question": "How warm is it in Lisbon?"})
     print(f"\ndemo: started run {run.run_id} of workflow {run.workflow}")
@@ -95,10 +104,11 @@ async def _demo(client: Client, gateway_url: str) -> None:
     print_run(run, as_json=False)
     print(
         "\nlook at it with:\n"
-        f"  dagnats run get {run.run_id}\n"
-        f"  dagnats run get {run.run_id} --json\n"
-        f"  dagnats journal read {run.run_id} {demo.STEP_ID}\n"
-        "  dagnats run list\n"
+        f"  {cli} run get {run.run_id}\n"
+        f"  {cli} run get {run.run_id} --json\n"
+        f"  {cli} journal read {run.run_id} {demo.STEP_ID}\n"
+        f"  {cli} journal check {run.run_id}\n"
+        f"  {cli} run list\n"
         f"  curl {gateway_url}/runs/{run.run_id}\n"
         f"  curl {gateway_url}/runs/{run.run_id}/steps/{demo.STEP_ID}/journal"
     )

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from dagnats.core.errors import InvalidArgument
+from dagnats.core.ids import parse_seq
 from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.sdk import JournalClient
 from dagnats.sdk.views import check_dict, record_dict
@@ -71,12 +73,9 @@ def _with_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _sequence(text: str) -> int:
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a sequence number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a sequence number is not negative: {value}")
-    return value
+        return parse_seq(text, field="--from")
+    except InvalidArgument as err:
+        raise argparse.ArgumentTypeError(err.message) from None
 
 
 async def _check(journal: JournalClient, run_id: str, *, as_json: bool) -> int:
@@ -180,7 +179,7 @@ def _preview(raw: bytes) -> str:
     if not raw:
         return "-"
     try:
-        text = json.dumps(json.loads(raw), separators=(",", ":"))
+        text = json.dumps(json.loads(raw), separators=(",", ":"), ensure_ascii=False)
     except ValueError:
         text = raw.decode(errors="replace")
     return _shorten(text)

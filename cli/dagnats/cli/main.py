@@ -1,6 +1,8 @@
-"""``dagnats``: run the product locally, serve a service, manage workflows and runs.
+"""dagnats: run the product locally, serve a service, manage workflows and runs.
 
-Errors are one line on stderr and a non-zero exit code, never a traceback.
+Errors are one line on stderr and a non-zero exit code, never a traceback. A
+reader that stops early (``dagnats journal read ... | head``) ends the command
+quietly, as it ends any Unix tool: exit code 141, nothing on stderr.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk.views import decode_payload, enum_name, run_dict, workflow_dict
 
 DEFAULT_ENGINE = "127.0.0.1:7233"
-DEV_FILE = Path(".dagnats") / "dev.json"
+DEFAULT_DATA_DIR = ".dagnats"
+DEV_FILE = "dev.json"
+# The exit code of a command whose reader closed the pipe (128 + SIGPIPE).
+EXIT_BROKEN_PIPE = 141
 
 RUN_STATUSES = ("running", "completed", "failed", "cancelled")
 
@@ -30,12 +35,17 @@ class UsageError(Exception):
     """Bad command-line input, reported like a domain error."""
 
 
+# Set by ``main`` from ``--data-dir``: where ``dagnats dev`` keeps its data and ``dev.json``.
+_data_dir = Path(DEFAULT_DATA_DIR)
+
+
 def default_target() -> str:
-    """``DAGNATS_ENGINE``, else the engine a local ``dagnats dev`` started, else the default."""
+    """``DAGNATS_ENGINE``, else the engine the ``dagnats dev`` of the data
+    directory started (its ``dev.json``), else the default."""
     if env := os.environ.get("DAGNATS_ENGINE"):
         return env
     try:
-        return str(json.loads(DEV_FILE.read_text())["engine"])
+        return str(json.loads((_data_dir / DEV_FILE).read_text())["engine"])
     except (OSError, ValueError, KeyError):
         return DEFAULT_ENGINE
 
@@ -43,10 +53,19 @@ def default_target() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dagnats", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    parser.add_argument(
+        "--data-dir",
+        default=os.environ.get("DAGNATS_DATA_DIR", DEFAULT_DATA_DIR),
+        help="the data of `dagnats dev`; the other commands find its engine there "
+        "(DAGNATS_DATA_DIR, default .dagnats)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     dev = sub.add_parser("dev", help="run nats-server, the services and a demo agent")
-    dev.add_argument("--data-dir", default=".dagnats", help="where data lives (default .dagnats)")
+    # Its own dest: a subcommand's default would overwrite the global option.
+    dev.add_argument(
+        "--data-dir", dest="dev_data_dir", default=None, help="where data lives (as above)"
+    )
     dev.add_argument("--nats-port", type=int, default=4222, help="NATS port (falls back to free)")
     dev.add_argument("--engine-port", type=int, default=7233, help="engine gRPC port")
     dev.add_argument("--gateway-port", type=int, default=8080, help="HTTP gateway port")
@@ -89,6 +108,11 @@ def _workflow_commands(parser: argparse.ArgumentParser) -> None:
         "file"
     )
     _with_client_options(sub.add_parser("get", help="show a workflow")).add_argument("name")
+    validate = sub.add_parser(
+        "validate", help="check a YAML or JSON file with the engine's rules, offline"
+    )
+    validate.add_argument("file")
+    validate.add_argument("--json", action="store_true", help="print the definition as JSON")
     _with_client_options(sub.add_parser("list", help="list workflows"))
 
 
@@ -113,9 +137,14 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
 # ---- output ----------------------------------------------------------------------
 
 
+def dumps(value: Any) -> str:
+    """JSON for a person and for a program alike: indented, text as written."""
+    return json.dumps(value, indent=2, ensure_ascii=False)
+
+
 def print_run(run: pb.Run, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(run_dict(run), indent=2))
+        print(dumps(run_dict(run)))
         return
     print(f"run       {run.run_id}")
     print(f"workflow  {run.workflow}")
@@ -123,7 +152,7 @@ def print_run(run: pb.Run, as_json: bool) -> None:
     if run.error:
         print(f"error     {run.error}")
     if run.output:
-        print(f"output    {json.dumps(decode_payload(run.output))}")
+        print(f"output    {json.dumps(decode_payload(run.output), ensure_ascii=False)}")
     for step in run.steps:
         line = f"  step {step.step_id:<16} {enum_name(pb.StepStatus, step.status):<10}"
         line += f" iteration {step.iteration} attempt {step.attempt}"
@@ -135,26 +164,47 @@ def print_run(run: pb.Run, as_json: bool) -> None:
 # ---- commands ----------------------------------------------------------------------
 
 
+def _read_file(name: str) -> str:
+    try:
+        return Path(name).read_text()
+    except OSError as err:
+        raise UsageError(f"cannot read {name}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot read {name}: it is not UTF-8 text") from None
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """The engine's own parse and validation, with no engine: the same
+    messages ``workflow apply`` would get back."""
+    from dagnats.engine.definition import parse_document, to_mapping
+
+    workflow = parse_document(_read_file(args.file))
+    if args.json:
+        print(dumps(to_mapping(workflow)))
+    else:
+        print(f"workflow {workflow.name} is valid ({len(workflow.steps)} steps)")
+    return 0
+
+
 async def _workflow(args: argparse.Namespace) -> int:
     from dagnats.sdk import Client
 
+    if args.action == "validate":
+        return _validate(args)
     async with Client(args.engine or default_target()) as client:
         if args.action == "apply":
-            try:
-                text = Path(args.file).read_text()  # noqa: ASYNC240 - one small file
-            except OSError as err:
-                raise UsageError(f"cannot read {args.file}: {err.strerror}") from None
+            text = _read_file(args.file)
             workflow = await client.register_workflow(text)
             if args.json:
-                print(json.dumps(workflow_dict(workflow), indent=2))
+                print(dumps(workflow_dict(workflow)))
             else:
                 print(f"workflow {workflow.name} registered ({len(workflow.steps)} steps)")
         elif args.action == "get":
-            print(json.dumps(workflow_dict(await client.get_workflow(args.name)), indent=2))
+            print(dumps(workflow_dict(await client.get_workflow(args.name))))
         else:
             workflows = await client.list_workflows()
             if args.json:
-                print(json.dumps([workflow_dict(w) for w in workflows], indent=2))
+                print(dumps([workflow_dict(w) for w in workflows]))
             for w in [] if args.json else workflows:
                 print(f"{w.name:<24} {len(w.steps)} steps  version {w.version or '-'}")
     return 0
@@ -191,7 +241,7 @@ async def _run(args: argparse.Namespace) -> int:
                     workflow=args.workflow, status=status, limit=args.limit
                 )
                 if args.json:
-                    print(json.dumps([run_dict(r) for r in runs], indent=2))
+                    print(dumps([run_dict(r) for r in runs]))
                     return 0
                 for r in runs:
                     print(f"{r.run_id}  {r.workflow:<20} {enum_name(pb.RunStatus, r.status)}")
@@ -215,7 +265,7 @@ async def _watch(client: Any, run_id: str, as_json: bool) -> int:
         view = run.SerializeToString(deterministic=True)
         if view != last:
             if as_json:
-                print(json.dumps(run_dict(run)), flush=True)
+                print(json.dumps(run_dict(run), ensure_ascii=False), flush=True)
             else:
                 print_run(run, False)
                 print(flush=True)
@@ -285,13 +335,28 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] = 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader left (``| head``). Later writes, the interpreter's final
+        # flush included, go nowhere instead of failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    global _data_dir
     args = build_parser().parse_args(argv)
+    _data_dir = Path(args.data_dir)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return asyncio.run(COMMANDS[args.command](args))
+        code = asyncio.run(COMMANDS[args.command](args))
+        sys.stdout.flush()  # here, so a closed pipe is noticed inside main
+        return code
     except (DagnatsError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -1,8 +1,18 @@
-"""Validation of every identifier that ends up in a NATS subject or key.
+"""Validation of every identifier and cursor a request carries.
 
-A subject token must never be empty, contain a dot, a wildcard (``*``, ``>``)
-or white space. Everything from a request that lands in a subject passes
-through one of these functions first.
+One set of rules for every edge: the gRPC services, the NATS endpoints, the
+HTTP gateway and the CLI call these functions, so an id or a number that one
+edge accepts is accepted by all of them, and one that is refused is refused
+with the same message and field everywhere.
+
+* A subject token (step ids, task types, workflow names) must never be empty,
+  contain a dot, a wildcard (``*``, ``>``) or white space.
+* A run id is 32 lowercase hex characters.
+* A request id (an input's idempotency key) may be any text that can be
+  addressed again afterwards: it is encoded before it lands in a key, but it
+  is also one segment of an HTTP path, so it cannot hold ``/`` and cannot be
+  ``.`` or ``..`` (clients resolve those segments before sending).
+* A journal cursor is a JetStream sequence: 0 up to ``MAX_SEQ``.
 """
 
 from __future__ import annotations
@@ -14,6 +24,12 @@ from dagnats.core.errors import InvalidArgument
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+MAX_REQUEST_ID = 256
+"""The longest request id, in characters."""
+
+MAX_SEQ = 2**64 - 1
+"""The largest JetStream sequence (an unsigned 64-bit number)."""
 
 
 def check_token(value: str, *, field: str) -> str:
@@ -37,6 +53,58 @@ def check_run_id(value: str, *, field: str = "run_id") -> str:
             f"{field} must be 32 lowercase hex characters, got {value!r}", field=field
         )
     return value
+
+
+def check_request_id(value: str, *, field: str = "request_id") -> str:
+    """Return ``value`` if it is 1-256 characters of valid Unicode that a
+    client can address again: no ``/``, and not ``.`` or ``..``.
+
+    Raises:
+        InvalidArgument: naming ``field`` otherwise.
+    """
+    if not 1 <= len(value) <= MAX_REQUEST_ID:
+        raise InvalidArgument(
+            f"{field} must be 1-{MAX_REQUEST_ID} characters, got {len(value)}", field=field
+        )
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"{field} is not valid Unicode", field=field) from None
+    if "/" in value or value in (".", ".."):
+        raise InvalidArgument(
+            f"{field} cannot contain '/' or be '.' or '..' (it is a segment of a URL path), "
+            f"got {value!r}",
+            field=field,
+        )
+    return value
+
+
+def check_seq(value: int, *, field: str) -> int:
+    """Return ``value`` if it is a JetStream sequence, 0 to ``MAX_SEQ``.
+
+    Raises:
+        InvalidArgument: naming ``field`` otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEQ:
+        raise InvalidArgument(
+            f"{field} must be a sequence number from 0 to {MAX_SEQ}, got {value!r}", field=field
+        )
+    return value
+
+
+def parse_seq(text: str, *, field: str) -> int:
+    """The sequence number written in ``text`` (decimal digits only).
+
+    Raises:
+        InvalidArgument: naming ``field`` when ``text`` is not a sequence.
+    """
+    digits = text.strip()
+    if not digits.isascii() or not digits.isdigit() or len(digits) > len(str(MAX_SEQ)):
+        raise InvalidArgument(
+            f"{field} must be a sequence number from 0 to {MAX_SEQ}, got {text[:40]!r}",
+            field=field,
+        )
+    return check_seq(int(digits), field=field)
 
 
 def new_run_id() -> str:

@@ -22,9 +22,10 @@ class ScriptExhausted(AssertionError):
         calls: Requests received, this one included.
     """
 
-    def __init__(self, request: Any, calls: int) -> None:
+    def __init__(self, request: Any, calls: int, responses: int | None = None) -> None:
+        scripted = calls - 1 if responses is None else responses
         super().__init__(
-            f"scripted model has {calls - 1} response(s) but got request {calls}: {request!r}"
+            f"scripted model has {scripted} response(s) but got request {calls}: {request!r}"
         )
         self.request = request
         self.calls = calls
@@ -69,7 +70,7 @@ class ScriptedModel:
         self.requests.append(copy.deepcopy(request))
         index = self.calls - 1
         if index >= len(self._responses):
-            raise ScriptExhausted(request, self.calls)
+            raise ScriptExhausted(request, self.calls, len(self._responses))
         response = self._responses[index]
         if isinstance(response, BaseException):
             raise response

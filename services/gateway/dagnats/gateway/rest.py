@@ -1,8 +1,10 @@
 """The REST API: workflows, runs, inputs and the journal.
 
-Every route needs the API token (when one is configured). Ids that end up in
-a NATS subject are validated here first, so a bad one is a 400 naming the
-field before any service is called. Bodies are JSON; the JSON shapes of the
+Every route needs the API token (when one is configured). Every id and
+number is validated here first, with the rules the gRPC services apply
+(``dagnats.core.ids``), so a bad one is a 400 naming the field before any
+service is called, and an id the API accepts can be addressed again. Bodies
+are JSON, whatever content type they are sent with; the JSON shapes of the
 answers are ``dagnats.sdk.views``, the same as ``dagnats ... --json``.
 """
 
@@ -15,12 +17,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from dagnats.core.durations import parse_duration
-from dagnats.core.errors import InvalidArgument, NotFound
-from dagnats.core.ids import check_run_id, check_token
+from dagnats.core.errors import NotFound
+from dagnats.core.ids import (
+    MAX_SEQ,
+    check_request_id,
+    check_run_id,
+    check_seq,
+    check_token,
+    parse_seq,
+)
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway import journal_stream
 from dagnats.gateway.auth import api_auth
 from dagnats.gateway.backend import BackendDep
+from dagnats.inputs.rules import MAX_WAIT
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk import InputMode
 from dagnats.sdk._codec import encode
@@ -43,8 +53,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 router = APIRouter(dependencies=[Depends(api_auth)], responses=ERRORS)
 
-# Longest an inputs GET may wait for a change, and the page sizes of the journal.
-MAX_WAIT_SECONDS = 300.0
+# The page sizes of the journal.
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 
@@ -81,8 +90,15 @@ def _step_id(step_id: str) -> str:
     return check_token(step_id, field="step_id")
 
 
+def _request_id(request_id: str) -> str:
+    return check_request_id(request_id)
+
+
 ValidRun = Annotated[str, Depends(_run_id)]
 ValidStep = Annotated[str, Depends(_step_id)]
+ValidRequest = Annotated[str, Depends(_request_id)]
+
+InputStatus = Literal["queued", "placed", "done", "unanswered", "withdrawn"]
 
 
 # ---- workflows --------------------------------------------------------------------
@@ -187,6 +203,7 @@ _MODES = {"steer": InputMode.STEER, "follow_up": InputMode.FOLLOW_UP}
 async def submit_input(
     b: BackendDep, run_id: ValidRun, step_id: ValidStep, body: SubmitInput
 ) -> JSONResponse:
+    check_request_id(body.request_id)
     item, created = await b.client.submit_input(
         run_id, step_id, body.request_id, body.content, mode=_MODES[body.mode]
     )
@@ -195,6 +212,7 @@ async def submit_input(
 
 @router.get("/runs/{run_id}/steps/{step_id}/inputs", tags=["inputs"], summary="List inputs")
 async def list_inputs(b: BackendDep, run_id: ValidRun, step_id: ValidStep) -> dict[str, Any]:
+    await _require_step(b, run_id, step_id)
     response = await b.rpc.list_inputs(ipb.ListRequest(run_id=run_id, step_id=step_id))
     return {"inputs": [input_dict(i) for i in response.inputs]}
 
@@ -203,16 +221,31 @@ async def list_inputs(b: BackendDep, run_id: ValidRun, step_id: ValidStep) -> di
     "/runs/{run_id}/steps/{step_id}/inputs/{request_id}",
     tags=["inputs"],
     summary="Get an input's status, waiting up to `wait` for a change",
+    description=(
+        "With `wait`, the answer comes when the status differs from `if_status` (the "
+        "status the caller last saw), at once when it already does, or when `wait` "
+        "runs out. Without `if_status` it waits for a change from the status on arrival, "
+        "so a change just before the request is missed: pass `if_status`."
+    ),
 )
 async def get_input(
     b: BackendDep,
     run_id: ValidRun,
     step_id: ValidStep,
-    request_id: str,
-    wait: Annotated[str, Query(description="e.g. 30s, 500ms, 2m; at most 5m")] = "0s",
+    request_id: ValidRequest,
+    wait: Annotated[str, Query(description="e.g. 30s, 500ms; at most 60s")] = "0s",
+    if_status: Annotated[
+        InputStatus | None, Query(description="the status the caller last saw")
+    ] = None,
 ) -> dict[str, Any]:
-    seconds = parse_duration(wait, field="wait", maximum=MAX_WAIT_SECONDS)
-    return input_dict(await b.client.get_input(run_id, step_id, request_id, wait=seconds))
+    seconds = parse_duration(wait, field="wait", maximum=MAX_WAIT)
+    request = ipb.GetRequest(run_id=run_id, step_id=step_id, request_id=request_id)
+    if seconds:
+        request.wait.FromNanoseconds(round(seconds * 1e9))
+    if if_status is not None:
+        request.if_status = ipb.Status.Value(f"STATUS_{if_status.upper()}")
+    response = await b.rpc.get_input(request, deadline=seconds + b.rpc.timeout)
+    return input_dict(response.input)
 
 
 @router.delete(
@@ -222,7 +255,7 @@ async def get_input(
     status_code=204,
 )
 async def withdraw_input(
-    b: BackendDep, run_id: ValidRun, step_id: ValidStep, request_id: str
+    b: BackendDep, run_id: ValidRun, step_id: ValidStep, request_id: ValidRequest
 ) -> Response:
     await b.client.withdraw_input(run_id, step_id, request_id)
     return Response(status_code=204)
@@ -237,10 +270,12 @@ async def withdraw_input(
     summary="A step's journal records: a JSON page, or server-sent events",
     description=(
         "Without `follow`, a JSON page of records from sequence `from`. With `follow=1` "
-        "or `Accept: text/event-stream`, server-sent events: each event's `id` is the "
-        "record's sequence and its data the record; a reconnect with `Last-Event-ID` "
-        "resumes right after that record. A commit with action `continue` ends an "
-        "iteration."
+        "or `Accept: text/event-stream`, server-sent events: each event `record` has the "
+        "record's sequence as its `id` and the record as its data; a reconnect with "
+        "`Last-Event-ID` resumes right after that record. A commit with action `continue` "
+        "ends an iteration. Once the step has finished and every record was sent, one "
+        "event `end` (data: `run_status`, `step_status`) closes the stream; "
+        "a client should not reconnect after it."
     ),
     responses={200: {"content": {"text/event-stream": {}}}},
 )
@@ -249,23 +284,24 @@ async def read_journal(
     b: BackendDep,
     run_id: ValidRun,
     step_id: ValidStep,
-    from_: Annotated[int, Query(alias="from", ge=0)] = 0,
+    from_: Annotated[
+        int, Query(alias="from", description=f"a record sequence, 0 to {MAX_SEQ}")
+    ] = 0,
     follow: bool = False,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> Response:
+    check_seq(from_, field="from")
+    start = from_
+    if last_event_id:
+        start = check_seq(
+            parse_seq(last_event_id, field="Last-Event-ID") + 1, field="Last-Event-ID"
+        )
     await _require_step(b, run_id, step_id)
     streaming = follow or "text/event-stream" in request.headers.get("accept", "")
     if streaming:
-        start = from_
-        if last_event_id:
-            if not last_event_id.strip().isdigit():
-                raise InvalidArgument(
-                    "Last-Event-ID must be a record sequence", field="Last-Event-ID"
-                )
-            start = int(last_event_id) + 1
         return StreamingResponse(
-            journal_stream.events(request, b.journal, run_id, step_id, start),
+            journal_stream.events(request, b, run_id, step_id, start),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

@@ -36,10 +36,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from dagnats.core.errors import InvalidArgument
-from dagnats.core.ids import check_run_id, check_token
+from dagnats.core.ids import check_request_id, check_run_id, check_token
 
 MAX_CONTENT_BYTES = 64 * 1024
-MAX_REQUEST_ID = 256
+MAX_WAIT = 60.0
+"""The longest a get may wait for a status change, in seconds."""
 
 
 class Mode(enum.Enum):
@@ -236,24 +237,6 @@ def accepts_inputs(run_running: bool, step_status: StepStatus) -> bool:
 
 
 # ---- validation -----------------------------------------------------------------
-
-
-def check_request_id(request_id: str) -> str:
-    """Return ``request_id`` if it is 1..256 characters of valid Unicode.
-
-    Raises:
-        InvalidArgument: naming ``request_id`` otherwise.
-    """
-    if not 1 <= len(request_id) <= MAX_REQUEST_ID:
-        raise InvalidArgument(
-            f"request_id must be 1-{MAX_REQUEST_ID} characters, got {len(request_id)}",
-            field="request_id",
-        )
-    try:
-        request_id.encode()
-    except UnicodeEncodeError:
-        raise InvalidArgument("request_id is not valid Unicode", field="request_id") from None
-    return request_id
 
 
 def check_content(content: bytes, *, max_bytes: int = MAX_CONTENT_BYTES) -> bytes:

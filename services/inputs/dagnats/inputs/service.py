@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from dagnats.core import errors
 from dagnats.core.grpcutil import Context, domain_errors
-from dagnats.core.ids import check_run_id, check_token
+from dagnats.core.ids import check_request_id, check_run_id, check_token
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.inputs import convert, rules
 from dagnats.inputs.rules import InputState, Refusal, Status
@@ -28,7 +28,7 @@ from dagnats.inputs.store import InputStore, StaleRevision, close_input
 from dagnats.inputs.v1 import inputs_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2_grpc as pb_grpc
 
-MAX_WAIT = 60.0
+MAX_WAIT = rules.MAX_WAIT
 
 
 def _new_nonce() -> str:
@@ -38,7 +38,7 @@ def _new_nonce() -> str:
 def _check_names(run_id: str, step_id: str, request_id: str) -> None:
     check_run_id(run_id)
     check_token(step_id, field="step_id")
-    rules.check_request_id(request_id)
+    check_request_id(request_id)
 
 
 def _check_wait(request: pb.GetRequest) -> float:
