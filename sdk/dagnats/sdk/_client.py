@@ -236,10 +236,26 @@ class Client:
         return response.input, response.created
 
     async def get_input(
-        self, run_id: str, step_id: str, request_id: str, *, wait: float = 0.0
+        self,
+        run_id: str,
+        step_id: str,
+        request_id: str,
+        *,
+        wait: float = 0.0,
+        if_status: ipb.Status.ValueType = ipb.STATUS_UNSPECIFIED,
     ) -> ipb.Input:
-        """An input's state, waiting up to ``wait`` seconds for it to change."""
-        request = ipb.GetRequest(run_id=run_id, step_id=step_id, request_id=request_id)
+        """An input's state, waiting up to ``wait`` seconds (at most 60) for it
+        to change.
+
+        Args:
+            wait: Seconds to wait for a change; 0 answers at once.
+            if_status: The status the caller last saw: the answer comes as soon
+                as the status differs from it, at once when it already does.
+                Unset, the wait is for a change from the status on arrival.
+        """
+        request = ipb.GetRequest(
+            run_id=run_id, step_id=step_id, request_id=request_id, if_status=if_status
+        )
         if wait:
             request.wait.FromNanoseconds(round(wait * 1e9))
         response = await self._rpc.get_input(request, deadline=wait + self._rpc.timeout)

@@ -239,13 +239,9 @@ async def get_input(
     ] = None,
 ) -> dict[str, Any]:
     seconds = parse_duration(wait, field="wait", maximum=MAX_WAIT)
-    request = ipb.GetRequest(run_id=run_id, step_id=step_id, request_id=request_id)
-    if seconds:
-        request.wait.FromNanoseconds(round(seconds * 1e9))
-    if if_status is not None:
-        request.if_status = ipb.Status.Value(f"STATUS_{if_status.upper()}")
-    response = await b.rpc.get_input(request, deadline=seconds + b.rpc.timeout)
-    return input_dict(response.input)
+    seen = ipb.Status.Value(f"STATUS_{if_status.upper()}") if if_status else ipb.STATUS_UNSPECIFIED
+    item = await b.client.get_input(run_id, step_id, request_id, wait=seconds, if_status=seen)
+    return input_dict(item)
 
 
 @router.delete(
