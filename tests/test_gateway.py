@@ -244,6 +244,54 @@ async def test_a_reconnect_with_last_event_id_gets_every_record_once_in_order(
     assert len(seen) == len(set(seen))
 
 
+async def _every_event(http: httpx.AsyncClient, path: str) -> list[tuple[str, dict[str, Any]]]:
+    """(event, data) of every event of a stream, until the server closes it."""
+    got, fields = [], {}
+    async with http.stream("GET", path, timeout=None) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line == "":
+                if "event" in fields:
+                    got.append((fields["event"], json.loads(fields["data"])))
+                fields = {}
+            elif not line.startswith(":"):
+                name, _, value = line.partition(":")
+                fields[name] = value.removeprefix(" ")
+    return got
+
+
+async def test_a_followed_step_that_finishes_or_is_cancelled_ends_its_stream(
+    http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    loop = Releases(iterations=2)
+    task, run_id = await start_loop(http)
+    path = f"/runs/{run_id}/steps/agent/journal?follow=1"
+    async with Worker(engine.target, handlers={task: loop.handler}, poll_wait=1.0):
+        following = asyncio.create_task(_every_event(http, path))
+        loop.release(2)  # both iterations run while the stream is open
+        got = await asyncio.wait_for(following, timeout=60)
+    records = await page(http, run_id)
+    assert [data["seq"] for kind, data in got[:-1]] == [r["seq"] for r in records]
+    assert got[-1] == ("end", {"run_status": "completed", "step_status": "completed"})
+
+    # A cancel writes no commit; the stream still ends, once it sees the run ended.
+    _task, idle = await start_loop(http)
+    following = asyncio.create_task(
+        _every_event(http, f"/runs/{idle}/steps/agent/journal?follow=1")
+    )
+    await wait_for(lambda: gateway_streams(http, at_least=1), timeout=30)
+    assert (await http.post(f"/runs/{idle}/cancel")).status_code == 200
+    got = await asyncio.wait_for(following, timeout=60)
+    assert [kind for kind, _ in got] == ["end"]
+    assert got[0][1]["run_status"] == "cancelled"
+
+
+async def gateway_streams(http: httpx.AsyncClient, *, at_least: int) -> bool:
+    metrics = (await http.get("/metrics")).text
+    line = next(x for x in metrics.splitlines() if x.startswith("dagnats_http_journal_streams "))
+    return float(line.split()[1]) >= at_least
+
+
 async def _commits(http: httpx.AsyncClient, run_id: str, *, at_least: int) -> bool:
     return sum(1 for r in await page(http, run_id) if r["kind"] == "commit") >= at_least
 
