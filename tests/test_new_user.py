@@ -97,6 +97,7 @@ def test_the_data_dir_names_the_dev_json_to_use(dev: Dev) -> None:
     lost = dev.cli("run", "list", data_dir=False)
     assert lost.returncode == 1 and lost.stderr.startswith("error: ")
     assert len(lost.stderr.strip().splitlines()) == 1, lost.stderr
+    assert "no .dagnats/dev.json" in lost.stderr and "--data-dir" in lost.stderr
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dagnats.cli.journal import add_journal_commands, run_journal
-from dagnats.core.errors import DagnatsError
+from dagnats.core.errors import DagnatsError, Unavailable
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk.views import decode_payload, enum_name, run_dict, workflow_dict
 
@@ -334,6 +334,21 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] = 
 }
 
 
+def _where(args: argparse.Namespace) -> str:
+    """Which engine a command could not reach, and how it was chosen."""
+    if args.command in ("dev", "serve") or isinstance(getattr(args, "engine", None), str):
+        return ""
+    if os.environ.get("DAGNATS_ENGINE"):
+        return f" (engine {default_target()}, from DAGNATS_ENGINE)"
+    dev_json = _data_dir / DEV_FILE
+    if dev_json.exists():
+        return f" (engine {default_target()}, from {dev_json}: is that dagnats dev still running?)"
+    return (
+        f" (engine {DEFAULT_ENGINE}: there is no {dev_json}; start `dagnats dev`, or name "
+        "the engine with --data-dir, DAGNATS_ENGINE or --engine)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -357,6 +372,9 @@ def _main(argv: Sequence[str] | None) -> int:
         code = asyncio.run(COMMANDS[args.command](args))
         sys.stdout.flush()  # here, so a closed pipe is noticed inside main
         return code
+    except Unavailable as err:
+        print(f"error: {err}{_where(args)}", file=sys.stderr)
+        return 1
     except (DagnatsError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
