@@ -266,6 +266,12 @@ def test_following_a_finished_step_ends_with_an_end_event(dev: Dev) -> None:
     # A reconnect after the last record, or from beyond it, gets only the end.
     for headers in ({"Last-Event-ID": str(records[-1]["seq"])}, {"Last-Event-ID": "99999999"}):
         assert [e["event"] for e in _sse(dev, path + "?follow=1", headers)] == ["end"]
+    # `dagnats journal read --follow` ends the same way, after the last record.
+    followed = dev.cli("journal", "read", run_id, "agent", "--follow", "--json")
+    assert followed.returncode == 0, followed.stderr
+    assert [json.loads(line)["seq"] for line in followed.stdout.splitlines()] == [
+        r["seq"] for r in records
+    ]
 
 
 def test_the_openapi_document_needs_the_token_when_one_is_set(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 ``check`` prints the audit of a run's journal (one line per violation, then a
 summary) and exits 1 on any violation. ``read`` prints a step's records, one
 line each, or one JSON object per line with ``--json``; ``--follow`` keeps
-printing records as they are written, until interrupted.
+printing records as they are written, until the step has finished and every
+record was printed (``dagnats.sdk._follow``, as the HTTP API's event stream).
 
 The journal service is reached through ``dagnats.sdk.JournalClient``; the
 JSON is ``dagnats.sdk.views.record_dict``, the same as the HTTP API's.
@@ -17,7 +18,8 @@ import json
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import parse_seq
 from dagnats.journal.v1 import journal_pb2 as pb
-from dagnats.sdk import JournalClient
+from dagnats.sdk import Client, JournalClient
+from dagnats.sdk._follow import follow_step
 from dagnats.sdk.views import check_dict, record_dict
 
 # How much of a payload a record's one-line summary shows.
@@ -43,7 +45,9 @@ def add_journal_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     read.add_argument(
         "--from", dest="from_seq", type=_sequence, default=0, help="first sequence to print"
     )
-    read.add_argument("--follow", action="store_true", help="keep printing new records")
+    read.add_argument(
+        "--follow", action="store_true", help="keep printing new records until the step finishes"
+    )
 
 
 async def run_journal(args: argparse.Namespace, target: str) -> int:
@@ -55,14 +59,10 @@ async def run_journal(args: argparse.Namespace, target: str) -> int:
     async with JournalClient(target) as journal:
         if args.action == "check":
             return await _check(journal, args.run_id, as_json=args.json)
-        return await _read(
-            journal,
-            args.run_id,
-            args.step_id,
-            from_seq=args.from_seq,
-            follow=args.follow,
-            as_json=args.json,
-        )
+        if args.follow:
+            async with Client(target) as client:
+                return await _follow(client, journal, args, as_json=args.json)
+        return await _read(journal, args.run_id, args.step_id, args.from_seq, as_json=args.json)
 
 
 def _with_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -103,16 +103,20 @@ def check_lines(run_id: str, response: pb.CheckResponse) -> list[str]:
 
 
 async def _read(
-    journal: JournalClient,
-    run_id: str,
-    step_id: str,
-    *,
-    from_seq: int,
-    follow: bool,
-    as_json: bool,
+    journal: JournalClient, run_id: str, step_id: str, from_seq: int, *, as_json: bool
 ) -> int:
-    async for record in journal.read(run_id, step_id, from_seq=from_seq, follow=follow):
-        print(json.dumps(record_dict(record)) if as_json else record_line(record), flush=follow)
+    async for record in journal.read(run_id, step_id, from_seq=from_seq):
+        print(json.dumps(record_dict(record)) if as_json else record_line(record))
+    return 0
+
+
+async def _follow(
+    client: Client, journal: JournalClient, args: argparse.Namespace, *, as_json: bool
+) -> int:
+    follow = follow_step(client, journal, args.run_id, args.step_id, from_seq=args.from_seq)
+    async for item in follow:
+        if isinstance(item, pb.Record):
+            print(json.dumps(record_dict(item)) if as_json else record_line(item), flush=True)
     return 0
 
 
