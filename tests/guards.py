@@ -74,6 +74,44 @@ GUARDS = (
         tests=("tests/test_engine.py::test_duplicate_and_stale_continues_are_dropped",),
     ),
     Guard(
+        name="engine acceptance of a journal commit: of the step's iteration",
+        file="services/engine/dagnats/engine/rules.py",
+        guard="        and ident.iteration == step.iteration\n",
+        removed="",
+        how="a report carrying a journal commit of any iteration is applied to the current one",
+        tests=(
+            "tests/test_engine_fencing.py"
+            "::test_a_commit_of_an_earlier_iteration_does_not_settle_the_current_one",
+        ),
+    ),
+    Guard(
+        name="engine report check against the journal",
+        file="services/engine/dagnats/engine/service.py",
+        guard=(
+            "        if await self._refused(event):\n"
+            "            return pb.ReportResponse(stale=True)\n"
+        ),
+        removed="",
+        how="a report is published whatever commit it names, or none",
+        tests=(
+            "tests/test_engine_fencing.py"
+            "::test_a_fenced_holders_complete_is_refused_and_the_run_ends_with_the_last_commit",
+            "tests/test_engine_fencing.py"
+            "::test_a_fenced_holders_continue_neither_advances_the_loop_nor_drops_the_commit",
+        ),
+    ),
+    Guard(
+        name="engine heartbeat check against the journal's holder",
+        file="services/engine/dagnats/engine/service.py",
+        guard="        await self._check_holder(lease, releasing=False)\n",
+        removed="",
+        how="a heartbeat with a fenced holder's lease extends the task's lease",
+        tests=(
+            "tests/test_engine_fencing.py"
+            "::test_a_fenced_holders_heartbeat_is_refused_and_keeps_no_lease_alive",
+        ),
+    ),
+    Guard(
         name="restart limit",
         file="services/journal/dagnats/journal/replay.py",
         guard="    return trailing >= limit\n",
@@ -98,6 +136,25 @@ GUARDS = (
         removed="        if False:\n",
         how="a safe intent without a result is never run again",
         tests=("tests/test_journal.py::test_crash_after_safe_intent_runs_it_again",),
+    ),
+    Guard(
+        name="journal check: every input placed once",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="        if r.request_id in first:\n",
+        removed="        if False:\n",
+        how="an input placed twice is not reported",
+        tests=("tests/test_audit.py::test_an_input_placed_twice",),
+    ),
+    Guard(
+        name="journal check: the engine's outcome is the last commit",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="        found.extend(_outcome(records, engine_step))\n",
+        removed="        pass\n",
+        how="a step whose engine outcome differs from its last commit is not reported",
+        tests=(
+            "tests/test_engine_fencing.py"
+            "::test_journal_check_flags_a_run_whose_outcome_is_not_the_last_commit",
+        ),
     ),
 )
 

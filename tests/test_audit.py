@@ -3,12 +3,13 @@ corruption is reported by exactly the rule it breaks. Pure: no event loop."""
 
 from __future__ import annotations
 
-from dagnats.journal.audit import Finding, check_run, check_step
+from dagnats.journal.audit import EngineStep, Finding, check_run, check_step
 from dagnats.journal.model import (
     Action,
     AnyEntry,
     ClaimEntry,
     CommitEntry,
+    InputEntry,
     IntentEntry,
     ModelEntry,
     OutputEntry,
@@ -88,6 +89,19 @@ class Journal:
     ) -> int:
         return self._add(
             CommitEntry, by or self._current, expected, action=Action(action), reason=reason
+        )
+
+    def placed(self, request_id: str, *, carried: bool = False) -> int:
+        writer = self._current
+        return self._add(
+            InputEntry,
+            writer,
+            None,
+            position=self._next(writer),
+            request_id=request_id,
+            mode=1,
+            content=b'{"text": "hi"}',
+            carried=carried,
         )
 
     @property
@@ -406,3 +420,97 @@ def test_findings_come_in_sequence_order_with_the_count_last() -> None:
     findings = check_step("agent", j.entries, engine_iterations=3)
     assert rules(findings) == ["unanswered_intent", "orphan_result", "iteration_count"]
     assert findings[0].seq == lost
+
+
+def test_an_input_placed_twice() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    first = j.placed("msg-1")
+    j.commit("continue")
+    j.claim("w2", 1)
+    j.placed("msg-2")
+    again = j.placed("msg-1")
+    j.commit("complete")
+    finding = only(check_step("agent", j.entries), "input_placed_twice")
+    assert finding.seq == again
+    assert finding.message == f"input 'msg-1' was placed at seq {first} and again at seq {again}"
+
+
+def test_an_input_carried_into_a_retry_is_placed_once() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    j.placed("msg-1")
+    j.commit("fail")
+    j.claim("w2", 0, attempt=2)
+    j.placed("msg-1", carried=True)
+    j.commit("complete")
+    assert check_step("agent", j.entries) == []
+
+
+# ---- the engine's outcome against the last commit -------------------------------------
+
+
+def completed_with(output: bytes) -> Journal:
+    j = Journal()
+    j.claim("w1", 0)
+    j.commit("continue")
+    j.claim("w2", 1)
+    j.model()
+    j._add(CommitEntry, "w2", None, action=Action.COMPLETE, output=output)
+    return j
+
+
+def test_a_completed_step_shows_its_last_commit() -> None:
+    j = completed_with(b'"done"')
+    step = EngineStep(status="completed", iteration=1, output=b'"done"')
+    assert check_step("agent", j.entries, engine_step=step) == []
+
+
+def test_a_completed_step_with_another_output_than_its_commit() -> None:
+    j = completed_with(b'"successor"')
+    step = EngineStep(status="completed", iteration=1, output=b'"zombie"')
+    finding = only(check_step("agent", j.entries, engine_step=step), "outcome")
+    assert finding.seq == j.tail
+    assert finding.message == (
+        "the engine shows the step's output as '\"zombie\"', but the complete commit "
+        "at seq 5 records '\"successor\"'"
+    )
+
+
+def test_a_completed_step_whose_last_commit_is_no_complete() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    j.commit("continue")
+    step = EngineStep(status="completed", iteration=0, output=b"")
+    finding = only(check_step("agent", j.entries, engine_step=step), "outcome")
+    assert "its last commit is a continue (seq 2)" in finding.message
+    elsewhere = EngineStep(status="completed", iteration=0, output=b'"done"')
+    assert rules(check_step("agent", completed_with(b'"done"').entries, engine_step=elsewhere)) == [
+        "outcome"
+    ]
+
+
+def test_a_running_step_shows_the_continue_that_brought_it_there() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    j._add(CommitEntry, "w1", None, action=Action.CONTINUE, output=b'"turn 0"')
+    j.claim("w2", 1)
+    j._add(CommitEntry, "w2", None, action=Action.CONTINUE, output=b'"turn 1"')
+    for status in ("running", "waiting"):
+        # At iteration 2, or still at 1 while the newest continue is on its way.
+        at_two = EngineStep(status=status, iteration=2, output=b'"turn 1"')
+        at_one = EngineStep(status=status, iteration=1, output=b'"turn 0"')
+        assert check_step("agent", j.entries, engine_step=at_two) == []
+        assert check_step("agent", j.entries, engine_step=at_one) == []
+    other = EngineStep(status="running", iteration=2, output=b'"zombie"')
+    assert rules(check_step("agent", j.entries, engine_step=other)) == ["outcome"]
+    ahead = EngineStep(status="running", iteration=3, output=b'"turn 1"')
+    finding = only(check_step("agent", j.entries, engine_step=ahead), "outcome")
+    assert "no continue commit of iteration 2" in finding.message
+
+
+def test_a_failed_or_cancelled_step_is_not_compared() -> None:
+    j = completed_with(b'"done"')
+    for status in ("failed", "cancelled"):
+        step = EngineStep(status=status, iteration=0, output=b"")
+        assert check_step("agent", j.entries, engine_step=step) == []

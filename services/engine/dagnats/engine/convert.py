@@ -10,6 +10,8 @@ from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
+from dagnats.journal.outcomes import outcome_of
+from dagnats.journal.v1 import journal_pb2 as jpb
 
 _RUN_STATUS = {
     m.RunStatus.RUNNING: pb.RUN_STATUS_RUNNING,
@@ -267,4 +269,29 @@ def task_to_proto(effect: m.DispatchTask, trace_context: dict[str, str]) -> pb.T
         input=effect.input,
         workflow=effect.workflow,
         trace_context=trace_context,
+    )
+
+
+# ---- journal records ----------------------------------------------------------
+
+
+def journal_mark(data: bytes, seq: int, headers: dict[str, str] | None) -> m.JournalMark:
+    """What the rules need of a stored journal record: its dispatch, its delivery
+    (the ``Dagnats-Delivery`` header) and, for a commit, its outcome."""
+    record = jpb.Record.FromString(data)
+    commit: m.StepOutcome | None = None
+    if record.HasField("commit"):
+        field, outcome = outcome_of(record.commit)
+        event = ipb.HistoryEvent(iteration=record.iteration, attempt=record.attempt)
+        getattr(event, field).CopyFrom(outcome)
+        report = event_to_input(event)
+        assert isinstance(report, m.StepReport)
+        commit = report.outcome
+    delivery = (headers or {}).get("Dagnats-Delivery", "0")
+    return m.JournalMark(
+        seq=seq,
+        iteration=record.iteration,
+        attempt=record.attempt,
+        commit=commit,
+        delivery=int(delivery) if delivery.isdigit() else 0,
     )

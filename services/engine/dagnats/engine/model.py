@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Literal
 
 from dagnats.engine.definition import WorkflowDef
 
@@ -198,6 +199,40 @@ class TaskVanished:
 
 
 RunInput = StepReport | TimerFired | ChildEnded | CancelRequested | TaskVanished | InputArrived
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JournalMark:
+    """What the engine reads of one record of a step's journal.
+
+    Attributes:
+        seq: Its stream sequence.
+        iteration: Iteration of the dispatch that wrote it.
+        attempt: Attempt of the dispatch that wrote it.
+        commit: For a commit, the outcome it records; None for any other kind.
+        delivery: Delivery count of its writer's task (the claim's); 0 when
+            the claim did not say.
+    """
+
+    seq: int
+    iteration: int
+    attempt: int
+    commit: StepOutcome | None = None
+    delivery: int = 0
+
+    @property
+    def dispatch(self) -> tuple[int, int]:
+        return self.iteration, self.attempt
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refused:
+    """A worker's call that the journal contradicts. ``fenced``: another holder
+    owns the dispatch, or the report names no commit of it; ``stale``: the
+    journal has moved past the dispatch, or it is committed already."""
+
+    reason: Literal["fenced", "stale"]
+    message: str
 
 
 # ---- outputs of the rules -------------------------------------------------------

@@ -38,6 +38,13 @@ def check_lease(lease: str) -> str:
     return lease
 
 
+def lease_position(lease: str) -> tuple[int, int]:
+    """The delivery count of a (checked) lease, and the stream sequence of its task."""
+    tokens = lease.split(".")
+    at = tokens.index("TASKS")  # then the consumer, the delivery count, the stream sequence
+    return int(tokens[at + 2]), int(tokens[at + 3])
+
+
 def outcome_event(
     *,
     run_id: str,

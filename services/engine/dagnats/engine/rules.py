@@ -13,12 +13,19 @@ Invariants:
 * The acceptance rule: a step report is applied only while the run is running,
   the step is running, and the report's identity is the step's current
   dispatch -- or, for a journal step, the report carries a journal commit
-  (``journal_seq``) of the step's current iteration: the journal admits one
-  commit per dispatch and fences every earlier holder, so such a report is
-  the iteration's truth even when it comes from an earlier attempt. Reports
+  (``journal_seq``) of the step's current iteration that ends the iteration
+  (continue, complete, permanent failure): the journal admits one commit per
+  dispatch and fences every earlier holder, so such a report is the
+  iteration's truth even when it comes from an earlier attempt. Reports
   without identity are applied only while legacy step events are allowed.
   Everything else is dropped, so a duplicate or stale report never advances
   a step twice.
+* Before a report reaches the run's history, the journal has its say
+  (``check_journal_report``): a dispatch whose journal was claimed reports
+  only the stored commit of that dispatch, named by ``journal_seq``, and
+  exactly what it records. A heartbeat or a release of a task is refused
+  when the journal's tail names another delivery of it as the holder
+  (``check_journal_lease``).
 * Every wait (retry backoff, loop delay, pause, a continue's wait) is a timer
   effect, and every timer carries the identity it was set for; a timer for
   another identity is dropped. Nothing waits in memory. A wait for input has
@@ -51,9 +58,12 @@ from dagnats.engine.model import (
     Effect,
     Failed,
     FailureKind,
+    Identity,
     InputArrived,
+    JournalMark,
     NotifyParent,
     Paused,
+    Refused,
     RuleOptions,
     Run,
     RunInput,
@@ -62,6 +72,7 @@ from dagnats.engine.model import (
     StartChildRun,
     Step,
     StepInputs,
+    StepOutcome,
     StepReport,
     StepStatus,
     TaskVanished,
@@ -152,7 +163,12 @@ def _on_report(run: Run, report: StepReport, now: float, options: RuleOptions) -
         return Dropped(reason=f"unknown step {report.step_id!r}")
     step = run.step(report.step_id)
     ident = report.identity
-    committed = report.journal_seq > 0 and ident is not None and ident.iteration == step.iteration
+    committed = (
+        report.journal_seq > 0
+        and ident is not None
+        and ident.iteration == step.iteration
+        and _ends_iteration(report.outcome)
+    )
     if step.status is not StepStatus.RUNNING and not (
         committed and step.status is StepStatus.WAITING
     ):
@@ -177,6 +193,149 @@ def _on_report(run: Run, report: StepReport, now: float, options: RuleOptions) -
             return _fail_attempt(run, step, failed, now)
         case Paused(duration=duration):
             return _wait(run, step, step.iteration, step.attempt + 1, now + duration, ())
+
+
+def _ends_iteration(outcome: StepOutcome) -> bool:
+    """Whether a commit with this outcome ends its iteration for every attempt:
+    a retriable failure or a pause ends only its own attempt."""
+    match outcome:
+        case Continued() | Completed():
+            return True
+        case Failed(kind=kind):
+            return kind is FailureKind.PERMANENT
+        case Paused():
+            return False
+
+
+# ---- journal steps: what the journal says of a worker's call ----------------------
+
+
+def check_journal_report(
+    report: StepReport, tail: JournalMark | None, named: JournalMark | None
+) -> Refused | None:
+    """Whether the journal allows a step report; None when it does.
+
+    A dispatch whose journal was claimed has one outcome, its commit: the
+    report must name (``journal_seq``) a stored commit of its own iteration
+    and attempt and report what that commit records. Only the holder of the
+    dispatch could have stored it, as every append is fenced; so a holder
+    fenced by its successor, which has no commit, cannot report, and a report
+    of the successor's commit says what the successor said. A dispatch with
+    no record in the journal (a step without a journal, or a handler that
+    ended before it claimed) reports without one.
+
+    Args:
+        report: The report, as its event will carry it.
+        tail: The last record of the step's journal; None when it has none.
+        named: The record at ``report.journal_seq`` on the step's journal;
+            None when there is none (or no sequence was named).
+    """
+    ident = report.identity
+    where = "" if ident is None else f" of iteration {ident.iteration} attempt {ident.attempt}"
+    if report.journal_seq > 0:
+        if (
+            named is None
+            or named.commit is None
+            or ident is None
+            or named.dispatch
+            != (
+                ident.iteration,
+                ident.attempt,
+            )
+        ):
+            return _refuse(
+                ident, tail, f"journal_seq {report.journal_seq} is no stored commit{where}"
+            )
+        if not _same_outcome(named.commit, report.outcome):
+            return Refused(
+                reason="fenced",
+                message=(
+                    f"the commit at seq {named.seq} records {_describe(named.commit)}, "
+                    f"not {_describe(report.outcome)}"
+                ),
+            )
+        return None
+    if tail is None or (ident is not None and tail.dispatch < (ident.iteration, ident.attempt)):
+        return None
+    return _refuse(
+        ident,
+        tail,
+        f"the dispatch{where} holds a journal: its outcome is its commit, named by journal_seq",
+    )
+
+
+def check_journal_lease(
+    identity: Identity, delivery: int, tail: JournalMark | None, *, releasing: bool = False
+) -> Refused | None:
+    """Whether the holder of a task's lease may keep it (a heartbeat) or release
+    it (``releasing``: an acknowledgement); None when it may.
+
+    Every journal record carries its writer's delivery count, so the tail
+    names the delivery whose claim holds the dispatch. A lease of another
+    delivery belongs to a holder that a later claim fenced (or that never
+    claimed after it): it must not keep the task alive for the holder, nor
+    take it away. A task whose dispatch the journal has moved past keeps no
+    lease; it may still be released (a claim found it stale). A journal with
+    no record of the dispatch, or a claim that gave no delivery, decides
+    nothing.
+    """
+    dispatch = (identity.iteration, identity.attempt)
+    if tail is None or tail.dispatch < dispatch:
+        return None
+    if tail.dispatch > dispatch:
+        if releasing:
+            return None
+        return Refused(
+            reason="fenced",
+            message=(
+                f"the journal has moved on to iteration {tail.iteration} attempt "
+                f"{tail.attempt}: this task's lease is spent"
+            ),
+        )
+    if releasing and tail.commit is not None:
+        return None  # the dispatch is committed: its task is done, whoever releases it
+    if tail.delivery and tail.delivery != delivery:
+        return Refused(
+            reason="fenced",
+            message=(
+                f"delivery {tail.delivery} of this task claimed the step after delivery "
+                f"{delivery}: a successor holds it"
+            ),
+        )
+    return None
+
+
+def _refuse(ident: Identity | None, tail: JournalMark | None, why: str) -> Refused:
+    """``stale`` when the journal is past the dispatch or committed it, else ``fenced``."""
+    if ident is not None and tail is not None:
+        dispatch = (ident.iteration, ident.attempt)
+        if tail.dispatch > dispatch:
+            return Refused(reason="stale", message=f"{why}; the journal has moved past it")
+        if tail.dispatch == dispatch and tail.commit is not None:
+            return Refused(reason="stale", message=f"{why}; it was committed at seq {tail.seq}")
+    return Refused(reason="fenced", message=why)
+
+
+def _same_outcome(a: StepOutcome, b: StepOutcome) -> bool:
+    if isinstance(a, Continued) and isinstance(b, Continued):
+        return a.output == b.output and _wait_or_none(a.wait) == _wait_or_none(b.wait)
+    return a == b
+
+
+def _wait_or_none(wait: Wait | None) -> Wait | None:
+    return None if wait == Wait() else wait
+
+
+def _describe(outcome: StepOutcome) -> str:
+    match outcome:
+        case Continued():
+            return "a continue"
+        case Completed():
+            return "a complete"
+        case Failed():
+            return "a failure"
+        case Paused():
+            return "a pause"
 
 
 def _on_continue(

@@ -18,7 +18,7 @@ from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
 from dagnats.engine.processor import Engine
-from dagnats.engine.report import check_lease, outcome_event, publish_outcome
+from dagnats.engine.report import check_lease, lease_position, outcome_event, publish_outcome
 from dagnats.engine.store import StoredRun, history_subject, task_consumer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -289,6 +289,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     ) -> pb.HeartbeatResponse:
         lease = check_lease(request.lease)
         run_id = check_run_id(request.run_id)
+        await self._check_holder(lease, releasing=False)
         await self.store.nc.publish(lease, b"+WPI")
         active = await self.store.run_is_active(run_id)
         return pb.HeartbeatResponse(cancelled=not active)
@@ -302,6 +303,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if kind is None:
             raise errors.InvalidArgument("an outcome is required", field="outcome")
         if kind == "acknowledge":
+            await self._check_holder(lease, releasing=True)
             await self.store.nc.publish(lease, b"+ACK")
             return pb.ReportResponse(cancelled=not await self.store.run_is_active(run_id))
         outcome = getattr(request, kind)
@@ -322,11 +324,53 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             outcome=outcome,
             now=self.engine.clock(),
         )
+        if await self._refused(event):
+            return pb.ReportResponse(stale=True)
         await publish_outcome(self.store.js, self.store.nc, lease, event)
         cancelled = stored.record.run.status == pb.RUN_STATUS_CANCELLED
         return pb.ReportResponse(
             cancelled=cancelled, stale=not cancelled and self._stale(stored, event)
         )
+
+    async def _refused(self, event: ipb.HistoryEvent) -> bool:
+        """Check a report against the step's journal: raise ``Fenced``, or return
+        True (stale: publish nothing), unless the journal allows it."""
+        report = convert.event_to_input(event)
+        assert isinstance(report, m.StepReport)
+        tail = await self.store.journal_tail(event.run_id, event.step_id)
+        named = None
+        if event.journal_seq > 0:
+            if tail is not None and tail.seq == event.journal_seq:
+                named = tail  # the usual case: the commit is the tail
+            else:
+                named = await self.store.journal_record(
+                    event.run_id, event.step_id, event.journal_seq
+                )
+        refused = rules.check_journal_report(report, tail, named)
+        return self._answer(event.run_id, event.step_id, refused)
+
+    async def _check_holder(self, lease: str, *, releasing: bool) -> None:
+        """Raise ``Fenced`` when the journal says another delivery holds the task."""
+        delivery, seq = lease_position(lease)
+        task = await self.store.task_at(seq)
+        if task is None:
+            return  # acknowledged already: the lease extends and releases nothing
+        tail = await self.store.journal_tail(task.run_id, task.step_id)
+        identity = m.Identity(iteration=task.iteration, attempt=task.attempt)
+        refused = rules.check_journal_lease(identity, delivery, tail, releasing=releasing)
+        self._answer(task.run_id, task.step_id, refused)  # a lease is never refused as stale
+
+    def _answer(self, run_id: str, step_id: str, refused: m.Refused | None) -> bool:
+        """Raise ``Fenced`` for a fenced refusal; whether the call is stale."""
+        if refused is None:
+            return False
+        self.engine.counters[f"refused_{refused.reason}"] += 1
+        log.info(
+            "run %s step %s: refused (%s): %s", run_id, step_id, refused.reason, refused.message
+        )
+        if refused.reason == "fenced":
+            raise errors.Fenced(f"run {run_id} step {step_id}: {refused.message}")
+        return True
 
     def _stale(self, stored: StoredRun, event: ipb.HistoryEvent) -> bool:
         """Whether the rules would drop ``event`` on the run as stored now. A hint

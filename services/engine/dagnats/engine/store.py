@@ -19,8 +19,11 @@ from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import NotFound, Unavailable
+from dagnats.engine import convert
+from dagnats.engine import model as m
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
+from dagnats.journal.store import journal_subject
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +280,34 @@ class EngineStore:
             max_waiting=4096,
         )
         await self.js.add_consumer(jsx.TASKS, config)
+
+    # ---- the journal, read to check a worker's report or lease ------------------
+
+    async def journal_tail(self, run_id: str, step_id: str) -> m.JournalMark | None:
+        """The last record of a step's journal, read from the stream leader."""
+        try:
+            msg = await self.js.get_last_msg(jsx.JOURNAL, journal_subject(run_id, step_id))
+        except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
+            return None  # no journal (or no journal stream: nothing was journaled)
+        return convert.journal_mark(msg.data or b"", int(msg.seq or 0), msg.headers)
+
+    async def journal_record(self, run_id: str, step_id: str, seq: int) -> m.JournalMark | None:
+        """The record at ``seq`` if it is on the step's journal; None otherwise."""
+        try:
+            msg = await self.js.get_msg(jsx.JOURNAL, seq=seq)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
+            return None
+        if msg.subject != journal_subject(run_id, step_id):
+            return None
+        return convert.journal_mark(msg.data or b"", int(msg.seq or 0), msg.headers)
+
+    async def task_at(self, seq: int) -> pb.Task | None:
+        """The task message at ``seq`` of the task stream, while it is there."""
+        try:
+            msg = await self.js.get_msg(jsx.TASKS, seq=seq)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
+            return None  # acknowledged: the lease is spent
+        return pb.Task.FromString(msg.data or b"")
 
     async def run_is_active(self, run_id: str) -> bool:
         stored = await self.load_run(run_id)

@@ -32,6 +32,13 @@ Invariants, named by the rule a violation reports:
   number of continue commits. When the step is still running or was
   cancelled, the newest commit may be a continue whose event the engine has
   not applied (yet, or ever: a cancel drops it), so one fewer is sound then.
+* ``outcome``: the engine's step agrees with the last commit, the state of
+  record. A completed step completed with the last commit that ends an
+  iteration: a ``complete`` of the step's iteration, with the step's output.
+  A running or waiting step at iteration ``n > 0`` got there through the
+  continue commit of iteration ``n - 1``, and shows its output. A failed or
+  cancelled step is not compared: the engine also ends steps on its own
+  (timeouts, loop bounds, a cancel).
 
 Findings come in sequence order; findings that name no record (seq 0) last.
 A broken record is reported once per invariant it breaks: a duplicate commit
@@ -65,6 +72,7 @@ Rule = Literal[
     "orphan_result",
     "input_placed_twice",
     "iteration_count",
+    "outcome",
 ]
 
 
@@ -85,6 +93,22 @@ class Finding:
     message: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStep:
+    """The engine's view of a step, for the ``outcome`` rule.
+
+    Attributes:
+        status: ``pending``, ``running``, ``waiting``, ``completed``, ``failed``
+            or ``cancelled``.
+        iteration: The step's current (or last) iteration.
+        output: The step's output as the engine shows it.
+    """
+
+    status: str
+    iteration: int
+    output: bytes
+
+
 # A finding before it is tied to its step.
 _Found = tuple[int, Rule, str]
 
@@ -95,6 +119,7 @@ def check_step(
     *,
     engine_iterations: int | None = None,
     settling: bool = False,
+    engine_step: EngineStep | None = None,
 ) -> list[Finding]:
     """Audit the journal of one step.
 
@@ -105,6 +130,8 @@ def check_step(
             it accepted); ``None`` skips the ``iteration_count`` rule.
         settling: The step is running or was cancelled, so the engine may not
             have applied its newest continue commit.
+        engine_step: The engine's status, iteration and output of the step;
+            ``None`` skips the ``outcome`` rule.
 
     Returns:
         The findings, in sequence order; empty when the journal is sound.
@@ -119,6 +146,8 @@ def check_step(
     ]
     if engine_iterations is not None:
         found.extend(_iteration_count(records, engine_iterations, settling=settling))
+    if engine_step is not None:
+        found.extend(_outcome(records, engine_step))
     found.sort(key=lambda f: (f[0] == 0, f[0]))
     return [Finding(step_id=step_id, seq=seq, rule=rule, message=msg) for seq, rule, msg in found]
 
@@ -127,6 +156,7 @@ def check_run(
     steps: Mapping[str, Sequence[AnyEntry]],
     engine_iterations: Mapping[str, int],
     settling: Collection[str] = (),
+    engine_steps: Mapping[str, EngineStep] | None = None,
 ) -> list[Finding]:
     """Audit the journals of a run, step by step (in step id order).
 
@@ -136,10 +166,13 @@ def check_run(
             missing here skips ``iteration_count``; a step missing from
             ``steps`` is not checked (it did not opt into a journal).
         settling: Steps that are running or were cancelled (see ``check_step``).
+        engine_steps: The engine's view of each step (see ``check_step``); a
+            step missing here skips ``outcome``.
 
     Returns:
         Every step's findings.
     """
+    engine_steps = engine_steps or {}
     return [
         finding
         for step_id in sorted(steps)
@@ -148,6 +181,7 @@ def check_run(
             steps[step_id],
             engine_iterations=engine_iterations.get(step_id),
             settling=step_id in settling,
+            engine_step=engine_steps.get(step_id),
         )
     ]
 
@@ -335,6 +369,50 @@ def _iteration_count(
             f"the engine counts {_plural(engine, 'iteration')} of this step, but the journal "
             f"has {_plural(len(continues), 'continue commit')}{where}",
         )
+
+
+def _outcome(records: Sequence[AnyEntry], step: EngineStep) -> Iterator[_Found]:
+    commits = [r for r in records if isinstance(r, CommitEntry)]
+    if step.status == "completed":
+        ending = [c for c in commits if c.ends_iteration]
+        last = ending[-1] if ending else None
+        if last is None or last.action is not Action.COMPLETE:
+            what = "no commit" if last is None else f"a {last.action.value} (seq {last.seq})"
+            yield 0, "outcome", f"the engine completed the step, but its last commit is {what}"
+        elif last.iteration != step.iteration:
+            yield (
+                last.seq,
+                "outcome",
+                f"the engine completed the step at iteration {step.iteration}, but the "
+                f"complete commit at seq {last.seq} is of iteration {last.iteration}",
+            )
+        elif last.output != step.output:
+            yield last.seq, "outcome", _output_message("complete", last, step)
+    elif step.status in ("running", "waiting") and step.iteration > 0:
+        previous = [
+            c for c in commits if c.action is Action.CONTINUE and c.iteration == step.iteration - 1
+        ]
+        if not previous:
+            yield (
+                0,
+                "outcome",
+                f"the engine is at iteration {step.iteration}, but the journal has no "
+                f"continue commit of iteration {step.iteration - 1}",
+            )
+        elif previous[-1].output != step.output:
+            yield previous[-1].seq, "outcome", _output_message("continue", previous[-1], step)
+
+
+def _output_message(action: str, commit: CommitEntry, step: EngineStep) -> str:
+    return (
+        f"the engine shows the step's output as {_bytes(step.output)}, but the {action} "
+        f"commit at seq {commit.seq} records {_bytes(commit.output)}"
+    )
+
+
+def _bytes(raw: bytes) -> str:
+    text = raw.decode(errors="replace")
+    return repr(text if len(text) <= 60 else text[:57] + "...")
 
 
 # ---- wording -----------------------------------------------------------------------

@@ -188,6 +188,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             writer=secrets.token_hex(8),
             last_seq=tail.seq if tail else 0,
             base_seq=base,
+            delivery=max(request.delivery, 0),
         )
         claim = pb.Record(claim=pb.Claim(delivery=request.delivery, worker_id=request.worker_id))
         try:
@@ -477,7 +478,16 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 steps[step.step_id] = [convert.entry(r) for r in records]
         iterations = {s.step_id: s.iterations for s in run.steps if s.step_id in steps}
         settling = {s.step_id for s in run.steps if s.status in _SETTLING}
-        findings = audit.check_run(steps, iterations, settling)
+        engine_steps = {
+            s.step_id: audit.EngineStep(
+                status=epb.StepStatus.Name(s.status).removeprefix("STEP_STATUS_").lower(),
+                iteration=s.iteration,
+                output=s.output,
+            )
+            for s in run.steps
+            if s.step_id in steps
+        }
+        findings = audit.check_run(steps, iterations, settling, engine_steps)
         return pb.CheckResponse(
             violations=[
                 pb.Violation(step_id=f.step_id, seq=f.seq, rule=f.rule, message=f.message)

@@ -77,6 +77,8 @@ class JournalStore:
             "Dagnats-Iteration": str(token.iteration),
             "Dagnats-Attempt": str(token.attempt),
         }
+        if token.delivery > 0:  # whose lease holds the step (the engine's Heartbeat)
+            headers["Dagnats-Delivery"] = str(token.delivery)
         tracing.inject(headers)
         data = record.SerializeToString()
         if len(data) > self.nc.max_payload:

@@ -171,13 +171,22 @@ class EngineServiceServicer:
 
     def Heartbeat(self, request, context):
         """Heartbeat extends the task's lease and says whether its run was cancelled.
+        ABORTED (dagnats-error-code "fenced") when the step's journal names
+        another delivery of the task as its holder (ClaimRequest.delivery), or
+        has moved past the task's dispatch: the lease is not extended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Report(self, request, context):
-        """Report settles a task: continue, complete, fail or pause.
+        """Report settles a task: continue, complete, fail or pause. Once a
+        dispatch's journal is claimed its outcome is its commit: the report must
+        name that stored commit (journal_seq) and say what it records, else
+        ABORTED "fenced" (a successor holds the dispatch, or no such commit), or
+        ReportResponse.stale with nothing published (the journal committed the
+        dispatch or moved past it). Acknowledge is refused (fenced) with the
+        lease of a delivery the journal's holder has fenced.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -52,9 +52,20 @@ class EngineServiceStub:
     PollTasks: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PollTasksRequest, _engine_pb2.PollTasksResponse]
     """PollTasks waits up to a deadline for tasks of the given task types."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_engine_pb2.HeartbeatRequest, _engine_pb2.HeartbeatResponse]
-    """Heartbeat extends the task's lease and says whether its run was cancelled."""
+    """Heartbeat extends the task's lease and says whether its run was cancelled.
+    ABORTED (dagnats-error-code "fenced") when the step's journal names
+    another delivery of the task as its holder (ClaimRequest.delivery), or
+    has moved past the task's dispatch: the lease is not extended.
+    """
     Report: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ReportRequest, _engine_pb2.ReportResponse]
-    """Report settles a task: continue, complete, fail or pause."""
+    """Report settles a task: continue, complete, fail or pause. Once a
+    dispatch's journal is claimed its outcome is its commit: the report must
+    name that stored commit (journal_seq) and say what it records, else
+    ABORTED "fenced" (a successor holds the dispatch, or no such commit), or
+    ReportResponse.stale with nothing published (the journal committed the
+    dispatch or moved past it). Acknowledge is refused (fenced) with the
+    lease of a delivery the journal's holder has fenced.
+    """
     LoadCheckpoint: _grpc.UnaryUnaryMultiCallable[_engine_pb2.LoadCheckpointRequest, _engine_pb2.LoadCheckpointResponse]
     """LoadCheckpoint returns the state a step saved with SaveCheckpoint."""
     SaveCheckpoint: _grpc.UnaryUnaryMultiCallable[_engine_pb2.SaveCheckpointRequest, _engine_pb2.SaveCheckpointResponse]
@@ -84,9 +95,20 @@ class EngineServiceAsyncStub(EngineServiceStub):
     PollTasks: _aio.UnaryUnaryMultiCallable[_engine_pb2.PollTasksRequest, _engine_pb2.PollTasksResponse]  # type: ignore[assignment]
     """PollTasks waits up to a deadline for tasks of the given task types."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_engine_pb2.HeartbeatRequest, _engine_pb2.HeartbeatResponse]  # type: ignore[assignment]
-    """Heartbeat extends the task's lease and says whether its run was cancelled."""
+    """Heartbeat extends the task's lease and says whether its run was cancelled.
+    ABORTED (dagnats-error-code "fenced") when the step's journal names
+    another delivery of the task as its holder (ClaimRequest.delivery), or
+    has moved past the task's dispatch: the lease is not extended.
+    """
     Report: _aio.UnaryUnaryMultiCallable[_engine_pb2.ReportRequest, _engine_pb2.ReportResponse]  # type: ignore[assignment]
-    """Report settles a task: continue, complete, fail or pause."""
+    """Report settles a task: continue, complete, fail or pause. Once a
+    dispatch's journal is claimed its outcome is its commit: the report must
+    name that stored commit (journal_seq) and say what it records, else
+    ABORTED "fenced" (a successor holds the dispatch, or no such commit), or
+    ReportResponse.stale with nothing published (the journal committed the
+    dispatch or moved past it). Acknowledge is refused (fenced) with the
+    lease of a delivery the journal's holder has fenced.
+    """
     LoadCheckpoint: _aio.UnaryUnaryMultiCallable[_engine_pb2.LoadCheckpointRequest, _engine_pb2.LoadCheckpointResponse]  # type: ignore[assignment]
     """LoadCheckpoint returns the state a step saved with SaveCheckpoint."""
     SaveCheckpoint: _aio.UnaryUnaryMultiCallable[_engine_pb2.SaveCheckpointRequest, _engine_pb2.SaveCheckpointResponse]  # type: ignore[assignment]
@@ -173,7 +195,11 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.HeartbeatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.HeartbeatResponse, _abc.Awaitable[_engine_pb2.HeartbeatResponse]]:
-        """Heartbeat extends the task's lease and says whether its run was cancelled."""
+        """Heartbeat extends the task's lease and says whether its run was cancelled.
+        ABORTED (dagnats-error-code "fenced") when the step's journal names
+        another delivery of the task as its holder (ClaimRequest.delivery), or
+        has moved past the task's dispatch: the lease is not extended.
+        """
 
     @_abc_1.abstractmethod
     def Report(
@@ -181,7 +207,14 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.ReportRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.ReportResponse, _abc.Awaitable[_engine_pb2.ReportResponse]]:
-        """Report settles a task: continue, complete, fail or pause."""
+        """Report settles a task: continue, complete, fail or pause. Once a
+        dispatch's journal is claimed its outcome is its commit: the report must
+        name that stored commit (journal_seq) and say what it records, else
+        ABORTED "fenced" (a successor holds the dispatch, or no such commit), or
+        ReportResponse.stale with nothing published (the journal committed the
+        dispatch or moved past it). Acknowledge is refused (fenced) with the
+        lease of a delivery the journal's holder has fenced.
+        """
 
     @_abc_1.abstractmethod
     def LoadCheckpoint(

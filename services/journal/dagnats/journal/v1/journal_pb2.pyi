@@ -483,6 +483,7 @@ class WriterToken(_message.Message):
     BASE_SEQ_FIELD_NUMBER: _builtins.int
     SNAPSHOT_SEQ_FIELD_NUMBER: _builtins.int
     HONOURED_FIELD_NUMBER: _builtins.int
+    DELIVERY_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -501,6 +502,12 @@ class WriterToken(_message.Message):
     """Sequence of the last iteration-ending commit before this iteration."""
     snapshot_seq: _builtins.int
     """Last sequence of the records the claim found (the replay snapshot)."""
+    delivery: _builtins.int
+    """Delivery count of the task the claim came from (ClaimRequest.delivery).
+    Every record this writer appends carries it in the Dagnats-Delivery
+    header, so the engine tells the holder's lease from an earlier delivery's
+    (a heartbeat or release with a fenced holder's lease is refused).
+    """
     @_builtins.property
     def honoured(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Earlier-attempt intents this writer honoured."""
@@ -518,10 +525,11 @@ class WriterToken(_message.Message):
         base_seq: _builtins.int = ...,
         snapshot_seq: _builtins.int = ...,
         honoured: _abc.Iterable[_builtins.int] | None = ...,
+        delivery: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "honoured", b"honoured", "iteration", b"iteration", "last_seq", b"last_seq", "run_id", b"run_id", "snapshot_seq", b"snapshot_seq", "step_id", b"step_id", "writer", b"writer", "written", b"written"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "delivery", b"delivery", "honoured", b"honoured", "iteration", b"iteration", "last_seq", b"last_seq", "run_id", b"run_id", "snapshot_seq", b"snapshot_seq", "step_id", b"step_id", "writer", b"writer", "written", b"written"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -549,7 +557,9 @@ class ClaimRequest(_message.Message):
     attempt: _builtins.int
     """Attempt of the task."""
     delivery: _builtins.int
-    """Delivery count of the task."""
+    """Delivery count of the task (LeasedTask.delivery). The engine refuses a
+    heartbeat whose lease is of another delivery than the holder's claim.
+    """
     worker_id: _builtins.str
     """Worker id, for the record."""
     restart_limit: _builtins.int
