@@ -85,6 +85,17 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="engine acceptance of a journal commit: one that ends the iteration",
+        file="services/engine/dagnats/engine/rules.py",
+        guard="        and _ends_iteration(report.outcome)\n",
+        removed="",
+        how="an earlier attempt's retriable failure or pause is applied to the current attempt",
+        tests=(
+            "tests/test_rules.py"
+            "::test_a_commit_of_an_earlier_attempt_counts_only_when_it_ends_the_iteration",
+        ),
+    ),
+    Guard(
         name="engine report check against the journal",
         file="services/engine/dagnats/engine/service.py",
         guard=(

@@ -377,3 +377,106 @@ def test_report_carrying_the_commit_of_the_current_iteration_is_accepted() -> No
         step_id="agent", identity=m.Identity(iteration=0, attempt=1), outcome=m.Continued()
     )
     assert isinstance(rules.apply(retry, stale, T0), m.Dropped), "no commit, no exception"
+
+
+# ---- journal steps: the journal's say on a report or a lease --------------------------
+
+
+def mark(
+    seq: int, it: int, at: int, *, commit: m.StepOutcome | None = None, delivery: int = 0
+) -> m.JournalMark:
+    return m.JournalMark(seq=seq, iteration=it, attempt=at, commit=commit, delivery=delivery)
+
+
+def journal_report(it: int, at: int, outcome: m.StepOutcome, seq: int = 0) -> m.StepReport:
+    ident = m.Identity(iteration=it, attempt=at)
+    return m.StepReport(step_id="agent", identity=ident, outcome=outcome, journal_seq=seq)
+
+
+def test_a_report_without_a_journal_needs_no_commit() -> None:
+    done = m.Completed(output=b'"x"')
+    assert rules.check_journal_report(journal_report(0, 1, done), None, None) is None
+    # The journal has only earlier dispatches: this one ended before it claimed.
+    earlier = mark(4, 0, 1, commit=m.Continued())
+    assert rules.check_journal_report(journal_report(1, 1, done), earlier, None) is None
+
+
+def test_a_claimed_dispatch_reports_its_commit_and_only_what_it_records() -> None:
+    done = m.Completed(output=b'"successor"')
+    commit = mark(7, 2, 1, commit=done)
+    assert rules.check_journal_report(journal_report(2, 1, done, 7), commit, commit) is None
+    zombie = journal_report(2, 1, m.Completed(output=b'"zombie"'), 7)
+    refused = rules.check_journal_report(zombie, commit, commit)
+    assert refused is not None and refused.reason == "fenced"
+    assert "records a complete" in refused.message
+    # An empty wait is no wait: the bridge sends one, the commit keeps none.
+    cont = m.Continued(output=b"{}")
+    stored = mark(9, 2, 1, commit=cont)
+    with_wait = journal_report(2, 1, m.Continued(output=b"{}", wait=m.Wait()), 9)
+    assert rules.check_journal_report(with_wait, stored, stored) is None
+
+
+@pytest.mark.parametrize(
+    ("tail", "named", "seq", "reason"),
+    [
+        (mark(5, 2, 1), None, 0, "fenced"),  # claimed by a successor, no commit
+        (mark(5, 2, 1), None, 999, "fenced"),  # a made-up sequence
+        (mark(5, 2, 1), mark(3, 1, 1, commit=m.Continued()), 3, "fenced"),  # another iteration
+        (mark(6, 2, 1, commit=m.Completed()), None, 0, "stale"),  # committed already
+        (mark(8, 3, 1), mark(3, 1, 1, commit=m.Continued()), 3, "stale"),  # moved past it
+        (mark(8, 2, 2), None, 0, "stale"),  # a later attempt holds the iteration
+    ],
+)
+def test_a_report_the_journal_does_not_back_is_refused(
+    tail: m.JournalMark, named: m.JournalMark | None, seq: int, reason: str
+) -> None:
+    refused = rules.check_journal_report(journal_report(2, 1, m.Completed(), seq), tail, named)
+    assert refused is not None and refused.reason == reason, refused
+
+
+def test_a_legacy_report_on_a_journal_step_is_refused() -> None:
+    legacy = m.StepReport(step_id="agent", identity=None, outcome=m.Completed())
+    refused = rules.check_journal_report(legacy, mark(1, 0, 1), None)
+    assert refused is not None and refused.reason == "fenced"
+
+
+def test_only_the_holders_delivery_keeps_or_releases_the_lease() -> None:
+    ident = m.Identity(iteration=2, attempt=1)
+    holder = mark(5, 2, 1, delivery=3)
+    assert rules.check_journal_lease(ident, 3, holder) is None
+    for delivery in (2, 4):  # an earlier holder, or one that never claimed after it
+        assert rules.check_journal_lease(ident, delivery, holder) is not None
+        assert rules.check_journal_lease(ident, delivery, holder, releasing=True) is not None
+    # No journal for the dispatch yet, or a claim that gave no delivery: no say.
+    assert rules.check_journal_lease(ident, 1, mark(4, 1, 1, delivery=9)) is None
+    assert rules.check_journal_lease(ident, 1, mark(5, 2, 1)) is None
+    # Past the dispatch: no lease to keep, but a stale task may be released.
+    later = mark(9, 3, 1, delivery=1)
+    assert rules.check_journal_lease(ident, 3, later) is not None
+    assert rules.check_journal_lease(ident, 3, later, releasing=True) is None
+    committed = mark(6, 2, 1, commit=m.Completed(), delivery=3)
+    assert rules.check_journal_lease(ident, 2, committed, releasing=True) is None
+
+
+def test_a_commit_of_an_earlier_attempt_counts_only_when_it_ends_the_iteration() -> None:
+    failed = rules.apply(start().run, report("agent", 0, 1, m.Failed(error="x")), T0)
+    assert isinstance(failed, m.Accepted)
+    wake = m.TimerFired(step_id="agent", kind=m.TimerKind.WAKE, iteration=0, attempt=2)
+    woken = rules.apply(failed.run, wake, T0 + 2)
+    assert isinstance(woken, m.Accepted)
+    run = woken.run
+    again = m.StepReport(
+        step_id="agent",
+        identity=m.Identity(iteration=0, attempt=1),
+        outcome=m.Failed(error="x"),
+        journal_seq=4,
+    )
+    assert isinstance(rules.apply(run, again, T0 + 3), m.Dropped)
+    cont = m.StepReport(
+        step_id="agent",
+        identity=m.Identity(iteration=0, attempt=1),
+        outcome=m.Continued(),
+        journal_seq=4,
+    )
+    accepted = rules.apply(run, cont, T0 + 3)
+    assert isinstance(accepted, m.Accepted) and accepted.run.step("agent").iteration == 1
