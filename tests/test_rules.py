@@ -456,6 +456,9 @@ def test_only_the_holders_delivery_keeps_or_releases_the_lease() -> None:
     assert rules.check_journal_lease(ident, 3, later, releasing=True) is None
     committed = mark(6, 2, 1, commit=m.Completed(), delivery=3)
     assert rules.check_journal_lease(ident, 2, committed, releasing=True) is None
+    # The run ended: any delivery's claim answers stale, and its task may go.
+    assert rules.check_journal_lease(ident, 2, holder, releasing=True, run_ended=True) is None
+    assert rules.check_journal_lease(ident, 2, holder, run_ended=True) is not None
 
 
 def test_a_commit_of_an_earlier_attempt_counts_only_when_it_ends_the_iteration() -> None:

@@ -265,7 +265,12 @@ def check_journal_report(
 
 
 def check_journal_lease(
-    identity: Identity, delivery: int, tail: JournalMark | None, *, releasing: bool = False
+    identity: Identity,
+    delivery: int,
+    tail: JournalMark | None,
+    *,
+    releasing: bool = False,
+    run_ended: bool = False,
 ) -> Refused | None:
     """Whether the holder of a task's lease may keep it (a heartbeat) or release
     it (``releasing``: an acknowledgement); None when it may.
@@ -275,12 +280,12 @@ def check_journal_lease(
     delivery belongs to a holder that a later claim fenced (or that never
     claimed after it): it must not keep the task alive for the holder, nor
     take it away. A task whose dispatch the journal has moved past keeps no
-    lease; it may still be released (a claim found it stale). A journal with
-    no record of the dispatch, or a claim that gave no delivery, decides
-    nothing.
+    lease; it may still be released (a claim found it stale), as may the
+    task of a run that ended (``run_ended``). A journal with no record of the
+    dispatch, or a claim that gave no delivery, decides nothing.
     """
     dispatch = (identity.iteration, identity.attempt)
-    if tail is None or tail.dispatch < dispatch:
+    if tail is None or tail.dispatch < dispatch or (releasing and run_ended):
         return None
     if tail.dispatch > dispatch:
         if releasing:

@@ -357,7 +357,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             return  # acknowledged already: the lease extends and releases nothing
         tail = await self.store.journal_tail(task.run_id, task.step_id)
         identity = m.Identity(iteration=task.iteration, attempt=task.attempt)
-        refused = rules.check_journal_lease(identity, delivery, tail, releasing=releasing)
+        # A claim of a run that ended answers stale: its task may go, whoever holds it.
+        ended = releasing and not await self.store.run_is_active(task.run_id)
+        refused = rules.check_journal_lease(
+            identity, delivery, tail, releasing=releasing, run_ended=ended
+        )
         self._answer(task.run_id, task.step_id, refused)  # a lease is never refused as stale
 
     def _answer(self, run_id: str, step_id: str, refused: m.Refused | None) -> bool:
