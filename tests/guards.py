@@ -167,6 +167,17 @@ GUARDS = (
             "::test_journal_check_flags_a_run_whose_outcome_is_not_the_last_commit",
         ),
     ),
+    Guard(
+        name="reconciler applies a lost event",
+        file="services/engine/dagnats/engine/processor.py",
+        guard="                if self._unapplied.get(run_id) == last:\n",
+        removed="                if False:  # guard removed: lost events wait\n",
+        how="an event an engine took and never applied waits out history_ack_wait",
+        tests=(
+            "tests/test_restarts.py::"
+            "test_an_engine_killed_after_taking_a_continue_stalls_the_run_for_a_reconcile_only",
+        ),
+    ),
 )
 
 

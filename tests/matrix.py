@@ -95,7 +95,8 @@ class EngineProcess:
     (``tests/workers/engine_process.py``) on a port that survives restarts,
     so workers dialling it reconnect to the next process as they would to a
     restarted service. ``arm`` and ``hit`` are the seam files the launcher
-    watches; without them it installs no hook."""
+    watches; without them it installs no hook. ``env`` adds variables, such
+    as ``DAGNATS_*`` settings."""
 
     def __init__(
         self,
@@ -106,6 +107,7 @@ class EngineProcess:
         replicas: int = 1,
         arm: Path | None = None,
         hit: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.state = state
@@ -113,6 +115,7 @@ class EngineProcess:
         self.replicas = replicas
         self.arm = arm
         self.hit = hit
+        self.env = env or {}
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -144,7 +147,7 @@ class EngineProcess:
     def _spawn(self) -> Path:
         ready = self.state / f"{self.name}.ready"
         ready.unlink(missing_ok=True)
-        env = child_env()
+        env = child_env(**self.env)
         if self.arm is not None and self.hit is not None:
             env |= {"DAGNATS_TEST_SEAM_ARM": str(self.arm), "DAGNATS_TEST_SEAM_HIT": str(self.hit)}
         args = [sys.executable, str(ENGINE_PROCESS), self.nats_url, str(self.port), str(ready)]

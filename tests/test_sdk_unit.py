@@ -7,6 +7,7 @@ channel. Engine behaviour is tested against the real engine elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -35,10 +36,10 @@ from dagnats.sdk import (
     Worker,
     run_output,
 )
-from dagnats.sdk._rpc import EngineRpc, RetryPolicy
+from dagnats.sdk._rpc import EngineRpc, Lease, RetryPolicy
 from dagnats.sdk.testing import ScriptedModel, ScriptExhausted
 
-FAST_RETRY = RetryPolicy(attempts=5, backoff=0.001, max_backoff=0.005)
+FAST_RETRY = RetryPolicy(budget=0.3, backoff=0.001, max_backoff=0.005)
 
 
 # Public surface.
@@ -280,16 +281,50 @@ async def test_domain_errors_are_mapped_and_never_retried(
     assert not isinstance(caught.value.__cause__, grpc.RpcError)
 
 
-async def test_retries_are_bounded_and_end_in_unavailable(
+async def test_retries_last_the_budget_and_end_in_unavailable(
     server: tuple[ScriptedStatuses, str], rpc: EngineRpc
 ) -> None:
     servicer, _ = server
     servicer.always["Heartbeat"] = grpc.StatusCode.UNAVAILABLE
+    loop = asyncio.get_running_loop()
+    started = loop.time()
 
     with pytest.raises(Unavailable):
         await rpc.heartbeat(pb.HeartbeatRequest(lease="l", run_id="ab" * 16))
 
-    assert servicer.calls["Heartbeat"] == FAST_RETRY.attempts
+    assert loop.time() - started >= FAST_RETRY.budget  # by time, not a count of tries
+    assert servicer.calls["Heartbeat"] > 1
+
+
+async def test_a_held_tasks_call_is_retried_for_as_long_as_its_lease_lasts(
+    server: tuple[ScriptedStatuses, str], rpc: EngineRpc
+) -> None:
+    servicer, _ = server
+    servicer.always["Heartbeat"] = grpc.StatusCode.UNAVAILABLE
+    loop = asyncio.get_running_loop()
+    lease = Lease(1.0)  # more than the budget
+
+    with pytest.raises(Unavailable) as failed:
+        await rpc.heartbeat(pb.HeartbeatRequest(lease="l", run_id="ab" * 16), lease=lease)
+
+    assert loop.time() >= lease.expires
+    assert "lease ran out" in failed.value.message
+
+
+async def test_a_status_with_a_domain_error_code_is_never_retried(
+    server: tuple[ScriptedStatuses, str], rpc: EngineRpc
+) -> None:
+    # A record over the size limit is refused with RESOURCE_EXHAUSTED: as large
+    # on every try, so it surfaces at once, as does UNAVAILABLE naming a
+    # domain error that retrying cannot cure.
+    servicer, _ = server
+    servicer.always["Report"] = grpc.StatusCode.RESOURCE_EXHAUSTED
+    servicer.metadata["Report"] = (("dagnats-error-code", "invalid_argument"),)
+
+    with pytest.raises(InvalidArgument):
+        await rpc.report(pb.ReportRequest(lease="l", run_id="ab" * 16), lease=Lease(5.0))
+
+    assert servicer.calls["Report"] == 1
 
 
 async def test_deadline_exceeded_is_retried_only_when_safe(

@@ -3,8 +3,9 @@ port -- for tests that kill or freeze a service, not a worker.
 
 usage: engine_process.py NATS_URL PORT READY_FILE [REPLICAS]
 
-It serves on 127.0.0.1:PORT with the matrix's short leases and writes its
-target to READY_FILE once it serves; SIGTERM stops it.
+It serves on 127.0.0.1:PORT with the matrix's short leases (each setting can
+be changed with its ``DAGNATS_*`` variable) and writes its target to
+READY_FILE once it serves; SIGTERM stops it.
 
 Production (``dagnats serve engine``) installs no seam hook, and neither does
 this launcher unless ``DAGNATS_TEST_SEAM_ARM`` names a file. That file holds
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from dagnats.core import seam
 from dagnats.core.jetstream import Topology
+from dagnats.engine.config import EngineConfig
 from dagnats.engine.server import start_engine
 from tests.matrix import MATRIX
 
@@ -57,7 +59,10 @@ async def serve(nats_url: str, port: int, ready: Path, replicas: int) -> None:
     if os.environ.get(ARM):
         seam.install(seam_hook(Path(os.environ[ARM]), Path(os.environ[HIT])))
     server = await start_engine(
-        nats_url, port=port, config=MATRIX, topology=Topology(replicas=replicas)
+        nats_url,
+        port=port,
+        config=EngineConfig.from_env(MATRIX),
+        topology=Topology(replicas=replicas),
     )
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar, cast
 
 import grpc
 
-from dagnats.core import errors
+from dagnats.core import deadline, errors
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,12 @@ STATUS_OF: dict[type[errors.DagnatsError], grpc.StatusCode] = {
 
 # The error code carried in trailing metadata -> class, for the way back.
 _CLASS_OF_CODE: dict[str, type[errors.DagnatsError]] = {c.code: c for c in STATUS_OF}
-# Status codes that mean "the transport failed, try again".
-TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# Status codes that mean "the transport failed, try again". RESOURCE_EXHAUSTED
+# is not one: a message over a size limit is as large on every try.
+TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+# Domain errors a client may retry (with DEADLINE_EXCEEDED, only where repeating
+# is safe); every other dagnats error code answers the request for good.
+_RETRIABLE_ERRORS = frozenset({errors.Unavailable.code, errors.DeadlineExceeded.code})
 
 CODE_KEY = "dagnats-error-code"
 FIELD_KEY = "dagnats-error-field"
@@ -67,37 +71,69 @@ def domain_errors(method: F) -> F:
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: Context) -> Any:
         try:
-            return await method(self, request, context)
-        except errors.DagnatsError as err:
-            await abort_with(context, err)
+            with deadline.serving(context.time_remaining()):
+                return await method(self, request, context)
         except Exception as err:
-            if (transient := transient_nats(err)) is None:
+            if (domain := as_domain_error(err)) is None:
                 raise
-            await abort_with(context, transient)
+            await abort_with(context, domain)
 
     return wrapper  # type: ignore[return-value]
 
 
-def transient_nats(err: Exception) -> errors.Unavailable | errors.DeadlineExceeded | None:
-    """``err`` as the error a client should see when NATS did not answer (a
-    stream electing its leader, a server restarting); None for anything else,
-    which stays a server error.
+def as_domain_error(err: Exception) -> errors.DagnatsError | None:
+    """The domain error a client should see for ``err``, raised while serving a
+    request: a domain error as it is; NATS that did not answer (a stream
+    electing its leader, a server restarting) or any timeout as a retriable
+    error (see ``transient_nats``); None for anything else, a server error.
 
-    A request that found no responder was not applied: ``Unavailable``, which
-    every caller retries. One that timed out may have been: ``DeadlineExceeded``,
-    which callers retry only where repeating is safe.
+    Used by unary methods (:func:`domain_errors`) and by the journal's Session
+    stream, so both answer the same failure with the same status.
     """
+    if isinstance(err, errors.DagnatsError):
+        return err
+    return transient_nats(err)
+
+
+def transient_nats(err: Exception) -> errors.Unavailable | errors.DeadlineExceeded | None:
+    """``err`` as the error a client should see when NATS did not answer in
+    time; None for anything else, which stays a server error.
+
+    A request that found no responder, or a stream electing its leader, was not
+    applied: ``Unavailable``, which every caller retries. One that timed out
+    (nats-py's timeout is a ``TimeoutError``, as is every asyncio timeout) may
+    have been: ``DeadlineExceeded``, which callers retry only where repeating
+    is safe.
+    """
+    if isinstance(err, TimeoutError):
+        return errors.DeadlineExceeded("NATS did not answer in time; the outcome is unknown")
     # Imported here: servers call this, and the SDK, which imports this module
     # too, does not depend on nats-py.
-    import nats.errors
+    from dagnats.core.jetstream import is_transient
 
-    from dagnats.core.jetstream import TRANSIENT_NATS_ERRORS
-
-    if isinstance(err, nats.errors.TimeoutError):
-        return errors.DeadlineExceeded("NATS did not answer in time; the outcome is unknown")
-    if isinstance(err, TRANSIENT_NATS_ERRORS):
+    if is_transient(err):
         return errors.Unavailable(f"NATS is unavailable ({type(err).__name__}); try again")
     return None
+
+
+def retriable(status: grpc.StatusCode, code: str, *, idempotent: bool) -> bool:
+    """Whether a call that failed with ``status`` (and the dagnats error ``code``
+    in its trailers, empty when there is none) may be sent again: the transport
+    failed, or the service said it could not reach its backend. A timeout is
+    retriable only for a call that is safe to repeat, since the first try may
+    have been applied."""
+    if code and code not in _RETRIABLE_ERRORS:
+        return False
+    if status in TRANSIENT_CODES:
+        return True
+    return idempotent and status == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def error_code(err: grpc.aio.AioRpcError) -> str:
+    """The dagnats error code in a failed call's trailers; empty when there is none."""
+    pairs = cast(Iterable[tuple[str, Any]], err.trailing_metadata() or ())
+    code = dict(pairs).get(CODE_KEY)
+    return str(code) if code else ""
 
 
 async def abort_with(context: Context, err: errors.DagnatsError) -> None:

@@ -33,12 +33,13 @@ from nats.js.api import (
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
-    retry_if_exception_type,
     stop_after_delay,
     wait_random_exponential,
 )
 
+from dagnats.core import deadline
 from dagnats.core.errors import Unavailable
+from dagnats.core.settings import env_seconds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,6 +69,24 @@ TRANSIENT_NATS_ERRORS: tuple[type[BaseException], ...] = (
     nats.errors.ConnectionReconnectingError,
     nats.errors.OutboundBufferLimitError,
 )
+# JetStream API errors that pass while a stream elects a leader: 10008, "JetStream
+# system temporarily unavailable" (a 503, also in the tuple above).
+_ELECTING = frozenset({10008})
+# Longest a service retries one transient error before it answers Unavailable,
+# when the request it serves does not ask for an answer sooner (see
+# ``dagnats.core.deadline``). A stream-leader election takes a few seconds.
+RETRY_BUDGET = env_seconds("DAGNATS_NATS_RETRY", 30.0)
+_BACKOFF = wait_random_exponential(multiplier=0.05, max=1.0)
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether the same request, sent again, may well succeed: NATS did not
+    answer, found no responder, or the stream is electing its leader."""
+    if isinstance(err, TRANSIENT_NATS_ERRORS):
+        return True
+    # Not every APIError subclass (KeyNotFoundError, ...) sets err_code.
+    code = getattr(err, "err_code", None) if isinstance(err, nats.js.errors.APIError) else None
+    return code in _ELECTING
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,22 +215,37 @@ async def _provision_once(js: JetStreamContext, topology: Topology) -> None:
 
 
 async def retry_transient(
-    call: Callable[[], Awaitable[T]], what: str, *, deadline: float = 30.0
+    call: Callable[[], Awaitable[T]], what: str, *, deadline: float = RETRY_BUDGET
 ) -> T:
-    """Run ``call`` again on transient NATS errors until ``deadline`` seconds
-    have passed, then raise ``Unavailable``. Only for calls that are safe to repeat."""
+    """Run ``call`` again on transient NATS errors (:func:`is_transient`), with
+    jittered backoff, for up to ``deadline`` seconds or what is left of the
+    request being served if that is less; then raise ``Unavailable``. Always
+    tried once. Only for calls that are safe to repeat.
+
+    This is the one rule for transient JetStream errors: the stores of every
+    service wrap their calls in it, and ``publish`` and the journal's fenced
+    append follow the same budget.
+    """
     try:
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(TRANSIENT_NATS_ERRORS),
-            wait=wait_random_exponential(multiplier=0.05, max=2.0),
-            stop=stop_after_delay(deadline),
+            retry=retry_if_exception(is_transient),
+            wait=_BACKOFF,
+            stop=stop_after_delay(retry_budget(deadline)),
             reraise=True,
         ):
             with attempt:
                 return await call()
-    except TRANSIENT_NATS_ERRORS as err:
-        raise Unavailable(f"could not {what}: {err!r}") from err
+    except Exception as err:
+        if is_transient(err):
+            raise Unavailable(f"could not {what}: {err!r}") from err
+        raise
     raise AssertionError("unreachable")
+
+
+def retry_budget(longest: float = RETRY_BUDGET) -> float:
+    """Seconds a transient error may be retried now: ``longest``, or less when
+    the request being served must be answered sooner."""
+    return deadline.budget(longest)
 
 
 async def walk_kv(
@@ -252,24 +286,27 @@ async def publish(
     *,
     msg_id: str,
     headers: dict[str, str] | None = None,
-    deadline: float = 30.0,
+    deadline: float = RETRY_BUDGET,
     attempt_timeout: float = 5.0,
 ) -> int:
     """Publish to a stream, retrying transient failures with the same Msg-Id so
-    that a retry whose first attempt landed is answered as a duplicate.
+    that a retry whose first attempt landed is answered as a duplicate; by the
+    budget of :func:`retry_transient`. The last transient error is raised as is.
 
     Returns:
         The stream sequence of the message.
     """
     all_headers = {"Nats-Msg-Id": msg_id, **(headers or {})}
+    budget = retry_budget(deadline)
     async for attempt in AsyncRetrying(
-        retry=retry_if_exception_type(TRANSIENT_NATS_ERRORS),
-        wait=wait_random_exponential(multiplier=0.05, max=2.0),
-        stop=stop_after_delay(deadline),
+        retry=retry_if_exception(is_transient),
+        wait=_BACKOFF,
+        stop=stop_after_delay(budget),
         reraise=True,
     ):
         with attempt:
-            ack = await js.publish(subject, data, timeout=attempt_timeout, headers=all_headers)
+            timeout = min(attempt_timeout, max(retry_budget(deadline), 0.5))
+            ack = await js.publish(subject, data, timeout=timeout, headers=all_headers)
             return int(ack.seq)
     raise AssertionError("unreachable")
 

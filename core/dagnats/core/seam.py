@@ -11,7 +11,8 @@ its commit answered); in the journal service ``after_input_claimed`` (an input i
 claimed in its bucket, its ``input.placed`` record not yet written) and
 ``after_commit_stored`` (a commit that settles its task is stored and
 answered, its event not yet published); and in the engine ``after_dispatch_saved`` (a dispatch is
-saved, its task not yet published).
+saved, its task not yet published) and ``before_event_applied`` (an event is
+taken from the history, not yet applied nor acknowledged).
 """
 
 from __future__ import annotations

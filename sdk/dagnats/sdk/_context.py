@@ -13,6 +13,10 @@ Invariants:
   JSON raises ``InvalidArgument`` and leaves the task unsettled.
 - Once cancelled, a context stays cancelled; ``cancellation`` is set at the
   same moment ``cancelled`` turns true.
+- Every call made for the task (journal, reports, heartbeats, checkpoints)
+  rides out a transport failure for as long as the task's ``lease`` lasts,
+  which each answered heartbeat extends (see ``_rpc.Lease``): a service
+  restart or a stream-leader election of a few seconds loses nothing.
 """
 
 from __future__ import annotations
@@ -42,8 +46,11 @@ from dagnats.sdk._errors import (
     TaskAlreadySettled,
 )
 from dagnats.sdk._journal import InputMode, Journal, PlacedInput
-from dagnats.sdk._rpc import EngineRpc
+from dagnats.sdk._rpc import EngineRpc, Lease
 from dagnats.sdk._session import JournalSession
+
+# When the engine does not say how long a lease lasts, assume this (its default).
+ASSUMED_LEASE = 30.0
 
 _UNSET: Any = object()
 
@@ -72,8 +79,13 @@ class TaskContext:
         *,
         worker_id: str = "",
         restart_limit: int = 5,
+        leased_at: float | None = None,
     ) -> None:
+        """``leased_at``: event-loop time the poll that leased the task was sent
+        (now, when not given); the lease is counted from there."""
         self._leased = leased
+        self._lease = Lease(self.lease_duration or ASSUMED_LEASE, since=leased_at)
+        self._settle_done = False
         self._worker_id = worker_id
         self._restart_limit = restart_limit
         self._journal: Journal | None = None
@@ -198,7 +210,7 @@ class TaskContext:
             worker_id=self._worker_id,
             restart_limit=self._restart_limit,
         )
-        self._session = self._session or JournalSession(self._rpc)
+        self._session = self._session or JournalSession(self._rpc, lease=self._lease)
         try:
             response = await self._session.claim(request)
         except FencedError as err:
@@ -225,8 +237,10 @@ class TaskContext:
                 step_id=self.step_id,
                 iteration=self.iteration,
                 attempt=self.attempt,
-            )
+            ),
+            lease=self._lease,
         )
+        self._settle_done = True
         if settled.reason == "stale":
             raise Stale(self.run_id, self.step_id, settled.detail)
         signal = RestartLimit if settled.reason == "restart_limit" else Committed
@@ -255,7 +269,7 @@ class TaskContext:
         if self._journal is not None:
             return decode(self._state, field="state") if self._state is not None else None
         response = await self._rpc.load_checkpoint(
-            pb.LoadCheckpointRequest(run_id=self.run_id, step_id=self.step_id)
+            pb.LoadCheckpointRequest(run_id=self.run_id, step_id=self.step_id), lease=self._lease
         )
         if not response.found:
             return None
@@ -277,7 +291,8 @@ class TaskContext:
         await self._rpc.save_checkpoint(
             pb.SaveCheckpointRequest(
                 run_id=self.run_id, step_id=self.step_id, state=data, lease=self._leased.lease
-            )
+            ),
+            lease=self._lease,
         )
 
     # Settling.
@@ -334,7 +349,8 @@ class TaskContext:
 
     async def _inputs_queued(self) -> bool:
         response = await self._rpc.list_inputs(
-            ipb.ListRequest(run_id=self.run_id, step_id=self.step_id, status=ipb.STATUS_QUEUED)
+            ipb.ListRequest(run_id=self.run_id, step_id=self.step_id, status=ipb.STATUS_QUEUED),
+            lease=self._lease,
         )
         return bool(response.inputs)
 
@@ -401,9 +417,11 @@ class TaskContext:
     async def _beat(self) -> bool:
         # The worker's background heartbeat: marks the context, never raises
         # RunCancelled (the worker cancels the handler's task instead).
+        sent = asyncio.get_running_loop().time()
         response = await self._rpc.heartbeat(
-            pb.HeartbeatRequest(lease=self._leased.lease, run_id=self.run_id)
+            pb.HeartbeatRequest(lease=self._leased.lease, run_id=self.run_id), lease=self._lease
         )
+        self._lease.extended(sent)
         if response.cancelled:
             self._mark_cancelled()
         return self._cancelled
@@ -435,11 +453,12 @@ class TaskContext:
                 request = self._request(pb.ReportRequest())
                 # "continue" is a Python keyword, so the oneof is set by name for all four.
                 getattr(request, field).CopyFrom(outcome)
-                if (await self._rpc.report(request)).cancelled:
+                if (await self._rpc.report(request, lease=self._lease)).cancelled:
                     self._mark_cancelled()
         except DagnatsError:
             self._settled_as = None
             raise
+        self._settle_done = True
         await seam("after_event")
 
 

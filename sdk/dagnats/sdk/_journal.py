@@ -149,6 +149,11 @@ class Journal:
     def fenced(self) -> bool:
         return self._fenced
 
+    @property
+    def in_flight(self) -> bool:
+        """True while a call of this handle awaits its answer."""
+        return self._sending.locked()
+
     async def model(self, fn: ModelFn) -> Any:
         """The response recorded at this position, or ``await fn()`` recorded.
 

@@ -2,26 +2,24 @@
 
 :class:`JournalClient` calls the journal service's read-only methods; the
 worker side of the journal is ``TaskContext.journal()``. Failed calls become
-the domain error the service raised, never a ``grpc.RpcError``.
+the domain error the service raised, never a ``grpc.RpcError``. A call (a page,
+for ``read``) whose transport fails is tried again for the RPC policy's
+budget, as every client call is (see ``_rpc``); a followed read is not.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import Self
 
 import grpc
 import grpc.aio
 
 from dagnats.core import errors
 from dagnats.core.grpcutil import error_from_rpc
-from dagnats.core.tracing import client_interceptors
 from dagnats.journal.v1 import journal_pb2 as pb
-from dagnats.journal.v1 import journal_pb2_grpc
-
-if TYPE_CHECKING:
-    from dagnats.journal.v1.journal_pb2_grpc import JournalServiceAsyncStub
+from dagnats.sdk._rpc import EngineRpc
 
 # Records per Read page when not following; a shorter page is the last one.
 PAGE = 500
@@ -44,8 +42,7 @@ class JournalClient:
     def __init__(self, target: str, *, timeout: float = 30.0) -> None:
         self._target = target
         self._timeout = timeout
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: JournalServiceAsyncStub | None = None
+        self._rpc = EngineRpc(target, timeout=timeout)
 
     async def __aenter__(self) -> Self:
         return self
@@ -60,9 +57,7 @@ class JournalClient:
 
     async def close(self) -> None:
         """Close the channel; calls in flight are cancelled."""
-        channel, self._channel, self._stub = self._channel, None, None
-        if channel is not None:
-            await channel.close(None)
+        await self._rpc.close()
 
     async def check(self, run_id: str) -> pb.CheckResponse:
         """Audit the journal of a run.
@@ -70,12 +65,7 @@ class JournalClient:
         Returns:
             The violations and how many steps and records were checked.
         """
-        try:
-            return await self._connect().Check(
-                pb.CheckRequest(run_id=run_id), timeout=self._timeout
-            )
-        except grpc.aio.AioRpcError as err:
-            raise self._domain_error(err) from None
+        return await self._rpc.check_journal(pb.CheckRequest(run_id=run_id))
 
     async def read(
         self,
@@ -101,20 +91,28 @@ class JournalClient:
         while left is None or left > 0:
             page = PAGE if left is None else min(PAGE, left)
             request = pb.ReadRequest(run_id=run_id, step_id=step_id, from_seq=from_seq, limit=page)
-            count = 0
-            async for record in self._stream(request, deadline=self._timeout):
-                count += 1
+            records = await self._page(request)
+            for record in records:
                 from_seq = record.seq + 1
                 yield record
-            if count < page:
+            if len(records) < page:
                 return
             if left is not None:
-                left -= count
+                left -= len(records)
+
+    async def _page(self, request: pb.ReadRequest) -> list[pb.Record]:
+        """One page, read whole: a page whose stream failed is read again."""
+
+        async def attempt() -> list[pb.Record]:
+            call = self._rpc.journal_stub().Read(request, timeout=self._timeout)
+            return [response.record async for response in call]
+
+        return await self._rpc.retrying("Read", attempt, idempotent=True)
 
     async def _stream(
         self, request: pb.ReadRequest, *, deadline: float | None
     ) -> AsyncIterator[pb.Record]:
-        call = self._connect().Read(request, timeout=deadline)
+        call = self._rpc.journal_stub().Read(request, timeout=deadline)
         try:
             async for response in call:
                 yield response.record
@@ -122,14 +120,6 @@ class JournalClient:
             raise self._domain_error(err) from None
         finally:
             call.cancel()  # a no-op once the stream ended; stops it if the caller left early
-
-    def _connect(self) -> JournalServiceAsyncStub:
-        if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(
-                self._target, interceptors=client_interceptors()
-            )
-            self._stub = journal_pb2_grpc.JournalServiceStub(self._channel)
-        return self._stub
 
     def _domain_error(self, err: grpc.aio.AioRpcError) -> errors.DagnatsError:
         if err.code() == grpc.StatusCode.UNIMPLEMENTED:

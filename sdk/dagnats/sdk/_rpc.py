@@ -3,10 +3,13 @@
 Invariants:
 
 - Every call carries a deadline (``timeout=``), per attempt.
-- A transport failure is retried a bounded number of times, with jittered
-  exponential backoff: a status in ``TRANSIENT_CODES`` for every call, and
+- A transport failure is retried by time, not by a count of tries, with
+  capped, jittered exponential backoff: a call made for a held task (given
+  its ``Lease``) for as long as the lease lasts, as the worker last extended
+  it; any other call for the policy's ``budget``. Retried are the statuses
+  ``grpcutil.retriable`` names: ``UNAVAILABLE`` for every call, and
   ``DEADLINE_EXCEEDED`` only for calls that are safe to repeat (the first try
-  may have been applied). When the attempts run out the caller gets
+  may have been applied). When the time runs out the caller gets
   ``Unavailable``.
 - Any other status is a domain error: it is never retried and is turned back
   into the error the engine raised by ``grpcutil.error_from_rpc``.
@@ -16,13 +19,17 @@ Invariants:
 Which calls are safe to repeat: reads; RegisterWorkflow (same document, same
 result); StartRun only with an idempotency key; CancelRun and PurgeRun; the
 task calls Heartbeat, SaveCheckpoint and Report (the engine accepts one report
-per dispatch and drops repeats). PollTasks is not: a poll that timed out on
-our side may have leased tasks, and repeating it leases more; the worker's
-poll loop retries on its own terms.
+per dispatch and drops repeats); every journal call: a write is sent again
+under the same writer token, which the journal resolves as the earlier try's
+when it landed, and a claim sent again fences a claim of ours whose answer was
+lost (it counts once toward the restart limit). PollTasks is not: a poll that
+timed out on our side may have leased tasks, and repeating it leases more; the
+worker's poll loop retries on its own terms.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -36,12 +43,11 @@ from tenacity import (
     AsyncRetrying,
     RetryCallState,
     retry_if_exception,
-    stop_after_attempt,
     wait_random_exponential,
 )
 
-from dagnats.core.errors import Unavailable
-from dagnats.core.grpcutil import TRANSIENT_CODES, error_from_rpc
+from dagnats.core.errors import DagnatsError, Unavailable
+from dagnats.core.grpcutil import error_code, error_from_rpc, retriable
 from dagnats.core.tracing import client_interceptors
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc
@@ -63,6 +69,17 @@ MAX_IDLE_SESSIONS = 64
 SessionStream = grpc.aio.StreamStreamCall[jpb.SessionRequest, jpb.SessionResponse]
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
+T = TypeVar("T")
+
+
+# Channel options: a connection refused while a service restarts is tried again
+# within a fraction of a second to two seconds, not after gRPC's default
+# backoff, which grows to two minutes.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,14 +87,49 @@ class RetryPolicy:
     """How transport failures are retried.
 
     Attributes:
-        attempts: Total tries of one call, the first included.
+        budget: Seconds a call not made for a held task keeps trying (a call
+            for a held task tries for as long as its lease lasts).
         backoff: Scale of the randomised exponential wait between tries, in seconds.
         max_backoff: Upper bound of one wait, in seconds.
     """
 
-    attempts: int = 5
+    budget: float = 30.0
     backoff: float = 0.1
     max_backoff: float = 2.0
+
+
+class Lease:
+    """When a held task's lease runs out, as this worker last extended it.
+
+    The engine's lease is the task message's ack wait, restarted by every
+    heartbeat the server receives. This clock restarts it from when the
+    heartbeat was sent, and starts it from when the poll that leased the task
+    was sent: both before the server's, so the lease here never outlasts the
+    server's. Until it runs out no other worker can have been given the task.
+    """
+
+    def __init__(self, duration: float, *, since: float | None = None) -> None:
+        self.duration = duration
+        start = asyncio.get_running_loop().time() if since is None else since
+        self._expires = start + duration
+
+    @property
+    def expires(self) -> float:
+        """Event-loop time at which the lease runs out."""
+        return self._expires
+
+    def remaining(self) -> float:
+        """Seconds left; negative once it ran out."""
+        return self._expires - asyncio.get_running_loop().time()
+
+    def live(self) -> bool:
+        """True while the lease has not run out by this clock, with a margin for
+        the heartbeat in flight (a tenth of the lease, at most a second)."""
+        return self.remaining() > min(self.duration / 10, 1.0)
+
+    def extended(self, sent: float) -> None:
+        """A heartbeat sent at ``sent`` (event-loop time) was answered."""
+        self._expires = max(self._expires, sent + self.duration)
 
 
 class EngineRpc:
@@ -151,22 +203,32 @@ class EngineRpc:
             self._connect().PollTasks, request, idempotent=False, deadline=deadline
         )
 
-    async def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-        return await self._call(self._connect().Heartbeat, request, idempotent=True)
+    async def heartbeat(
+        self, request: pb.HeartbeatRequest, *, lease: Lease | None = None
+    ) -> pb.HeartbeatResponse:
+        return await self._call(self._connect().Heartbeat, request, idempotent=True, lease=lease)
 
-    async def report(self, request: pb.ReportRequest) -> pb.ReportResponse:
-        return await self._call(self._connect().Report, request, idempotent=True)
+    async def report(
+        self, request: pb.ReportRequest, *, lease: Lease | None = None
+    ) -> pb.ReportResponse:
+        return await self._call(self._connect().Report, request, idempotent=True, lease=lease)
 
-    async def load_checkpoint(self, request: pb.LoadCheckpointRequest) -> pb.LoadCheckpointResponse:
-        return await self._call(self._connect().LoadCheckpoint, request, idempotent=True)
+    async def load_checkpoint(
+        self, request: pb.LoadCheckpointRequest, *, lease: Lease | None = None
+    ) -> pb.LoadCheckpointResponse:
+        method = self._connect().LoadCheckpoint
+        return await self._call(method, request, idempotent=True, lease=lease)
 
-    async def save_checkpoint(self, request: pb.SaveCheckpointRequest) -> pb.SaveCheckpointResponse:
-        return await self._call(self._connect().SaveCheckpoint, request, idempotent=True)
+    async def save_checkpoint(
+        self, request: pb.SaveCheckpointRequest, *, lease: Lease | None = None
+    ) -> pb.SaveCheckpointResponse:
+        method = self._connect().SaveCheckpoint
+        return await self._call(method, request, idempotent=True, lease=lease)
 
     # The journal (served next to the engine).
 
     async def claim(self, request: jpb.ClaimRequest) -> jpb.ClaimResponse:
-        return await self._call(self._journal().Claim, request, idempotent=False)
+        return await self._call(self._journal().Claim, request, idempotent=True)
 
     async def begin_model(self, request: jpb.BeginModelRequest) -> jpb.BeginModelResponse:
         return await self._call(self._journal().BeginModel, request, idempotent=True)
@@ -189,11 +251,20 @@ class EngineRpc:
     async def commit(self, request: jpb.CommitRequest) -> jpb.CommitResponse:
         return await self._call(self._journal().Commit, request, idempotent=True)
 
+    async def check_journal(self, request: jpb.CheckRequest) -> jpb.CheckResponse:
+        return await self._call(self._journal().Check, request, idempotent=True)
+
+    def journal_stub(self) -> JournalServiceAsyncStub:
+        """The journal service's stub, for streams (``Read``) a caller drives itself."""
+        return self._journal()
+
     async def place_inputs(self, request: jpb.PlaceInputsRequest) -> jpb.PlaceInputsResponse:
         return await self._call(self._journal().PlaceInputs, request, idempotent=True)
 
-    async def list_inputs(self, request: ipb.ListRequest) -> ipb.ListResponse:
-        return await self._call(self._inputs().List, request, idempotent=True)
+    async def list_inputs(
+        self, request: ipb.ListRequest, *, lease: Lease | None = None
+    ) -> ipb.ListResponse:
+        return await self._call(self._inputs().List, request, idempotent=True, lease=lease)
 
     async def submit_input(self, request: ipb.SubmitRequest) -> ipb.SubmitResponse:
         return await self._call(self._inputs().Submit, request, idempotent=True)
@@ -219,7 +290,7 @@ class EngineRpc:
     def _connect(self) -> EngineServiceAsyncStub:
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(
-                self._target, interceptors=client_interceptors()
+                self._target, options=CHANNEL_OPTIONS, interceptors=client_interceptors()
             )
             self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         return self._stub
@@ -231,11 +302,12 @@ class EngineRpc:
         *,
         idempotent: bool,
         deadline: float | None = None,
+        lease: Lease | None = None,
     ) -> Resp:
         timeout = self._timeout if deadline is None else deadline
         name = type(request).__name__.removesuffix("Request")
         return await self.retrying(
-            name, lambda: method(request, timeout=timeout), idempotent=idempotent
+            name, lambda: method(request, timeout=timeout), idempotent=idempotent, lease=lease
         )
 
     def open_session(self) -> SessionStream:
@@ -255,51 +327,78 @@ class EngineRpc:
             stream.cancel()
 
     async def retrying(
-        self, name: str, attempt: Callable[[], Awaitable[Resp]], *, idempotent: bool
-    ) -> Resp:
-        """``await attempt()``, tried again by the rules above; ``attempt``
-        raises ``AioRpcError`` when the transport fails."""
+        self,
+        name: str,
+        attempt: Callable[[], Awaitable[T]],
+        *,
+        idempotent: bool,
+        lease: Lease | None = None,
+    ) -> T:
+        """``await attempt()``, tried again by the rules above until ``lease``
+        runs out (or, without one, for the policy's budget); ``attempt`` raises
+        ``AioRpcError`` when the transport fails."""
         transient = functools.partial(_is_transient, idempotent=idempotent)
         try:  # the common case, without the retry machinery around it
             return await attempt()
         except grpc.aio.AioRpcError as err:
             if not transient(err):
-                raise error_from_rpc(err) from None
-            if self._retry.attempts <= 1:
-                raise Unavailable(f"{name} failed: {err.code().name}: {err.details()}") from None
+                raise self._domain_error(name, err) from None
+        loop = asyncio.get_running_loop()
+        started = loop.time() - 1e-3  # the first try
+        budget_end = started + self._retry.budget
+
+        def until() -> float:
+            return lease.expires if lease is not None else budget_end
+
+        backoff = wait_random_exponential(
+            multiplier=self._retry.backoff, max=self._retry.max_backoff
+        )
+
+        def wait(state: RetryCallState) -> float:  # never past the end
+            return max(0.0, min(backoff(state), until() - loop.time()))
+
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(self._retry.attempts - 1),
-            wait=wait_random_exponential(
-                multiplier=self._retry.backoff, max=self._retry.max_backoff
-            ),
+            stop=lambda _: loop.time() >= until(),
+            wait=wait,
             retry=retry_if_exception(transient),
             before_sleep=functools.partial(_log_retry, name),
             reraise=True,
         )
+        tries = 1
         try:
             async for tried in retrying:
+                tries += 1
                 with tried:
                     return await attempt()
         except grpc.aio.AioRpcError as err:
             # Raised "from None": the status is already in the message, and the
             # domain error is the whole story for the caller.
             if transient(err):
+                spent = loop.time() - started
+                what = "the task's lease ran out" if lease is not None else "gave up"
                 raise Unavailable(
-                    f"{name} failed {self._retry.attempts} times; last: "
+                    f"{name} failed for {spent:.1f}s ({tries} tries; {what}); last: "
                     f"{err.code().name}: {err.details()}"
                 ) from None
-            raise error_from_rpc(err) from None
+            raise self._domain_error(name, err) from None
         raise AssertionError("unreachable: the retry loop returns or raises")
+
+    def _domain_error(self, name: str, err: grpc.aio.AioRpcError) -> DagnatsError:
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            # A server without that service (an engine served without the journal).
+            return Unavailable(f"{self._target} does not serve {name}")
+        return error_from_rpc(err)
 
 
 def _is_transient(err: BaseException, *, idempotent: bool) -> bool:
     if not isinstance(err, grpc.aio.AioRpcError):
         return False
-    code = err.code()
-    return code in TRANSIENT_CODES or (idempotent and code == grpc.StatusCode.DEADLINE_EXCEEDED)
+    return retriable(err.code(), error_code(err), idempotent=idempotent)
 
 
 def _log_retry(name: str, state: RetryCallState) -> None:
     err = state.outcome.exception() if state.outcome else None
     status = err.code().name if isinstance(err, grpc.aio.AioRpcError) else repr(err)
-    log.info("engine %s attempt %d failed with %s; retrying", name, state.attempt_number, status)
+    log.info(
+        "engine %s attempt %d failed with %s; retrying", name, state.attempt_number + 1, status
+    )

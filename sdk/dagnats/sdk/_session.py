@@ -16,8 +16,9 @@ Invariants:
   ends, for the next dispatch to use: opening one costs about as much as a
   unary call.
 - The rules of the unary calls apply unchanged: the same deadline per attempt,
-  the same retries (``EngineRpc.retrying``), and the same domain errors, which
-  answer their call and leave the stream open.
+  the same retries (``EngineRpc.retrying``: for as long as the dispatch's lease
+  lasts), and the same domain errors, which answer their call and leave the
+  stream open.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dagnats.journal.session import CALLS, SERVICE
 from dagnats.journal.v1 import journal_pb2 as jpb
 
 if TYPE_CHECKING:
-    from dagnats.sdk._rpc import EngineRpc, SessionStream
+    from dagnats.sdk._rpc import EngineRpc, Lease, SessionStream
 
 Resp = TypeVar("Resp", bound=Message)
 
@@ -55,10 +56,15 @@ class JournalCalls(Protocol):
 
 
 class JournalSession:
-    """The journal calls of one dispatch, on a stream opened by the first call."""
+    """The journal calls of one dispatch, on a stream opened by the first call.
 
-    def __init__(self, rpc: EngineRpc) -> None:
+    With ``lease`` (the dispatch's), a call whose transport fails is tried again
+    for as long as the lease lasts; without, for the RPC policy's budget.
+    """
+
+    def __init__(self, rpc: EngineRpc, *, lease: Lease | None = None) -> None:
         self._rpc = rpc
+        self._lease = lease
         self._stream: SessionStream | None = None
         self._sent = 0
 
@@ -69,9 +75,9 @@ class JournalSession:
             self._rpc.release_session(stream)
 
     async def claim(self, request: jpb.ClaimRequest) -> jpb.ClaimResponse:
-        # Not idempotent, as the unary Claim: a claim whose answer was lost may
-        # have landed, and claiming again fences it (the restart limit counts it).
-        return await self._call("claim", request, jpb.ClaimResponse, idempotent=False)
+        # A claim whose answer was lost may have landed: claiming again fences it,
+        # and the restart limit counts it, which costs less than the attempt.
+        return await self._call("claim", request, jpb.ClaimResponse)
 
     async def begin_model(self, request: jpb.BeginModelRequest) -> jpb.BeginModelResponse:
         return await self._call("begin_model", request, jpb.BeginModelResponse)
@@ -97,16 +103,15 @@ class JournalSession:
     async def commit(self, request: jpb.CommitRequest) -> jpb.CommitResponse:
         return await self._call("commit", request, jpb.CommitResponse)
 
-    async def _call(
-        self, kind: str, request: Message, answer_type: type[Resp], *, idempotent: bool = True
-    ) -> Resp:
-        """Call ``kind`` (the request's field in ``SessionRequest``) on the stream."""
+    async def _call(self, kind: str, request: Message, answer_type: type[Resp]) -> Resp:
+        """Call ``kind`` (the request's field in ``SessionRequest``) on the stream.
+        Every journal call is safe to repeat (see ``_rpc``)."""
         name = CALLS[kind]
 
         async def attempt() -> Resp:
             return await self._exchange(kind, name, request, answer_type)
 
-        return await self._rpc.retrying(name, attempt, idempotent=idempotent)
+        return await self._rpc.retrying(name, attempt, idempotent=True, lease=self._lease)
 
     async def _exchange(
         self, kind: str, name: str, request: Message, answer_type: type[Resp]

@@ -9,8 +9,12 @@ Invariants:
   free slots, so the worker never leases a task it cannot start.
 - Every task ends with exactly one report unless the handler settled it: the
   outcome the handler chose, or one the worker derives from how it ended
-  (see ``_conclude``). A report that cannot be delivered is logged and
-  dropped; the lease then expires and the engine delivers the task again.
+  (see ``_conclude``). A report that cannot be delivered while the lease
+  lasts is logged and dropped; the lease then expires and the engine
+  delivers the task again.
+- The lease is kept alive until the task is settled, the settle included: a
+  call retried while the engine restarts keeps its lease when the engine is
+  back. Only a holder extends it (see ``_keep_alive``).
 - Stopping cancels the poll in flight. Tasks that poll had already leased are
   not lost: their leases expire and the engine delivers them again.
 """
@@ -34,7 +38,7 @@ from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
 from dagnats.core.ids import check_token
 from dagnats.core.tracing import extract, tracer
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.sdk._context import TaskContext, describe_error
+from dagnats.sdk._context import ASSUMED_LEASE, TaskContext, describe_error
 from dagnats.sdk._errors import Fenced, JournalSignal, PermanentError, RunCancelled
 from dagnats.sdk._rpc import EngineRpc
 
@@ -45,8 +49,6 @@ Handler = Callable[[TaskContext], Awaitable[None]]
 T = TypeVar("T")
 
 NOT_SETTLED = "handler returned without calling continue_, complete, fail or pause"
-# When the engine does not say how long a lease lasts, heartbeat as if it were this.
-_ASSUMED_LEASE = 30.0
 _MIN_HEARTBEAT = 0.05
 _POLL_BACKOFF = 0.2
 _POLL_BACKOFF_MAX = 10.0
@@ -177,6 +179,7 @@ class Worker:
             free = await self._free_slots()
             if free == 0:
                 continue  # stopping
+            sent = asyncio.get_running_loop().time()  # the leases count from here
             try:
                 leased = await self._unless_stopping(self._poll(free))
             except Exception as err:
@@ -187,7 +190,7 @@ class Worker:
                 continue
             failures = 0
             for task in leased or ():
-                self._start(task)
+                self._start(task, sent)
 
     async def _free_slots(self) -> int:
         while len(self._inflight) >= self._concurrency and not self._stopping.is_set():
@@ -236,9 +239,13 @@ class Worker:
 
     # One task.
 
-    def _start(self, leased: pb.LeasedTask) -> None:
+    def _start(self, leased: pb.LeasedTask, leased_at: float) -> None:
         tc = TaskContext(
-            leased, self._rpc, worker_id=self._worker_id, restart_limit=self._restart_limit
+            leased,
+            self._rpc,
+            worker_id=self._worker_id,
+            restart_limit=self._restart_limit,
+            leased_at=leased_at,
         )
         task = asyncio.create_task(self._execute(tc), name=f"task {tc.run_id}/{tc.step_id}")
         self._inflight.add(task)
@@ -273,29 +280,33 @@ class Worker:
             beats = asyncio.create_task(self._keep_alive(tc, running))
             try:
                 await asyncio.wait((running,))
+                # The lease stays alive while the outcome is reported.
+                await self._conclude(tc, running, span)
             finally:
                 beats.cancel()
                 if not running.done():  # stop() gave up on this task
                     running.cancel()
                 await asyncio.wait((running, beats))
-            try:
-                await self._conclude(tc, running, span)
-            finally:
                 tc._close()
 
     async def _keep_alive(self, tc: TaskContext, running: asyncio.Task[None]) -> None:
         interval = self._heartbeat_interval or max(
-            (tc.lease_duration or _ASSUMED_LEASE) / 3, _MIN_HEARTBEAT
+            (tc.lease_duration or ASSUMED_LEASE) / 3, _MIN_HEARTBEAT
         )
         while True:
             await asyncio.sleep(interval)
-            if tc.settled:  # the lease is spent; nothing left to keep alive
+            if tc._settle_done:  # the lease is spent; nothing left to keep alive
                 return
             try:
-                if tc.journaled is not None:
-                    # Only a holder may extend the lease: a zombie's heartbeat
-                    # would extend its successor's deadline.
-                    await tc.journaled.hold()
+                journal = tc.journaled
+                # Only a holder may extend the lease: a zombie's heartbeat would
+                # extend its successor's deadline. The journal says who holds
+                # the step; but while a journal call is in flight (retried
+                # through a restart, say) it cannot be asked, and then the
+                # lease itself answers: while it lasts, the task was given to
+                # no one else.
+                if journal is not None and not (journal.in_flight and tc._lease.live()):
+                    await journal.hold()
                 cancelled = await tc._beat()
             except Fenced:
                 log.warning("%s/%s: a successor holds the step; stopping", tc.run_id, tc.step_id)

@@ -1,19 +1,19 @@
-"""Engine settings, with defaults a single-machine install can run on."""
+"""Engine settings, with defaults a single-machine install can run on.
+
+Every setting can be given in the environment (``DAGNATS_*``, listed in
+``ENV`` and in the README's Settings table); a value that does not parse is
+refused at start-up, naming the variable.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 
+from dagnats.core.settings import env_bool, env_int, env_seconds
+
 log = logging.getLogger(__name__)
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    return raw.strip().lower() not in {"0", "false", "no", "off", ""}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,16 +25,25 @@ class EngineConfig:
             reports within it loses the task to a redelivery.
         history_ack_wait: how long an engine may take to apply one event
             before another engine gets it.
+        timer_ack_wait: the same for a timer that fired.
         legacy_step_events: accept step reports without a dispatch identity
             (``DAGNATS_LEGACY_STEP_EVENTS``, default true).
         loop_state_max_bytes: largest checkpoint of a non-journal step.
-        reconcile_interval: how often the engine looks for stranded work.
+        reconcile_interval: how often the engine looks for stranded work: an
+            outbox left unpublished, a task that vanished, or an event that an
+            engine took and did not apply (it died), which the reconciler then
+            applies itself, so that a run is not left idle for
+            ``history_ack_wait``.
         outbox_grace: how old an unpublished outbox must be before the
             reconciler publishes it on the writer's behalf.
+        history_batch: most events one fetch takes from the history.
+        dead_letter_after: deliveries of an event that keeps failing before it
+            is moved to the dead letters.
     """
 
     task_ack_wait: float = 30.0
     history_ack_wait: float = 30.0
+    timer_ack_wait: float = 30.0
     legacy_step_events: bool = True
     loop_state_max_bytes: int = 1 << 20
     reconcile_interval: float = 10.0
@@ -43,18 +52,37 @@ class EngineConfig:
     dead_letter_after: int = 10
 
     @classmethod
-    def from_env(cls, **overrides: object) -> EngineConfig:
-        """Defaults, then ``DAGNATS_*`` variables, then explicit overrides."""
-        values: dict[str, object] = {
-            "legacy_step_events": _env_bool("DAGNATS_LEGACY_STEP_EVENTS", True),
-        }
-        for field, env in (
-            ("task_ack_wait", "DAGNATS_TASK_ACK_WAIT"),
-            ("reconcile_interval", "DAGNATS_RECONCILE_INTERVAL"),
-        ):
-            if env in os.environ:
-                values[field] = float(os.environ[env])
-        if "DAGNATS_LOOP_STATE_MAX_BYTES" in os.environ:
-            values["loop_state_max_bytes"] = int(os.environ["DAGNATS_LOOP_STATE_MAX_BYTES"])
+    def from_env(cls, base: EngineConfig | None = None, **overrides: object) -> EngineConfig:
+        """``base`` (the defaults when None), then ``DAGNATS_*`` variables, then
+        explicit overrides.
+
+        Raises:
+            InvalidArgument: a variable is set to a value out of range.
+        """
+        base = base or cls()
+        values: dict[str, object] = {}
+        for field, (env, kind) in ENV.items():
+            default = getattr(base, field)
+            if kind == "seconds":
+                values[field] = env_seconds(env, default)
+            elif kind == "count":
+                values[field] = env_int(env, default)
+            else:
+                values[field] = env_bool(env, default)
         values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        return dataclasses.replace(base, **values)  # type: ignore[arg-type]
+
+
+# Each setting's variable, and how it is read: seconds (a positive number),
+# count (an integer >= 1) or flag.
+ENV: dict[str, tuple[str, str]] = {
+    "task_ack_wait": ("DAGNATS_TASK_ACK_WAIT", "seconds"),
+    "history_ack_wait": ("DAGNATS_HISTORY_ACK_WAIT", "seconds"),
+    "timer_ack_wait": ("DAGNATS_TIMER_ACK_WAIT", "seconds"),
+    "legacy_step_events": ("DAGNATS_LEGACY_STEP_EVENTS", "flag"),
+    "loop_state_max_bytes": ("DAGNATS_LOOP_STATE_MAX_BYTES", "count"),
+    "reconcile_interval": ("DAGNATS_RECONCILE_INTERVAL", "seconds"),
+    "outbox_grace": ("DAGNATS_OUTBOX_GRACE", "seconds"),
+    "history_batch": ("DAGNATS_HISTORY_BATCH", "count"),
+    "dead_letter_after": ("DAGNATS_DEAD_LETTER_AFTER", "count"),
+}

@@ -7,6 +7,12 @@ the pure rules, save the new run *and* its outbox with compare-and-swap, then
 publish the outbox and clear it. A crash anywhere in that sequence leaves
 either the old run (the input is redelivered) or the new run with its outbox
 (the next writer or the reconciler publishes it; Msg-Ids make that safe).
+
+An event an engine took from the history and never applied (it died) would
+wait out ``history_ack_wait`` before another engine got it. The reconciler
+applies such events itself once a run's history has stood unacknowledged for
+a whole pass, so the stall is bounded by ``reconcile_interval``; applying an
+event twice is harmless for every event it applies (see ``_recover``).
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ TIMER_CONSUMER = "engine-timers"
 MAX_CAS_RETRIES = 100
 
 Decide = Callable[[m.Run, float], m.Decision]
+# The events that report a step's outcome.
+_REPORTS = frozenset({"continue", "complete", "fail", "pause"})
 
 
 def task_msg_id(run_id: str, step_id: str, iteration: int, attempt: int) -> str:
@@ -76,6 +84,11 @@ class Engine:
         self._stopping = asyncio.Event()
         self._suspects: set[tuple[str, str, int, int]] = set()
         self._missing: set[str] = set()  # indexed runs not found on the last pass
+        # Runs whose history had events past the consumer's ack floor on the
+        # last pass, with the newest event's sequence; and those the reconciler
+        # applied itself, through that sequence.
+        self._unapplied: dict[str, int] = {}
+        self._recovered: dict[str, int] = {}
         self._indexed = False
 
     # ---- lifecycle ----------------------------------------------------------------
@@ -103,7 +116,7 @@ class Engine:
             ConsumerConfig(
                 durable_name=TIMER_CONSUMER,
                 ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=30.0,
+                ack_wait=self.config.timer_ack_wait,
                 max_deliver=-1,
                 max_ack_pending=-1,
             ),
@@ -332,20 +345,25 @@ class Engine:
         except Exception as err:
             await self._dead_letter(msg, err)
             return
+        await seam("before_event_applied")
         kind = event.WhichOneof("kind") or "unknown"
         parent = tracing.extract(dict(event.trace_context))
         with tracing.tracer.start_as_current_span(f"engine apply {kind}", context=parent) as span:
             span.set_attribute("dagnats.run_id", event.run_id)
             span.set_attribute("dagnats.step_id", event.step_id)
-            if kind == "start":
-                await self._start_child(event)
-            elif kind == "inputs":
-                await self._step_inputs(event)
-            else:
-                run_input = convert.event_to_input(event)
-                if run_input is not None:
-                    await self.apply(event.run_id, run_input)
+            await self._apply_event(event)
         await msg.ack()
+
+    async def _apply_event(self, event: ipb.HistoryEvent) -> None:
+        kind = event.WhichOneof("kind")
+        if kind == "start":
+            await self._start_child(event)
+        elif kind == "inputs":
+            await self._step_inputs(event)
+        else:
+            run_input = convert.event_to_input(event)
+            if run_input is not None:
+                await self.apply(event.run_id, run_input)
 
     async def apply(self, run_id: str, run_input: m.RunInput) -> tuple[m.Run, m.Decision] | None:
         return await self.transition(
@@ -436,6 +454,8 @@ class Engine:
         now = self.clock()
         seen: set[tuple[str, str, int, int]] = set()
         missing: set[str] = set()
+        unapplied: dict[str, int] = {}
+        recovered: dict[str, int] = {}
         applied = await self.store.history_applied_through(HISTORY_CONSUMER)
         for run_id in await self.store.active_run_ids():
             stored = await self.store.load_run(run_id)
@@ -458,8 +478,20 @@ class Engine:
                 continue
             if record.run.status != pb.RUN_STATUS_RUNNING:
                 continue
-            if await self.store.last_history_seq(record.run.run_id) > applied:
-                continue  # a report may be on its way; its task is rightly gone
+            last = await self.store.last_history_seq(run_id)
+            if last > applied and self._recovered.get(run_id) != last:
+                # A report may be on its way, and its task is rightly gone; or
+                # an engine took an event and died before applying it.
+                if self._unapplied.get(run_id) == last:
+                    if await self._recover(run_id, after=applied):
+                        recovered[run_id] = last
+                    else:
+                        unapplied[run_id] = last  # tried again on the next pass
+                else:
+                    unapplied[run_id] = last
+                continue
+            if last > applied:
+                recovered[run_id] = last  # applied here; the floor is held elsewhere
             for key in await self._stranded(record):
                 seen.add(key)
                 if key in self._suspects:
@@ -472,6 +504,48 @@ class Engine:
                     )
         self._suspects = seen
         self._missing = missing
+        self._unapplied = unapplied
+        self._recovered = recovered
+
+    async def _recover(self, run_id: str, *, after: int) -> bool:
+        """Apply the run's events after the ack floor ``after``, which stood a
+        whole pass unacknowledged: an engine that took one died, and its
+        redelivery would wait out ``history_ack_wait``.
+
+        Some were applied already (the floor is the oldest event still
+        unacknowledged, of any run). Applying those again changes nothing: a
+        report names its dispatch, which has moved on; a cancel, a child's end
+        or a child's start find them done. An input arrival is applied only if
+        inputs are queued, as the engine's own check does. Reports without a
+        dispatch identity are left to the redelivery: applied twice they could
+        advance a loop twice.
+
+        Returns:
+            Whether every event was applied (or left alone on purpose).
+        """
+        self.counters["history_recovered"] += 1
+        done = True
+        log.warning("run %s: events past seq %d stood unapplied; applying them", run_id, after)
+        async for seq, data in self.store.history_after(run_id, after):
+            try:
+                event = ipb.HistoryEvent.FromString(data)
+                kind = event.WhichOneof("kind")
+                if kind == "input":
+                    if self.inputs is None or not await self.inputs.queued(
+                        event.run_id, event.step_id
+                    ):
+                        continue
+                elif kind in _REPORTS and event.attempt <= 0:
+                    continue
+                parent = tracing.extract(dict(event.trace_context))
+                with tracing.tracer.start_as_current_span(f"engine recover {kind}", context=parent):
+                    await self._apply_event(event)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("run %s: could not apply history event %d", run_id, seq)
+                done = False
+        return done
 
     async def _stranded(self, record: ipb.RunRecord) -> list[tuple[str, str, int, int]]:
         run = record.run

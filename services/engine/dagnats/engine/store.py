@@ -6,6 +6,7 @@ error types do not leave this module.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import AsyncIterator
@@ -26,6 +27,12 @@ from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.journal.store import journal_subject
 
 log = logging.getLogger(__name__)
+
+
+# Every call to JetStream is retried while it is unavailable (a stream electing
+# its leader, a server restarting), within the request's budget: the one rule
+# of ``jsx.retry_transient``.
+_retry = jsx.retry_transient
 
 
 class StaleRevision(Exception):
@@ -100,11 +107,12 @@ class EngineStore:
     # ---- workflows ----------------------------------------------------------------
 
     async def put_workflow(self, workflow: pb.Workflow) -> None:
-        await self._workflows.put(workflow.name, workflow.SerializeToString())
+        data = workflow.SerializeToString()
+        await _retry(lambda: self._workflows.put(workflow.name, data), "store the workflow")
 
     async def get_workflow(self, name: str) -> pb.Workflow:
         try:
-            entry = await self._workflows.get(name)
+            entry = await _retry(lambda: self._workflows.get(name), "read the workflow")
         except nats.js.errors.KeyNotFoundError:
             raise NotFound(f"workflow {name!r} is not registered", field="workflow") from None
         return pb.Workflow.FromString(entry.value or b"")
@@ -118,7 +126,7 @@ class EngineStore:
 
     async def load_run(self, run_id: str) -> StoredRun | None:
         try:
-            entry = await self._runs.get(run_id)
+            entry = await _retry(lambda: self._runs.get(run_id), "read the run")
         except nats.js.errors.KeyNotFoundError:
             return None
         return StoredRun(ipb.RunRecord.FromString(entry.value or b""), int(entry.revision or 0))
@@ -132,16 +140,22 @@ class EngineStore:
     async def create_run(self, record: ipb.RunRecord) -> int | None:
         """Store a new run; None when a run with that id exists already. The run
         enters the active-run index first, so the reconciler cannot miss it."""
-        await self._active.put(record.run.run_id, b"1")
+        run_id, data = record.run.run_id, record.SerializeToString()
+        await _retry(lambda: self._active.put(run_id, b"1"), "index the run")
         try:
-            return int(await self._runs.create(record.run.run_id, record.SerializeToString()))
+            # A retried create whose first try landed finds the key taken: the
+            # caller then reads the run, and finds its own (the id is random).
+            return int(await _retry(lambda: self._runs.create(run_id, data), "store the run"))
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
     async def update_run(self, record: ipb.RunRecord, revision: int) -> int:
+        run_id, data = record.run.run_id, record.SerializeToString()
         try:
+            # A retried update whose first try landed is a stale revision: the
+            # caller reads the run again and decides on what it finds.
             return int(
-                await self._runs.update(record.run.run_id, record.SerializeToString(), revision)
+                await _retry(lambda: self._runs.update(run_id, data, revision), "update the run")
             )
         except nats.js.errors.KeyWrongLastSequenceError:
             raise StaleRevision(record.run.run_id) from None
@@ -151,7 +165,7 @@ class EngineStore:
             yield StoredRun(ipb.RunRecord.FromString(value), revision)
 
     async def delete_run(self, run_id: str) -> None:
-        await self._runs.purge(run_id)
+        await _retry(lambda: self._runs.purge(run_id), "purge the run")
         await self.leave_active(run_id)
 
     # ---- the active-run index -----------------------------------------------------
@@ -184,7 +198,7 @@ class EngineStore:
         """Enter the runs that may need the reconciler, stored before the index
         existed; once per deployment (a marker records it). Returns how many."""
         try:
-            await self._active.get(INDEX_COMPLETE)
+            await _retry(lambda: self._active.get(INDEX_COMPLETE), "read the index")
             return 0
         except nats.js.errors.KeyNotFoundError:
             pass
@@ -204,26 +218,29 @@ class EngineStore:
         """
         name = hashlib.sha256(f"{workflow}\0{key}".encode()).hexdigest()[:40]
         try:
-            await self._run_keys.create(name, run_id.encode())
+            await _retry(lambda: self._run_keys.create(name, run_id.encode()), "bind the key")
             return run_id
         except nats.js.errors.KeyWrongLastSequenceError:
-            entry = await self._run_keys.get(name)
+            entry = await _retry(lambda: self._run_keys.get(name), "read the key")
             return (entry.value or b"").decode()
 
     # ---- checkpoints --------------------------------------------------------------
 
     async def save_checkpoint(self, run_id: str, step_id: str, state: bytes) -> None:
-        await self._checkpoints.put(f"{run_id}.{step_id}", state)
+        key = f"{run_id}.{step_id}"
+        await _retry(lambda: self._checkpoints.put(key, state), "save the checkpoint")
 
     async def load_checkpoint(self, run_id: str, step_id: str) -> bytes | None:
         try:
-            entry = await self._checkpoints.get(f"{run_id}.{step_id}")
+            key = f"{run_id}.{step_id}"
+            entry = await _retry(lambda: self._checkpoints.get(key), "load the checkpoint")
         except nats.js.errors.KeyNotFoundError:
             return None
         return entry.value or b""
 
     async def delete_checkpoint(self, run_id: str, step_id: str) -> None:
-        await self._checkpoints.purge(f"{run_id}.{step_id}")
+        key = f"{run_id}.{step_id}"
+        await _retry(lambda: self._checkpoints.purge(key), "delete the checkpoint")
 
     # ---- streams ------------------------------------------------------------------
 
@@ -236,14 +253,16 @@ class EngineStore:
             await jsx.publish(
                 self.js, entry.subject, entry.data, msg_id=entry.msg_id, headers=dict(entry.headers)
             )
-        except jsx.TRANSIENT_NATS_ERRORS as err:
+        except Exception as err:
+            if not jsx.is_transient(err):
+                raise
             raise Unavailable(f"could not publish to {entry.subject}: {err!r}") from err
 
     async def task_in_flight(self, subject: str, msg_id: str) -> bool:
         """Whether the task queue still holds the dispatch ``msg_id`` (or a
         re-dispatch of it), i.e. no worker has acknowledged it."""
         try:
-            msg = await self.js.get_last_msg(jsx.TASKS, subject)
+            msg = await _retry(lambda: self.js.get_last_msg(jsx.TASKS, subject), "read a task")
         except nats.js.errors.NotFoundError:
             return False
         headers = msg.headers or {}
@@ -252,19 +271,38 @@ class EngineStore:
 
     async def last_history_seq(self, run_id: str) -> int:
         """Stream sequence of the run's newest event; 0 when it has none."""
+        subject = history_subject(run_id)
         try:
-            msg = await self.js.get_last_msg(jsx.HISTORY, history_subject(run_id))
+            msg = await _retry(lambda: self.js.get_last_msg(jsx.HISTORY, subject), "read history")
         except nats.js.errors.NotFoundError:
             return 0
         return int(msg.seq or 0)
 
+    async def history_after(self, run_id: str, after: int) -> AsyncIterator[tuple[int, bytes]]:
+        """The run's history events with a sequence above ``after``, in order,
+        each as its sequence and data; read from the stream leader."""
+        subject, seq = history_subject(run_id), after + 1
+        while True:
+            get = functools.partial(
+                self.js.get_msg, jsx.HISTORY, seq=seq, subject=subject, next=True
+            )
+            try:
+                msg = await _retry(get, "read history")
+            except nats.js.errors.NotFoundError:
+                return
+            seq = int(msg.seq or 0)
+            yield seq, msg.data or b""
+            seq += 1
+
     async def history_applied_through(self, consumer: str) -> int:
         """Every history event up to this sequence has been applied."""
-        info = await self.js.consumer_info(jsx.HISTORY, consumer)
+        info = await _retry(
+            lambda: self.js.consumer_info(jsx.HISTORY, consumer), "read the history consumer"
+        )
         return int(info.ack_floor.stream_seq if info.ack_floor else 0)
 
     async def purge_subject(self, stream: str, subject: str) -> None:
-        await self.js.purge_stream(stream, subject=subject)
+        await _retry(lambda: self.js.purge_stream(stream, subject=subject), f"purge {stream}")
 
     async def ensure_task_consumer(self, task_type: str, ack_wait: float) -> None:
         from nats.js.api import AckPolicy, ConsumerConfig
@@ -279,7 +317,7 @@ class EngineStore:
             max_ack_pending=-1,
             max_waiting=4096,
         )
-        await self.js.add_consumer(jsx.TASKS, config)
+        await _retry(lambda: self.js.add_consumer(jsx.TASKS, config), "create the task consumer")
 
     # ---- the journal, read to check a worker's report or lease ------------------
 

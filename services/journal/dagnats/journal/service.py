@@ -23,6 +23,7 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from dagnats.core import errors
+from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
 from dagnats.core.ids import check_run_id, check_token
 from dagnats.core.seam import seam
@@ -501,7 +502,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
 
     async def _run(self, run_id: str) -> epb.Run:
         try:
-            entry = await self._runs.get(run_id)
+            entry = await jsx.retry_transient(lambda: self._runs.get(run_id), "read the run")
         except nats.js.errors.KeyNotFoundError:
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id") from None
         return eipb.RunRecord.FromString(entry.value or b"").run

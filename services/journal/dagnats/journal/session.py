@@ -6,8 +6,13 @@ calls in a row. Each request runs the servicer's own method for its call (the
 same checks, replay rules and fenced writes as the unary RPC) inside a SERVER
 span whose parent is the trace context the request carries, so a fenced write
 is an event in the worker's trace. Requests are answered one at a time, in
-order. A domain error answers its request and the stream goes on; any other
-exception ends the stream with UNKNOWN, as it would end a unary call.
+order. A domain error answers its request and the stream goes on, and so does
+a failure the unary call would turn into a retriable status (NATS that did not
+answer in time, a stream electing its leader: ``grpcutil.as_domain_error``),
+with the same status, code and field; any other exception ends the stream with
+UNKNOWN, as it would end a unary call. A call on the stream has no deadline of
+its own, so the stores retry transient errors for their own budget (see
+``dagnats.core.deadline``).
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from dagnats.core import errors, tracing
-from dagnats.core.grpcutil import Context, status_of, wire_status
+from dagnats.core import deadline, errors, tracing
+from dagnats.core.grpcutil import Context, as_domain_error, status_of, wire_status
 from dagnats.journal.v1 import journal_pb2 as pb
 
 SERVICE = "/dagnats.journal.v1.JournalService/"
@@ -60,10 +65,13 @@ async def _answer(
     parent = tracing.extract(request.trace_context)
     with tracing.server_span(SERVICE + CALLS[kind], parent) as span:
         try:
-            answer = await methods[kind](servicer, getattr(request, kind), context)
-        except errors.DagnatsError as err:
-            tracing.set_status(span, status_of(err), err.message, server=True)
-            return _failed(request.id, err)
+            with deadline.serving(None):
+                answer = await methods[kind](servicer, getattr(request, kind), context)
+        except Exception as err:
+            if (domain := as_domain_error(err)) is None:
+                raise
+            tracing.set_status(span, status_of(domain), domain.message, server=True)
+            return _failed(request.id, domain)
         response = pb.SessionResponse(id=request.id)
         getattr(response, kind).CopyFrom(answer)
         return response

@@ -17,15 +17,17 @@ subject here and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from collections.abc import AsyncIterator
+from typing import Any
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy, RawStreamMsg
 from opentelemetry import trace
 
 from dagnats.core import jetstream as jsx
@@ -40,7 +42,8 @@ IN_FLIGHT_ON_SUBJECT = 10164
 RETRY_IN_FLIGHT = 10158
 STREAM_NOT_FOUND = 10059
 _CURRENT = re.compile(r"wrong last sequence: (\d+)")
-RETRY_DEADLINE = 30.0
+# The longest one publish attempt waits for its ack.
+ATTEMPT_TIMEOUT = 5.0
 
 
 def journal_subject(run_id: str, step_id: str) -> str:
@@ -86,12 +89,16 @@ class JournalStore:
                 f"{kind} record is {len(data)} bytes; the server accepts {self.nc.max_payload}",
                 field="record",
             )
+        # Transient errors are retried with the same Msg-Id, by the budget of
+        # jsx.retry_transient (here by hand: 10071 and the in-flight errors
+        # need answers of their own), then resolved by reading what landed.
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + RETRY_DEADLINE
+        deadline = loop.time() + jsx.retry_budget()
         delay = 0.02
         while True:
             try:
-                ack = await self.js.publish(subject, data, timeout=5.0, headers=headers)
+                timeout = min(ATTEMPT_TIMEOUT, max(deadline - loop.time(), 0.5))
+                ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
                 if ack.duplicate:  # R3: our Msg-Id landed before; is it this record?
                     landed = await self.get(int(ack.seq))
                     _same_or_fenced(subject, token.last_seq, landed, record)
@@ -101,10 +108,12 @@ class JournalStore:
                     return await self._resolve(
                         subject, token.last_seq, msg_id, record, err, guessed=guessed
                     )
-                if err.err_code not in (IN_FLIGHT_ON_SUBJECT, RETRY_IN_FLIGHT):
+                in_flight = err.err_code in (IN_FLIGHT_ON_SUBJECT, RETRY_IN_FLIGHT)
+                if not in_flight and not jsx.is_transient(err):
                     raise
-            except jsx.TRANSIENT_NATS_ERRORS:
-                pass
+            except Exception as err:
+                if not jsx.is_transient(err):
+                    raise
             if loop.time() > deadline:
                 return await self._resolve(
                     subject, token.last_seq, msg_id, record, None, guessed=guessed
@@ -124,7 +133,7 @@ class JournalStore:
     ) -> int:
         """After a rejected or unanswered write: did our own earlier try land?"""
         try:
-            first = await self.js.get_msg(jsx.JOURNAL, seq=expected + 1, subject=subject, next=True)
+            first = await self._get_msg(seq=expected + 1, subject=subject, next=True)
         except nats.js.errors.NotFoundError as missing:
             _unless_stream_missing(missing)
             first = None
@@ -151,8 +160,11 @@ class JournalStore:
 
     async def tail(self, run_id: str, step_id: str) -> pb.Record | None:
         """The last record of a step, read from the stream leader."""
+        subject = journal_subject(run_id, step_id)
         try:
-            msg = await self.js.get_last_msg(jsx.JOURNAL, journal_subject(run_id, step_id))
+            msg = await jsx.retry_transient(
+                functools.partial(self.js.get_last_msg, jsx.JOURNAL, subject), "read the tail"
+            )
         except nats.js.errors.NotFoundError as err:
             _unless_stream_missing(err)
             return None
@@ -160,7 +172,7 @@ class JournalStore:
 
     async def get(self, seq: int) -> pb.Record | None:
         try:
-            msg = await self.js.get_msg(jsx.JOURNAL, seq=seq)
+            msg = await self._get_msg(seq=seq)
         except nats.js.errors.NotFoundError as err:
             _unless_stream_missing(err)
             return None
@@ -175,7 +187,7 @@ class JournalStore:
         seq = after + 1
         while (through is None or seq <= through) and (not limit or len(records) < limit):
             try:
-                msg = await self.js.get_msg(jsx.JOURNAL, seq=seq, subject=subject, next=True)
+                msg = await self._get_msg(seq=seq, subject=subject, next=True)
             except nats.js.errors.NotFoundError as err:
                 _unless_stream_missing(err)
                 break
@@ -202,7 +214,14 @@ class JournalStore:
             await sub.unsubscribe()
 
     async def purge(self, run_id: str) -> None:
-        await self.js.purge_stream(jsx.JOURNAL, subject=f"journal.{run_id}.>")
+        purge = functools.partial(self.js.purge_stream, jsx.JOURNAL, subject=f"journal.{run_id}.>")
+        await jsx.retry_transient(purge, "purge the journal")
+
+    async def _get_msg(self, **where: Any) -> RawStreamMsg:
+        """One message from the stream leader, read again while JetStream is
+        unavailable (a read is always safe to repeat)."""
+        get = functools.partial(self.js.get_msg, jsx.JOURNAL, **where)
+        return await jsx.retry_transient(get, "read the journal")
 
 
 def _same_or_fenced(

@@ -1,0 +1,54 @@
+"""Reading ``DAGNATS_*`` settings from the environment, checked at the edge.
+
+A value that does not parse, or is out of range, is an ``InvalidArgument``
+naming the variable, so a service refuses to start with a clear message
+instead of a traceback or a silent default. Every setting is listed in the
+README's Settings table.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from dagnats.core.errors import InvalidArgument
+
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive, finite number of seconds from ``name``; ``default`` when unset."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(
+            f"{name} must be a positive number of seconds, got {raw!r}", field=name
+        )
+    return value
+
+
+def env_int(name: str, default: int, *, minimum: int = 1) -> int:
+    """An integer of at least ``minimum`` from ``name``; ``default`` when unset."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise InvalidArgument(f"{name} must be an integer >= {minimum}, got {raw!r}", field=name)
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """``0``, ``false``, ``no``, ``off`` or empty are false; anything else is true."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return raw.strip().lower() not in _FALSE
