@@ -324,7 +324,8 @@ class EngineStore:
     async def journal_tail(self, run_id: str, step_id: str) -> m.JournalMark | None:
         """The last record of a step's journal, read from the stream leader."""
         try:
-            msg = await self.js.get_last_msg(jsx.JOURNAL, journal_subject(run_id, step_id))
+            subject = journal_subject(run_id, step_id)
+            msg = await _retry(lambda: self.js.get_last_msg(jsx.JOURNAL, subject), "read a journal")
         except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
             return None  # no journal (or no journal stream: nothing was journaled)
         return convert.journal_mark(msg.data or b"", int(msg.seq or 0), msg.headers)
@@ -332,7 +333,7 @@ class EngineStore:
     async def journal_record(self, run_id: str, step_id: str, seq: int) -> m.JournalMark | None:
         """The record at ``seq`` if it is on the step's journal; None otherwise."""
         try:
-            msg = await self.js.get_msg(jsx.JOURNAL, seq=seq)
+            msg = await _retry(lambda: self.js.get_msg(jsx.JOURNAL, seq=seq), "read a journal")
         except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
             return None
         if msg.subject != journal_subject(run_id, step_id):
@@ -342,7 +343,7 @@ class EngineStore:
     async def task_at(self, seq: int) -> pb.Task | None:
         """The task message at ``seq`` of the task stream, while it is there."""
         try:
-            msg = await self.js.get_msg(jsx.TASKS, seq=seq)
+            msg = await _retry(lambda: self.js.get_msg(jsx.TASKS, seq=seq), "read a task")
         except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
             return None  # acknowledged: the lease is spent
         return pb.Task.FromString(msg.data or b"")
