@@ -4,13 +4,19 @@ exact interleaving is reproduced every time rather than by chance."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+from unittest import mock
 
 import grpc
 import grpc.aio
+import nats.errors
 import pytest
 import pytest_asyncio
+from nats.js.kv import KeyValue
 
+from dagnats.core import jetstream as jsx
 from dagnats.core import seam
 from dagnats.engine.server import EngineServer
 from dagnats.journal.v1 import journal_pb2 as jpb
@@ -155,3 +161,44 @@ async def test_a_redelivery_takes_over_an_input_its_predecessor_claimed_but_neve
     records = await read_journal(engine, token.run_id)
     placed = [(r.input_placed.request_id, r.writer) for r in records if r.HasField("input_placed")]
     assert placed == [("s1", token.writer), ("s2", successor.writer)]
+
+
+@contextlib.contextmanager
+def first_input_update_loses_its_ack() -> Iterator[list[int]]:
+    """The next update of the ``INPUTS`` bucket lands and then times out, as
+    when the bucket's leader steps down between storing it and answering: the
+    store's retry of that very update finds the revision moved on. Yields the
+    revisions that landed without an answer."""
+    real = KeyValue.update
+    landed: list[int] = []
+
+    async def update(self: KeyValue, key: str, value: bytes, last: Any = None, **kw: Any) -> int:
+        revision = await real(self, key, value, last, **kw)
+        if self._name == jsx.KV_INPUTS and not landed:
+            landed.append(revision)
+            raise nats.errors.TimeoutError
+        return revision
+
+    with mock.patch.object(KeyValue, "update", update):
+        yield landed
+
+
+async def test_place_inputs_whose_claim_landed_without_an_answer_records_the_input(
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+) -> None:
+    # The claim of an input in the inputs bucket landed but its answer was
+    # lost; the retried claim was refused (the revision had moved on) and the
+    # input was skipped as "claimed by someone else": it stayed placed with no
+    # input.placed record, and read done once its iteration committed (the
+    # soak's "reads STATUS_DONE with 0 input.placed record(s)").
+    token = await claimed_run(client, journal)
+    await client.submit_input(token.run_id, "agent", "s1", {"steer": 1})
+    with first_input_update_loses_its_ack() as landed:
+        answer = await journal.PlaceInputs(
+            jpb.PlaceInputsRequest(token=token, position=0, mode=STEER)
+        )
+    assert landed, "the fault was not injected"
+    assert [p.request_id for p in answer.inputs] == ["s1"]
+    records = await read_journal(engine, token.run_id)
+    assert [r.input_placed.request_id for r in records if r.HasField("input_placed")] == ["s1"]
+    assert answer.token.last_seq == records[-1].seq

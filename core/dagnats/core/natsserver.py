@@ -7,7 +7,8 @@ Invariants:
 
 * A server is never reported started until JetStream answers on it: the client
   port accepts connections and ``/healthz?js-enabled-only=true`` is 200. A cluster
-  is never reported started until every member names the same meta leader.
+  is never reported started until every member names the same meta leader and
+  every member's ``/healthz`` is 200 (its JetStream is current).
 * Readiness is always a condition polled against a deadline, never a fixed sleep.
 * ``sync_interval: always`` is on by default: the server fsyncs before it acks
   (see docs: acknowledged writes survive an OS crash only with it).
@@ -444,6 +445,7 @@ class NatsCluster:
                 if isinstance(result, BaseException):
                     raise result
             await cluster.wait_for_meta_leader(ready_timeout=ready_timeout)
+            await cluster.wait_until_healthy(ready_timeout=ready_timeout)
         except BaseException:
             await cluster.stop()
             raise
@@ -486,6 +488,22 @@ class NatsCluster:
 
         await _poll(agreed, ready_timeout, "no JetStream meta leader elected")
         return leader[0]
+
+    async def wait_until_healthy(self, *, ready_timeout: float = 30.0) -> None:
+        """Wait until every running member's ``/healthz`` is 200: its JetStream
+        is current with the meta leader, so it answers the JetStream API
+        itself. A member that knows the leader may still be catching up, and a
+        request sent through it meanwhile gets no responders."""
+
+        async def healthy() -> bool:
+            for server in self.servers:
+                if server.running:
+                    status, _ = await _http_get(f"{server.monitor_url}/healthz")
+                    if status != 200:
+                        return False
+            return True
+
+        await _poll(healthy, ready_timeout, "JetStream not current on every member")
 
 
 async def check_sync_always(monitor_url: str) -> bool:

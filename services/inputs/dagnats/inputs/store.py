@@ -334,22 +334,51 @@ async def close_step_inputs(store: InputStore, run_id: str, step_id: str, now: f
 async def close_input(
     store: InputStore, state: InputState, revision: int, now: float
 ) -> tuple[InputState | None, bool]:
-    """Mark one input ``unanswered`` if it is still queued, with compare-and-swap;
-    an input that changed since it was read is read again, so one placed or
-    withdrawn meanwhile keeps that status.
+    """Mark one input ``unanswered`` if it is still queued (see :func:`change`):
+    one placed or withdrawn meanwhile keeps that status.
 
     Returns:
         The input as stored afterwards (None when it is gone) and whether this
         call changed it.
     """
+    return await change(store, state, revision, lambda current: rules.close(current, now))
+
+
+async def change(
+    store: InputStore,
+    state: InputState,
+    revision: int,
+    decide: Callable[[InputState], InputState | None],
+) -> tuple[InputState | None, bool]:
+    """Write what ``decide`` makes of the input, with compare-and-swap on the
+    revision it was read at; None from ``decide``: nothing changes.
+
+    An input that changed since it was read is read again and decided again.
+    That covers another writer's change (a withdrawal that won against a
+    placement reads as withdrawn, and ``decide`` refuses it) and this call's own
+    write whose answer was lost: a retried update finds the revision moved on
+    even though it was this very write that moved it, so a refused update is
+    never taken to mean that someone else's change won.
+
+    Returns:
+        The input as stored afterwards (None when it is gone) and whether this
+        call changed it.
+
+    Raises:
+        Unavailable: the input kept changing for ``RETRY_DEADLINE`` seconds.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RETRY_DEADLINE
     while True:
-        closed = rules.close(state, now)
-        if closed is None:
+        moved = decide(state)
+        if moved is None:
             return state, False
         try:
-            await store.update(closed, revision)
-            return closed, True
+            await store.update(moved, revision)
+            return moved, True
         except StaleRevision:
+            if loop.time() > deadline:
+                raise Unavailable(f"input {state.request_id!r} keeps changing") from None
             stored = await store.get(state.run_id, state.step_id, state.request_id)
             if stored is None:
                 return None, False
@@ -360,6 +389,7 @@ __all__ = [
     "InputStore",
     "InputWatch",
     "StaleRevision",
+    "change",
     "close_input",
     "close_step_inputs",
     "history_subject",

@@ -15,8 +15,7 @@ import time
 from dagnats.core import errors
 from dagnats.core.seam import seam
 from dagnats.inputs import rules as input_rules
-from dagnats.inputs.store import InputStore
-from dagnats.inputs.store import StaleRevision as InputStaleRevision
+from dagnats.inputs.store import InputStore, change
 from dagnats.journal import convert, replay
 from dagnats.journal import model as jm
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -104,24 +103,28 @@ class InputPlacement:
         iteration; with ``queued`` False only such left claims are taken."""
         now = time.time()
         mode = input_rules.Mode[MODES[request.mode]]
-        for state, revision in await self._inputs.list(token.run_id, token.step_id):
-            if not queued and state.status is input_rules.Status.QUEUED:
-                continue  # a replayed call places nothing new
-            moved = input_rules.claim_for(
-                state,
+        iteration, attempt, writer = token.iteration, token.attempt, token.writer
+
+        def claim(current: input_rules.InputState) -> input_rules.InputState | None:
+            if not queued and current.status is input_rules.Status.QUEUED:
+                return None  # a replayed call places nothing new
+            return input_rules.claim_for(
+                current,
                 mode=mode,
-                iteration=token.iteration,
-                attempt=token.attempt,
-                writer=token.writer,
+                iteration=iteration,
+                attempt=attempt,
+                writer=writer,
                 recorded=recorded,
                 now=now,
             )
-            if moved is None:
+
+        for state, revision in await self._inputs.list(token.run_id, token.step_id):
+            # An input changed since the listing is decided again as it is now:
+            # withdrawn meanwhile, it is not ours; claimed by our own update
+            # whose answer was lost, it is ours to record.
+            _, claimed = await change(self._inputs, state, revision, claim)
+            if not claimed:
                 continue
-            try:
-                await self._inputs.update(moved, revision)
-            except InputStaleRevision:
-                continue  # withdrawn or claimed meanwhile: it is not ours
             await seam("after_input_claimed")
             record = pb.InputPlaced(
                 position=request.position,
