@@ -49,6 +49,17 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="a record under our Msg-Id is ours only if it records the same thing",
+        file="services/journal/dagnats/journal/store.py",
+        guard="        and getattr(landed, kind) == getattr(record, kind)\n",
+        removed="",
+        how="any record of the same kind under the writer's Msg-Id passes as its retried write",
+        tests=(
+            "tests/test_journal_store.py::"
+            "test_a_token_sent_again_for_another_record_of_the_same_kind_is_fenced",
+        ),
+    ),
+    Guard(
         name="claim identity (the claim record that fences earlier holders)",
         file="services/journal/dagnats/journal/service.py",
         guard=(
@@ -176,6 +187,80 @@ GUARDS = (
         tests=(
             "tests/test_restarts.py::"
             "test_an_engine_killed_after_taking_a_continue_stalls_the_run_for_a_reconcile_only",
+        ),
+    ),
+    Guard(
+        name="honour only an earlier attempt's intents",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="            and r.attempt < attempt\n            and not r.safe\n",
+        removed="            and r.attempt <= attempt\n            and not r.safe\n",
+        how="a redelivery of the same attempt honours its own unsafe intents by name and input",
+        tests=(
+            "tests/test_replay.py::"
+            "test_a_redelivery_of_the_same_attempt_honours_none_of_its_own_intents",
+        ),
+    ),
+    Guard(
+        name="an honouring intent is not honoured again",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="            and r.honours_seq == 0\n",
+        removed="",
+        how="an intent that honoured another (and started nothing) stands for a tool run",
+        tests=("tests/test_replay.py::test_an_honouring_intent_is_never_honoured_itself",),
+    ),
+    Guard(
+        name="a claim decided from a guessed tail",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    return isinstance(decision, Proceed)\n",
+        removed="    return True\n",
+        how="a stale or already-committed answer stands on a guessed tail, never read",
+        tests=(
+            "tests/test_replay.py::"
+            "test_a_claim_answer_that_writes_nothing_never_stands_on_a_guessed_tail",
+        ),
+    ),
+    Guard(
+        name="an output or result answers an intent of its own iteration",
+        file="services/journal/dagnats/journal/service.py",
+        guard="    if not token.base_seq < intent_seq <= token.last_seq:\n",
+        removed="    if not 0 < intent_seq <= token.last_seq:\n",
+        how="a tool output or result may answer an intent of an earlier iteration",
+        tests=(
+            "tests/test_journal_api.py::"
+            "test_an_output_or_result_cannot_answer_an_intent_of_an_earlier_iteration",
+        ),
+    ),
+    Guard(
+        name="compare-and-swap on an input's state",
+        file="services/inputs/dagnats/inputs/store.py",
+        guard='                    lambda: self._inputs.update(name, value, revision), "update"\n',
+        removed='                    lambda: self._inputs.put(name, value), "update"\n',
+        how="an input is written over whatever changed since it was read",
+        tests=(
+            "tests/test_waits_inputs.py::"
+            "test_a_withdrawal_between_a_placements_read_and_its_claim_wins",
+        ),
+    ),
+    Guard(
+        name="a placement's earlier try is the writer's own records only",
+        file="services/journal/dagnats/journal/placement.py",
+        guard="            if record.writer != token.writer:\n",
+        removed="            if False:\n",
+        how="a fenced holder takes its successor's records as its own, and writes after them",
+        tests=(
+            "tests/test_harness_regressions.py::"
+            "test_place_inputs_by_a_holder_fenced_by_a_redelivery_writes_nothing",
+        ),
+    ),
+    Guard(
+        name="a refused input change is decided again",
+        file="services/inputs/dagnats/inputs/store.py",
+        guard="            state, revision = stored\n",
+        removed="            return state, False\n",
+        how="a refused compare-and-swap is taken as another writer's win, even when it was ours",
+        tests=(
+            "tests/test_harness_regressions.py::"
+            "test_place_inputs_whose_claim_landed_without_an_answer_records_the_input",
         ),
     ),
 )

@@ -18,7 +18,10 @@ from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import seam
+from dagnats.core.errors import Fenced
+from dagnats.core.grpcutil import error_from_rpc
 from dagnats.engine.server import EngineServer
+from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client
@@ -161,6 +164,35 @@ async def test_a_redelivery_takes_over_an_input_its_predecessor_claimed_but_neve
     records = await read_journal(engine, token.run_id)
     placed = [(r.input_placed.request_id, r.writer) for r in records if r.HasField("input_placed")]
     assert placed == [("s1", token.writer), ("s2", successor.writer)]
+
+
+async def test_place_inputs_by_a_holder_fenced_by_a_redelivery_writes_nothing(
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+) -> None:
+    # The records after a writer's claim count as an earlier try of its own
+    # call only if it wrote them: a stalled holder whose task was redelivered
+    # finds its successor's records there, and is fenced, rather than moving
+    # its token past them and placing inputs behind its successor.
+    token = await claimed_run(client, journal)
+    again = await journal.Claim(
+        jpb.ClaimRequest(run_id=token.run_id, step_id="agent", iteration=0, attempt=1)
+    )
+    successor = again.claimed.token
+    await journal.RecordModel(
+        jpb.RecordModelRequest(token=successor, position=0, response=b'{"text": "hi"}')
+    )
+    await client.submit_input(token.run_id, "agent", "s1", {"steer": 1})
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await journal.PlaceInputs(jpb.PlaceInputsRequest(token=token, position=0, mode=STEER))
+    assert isinstance(error_from_rpc(refused.value), Fenced)
+    records = await read_journal(engine, token.run_id)
+    assert [(r.writer, r.WhichOneof("kind")) for r in records] == [
+        (token.writer, "claim"),
+        (successor.writer, "claim"),
+        (successor.writer, "model"),
+    ]
+    got = await client.get_input(token.run_id, "agent", "s1")
+    assert got.status == ipb.STATUS_QUEUED
 
 
 @contextlib.contextmanager

@@ -169,6 +169,39 @@ async def test_calls_per_dispatch_are_bounded(engine: EngineServer) -> None:
     assert seen == ["position"]
 
 
+async def begin_unsafe_tool(stub: jgrpc.JournalServiceStub, run_id: str) -> jpb.BeginToolResponse:
+    """Claim iteration 0 of ``run_id`` as its worker and begin an unsafe tool."""
+    claimed = await stub.Claim(
+        jpb.ClaimRequest(run_id=run_id, step_id="agent", iteration=0, attempt=1)
+    )
+    return await stub.BeginTool(
+        jpb.BeginToolRequest(
+            token=claimed.claimed.token,
+            position=0,
+            name="charge",
+            input=b"{}",
+            replay=jpb.REPLAY_UNSAFE,
+        )
+    )
+
+
+async def assert_intent_seq_refused(
+    stub: jgrpc.JournalServiceStub, token: jpb.WriterToken, intent_seq: int
+) -> None:
+    """Both a tool output and a result for ``intent_seq`` are refused."""
+    for call in (
+        stub.ToolOutput(jpb.ToolOutputRequest(token=token, intent_seq=intent_seq, chunk="x")),
+        stub.FinishTool(jpb.FinishToolRequest(token=token, intent_seq=intent_seq, output=b"1")),
+    ):
+        try:
+            await call
+        except grpc.aio.AioRpcError as err:
+            refused = error_from_rpc(err)
+        else:
+            raise AssertionError(f"intent_seq {intent_seq} was accepted")
+        assert isinstance(refused, InvalidArgument) and refused.field == "intent_seq"
+
+
 async def test_an_output_or_result_must_answer_a_record_the_writer_has_seen(
     engine: EngineServer,
 ) -> None:
@@ -178,37 +211,51 @@ async def test_an_output_or_result_must_answer_a_record_the_writer_has_seen(
         run = await client.start_run(name)  # no worker: the step's dispatch stays open
         async with grpc.aio.insecure_channel(engine.target) as channel:
             stub = jgrpc.JournalServiceStub(channel)
-            claimed = await stub.Claim(
-                jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
-            )
-            begun = await stub.BeginTool(
-                jpb.BeginToolRequest(
-                    token=claimed.claimed.token,
-                    position=0,
-                    name="charge",
-                    input=b"{}",
-                    replay=jpb.REPLAY_UNSAFE,
-                )
-            )
+            begun = await begin_unsafe_tool(stub, run.run_id)
             token, intent = begun.token, begun.intent_seq
             for bad in (0, intent + 1, intent + 100):
-                for call in (
-                    stub.ToolOutput(jpb.ToolOutputRequest(token=token, intent_seq=bad, chunk="x")),
-                    stub.FinishTool(
-                        jpb.FinishToolRequest(token=token, intent_seq=bad, output=b"1")
-                    ),
-                ):
-                    try:
-                        await call
-                    except grpc.aio.AioRpcError as err:
-                        refused = error_from_rpc(err)
-                    else:
-                        raise AssertionError(f"intent_seq {bad} was accepted")
-                    assert isinstance(refused, InvalidArgument) and refused.field == "intent_seq"
+                await assert_intent_seq_refused(stub, token, bad)
             done = await stub.FinishTool(
                 jpb.FinishToolRequest(token=token, intent_seq=intent, output=b"1")
             )
             assert done.token.last_seq == intent + 1, "nothing was written by the refused calls"
+        await client.cancel_run(run.run_id)
+
+
+async def test_an_output_or_result_cannot_answer_an_intent_of_an_earlier_iteration(
+    engine: EngineServer,
+) -> None:
+    # Iteration 0 ran an unsafe tool; the holder of iteration 1 sends output
+    # and a result for that intent. It is a record the writer's token has
+    # seen, but not of its iteration: answering it would put a second result
+    # in the journal for a tool that ran once, in an iteration that never
+    # called it.
+    name, task = unique("intentit"), unique("intentit")
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        run = await client.start_run(name)  # no worker: the test is the worker
+        async with grpc.aio.insecure_channel(engine.target) as channel:
+            stub = jgrpc.JournalServiceStub(channel)
+            begun = await begin_unsafe_tool(stub, run.run_id)
+            finished = await stub.FinishTool(
+                jpb.FinishToolRequest(token=begun.token, intent_seq=begun.intent_seq, output=b"1")
+            )
+            await stub.Commit(
+                jpb.CommitRequest(
+                    token=finished.token, commit=jpb.Commit(action=jpb.ACTION_CONTINUE)
+                )
+            )
+            next_claim = await stub.Claim(
+                jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=1, attempt=1)
+            )
+            token = next_claim.claimed.token
+            assert token.base_seq >= begun.intent_seq
+            await assert_intent_seq_refused(stub, token, begun.intent_seq)
+            records = [
+                r.record
+                async for r in stub.Read(jpb.ReadRequest(run_id=run.run_id, step_id="agent"))
+            ]
+            assert [r.WhichOneof("kind") for r in records if r.iteration == 1] == ["claim"]
         await client.cancel_run(run.run_id)
 
 

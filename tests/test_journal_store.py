@@ -121,6 +121,24 @@ async def test_retried_append_whose_ack_was_lost_resolves_as_mine(backend: Backe
     assert last.seq == seq
 
 
+async def test_a_token_sent_again_for_another_record_of_the_same_kind_is_fenced(
+    backend: Backend,
+) -> None:
+    # A writer that lost track of its latest token sends the one it already
+    # wrote with, for another model response: the record under that Msg-Id
+    # records something else, so this write is behind, not a retry of it.
+    run, a = new_run(), nonce()
+    t = token(run, writer=a, last_seq=0)
+    first = await backend.store.append(t, claim(t))
+    t2 = token(run, writer=a, last_seq=first, written=1)
+    seq = await backend.store.append(t2, model(t2, 0, "first"))
+    with pytest.raises(Fenced):
+        await backend.store.append(t2, model(t2, 0, "another"))
+    records = await backend.store.read(run, STEP, after=0)
+    assert writers(records) == [(first, a, "claim"), (seq, a, "model")]
+    assert records[-1].model.response == b'{"text": "first"}'
+
+
 async def test_server_answers_a_retried_append_differently_on_r1_and_r3(
     backend: Backend,
 ) -> None:

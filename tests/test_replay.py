@@ -40,6 +40,7 @@ from dagnats.journal.replay import (
     decide_tool,
     partial_output,
     restart_limit_reached,
+    stands_on_a_guess,
 )
 
 E = TypeVar("E", bound=AnyEntry)
@@ -248,6 +249,33 @@ def test_claim_redelivering_a_retry_does_not_close_its_own_intents_again() -> No
     j.claim(it=0, at=2).result(interrupted=True)  # the attempt-2 claim closed `send`
     j.intent(p=0, name="charge")  # attempt 2's own open intent
     assert claim(j, iteration=0, attempt=2) == Proceed(close=())
+
+
+# ---- claim from a guessed tail ------------------------------------------------------
+
+
+def test_a_claim_from_a_guessed_tail_proceeds_and_its_fenced_claim_checks_the_guess() -> None:
+    # The guess: the commit this replica stored for iteration 0. A claim of
+    # iteration 1 decided from it proceeds; its claim's fenced append tells a
+    # wrong guess, so the decision may stand.
+    j = J().claim(it=0).model(p=0).commit(Action.CONTINUE)
+    guess = j.last_commit
+    decision = decide_claim(tail=guess, records=[], iteration=1, attempt=1)
+    assert decision == Proceed(close=())
+    assert stands_on_a_guess(decision) is True
+
+
+def test_a_claim_answer_that_writes_nothing_never_stands_on_a_guessed_tail() -> None:
+    # Stale and already-committed settle the task and write nothing, so nothing
+    # would check a guess they were decided from: they need the tail read.
+    j = J().claim(it=0).model(p=0).commit(Action.CONTINUE).claim(it=1)
+    stale = claim(j, iteration=0, attempt=1)
+    assert isinstance(stale, Stale)
+    assert stands_on_a_guess(stale) is False
+    j.model(p=0).commit(Action.CONTINUE)
+    committed = claim(j, iteration=1, attempt=1)
+    assert isinstance(committed, AlreadyCommitted)
+    assert stands_on_a_guess(committed) is False
 
 
 # ---- restart limit --------------------------------------------------------------
@@ -543,6 +571,38 @@ def test_redelivered_honour_is_reused_at_its_position() -> None:
     copy = j.result(output=b'{"ok": true}').last_result
     j.claim(at=2)
     assert decide_tool(j.of(0), attempt=2, position=0, call=call) == UseResult(result=copy)
+
+
+def test_a_redelivery_of_the_same_attempt_honours_none_of_its_own_intents() -> None:
+    # The handler sends the same message twice on purpose. A redelivery of the
+    # same attempt replays the first send by its position and runs the second:
+    # honouring is for a new attempt, which matches an earlier attempt's unsafe
+    # intents by name and input because its calls may come in another order.
+    call = unsafe("send", b'{"to": "a"}')
+    j = J().claim(at=1)
+    first = j.intent(p=0, name=call.name, input=call.input).last_intent
+    sent = j.result(output=b'{"sent": 1}').last_result
+    j.claim(at=1)  # the same attempt, delivered again
+    assert decide_tool(j.of(0), attempt=1, position=0, call=call) == UseResult(result=sent)
+    assert decide_tool(j.of(0), attempt=1, position=1, call=call) == RunNew()
+    j.commit(Action.FAIL).claim(at=2)
+    assert decide_tool(j.of(0), attempt=2, position=1, call=call) == Honour(
+        earlier=first, result=sent
+    )
+
+
+def test_an_honouring_intent_is_never_honoured_itself() -> None:
+    # Attempt 2 honoured the original charge; attempt 3 honours the original
+    # again for its first charge, and runs its second, identical charge: the
+    # honour of attempt 2 started nothing, so it stands for no charge.
+    call = unsafe("charge", b'{"cents": 5}')
+    j = J().claim(at=1)
+    original = j.intent(p=0, name=call.name, input=call.input).last_intent
+    j.result(output=b'{"charged": true}').commit(Action.FAIL).claim(at=2)
+    j.intent(p=0, name=call.name, input=call.input, honours=original.seq).result()
+    j.commit(Action.FAIL).claim(at=3)
+    j.intent(p=0, name=call.name, input=call.input, honours=original.seq).result()
+    assert decide_tool(j.of(0), attempt=3, position=1, call=call) == RunNew()
 
 
 # ---- golden journals ------------------------------------------------------------------

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from unittest import mock
+
+import grpc.aio
 
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.inputs.store import InputStore
 from dagnats.inputs.v1 import inputs_pb2 as ipb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, InputMode, TaskContext, Worker
 from dagnats.sdk.testing import ScriptedModel
 from examples.agent_turn.handler import make_agent_turn
@@ -273,4 +279,41 @@ async def test_a_withdrawn_input_is_never_placed(client: Client, engine: EngineS
         assert "placed" in err.message
     else:
         raise AssertionError("a placed input cannot be withdrawn")
+    await client.cancel_run(run.run_id)
+
+
+async def test_a_withdrawal_between_a_placements_read_and_its_claim_wins(
+    client: Client, engine: EngineServer
+) -> None:
+    # The placement lists the step's inputs and sees "w" queued; the user
+    # withdraws it before the placement claims it. The withdrawal was answered
+    # `withdrawn`, so the placement's claim, made on the revision it read,
+    # must lose: the input is never placed, recorded or shown to a turn.
+    task, name = unique("wdrace"), unique("wdracewf")
+    await client.register_workflow(loop_workflow(name, task))
+    run = await client.start_run(name, "go")  # no worker: the test is the worker
+    await client.submit_input(run.run_id, "agent", "w", {"n": 1})
+    listed = InputStore.list
+    withdrawn: list[ipb.Input] = []
+
+    async def list_then_withdraw(self: InputStore, run_id: str, step_id: str) -> Any:
+        found = await listed(self, run_id, step_id)
+        if not withdrawn:
+            withdrawn.append(await client.withdraw_input(run_id, step_id, "w"))
+        return found
+
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        claimed = await stub.Claim(
+            jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+        )
+        with mock.patch.object(InputStore, "list", list_then_withdraw):
+            placed = await stub.PlaceInputs(
+                jpb.PlaceInputsRequest(token=claimed.claimed.token, position=0, mode=1)
+            )
+    assert [w.status for w in withdrawn] == [ipb.STATUS_WITHDRAWN]
+    assert list(placed.inputs) == []
+    records = await read_journal(engine, run.run_id)
+    assert [r.input_placed.request_id for r in records if r.HasField("input_placed")] == []
+    assert (await client.get_input(run.run_id, "agent", "w")).status == ipb.STATUS_WITHDRAWN
     await client.cancel_run(run.run_id)

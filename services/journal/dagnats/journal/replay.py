@@ -16,6 +16,9 @@ Claim (one dispatch ``(iteration, attempt)`` opening the journal):
   and close every intent of an *earlier attempt* that has no result with an
   ``interrupted`` result. After the claim, ``restart_limit_reached`` says
   whether the iteration ended in ``limit`` claims in a row.
+* A decision from a guessed tail (the last commit this replica stored) stands
+  only if it is ``Proceed`` (``stands_on_a_guess``); any other answer needs the
+  tail read.
 
 Calls, by position within the attempt (model calls, tool calls and
 place-inputs calls share one position counter):
@@ -97,6 +100,15 @@ def decide_claim(
         if isinstance(record, CommitEntry) and (record.ends_iteration or record.attempt == attempt):
             return AlreadyCommitted(commit=record)
     return Proceed(close=tuple(_unanswered(records, before_attempt=attempt)))
+
+
+def stands_on_a_guess(decision: ClaimDecision) -> bool:
+    """Whether ``decision``, made from a guessed tail rather than one that was
+    read, may be the answer. Only ``Proceed`` may: it appends the claim, and that
+    fenced append checks the guess, so a right guess decides exactly as a read
+    would and a wrong one writes nothing. ``Stale`` and ``AlreadyCommitted``
+    write nothing that would check the guess: they need a tail that was read."""
+    return isinstance(decision, Proceed)
 
 
 def base_before(tail: AnyEntry | None, iteration: int) -> int:

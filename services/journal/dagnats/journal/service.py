@@ -156,13 +156,13 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             iteration=request.iteration,
             attempt=request.attempt,
         )
+        if guessed and not replay.stands_on_a_guess(decision):
+            raise _GuessMissed
         match decision:
             case replay.Proceed(close=close):
                 return await self._claim(
                     request, tail, base, records, entries, close, limit, guessed=guessed
                 )
-            case _ if guessed:  # an answer that writes nothing needs a tail that was read
-                raise _GuessMissed
             case replay.Stale(detail=detail):
                 return _settled("stale", detail=detail)
             case replay.AlreadyCommitted(commit=commit):
