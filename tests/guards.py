@@ -253,6 +253,17 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="a retried placement carries each earlier input once",
+        file="services/journal/dagnats/journal/placement.py",
+        guard="                    if earlier_input.request_id in done:\n",
+        removed="                    if False:\n",
+        how="a retried placement of a new attempt carries an earlier attempt's input again",
+        tests=(
+            "tests/test_harness_regressions.py::"
+            "test_a_new_attempt_retrying_its_placement_carries_each_earlier_input_once",
+        ),
+    ),
+    Guard(
         name="a refused input change is decided again",
         file="services/inputs/dagnats/inputs/store.py",
         guard="            state, revision = stored\n",

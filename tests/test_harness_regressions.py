@@ -166,6 +166,33 @@ async def test_a_redelivery_takes_over_an_input_its_predecessor_claimed_but_neve
     assert placed == [("s1", token.writer), ("s2", successor.writer)]
 
 
+async def test_a_new_attempt_retrying_its_placement_carries_each_earlier_input_once(
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+) -> None:
+    # Attempt 2 carries attempt 1's input s1 into its own turn, claims s2 and
+    # dies before recording it; its retry (same token) answers the carried
+    # copy its first try wrote instead of carrying s1 a second time.
+    token = await claimed_run(client, journal)
+    await client.submit_input(token.run_id, "agent", "s1", {"steer": 1})
+    await journal.PlaceInputs(jpb.PlaceInputsRequest(token=token, position=0, mode=STEER))
+    await client.submit_input(token.run_id, "agent", "s2", {"steer": 2})
+    retry = await journal.Claim(
+        jpb.ClaimRequest(run_id=token.run_id, step_id="agent", iteration=0, attempt=2)
+    )
+    request = jpb.PlaceInputsRequest(token=retry.claimed.token, position=0, mode=STEER)
+    seam.install(die_at_claim(1))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError):
+            await journal.PlaceInputs(request)
+    finally:
+        seam.install(None)
+    answer = await journal.PlaceInputs(request)
+    assert [(p.request_id, p.carried) for p in answer.inputs] == [("s1", True), ("s2", False)]
+    records = await read_journal(engine, token.run_id)
+    second = [r.input_placed for r in records if r.attempt == 2 and r.HasField("input_placed")]
+    assert [(p.request_id, p.carried) for p in second] == [("s1", True), ("s2", False)]
+
+
 async def test_place_inputs_by_a_holder_fenced_by_a_redelivery_writes_nothing(
     client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
 ) -> None:
