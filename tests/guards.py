@@ -264,6 +264,18 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="an input created while its step finished is closed",
+        file="services/inputs/dagnats/inputs/service.py",
+        guard="            if not _accepts_inputs(run, step_id):\n"
+        "                state = await self._close_created(state)\n",
+        removed="",
+        how="the run is not checked again after the create: it stays queued on a finished step",
+        tests=(
+            "tests/test_inputs.py::"
+            "test_an_input_created_while_its_step_finished_is_closed_and_refused",
+        ),
+    ),
+    Guard(
         name="a refused input change is decided again",
         file="services/inputs/dagnats/inputs/store.py",
         guard="            state, revision = stored\n",

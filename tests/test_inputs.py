@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+from unittest import mock
 
 import grpc.aio
 import pytest
@@ -336,6 +337,32 @@ async def test_a_retry_closes_an_input_its_first_try_left_queued_on_a_finished_s
     repeat = await submit(stub, run_id, "orphan")
     assert not repeat.created and repeat.input.status == pb.STATUS_UNANSWERED
     assert (await get(stub, run_id, "orphan")).status == pb.STATUS_UNANSWERED
+
+
+async def test_an_input_created_while_its_step_finished_is_closed_and_refused(
+    client: Client, stub: Any
+) -> None:
+    # The submission found the step running; the run was cancelled before the
+    # input was created, and the engine's close of the step's inputs ran
+    # before the input existed. The check after the create must catch it: a
+    # queued input on a finished step would never be placed or closed.
+    run_id = await running_step(client)
+    created = InputStore.create
+
+    async def cancel_then_create(self: InputStore, state: InputState) -> Any:
+        await client.cancel_run(run_id)
+
+        async def cancelled() -> bool:
+            run = await self.load_run(run_id)
+            return run is not None and run.status == epb.RUN_STATUS_CANCELLED
+
+        await wait_for(cancelled, message="run cancelled")
+        return await created(self, state)
+
+    with mock.patch.object(InputStore, "create", cancel_then_create):
+        err = await refused(submit(stub, run_id, "late"))
+    assert isinstance(err, errors.Conflict)
+    assert (await get(stub, run_id, "late")).status == pb.STATUS_UNANSWERED
 
 
 # ---- bad input --------------------------------------------------------------------------------
