@@ -186,6 +186,7 @@ class Soak:
             for _ in range(2):
                 engines.append(await start_engine(self.nats.url, config=SOAK, topology=topology))
             lossy = [self._lossy_engine(i, e) for i, e in enumerate(engines)]
+            lossy += [self._lossy_inputs(i, e) for i, e in enumerate(engines)]
             self.targets = [e.target for e in engines]
             clients = [Client(t) for t in self.targets]
             await clients[0].register_workflow(loop_workflow(self.workflow, self.task))
@@ -228,6 +229,16 @@ class Soak:
         store = engine.engine.store
         publisher = LossyPublish(store.js, rng, self.faults, self.config.lost_ack_rate / 2)
         store.js = publisher  # type: ignore[assignment]
+        return publisher
+
+    def _lossy_inputs(self, index: int, engine: EngineServer) -> LossyPublish:
+        """Writes to the inputs bucket (claims, withdrawals, closes) sometimes
+        land without an ack, as when the bucket's leader steps down mid-write."""
+        rng = random.Random(f"{self.config.seed}/input-acks/{index}")
+        assert engine.journal is not None and engine.journal.inputs is not None
+        bucket = engine.journal.inputs._inputs
+        publisher = LossyPublish(bucket._js, rng, self.faults, self.config.lost_ack_rate / 2)
+        bucket._js = publisher  # type: ignore[assignment]
         return publisher
 
     # ---- runs ------------------------------------------------------------------------
