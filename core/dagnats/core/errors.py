@@ -6,6 +6,7 @@ place, so no caller outside those two modules sees a ``grpc.RpcError``.
 
     DagnatsError                      root of everything raised on purpose
     ├── InvalidArgument               bad input; names the field
+    │   └── RecordTooLarge            a journal record over the documented maximum
     ├── NotFound                      unknown workflow, run, step, ...
     ├── Conflict                      the request contradicts current state
     ├── Unavailable                   transport or backend trouble; retriable
@@ -34,6 +35,12 @@ class InvalidArgument(DagnatsError):
     """The request is malformed; ``field`` names the offending field when known."""
 
     code = "invalid_argument"
+
+
+class RecordTooLarge(InvalidArgument):
+    """A journal record would be larger than the journal stores; nothing was written."""
+
+    code = "record_too_large"
 
 
 class NotFound(DagnatsError):

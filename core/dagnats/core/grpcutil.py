@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 # are registered with register_error so that both directions stay in this table.
 STATUS_OF: dict[type[errors.DagnatsError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.RecordTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.Conflict: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,

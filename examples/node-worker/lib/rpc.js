@@ -97,8 +97,12 @@ export class EngineRpc {
       } catch (err) {
         if (signal?.aborted) throw signal.reason;
         if (err instanceof DagnatsError || err instanceof Fenced) throw err;
+        // A status with a dagnats error code is a refusal (a record over the
+        // journal's maximum is RESOURCE_EXHAUSTED too): trying again cannot help.
+        const refused = (err.metadata?.get('dagnats-error-code') ?? []).length > 0;
         const transient =
-          TRANSIENT.has(err.code) || (idempotent && err.code === grpc.status.DEADLINE_EXCEEDED);
+          !refused &&
+          (TRANSIENT.has(err.code) || (idempotent && err.code === grpc.status.DEADLINE_EXCEEDED));
         if (!transient) throw domainError(rpc, err);
         if (tries >= ATTEMPTS) {
           throw new Unavailable(`${rpc} failed ${tries} times; last: ${err.details}`, {

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from dagnats.core.errors import DagnatsError, InvalidArgument
+from dagnats.core.errors import DagnatsError, InvalidArgument, RecordTooLarge
 from dagnats.core.errors import Fenced as FencedError
 from dagnats.core.seam import seam
 from dagnats.journal.v1 import journal_pb2 as jpb
@@ -239,14 +239,23 @@ class Journal:
                 data = encode(output, field="output")
             except InvalidArgument as err:
                 error, raised = f"tool output is not JSON: {err.message}", err
+        try:
+            await self._finish(intent_seq, data, error)
+        except RecordTooLarge as err:
+            # The tool ran and its result cannot be stored: record that as the
+            # tool's error, so the intent has a result and the model sees why.
+            data, error = b"", f"tool result not recorded: {err.message}"
+            await self._finish(intent_seq, data, error)
+        if raised is not None:
+            raise raised
+        return ToolResult(output=decode(data, field="output") if data else None, error=error)
+
+    async def _finish(self, intent_seq: int, data: bytes, error: str) -> None:
         await self._write(
             lambda t: self._rpc.finish_tool(
                 jpb.FinishToolRequest(token=t, intent_seq=intent_seq, output=data, error=error)
             )
         )
-        if raised is not None:
-            raise raised
-        return ToolResult(output=decode(data, field="output") if data else None, error=error)
 
     async def _interrupted(self, intent_seq: int, partial: str) -> None:
         """Answer the intent of a tool its run's cancellation stopped: the run

@@ -86,7 +86,12 @@ async def start_engine(
     input_store = await InputStore.open(nc)
     engine = Engine(await EngineStore.open(nc), config, inputs=input_store)
     await engine.start()
-    server = grpc.aio.server(interceptors=tracing.server_interceptors())
+    # Requests up to 16 MiB reach the services, so a journal record over its
+    # maximum is refused with the error's code rather than by gRPC's 4 MiB cap.
+    server = grpc.aio.server(
+        interceptors=tracing.server_interceptors(),
+        options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
+    )
     pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), server)
     journal: JournalServicer | None = None
     if with_journal:

@@ -33,10 +33,10 @@ _MODE = {"steer": 1, "follow_up": 2}
 @router.post("/read", summary="Claim (first action), then this iteration's records and state")
 async def read(b: BackendDep, body: bm.TokenBody) -> bm.ReadResult:
     t, claimed = await ops.claim(b, BridgeToken.decode(body.token))
-    if claimed is not None:
+    if claimed is not None and not claimed.more_from_seq:
         records = list(claimed.records)
         state = claimed.state if claimed.has_state else None
-    else:
+    else:  # not claimed now, or the claim's answer held only some of the records
         await ops.holding(b, t)
         records = await _iteration_records(b, t)
         state = await ops.state_of(b, t)

@@ -33,6 +33,7 @@ from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs.store import InputStore
 from dagnats.journal import audit, convert, outcomes, replay, session
 from dagnats.journal import model as jm
+from dagnats.journal.limits import MAX_ANSWER_BYTES
 from dagnats.journal.placement import MODES, InputPlacement
 from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -219,7 +220,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             entries.append(convert.entry(closed))
         token.snapshot_seq = token.last_seq
         self._writer.remember(token, entries)
-        claimed = pb.Claimed(token=token, records=records)
+        claimed = pb.Claimed(token=token)
         if not base:
             previous = None
         elif tail is not None and tail.seq == base:
@@ -229,6 +230,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if previous is not None and previous.commit.has_state:
             claimed.state = previous.commit.state
             claimed.has_state = True
+        _page(claimed, records)
         return pb.ClaimResponse(claimed=claimed)
 
     async def _iteration_records(
@@ -289,6 +291,14 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             call=call,
             honoured=token.honoured,
         )
+        answer = await self._begin_tool(token, request, decision)
+        answer.key = f"{token.run_id}.{token.step_id}.{token.iteration}.{request.position}"
+        answer.intent_seq = answer.intent_seq or answer.result.intent_seq
+        return answer
+
+    async def _begin_tool(
+        self, token: pb.WriterToken, request: pb.BeginToolRequest, decision: replay.ToolDecision
+    ) -> pb.BeginToolResponse:
         match decision:
             case replay.UseResult(result=result):
                 return pb.BeginToolResponse(token=token, result=convert.result_to_proto(result))
@@ -524,6 +534,18 @@ def _intent(request: pb.BeginToolRequest) -> pb.Record:
             replay=request.replay or pb.REPLAY_UNSAFE,
         )
     )
+
+
+def _page(claimed: pb.Claimed, records: list[pb.Record]) -> None:
+    """Put the iteration's records into ``claimed`` while the answer fits
+    ``MAX_ANSWER_BYTES``; ``more_from_seq`` names the first one left out."""
+    size = claimed.ByteSize()
+    for record in records:
+        size += record.ByteSize() + 8  # the field's tag and length
+        if size > MAX_ANSWER_BYTES:
+            claimed.more_from_seq = record.seq
+            return
+        claimed.records.append(record)
 
 
 def _settled(reason: str, *, commit: pb.Record | None = None, detail: str = "") -> pb.ClaimResponse:

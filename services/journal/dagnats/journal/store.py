@@ -32,7 +32,8 @@ from opentelemetry import trace
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
-from dagnats.core.errors import Fenced, InvalidArgument, NotProvisioned, Unavailable
+from dagnats.core.errors import Fenced, NotProvisioned, RecordTooLarge, Unavailable
+from dagnats.journal.limits import HEADER_ROOM, MAX_RECORD_BYTES
 from dagnats.journal.v1 import journal_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class JournalStore:
 
         Raises:
             Fenced: another writer's record follows ``token.last_seq``.
-            InvalidArgument: the record is larger than the server accepts.
+            RecordTooLarge: the record is over ``MAX_RECORD_BYTES`` or what the
+                NATS server accepts; nothing was written.
         """
         subject = journal_subject(token.run_id, token.step_id)
         kind = record.WhichOneof("kind") or "unknown"
@@ -84,10 +86,12 @@ class JournalStore:
             headers["Dagnats-Delivery"] = str(token.delivery)
         tracing.inject(headers)
         data = record.SerializeToString()
-        if len(data) > self.nc.max_payload:
-            raise InvalidArgument(
-                f"{kind} record is {len(data)} bytes; the server accepts {self.nc.max_payload}",
-                field="record",
+        limit = min(MAX_RECORD_BYTES, self.nc.max_payload - HEADER_ROOM)
+        if len(data) > limit:
+            raise RecordTooLarge(
+                f"the {kind} record would be {len(data)} bytes; a journal record is at most "
+                f"{limit} bytes",
+                field=kind,
             )
         # Transient errors are retried with the same Msg-Id, by the budget of
         # jsx.retry_transient (here by hand: 10071 and the in-flight errors

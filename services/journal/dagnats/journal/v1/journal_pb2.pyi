@@ -593,17 +593,25 @@ class Claimed(_message.Message):
     RECORDS_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     HAS_STATE_FIELD_NUMBER: _builtins.int
+    MORE_FROM_SEQ_FIELD_NUMBER: _builtins.int
     state: _builtins.bytes
     """State of the last commit that carried state, if any."""
     has_state: _builtins.bool
     """Whether state was found."""
+    more_from_seq: _builtins.int
+    """0 when records holds every record of the iteration. Otherwise the answer
+    would not fit: the rest are read with Read(from_seq = more_from_seq),
+    through token.snapshot_seq, keeping the records of this iteration.
+    """
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """Token for the next write."""
 
     @_builtins.property
     def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___Record]:
-        """Records of this iteration so far, every attempt."""
+        """Records of this iteration so far, every attempt, from the first, as many as
+        fit the answer (see more_from_seq).
+        """
 
     def __init__(
         self,
@@ -612,10 +620,11 @@ class Claimed(_message.Message):
         records: _abc.Iterable[Global___Record] | None = ...,
         state: _builtins.bytes = ...,
         has_state: _builtins.bool = ...,
+        more_from_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_state", b"has_state", "records", b"records", "state", b"state", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_state", b"has_state", "more_from_seq", b"more_from_seq", "records", b"records", "state", b"state", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -845,10 +854,18 @@ class BeginToolResponse(_message.Message):
     RUN_FIELD_NUMBER: _builtins.int
     INTENT_SEQ_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
     run: _builtins.bool
     """True: run the tool, then call FinishTool with intent_seq."""
     intent_seq: _builtins.int
-    """Sequence of the intent to answer."""
+    """Sequence of this call's intent: with run, the one FinishTool answers;
+    without, the one result answers (for a call that honours an earlier
+    attempt's intent, the intent written at this position). Never 0.
+    """
+    key: _builtins.str
+    """The call's idempotency key, {run}.{step}.{iteration}.{position}: the same on
+    every delivery and attempt. Pass it to any system that deduplicates.
+    """
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """Token for the next write."""
@@ -864,10 +881,11 @@ class BeginToolResponse(_message.Message):
         run: _builtins.bool = ...,
         intent_seq: _builtins.int = ...,
         result: Global___ToolResult | None = ...,
+        key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["intent_seq", b"intent_seq", "result", b"result", "run", b"run", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["intent_seq", b"intent_seq", "key", b"key", "result", b"result", "run", b"run", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -29,6 +29,25 @@ class JournalServiceStub:
     """JournalService is the only writer of the AGENT_JOURNAL stream. Every write is
     fenced: it carries the writer token returned by the previous call, and fails
     with ABORTED ("fenced") once a successor has claimed the step.
+
+    The contract for a worker in any language:
+    - JournalService and InputsService are served on the engine's port, next to
+    EngineService: one channel carries all three.
+    - Model calls (BeginModel), tool calls (BeginTool) and PlaceInputs share one
+    position counter per dispatch, from 0, in the order the handler makes them.
+    - After ABORTED (error code "fenced") from any call, Hold included, a
+    successor holds the step: send no Heartbeat and no Report (either would
+    take the task from the successor) and write nothing more.
+    - When the run is cancelled (Heartbeat answers cancelled), answer a running
+    tool with FinishTool(interrupted, partial), then Commit ACTION_FAIL_PERMANENT
+    with reason "cancelled" and the lease: the engine drops it and the task is
+    released, and the journal says what became of the call.
+    - A record is at most 1 MiB (1,048,576 bytes) serialized, and at most the NATS
+    server's max_payload less 8 KiB: a model response, tool output or result,
+    commit (state and output) or placed input over it is refused before it is
+    written with RESOURCE_EXHAUSTED and error code "record_too_large" in the
+    dagnats-error-code trailer; do not retry it. Every answer fits 3 MiB, below
+    the 4 MiB a default gRPC client receives.
     """
 
     def __init__(self, channel):
@@ -103,6 +122,25 @@ class JournalServiceServicer:
     """JournalService is the only writer of the AGENT_JOURNAL stream. Every write is
     fenced: it carries the writer token returned by the previous call, and fails
     with ABORTED ("fenced") once a successor has claimed the step.
+
+    The contract for a worker in any language:
+    - JournalService and InputsService are served on the engine's port, next to
+    EngineService: one channel carries all three.
+    - Model calls (BeginModel), tool calls (BeginTool) and PlaceInputs share one
+    position counter per dispatch, from 0, in the order the handler makes them.
+    - After ABORTED (error code "fenced") from any call, Hold included, a
+    successor holds the step: send no Heartbeat and no Report (either would
+    take the task from the successor) and write nothing more.
+    - When the run is cancelled (Heartbeat answers cancelled), answer a running
+    tool with FinishTool(interrupted, partial), then Commit ACTION_FAIL_PERMANENT
+    with reason "cancelled" and the lease: the engine drops it and the task is
+    released, and the journal says what became of the call.
+    - A record is at most 1 MiB (1,048,576 bytes) serialized, and at most the NATS
+    server's max_payload less 8 KiB: a model response, tool output or result,
+    commit (state and output) or placed input over it is refused before it is
+    written with RESOURCE_EXHAUSTED and error code "record_too_large" in the
+    dagnats-error-code trailer; do not retry it. Every answer fits 3 MiB, below
+    the 4 MiB a default gRPC client receives.
     """
 
     def Claim(self, request, context):
@@ -267,6 +305,25 @@ class JournalService:
     """JournalService is the only writer of the AGENT_JOURNAL stream. Every write is
     fenced: it carries the writer token returned by the previous call, and fails
     with ABORTED ("fenced") once a successor has claimed the step.
+
+    The contract for a worker in any language:
+    - JournalService and InputsService are served on the engine's port, next to
+    EngineService: one channel carries all three.
+    - Model calls (BeginModel), tool calls (BeginTool) and PlaceInputs share one
+    position counter per dispatch, from 0, in the order the handler makes them.
+    - After ABORTED (error code "fenced") from any call, Hold included, a
+    successor holds the step: send no Heartbeat and no Report (either would
+    take the task from the successor) and write nothing more.
+    - When the run is cancelled (Heartbeat answers cancelled), answer a running
+    tool with FinishTool(interrupted, partial), then Commit ACTION_FAIL_PERMANENT
+    with reason "cancelled" and the lease: the engine drops it and the task is
+    released, and the journal says what became of the call.
+    - A record is at most 1 MiB (1,048,576 bytes) serialized, and at most the NATS
+    server's max_payload less 8 KiB: a model response, tool output or result,
+    commit (state and output) or placed input over it is refused before it is
+    written with RESOURCE_EXHAUSTED and error code "record_too_large" in the
+    dagnats-error-code trailer; do not retry it. Every answer fits 3 MiB, below
+    the 4 MiB a default gRPC client receives.
     """
 
     @staticmethod

@@ -1,0 +1,16 @@
+"""How large the journal's records and answers may be.
+
+A record over ``MAX_RECORD_BYTES`` (serialized) is refused before it is written
+with ``RecordTooLarge`` (RESOURCE_EXHAUSTED, error code ``record_too_large``).
+Every answer of the journal service then fits ``MAX_ANSWER_BYTES``, below the
+4 MiB a gRPC client receives by default: a call answers at most one record,
+and a claim carries the state (one commit's, so at most one record) and as many
+of the iteration's records as fit, with a cursor to read the rest (ADR 13).
+"""
+
+from __future__ import annotations
+
+MAX_RECORD_BYTES = 1024 * 1024
+MAX_ANSWER_BYTES = 3 * 1024 * 1024
+# Room kept below the NATS server's max_payload for a record's headers.
+HEADER_ROOM = 8 * 1024

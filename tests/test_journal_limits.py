@@ -1,0 +1,139 @@
+"""Big records: a record over the journal's maximum is refused before it is
+written, with RESOURCE_EXHAUSTED and the dagnats error trailers, and a step
+whose records are near the maximum can still be claimed by a gRPC client with
+default options (a 4 MiB receive limit), which then resumes it."""
+
+from __future__ import annotations
+
+import grpc
+import grpc.aio
+
+from dagnats.core.errors import RecordTooLarge
+from dagnats.core.grpcutil import CODE_KEY, FIELD_KEY, error_from_rpc
+from dagnats.engine.server import EngineServer
+from dagnats.journal.limits import MAX_RECORD_BYTES
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
+from dagnats.sdk import Client
+from tests.stack import loop_workflow, unique
+from tests.test_journal import read_journal
+
+
+def _json_of(size: int) -> bytes:
+    return b'"' + b"x" * (size - 2) + b'"'
+
+
+async def _open_step(client: Client) -> str:
+    name, task = unique("limits"), unique("limits")
+    await client.register_workflow(loop_workflow(name, task))
+    return (await client.start_run(name)).run_id  # no worker: the journal is driven by hand
+
+
+async def test_an_oversized_record_is_refused_before_it_is_written(
+    client: Client, engine: EngineServer
+) -> None:
+    run_id = await _open_step(client)
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        claim = jpb.ClaimRequest(run_id=run_id, step_id="agent", iteration=0, attempt=1)
+        token = (await stub.Claim(claim)).claimed.token
+        too_big = _json_of(MAX_RECORD_BYTES + 1)
+        try:
+            await stub.RecordModel(
+                jpb.RecordModelRequest(token=token, position=0, response=too_big)
+            )
+        except grpc.aio.AioRpcError as err:
+            refusal = err
+        else:
+            raise AssertionError("a record over the maximum was accepted")
+        assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(refusal.trailing_metadata() or ())
+        assert trailers[CODE_KEY] == "record_too_large"
+        assert trailers[FIELD_KEY] == "model"
+        assert isinstance(error_from_rpc(refusal), RecordTooLarge)
+        # The same writer goes on: nothing was written, so its token is current.
+        fits = _json_of(MAX_RECORD_BYTES - 4096)
+        stored = await stub.RecordModel(
+            jpb.RecordModelRequest(token=token, position=0, response=fits)
+        )
+        assert stored.token.last_seq == token.last_seq + 1
+    kinds = [r.WhichOneof("kind") for r in await read_journal(engine, run_id)]
+    assert kinds == ["claim", "model"], "the refused record is not in the journal"
+    await client.cancel_run(run_id)
+
+
+async def test_a_step_with_records_near_the_limit_is_claimed_by_a_default_client(
+    client: Client, engine: EngineServer
+) -> None:
+    """Four records of almost 1 MiB and a state of almost 1 MiB: more than 4 MiB
+    in all. A default client claims the next attempt, gets the state, the records
+    that fit and a cursor for the rest, and resumes: a recorded response is reused."""
+    run_id = await _open_step(client)
+    near = MAX_RECORD_BYTES - 4096
+    async with grpc.aio.insecure_channel(engine.target) as channel:  # default options
+        stub = jgrpc.JournalServiceStub(channel)
+        first = (
+            await stub.Claim(
+                jpb.ClaimRequest(run_id=run_id, step_id="agent", iteration=0, attempt=1)
+            )
+        ).claimed.token
+        state = _json_of(near)
+        commit = jpb.Commit(action=jpb.ACTION_CONTINUE, state=state, has_state=True)
+        await stub.Commit(jpb.CommitRequest(token=first, commit=commit))
+        claim1 = jpb.ClaimRequest(run_id=run_id, step_id="agent", iteration=1, attempt=1)
+        token = (await stub.Claim(claim1)).claimed.token
+        responses = [_json_of(near - n) for n in range(4)]
+        for position, response in enumerate(responses):
+            recorded = await stub.RecordModel(
+                jpb.RecordModelRequest(token=token, position=position, response=response)
+            )
+            token = recorded.token
+        # The holder dies; the retry of the iteration claims with a default client.
+        claim2 = jpb.ClaimRequest(run_id=run_id, step_id="agent", iteration=1, attempt=2)
+        answer = await stub.Claim(claim2)
+        assert answer.ByteSize() < 4 * 1024 * 1024
+        claimed = answer.claimed
+        assert claimed.has_state and claimed.state == state
+        assert claimed.more_from_seq, "not every record fitted: the answer names the rest"
+        rest = [
+            r.record
+            async for r in stub.Read(
+                jpb.ReadRequest(run_id=run_id, step_id="agent", from_seq=claimed.more_from_seq)
+            )
+            if r.record.seq <= claimed.token.snapshot_seq
+        ]
+        models = [r.model.response for r in [*claimed.records, *rest] if r.HasField("model")]
+        assert models == responses, "the claim's records and the rest are the iteration's"
+        # A new attempt asks its model afresh; the earlier attempt's records
+        # stay readable and the attempt commits.
+        begin = await stub.BeginModel(jpb.BeginModelRequest(token=claimed.token, position=0))
+        assert not begin.recorded
+        done = await stub.Commit(
+            jpb.CommitRequest(
+                token=claimed.token, commit=jpb.Commit(action=jpb.ACTION_COMPLETE, output=b"1")
+            )
+        )
+        assert done.commit_seq > claimed.token.last_seq
+    await client.cancel_run(run_id)
+
+
+async def test_a_tool_result_too_large_to_record_is_the_tools_error(engine: EngineServer) -> None:
+    from dagnats.sdk import Replay, TaskContext, ToolCall, ToolRun, run_output
+    from tests.test_journal_api import run_once
+
+    seen: dict[str, str] = {}
+
+    async def huge(run: ToolRun) -> str:
+        return "y" * (MAX_RECORD_BYTES + 10)
+
+    async def handler(tc: TaskContext) -> None:
+        j = await tc.journal()
+        result = await j.tool(ToolCall(name="dump", input={}), Replay.UNSAFE, huge)
+        seen["error"] = result.error
+        await tc.complete("went on")
+
+    run = await run_once(engine, handler)
+    assert run_output(run) == "went on"
+    assert seen["error"].startswith("tool result not recorded: the tool_result record would be")
+    results = [r for r in await read_journal(engine, run.run_id) if r.HasField("tool_result")]
+    assert [r.tool_result.error for r in results] == [seen["error"]]
