@@ -65,7 +65,7 @@ async def test_an_oversized_record_is_refused_before_it_is_written(
 async def test_a_step_with_records_near_the_limit_is_claimed_by_a_default_client(
     client: Client, engine: EngineServer
 ) -> None:
-    """Four records of almost 1 MiB and a state of almost 1 MiB: more than 4 MiB
+    """Four records and a state of almost the maximum each: more than 4 MiB
     in all. A default client claims the next attempt, gets the state, the records
     that fit and a cursor for the rest, and resumes: a recorded response is reused."""
     run_id = await _open_step(client)
@@ -137,3 +137,45 @@ async def test_a_tool_result_too_large_to_record_is_the_tools_error(engine: Engi
     assert seen["error"].startswith("tool result not recorded: the tool_result record would be")
     results = [r for r in await read_journal(engine, run.run_id) if r.HasField("tool_result")]
     assert [r.tool_result.error for r in results] == [seen["error"]]
+
+
+async def test_a_settled_claim_is_settled_by_the_journal_for_a_plain_grpc_client(
+    client: Client, engine: EngineServer
+) -> None:
+    """A holder committed and died before its event was published. A worker that
+    speaks plain gRPC claims the redelivery with its lease and sends no Report:
+    the journal service publishes the stored commit's event and releases the task,
+    so the run completes with the commit's output."""
+    from google.protobuf.duration_pb2 import Duration
+
+    from dagnats.engine.v1 import engine_pb2 as pb
+    from dagnats.engine.v1 import engine_pb2_grpc as egrpc
+    from dagnats.sdk import run_output
+
+    name, task = unique("settle"), unique("settle")
+    await client.register_workflow(loop_workflow(name, task))
+    run_id = (await client.start_run(name)).run_id
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        engine_stub, stub = egrpc.EngineServiceStub(channel), jgrpc.JournalServiceStub(channel)
+
+        async def lease() -> pb.LeasedTask:
+            while True:
+                polled = await engine_stub.PollTasks(
+                    pb.PollTasksRequest(task_types=[task], max_tasks=1, wait=Duration(seconds=5))
+                )
+                if polled.tasks:
+                    return polled.tasks[0]
+
+        first = await lease()
+        claim = jpb.ClaimRequest(
+            run_id=run_id, step_id="agent", iteration=0, attempt=first.task.attempt
+        )
+        token = (await stub.Claim(claim)).claimed.token
+        done = jpb.Commit(action=jpb.ACTION_COMPLETE, output=b'"from the commit"')
+        await stub.Commit(jpb.CommitRequest(token=token, commit=done))  # no lease: not settled
+        again = await lease()  # the lease ran out: the task is delivered again
+        claim.delivery, claim.lease = again.delivery, again.lease
+        answer = await stub.Claim(claim)
+        assert answer.settled.reason == "committed" and answer.settled.task_settled
+        run = await client.wait_for_run(run_id, timeout=30)
+    assert run_output(run) == "from the commit"

@@ -83,6 +83,9 @@ export class TaskContext {
           delivery: this.delivery,
           worker_id: this.#workerId,
           restart_limit: this.#restartLimit,
+          // With the lease, a claim answered `settled` is settled by the
+          // journal service itself: no Report follows.
+          lease: this.#leased.lease,
         },
         { signal: this.signal },
       );
@@ -98,9 +101,13 @@ export class TaskContext {
     return this.#journal;
   }
 
-  async #settledByJournal({ reason, commit, detail }) {
+  async #settledByJournal({ reason, commit, detail, task_settled }) {
     this.#settledAs = reason;
     const where = { runId: this.runId, stepId: this.stepId };
+    if (task_settled) {
+      const Signal = { stale: Stale, restart_limit: RestartLimit }[reason] ?? Committed;
+      throw new Signal(`${reason}: ${detail}`, where);
+    }
     if (reason === 'stale') {
       await this.#rpc.call('report', this.#request({ acknowledge: {} }));
       throw new Stale(`stale: ${detail}`, where);

@@ -209,6 +209,7 @@ class TaskContext:
             delivery=self.delivery,
             worker_id=self._worker_id,
             restart_limit=self._restart_limit,
+            lease=self._leased.lease,  # a settled claim is settled by the service
         )
         self._session = self._session or JournalSession(self._rpc, lease=self._lease)
         try:
@@ -229,18 +230,19 @@ class TaskContext:
 
     async def _settled_by_journal(self, settled: jpb.Settled) -> None:
         self._settled_as = settled.reason
-        await self._rpc.report(
-            settled_report(
-                settled,
-                lease=self._leased.lease,
-                run_id=self.run_id,
-                step_id=self.step_id,
-                iteration=self.iteration,
-                attempt=self.attempt,
-            ),
-            lease=self._lease,
-        )
-        self._settle_done = True
+        if not settled.task_settled:  # a journal service that predates ClaimRequest.lease
+            await self._rpc.report(
+                settled_report(
+                    settled,
+                    lease=self._leased.lease,
+                    run_id=self.run_id,
+                    step_id=self.step_id,
+                    iteration=self.iteration,
+                    attempt=self.attempt,
+                ),
+                lease=self._lease,
+            )
+        self._settle_done = True  # the journal service settles it behind its answer
         if settled.reason == "stale":
             raise Stale(self.run_id, self.step_id, settled.detail)
         signal = RestartLimit if settled.reason == "restart_limit" else Committed

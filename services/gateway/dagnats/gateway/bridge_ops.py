@@ -50,6 +50,7 @@ async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | 
             delivery=t.delivery,
             worker_id=t.worker_id,
             restart_limit=t.restart_limit,
+            lease=t.lease,
         )
     )
     if response.HasField("settled"):
@@ -59,8 +60,15 @@ async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | 
 
 
 async def _settle(b: Backend, t: BridgeToken, settled: jpb.Settled) -> ApiError:
-    # As TaskContext.journal(): release a stale task; report a stored commit
-    # again (committed before a crash, or the restart limit's failure).
+    # The claim carried the lease: the journal service settles the task.
+    if settled.task_settled:
+        run = (await b.rpc.get_run(pb.GetRunRequest(run_id=t.run_id))).run
+        if run.status == pb.RUN_STATUS_CANCELLED:
+            return cancelled(t)
+        return _settled_answer(settled)
+    # A journal service that predates ClaimRequest.lease: release a stale task;
+    # report a stored commit again (committed before a crash, or the restart
+    # limit's failure).
     request = settled_report(
         settled,
         lease=t.lease,
@@ -72,6 +80,10 @@ async def _settle(b: Backend, t: BridgeToken, settled: jpb.Settled) -> ApiError:
     response = await b.rpc.report(request)
     if response.cancelled:
         return await ended(b, t)
+    return _settled_answer(settled)
+
+
+def _settled_answer(settled: jpb.Settled) -> ApiError:
     reason = settled.reason if settled.reason in ("stale", "committed") else "restart_limit"
     return ApiError(410, reason, settled.detail or f"the task is settled: {reason}")
 

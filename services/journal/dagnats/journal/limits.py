@@ -10,7 +10,7 @@ of the iteration's records as fit, with a cursor to read the rest (ADR 13).
 
 from __future__ import annotations
 
-MAX_RECORD_BYTES = 1024 * 1024
+MAX_RECORD_BYTES = 2 * 1024 * 1024  # twice the default checkpoint cap of a non-journal step
 MAX_ANSWER_BYTES = 3 * 1024 * 1024
 # Room kept below the NATS server's max_payload for a record's headers.
 HEADER_ROOM = 8 * 1024

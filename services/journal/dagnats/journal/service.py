@@ -17,7 +17,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import nats.js.errors
 from nats.js.kv import KeyValue
@@ -113,8 +114,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
 
     @domain_errors
     async def Claim(self, request: pb.ClaimRequest, context: Context) -> pb.ClaimResponse:
-        run_id = check_run_id(request.run_id)
-        step_id = check_token(request.step_id, field="step_id")
+        check_run_id(request.run_id)
+        check_token(request.step_id, field="step_id")
         if request.iteration < 0 or request.attempt < 1:
             raise errors.InvalidArgument("iteration must be >= 0 and attempt >= 1", field="attempt")
         limit = request.restart_limit or replay.DEFAULT_RESTART_LIMIT
@@ -122,6 +123,16 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             raise errors.InvalidArgument(
                 f"restart_limit must be 1..{MAX_RESTART_LIMIT}", field="restart_limit"
             )
+        lease = check_lease(request.lease) if request.lease else ""
+        response = await self._claim_answer(request, limit)
+        if lease and response.HasField("settled"):
+            # As a commit with a lease (ADR 9): answer, then settle behind it.
+            self._behind_answer(self._settle_claimed(lease, response.settled))
+            response.settled.task_settled = True
+        return response
+
+    async def _claim_answer(self, request: pb.ClaimRequest, limit: int) -> pb.ClaimResponse:
+        run_id, step_id = request.run_id, request.step_id
         if request.iteration == 0:
             # A purge resets the fence (DESIGN.md §10.4): never open a journal
             # at iteration 0 for a run that has ended. Later iterations follow a
@@ -405,11 +416,26 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if lease:
             # The stored commit is the step's progress: answer now, and settle
             # the task behind the answer (ADR 9).
-            settle = asyncio.create_task(self._settle(lease, record))
-            self._settling.add(settle)
-            settle.add_done_callback(self._settling.discard)
+            self._behind_answer(self._settle(lease, record))
             answer.settled = True
         return answer
+
+    def _behind_answer(self, settle: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(settle)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle_claimed(self, lease: str, settled: pb.Settled) -> None:
+        """Settle a task whose claim answered ``settled``: a stale one is only
+        released; a stored commit (committed before a crash, or the restart
+        limit's failure) has its event published under its own dispatch."""
+        if settled.reason != "stale":
+            await self._settle(lease, settled.commit)
+            return
+        try:
+            await self.store.nc.publish(lease, b"+ACK")
+        except Exception as err:  # the task comes back, and its claim answers stale again
+            log.warning("could not acknowledge a stale task: %s", err)
 
     async def _settle(self, lease: str, record: pb.Record) -> None:
         """Publish the event of a stored commit and acknowledge its task, as Report

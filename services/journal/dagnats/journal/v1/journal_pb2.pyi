@@ -548,6 +548,7 @@ class ClaimRequest(_message.Message):
     DELIVERY_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
     RESTART_LIMIT_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -564,6 +565,13 @@ class ClaimRequest(_message.Message):
     """Worker id, for the record."""
     restart_limit: _builtins.int
     """Consecutive claims that fail the step; 0 means 5."""
+    lease: _builtins.str
+    """The task's lease (LeasedTask.lease). Set: when the claim answers settled,
+    the journal service settles the task itself after the answer (stale: it
+    acknowledges the lease; committed, restart_limit: it publishes the stored
+    commit's lifecycle event, then acknowledges), and Settled.task_settled is
+    true: the worker sends no Report. Empty: the caller reports.
+    """
     def __init__(
         self,
         *,
@@ -574,10 +582,11 @@ class ClaimRequest(_message.Message):
         delivery: _builtins.int = ...,
         worker_id: _builtins.str = ...,
         restart_limit: _builtins.int = ...,
+        lease: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "delivery", b"delivery", "iteration", b"iteration", "restart_limit", b"restart_limit", "run_id", b"run_id", "step_id", b"step_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "delivery", b"delivery", "iteration", b"iteration", "lease", b"lease", "restart_limit", b"restart_limit", "run_id", b"run_id", "step_id", b"step_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -639,10 +648,15 @@ class Settled(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    TASK_SETTLED_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
     """Why: "stale", "committed" or "restart_limit"."""
     detail: _builtins.str
     """Human-readable detail."""
+    task_settled: _builtins.bool
+    """The claim carried the lease: the journal service settles the task after
+    this answer, and no Report follows.
+    """
     @_builtins.property
     def commit(self) -> Global___Record:
         """The commit to publish (committed, restart_limit)."""
@@ -653,10 +667,11 @@ class Settled(_message.Message):
         reason: _builtins.str = ...,
         commit: Global___Record | None = ...,
         detail: _builtins.str = ...,
+        task_settled: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "detail", b"detail", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "detail", b"detail", "reason", b"reason", "task_settled", b"task_settled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -42,7 +42,7 @@ class JournalServiceStub:
     tool with FinishTool(interrupted, partial), then Commit ACTION_FAIL_PERMANENT
     with reason "cancelled" and the lease: the engine drops it and the task is
     released, and the journal says what became of the call.
-    - A record is at most 1 MiB (1,048,576 bytes) serialized, and at most the NATS
+    - A record is at most 2 MiB (2,097,152 bytes) serialized, and at most the NATS
     server's max_payload less 8 KiB: a model response, tool output or result,
     commit (state and output) or placed input over it is refused before it is
     written with RESOURCE_EXHAUSTED and error code "record_too_large" in the
@@ -135,7 +135,7 @@ class JournalServiceServicer:
     tool with FinishTool(interrupted, partial), then Commit ACTION_FAIL_PERMANENT
     with reason "cancelled" and the lease: the engine drops it and the task is
     released, and the journal says what became of the call.
-    - A record is at most 1 MiB (1,048,576 bytes) serialized, and at most the NATS
+    - A record is at most 2 MiB (2,097,152 bytes) serialized, and at most the NATS
     server's max_payload less 8 KiB: a model response, tool output or result,
     commit (state and output) or placed input over it is refused before it is
     written with RESOURCE_EXHAUSTED and error code "record_too_large" in the
@@ -318,7 +318,7 @@ class JournalService:
     tool with FinishTool(interrupted, partial), then Commit ACTION_FAIL_PERMANENT
     with reason "cancelled" and the lease: the engine drops it and the task is
     released, and the journal says what became of the call.
-    - A record is at most 1 MiB (1,048,576 bytes) serialized, and at most the NATS
+    - A record is at most 2 MiB (2,097,152 bytes) serialized, and at most the NATS
     server's max_payload less 8 KiB: a model response, tool output or result,
     commit (state and output) or placed input over it is refused before it is
     written with RESOURCE_EXHAUSTED and error code "record_too_large" in the
