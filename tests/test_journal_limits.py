@@ -179,3 +179,29 @@ async def test_a_settled_claim_is_settled_by_the_journal_for_a_plain_grpc_client
         assert answer.settled.reason == "committed" and answer.settled.task_settled
         run = await client.wait_for_run(run_id, timeout=30)
     assert run_output(run) == "from the commit"
+
+
+async def test_claims_repeated_for_one_delivery_are_not_restarts(
+    client: Client, engine: EngineServer
+) -> None:
+    """A claim whose answer did not reach its worker is claimed again for the same
+    delivery. However often that happens, the step is not driven into its
+    restart limit; a new delivery is a restart."""
+    run_id = await _open_step(client)
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        claim = jpb.ClaimRequest(
+            run_id=run_id,
+            step_id="agent",
+            iteration=0,
+            attempt=1,
+            delivery=1,
+            worker_id="w-1",
+            restart_limit=2,
+        )
+        for _ in range(4):  # each answer "lost": the worker claims again
+            assert (await stub.Claim(claim)).HasField("claimed")
+        claim.delivery = 2  # the lease ran out and the task came back
+        answer = await stub.Claim(claim)
+    assert answer.settled.reason == "restart_limit"
+    await client.cancel_run(run_id)

@@ -6,6 +6,7 @@ Pure: plain records built by hand, no event loop, no I/O.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TypeVar
 
 import pytest
@@ -323,6 +324,17 @@ def test_restart_limit_counts_claims_of_an_earlier_attempt_that_ended_without_co
     j = claims(J().claim(at=1).model(p=0), 3, at=1)
     claims(j, 2, at=2)
     assert restart_limit_reached(j.of(0), 5) is True
+
+
+def test_restart_limit_counts_a_claim_repeated_for_one_delivery_once() -> None:
+    """A claim whose answer never reached its worker is claimed again for the
+    same delivery: that is no restart. A new delivery is one."""
+    j = claims(J(), 2)
+    repeat = replace(j.entries[-1], seq=j.entries[-1].seq + 1, writer="f" * 16)
+    j.entries.extend([repeat, replace(repeat, seq=repeat.seq + 1)])
+    assert restart_limit_reached(j.of(0), 3) is False
+    j.claim()
+    assert restart_limit_reached(j.of(0), 3) is True
 
 
 def test_restart_limit_is_per_iteration() -> None:

@@ -15,7 +15,8 @@ Claim (one dispatch ``(iteration, attempt)`` opening the journal):
 * Otherwise -> ``Proceed``: append a claim, which fences every earlier holder,
   and close every intent of an *earlier attempt* that has no result with an
   ``interrupted`` result. After the claim, ``restart_limit_reached`` says
-  whether the iteration ended in ``limit`` claims in a row.
+  whether the iteration ended in ``limit`` claims in a row; a claim repeated
+  for the same delivery (its answer was lost) counts once.
 * A decision from a guessed tail (the last commit this replica stored) stands
   only if it is ``Proceed`` (``stands_on_a_guess``); any other answer needs the
   tail read.
@@ -123,13 +124,27 @@ def base_before(tail: AnyEntry | None, iteration: int) -> int:
 
 
 def restart_limit_reached(records: Sequence[AnyEntry], limit: int) -> bool:
-    """Whether the iteration's last ``limit`` records are all claims."""
+    """Whether the iteration ends in ``limit`` claims in a row. A claim that
+    repeats the one before it (the same attempt, delivery and worker: its
+    answer never reached the worker, which claimed again) is no restart and
+    counts once."""
     trailing = 0
+    after: ClaimEntry | None = None
     for record in reversed(records):
         if not isinstance(record, ClaimEntry):
             break
-        trailing += 1
+        if after is None or not _same_delivery(record, after):
+            trailing += 1
+        after = record
     return trailing >= limit
+
+
+def _same_delivery(a: ClaimEntry, b: ClaimEntry) -> bool:
+    return a.delivery > 0 and (a.attempt, a.delivery, a.worker_id) == (
+        b.attempt,
+        b.delivery,
+        b.worker_id,
+    )
 
 
 def partial_output(records: Sequence[AnyEntry], intent_seq: int) -> str:

@@ -564,7 +564,9 @@ class ClaimRequest(_message.Message):
     worker_id: _builtins.str
     """Worker id, for the record."""
     restart_limit: _builtins.int
-    """Consecutive claims that fail the step; 0 means 5."""
+    """Consecutive claims that fail the step; 0 means 5. A claim sent again for
+    the same delivery by the same worker (its answer was lost) counts once.
+    """
     lease: _builtins.str
     """The task's lease (LeasedTask.lease). Set: when the claim answers settled,
     the journal service settles the task itself after the answer (stale: it
