@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import pytest
 
+from dagnats.journal.limits import MAX_PARTIAL_BYTES
 from dagnats.journal.model import (
     Action,
     AnyEntry,
@@ -36,6 +37,7 @@ from dagnats.journal.replay import (
     Stale,
     UseResponse,
     UseResult,
+    cut_partial,
     decide_claim,
     decide_model,
     decide_tool,
@@ -335,6 +337,17 @@ def test_restart_limit_counts_a_claim_repeated_for_one_delivery_once() -> None:
     assert restart_limit_reached(j.of(0), 3) is False
     j.claim()
     assert restart_limit_reached(j.of(0), 3) is True
+
+
+def test_partial_output_longer_than_a_record_keeps_its_end() -> None:
+    j = J().claim().intent(p=0, name="build", safe=False)
+    intent = j.last_intent.seq
+    for n in range(5):
+        j.output(f"line {n}\n" + "." * 100_000, intent=intent)
+    cut = partial_output(j.of(0), intent)
+    assert len(cut.encode()) <= MAX_PARTIAL_BYTES + 32
+    assert cut.startswith("[") and " bytes cut]" in cut and cut.endswith("." * 1000)
+    assert cut_partial("short") == "short"
 
 
 def test_restart_limit_is_per_iteration() -> None:

@@ -14,3 +14,5 @@ MAX_RECORD_BYTES = 2 * 1024 * 1024  # twice the default checkpoint cap of a non-
 MAX_ANSWER_BYTES = 3 * 1024 * 1024
 # Room kept below the NATS server's max_payload for a record's headers.
 HEADER_ROOM = 8 * 1024
+# The partial output an interrupted result carries: its end, when longer.
+MAX_PARTIAL_BYTES = 256 * 1024

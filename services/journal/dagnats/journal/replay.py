@@ -47,6 +47,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from dagnats.journal.limits import MAX_PARTIAL_BYTES
 from dagnats.journal.model import (
     AnyEntry,
     ClaimEntry,
@@ -148,10 +149,23 @@ def _same_delivery(a: ClaimEntry, b: ClaimEntry) -> bool:
 
 
 def partial_output(records: Sequence[AnyEntry], intent_seq: int) -> str:
-    """Everything a tool reported while it ran, in order."""
-    return "".join(
-        r.chunk for r in records if isinstance(r, OutputEntry) and r.intent_seq == intent_seq
+    """What a tool reported while it ran, in order, cut to fit a record."""
+    return cut_partial(
+        "".join(
+            r.chunk for r in records if isinstance(r, OutputEntry) and r.intent_seq == intent_seq
+        )
     )
+
+
+def cut_partial(text: str, limit: int = MAX_PARTIAL_BYTES) -> str:
+    """``text`` if its UTF-8 fits ``limit`` bytes, else its end behind a note of
+    how much was cut: an interrupted result must fit a record, or no claim
+    could close its intent."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    tail = data[len(data) - limit :].decode(errors="ignore")
+    return f"[{len(data) - len(tail.encode())} bytes cut]{tail}"
 
 
 def _unanswered(records: Sequence[AnyEntry], *, before_attempt: int) -> list[IntentEntry]:

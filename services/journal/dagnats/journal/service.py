@@ -364,9 +364,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         token = check_writer_token(request.token)
         _check_intent_seq(token, request.intent_seq)
         if request.interrupted:
-            result = pb.ToolResult(
-                intent_seq=request.intent_seq, interrupted=True, partial=request.partial
-            )
+            partial = replay.cut_partial(request.partial)
+            result = pb.ToolResult(intent_seq=request.intent_seq, interrupted=True, partial=partial)
         else:
             if not request.error:
                 _check_json(request.output, "output")
