@@ -264,6 +264,19 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="a placement answers the inputs that fit",
+        file="services/journal/dagnats/journal/placement.py",
+        guard=(
+            "            if state.status is input_rules.Status.QUEUED and _full(placed, state):\n"
+        ),
+        removed="            if False:\n",
+        how="one PlaceInputs call places every queued input, past a default client's 4 MiB",
+        tests=(
+            "tests/test_journal_limits.py::"
+            "test_inputs_placed_by_one_call_fit_its_answer_and_the_rest_wait",
+        ),
+    ),
+    Guard(
         name="an input created while its step finished is closed",
         file="services/inputs/dagnats/inputs/service.py",
         guard="            if not _accepts_inputs(run, step_id):\n"

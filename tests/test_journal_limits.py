@@ -205,3 +205,39 @@ async def test_claims_repeated_for_one_delivery_are_not_restarts(
         answer = await stub.Claim(claim)
     assert answer.settled.reason == "restart_limit"
     await client.cancel_run(run_id)
+
+
+async def test_inputs_placed_by_one_call_fit_its_answer_and_the_rest_wait(
+    client: Client, engine: EngineServer
+) -> None:
+    """Seventy queued inputs of 64 KiB each, more than 4 MiB in all: a default
+    client's PlaceInputs gets those that fit, the rest stay queued, and the
+    next call places them; every input is placed once."""
+    from dagnats.inputs.rules import MAX_CONTENT_BYTES
+    from dagnats.inputs.v1 import inputs_pb2 as ipb
+
+    run_id = await _open_step(client)
+    content = {"text": "z" * (MAX_CONTENT_BYTES - 64)}
+    sent = [f"in-{n}" for n in range(70)]
+    for request_id in sent:
+        await client.submit_input(run_id, "agent", request_id, content)
+    async with grpc.aio.insecure_channel(engine.target) as channel:  # default options
+        stub = jgrpc.JournalServiceStub(channel)
+        claim = jpb.ClaimRequest(run_id=run_id, step_id="agent", iteration=0, attempt=1)
+        token = (await stub.Claim(claim)).claimed.token
+        placed: list[str] = []
+        for position in range(2):
+            answer = await stub.PlaceInputs(
+                jpb.PlaceInputsRequest(token=token, position=position, mode=1)
+            )
+            assert answer.ByteSize() < 4 * 1024 * 1024
+            assert answer.inputs, f"call {position} placed nothing"
+            placed += [p.request_id for p in answer.inputs]
+            token = answer.token
+            if position == 0:
+                rest = [r for r in sent if r not in placed]
+                assert rest, "the first call cannot have placed all of them"
+                left = await client.get_input(run_id, "agent", rest[0])
+                assert left.status == ipb.STATUS_QUEUED, "what did not fit stays queued"
+    assert sorted(placed) == sorted(sent)
+    await client.cancel_run(run_id)

@@ -16,3 +16,6 @@ MAX_ANSWER_BYTES = 3 * 1024 * 1024
 HEADER_ROOM = 8 * 1024
 # The partial output an interrupted result carries: its end, when longer.
 MAX_PARTIAL_BYTES = 256 * 1024
+# The inputs one PlaceInputs call places anew, by their records' size: a queued
+# input past it stays queued for the next call, so the answer fits.
+MAX_PLACED_BYTES = MAX_ANSWER_BYTES - 256 * 1024

@@ -18,6 +18,7 @@ from dagnats.inputs import rules as input_rules
 from dagnats.inputs.store import InputStore, change
 from dagnats.journal import convert, replay
 from dagnats.journal import model as jm
+from dagnats.journal.limits import MAX_PLACED_BYTES
 from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.journal.writer import JournalWriter, fenced
 
@@ -119,6 +120,8 @@ class InputPlacement:
             )
 
         for state, revision in await self._inputs.list(token.run_id, token.step_id):
+            if state.status is input_rules.Status.QUEUED and _full(placed, state):
+                continue  # placed by a later call: this answer must fit
             # An input changed since the listing is decided again as it is now:
             # withdrawn meanwhile, it is not ours; claimed by our own update
             # whose answer was lost, it is ours to record.
@@ -135,3 +138,9 @@ class InputPlacement:
             token, stored = await self._writer.append(token, pb.Record(input_placed=record))
             placed.append(stored.input_placed)
         return token
+
+
+def _full(placed: list[pb.InputPlaced], state: input_rules.InputState) -> bool:
+    """Whether placing ``state`` too would take the answer past its size."""
+    size = sum(p.ByteSize() for p in placed) + len(state.content)
+    return bool(placed) and size > MAX_PLACED_BYTES
