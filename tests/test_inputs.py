@@ -402,6 +402,16 @@ async def test_bad_submissions_name_the_field_and_store_nothing(
         assert await store.list(UNKNOWN_RUN, STEP) == []
 
 
+async def test_listing_the_inputs_of_an_unknown_run_or_step_is_not_found(
+    client: Client, stub: Any
+) -> None:
+    run_id = await running_step(client)
+    for run, step, field in ((UNKNOWN_RUN, STEP, "run_id"), (run_id, "nostep", "step_id")):
+        err = await refused(stub.List(pb.ListRequest(run_id=run, step_id=step)))
+        assert isinstance(err, errors.NotFound) and err.field == field
+    assert await listed(stub, run_id) == []
+
+
 async def test_oversized_content_says_how_big(client: Client, stub: Any) -> None:
     run_id = await running_step(client)
     err = await refused(submit(stub, run_id, raw=b'"' + b"x" * 69998 + b'"'))

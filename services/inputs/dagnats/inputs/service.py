@@ -218,14 +218,15 @@ class Inputs:
 
     async def list(self, request: pb.ListRequest) -> pb.ListResponse:
         """The inputs of a step, oldest first, optionally one status (as seen
-        by clients) or one mode only. A step without inputs lists none."""
+        by clients) or one mode only. A step without inputs lists none; an
+        unknown run or step is ``NotFound``."""
         check_run_id(request.run_id)
         check_token(request.step_id, field="step_id")
         status = _check_status_filter(request.status, "status")
         mode = convert.mode_from_proto(request.mode) if request.mode else None
         if request.mode and mode is None:
             raise errors.InvalidArgument(f"mode {request.mode} is not a mode", field="mode")
-        run = await self.store.load_run(request.run_id)
+        run = await self._require_step(request.run_id, request.step_id)
         found = []
         for state, _ in await self.store.list(request.run_id, request.step_id):
             seen = convert.visible(state, run)
