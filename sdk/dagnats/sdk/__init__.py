@@ -37,6 +37,7 @@ from dagnats.sdk._journal import (
     ToolRun,
 )
 from dagnats.sdk._journal_client import JournalClient
+from dagnats.sdk._stream import TokenStream
 from dagnats.sdk._worker import Handler, Worker
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "Stale",
     "TaskAlreadySettled",
     "TaskContext",
+    "TokenStream",
     "ToolCall",
     "ToolResult",
     "ToolRun",

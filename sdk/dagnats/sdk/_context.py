@@ -356,6 +356,15 @@ class TaskContext:
         )
         return bool(response.inputs)
 
+    async def put_stream(self, chunk: Any) -> None:
+        """Send a chunk of live preview to the step's readers (the spec's
+        PutStream): text for a ``str``, JSON otherwise. A preview is not a
+        record: a crash abandons it, and the step runs again. Claims the
+        journal on first use; never waits on a slow reader (see
+        :class:`dagnats.sdk.TokenStream`).
+        """
+        (await self.journal()).put_stream(chunk)
+
     async def complete(self, output: Any = None) -> None:
         """End the step with ``output`` (JSON-serialisable).
 

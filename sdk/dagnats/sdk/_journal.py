@@ -29,7 +29,7 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from dagnats.core.errors import DagnatsError, InvalidArgument, RecordTooLarge
 from dagnats.core.errors import Fenced as FencedError
@@ -37,6 +37,7 @@ from dagnats.core.seam import seam
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._codec import decode, encode
 from dagnats.sdk._errors import ConcurrentJournalUse, Fenced, RunCancelled
+from dagnats.sdk._stream import TokenStream
 
 if TYPE_CHECKING:
     from dagnats.sdk._session import JournalCalls
@@ -107,6 +108,7 @@ class ToolRun:
 
 ToolFn = Callable[[ToolRun], Awaitable[Any]]
 ModelFn = Callable[[], Awaitable[Any]]
+StreamedModelFn = Callable[[TokenStream], Awaitable[Any]]
 
 log = logging.getLogger("dagnats.sdk")
 
@@ -140,6 +142,7 @@ class Journal:
         self._committed = False
         self._sending = asyncio.Lock()
         self._cancellation = cancellation or asyncio.Event()
+        self._loose: TokenStream | None = None  # put_stream outside a model call
 
     @property
     def token(self) -> jpb.WriterToken:
@@ -163,6 +166,21 @@ class Journal:
             ReplayMismatch: a tool call was recorded at this position.
             Fenced: a successor holds the step.
         """
+        return await self._model(lambda _stream: fn(), streamed=False)
+
+    async def streamed_model(self, fn: StreamedModelFn) -> Any:
+        """As :meth:`model`, with a live preview: ``fn`` gets a
+        :class:`TokenStream` to put its tokens on while it runs. Readers of the
+        step's stream see them, then ``committed`` with the record's sequence
+        once the response is stored, or ``abandoned`` when ``fn`` fails. A
+        response already recorded is returned without calling ``fn``.
+        """
+        return await self._model(lambda live: fn(cast(TokenStream, live)), streamed=True)
+
+    async def _model(
+        self, fn: Callable[[TokenStream | None], Awaitable[Any]], *, streamed: bool
+    ) -> Any:
+        await self._end_loose()
         with self._turn() as position:
             begin = await self._send(
                 lambda t: self._rpc.begin_model(jpb.BeginModelRequest(token=t, position=position)),
@@ -170,8 +188,16 @@ class Journal:
             )
             if begin.recorded:
                 return decode(begin.response, field="response")
-            response = await fn()
+            live = TokenStream(self._rpc.put_stream, self._token, position) if streamed else None
+            try:
+                response = await fn(live)
+            except BaseException:
+                if live is not None:
+                    await live.close(abandon=True)
+                raise
             data = encode(response, field="response")
+            if live is not None:
+                await live.close()  # every chunk is published before the record's marker
             await self._write(
                 lambda t: self._rpc.record_model(
                     jpb.RecordModelRequest(token=t, position=position, response=data)
@@ -179,6 +205,18 @@ class Journal:
             )
             await seam("after_model")
             return response
+
+    def put_stream(self, chunk: Any) -> None:
+        """Put a chunk on the live preview of the next call position (the
+        spec's PutStream): text for a ``str``, JSON otherwise. Never waits."""
+        if self._loose is None:
+            self._loose = TokenStream(self._rpc.put_stream, self._token, self._position)
+        self._loose.put(chunk)
+
+    async def _end_loose(self) -> None:
+        loose, self._loose = self._loose, None
+        if loose is not None:
+            await loose.close()
 
     async def tool(self, call: ToolCall, replay: Replay, fn: ToolFn) -> ToolResult:
         """Run a tool call durably: intent before, result after.
@@ -319,6 +357,7 @@ class Journal:
         def committed(done: jpb.CommitResponse) -> None:
             self._committed = True
 
+        await self._end_loose()
         request = jpb.CommitRequest(commit=commit, lease=lease)
 
         def send(token: jpb.WriterToken) -> Awaitable[jpb.CommitResponse]:

@@ -9,6 +9,7 @@ budget, as every client call is (see ``_rpc``); a followed read is not.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Self
@@ -108,6 +109,19 @@ class JournalClient:
             return [response.record async for response in call]
 
         return await self._rpc.retrying("Read", attempt, idempotent=True)
+
+    async def watch_stream(self, run_id: str, step_id: str) -> AsyncIterator[dict[str, object]]:
+        """Yield a step's live preview events (JSON objects, see
+        ``WatchStreamResponse``) until the caller stops iterating. The first
+        is ``{"type": "ready"}``: from then on nothing published is missed."""
+        call = self._connect().WatchStream(pb.WatchStreamRequest(run_id=run_id, step_id=step_id))
+        try:
+            async for response in call:
+                yield json.loads(response.data) if response.id else {"type": "ready"}
+        except grpc.aio.AioRpcError as err:
+            raise self._domain_error(err) from None
+        finally:
+            call.cancel()
 
     async def _stream(
         self, request: pb.ReadRequest, *, deadline: float | None

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -274,6 +274,12 @@ class EngineRpc:
 
     async def withdraw_input(self, request: ipb.WithdrawRequest) -> ipb.WithdrawResponse:
         return await self._call(self._inputs().Withdraw, request, idempotent=True)
+
+    async def put_stream(
+        self, requests: AsyncIterator[jpb.PutStreamRequest]
+    ) -> jpb.PutStreamResponse:
+        """One live stream's chunks; not retried (a preview is not a record)."""
+        return await self._journal().PutStream(requests)
 
     def _inputs(self) -> InputsServiceAsyncStub:
         self._connect()

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
@@ -53,6 +54,9 @@ class JournalCalls(Protocol):
     async def hold(self, request: jpb.HoldRequest) -> jpb.HoldResponse: ...
     async def place_inputs(self, request: jpb.PlaceInputsRequest) -> jpb.PlaceInputsResponse: ...
     async def commit(self, request: jpb.CommitRequest) -> jpb.CommitResponse: ...
+    async def put_stream(
+        self, requests: AsyncIterator[jpb.PutStreamRequest]
+    ) -> jpb.PutStreamResponse: ...
 
 
 class JournalSession:
@@ -73,6 +77,11 @@ class JournalSession:
         stream, self._stream = self._stream, None
         if stream is not None:  # no call is pending on it: a call that failed dropped it
             self._rpc.release_session(stream)
+
+    async def put_stream(
+        self, requests: AsyncIterator[jpb.PutStreamRequest]
+    ) -> jpb.PutStreamResponse:
+        return await self._rpc.put_stream(requests)
 
     async def claim(self, request: jpb.ClaimRequest) -> jpb.ClaimResponse:
         # A claim whose answer was lost may have landed: claiming again fences it,

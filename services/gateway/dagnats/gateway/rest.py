@@ -10,6 +10,7 @@ answers are ``dagnats.sdk.views``, the same as ``dagnats ... --json``.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from dagnats.core.durations import parse_duration
-from dagnats.core.errors import NotFound
+from dagnats.core.errors import InvalidArgument, NotFound
 from dagnats.core.ids import (
     MAX_SEQ,
     check_request_id,
@@ -27,7 +28,7 @@ from dagnats.core.ids import (
     parse_seq,
 )
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.gateway import journal_stream
+from dagnats.gateway import journal_stream, live_stream
 from dagnats.gateway.auth import api_auth
 from dagnats.gateway.backend import BackendDep
 from dagnats.inputs.rules import MAX_WAIT
@@ -308,6 +309,46 @@ async def read_journal(
             break
     next_from = records[-1]["seq"] + 1 if records else from_
     return JSONResponse({"records": records, "next": int(next_from)})
+
+
+_STREAM_EVENT_ID = re.compile(
+    r"[0-9a-f]{16}\.[0-9]{1,4}\.([0-9]{1,19}|committed|abandoned)|journal\.[0-9]{1,19}"
+)
+
+
+@router.get(
+    "/runs/{run_id}/steps/{step_id}/stream",
+    tags=["journal"],
+    summary="A step's live token stream, as server-sent events",
+    description=(
+        "The live preview a worker sends with `put_stream` or a streamed model call: "
+        "events `token` (data: `text` or `json`, `seq`, `position`, `writer`, `stream`, and "
+        "`retry_of` on a retry of an abandoned stream), `committed` (the model record's "
+        "`record_seq` and `response`) and `abandoned` (`reason`: `failed` or `superseded`). "
+        "A preview is not a record: trust `committed`. A reconnect with `Last-Event-ID` "
+        "resumes right after that event while the stream lives; a reader arriving after "
+        "the commit gets the `committed` event, from the journal when need be."
+    ),
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def stream_step(
+    request: Request,
+    b: BackendDep,
+    run_id: ValidRun,
+    step_id: ValidStep,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> Response:
+    if last_event_id is not None and not _STREAM_EVENT_ID.fullmatch(last_event_id):
+        raise InvalidArgument(
+            "Last-Event-ID is not an event id of this stream", field="Last-Event-ID"
+        )
+    await _require_step(b, run_id, step_id)
+    hub = await request.app.state.hubs.hub(b, run_id, step_id)
+    return StreamingResponse(
+        live_stream.events(request, b, hub, last_event_id),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 async def _require_step(b: BackendDep, run_id: str, step_id: str) -> None:

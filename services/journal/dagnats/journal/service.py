@@ -32,7 +32,7 @@ from dagnats.engine.report import check_lease, outcome_event, publish_outcome
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs.store import InputStore
-from dagnats.journal import audit, convert, outcomes, replay, session
+from dagnats.journal import audit, convert, outcomes, replay, session, stream
 from dagnats.journal import model as jm
 from dagnats.journal.limits import MAX_ANSWER_BYTES
 from dagnats.journal.placement import MODES, InputPlacement
@@ -109,6 +109,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self._writer = JournalWriter(store)
         self._settling: set[asyncio.Task[None]] = set()
         self._placement = InputPlacement(self._writer, inputs) if inputs is not None else None
+        # The writer of the newest claim this replica made, per step: a chunk of
+        # any other writer is a fenced holder's and is refused.
+        self._holders: dict[tuple[str, str], str] = {}
 
     # ---- claim ---------------------------------------------------------------------
 
@@ -212,6 +215,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             raise
         records.append(claim)
         entries.append(convert.entry(claim))
+        self._holders[(token.run_id, token.step_id)] = token.writer
+        # The natural place to end the previous holder's open streams.
+        await stream.publish(self.store.nc, stream.claim_event(token))
         if replay.restart_limit_reached(entries, limit):
             failure = pb.Commit(
                 action=pb.ACTION_FAIL,
@@ -277,8 +283,56 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         token = check_writer_token(request.token)
         _check_json(request.response, "response")
         record = pb.Record(model=pb.ModelCall(position=request.position, response=request.response))
-        token, _ = await self._writer.append(token, record)
+        token, stored = await self._writer.append(token, record)
+        await stream.publish(self.store.nc, stream.committed_event(token, request.position, stored))
         return pb.RecordModelResponse(token=token)
+
+    # ---- live preview ----------------------------------------------------------------
+
+    async def PutStream(
+        self, request_iterator: AsyncIterator[pb.PutStreamRequest], context: Context
+    ) -> pb.PutStreamResponse:
+        published = refused = 0
+        try:
+            async for request in request_iterator:
+                token = check_writer_token(request.token)
+                check_position(request.position)
+                event = stream.chunk_event(request)
+                holder = self._holders.get((token.run_id, token.step_id))
+                if holder is not None and holder != token.writer:
+                    refused += 1  # a fenced holder: never shown as current
+                    continue
+                await stream.publish(self.store.nc, event)
+                published += 1
+        except errors.DagnatsError as err:
+            await abort_with(context, err)
+        return pb.PutStreamResponse(published=published, refused=refused)
+
+    async def WatchStream(
+        self, request: pb.WatchStreamRequest, context: Context
+    ) -> AsyncIterator[pb.WatchStreamResponse]:
+        try:
+            run_id = check_run_id(request.run_id)
+            step_id = check_token(request.step_id, field="step_id")
+        except errors.DagnatsError as err:
+            await abort_with(context, err)
+            return
+        queue: asyncio.Queue[bytes] = asyncio.Queue(stream.WATCH_BUFFER)
+
+        async def deliver(msg: Any) -> None:
+            with contextlib.suppress(asyncio.QueueFull):  # a slow watcher loses chunks
+                queue.put_nowait(msg.data)
+
+        sub = await self.store.nc.subscribe(stream.subject(run_id, step_id), cb=deliver)
+        try:
+            await self.store.nc.flush()
+            yield pb.WatchStreamResponse()  # subscribed: nothing published from now is missed
+            while True:
+                data = await queue.get()
+                event = json.loads(data)
+                yield pb.WatchStreamResponse(id=stream.event_id(event), data=data)
+        finally:
+            await sub.unsubscribe()
 
     # ---- tool calls ------------------------------------------------------------------
 

@@ -1581,3 +1581,140 @@ class SessionError(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SessionError: _TypeAlias = SessionError  # noqa: Y015
+
+@_typing.final
+class PutStreamRequest(_message.Message):
+    """PutStreamRequest is one chunk of a holder's live preview."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    JSON_FIELD_NUMBER: _builtins.int
+    ABANDON_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    position: _builtins.int
+    """Position of the call the chunk belongs to (the next call's position for
+    a chunk put outside a model call).
+    """
+    seq: _builtins.int
+    """Sequence of the chunk within its stream, from 1, increasing."""
+    text: _builtins.str
+    """A text chunk (a token), at most 64 KiB."""
+    json: _builtins.bytes
+    """A JSON chunk, at most 64 KiB."""
+    abandon: _builtins.bool
+    """The call failed: readers get "abandoned" for the stream."""
+    dropped: _builtins.int
+    """Chunks the writer's bounded buffer dropped just before this one (a slow
+    link): readers see the gap instead of a silent hole.
+    """
+    @_builtins.property
+    def token(self) -> Global___WriterToken:
+        """The writer: run, step, iteration, attempt and nonce name the stream."""
+
+    def __init__(
+        self,
+        *,
+        token: Global___WriterToken | None = ...,
+        position: _builtins.int = ...,
+        seq: _builtins.int = ...,
+        text: _builtins.str = ...,
+        json: _builtins.bytes = ...,
+        abandon: _builtins.bool = ...,
+        dropped: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "chunk", b"chunk", "json", b"json", "text", b"text", "token", b"token"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "chunk", b"chunk", "dropped", b"dropped", "json", b"json", "position", b"position", "seq", b"seq", "text", b"text", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_chunk: _TypeAlias = _typing.Literal["text", "json", "abandon"]  # noqa: Y015
+    _WhichOneofArgType_chunk: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_chunk) -> _WhichOneofReturnType_chunk | None: ...
+
+Global___PutStreamRequest: _TypeAlias = PutStreamRequest  # noqa: Y015
+
+@_typing.final
+class PutStreamResponse(_message.Message):
+    """PutStreamResponse ends a PutStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PUBLISHED_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    published: _builtins.int
+    """Chunks published."""
+    refused: _builtins.int
+    """Chunks refused because the writer no longer holds the step."""
+    def __init__(
+        self,
+        *,
+        published: _builtins.int = ...,
+        refused: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["published", b"published", "refused", b"refused"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutStreamResponse: _TypeAlias = PutStreamResponse  # noqa: Y015
+
+@_typing.final
+class WatchStreamRequest(_message.Message):
+    """WatchStreamRequest names the step to follow."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run."""
+    step_id: _builtins.str
+    """The step."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        step_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchStreamRequest: _TypeAlias = WatchStreamRequest  # noqa: Y015
+
+@_typing.final
+class WatchStreamResponse(_message.Message):
+    """WatchStreamResponse is one chunk or marker of a step's live preview, as JSON with
+    the fields of the SSE event's data: type ("token", "committed",
+    "abandoned"), run, step, iteration, attempt, position, writer, seq, and
+    text or json (token), record_seq and response (committed), retry_of (the
+    stream id of the abandoned stream a token's stream retries).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The event's id ("<writer>.<position>.<seq>"), as SSE's id."""
+    data: _builtins.bytes
+    """The event's JSON."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchStreamResponse: _TypeAlias = WatchStreamResponse  # noqa: Y015

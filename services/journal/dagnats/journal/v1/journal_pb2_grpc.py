@@ -116,6 +116,16 @@ class JournalServiceStub:
                 request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionRequest.SerializeToString,
                 response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.PutStream = channel.stream_unary(
+                '/dagnats.journal.v1.JournalService/PutStream',
+                request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.PutStreamRequest.SerializeToString,
+                response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.PutStreamResponse.FromString,
+                _registered_method=True)
+        self.WatchStream = channel.unary_stream(
+                '/dagnats.journal.v1.JournalService/WatchStream',
+                request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.WatchStreamRequest.SerializeToString,
+                response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.WatchStreamResponse.FromString,
+                _registered_method=True)
 
 
 class JournalServiceServicer:
@@ -230,6 +240,27 @@ class JournalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutStream(self, request_iterator, context):
+        """PutStream carries a holder's live preview (the spec's PutStream): chunks
+        of text or JSON, published on core NATS (no record, no fsync) to the
+        readers of dagnats.stream.<run>.<step>. A chunk of a writer that is no
+        longer the holder this service knows is refused, not published. The
+        stream of a call position ends with "committed" (the model record's
+        sequence, published by RecordModel) or "abandoned" (the call failed, or a
+        successor claimed the step: Claim publishes it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchStream(self, request, context):
+        """WatchStream follows a step's live preview: every chunk and marker from
+        the call on, as the gateway's GET /runs/{run}/steps/{step}/stream sends it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JournalServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -292,6 +323,16 @@ def add_JournalServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionRequest.FromString,
                     response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionResponse.SerializeToString,
+            ),
+            'PutStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutStream,
+                    request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.PutStreamRequest.FromString,
+                    response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.PutStreamResponse.SerializeToString,
+            ),
+            'WatchStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchStream,
+                    request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.WatchStreamRequest.FromString,
+                    response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.WatchStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -640,6 +681,60 @@ class JournalService:
             '/dagnats.journal.v1.JournalService/Session',
             dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionRequest.SerializeToString,
             dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/dagnats.journal.v1.JournalService/PutStream',
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.PutStreamRequest.SerializeToString,
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.PutStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dagnats.journal.v1.JournalService/WatchStream',
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.WatchStreamRequest.SerializeToString,
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.WatchStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

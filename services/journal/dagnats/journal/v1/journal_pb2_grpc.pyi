@@ -83,6 +83,19 @@ class JournalServiceStub:
     call per record. The server answers each request before it reads the next.
     A domain error answers its request and leaves the stream open.
     """
+    PutStream: _grpc.StreamUnaryMultiCallable[_journal_pb2.PutStreamRequest, _journal_pb2.PutStreamResponse]
+    """PutStream carries a holder's live preview (the spec's PutStream): chunks
+    of text or JSON, published on core NATS (no record, no fsync) to the
+    readers of dagnats.stream.<run>.<step>. A chunk of a writer that is no
+    longer the holder this service knows is refused, not published. The
+    stream of a call position ends with "committed" (the model record's
+    sequence, published by RecordModel) or "abandoned" (the call failed, or a
+    successor claimed the step: Claim publishes it).
+    """
+    WatchStream: _grpc.UnaryStreamMultiCallable[_journal_pb2.WatchStreamRequest, _journal_pb2.WatchStreamResponse]
+    """WatchStream follows a step's live preview: every chunk and marker from
+    the call on, as the gateway's GET /runs/{run}/steps/{step}/stream sends it.
+    """
 
 @_typing.type_check_only
 class JournalServiceAsyncStub(JournalServiceStub):
@@ -138,6 +151,19 @@ class JournalServiceAsyncStub(JournalServiceStub):
     one stream: the same requests, rules and answers, without the cost of a
     call per record. The server answers each request before it reads the next.
     A domain error answers its request and leaves the stream open.
+    """
+    PutStream: _aio.StreamUnaryMultiCallable[_journal_pb2.PutStreamRequest, _journal_pb2.PutStreamResponse]  # type: ignore[assignment]
+    """PutStream carries a holder's live preview (the spec's PutStream): chunks
+    of text or JSON, published on core NATS (no record, no fsync) to the
+    readers of dagnats.stream.<run>.<step>. A chunk of a writer that is no
+    longer the holder this service knows is refused, not published. The
+    stream of a call position ends with "committed" (the model record's
+    sequence, published by RecordModel) or "abandoned" (the call failed, or a
+    successor claimed the step: Claim publishes it).
+    """
+    WatchStream: _aio.UnaryStreamMultiCallable[_journal_pb2.WatchStreamRequest, _journal_pb2.WatchStreamResponse]  # type: ignore[assignment]
+    """WatchStream follows a step's live preview: every chunk and marker from
+    the call on, as the gateway's GET /runs/{run}/steps/{step}/stream sends it.
     """
 
 class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -263,6 +289,31 @@ class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
         one stream: the same requests, rules and answers, without the cost of a
         call per record. The server answers each request before it reads the next.
         A domain error answers its request and leaves the stream open.
+        """
+
+    @_abc_1.abstractmethod
+    def PutStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_journal_pb2.PutStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_journal_pb2.PutStreamResponse, _abc.Awaitable[_journal_pb2.PutStreamResponse]]:
+        """PutStream carries a holder's live preview (the spec's PutStream): chunks
+        of text or JSON, published on core NATS (no record, no fsync) to the
+        readers of dagnats.stream.<run>.<step>. A chunk of a writer that is no
+        longer the holder this service knows is refused, not published. The
+        stream of a call position ends with "committed" (the model record's
+        sequence, published by RecordModel) or "abandoned" (the call failed, or a
+        successor claimed the step: Claim publishes it).
+        """
+
+    @_abc_1.abstractmethod
+    def WatchStream(
+        self,
+        request: _journal_pb2.WatchStreamRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_journal_pb2.WatchStreamResponse], _abc.AsyncIterator[_journal_pb2.WatchStreamResponse]]:
+        """WatchStream follows a step's live preview: every chunk and marker from
+        the call on, as the gateway's GET /runs/{run}/steps/{step}/stream sends it.
         """
 
 def add_JournalServiceServicer_to_server(servicer: JournalServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

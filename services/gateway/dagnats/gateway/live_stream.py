@@ -1,0 +1,264 @@
+"""A step's live preview as server-sent events, one subscription per step.
+
+The gateway holds one ``WatchStream`` (one NATS subscription in the journal
+service) per step, however many readers follow it: a :class:`StepHub` reads
+it, applies the rules below, keeps the last ``RING`` events, and hands each
+event to every reader's own bounded queue. A reader that falls ``READER_BUFFER``
+events behind is cut off (it resumes with ``Last-Event-ID``), so a slow reader
+slows neither the worker nor the other readers.
+
+The rules that tie the preview to the journal:
+
+- a ``claim`` abandons every open stream of another writer (``abandoned``,
+  reason ``superseded``), and from then on chunks of any writer but the
+  claim's are dropped: a fenced holder's chunks are never shown as current;
+- the first stream of a position that an abandoned stream had carries
+  ``retry_of``, the abandoned stream's id;
+- a stream ends with ``committed`` (the model record's sequence and its
+  response) or ``abandoned``; later chunks of it are dropped.
+
+Event ids are ``<writer>.<position>.<seq>`` (``.committed``/``.abandoned``
+for markers), so a reconnect with ``Last-Event-ID`` resumes right after that
+event for as long as the hub holds it (``LINGER`` seconds after its last
+reader left). A reader that connects without one gets, for a stream already
+committed, only its ``committed`` event, and when the hub is new, the step's
+model records from the journal as ``committed`` events: the final text
+either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from dagnats.core.errors import DagnatsError
+from dagnats.gateway.backend import Backend
+from dagnats.journal.stream import event_id, stream_id
+
+RING = 4096  # events a hub keeps for readers that reconnect
+READER_BUFFER = 4096  # events one reader may fall behind before it is cut off
+LINGER = 60.0  # seconds a hub outlives its last reader
+KEEPALIVE_SECONDS = 15.0
+_CUT = object()
+
+
+@dataclass(slots=True)
+class Event:
+    id: str
+    type: str
+    data: dict[str, Any]
+
+    def sse(self) -> str:
+        body = json.dumps(self.data, separators=(",", ":"))
+        return f"id: {self.id}\nevent: {self.type}\ndata: {body}\n\n"
+
+
+@dataclass(slots=True)
+class _Streams:
+    """What the rules remember of a step's streams."""
+
+    holder: str = ""  # the writer of the last claim seen
+    open: dict[str, dict[str, Any]] = field(default_factory=dict)  # stream id -> first event
+    ended: set[str] = field(default_factory=set)
+    committed: set[str] = field(default_factory=set)
+    abandoned_at: dict[tuple[int, int], str] = field(default_factory=dict)
+    retry_of: dict[str, str] = field(default_factory=dict)
+
+    def apply(self, event: dict[str, Any]) -> list[Event]:
+        """The events readers get for one published ``event``."""
+        kind = event.get("type")
+        if kind == "claim":
+            self.holder = event["writer"]
+            out = []
+            for sid, first in list(self.open.items()):
+                if first["writer"] != self.holder:
+                    out.append(self._abandon(sid, first, "superseded"))
+            return out
+        writer, position = event["writer"], event["position"]
+        sid = stream_id(writer, position)
+        if kind == "committed":
+            self.open.pop(sid, None)
+            self.ended.add(sid)
+            self.committed.add(sid)
+            return [Event(event_id(event), "committed", event | {"stream": sid})]
+        if sid in self.ended or (self.holder and writer != self.holder):
+            return []  # a finished stream, or a fenced holder's chunk
+        if kind == "abandoned":
+            return [self._abandon(sid, event, event.get("reason", "failed"))]
+        if sid not in self.open:
+            self.open[sid] = event
+            earlier = self.abandoned_at.get((event["iteration"], position))
+            if earlier is not None:
+                self.retry_of[sid] = earlier
+        data = event | {"stream": sid}
+        if sid in self.retry_of:
+            data["retry_of"] = self.retry_of[sid]
+        return [Event(event_id(event), "token", data)]
+
+    def _abandon(self, sid: str, first: dict[str, Any], reason: str) -> Event:
+        self.open.pop(sid, None)
+        self.ended.add(sid)
+        self.abandoned_at[(first["iteration"], first["position"])] = sid
+        data = {k: first[k] for k in ("run", "step", "iteration", "attempt", "position", "writer")}
+        data |= {"type": "abandoned", "reason": reason, "stream": sid}
+        return Event(f"{sid}.abandoned", "abandoned", data)
+
+
+class StepHub:
+    """One step's subscription and the readers that follow it."""
+
+    def __init__(self, hubs: Hubs, backend: Backend, run_id: str, step_id: str) -> None:
+        self._hubs = hubs
+        self._backend = backend
+        self.key = (run_id, step_id)
+        self.ring: deque[Event] = deque(maxlen=RING)
+        self.streams = _Streams()
+        self.readers: set[asyncio.Queue[Event | object]] = set()
+        self.fresh = True  # nothing published reached this hub yet
+        self._ready = asyncio.Event()
+        self._failed: DagnatsError | None = None
+        self._task = asyncio.create_task(self._pump(), name=f"live-{run_id}-{step_id}")
+        self._linger: asyncio.TimerHandle | None = None
+
+    async def ready(self) -> None:
+        await self._ready.wait()
+        if self._failed is not None:
+            raise self._failed
+
+    async def _pump(self) -> None:
+        try:
+            async for published in self._backend.journal.watch_stream(*self.key):
+                if published.get("type") == "ready":
+                    self._ready.set()
+                    continue
+                for event in self.streams.apply(published):
+                    self.fresh = False
+                    self.ring.append(event)
+                    for queue in list(self.readers):
+                        try:
+                            queue.put_nowait(event)
+                        except asyncio.QueueFull:
+                            self.readers.discard(queue)
+                            queue.get_nowait()  # room for the cut marker
+                            queue.put_nowait(_CUT)
+        except DagnatsError as err:
+            self._failed = err
+        finally:
+            self._ready.set()
+            for queue in list(self.readers):
+                with contextlib.suppress(asyncio.QueueFull):
+                    queue.put_nowait(_CUT)
+            self._hubs.forget(self)
+
+    def join(self) -> asyncio.Queue[Event | object]:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        queue: asyncio.Queue[Event | object] = asyncio.Queue(READER_BUFFER)
+        self.readers.add(queue)
+        return queue
+
+    def leave(self, queue: asyncio.Queue[Event | object]) -> None:
+        self.readers.discard(queue)
+        if not self.readers and self._linger is None:
+            self._linger = asyncio.get_running_loop().call_later(LINGER, self.close)
+
+    def close(self) -> None:
+        self._task.cancel()
+
+    def backlog(self, last_event_id: str | None) -> list[Event]:
+        """The ring's events a reader gets before the live ones: those after
+        ``last_event_id`` when the ring holds it, else all but the tokens of
+        committed streams (their ``committed`` event carries the text)."""
+        events = list(self.ring)
+        ids = [e.id for e in events]
+        if last_event_id in ids:
+            return events[ids.index(last_event_id) + 1 :]
+        committed = self.streams.committed
+        return [e for e in events if e.type != "token" or e.data["stream"] not in committed]
+
+
+class Hubs:
+    """The gateway's hubs, one per followed step."""
+
+    def __init__(self) -> None:
+        self._hubs: dict[tuple[str, str], StepHub] = {}
+
+    async def hub(self, backend: Backend, run_id: str, step_id: str) -> StepHub:
+        found = self._hubs.get((run_id, step_id))
+        if found is None:
+            found = self._hubs[(run_id, step_id)] = StepHub(self, backend, run_id, step_id)
+        await found.ready()
+        return found
+
+    def forget(self, hub: StepHub) -> None:
+        if self._hubs.get(hub.key) is hub:
+            del self._hubs[hub.key]
+
+    def __len__(self) -> int:
+        return len(self._hubs)
+
+    def close(self) -> None:
+        for hub in list(self._hubs.values()):
+            hub.close()
+
+
+async def journal_committed(backend: Backend, run_id: str, step_id: str) -> list[Event]:
+    """The step's model records, as the ``committed`` events a late reader gets."""
+    out = []
+    async for record in backend.journal.read(run_id, step_id):
+        if record.WhichOneof("kind") == "model":
+            data = {
+                "type": "committed",
+                "run": run_id,
+                "step": step_id,
+                "iteration": record.iteration,
+                "attempt": record.attempt,
+                "position": record.model.position,
+                "record_seq": record.seq,
+                "response": json.loads(record.model.response),
+                "from": "journal",
+            }
+            out.append(Event(f"journal.{record.seq}", "committed", data))
+    return out
+
+
+async def events(
+    request: Request, backend: Backend, hub: StepHub, last_event_id: str | None
+) -> AsyncIterator[str]:
+    """Yield the SSE text of a step's live preview until the client leaves."""
+    queue = hub.join()
+    streams = request.app.state.metrics.streams
+    streams.inc()
+    try:
+        yield "retry: 1000\n\n"
+        backlog = hub.backlog(last_event_id)
+        if not backlog and hub.fresh and not last_event_id:
+            backlog = await journal_committed(backend, *hub.key)
+        for event in backlog:
+            yield event.sse()
+        sent = {e.id for e in backlog}
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return
+                yield ": keepalive\n\n"
+                continue
+            if item is _CUT:
+                return  # too slow, or the subscription ended: reconnect with Last-Event-ID
+            assert isinstance(item, Event)
+            if item.id in sent:
+                continue
+            yield item.sse()
+    finally:
+        streams.dec()
+        hub.leave(queue)

@@ -1,0 +1,256 @@
+"""A step's live token stream through the gateway: tokens in order, then
+``committed`` naming the model record; a crashed or fenced holder's stream
+``abandoned`` and its successor's marked as the retry; late and resuming
+readers; slow readers and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from dagnats.engine.server import EngineServer
+from dagnats.engine.v1 import engine_pb2 as epb
+from dagnats.sdk import Client, TaskContext, TokenStream, Worker
+from tests.helpers import wait_for
+from tests.stack import loop_workflow, unique
+from tests.test_journal import NO_HEARTBEAT, journal_check, read_journal
+
+TOKENS = [f"tok{i} " for i in range(40)]
+
+
+@dataclass
+class Sse:
+    id: str
+    type: str
+    data: dict[str, Any]
+
+
+@asynccontextmanager
+async def sse(
+    http: httpx.AsyncClient, run_id: str, *, last_event_id: str | None = None
+) -> AsyncIterator[AsyncIterator[Sse]]:
+    """The step's live stream, open (subscribed) when this returns."""
+    headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+    path = f"/runs/{run_id}/steps/agent/stream"
+    async with http.stream("GET", path, headers=headers, timeout=None) as response:
+        assert response.status_code == 200, await response.aread()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = response.aiter_lines()
+        assert (await anext(lines)).startswith("retry:")  # the gateway is subscribed
+
+        async def parse() -> AsyncIterator[Sse]:
+            fields: dict[str, str] = {}
+            async for line in lines:
+                if line == "":
+                    if "event" in fields:
+                        yield Sse(fields["id"], fields["event"], json.loads(fields["data"]))
+                    fields = {}
+                elif not line.startswith(":"):
+                    name, _, value = line.partition(":")
+                    fields[name] = value.removeprefix(" ")
+
+        yield parse()
+
+
+async def until(stream: AsyncIterator[Sse], done: Any) -> list[Sse]:
+    got = []
+    async for event in stream:
+        got.append(event)
+        if done(event):
+            return got
+    raise AssertionError(f"the stream ended after {len(got)} events")
+
+
+@dataclass
+class Streamer:
+    """A handler whose model streams ``TOKENS``: each attempt waits for its
+    gate before each of its ``hold_at``-th token on (a crash never opens it)."""
+
+    hold_at: dict[int, int] = field(default_factory=dict)  # attempt -> tokens before the hold
+    gates: dict[int, asyncio.Event] = field(default_factory=dict)
+    held: dict[int, asyncio.Event] = field(default_factory=dict)
+    start: asyncio.Event = field(default_factory=asyncio.Event)
+    calls: int = 0
+
+    def gate(self, n: int) -> asyncio.Event:
+        return self.gates.setdefault(n, asyncio.Event())
+
+    def reached(self, n: int) -> asyncio.Event:
+        return self.held.setdefault(n, asyncio.Event())
+
+    async def __call__(self, tc: TaskContext) -> None:
+        j = await tc.journal()
+        self.calls += 1
+        call = self.calls
+
+        async def model(stream: TokenStream) -> str:
+            await self.start.wait()
+            for i, token in enumerate(TOKENS):
+                if i == self.hold_at.get(call):
+                    self.reached(call).set()
+                    await self.gate(call).wait()
+                stream.put(token)
+                await asyncio.sleep(0)
+            return "".join(TOKENS)
+
+        text = await j.streamed_model(model)
+        await tc.complete(text)
+
+
+async def start_run(client: Client) -> tuple[str, str]:
+    task, name = unique("stream"), unique("streamwf")
+    await client.register_workflow(loop_workflow(name, task))
+    return task, name
+
+
+async def test_tokens_in_order_then_committed_with_the_record(
+    http: httpx.AsyncClient, client: Client, engine: EngineServer
+) -> None:
+    task, name = await start_run(client)
+    agent = Streamer()
+    async with Worker(engine.target, handlers={task: agent}, poll_wait=1.0):
+        run = await client.start_run(name)
+        async with sse(http, run.run_id) as stream:
+            agent.start.set()
+            events = await until(stream, lambda e: e.type != "token")
+        done = await client.wait_for_run(run.run_id, timeout=30)
+    tokens, end = events[:-1], events[-1]
+    assert [e.data["text"] for e in tokens] == TOKENS
+    assert [e.data["seq"] for e in tokens] == list(range(1, len(TOKENS) + 1))
+    assert end.type == "committed"
+    model = [r for r in await read_journal(engine, run.run_id) if r.HasField("model")]
+    assert end.data["record_seq"] == model[0].seq
+    assert json.loads(model[0].model.response) == "".join(e.data["text"] for e in tokens)
+    assert end.data["response"] == "".join(TOKENS)
+    first = tokens[0].data
+    assert (first["run"], first["step"], first["iteration"], first["attempt"]) == (
+        run.run_id,
+        "agent",
+        0,
+        1,
+    )
+    assert first["position"] == 0 and len(first["writer"]) == 16
+    assert done.status == epb.RUN_STATUS_COMPLETED
+
+
+async def _successor_claimed(engine: EngineServer, run_id: str) -> bool:
+    records = await read_journal(engine, run_id)
+    return len([r for r in records if r.HasField("claim")]) == 2
+
+
+async def test_a_crashed_holder_is_abandoned_and_its_successor_retries(
+    http: httpx.AsyncClient, client: Client, engine: EngineServer
+) -> None:
+    task, name = await start_run(client)
+    agent = Streamer(hold_at={1: 5})  # the first holder dies after 5 tokens
+    agent.start.set()
+    async with Worker(
+        engine.target, handlers={task: agent}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+    ) as first:
+        run = await client.start_run(name)
+        async with sse(http, run.run_id) as stream:
+            await asyncio.wait_for(agent.reached(1).wait(), 20)
+            async with Worker(engine.target, handlers={task: agent}, poll_wait=1.0):
+                await first.stop(grace=0)
+                events = await until(stream, lambda e: e.type == "committed")
+                done = await client.wait_for_run(run.run_id, timeout=40)
+    writers = list(dict.fromkeys(e.data["writer"] for e in events if e.type == "token"))
+    assert len(writers) == 2, "one stream per holder"
+    crashed = [e for e in events if e.type == "token" and e.data["writer"] == writers[0]]
+    assert [e.data["text"] for e in crashed] == TOKENS[:5]
+    abandoned = [e for e in events if e.type == "abandoned"]
+    assert len(abandoned) == 1 and abandoned[0].data["stream"] == crashed[0].data["stream"]
+    retry = [e for e in events if e.type == "token" and e.data["writer"] == writers[1]]
+    assert [e.data["text"] for e in retry] == TOKENS
+    assert all(e.data["retry_of"] == crashed[0].data["stream"] for e in retry)
+    assert events.index(abandoned[0]) < events.index(retry[0])
+    assert agent.calls == 2, "the model request was sent again"
+    assert done.status == epb.RUN_STATUS_COMPLETED
+    assert list((await journal_check(engine, run.run_id)).violations) == []
+
+
+async def test_a_stalled_holder_streams_nothing_current_after_its_successor_claims(
+    http: httpx.AsyncClient, client: Client, engine: EngineServer
+) -> None:
+    task, name = await start_run(client)
+    agent = Streamer(hold_at={1: 3, 2: 10})  # the successor waits until the zombie woke
+    agent.start.set()
+    async with Worker(
+        engine.target, handlers={task: agent}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+    ):
+        run = await client.start_run(name)
+        async with sse(http, run.run_id) as stream:
+            await asyncio.wait_for(agent.reached(1).wait(), 20)
+            async with Worker(engine.target, handlers={task: agent}, poll_wait=1.0):
+                await wait_for(lambda: _successor_claimed(engine, run.run_id), timeout=30)
+                await asyncio.wait_for(agent.reached(2).wait(), 20)
+                agent.gate(1).set()  # the zombie wakes and streams the rest
+                agent.gate(2).set()
+                events = await until(stream, lambda e: e.type == "committed")
+                await client.wait_for_run(run.run_id, timeout=40)
+    zombie = events[0].data["writer"]
+    shown = [e.data["text"] for e in events if e.type == "token" and e.data["writer"] == zombie]
+    assert shown == TOKENS[:3], "the zombie's chunks after its successor's claim were shown"
+    cut = next(i for i, e in enumerate(events) if e.type == "abandoned")
+    assert events[cut].data["writer"] == zombie
+    after = events[cut + 1 :]
+    assert all(e.data["writer"] != zombie for e in after), "a fenced holder's chunk was shown"
+    assert [e.data["text"] for e in after if e.type == "token"] == TOKENS
+
+
+async def test_a_late_reader_gets_the_record_and_a_resumed_one_misses_nothing(
+    http: httpx.AsyncClient, client: Client, engine: EngineServer
+) -> None:
+    task, name = await start_run(client)
+    agent = Streamer(hold_at={1: 20})
+    async with Worker(engine.target, handlers={task: agent}, poll_wait=1.0):
+        run = await client.start_run(name)
+        async with sse(http, run.run_id) as keeper:  # keeps the stream alive
+            async with sse(http, run.run_id) as stream:
+                agent.start.set()
+                first = [await anext(stream) for _ in range(7)]
+            async with sse(http, run.run_id, last_event_id=first[-1].id) as stream:
+                agent.gate(1).set()
+                rest = await until(stream, lambda e: e.type == "committed")
+            await until(keeper, lambda e: e.type == "committed")
+        await client.wait_for_run(run.run_id, timeout=30)
+    texts = [e.data["text"] for e in first + rest if e.type == "token"]
+    assert texts == TOKENS, "the resumed reader missed or repeated a token"
+    # Long after: the hub is gone or committed; the record comes from the journal.
+    async with sse(http, run.run_id) as stream:
+        late = await anext(stream)
+    assert late.type == "committed" and late.data["response"] == "".join(TOKENS)
+
+
+async def test_a_slow_reader_slows_nobody_and_bad_input_is_a_4xx(
+    http: httpx.AsyncClient, client: Client, engine: EngineServer
+) -> None:
+    task, name = await start_run(client)
+    agent = Streamer()
+    async with Worker(engine.target, handlers={task: agent}, poll_wait=1.0):
+        run = await client.start_run(name)
+        async with sse(http, run.run_id), sse(http, run.run_id) as fast:
+            # The first reader never reads past its headers.
+            agent.start.set()
+            events = await until(fast, lambda e: e.type == "committed")
+            done = await client.wait_for_run(run.run_id, timeout=30)
+    assert [e.data["text"] for e in events if e.type == "token"] == TOKENS
+    assert done.status == epb.RUN_STATUS_COMPLETED
+    for path, code in [
+        ("/runs/bad..id/steps/agent/stream", 400),
+        (f"/runs/{run.run_id}/steps/no.such/stream", 400),
+        (f"/runs/{run.run_id}/steps/nosuch/stream", 404),
+    ]:
+        response = await http.get(path)
+        assert response.status_code == code, (path, response.text)
+        assert response.json()["code"]
+    response = await http.get(
+        f"/runs/{run.run_id}/steps/agent/stream", headers={"Last-Event-ID": "*.>"}
+    )
+    assert response.status_code == 400 and "Last-Event-ID" in response.text
