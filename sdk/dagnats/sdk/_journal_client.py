@@ -114,7 +114,8 @@ class JournalClient:
         """Yield a step's live preview events (JSON objects, see
         ``WatchStreamResponse``) until the caller stops iterating. The first
         is ``{"type": "ready"}``: from then on nothing published is missed."""
-        call = self._connect().WatchStream(pb.WatchStreamRequest(run_id=run_id, step_id=step_id))
+        request = pb.WatchStreamRequest(run_id=run_id, step_id=step_id)
+        call = self._rpc.journal_stub().WatchStream(request)
         try:
             async for response in call:
                 yield json.loads(response.data) if response.id else {"type": "ready"}
