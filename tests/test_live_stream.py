@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -254,3 +256,33 @@ async def test_a_slow_reader_slows_nobody_and_bad_input_is_a_4xx(
         f"/runs/{run.run_id}/steps/agent/stream", headers={"Last-Event-ID": "*.>"}
     )
     assert response.status_code == 400 and "Last-Event-ID" in response.text
+
+
+async def test_run_watch_stream_prints_the_tokens_live(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await start_run(client)
+    agent = Streamer()
+    async with Worker(engine.target, handlers={task: agent}, poll_wait=1.0):
+        run = await client.start_run(name)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "dagnats.cli.main",
+            "run",
+            "watch",
+            run.run_id,
+            "--stream",
+            env={**os.environ, "DAGNATS_ENGINE": engine.target},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        assert proc.stderr is not None
+        line = await asyncio.wait_for(proc.stderr.readline(), 30)
+        assert b"watching run" in line, line
+        agent.start.set()
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err
+    text = out.decode()
+    assert "".join(TOKENS) in text
+    assert "committed, record" in text and "completed" in text

@@ -125,6 +125,9 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
     start.add_argument("--wait", action="store_true", help="wait for the run to finish")
     for name in ("get", "watch", "purge"):
         _with_client_options(sub.add_parser(name, help=f"{name} a run")).add_argument("run_id")
+    sub.choices["watch"].add_argument(
+        "--stream", action="store_true", help="print the steps' live tokens as they come"
+    )
     cancel = _with_client_options(sub.add_parser("cancel", help="cancel a run"))
     cancel.add_argument("run_id")
     cancel.add_argument("--reason", default="")
@@ -231,6 +234,8 @@ async def _run(args: argparse.Namespace) -> int:
             case "purge":
                 await client.purge_run(args.run_id)
                 print(f"run {args.run_id} purged")
+            case "watch" if args.stream:
+                return await _watch_stream(client, args.engine or default_target(), args.run_id)
             case "watch":
                 return await _watch(client, args.run_id, args.json)
             case "list":
@@ -273,6 +278,47 @@ async def _watch(client: Any, run_id: str, as_json: bool) -> int:
         if run.status != pb.RUN_STATUS_RUNNING:
             return 1 if run.status == pb.RUN_STATUS_FAILED else 0
         await asyncio.sleep(0.5)  # a poll interval for a person watching, not a sync point
+
+
+async def _watch_stream(client: Any, target: str, run_id: str) -> int:
+    """Print the live tokens of the run's steps until the run ends: tokens as
+    they come, a marker line when a stream is committed or abandoned."""
+    from dagnats.sdk import JournalClient
+
+    run = await client.get_run(run_id)
+    waiting = len(run.steps)
+
+    async def follow(journal: JournalClient, step_id: str) -> None:
+        nonlocal waiting
+        async for event_id, data in journal.watch_stream(run_id, step_id):
+            kind = data.get("type")
+            if not event_id:  # subscribed
+                waiting -= 1
+                if not waiting:
+                    print(f"watching run {run_id}", file=sys.stderr, flush=True)
+                continue
+            if kind == "token":
+                if data.get("seq") == 1 and "retry_of" in data:
+                    print(f"\n[{step_id}: retry of {data['retry_of']}]", flush=True)
+                text = data.get("text")
+                print(text if text is not None else dumps(data.get("json")), end="", flush=True)
+            elif kind == "committed":
+                print(f"\n[{step_id}: committed, record {data['record_seq']}]", flush=True)
+            elif kind == "abandoned":
+                print(f"\n[{step_id}: abandoned ({data['reason']})]", flush=True)
+
+    async with JournalClient(target) as journal:
+        tasks = [asyncio.create_task(follow(journal, s.step_id)) for s in run.steps]
+        try:
+            while run.status == pb.RUN_STATUS_RUNNING:
+                await asyncio.sleep(0.5)  # a poll interval for a person watching
+                run = await client.get_run(run_id)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    print(f"\nrun {run_id} {enum_name(pb.RunStatus, run.status)}", flush=True)
+    return 1 if run.status == pb.RUN_STATUS_FAILED else 0
 
 
 async def _serve(args: argparse.Namespace) -> int:

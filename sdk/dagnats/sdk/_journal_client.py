@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import grpc
 import grpc.aio
@@ -110,15 +110,17 @@ class JournalClient:
 
         return await self._rpc.retrying("Read", attempt, idempotent=True)
 
-    async def watch_stream(self, run_id: str, step_id: str) -> AsyncIterator[dict[str, object]]:
-        """Yield a step's live preview events (JSON objects, see
+    async def watch_stream(
+        self, run_id: str, step_id: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Yield a step's live preview events as ``(id, data)`` (see
         ``WatchStreamResponse``) until the caller stops iterating. The first
-        is ``{"type": "ready"}``: from then on nothing published is missed."""
+        is ``("", {})``: from then on nothing published is missed."""
         request = pb.WatchStreamRequest(run_id=run_id, step_id=step_id)
         call = self._rpc.journal_stub().WatchStream(request)
         try:
             async for response in call:
-                yield json.loads(response.data) if response.id else {"type": "ready"}
+                yield response.id, json.loads(response.data) if response.id else {}
         except grpc.aio.AioRpcError as err:
             raise self._domain_error(err) from None
         finally:

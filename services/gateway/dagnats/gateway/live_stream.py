@@ -33,82 +33,18 @@ import contextlib
 import json
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 
 from dagnats.core.errors import DagnatsError
 from dagnats.gateway.backend import Backend
-from dagnats.journal.stream import event_id, stream_id
+from dagnats.journal.stream import Event
 
 RING = 4096  # events a hub keeps for readers that reconnect
 READER_BUFFER = 4096  # events one reader may fall behind before it is cut off
 LINGER = 60.0  # seconds a hub outlives its last reader
 KEEPALIVE_SECONDS = 15.0
 _CUT = object()
-
-
-@dataclass(slots=True)
-class Event:
-    id: str
-    type: str
-    data: dict[str, Any]
-
-    def sse(self) -> str:
-        body = json.dumps(self.data, separators=(",", ":"))
-        return f"id: {self.id}\nevent: {self.type}\ndata: {body}\n\n"
-
-
-@dataclass(slots=True)
-class _Streams:
-    """What the rules remember of a step's streams."""
-
-    holder: str = ""  # the writer of the last claim seen
-    open: dict[str, dict[str, Any]] = field(default_factory=dict)  # stream id -> first event
-    ended: set[str] = field(default_factory=set)
-    committed: set[str] = field(default_factory=set)
-    abandoned_at: dict[tuple[int, int], str] = field(default_factory=dict)
-    retry_of: dict[str, str] = field(default_factory=dict)
-
-    def apply(self, event: dict[str, Any]) -> list[Event]:
-        """The events readers get for one published ``event``."""
-        kind = event.get("type")
-        if kind == "claim":
-            self.holder = event["writer"]
-            out = []
-            for sid, first in list(self.open.items()):
-                if first["writer"] != self.holder:
-                    out.append(self._abandon(sid, first, "superseded"))
-            return out
-        writer, position = event["writer"], event["position"]
-        sid = stream_id(writer, position)
-        if kind == "committed":
-            self.open.pop(sid, None)
-            self.ended.add(sid)
-            self.committed.add(sid)
-            return [Event(event_id(event), "committed", event | {"stream": sid})]
-        if sid in self.ended or (self.holder and writer != self.holder):
-            return []  # a finished stream, or a fenced holder's chunk
-        if kind == "abandoned":
-            return [self._abandon(sid, event, event.get("reason", "failed"))]
-        if sid not in self.open:
-            self.open[sid] = event
-            earlier = self.abandoned_at.get((event["iteration"], position))
-            if earlier is not None:
-                self.retry_of[sid] = earlier
-        data = event | {"stream": sid}
-        if sid in self.retry_of:
-            data["retry_of"] = self.retry_of[sid]
-        return [Event(event_id(event), "token", data)]
-
-    def _abandon(self, sid: str, first: dict[str, Any], reason: str) -> Event:
-        self.open.pop(sid, None)
-        self.ended.add(sid)
-        self.abandoned_at[(first["iteration"], first["position"])] = sid
-        data = {k: first[k] for k in ("run", "step", "iteration", "attempt", "position", "writer")}
-        data |= {"type": "abandoned", "reason": reason, "stream": sid}
-        return Event(f"{sid}.abandoned", "abandoned", data)
 
 
 class StepHub:
@@ -119,7 +55,7 @@ class StepHub:
         self._backend = backend
         self.key = (run_id, step_id)
         self.ring: deque[Event] = deque(maxlen=RING)
-        self.streams = _Streams()
+        self.committed: set[str] = set()  # streams whose record is stored
         self.readers: set[asyncio.Queue[Event | object]] = set()
         self.fresh = True  # nothing published reached this hub yet
         self._ready = asyncio.Event()
@@ -134,20 +70,22 @@ class StepHub:
 
     async def _pump(self) -> None:
         try:
-            async for published in self._backend.journal.watch_stream(*self.key):
-                if published.get("type") == "ready":
+            async for event_id, data in self._backend.journal.watch_stream(*self.key):
+                if not event_id:
                     self._ready.set()
                     continue
-                for event in self.streams.apply(published):
-                    self.fresh = False
-                    self.ring.append(event)
-                    for queue in list(self.readers):
-                        try:
-                            queue.put_nowait(event)
-                        except asyncio.QueueFull:
-                            self.readers.discard(queue)
-                            queue.get_nowait()  # room for the cut marker
-                            queue.put_nowait(_CUT)
+                event = Event(event_id, data["type"], data)
+                if event.type == "committed":
+                    self.committed.add(data["stream"])
+                self.fresh = False
+                self.ring.append(event)
+                for queue in list(self.readers):
+                    try:
+                        queue.put_nowait(event)
+                    except asyncio.QueueFull:
+                        self.readers.discard(queue)
+                        queue.get_nowait()  # room for the cut marker
+                        queue.put_nowait(_CUT)
         except DagnatsError as err:
             self._failed = err
         finally:
@@ -181,7 +119,7 @@ class StepHub:
         ids = [e.id for e in events]
         if last_event_id in ids:
             return events[ids.index(last_event_id) + 1 :]
-        committed = self.streams.committed
+        committed = self.committed
         return [e for e in events if e.type != "token" or e.data["stream"] not in committed]
 
 

@@ -324,13 +324,13 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 queue.put_nowait(msg.data)
 
         sub = await self.store.nc.subscribe(stream.subject(run_id, step_id), cb=deliver)
+        rules = stream.StreamRules()
         try:
             await self.store.nc.flush()
             yield pb.WatchStreamResponse()  # subscribed: nothing published from now is missed
             while True:
-                data = await queue.get()
-                event = json.loads(data)
-                yield pb.WatchStreamResponse(id=stream.event_id(event), data=data)
+                for event in rules.apply(json.loads(await queue.get())):
+                    yield pb.WatchStreamResponse(id=event.id, data=event.json().encode())
         finally:
             await sub.unsubscribe()
 

@@ -13,6 +13,7 @@ so nothing from a request becomes a wildcard.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -102,3 +103,70 @@ def event_id(event: dict[str, Any]) -> str:
     if event["type"] == "token":
         return f"{stream_id(event['writer'], event['position'])}.{event['seq']}"
     return f"{stream_id(event['writer'], event['position'])}.{event['type']}"
+
+
+@dataclass(slots=True)
+class Event:
+    """One event a watcher gets: a chunk or a marker, after the rules."""
+
+    id: str
+    type: str
+    data: dict[str, Any]
+
+    def json(self) -> str:
+        return json.dumps(self.data, separators=(",", ":"))
+
+    def sse(self) -> str:
+        return f"id: {self.id}\nevent: {self.type}\ndata: {self.json()}\n\n"
+
+
+@dataclass(slots=True)
+class StreamRules:
+    """The rules that tie a step's preview to its journal, for one watcher
+    (pure: no I/O). See ``JournalService.WatchStream``."""
+
+    holder: str = ""  # the writer of the last claim seen
+    open: dict[str, dict[str, Any]] = field(default_factory=dict)  # stream id -> first event
+    ended: set[str] = field(default_factory=set)
+    committed: set[str] = field(default_factory=set)
+    abandoned_at: dict[tuple[int, int], str] = field(default_factory=dict)
+    retry_of: dict[str, str] = field(default_factory=dict)
+
+    def apply(self, event: dict[str, Any]) -> list[Event]:
+        """The events readers get for one published ``event``."""
+        kind = event.get("type")
+        if kind == "claim":
+            self.holder = event["writer"]
+            out = []
+            for sid, first in list(self.open.items()):
+                if first["writer"] != self.holder:
+                    out.append(self._abandon(sid, first, "superseded"))
+            return out
+        writer, position = event["writer"], event["position"]
+        sid = stream_id(writer, position)
+        if kind == "committed":
+            self.open.pop(sid, None)
+            self.ended.add(sid)
+            self.committed.add(sid)
+            return [Event(event_id(event), "committed", event | {"stream": sid})]
+        if sid in self.ended or (self.holder and writer != self.holder):
+            return []  # a finished stream, or a fenced holder's chunk
+        if kind == "abandoned":
+            return [self._abandon(sid, event, event.get("reason", "failed"))]
+        if sid not in self.open:
+            self.open[sid] = event
+            earlier = self.abandoned_at.get((event["iteration"], position))
+            if earlier is not None:
+                self.retry_of[sid] = earlier
+        data = event | {"stream": sid}
+        if sid in self.retry_of:
+            data["retry_of"] = self.retry_of[sid]
+        return [Event(event_id(event), "token", data)]
+
+    def _abandon(self, sid: str, first: dict[str, Any], reason: str) -> Event:
+        self.open.pop(sid, None)
+        self.ended.add(sid)
+        self.abandoned_at[(first["iteration"], first["position"])] = sid
+        data = {k: first[k] for k in ("run", "step", "iteration", "attempt", "position", "writer")}
+        data |= {"type": "abandoned", "reason": reason, "stream": sid}
+        return Event(f"{sid}.abandoned", "abandoned", data)
