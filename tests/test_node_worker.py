@@ -7,6 +7,7 @@ answer, a clean journal, and the card charged at most once."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from dagnats.engine.server import EngineServer
@@ -24,6 +26,7 @@ from tests.helpers import wait_for
 from tests.journal_agent import Crasher
 from tests.stack import loop_workflow, steps_by_id, unique
 from tests.test_journal import journal_check, read_journal
+from tests.test_live_stream import sse, until
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "node-worker"
 INPUT = {"order": "A-1001", "amount_cents": 4200}
@@ -224,3 +227,24 @@ async def test_node_worker_reports_a_turn_committed_by_a_crashed_holder(
     assert lines(workers.starts) == [f"charge_card {run.run_id}.agent.0.1"]
     assert lines(workers.model_calls) == ["turn 1"], "the node worker ran iteration 1 only"
     assert "settled by the journal (committed" in workers.logs()
+
+
+async def test_the_node_worker_streams_its_model_tokens(
+    node: str,
+    client: Client,
+    engine: EngineServer,
+    http: httpx.AsyncClient,
+    tmp_path: Path,
+    processes: Processes,
+) -> None:
+    task, name = await start(client)
+    workers = NodeWorkers(node, engine.target, task, tmp_path, processes)
+    run = await client.start_run(name, INPUT)
+    async with sse(http, run.run_id) as stream:
+        proc = workers.spawn("streamer")
+        events = await until(stream, lambda e: e.type == "committed")
+        await finish(client, engine, run.run_id, workers, proc)
+    text = "".join(e.data["text"] for e in events if e.type == "token")
+    assert json.loads(text) == CHARGE == events[-1].data["response"]
+    model = next(r for r in await read_journal(engine, run.run_id) if r.HasField("model"))
+    assert events[-1].data["record_seq"] == model.seq

@@ -14,7 +14,8 @@ export function agentTurn({ model, tools }) {
   return async function turn(tc) {
     const j = await tc.journal(); // claims the step; fences earlier holders
     const history = tc.loadCheckpoint() ?? [tc.input];
-    const reply = await j.model(() => model(history)); // recorded; reused after a crash
+    // Recorded, reused after a crash; its tokens stream to readers while it runs.
+    const reply = await j.streamedModel((stream) => model(history, stream));
     if ('answer' in reply) {
       log(`${tc.runId}: answer ${JSON.stringify(reply.answer)}`);
       tc.checkpoint([...history, { reply }]);
@@ -38,12 +39,18 @@ export function agentTurn({ model, tools }) {
 // the conversation, so every process answers the same. Each request appends a
 // line to `callsFile`, so a test can tell a reused response from a new request.
 export function scriptedModel({ callsFile } = {}) {
-  return async (history) => {
+  return async (history, stream) => {
     const turns = history.filter((entry) => entry?.reply).length;
     if (callsFile) appendFileSync(callsFile, `turn ${turns}\n`);
     const { order = 'A-1001', amount_cents = 4200 } = history[0] ?? {};
-    if (turns === 0) return { tool: 'charge_card', input: { order, amount_cents } };
-    return { answer: `Order ${order}: payment submitted.` };
+    const reply =
+      turns === 0
+        ? { tool: 'charge_card', input: { order, amount_cents } }
+        : { answer: `Order ${order}: payment submitted.` };
+    // A real model streams its tokens; this one streams its reply's JSON text.
+    const text = JSON.stringify(reply);
+    for (let i = 0; i < text.length; i += 8) stream?.put(text.slice(i, i + 8));
+    return reply;
   };
 }
 

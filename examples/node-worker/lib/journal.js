@@ -58,6 +58,29 @@ export class Journal {
     });
   }
 
+  // As `model`, with a live preview: `fn(stream)` puts its tokens with
+  // `stream.put(chunk)` (text, or any JSON value) while it runs. Readers see
+  // them, then `committed` once the response is recorded, or `abandoned` when
+  // `fn` fails (sdk/dagnats/sdk/_stream.py).
+  async streamedModel(fn) {
+    return this.#turn(async (position) => {
+      const begin = await this.#send('beginModel', (token) => ({ token, position }));
+      if (begin.recorded) return decode(begin.response);
+      const live = this.#rpc.putStream(this.#token, position);
+      let response;
+      try {
+        response = await fn(live);
+      } catch (err) {
+        await live.close({ abandon: true });
+        throw err;
+      }
+      const data = encode(response);
+      await live.close(); // every chunk is published before the record's marker
+      await this.#send('recordModel', (token) => ({ token, position, response: data }));
+      return response;
+    });
+  }
+
   // Runs a tool call durably: intent before, result after. `fn({ call, report,
   // signal })` returns the tool's output (JSON); `call.key` is
   // `{run}.{step}.{iteration}.{position}`, the same on every delivery: pass it

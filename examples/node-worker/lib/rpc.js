@@ -177,6 +177,42 @@ export class JournalSession {
     return this.#rpc.retrying(method, () => this.#exchange(method, request, signal), signal);
   }
 
+  // A live preview of one call position (JournalService.PutStream): `put`
+  // never waits (while the call's buffer needs draining, chunks are dropped
+  // and counted, and the next one carries `dropped`); `close` ends the call
+  // and resolves once the service has published what was sent.
+  putStream(token, position) {
+    let seq = 0;
+    let dropped = 0;
+    let done;
+    const finished = new Promise((resolve) => {
+      done = resolve;
+    });
+    const call = this.#rpc.clients.journal.PutStream((err) => {
+      if (err) console.error(`live stream of position ${position} ended: ${err.details}`);
+      done();
+    });
+    const send = (chunk) => {
+      seq += 1;
+      call.write({ token, position, seq: String(seq), dropped: String(dropped), ...chunk });
+      dropped = 0;
+    };
+    return {
+      put(chunk) {
+        if (call.writableNeedDrain) {
+          dropped += 1;
+          return;
+        }
+        send(typeof chunk === 'string' ? { text: chunk } : { json: encode(chunk) });
+      },
+      async close({ abandon = false } = {}) {
+        if (abandon) send({ abandon: true });
+        call.end();
+        await finished;
+      },
+    };
+  }
+
   // Ends the stream once the dispatch has nothing left to send.
   close() {
     const stream = this.#stream;
