@@ -1,8 +1,10 @@
 """A holder's live preview (the spec's PutStream).
 
 :meth:`TokenStream.put` never waits: chunks go into a bounded buffer that one
-``PutStream`` call drains to the journal service. When the buffer is full
-(the link or the service is slower than the model), the newest chunk is
+``PutStream`` call drains to the journal service. While chunks wait (the link
+or the service is slower than the model), a text chunk is coalesced into the
+text chunk before it that has not been sent yet (up to ``COALESCE`` bytes), so
+text loses nothing. When the buffer is full all the same, the newest chunk is
 dropped and counted; the next chunk that fits carries the count as
 ``dropped``, so a reader sees a marked gap, never a silent one. A stream is
 one call position of one writer: :meth:`close` ends the call and waits (a
@@ -25,6 +27,7 @@ from dagnats.journal.v1 import journal_pb2 as jpb
 log = logging.getLogger("dagnats.sdk")
 
 BUFFER = 1024  # chunks a stream holds for a slow link before it drops
+COALESCE = 16 * 1024  # bytes of text one waiting chunk may grow to
 CLOSE_SECONDS = 2.0  # how long close waits for the service to publish the rest
 
 PutStream = Callable[[AsyncIterator[jpb.PutStreamRequest]], Awaitable[jpb.PutStreamResponse]]
@@ -49,6 +52,11 @@ class TokenStream:
         """Queue a chunk: a ``str`` is text, anything else JSON. Never waits."""
         if self._closed:
             return
+        if isinstance(chunk, str) and self._buffer:
+            last = self._buffer[-1]
+            if last.HasField("text") and len(last.text) + len(chunk) <= COALESCE:
+                last.text += chunk
+                return
         if len(self._buffer) >= BUFFER:
             self._dropped += 1
             self.dropped_total += 1
