@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import nats
 import yaml
 
+from dagnats.core.jetstream import JOURNAL
+from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer
 from dagnats.gateway import GatewayConfig, start_gateway
 from dagnats.sdk import TaskContext, Worker
@@ -296,13 +299,23 @@ async def _commits(http: httpx.AsyncClient, run_id: str, *, at_least: int) -> bo
     return sum(1 for r in await page(http, run_id) if r["kind"] == "commit") >= at_least
 
 
+async def _journal_consumers(nats_server: NatsServer) -> int:
+    nc = await nats.connect(nats_server.url)
+    try:
+        info = await nc.jetstream().stream_info(JOURNAL)
+        return info.state.consumer_count
+    finally:
+        await nc.close()
+
+
 async def test_a_hundred_followers_of_one_step_each_get_every_record(
-    gateway: Any, engine: EngineServer
+    gateway: Any, engine: EngineServer, nats_server: NatsServer
 ) -> None:
     followers = 100
     limits = httpx.Limits(max_connections=followers + 10)
     async with httpx.AsyncClient(base_url=gateway.url, limits=limits, timeout=60) as http:
         loop = Releases(iterations=3)
+        before = await _journal_consumers(nats_server)
         task, run_id = await start_loop(http)
         path = f"/runs/{run_id}/steps/agent/journal?follow=1"
         connected = 0
@@ -318,6 +331,8 @@ async def test_a_hundred_followers_of_one_step_each_get_every_record(
 
         tasks = [asyncio.create_task(follow()) for _ in range(followers)]
         await asyncio.wait_for(all_connected.wait(), timeout=60)
+        # The gateway follows the step once, however many clients follow it.
+        assert await _journal_consumers(nats_server) <= before + 1
         async with Worker(engine.target, handlers={task: loop.handler}, poll_wait=1.0):
             loop.release(3)
             seen = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)

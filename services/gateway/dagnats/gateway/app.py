@@ -17,7 +17,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dagnats.gateway import bridge, live_stream, metrics, rest
+from dagnats.gateway import bridge, journal_stream, live_stream, metrics, rest
 from dagnats.gateway.auth import api_auth
 from dagnats.gateway.backend import Backend
 from dagnats.gateway.config import GatewayConfig
@@ -56,6 +56,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.backend = Backend.connect(config.engine_target, timeout=config.rpc_timeout)
         app.state.hubs = live_stream.Hubs()
+        app.state.follows = journal_stream.Follows()
         try:
             yield
         finally:

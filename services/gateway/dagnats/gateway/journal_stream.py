@@ -12,12 +12,18 @@ A stream ends by itself once the step has finished and every record was sent
 (``dagnats.sdk._follow``): one ``end`` event, with no ``id`` (so a client's
 ``Last-Event-ID`` stays on the last record) and the run's and the step's
 status as its data, closes it.
+
+The gateway follows a step once however many clients follow it: a
+:class:`Follow` holds one ``follow_step`` (one ordered consumer) and hands each
+record to every client's bounded queue. A client joins the queue first, then
+reads the records from its cursor to the tail as a page, and skips queued
+records it already sent, so it misses and repeats nothing. A client that falls
+``BUFFER`` records behind is cut off and resumes with ``Last-Event-ID``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -31,10 +37,77 @@ from dagnats.sdk._follow import Ending, follow_step
 from dagnats.sdk.views import enum_name, record_dict
 
 KEEPALIVE_SECONDS = 15.0
-# Records read ahead of a slow client; the reader waits when it is full.
-BUFFER = 256
+# Records a slow client may fall behind before it is cut off.
+BUFFER = 4096
 
 _END = object()
+Item = jpb.Record | Ending | DagnatsError | object
+
+
+class Follow:
+    """One step followed once, for every client that follows it."""
+
+    def __init__(self, follows: Follows, backend: Backend, run_id: str, step_id: str) -> None:
+        self._follows = follows
+        self.key = (run_id, step_id)
+        self.queues: set[asyncio.Queue[Item]] = set()
+        self._task = asyncio.create_task(
+            self._pump(backend), name=f"journal-follow-{run_id}-{step_id}"
+        )
+
+    async def _pump(self, backend: Backend) -> None:
+        ending: Item = _END
+        try:
+            async for item in follow_step(backend.client, backend.journal, *self.key):
+                if item is not None:
+                    self._send(item)
+        except DagnatsError as err:
+            ending = err
+        finally:
+            self._follows.forget(self)
+            self._send(ending)
+
+    def _send(self, item: Item) -> None:
+        for queue in list(self.queues):
+            try:
+                queue.put_nowait(item)
+            except asyncio.QueueFull:  # too slow: cut off, it resumes with Last-Event-ID
+                self.queues.discard(queue)
+                queue.get_nowait()
+                queue.put_nowait(_END)
+
+    def join(self) -> asyncio.Queue[Item]:
+        queue: asyncio.Queue[Item] = asyncio.Queue(BUFFER)
+        self.queues.add(queue)
+        return queue
+
+    def leave(self, queue: asyncio.Queue[Item]) -> None:
+        self.queues.discard(queue)
+        if not self.queues:
+            self._task.cancel()
+            self._follows.forget(self)
+
+
+class Follows:
+    """The steps the gateway follows, one :class:`Follow` each."""
+
+    def __init__(self) -> None:
+        self._follows: dict[tuple[str, str], Follow] = {}
+
+    def join(
+        self, backend: Backend, run_id: str, step_id: str
+    ) -> tuple[Follow, asyncio.Queue[Item]]:
+        follow = self._follows.get((run_id, step_id))
+        if follow is None:
+            follow = self._follows[(run_id, step_id)] = Follow(self, backend, run_id, step_id)
+        return follow, follow.join()
+
+    def forget(self, follow: Follow) -> None:
+        if self._follows.get(follow.key) is follow:
+            del self._follows[follow.key]
+
+    def __len__(self) -> int:
+        return len(self._follows)
 
 
 async def events(
@@ -43,23 +116,18 @@ async def events(
     """Yield the SSE text of every record from ``from_seq`` on, until the
     client leaves or the step has finished and every record was sent."""
     streams = request.app.state.metrics.streams
-    queue: asyncio.Queue[jpb.Record | Ending | DagnatsError | object] = asyncio.Queue(BUFFER)
-
-    async def pump() -> None:
-        try:
-            async for item in follow_step(
-                backend.client, backend.journal, run_id, step_id, from_seq=from_seq
-            ):
-                if item is not None:
-                    await queue.put(item)
-        except DagnatsError as err:
-            await queue.put(err)
-        await queue.put(_END)
-
-    reader = asyncio.create_task(pump(), name=f"journal-sse-{run_id}-{step_id}")
+    follow, queue = request.app.state.follows.join(backend, run_id, step_id)
     streams.inc()
+    last = from_seq - 1
     try:
         yield "retry: 1000\n\n"
+        try:
+            async for record in backend.journal.read(run_id, step_id, from_seq=from_seq):
+                last = record.seq
+                yield f"id: {record.seq}\nevent: record\ndata: {_json(record_dict(record))}\n\n"
+        except DagnatsError as err:
+            yield _error(err)
+            return
         while True:
             try:
                 item = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
@@ -71,19 +139,24 @@ async def events(
             if item is _END:
                 return
             if isinstance(item, DagnatsError):
-                body = json.dumps({"code": item.code, "message": item.message})
-                yield f"event: error\ndata: {body}\n\n"
+                yield _error(item)
                 return
             if isinstance(item, Ending):
                 yield f"event: end\ndata: {_json(ending_dict(item))}\n\n"
                 return
             assert isinstance(item, jpb.Record)
+            if item.seq <= last:
+                continue  # sent from the page already
+            last = item.seq
             yield f"id: {item.seq}\nevent: record\ndata: {_json(record_dict(item))}\n\n"
     finally:
         streams.dec()
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
+        follow.leave(queue)
+
+
+def _error(err: DagnatsError) -> str:
+    body = json.dumps({"code": err.code, "message": err.message})
+    return f"event: error\ndata: {body}\n\n"
 
 
 def ending_dict(ending: Ending) -> dict[str, str]:
