@@ -18,6 +18,7 @@ import httpx
 
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as epb
+from dagnats.gateway import GatewayConfig, start_gateway
 from dagnats.sdk import Client, TaskContext, TokenStream, Worker
 from tests.helpers import wait_for
 from tests.stack import loop_workflow, unique
@@ -152,12 +153,16 @@ async def test_a_crashed_holder_is_abandoned_and_its_successor_retries(
 ) -> None:
     task, name = await start_run(client)
     agent = Streamer(hold_at={1: 5})  # the first holder dies after 5 tokens
-    agent.start.set()
     async with Worker(
-        engine.target, handlers={task: agent}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        engine.target,
+        handlers={task: agent},
+        poll_wait=1.0,
+        heartbeat_interval=NO_HEARTBEAT,
+        concurrency=1,
     ) as first:
         run = await client.start_run(name)
         async with sse(http, run.run_id) as stream:
+            agent.start.set()
             await asyncio.wait_for(agent.reached(1).wait(), 20)
             async with Worker(engine.target, handlers={task: agent}, poll_wait=1.0):
                 await first.stop(grace=0)
@@ -183,12 +188,16 @@ async def test_a_stalled_holder_streams_nothing_current_after_its_successor_clai
 ) -> None:
     task, name = await start_run(client)
     agent = Streamer(hold_at={1: 3, 2: 10})  # the successor waits until the zombie woke
-    agent.start.set()
     async with Worker(
-        engine.target, handlers={task: agent}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        engine.target,
+        handlers={task: agent},
+        poll_wait=1.0,
+        heartbeat_interval=NO_HEARTBEAT,
+        concurrency=1,
     ):
         run = await client.start_run(name)
         async with sse(http, run.run_id) as stream:
+            agent.start.set()
             await asyncio.wait_for(agent.reached(1).wait(), 20)
             async with Worker(engine.target, handlers={task: agent}, poll_wait=1.0):
                 await wait_for(lambda: _successor_claimed(engine, run.run_id), timeout=30)
@@ -290,3 +299,31 @@ async def test_run_watch_stream_prints_the_tokens_live(
     text = out.decode()
     assert "".join(TOKENS) in text
     assert "committed, record" in text and "completed" in text
+
+
+async def test_the_stream_needs_the_api_token_like_the_journal(
+    client: Client, engine: EngineServer
+) -> None:
+    _task, name = await start_run(client)
+    run = await client.start_run(name)
+    config = GatewayConfig(
+        engine_target=engine.target, port=0, api_token="api-secret", bridge_token="bridge-secret"
+    )
+    server = await start_gateway(config)
+    try:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            for suffix in ("stream", "journal?follow=1"):
+                path = f"/runs/{run.run_id}/steps/agent/{suffix}"
+                for headers in ({}, {"Authorization": "Bearer bridge-secret"}):
+                    response = await http.get(path, headers=headers)
+                    assert response.status_code == 401, (path, headers)
+                    assert response.json()["code"] == "unauthenticated"
+            good = {"Authorization": "Bearer api-secret"}
+            async with http.stream(
+                "GET", f"/runs/{run.run_id}/steps/agent/stream", headers=good
+            ) as response:
+                assert response.status_code == 200
+                assert response.headers["content-type"].startswith("text/event-stream")
+    finally:
+        await server.stop()
+        await client.cancel_run(run.run_id, "done")
