@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 MAX_POSITIONS = 1000
 MAX_RESTART_LIMIT = 1000
 MAX_PAGE = 1000
+# Steps whose latest holder a replica remembers for refusing fenced chunks;
+# past it the oldest is forgotten (the watchers' rules still drop its chunks).
+MAX_HOLDERS = 100_000
 SETTLE_GRACE = 10.0  # seconds a stopping service waits for the settles it owes
 _WRITER_HEX = frozenset("0123456789abcdef")
 # Steps whose newest continue commit the engine may not have applied: it is
@@ -215,7 +218,11 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             raise
         records.append(claim)
         entries.append(convert.entry(claim))
-        self._holders[(token.run_id, token.step_id)] = token.writer
+        key = (token.run_id, token.step_id)
+        self._holders.pop(key, None)
+        self._holders[key] = token.writer  # newest last: the oldest goes first
+        if len(self._holders) > MAX_HOLDERS:
+            del self._holders[next(iter(self._holders))]
         # The natural place to end the previous holder's open streams.
         await stream.publish(self.store.nc, stream.claim_event(token))
         if replay.restart_limit_reached(entries, limit):
