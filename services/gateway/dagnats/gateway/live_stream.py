@@ -168,6 +168,10 @@ async def journal_committed(backend: Backend, run_id: str, step_id: str) -> list
     return out
 
 
+def _call(event: Event) -> tuple[int, int]:
+    return event.data["iteration"], event.data["position"]
+
+
 async def events(
     request: Request, backend: Backend, hub: StepHub, last_event_id: str | None
 ) -> AsyncIterator[str]:
@@ -176,13 +180,17 @@ async def events(
     streams = request.app.state.metrics.streams
     streams.inc()
     try:
-        yield "retry: 1000\n\n"
+        # The backlog is read before the client is told it follows the stream,
+        # so what it gets from now on comes after it.
         backlog = hub.backlog(last_event_id)
         if not backlog and hub.fresh and not last_event_id:
             backlog = await journal_committed(backend, *hub.key)
+        sent = {e.id for e in backlog}
+        # Positions whose record the backlog already gave: their live events are older news.
+        done = {_call(e) for e in backlog if e.type == "committed"}
+        yield "retry: 1000\n\n"
         for event in backlog:
             yield event.sse()
-        sent = {e.id for e in backlog}
         while True:
             try:
                 item = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
@@ -194,7 +202,7 @@ async def events(
             if item is _CUT:
                 return  # too slow, or the subscription ended: reconnect with Last-Event-ID
             assert isinstance(item, Event)
-            if item.id in sent:
+            if item.id in sent or (item.type != "abandoned" and _call(item) in done):
                 continue
             yield item.sse()
     finally:
