@@ -71,6 +71,7 @@ def test_public_names_are_exactly_the_documented_ones() -> None:
         "Stale",
         "TaskAlreadySettled",
         "TaskContext",
+        "TokenStream",
         "ToolCall",
         "ToolResult",
         "ToolRun",

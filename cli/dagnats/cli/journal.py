@@ -22,6 +22,10 @@ from dagnats.sdk import Client, JournalClient
 from dagnats.sdk._follow import follow_step
 from dagnats.sdk.views import check_dict, record_dict
 
+# A person at a terminal is told within seconds that the engine is not there;
+# a restart of a few seconds is still ridden out.
+RETRY_FOR = 5.0
+
 # How much of a payload a record's one-line summary shows.
 PREVIEW = 60
 
@@ -56,11 +60,11 @@ async def run_journal(args: argparse.Namespace, target: str) -> int:
     Raises:
         DagnatsError: the journal service failed the call.
     """
-    async with JournalClient(target) as journal:
+    async with JournalClient(target, retry_for=RETRY_FOR) as journal:
         if args.action == "check":
             return await _check(journal, args.run_id, as_json=args.json)
         if args.follow:
-            async with Client(target) as client:
+            async with Client(target, retry_for=RETRY_FOR) as client:
                 return await _follow(client, journal, args, as_json=args.json)
         return await _read(journal, args.run_id, args.step_id, args.from_seq, as_json=args.json)
 

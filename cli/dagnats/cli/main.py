@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from dagnats.cli.journal import add_journal_commands, run_journal
+from dagnats.cli.journal import RETRY_FOR, add_journal_commands, run_journal
 from dagnats.core.errors import DagnatsError, Unavailable
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk.views import decode_payload, enum_name, run_dict, workflow_dict
@@ -194,7 +194,7 @@ async def _workflow(args: argparse.Namespace) -> int:
 
     if args.action == "validate":
         return _validate(args)
-    async with Client(args.engine or default_target()) as client:
+    async with Client(args.engine or default_target(), retry_for=RETRY_FOR) as client:
         if args.action == "apply":
             text = _read_file(args.file)
             workflow = await client.register_workflow(text)
@@ -216,7 +216,7 @@ async def _workflow(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> int:
     from dagnats.sdk import Client
 
-    async with Client(args.engine or default_target()) as client:
+    async with Client(args.engine or default_target(), retry_for=RETRY_FOR) as client:
         match args.action:
             case "start":
                 payload = _parse_input(args.input)
@@ -307,7 +307,7 @@ async def _watch_stream(client: Any, target: str, run_id: str) -> int:
             elif kind == "abandoned":
                 print(f"\n[{step_id}: abandoned ({data['reason']})]", flush=True)
 
-    async with JournalClient(target) as journal:
+    async with JournalClient(target, retry_for=RETRY_FOR) as journal:
         tasks = [asyncio.create_task(follow(journal, s.step_id)) for s in run.steps]
         try:
             while run.status == pb.RUN_STATUS_RUNNING:

@@ -17,7 +17,7 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk._codec import decode, encode
 from dagnats.sdk._journal import InputMode
-from dagnats.sdk._rpc import EngineRpc
+from dagnats.sdk._rpc import EngineRpc, RetryPolicy
 
 TERMINAL_STATUSES = frozenset(
     {pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED}
@@ -42,14 +42,16 @@ class Client:
     Args:
         target: Address of the engine, such as ``"localhost:7233"``.
         timeout: Deadline of one engine call, in seconds.
+        retry_for: Seconds a call keeps retrying an engine it cannot reach
+            (a restart, a leader election) before it raises ``Unavailable``.
 
     Every method raises the domain error the engine answered with
     (``InvalidArgument``, ``NotFound``, ``Conflict``, ...), or ``Unavailable``
     when the engine could not be reached after retries.
     """
 
-    def __init__(self, target: str, *, timeout: float = 10.0) -> None:
-        self._rpc = EngineRpc(target, timeout=timeout)
+    def __init__(self, target: str, *, timeout: float = 10.0, retry_for: float = 30.0) -> None:
+        self._rpc = EngineRpc(target, timeout=timeout, retry=RetryPolicy(budget=retry_for))
 
     async def __aenter__(self) -> Self:
         return self

@@ -28,6 +28,7 @@ from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
 from dagnats.core.ids import check_run_id, check_token
 from dagnats.core.seam import seam
+from dagnats.core.settings import env_seconds
 from dagnats.engine.report import check_lease, outcome_event, publish_outcome
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
@@ -51,7 +52,8 @@ MAX_PAGE = 1000
 # Steps whose latest holder a replica remembers for refusing fenced chunks;
 # past it the oldest is forgotten (the watchers' rules still drop its chunks).
 MAX_HOLDERS = 100_000
-SETTLE_GRACE = 10.0  # seconds a stopping service waits for the settles it owes
+# Seconds a stopping service waits for the settles it owes.
+SETTLE_GRACE = env_seconds("DAGNATS_SETTLE_GRACE", 10.0)
 _WRITER_HEX = frozenset("0123456789abcdef")
 # Steps whose newest continue commit the engine may not have applied: it is
 # in flight, or a cancel dropped it.

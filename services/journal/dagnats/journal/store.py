@@ -33,6 +33,7 @@ from opentelemetry import trace
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Fenced, NotProvisioned, RecordTooLarge, Unavailable
+from dagnats.core.settings import env_seconds
 from dagnats.journal.limits import HEADER_ROOM, MAX_RECORD_BYTES
 from dagnats.journal.v1 import journal_pb2 as pb
 
@@ -44,7 +45,7 @@ RETRY_IN_FLIGHT = 10158
 STREAM_NOT_FOUND = 10059
 _CURRENT = re.compile(r"wrong last sequence: (\d+)")
 # The longest one publish attempt waits for its ack.
-ATTEMPT_TIMEOUT = 5.0
+ATTEMPT_TIMEOUT = env_seconds("DAGNATS_NATS_ATTEMPT_TIMEOUT", 5.0)
 
 
 def journal_subject(run_id: str, step_id: str) -> str:
