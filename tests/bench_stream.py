@@ -13,7 +13,7 @@ Three measurements, in one process and one event loop (nats-server aside):
 - cost per turn: the time of a journaled turn (claim, one model call of 200
   tokens, commit) with the tokens streamed and without.
 
-Nothing here asserts on time; the numbers go to stdout and into ADR 16.
+Nothing here asserts on time; the numbers go to stdout and into ADR 15.
 """
 
 from __future__ import annotations
