@@ -159,6 +159,7 @@ def test_the_spec_curl_for_inputs_is_taken_as_json(dev: Dev) -> None:
     # A body that is not JSON is still a 400 naming the body.
     bad = dev.http.post(inputs, content=b"request_id=x&content=1", headers=CURL_FORM)
     assert bad.status_code == 400 and bad.json()["code"] == "invalid_argument", bad.text
+    assert bad.json()["field"] == "body" and "not JSON" in bad.json()["message"], bad.text
     dev.http.post(f"/runs/{run_id}/cancel")
 
 

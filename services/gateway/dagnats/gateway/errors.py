@@ -90,6 +90,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_validation_error(request: Request, err: Exception) -> JSONResponse:
         assert isinstance(err, RequestValidationError)
         first = err.errors()[0] if err.errors() else {}
+        if first.get("type") == "json_invalid":  # the body as a whole, not a field "0"
+            why = first.get("ctx", {}).get("error", "it does not parse")
+            return error_response(
+                400, "invalid_argument", f"the body is not JSON: {why}", field="body"
+            )
         field = _field_name(first.get("loc", ()))
         message = str(first.get("msg", "invalid request"))
         return error_response(
