@@ -526,3 +526,20 @@ async def test_health_readiness_metrics_and_openapi(http: httpx.AsyncClient) -> 
     spec = (await http.get("/openapi.json")).json()
     assert "/runs/{run_id}/steps/{step_id}/journal" in spec["paths"]
     assert "/runs/{run_id}/steps/{step_id}/inputs/{request_id}" in spec["paths"]
+
+
+async def test_an_unreachable_engine_is_a_503_within_the_retry_budget() -> None:
+    from dagnats.core.natsserver import free_port
+
+    config = GatewayConfig(
+        engine_target=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, retry_for=0.5
+    )
+    server = await start_gateway(config)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            response = await http.get("/runs")
+            assert response.status_code == 503, response.text
+            assert response.json()["code"] == "unavailable"
+            assert response.headers["retry-after"] == "1"
+    finally:
+        await server.stop()

@@ -470,9 +470,11 @@ class NatsCluster:
         self.servers[i].kill()
 
     async def restart(self, i: int, *, ready_timeout: float = 30.0) -> None:
-        """Restart member ``i`` on its ports and store, then wait for a meta leader."""
+        """Restart member ``i`` on its ports and store, then wait until a meta
+        leader is agreed and every member's JetStream is current again."""
         await self.servers[i].restart(ready_timeout=ready_timeout)
         await self.wait_for_meta_leader(ready_timeout=ready_timeout)
+        await self.wait_until_healthy(ready_timeout=ready_timeout)
 
     async def wait_for_meta_leader(self, *, ready_timeout: float = 30.0) -> str:
         """Wait until every running member reports the same meta leader; return its name."""

@@ -54,7 +54,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.backend = Backend.connect(config.engine_target, timeout=config.rpc_timeout)
+        app.state.backend = Backend.connect(
+            config.engine_target, timeout=config.rpc_timeout, retry_for=config.retry_for
+        )
         app.state.hubs = live_stream.Hubs()
         app.state.follows = journal_stream.Follows()
         try:

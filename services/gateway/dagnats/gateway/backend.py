@@ -24,10 +24,10 @@ class Backend:
     rpc: EngineRpc
 
     @classmethod
-    def connect(cls, target: str, *, timeout: float) -> Backend:
+    def connect(cls, target: str, *, timeout: float, retry_for: float) -> Backend:
         return cls(
-            client=Client(target, timeout=timeout),
-            journal=JournalClient(target, timeout=timeout),
+            client=Client(target, timeout=timeout, retry_for=retry_for),
+            journal=JournalClient(target, timeout=timeout, retry_for=retry_for),
             rpc=EngineRpc(target, timeout=timeout),
         )
 

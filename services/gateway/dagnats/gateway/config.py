@@ -6,12 +6,18 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
+from dagnats.core.settings import env_seconds
+
 # Defaults a user can rely on; each is documented in the README.
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 # The largest request body accepted, in bytes: an input's content is capped
 # lower by the inputs service, a workflow document is small.
 DEFAULT_MAX_BODY = 1 << 20
+# How long one request rides out an unreachable engine (a restart, an
+# election) before it answers 503: shorter than an HTTP client's patience,
+# longer than a restart.
+DEFAULT_RETRY_FOR = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,6 +35,8 @@ class GatewayConfig:
             (loopback only).
         max_body_bytes: Largest request body accepted.
         rpc_timeout: Deadline of one backend call, in seconds.
+        retry_for: Seconds a request keeps retrying a backend it cannot reach
+            before it answers 503 (``DAGNATS_GATEWAY_RETRY_FOR``).
     """
 
     engine_target: str
@@ -38,16 +46,19 @@ class GatewayConfig:
     bridge_token: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY
     rpc_timeout: float = 10.0
+    retry_for: float = DEFAULT_RETRY_FOR
 
     @classmethod
     def from_env(cls, engine_target: str, *, host: str, port: int) -> GatewayConfig:
-        """Tokens from ``DAGNATS_API_TOKEN`` and ``DAGNATS_BRIDGE_TOKEN`` (empty is unset)."""
+        """Tokens from ``DAGNATS_API_TOKEN`` and ``DAGNATS_BRIDGE_TOKEN`` (empty is
+        unset), the retry budget from ``DAGNATS_GATEWAY_RETRY_FOR``."""
         return cls(
             engine_target=engine_target,
             host=host,
             port=port,
             api_token=os.environ.get("DAGNATS_API_TOKEN") or None,
             bridge_token=os.environ.get("DAGNATS_BRIDGE_TOKEN") or None,
+            retry_for=env_seconds("DAGNATS_GATEWAY_RETRY_FOR", DEFAULT_RETRY_FOR),
         )
 
     @property

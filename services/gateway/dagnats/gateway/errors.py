@@ -30,6 +30,10 @@ STATUS_OF: dict[type[errors.DagnatsError], int] = {
     errors.DeadlineExceeded: 504,
 }
 
+# What a 503 (a backend the gateway could not reach within its retry budget)
+# tells a client to wait before it tries again.
+RETRY_AFTER_SECONDS = 1
+
 # Codes for the statuses the gateway answers itself.
 _CODE_OF_STATUS = {
     400: "invalid_argument",
@@ -81,7 +85,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if status == 500:
             log.error("%s %s failed: %s", request.method, request.url.path, err)
             return error_response(500, "internal", "internal error")
-        return error_response(status, err.code, err.message, field=err.field)
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else None
+        return error_response(status, err.code, err.message, field=err.field, headers=headers)
 
     async def on_api_error(request: Request, err: Exception) -> JSONResponse:
         assert isinstance(err, ApiError)
