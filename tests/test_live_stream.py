@@ -14,14 +14,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc.aio
 import httpx
 
-from dagnats.engine.server import EngineServer
+from dagnats.core.natsserver import NatsServer
+from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.gateway import GatewayConfig, start_gateway
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, TaskContext, TokenStream, Worker
 from tests.helpers import wait_for
-from tests.stack import loop_workflow, unique
+from tests.stack import FAST, loop_workflow, unique
 from tests.test_journal import NO_HEARTBEAT, journal_check, read_journal
 
 TOKENS = [f"tok{i} " for i in range(40)]
@@ -327,3 +331,66 @@ async def test_the_stream_needs_the_api_token_like_the_journal(
     finally:
         await server.stop()
         await client.cancel_run(run.run_id, "done")
+
+
+def _claim(run_id: str, attempt: int) -> jpb.ClaimRequest:
+    return jpb.ClaimRequest(run_id=run_id, step_id="agent", iteration=0, attempt=attempt)
+
+
+def _chunks(token: jpb.WriterToken, texts: list[str]) -> list[jpb.PutStreamRequest]:
+    return [
+        jpb.PutStreamRequest(token=token, position=0, seq=i, text=text)
+        for i, text in enumerate(texts, 1)
+    ]
+
+
+async def _watch_until_committed(call: Any) -> list[tuple[str, dict[str, Any]]]:
+    got = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        got.append((response.id, json.loads(response.data)))
+        if got[-1][1]["type"] == "committed":
+            return got
+    raise AssertionError(f"the watch ended after {len(got)} events")
+
+
+async def test_a_watcher_started_after_the_claim_never_shows_the_fenced_holder(
+    http: httpx.AsyncClient, client: Client, engine: EngineServer, nats_server: NatsServer
+) -> None:
+    """The zombie streams through the replica that made its claim, not its
+    successor's, so nothing refuses its chunks; watchers that start after the
+    successor's claim still know the holder, from the journal."""
+    _task, name = await start_run(client)
+    run = await client.start_run(name)  # no worker: the journal is driven by hand
+    other = await start_engine(nats_server.url, config=FAST)  # a second journal replica
+    try:
+        async with (
+            grpc.aio.insecure_channel(engine.target) as one,
+            grpc.aio.insecure_channel(other.target) as two,
+        ):
+            via_one, via_two = jgrpc.JournalServiceStub(one), jgrpc.JournalServiceStub(two)
+            zombie = (await via_two.Claim(_claim(run.run_id, 1))).claimed.token
+            holder = (await via_one.Claim(_claim(run.run_id, 2))).claimed.token
+            # Both watchers start after the successor's claim, one on each replica.
+            watch = via_two.WatchStream(jpb.WatchStreamRequest(run_id=run.run_id, step_id="agent"))
+            assert (await watch.read()).id == ""  # subscribed
+            async with sse(http, run.run_id) as stream:
+                put = await via_two.PutStream(iter(_chunks(zombie, ["stale ", "answer"])))
+                assert (put.published, put.refused) == (2, 0), "the zombie's replica refused"
+                await other.nc.flush()  # the zombie's chunks reach the readers first
+                texts = ["fresh ", "answer"]
+                put = await via_one.PutStream(iter(_chunks(holder, texts)))
+                assert (put.published, put.refused) == (2, 0)
+                response = json.dumps("".join(texts)).encode()
+                await via_one.RecordModel(
+                    jpb.RecordModelRequest(token=holder, position=0, response=response)
+                )
+                events = await until(stream, lambda e: e.type == "committed")
+            watched = await _watch_until_committed(watch)
+            watch.cancel()
+    finally:
+        await other.stop()
+        await client.cancel_run(run.run_id, "done")
+    for seen in ([e.data for e in events], [data for _, data in watched]):
+        assert all(d["writer"] != zombie.writer for d in seen), "a fenced holder's chunk shown"
+        assert [d["text"] for d in seen if d["type"] == "token"] == texts
+        assert seen[-1]["writer"] == holder.writer and seen[-1]["response"] == "".join(texts)

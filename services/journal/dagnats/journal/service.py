@@ -333,9 +333,15 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 queue.put_nowait(msg.data)
 
         sub = await self.store.nc.subscribe(stream.subject(run_id, step_id), cb=deliver)
-        rules = stream.StreamRules()
         try:
             await self.store.nc.flush()
+            # The tail is read once the subscription is in place: a claim stored
+            # before the read is in the tail, one stored after it is on the queue.
+            try:
+                rules = stream.StreamRules.after(await self.store.tail(run_id, step_id))
+            except errors.DagnatsError as err:
+                await abort_with(context, err)
+                return
             yield pb.WatchStreamResponse()  # subscribed: nothing published from now is missed
             while True:
                 for event in rules.apply(json.loads(await queue.get())):

@@ -8,6 +8,9 @@ when RecordModel stored it), ``claim`` (a successor holds the step: every
 open stream of another writer is abandoned) and ``abandoned`` (the call
 failed). Run and step ids are validated tokens before they reach a subject,
 so nothing from a request becomes a wildcard.
+
+A watcher starts from the journal's tail (the writer of the step's last claim
+wrote it), so it knows the holder before any chunk arrives.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ def subject(run_id: str, step_id: str) -> str:
 def stream_id(writer: str, position: int) -> str:
     """A stream's name: one writer's preview of one call position."""
     return f"{writer}.{position}"
+
+
+_HEAD = ("run", "step", "iteration", "attempt", "position", "writer")
 
 
 def _head(token: pb.WriterToken, position: int) -> dict[str, Any]:
@@ -82,8 +88,9 @@ def committed_event(token: pb.WriterToken, position: int, record: pb.Record) -> 
 
 
 def claim_event(token: pb.WriterToken) -> dict[str, Any]:
-    """The marker a successor's claim sends: other writers' streams are abandoned."""
-    return _head(token, -1) | {"type": "claim"}
+    """The marker a successor's claim sends: other writers' streams are abandoned.
+    ``token`` is the claim's (its ``last_seq`` is the claim record's sequence)."""
+    return _head(token, -1) | {"type": "claim", "record_seq": token.last_seq}
 
 
 async def publish(nc: NATS, event: dict[str, Any]) -> None:
@@ -126,17 +133,30 @@ class StreamRules:
     (pure: no I/O). See ``JournalService.WatchStream``."""
 
     holder: str = ""  # the writer of the last claim seen
+    holder_seq: int = 0  # a sequence at or after that claim: older claims are stale
     open: dict[str, dict[str, Any]] = field(default_factory=dict)  # stream id -> first event
     ended: set[str] = field(default_factory=set)
     committed: set[str] = field(default_factory=set)
     abandoned_at: dict[tuple[int, int], str] = field(default_factory=dict)
     retry_of: dict[str, str] = field(default_factory=dict)
 
+    @classmethod
+    def after(cls, tail: pb.Record | None) -> StreamRules:
+        """The rules of a watcher that starts at the step's ``tail`` record:
+        every record after a claim is its writer's (the journal is fenced), so
+        the tail's writer holds the step, and chunks of any other are dropped
+        from the first one on."""
+        if tail is None:
+            return cls()
+        return cls(holder=tail.writer, holder_seq=tail.seq)
+
     def apply(self, event: dict[str, Any]) -> list[Event]:
         """The events readers get for one published ``event``."""
         kind = event.get("type")
         if kind == "claim":
-            self.holder = event["writer"]
+            if event.get("record_seq", 0) and event["record_seq"] <= self.holder_seq:
+                return []  # published late: a claim the watcher's start already follows
+            self.holder, self.holder_seq = event["writer"], event.get("record_seq", 0)
             out = []
             for sid, first in list(self.open.items()):
                 if first["writer"] != self.holder:
@@ -167,6 +187,6 @@ class StreamRules:
         self.open.pop(sid, None)
         self.ended.add(sid)
         self.abandoned_at[(first["iteration"], first["position"])] = sid
-        data = {k: first[k] for k in ("run", "step", "iteration", "attempt", "position", "writer")}
+        data = {k: first[k] for k in _HEAD}
         data |= {"type": "abandoned", "reason": reason, "stream": sid}
         return Event(f"{sid}.abandoned", "abandoned", data)
