@@ -21,6 +21,7 @@ from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.gateway import GatewayConfig, start_gateway
+from dagnats.journal import stream as live
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, TaskContext, TokenStream, Worker
@@ -394,3 +395,46 @@ async def test_a_watcher_started_after_the_claim_never_shows_the_fenced_holder(
         assert all(d["writer"] != zombie.writer for d in seen), "a fenced holder's chunk shown"
         assert [d["text"] for d in seen if d["type"] == "token"] == texts
         assert seen[-1]["writer"] == holder.writer and seen[-1]["response"] == "".join(texts)
+
+
+async def test_a_watcher_that_falls_behind_gets_a_gap_and_every_marker(
+    client: Client, engine: EngineServer
+) -> None:
+    _task, name = await start_run(client)
+    run = await client.start_run(name)  # no worker: the journal is driven by hand
+    count = live.WATCH_BUFFER * 3
+    texts = [f"t{i} " for i in range(count)]
+    # A small receive window: the watcher's unread events wait in the service.
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16 * 1024)]
+    try:
+        async with grpc.aio.insecure_channel(engine.target, options=options) as channel:
+            stub = jgrpc.JournalServiceStub(channel)
+            token = (await stub.Claim(_claim(run.run_id, 1))).claimed.token
+            watch = stub.WatchStream(jpb.WatchStreamRequest(run_id=run.run_id, step_id="agent"))
+            assert (await watch.read()).id == ""  # subscribed; from now on it does not read
+            put = await asyncio.wait_for(stub.PutStream(iter(_chunks(token, texts))), 60)
+            record = jpb.RecordModelRequest(
+                token=token, position=0, response=json.dumps("".join(texts)).encode()
+            )
+            recorded = await asyncio.wait_for(stub.RecordModel(record), 30)
+            # The writer is done and committed while the watcher has read nothing.
+            assert (put.published, put.refused) == (count, 0)
+            try:
+                read = await asyncio.wait_for(_watch_until_committed(watch), 30)
+            except TimeoutError:
+                raise AssertionError("the watcher never got the committed marker") from None
+            watch.cancel()
+    finally:
+        await client.cancel_run(run.run_id, "done")
+    watched = [data for _, data in read]
+    gaps = [d for d in watched if d["type"] == "gap"]
+    assert gaps, "the watcher fell behind without a gap marked"
+    tokens = [d for d in watched if d["type"] == "token"]
+    covered = [d["seq"] for d in tokens]
+    for gap in gaps:
+        assert gap["dropped"] == gap["last_seq"] - gap["first_seq"] + 1
+        covered += range(gap["first_seq"], gap["last_seq"] + 1)
+    assert sorted(covered) == list(range(1, count + 1)), "a chunk is neither shown nor in a gap"
+    assert [d["text"] for d in tokens] == [texts[d["seq"] - 1] for d in tokens]
+    assert watched[-1]["type"] == "committed"
+    assert watched[-1]["record_seq"] == recorded.token.last_seq

@@ -302,6 +302,8 @@ async def _watch_stream(client: Any, target: str, run_id: str) -> int:
                     print(f"\n[{step_id}: retry of {data['retry_of']}]", flush=True)
                 text = data.get("text")
                 print(text if text is not None else dumps(data.get("json")), end="", flush=True)
+            elif kind == "gap":
+                print(f"[{step_id}: {data['dropped']} chunks not shown]", end="", flush=True)
             elif kind == "committed":
                 print(f"\n[{step_id}: committed, record {data['record_seq']}]", flush=True)
             elif kind == "abandoned":

@@ -15,7 +15,10 @@ The rules that tie the preview to the journal:
 - the first stream of a position that an abandoned stream had carries
   ``retry_of``, the abandoned stream's id;
 - a stream ends with ``committed`` (the model record's sequence and its
-  response) or ``abandoned``; later chunks of it are dropped.
+  response) or ``abandoned``; later chunks of it are dropped;
+- chunks the hub could not take in time (its ``WatchStream`` fell behind) are
+  a ``gap`` event in their place (``first_seq``..``last_seq``, ``dropped``);
+  markers are never dropped.
 
 Event ids are ``<writer>.<position>.<seq>`` (``.committed``/``.abandoned``
 for markers), so a reconnect with ``Last-Event-ID`` resumes right after that
@@ -45,6 +48,7 @@ READER_BUFFER = 4096  # events one reader may fall behind before it is cut off
 LINGER = 60.0  # seconds a hub outlives its last reader
 KEEPALIVE_SECONDS = 15.0
 _CUT = object()
+_CHUNKS = frozenset({"token", "gap"})  # what a committed stream's record stands for
 
 
 class StepHub:
@@ -114,13 +118,14 @@ class StepHub:
     def backlog(self, last_event_id: str | None) -> list[Event]:
         """The ring's events a reader gets before the live ones: those after
         ``last_event_id`` when the ring holds it, else all but the tokens of
-        committed streams (their ``committed`` event carries the text)."""
+        committed streams (their ``committed`` event carries the text) and
+        the gaps in them."""
         events = list(self.ring)
         ids = [e.id for e in events]
         if last_event_id in ids:
             return events[ids.index(last_event_id) + 1 :]
         committed = self.committed
-        return [e for e in events if e.type != "token" or e.data["stream"] not in committed]
+        return [e for e in events if e.type not in _CHUNKS or e.data["stream"] not in committed]
 
 
 class Hubs:

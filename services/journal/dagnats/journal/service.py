@@ -326,11 +326,10 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         except errors.DagnatsError as err:
             await abort_with(context, err)
             return
-        queue: asyncio.Queue[bytes] = asyncio.Queue(stream.WATCH_BUFFER)
+        queue = stream.WatchQueue()
 
         async def deliver(msg: Any) -> None:
-            with contextlib.suppress(asyncio.QueueFull):  # a slow watcher loses chunks
-                queue.put_nowait(msg.data)
+            queue.put(msg.data)  # never waits: a slow watcher gets a gap, never a stall
 
         sub = await self.store.nc.subscribe(stream.subject(run_id, step_id), cb=deliver)
         try:
@@ -344,7 +343,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 return
             yield pb.WatchStreamResponse()  # subscribed: nothing published from now is missed
             while True:
-                for event in rules.apply(json.loads(await queue.get())):
+                for event in rules.apply(await queue.get()):
                     yield pb.WatchStreamResponse(id=event.id, data=event.json().encode())
         finally:
             await sub.unsubscribe()

@@ -10,12 +10,16 @@ failed). Run and step ids are validated tokens before they reach a subject,
 so nothing from a request becomes a wildcard.
 
 A watcher starts from the journal's tail (the writer of the step's last claim
-wrote it), so it knows the holder before any chunk arrives.
+wrote it), so it knows the holder before any chunk arrives, and keeps every
+marker however far behind it falls: past ``WATCH_BUFFER`` chunks it drops
+chunks and puts a ``gap`` event in their place.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,17 +103,77 @@ async def publish(nc: NATS, event: dict[str, Any]) -> None:
     await nc.publish(subject(event["run"], event["step"]), data)
 
 
-WATCH_BUFFER = 1024  # events a slow WatchStream reader may fall behind
+WATCH_BUFFER = 1024  # chunks a slow WatchStream reader may fall behind
 
 
 def event_id(event: dict[str, Any]) -> str:
-    """An event's id: ``<writer>.<position>.<seq>`` for a chunk, a marker's
-    type in place of the sequence (a claim names only its writer)."""
+    """An event's id: ``<writer>.<position>.<seq>`` for a chunk (for a gap, the
+    last chunk it stands for, so a resume from it goes on after the gap), a
+    marker's type in place of the sequence (a claim names only its writer)."""
     if event["type"] == "claim":
         return f"{event['writer']}.claim"
     if event["type"] == "token":
         return f"{stream_id(event['writer'], event['position'])}.{event['seq']}"
+    if event["type"] == "gap":
+        return f"{stream_id(event['writer'], event['position'])}.{event['last_seq']}"
     return f"{stream_id(event['writer'], event['position'])}.{event['type']}"
+
+
+class WatchQueue:
+    """A watcher's events in the order published, without blocking the
+    publisher: at most ``limit`` chunks wait; past that a chunk is dropped and
+    counted in a ``gap`` event that takes its place (one per stream, growing
+    while its stream's chunks keep being dropped and no marker came). Markers are always kept:
+    they are few (a claim per dispatch, an end per call), and a slow reader
+    must still learn that a stream ended."""
+
+    def __init__(self, limit: int = WATCH_BUFFER) -> None:
+        self._limit = limit
+        self._items: deque[dict[str, Any]] = deque()
+        self._chunks = 0
+        self._gaps: dict[str, dict[str, Any]] = {}  # stream id -> its gap, still queued
+        self._ready = asyncio.Event()
+
+    def put(self, raw: bytes) -> None:
+        try:
+            event = json.loads(raw)
+        except ValueError:
+            return  # nothing the journal published
+        if not isinstance(event, dict):
+            return
+        if event.get("type") == "token":
+            sid = stream_id(event["writer"], event["position"])
+            if self._chunks >= self._limit:
+                self._drop(sid, event)
+                return
+            self._gaps.pop(sid, None)  # a later drop gets a gap after this chunk
+            self._chunks += 1
+        else:
+            self._gaps.clear()  # no gap grows past a marker: the order stays as published
+        self._items.append(event)
+        self._ready.set()
+
+    def _drop(self, sid: str, event: dict[str, Any]) -> None:
+        gap = self._gaps.get(sid)
+        if gap is None:
+            gap = {k: event[k] for k in _HEAD}
+            gap |= {"type": "gap", "stream": sid, "first_seq": event["seq"], "dropped": 0}
+            self._gaps[sid] = gap
+            self._items.append(gap)
+            self._ready.set()
+        gap["last_seq"] = event["seq"]
+        gap["dropped"] += 1
+
+    async def get(self) -> dict[str, Any]:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        event = self._items.popleft()
+        if event["type"] == "token":
+            self._chunks -= 1
+        elif event["type"] == "gap" and self._gaps.get(event["stream"]) is event:
+            del self._gaps[event["stream"]]  # delivered: it grows no more
+        return event
 
 
 @dataclass(slots=True)
@@ -173,6 +237,8 @@ class StreamRules:
             return []  # a finished stream, or a fenced holder's chunk
         if kind == "abandoned":
             return [self._abandon(sid, event, event.get("reason", "failed"))]
+        if kind not in ("token", "gap"):
+            return []
         if sid not in self.open:
             self.open[sid] = event
             earlier = self.abandoned_at.get((event["iteration"], position))
@@ -181,7 +247,7 @@ class StreamRules:
         data = event | {"stream": sid}
         if sid in self.retry_of:
             data["retry_of"] = self.retry_of[sid]
-        return [Event(event_id(event), "token", data)]
+        return [Event(event_id(event), kind, data)]
 
     def _abandon(self, sid: str, first: dict[str, Any], reason: str) -> Event:
         self.open.pop(sid, None)

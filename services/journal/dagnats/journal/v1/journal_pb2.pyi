@@ -1691,10 +1691,12 @@ Global___WatchStreamRequest: _TypeAlias = WatchStreamRequest  # noqa: Y015
 @_typing.final
 class WatchStreamResponse(_message.Message):
     """WatchStreamResponse is one chunk or marker of a step's live preview, as JSON with
-    the fields of the SSE event's data: type ("token", "committed",
+    the fields of the SSE event's data: type ("token", "gap", "committed",
     "abandoned"), run, step, iteration, attempt, position, writer, seq, and
     text or json (token), record_seq and response (committed), retry_of (the
-    stream id of the abandoned stream a token's stream retries).
+    stream id of the abandoned stream a token's stream retries). A watcher
+    that falls behind loses chunks, never markers: a "gap" stands where they
+    were, with first_seq, last_seq and dropped (how many).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1702,7 +1704,7 @@ class WatchStreamResponse(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     id: _builtins.str
-    """The event's id ("<writer>.<position>.<seq>"), as SSE's id."""
+    """The event's id ("<writer>.<position>.<seq>"; a gap's is its last_seq), as SSE's id."""
     data: _builtins.bytes
     """The event's JSON."""
     def __init__(
