@@ -1,0 +1,237 @@
+"""The journal under a pydantic-ai run: a model whose requests are journaled
+model calls, and a toolset whose calls are journaled tool calls.
+
+Both are handed to pydantic-ai through its public extension points: a
+capability's ``get_wrapper_model`` (a ``WrapperModel`` around whichever model
+serves a request) and ``get_wrapper_toolset`` (a ``WrapperToolset`` around the
+run's assembled toolset, function tools included; output tools are not in it,
+and processing the output is local and deterministic).
+
+Invariants:
+
+- Journaled calls are matched by position, so the run's tool calls run one at
+  a time, in the order of the model's response (the handler sets pydantic-ai's
+  ``sequential`` mode); a recorded response gives the same tool calls again.
+- A model response is recorded as pydantic-ai's own JSON form of a
+  ``ModelResponse`` and read back with the same adapter.
+- A tool's record says what pydantic-ai made of the call: ``{"return": ...}``
+  (the tool's return value as JSON), or ``{"retry": ...}`` when it raised
+  ``ModelRetry``, so a replay asks the model to retry exactly as the first run
+  did. A tool's own error is recorded as its error and reaches the model as a
+  failed tool result (``ToolFailed``); so does an interrupted call, with the
+  output it reported.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic_ai import ModelMessagesTypeAdapter, ModelRetry, RunContext, ToolFailed
+from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelResponse,
+    PartDeltaEvent,
+    PartStartEvent,
+    TextPart,
+    TextPartDelta,
+)
+from pydantic_ai.models import (
+    CompletedStreamedResponse,
+    Model,
+    ModelRequestParameters,
+    StreamedResponse,
+)
+from pydantic_ai.models.wrapper import WrapperModel
+from pydantic_ai.settings import ModelSettings
+from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
+from pydantic_core import to_jsonable_python
+
+from dagnats.sdk import Journal, Replay, TokenStream, ToolCall, ToolResult, ToolRun
+
+REPLAY_METADATA_KEY = "dagnats_replay"
+"""The key of a tool's pydantic-ai ``metadata`` that declares its replay."""
+
+_tool_run: contextvars.ContextVar[ToolRun | None] = contextvars.ContextVar(
+    "dagnats_tool_run", default=None
+)
+
+
+def safe(metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Tool metadata declaring the tool safe to run twice, for pydantic-ai's
+    tool decorators: ``@agent.tool_plain(metadata=safe())``. Other metadata
+    may be passed in and is kept.
+
+    A safe tool whose holder crashed while it ran is run again; an unsafe one
+    (the default) is recorded ``interrupted`` and never started twice.
+    """
+    return {**(metadata or {}), REPLAY_METADATA_KEY: Replay.SAFE.value}
+
+
+def current_tool_run() -> ToolRun:
+    """The journaled call of the tool that is running: ``.call.key`` is its
+    idempotency key (the same on every delivery and attempt; pass it to
+    systems that deduplicate), and ``await .report(text)`` records partial
+    output, which a successor hands to the model if the call is interrupted.
+
+    Raises:
+        LookupError: no journaled tool call is running in this task.
+    """
+    run = _tool_run.get()
+    if run is None:
+        raise LookupError("current_tool_run() is only available inside a journaled tool call")
+    return run
+
+
+def dump_response(response: ModelResponse) -> Any:
+    """A model response as the JSON the journal records."""
+    return ModelMessagesTypeAdapter.dump_python([response], mode="json")[0]
+
+
+def load_response(data: Any) -> ModelResponse:
+    """The model response a journal record holds.
+
+    Raises:
+        TypeError: the record is not a model response.
+    """
+    (message,) = ModelMessagesTypeAdapter.validate_python([data])
+    if not isinstance(message, ModelResponse):
+        raise TypeError(f"the journal's model record is a {message.kind}, not a model response")
+    return message
+
+
+def replay_of(tool: ToolsetTool[Any], declared: Mapping[str, Replay]) -> Replay:
+    """A tool's declaration: the handler's mapping, else the tool's metadata,
+    else ``Replay.UNSAFE``."""
+    name = tool.tool_def.name
+    if name in declared:
+        return declared[name]
+    metadata = tool.tool_def.metadata or {}
+    return (
+        Replay(metadata[REPLAY_METADATA_KEY]) if REPLAY_METADATA_KEY in metadata else Replay.UNSAFE
+    )
+
+
+class JournaledModel(WrapperModel):
+    """A model whose every request is the journal's model call at the next
+    position: a response recorded by an earlier holder is returned without a
+    request. With ``stream``, the request streams and its text deltas go to
+    the step's live stream while it runs."""
+
+    def __init__(self, wrapped: Model, journal: Journal, *, stream: bool) -> None:
+        super().__init__(wrapped)
+        self._journal = journal
+        self._stream = stream
+
+    async def request(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+    ) -> ModelResponse:
+        if not self._stream:
+
+            async def ask() -> Any:
+                response = await self.wrapped.request(
+                    messages, model_settings, model_request_parameters
+                )
+                return dump_response(response)
+
+            return load_response(await self._journal.model(ask))
+
+        async def streamed(live: TokenStream) -> Any:
+            async with self.wrapped.request_stream(
+                messages, model_settings, model_request_parameters
+            ) as response:
+                async for event in response:
+                    if (text := _text_of(event)) is not None:
+                        live.put(text)
+                return dump_response(response.get())
+
+        return load_response(await self._journal.streamed_model(streamed))
+
+    @asynccontextmanager
+    async def request_stream(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+        run_context: RunContext[Any] | None = None,
+    ) -> AsyncIterator[StreamedResponse]:
+        # A streaming caller gets the journaled response replayed as events:
+        # the live tokens went to the step's stream while it was requested.
+        response = await self.request(messages, model_settings, model_request_parameters)
+        yield CompletedStreamedResponse(
+            response, model_request_parameters=model_request_parameters, replay_events=True
+        )
+
+
+def _text_of(event: Any) -> str | None:
+    if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
+        return event.part.content or None
+    if isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
+        return event.delta.content_delta or None
+    return None
+
+
+@dataclass
+class JournaledToolset(WrapperToolset[Any]):
+    """The run's toolset, each call journaled with its declared replay."""
+
+    journal: Journal = field(kw_only=True)
+    declared: Mapping[str, Replay] = field(kw_only=True)
+
+    async def call_tool(
+        self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
+    ) -> Any:
+        async def run(journaled: ToolRun) -> Any:
+            token = _tool_run.set(journaled)
+            try:
+                value = await self.wrapped.call_tool(name, tool_args, ctx, tool)
+            except ModelRetry as retry:
+                return {"retry": retry.message}
+            finally:
+                _tool_run.reset(token)
+            return {"return": to_jsonable_python(value)}
+
+        call = ToolCall(name=name, input=to_jsonable_python(tool_args))
+        result = await self.journal.tool(call, replay_of(tool, self.declared), run)
+        return _answer(name, result)
+
+
+def _answer(name: str, result: ToolResult) -> Any:
+    """What pydantic-ai gets for a journaled call's result."""
+    if result.interrupted:
+        partial = f" Its output so far: {result.partial}" if result.partial else ""
+        raise ToolFailed(
+            f"The call to {name} was started earlier and did not finish (the worker running it "
+            "stopped); it was not started again, so its effect may or may not have happened. "
+            f"Check before calling it again.{partial}"
+        )
+    if result.error:
+        raise ToolFailed(f"The call to {name} failed: {result.error}")
+    match result.output:
+        case {"retry": str(message)}:
+            raise ModelRetry(message)
+        case {"return": value}:
+            return value
+    raise TypeError(f"the journal's record of {name} is not a pydantic-ai tool result")
+
+
+@dataclass
+class Journaled(AbstractCapability[Any]):
+    """The capability that puts one dispatch's journal under an agent run."""
+
+    journal: Journal
+    declared: Mapping[str, Replay]
+    stream: bool = False
+
+    def get_wrapper_model(self, model: Model) -> Model | None:
+        return JournaledModel(model, self.journal, stream=self.stream)
+
+    def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
+        return JournaledToolset(toolset, journal=self.journal, declared=self.declared)
