@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from pydantic_ai import Agent
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
@@ -300,6 +301,25 @@ async def test_streamed_tokens_reach_an_sse_reader_and_equal_the_committed_recor
     recorded = json.loads(model.model.response)
     assert [p["content"] for p in recorded["parts"] if p["part_kind"] == "text"] == [text]
     assert provider.requests[0].body["stream"] is True
+
+
+async def test_the_example_agent_on_the_provider_and_its_run_script_offline(
+    client: Client, engine: EngineServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from examples.pydantic_ai import agent as example
+    from examples.pydantic_ai import run as script_run
+
+    task, name = await register(client)
+    async with FakeProvider(script()) as provider, openai_client(provider) as api:
+        model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=api))
+        handlers = {task: example.handler(model, follow_up_window=None)}
+        async with Worker(engine.target, handlers=handlers, poll_wait=1.0):
+            run = await client.start_run(name, QUESTION)
+            await finished(client, engine, run.run_id)
+    assert provider.requests[0].body["stream"] is True
+    assert example.SENT[-1]["idempotency_key"] == f"{run.run_id}.agent.1.2"
+    monkeypatch.setattr(script_run, "TARGET", engine.target)
+    assert await script_run.main() == 0
 
 
 def test_the_public_names_are_exactly_these() -> None:
