@@ -45,6 +45,7 @@ def spawn_worker(
     inputs: bool = False,
     name: str = "",
     standby: bool = False,
+    stream: bool = False,
 ) -> subprocess.Popen[bytes]:
     """A matrix worker process (see ``tests/workers/matrix_worker.py``); it
     writes ``state/ready-<name or crash or 'clean'>`` once it polls (with
@@ -58,6 +59,8 @@ def spawn_worker(
         args += ["--name", name]
     if standby:
         args.append("--standby")
+    if stream:
+        args.append("--stream")
     with open(state / f"worker-{name or crash or 'clean'}.log", "wb") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
 

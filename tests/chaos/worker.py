@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dagnats.sdk import InputMode, TaskContext, ToolRun, Worker
+from dagnats.sdk import InputMode, TaskContext, TokenStream, ToolRun, Worker
 from tests.workers import agent
 
 
@@ -43,7 +43,7 @@ def main(target: str, task: str, state: Path, concurrency: int) -> None:
 
         await agent.turn(tc, j, history, model=model, tool=tool)
 
-    async def model(history: list[Any]) -> Any:
+    async def model(history: list[Any], _stream: TokenStream | None) -> Any:
         await asyncio.sleep(random.uniform(0, 0.01))  # the model's own latency
         return agent.reply_for(history)
 

@@ -6,10 +6,11 @@ latency) and builds the conversation it passes in."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from dagnats.sdk import Journal, Replay, TaskContext, ToolCall, ToolRun
+from dagnats.sdk import Journal, Replay, TaskContext, TokenStream, ToolCall, ToolRun
 
 SCRIPT: list[dict[str, Any]] = [
     {"tool": "search", "input": {"q": "weather"}},
@@ -19,6 +20,11 @@ SCRIPT: list[dict[str, Any]] = [
 ]
 ANSWER = "done"
 ITERATIONS = 3  # the continues before the answer
+TOKEN_CHARS = 4  # characters of a reply's JSON text per streamed token
+
+# The model of a turn: the conversation, and the live stream to put its reply
+# on when the turn streams (else None).
+ModelFn = Callable[[list[Any], TokenStream | None], Awaitable[Any]]
 
 
 def reply_for(history: list[Any]) -> dict[str, Any]:
@@ -27,17 +33,29 @@ def reply_for(history: list[Any]) -> dict[str, Any]:
     return SCRIPT[turns]
 
 
+def reply_tokens(reply: Any) -> list[str]:
+    """The tokens a streaming model puts for ``reply``: its JSON text as the
+    journal records it, cut every ``TOKEN_CHARS`` characters."""
+    text = json.dumps(reply, separators=(",", ":"))
+    return [text[i : i + TOKEN_CHARS] for i in range(0, len(text), TOKEN_CHARS)]
+
+
 async def turn(
     tc: TaskContext,
     j: Journal,
     history: list[Any],
     *,
-    model: Callable[[list[Any]], Awaitable[Any]],
+    model: ModelFn,
     tool: Callable[[ToolRun], Awaitable[Any]],
+    streamed: bool = False,
 ) -> None:
-    """One turn after the claim: ask the model, then answer, or run the tool it
-    picked (``search`` is safe, anything else unsafe), checkpoint and continue."""
-    reply = await j.model(lambda: model(history))
+    """One turn after the claim: ask the model (``streamed``: with a live
+    stream, ``j.streamed_model``), then answer, or run the tool it picked
+    (``search`` is safe, anything else unsafe), checkpoint and continue."""
+    if streamed:
+        reply = await j.streamed_model(lambda stream: model(history, stream))
+    else:
+        reply = await j.model(lambda: model(history, None))
     if "answer" in reply:
         await tc.complete(reply["answer"])
         return

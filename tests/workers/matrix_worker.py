@@ -1,6 +1,7 @@
 """A worker process for the crash-point matrix.
 
-usage: matrix_worker.py TARGET TASK STATE [CRASH] [--gate N] [--inputs] [--name NAME] [--standby]
+usage: matrix_worker.py TARGET TASK STATE [CRASH] [--gate N] [--inputs] [--name NAME]
+                        [--standby] [--stream]
 
 It runs the scripted agent of ``tests/workers/agent.py`` (a safe tool, an
 unsafe tool, a safe tool, an answer). Tools count their starts and effects in files in STATE,
@@ -15,7 +16,9 @@ writes its pid to STATE/gated and waits for SIGUSR1 before it claims, so the
 test can arm a service's seam, or submit an input, at a known point of the
 run. ``--inputs``: every turn places the step's queued inputs after its claim.
 ``--standby``: start, write STATE/standby-<name>, and poll only after SIGUSR2, so a
-successor costs no start-up time when it is needed.
+successor costs no start-up time when it is needed. ``--stream``: the model
+streams its reply's JSON text (``j.streamed_model``), passing the seam
+``inside_stream`` halfway through, and logs each token it puts to STATE/tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dagnats.core import seam
-from dagnats.sdk import InputMode, TaskContext, ToolRun, Worker
+from dagnats.sdk import InputMode, TaskContext, TokenStream, ToolRun, Worker
 from tests.workers import agent
 
 
@@ -77,9 +80,17 @@ def main(args: argparse.Namespace) -> None:
         log(state, "effects", f"{run.call.name} {current['iteration']}")
         return {"tool": run.call.name, "ok": True}
 
-    async def model(history: list[Any]) -> Any:
+    async def model(history: list[Any], stream: TokenStream | None) -> Any:
         log(state, "model", str(current["iteration"]))
-        return agent.reply_for(history)
+        reply = agent.reply_for(history)
+        if stream is not None:
+            tokens = agent.reply_tokens(reply)
+            for n, token in enumerate(tokens):
+                if n == len(tokens) // 2:
+                    await seam.seam("inside_stream")  # the first half is on its way
+                stream.put(token)
+                log(state, "tokens", f"{os.getpid()} {current['iteration']} {n}")
+        return reply
 
     async def gate(iteration: int) -> None:
         if iteration == args.gate and take(state / "gated", str(os.getpid())):
@@ -97,7 +108,7 @@ def main(args: argparse.Namespace) -> None:
                 for placed in await j.place_inputs(InputMode.STEER):
                     log(state, "placed", f"{pid} {tc.iteration} {placed.request_id}")
                     history = [*history, {"input": placed.content}]
-            await agent.turn(tc, j, history, model=model, tool=tool)
+            await agent.turn(tc, j, history, model=model, tool=tool, streamed=args.stream)
         except BaseException as signal:
             log(state, "turns", f"{pid} {tc.iteration} {type(signal).__name__}")
             raise
@@ -129,6 +140,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--inputs", action="store_true")
     parser.add_argument("--name", default="")
     parser.add_argument("--standby", action="store_true")
+    parser.add_argument("--stream", action="store_true")
     return parser.parse_args(argv)
 
 
