@@ -74,7 +74,9 @@ class NodeWorkers:
         self.model_calls = state / "model"
         self.hanging = state / "hanging"
 
-    def spawn(self, name: str, *, hang: bool = False) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, name: str, *, hang: bool = False, token_chars: int = 8
+    ) -> subprocess.Popen[bytes]:
         env = {
             **os.environ,
             "DAGNATS_ENGINE": self.target,
@@ -85,6 +87,7 @@ class NodeWorkers:
             # redelivery into a response nobody reads.
             "WORKER_CONCURRENCY": "1",
             "WORKER_POLL_WAIT": "0.5",
+            "MODEL_TOKEN_CHARS": str(token_chars),
         }
         if hang:
             env["HANG_IN_TOOL_MARKER"] = str(self.hanging)
@@ -237,14 +240,21 @@ async def test_the_node_worker_streams_its_model_tokens(
     tmp_path: Path,
     processes: Processes,
 ) -> None:
+    """The model puts its reply a character a token, all at once: most wait
+    while grpc-js drains its write buffer, and grow the waiting chunk."""
     task, name = await start(client)
     workers = NodeWorkers(node, engine.target, task, tmp_path, processes)
     run = await client.start_run(name, INPUT)
     async with sse(http, run.run_id) as stream:
-        proc = workers.spawn("streamer")
+        proc = workers.spawn("streamer", token_chars=1)
         events = await until(stream, lambda e: e.type == "committed")
         await finish(client, engine, run.run_id, workers, proc)
-    text = "".join(e.data["text"] for e in events if e.type == "token")
+    tokens = [e for e in events if e.type == "token"]
+    text = "".join(e.data["text"] for e in tokens)
     assert json.loads(text) == CHARGE == events[-1].data["response"]
     model = next(r for r in await read_journal(engine, run.run_id) if r.HasField("model"))
     assert events[-1].data["record_seq"] == model.seq
+    assert text == model.model.response.decode(), "the reader missed text"
+    assert [e.data.get("dropped", 0) for e in tokens] == [0] * len(tokens)
+    assert [e.data["seq"] for e in tokens] == list(range(1, len(tokens) + 1))
+    assert len(tokens) < len(text), "no token waited for the link"

@@ -38,7 +38,9 @@ export function agentTurn({ model, tools }) {
 // What a model would say: charge the order, then answer. A pure function of
 // the conversation, so every process answers the same. Each request appends a
 // line to `callsFile`, so a test can tell a reused response from a new request.
-export function scriptedModel({ callsFile } = {}) {
+// It streams its reply's text `tokenChars` characters a token, all at once:
+// faster than any link drains them.
+export function scriptedModel({ callsFile, tokenChars = 8 } = {}) {
   return async (history, stream) => {
     const turns = history.filter((entry) => entry?.reply).length;
     if (callsFile) appendFileSync(callsFile, `turn ${turns}\n`);
@@ -49,7 +51,7 @@ export function scriptedModel({ callsFile } = {}) {
         : { answer: `Order ${order}: payment submitted.` };
     // A real model streams its tokens; this one streams its reply's JSON text.
     const text = JSON.stringify(reply);
-    for (let i = 0; i < text.length; i += 8) stream?.put(text.slice(i, i + 8));
+    for (let i = 0; i < text.length; i += tokenChars) stream?.put(text.slice(i, i + tokenChars));
     return reply;
   };
 }

@@ -10,6 +10,7 @@
 //                        (default node-agent)
 //   TOOL_STARTS_FILE     append a line per start of the unsafe tool here
 //   MODEL_CALLS_FILE     append a line per model request here
+//   MODEL_TOKEN_CHARS    characters per streamed token of the model (default 8)
 //   HANG_IN_TOOL_MARKER  the first start of the tool creates this file and
 //                        hangs (later starts, in any process, do not)
 //   WORKER_CONCURRENCY   most handlers at once (default 4)
@@ -24,7 +25,10 @@ const taskType = process.argv[2] || env.DAGNATS_TASK_TYPE || 'node-agent';
 const target = env.DAGNATS_ENGINE || devEngine() || '127.0.0.1:7233';
 
 const turn = agentTurn({
-  model: scriptedModel({ callsFile: env.MODEL_CALLS_FILE }),
+  model: scriptedModel({
+    callsFile: env.MODEL_CALLS_FILE,
+    tokenChars: Number(env.MODEL_TOKEN_CHARS || 8),
+  }),
   tools: {
     charge_card: chargeCard({
       startsFile: env.TOOL_STARTS_FILE,

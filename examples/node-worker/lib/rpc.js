@@ -154,6 +154,9 @@ const SESSION_FIELDS = {
   commit: 'commit',
 };
 
+const STREAM_BUFFER = 1024; // chunks a live preview holds for a slow link before it drops
+const COALESCE = 16 * 1024; // characters of text one waiting chunk may grow to
+
 // One dispatch's journal calls on one JournalService.Session stream, as
 // sdk/dagnats/sdk/_session.py: a message each way per call instead of a new
 // call. Same interface as EngineRpc.call for the journal's methods.
@@ -177,11 +180,16 @@ export class JournalSession {
     return this.#rpc.retrying(method, () => this.#exchange(method, request, signal), signal);
   }
 
-  // A live preview of one call position (JournalService.PutStream): `put`
-  // never waits (while the call's buffer needs draining, chunks are dropped
-  // and counted, and the next one carries `dropped`); `close` ends the call
-  // and resolves once the service has published what was sent.
+  // A live preview of one call position (JournalService.PutStream), as
+  // sdk/dagnats/sdk/_stream.py: `put` never waits. While grpc-js's write
+  // buffer drains, chunks wait here, and a text chunk grows the waiting text
+  // chunk before it (up to COALESCE characters), so text loses nothing; only
+  // when STREAM_BUFFER chunks wait is a chunk dropped and counted, and the
+  // next one carries `dropped`. `close` sends the rest, ends the call and
+  // resolves once the service has published what was sent.
   putStream(token, position) {
+    const waiting = []; // chunks not yet handed to grpc-js
+    let closed = false;
     let seq = 0;
     let dropped = 0;
     let done;
@@ -192,21 +200,36 @@ export class JournalSession {
       if (err) console.error(`live stream of position ${position} ended: ${err.details}`);
       done();
     });
-    const send = (chunk) => {
+    const flush = () => {
+      while (waiting.length > 0 && !call.writableNeedDrain) call.write(waiting.shift());
+    };
+    call.on('drain', flush);
+    const queue = (chunk) => {
       seq += 1;
-      call.write({ token, position, seq: String(seq), dropped: String(dropped), ...chunk });
+      waiting.push({ token, position, seq: String(seq), dropped: String(dropped), ...chunk });
       dropped = 0;
     };
     return {
       put(chunk) {
-        if (call.writableNeedDrain) {
+        if (closed) return;
+        const last = waiting.at(-1);
+        const text = typeof chunk === 'string';
+        if (text && last?.text !== undefined && last.text.length + chunk.length <= COALESCE) {
+          last.text += chunk;
+          return;
+        }
+        if (waiting.length >= STREAM_BUFFER) {
           dropped += 1;
           return;
         }
-        send(typeof chunk === 'string' ? { text: chunk } : { json: encode(chunk) });
+        queue(text ? { text: chunk } : { json: encode(chunk) });
+        flush();
       },
       async close({ abandon = false } = {}) {
-        if (abandon) send({ abandon: true });
+        if (closed) return;
+        closed = true;
+        if (abandon) queue({ abandon: true });
+        for (const request of waiting.splice(0)) call.write(request);
         call.end();
         await finished;
       },
