@@ -299,6 +299,17 @@ GUARDS = (
             "test_place_inputs_whose_claim_landed_without_an_answer_records_the_input",
         ),
     ),
+    Guard(
+        name="a live stream shows only the chunks of the last claim's writer",
+        file="services/journal/dagnats/journal/stream.py",
+        guard="        if sid in self.ended or (self.holder and writer != self.holder):\n",
+        removed="        if sid in self.ended:\n",
+        how="a zombie's stream that began after its successor's claim is shown as current",
+        tests=(
+            "tests/test_live_stream_process.py::"
+            "test_a_frozen_streamer_woken_after_its_successor_claimed_shows_nothing",
+        ),
+    ),
 )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -38,7 +39,7 @@ INPUT = {"ask": "weather"}
 REPLY = agent.reply_for([INPUT])  # iteration 0's reply
 TOKENS = agent.reply_tokens(REPLY)
 HALF = "".join(TOKENS[: len(TOKENS) // 2])  # what a holder puts before its seam
-HOLD = "inside_stream:0"  # the seam halfway through iteration 0's tokens
+HOLD = "inside_stream:0"  # the seam halfway through iteration 0's tokens (as a crash)
 
 
 async def read(
@@ -67,40 +68,44 @@ def committed(iteration: int) -> Callable[[list[Sse]], bool]:
 
 
 @dataclass
-class Halfway:
+class Stopped:
     run_id: str
-    holder: subprocess.Popen[bytes]  # stopped at its seam halfway through iteration 0
+    holder: subprocess.Popen[bytes]  # stopped at its seam of iteration 0
     successor: subprocess.Popen[bytes]  # on standby until activated
     stream: AsyncIterator[Sse]
-    events: list[Sse]  # what the reader saw: the holder's first half
+    events: list[Sse]  # what the reader saw of the holder's tokens
 
 
 @asynccontextmanager
-async def halfway(
+async def stopped(
     engines: tuple[EngineServer, EngineServer],
     client: Client,
     http: httpx.AsyncClient,
     state: Path,
     *,
+    seam: str = "inside_stream",
     successor_crash: str = "",
-) -> AsyncIterator[Halfway]:
-    """A run whose holder (a worker process on the gateway's engine) stopped
-    halfway through iteration 0's tokens once a reader saw them; its successor
-    (on the other engine, stopping at ``successor_crash``) waits on standby.
-    Both processes are killed at the end."""
+) -> AsyncIterator[Stopped]:
+    """A run whose holder (a worker process on the gateway's engine) stopped at
+    ``seam`` of iteration 0 (``inside_stream``: once a reader saw the first
+    half of its tokens); its successor (on the other engine, stopping at
+    ``successor_crash``) waits on standby. Both are killed at the end."""
     task, name = unique("livecrash"), unique("livecrashwf")
     await client.register_workflow(loop_workflow(name, task))
-    holder = spawn_worker(engines[0].target, task, state, HOLD, standby=True, stream=True)
+    crash = f"{seam}:0"
+    holder = spawn_worker(engines[0].target, task, state, crash, standby=True, stream=True)
     successor = spawn_worker(
         engines[1].target, task, state, successor_crash, name="successor", standby=True, stream=True
     )
     try:
         run = await client.start_run(name, INPUT)
         async with sse(http, run.run_id) as stream:
-            await activate(holder, state, HOLD)
+            await activate(holder, state, crash)
+            await wait_for((state / "hit").exists, timeout=30, message="the seam not reached")
             events: list[Sse] = []
-            await read(stream, events, lambda got: "".join(e.data["text"] for e in got) == HALF)
-            yield Halfway(run.run_id, holder, successor, stream, events)
+            if seam == "inside_stream":
+                await read(stream, events, lambda got: "".join(e.data["text"] for e in got) == HALF)
+            yield Stopped(run.run_id, holder, successor, stream, events)
     finally:
         reap(holder, successor)
 
@@ -112,7 +117,7 @@ async def test_a_killed_streamer_is_abandoned_and_its_successor_retries(
     http: httpx.AsyncClient,
     tmp_path: Path,
 ) -> None:
-    async with halfway((engine, second_engine), client, http, tmp_path) as at:
+    async with stopped((engine, second_engine), client, http, tmp_path) as at:
         at.holder.kill()  # SIGKILL mid-stream
         at.holder.wait()
         await activate(at.successor, tmp_path, "successor")
@@ -141,18 +146,23 @@ async def test_a_killed_streamer_is_abandoned_and_its_successor_retries(
     assert list(check.violations) == [], check.violations
 
 
+@pytest.mark.parametrize("seam", ["before_tokens", "inside_stream"])
 async def test_a_frozen_streamer_woken_after_its_successor_claimed_shows_nothing(
     engine: EngineServer,
     second_engine: EngineServer,
     client: Client,
     http: httpx.AsyncClient,
     tmp_path: Path,
+    seam: str,
 ) -> None:
+    """Frozen past its lease in its model call, before its first token (its
+    stream begins after the claim) or halfway (its stream is open at the
+    claim), the holder wakes while its successor streams and puts the rest."""
     hit = tmp_path / "hit"
-    # The successor stops at the same seam, so the zombie streams while the
+    # The successor stops halfway too, so the zombie streams while the
     # successor's stream is open; SIGCONT lets it go on.
     engines = (engine, second_engine)
-    async with halfway(engines, client, http, tmp_path, successor_crash=HOLD) as at:
+    async with stopped(engines, client, http, tmp_path, seam=seam, successor_crash=HOLD) as at:
         os.kill(at.holder.pid, signal.SIGSTOP)  # past its lease: the successor claims
         hit.unlink()
         await activate(at.successor, tmp_path, "successor")
@@ -167,24 +177,27 @@ async def test_a_frozen_streamer_woken_after_its_successor_claimed_shows_nothing
         await read(at.stream, at.events, committed(agent.ITERATIONS))  # the run's last answer
         done = await client.wait_for_run(at.run_id, timeout=60)
     # Fenced by its next write, or by the fence check of its next heartbeat.
-    log = (tmp_path / f"worker-{HOLD}.log").read_text()
+    log = (tmp_path / f"worker-{seam}:0.log").read_text()
     assert outcome == "Fenced" or "a successor holds the step" in log, outcome
     put = [line for line in lines(tmp_path, "tokens") if line.startswith(f"{at.holder.pid} 0 ")]
     assert len(put) == len(TOKENS), "the zombie did not stream after it woke"
-    events = at.events
-    zombie = events[0].data["writer"]
-    assert text(events, zombie) == HALF, "the zombie's later chunks were shown"
-    cuts = [i for i, e in enumerate(events) if e.type == "abandoned"]
-    assert cuts, "the zombie's stream was never abandoned"
-    cut = cuts[0]
-    assert events[cut].data["writer"] == zombie and events[cut].data["reason"] == "superseded"
-    after = events[cut + 1 :]
-    assert all(e.data["writer"] != zombie for e in after), "a fenced holder's event was shown"
-    retry = [e for e in after if e.type == "token" and e.data["iteration"] == 0]
-    assert all(e.data["retry_of"] == events[cut].data["stream"] for e in retry)
     records = await read_journal(engine, at.run_id)
+    claims = [r for r in records if r.HasField("claim") and r.iteration == 0]
+    zombie, successor = (r.writer for r in claims)
+    events = at.events
+    shown = [e for e in events if e.data["writer"] == zombie]
+    if seam == "before_tokens":
+        assert shown == [], "a fenced holder's stream was shown"
+    else:
+        assert text(events, zombie) == HALF, "the zombie's later chunks were shown"
+        abandoned = shown[-1]  # sent at the successor's claim; nothing of the zombie after it
+        assert (abandoned.type, abandoned.data["reason"]) == ("abandoned", "superseded")
+        retry = [e for e in events if e.type == "token" and e.data["writer"] == successor]
+        assert events.index(abandoned) < events.index(retry[0])
+        assert all(e.data["retry_of"] == abandoned.data["stream"] for e in retry)
     (model,) = [r for r in records if r.HasField("model") and r.iteration == 0]
-    assert model.model.response.decode() == "".join(e.data["text"] for e in retry)
+    assert model.writer == successor
+    assert model.model.response.decode() == text(events, successor) == "".join(TOKENS)
     assert done.status == pb.RUN_STATUS_COMPLETED, done.error
     check = await journal_check(engine, at.run_id)
     assert list(check.violations) == [], check.violations

@@ -17,8 +17,9 @@ test can arm a service's seam, or submit an input, at a known point of the
 run. ``--inputs``: every turn places the step's queued inputs after its claim.
 ``--standby``: start, write STATE/standby-<name>, and poll only after SIGUSR2, so a
 successor costs no start-up time when it is needed. ``--stream``: the model
-streams its reply's JSON text (``j.streamed_model``), passing the seam
-``inside_stream`` halfway through, and logs each token it puts to STATE/tokens.
+streams its reply's JSON text (``j.streamed_model``), passing the seams
+``before_tokens`` before its first token and ``inside_stream`` halfway through,
+and logs each token it puts to STATE/tokens.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def main(args: argparse.Namespace) -> None:
         reply = agent.reply_for(history)
         if stream is not None:
             tokens = agent.reply_tokens(reply)
+            await seam.seam("before_tokens")  # the model call began; nothing put yet
             for n, token in enumerate(tokens):
                 if n == len(tokens) // 2:
                     await seam.seam("inside_stream")  # the first half is on its way
