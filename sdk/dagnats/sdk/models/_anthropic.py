@@ -1,0 +1,266 @@
+"""An Anthropic messages model (the ``anthropic`` package).
+
+System messages become the request's ``system``; a tool's result becomes a
+``tool_result`` block in a user turn, and turns of one role in a row are
+merged into one, as the messages API wants. A message (or its stream of
+events) becomes a :class:`ModelResponse`; nothing else crosses this edge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from dagnats.sdk._stream import TokenStream
+from dagnats.sdk.models._ask import require
+from dagnats.sdk.models._retry import RetryPolicy, classifier, retrying
+from dagnats.sdk.models._shapes import (
+    AssistantMessage,
+    Message,
+    ModelResponse,
+    StopReason,
+    SystemMessage,
+    ToolMessage,
+    ToolSpec,
+    ToolUse,
+    Usage,
+    UserMessage,
+)
+
+STOP = {
+    "end_turn": StopReason.END,
+    "tool_use": StopReason.TOOL_CALLS,
+    "max_tokens": StopReason.MAX_TOKENS,
+    "stop_sequence": StopReason.STOP_SEQUENCE,
+    "refusal": StopReason.REFUSED,
+}
+
+
+class AnthropicModel:
+    """A messages API model.
+
+    Args:
+        model: The model's name, such as ``claude-sonnet-4-5``.
+        base_url: The API root; Anthropic's by default.
+        api_key: The key; ``ANTHROPIC_API_KEY`` by default. A server at a
+            ``base_url`` may need none.
+        retry: How long a failed request is retried (see ``RetryPolicy``).
+        timeout: Seconds to connect, and to wait for each read of the answer.
+        max_tokens: Upper bound on the response's tokens (the API requires one).
+        options: More request fields, sent as they are (``temperature``, ...).
+
+    Raises:
+        ModuleNotFoundError: the ``anthropic`` package is not installed.
+        InvalidArgument: no key for Anthropic's own server.
+    """
+
+    provider = "anthropic"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: float = 120.0,
+        max_tokens: int = 4096,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        sdk = require("anthropic", extra="anthropic", what="AnthropicModel")
+        key = api_key or os.environ.get("ANTHROPIC_API_KEY") or ""
+        if not key and base_url is None:
+            from dagnats.sdk.models._env import missing_key
+
+            raise missing_key("ANTHROPIC_API_KEY", "anthropic")
+        self.model = model
+        self.base_url = base_url
+        self._retry = retry or RetryPolicy()
+        self._classify = classifier(sdk)
+        self._max_tokens = max_tokens
+        self._options = dict(options or {})
+        # max_retries=0: retries are by time, in _retry, for both providers.
+        self._client: Any = sdk.AsyncAnthropic(
+            api_key=key or "unused", base_url=base_url, timeout=timeout, max_retries=0
+        )
+
+    @property
+    def name(self) -> str:
+        return f"{self.provider}:{self.model}"
+
+    def __repr__(self) -> str:  # never the key
+        where = f" at {self.base_url}" if self.base_url else ""
+        return f"<AnthropicModel {self.model}{where}>"
+
+    async def aclose(self) -> None:
+        """Close the HTTP connections."""
+        await self._client.close()
+
+    async def __aenter__(self) -> AnthropicModel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def generate(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        stream: TokenStream | None = None,
+    ) -> ModelResponse:
+        """One message in answer to ``messages``, streamed onto ``stream`` when given.
+
+        Raises:
+            ModelError: the request failed after its retries.
+            ModelRejected: the server refused the request.
+        """
+        system, turns = to_anthropic(messages)
+        request: dict[str, Any] = {
+            **self._options,
+            "model": self.model,
+            "max_tokens": self._max_tokens,
+            "messages": turns,
+        }
+        if system:
+            request["system"] = system
+        if tools:
+            request["tools"] = [anthropic_tool(t) for t in tools]
+        if stream is None:
+            return await retrying(
+                lambda: self._complete(request),
+                provider=self.provider,
+                policy=self._retry,
+                classify=self._classify,
+            )
+        reader = _Events(stream)
+        return await retrying(
+            lambda: reader.read(self._client, request),
+            provider=self.provider,
+            policy=self._retry,
+            classify=self._classify,
+            streamed=lambda: reader.started,
+        )
+
+    async def _complete(self, request: dict[str, Any]) -> ModelResponse:
+        message = await self._client.messages.create(**request)
+        text = "".join(b.text for b in message.content if b.type == "text")
+        calls = tuple(
+            ToolUse(id=b.id, name=b.name, arguments=b.input)
+            for b in message.content
+            if b.type == "tool_use"
+        )
+        return ModelResponse(
+            text=text,
+            tool_calls=calls,
+            stop_reason=STOP.get(message.stop_reason or "end_turn", StopReason.OTHER),
+            usage=Usage(
+                input_tokens=message.usage.input_tokens or 0,
+                output_tokens=message.usage.output_tokens or 0,
+            ),
+            model=message.model or self.model,
+        )
+
+
+class _Events:
+    """Assembles a streamed message, putting its text on the token stream."""
+
+    def __init__(self, stream: TokenStream) -> None:
+        self._stream = stream
+        self.started = False  # a token went out: a retry would repeat it
+
+    async def read(self, client: Any, request: dict[str, Any]) -> ModelResponse:
+        text: list[str] = []
+        blocks: dict[int, dict[str, str]] = {}  # tool_use blocks by index
+        stop, model = "end_turn", request["model"]
+        input_tokens = output_tokens = 0
+        streamed = await client.messages.create(**request, stream=True)
+        async with streamed as events:
+            async for event in events:
+                match event.type:
+                    case "message_start":
+                        model = event.message.model or model
+                        input_tokens = event.message.usage.input_tokens or 0
+                    case "content_block_start" if event.content_block.type == "tool_use":
+                        block = event.content_block
+                        blocks[event.index] = {"id": block.id, "name": block.name, "json": ""}
+                    case "content_block_delta" if event.delta.type == "text_delta":
+                        self.started = True
+                        self._stream.put(event.delta.text)
+                        text.append(event.delta.text)
+                    case "content_block_delta" if event.delta.type == "input_json_delta":
+                        blocks[event.index]["json"] += event.delta.partial_json
+                    case "message_delta":
+                        stop = event.delta.stop_reason or stop
+                        output_tokens = event.usage.output_tokens or output_tokens
+        calls = tuple(
+            ToolUse(id=b["id"], name=b["name"], arguments=_parsed(b["json"]))
+            for _, b in sorted(blocks.items())
+        )
+        return ModelResponse(
+            text="".join(text),
+            tool_calls=calls,
+            stop_reason=STOP.get(stop, StopReason.OTHER),
+            usage=Usage(input_tokens=input_tokens, output_tokens=output_tokens),
+            model=model,
+        )
+
+
+def to_anthropic(messages: Sequence[Message]) -> tuple[str, list[dict[str, Any]]]:
+    """Neutral messages as the request's ``system`` and its turns."""
+    system: list[str] = []
+    turns: list[dict[str, Any]] = []
+    for message in messages:
+        blocks: list[dict[str, Any]]
+        match message:
+            case SystemMessage(content=content):
+                system.append(content)
+                continue
+            case UserMessage(content=content):
+                role, blocks = "user", [{"type": "text", "text": content}] if content else []
+            case AssistantMessage(content=content, tool_calls=calls):
+                role = "assistant"
+                blocks = [{"type": "text", "text": content}] if content else []
+                blocks += [
+                    {"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)}
+                    for c in calls
+                ]
+            case ToolMessage():
+                role = "user"
+                blocks = [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": message.tool_call_id,
+                        "content": message.content,
+                        "is_error": message.is_error,
+                    }
+                ]
+        if not blocks:
+            continue  # the API refuses empty turns and empty text
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        else:
+            turns.append({"role": role, "content": blocks})
+    return "\n\n".join(system), turns
+
+
+def anthropic_tool(tool: ToolSpec) -> dict[str, Any]:
+    spec: dict[str, Any] = {"name": tool.name, "input_schema": tool.parameters}
+    if tool.description:
+        spec["description"] = tool.description
+    return spec
+
+
+def _input(arguments: Any) -> Any:
+    # tool_use.input must be an object; arguments the model gave as bad JSON
+    # go back as it wrote them.
+    return arguments if isinstance(arguments, dict) else {"arguments": arguments}
+
+
+def _parsed(text: str) -> Any:
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:
+        return text
