@@ -19,11 +19,12 @@ import socket
 from pathlib import Path
 
 from dagnats.cli import demo
-from dagnats.cli.main import DEFAULT_DATA_DIR, DEV_FILE, print_run
+from dagnats.cli.main import DEFAULT_DATA_DIR, DEV_FILE, UsageError, print_run
 from dagnats.core.natsserver import NatsServer, free_port
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
 from dagnats.sdk import Client, Worker
+from dagnats.sdk.models import ChatModel
 
 
 def _port_or_free(port: int) -> int:
@@ -41,6 +42,7 @@ async def run_dev(args: argparse.Namespace) -> int:
     if main is not None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     data = Path(args.dev_data_dir or args.data_dir)
+    model = None if args.no_demo else _demo_model()  # a bad DAGNATS_MODEL stops us here
     data.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before anything runs
     nats_port = _port_or_free(args.nats_port)
     nats = await NatsServer.start(data / "nats", port=nats_port)
@@ -61,6 +63,8 @@ async def run_dev(args: argparse.Namespace) -> int:
         print(f"nats-server  {nats.url}  (data in {data / 'nats'}, sync_interval: always)")
         print(f"engine       {engine.target}  (gRPC)")
         print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")
+        if model is not None:
+            print(f"model        {_describe(model)}")
         async with Client(engine.target) as client:
             earlier = await client.list_runs(limit=10_000)
             if earlier:
@@ -68,7 +72,7 @@ async def run_dev(args: argparse.Namespace) -> int:
             if not args.no_demo:
                 worker = Worker(
                     engine.target,
-                    handlers={demo.TASK_TYPE: demo.agent_turn},
+                    handlers={demo.TASK_TYPE: demo.make_agent_turn(model or demo.StandIn())},
                 )
                 await worker.__aenter__()
                 await _demo(client, gateway.url, _cli(data))
@@ -86,6 +90,23 @@ async def run_dev(args: argparse.Namespace) -> int:
         if engine is not None:
             await engine.stop()
         await nats.stop()
+        close = getattr(model, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def _demo_model() -> ChatModel:
+    try:
+        return demo.demo_model()
+    except ModuleNotFoundError as err:  # a provider package: the message names the extra
+        raise UsageError(f"DAGNATS_MODEL: {err}") from None
+
+
+def _describe(model: ChatModel) -> str:
+    if isinstance(model, demo.StandIn):
+        return "the demo's stand-in (set DAGNATS_MODEL and its key for a real one)"
+    where = getattr(model, "base_url", None)
+    return f"{model.name} at {where}" if where else model.name
 
 
 def _cli(data: Path) -> str:

@@ -9,13 +9,13 @@ events) becomes a :class:`ModelResponse`; nothing else crosses this edge.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from dagnats.sdk._stream import TokenStream
 from dagnats.sdk.models._ask import require
-from dagnats.sdk.models._retry import RetryPolicy, classifier, retrying
+from dagnats.sdk.models._base import ProviderModel, StreamReader
+from dagnats.sdk.models._retry import RetryPolicy
 from dagnats.sdk.models._shapes import (
     AssistantMessage,
     Message,
@@ -38,7 +38,7 @@ STOP = {
 }
 
 
-class AnthropicModel:
+class AnthropicModel(ProviderModel):
     """A messages API model.
 
     Args:
@@ -57,6 +57,7 @@ class AnthropicModel:
     """
 
     provider = "anthropic"
+    key_variable = "ANTHROPIC_API_KEY"
 
     def __init__(
         self,
@@ -69,57 +70,21 @@ class AnthropicModel:
         max_tokens: int = 4096,
         options: dict[str, Any] | None = None,
     ) -> None:
-        sdk = require("anthropic", extra="anthropic", what="AnthropicModel")
-        key = api_key or os.environ.get("ANTHROPIC_API_KEY") or ""
-        if not key and base_url is None:
-            from dagnats.sdk.models._env import missing_key
-
-            raise missing_key("ANTHROPIC_API_KEY", "anthropic")
-        self.model = model
-        self.base_url = base_url
-        self._retry = retry or RetryPolicy()
-        self._classify = classifier(sdk)
-        self._max_tokens = max_tokens
-        self._options = dict(options or {})
-        # max_retries=0: retries are by time, in _retry, for both providers.
-        self._client: Any = sdk.AsyncAnthropic(
-            api_key=key or "unused", base_url=base_url, timeout=timeout, max_retries=0
+        super().__init__(
+            model,
+            sdk=require("anthropic", extra="anthropic", what="AnthropicModel"),
+            client="AsyncAnthropic",
+            base_url=base_url,
+            api_key=api_key,
+            retry=retry,
+            timeout=timeout,
+            options=options,
         )
+        self._max_tokens = max_tokens
 
-    @property
-    def name(self) -> str:
-        return f"{self.provider}:{self.model}"
-
-    def __repr__(self) -> str:  # never the key
-        where = f" at {self.base_url}" if self.base_url else ""
-        return f"<AnthropicModel {self.model}{where}>"
-
-    async def aclose(self) -> None:
-        """Close the HTTP connections."""
-        await self._client.close()
-
-    async def __aenter__(self) -> AnthropicModel:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def generate(
-        self,
-        messages: Sequence[Message],
-        *,
-        tools: Sequence[ToolSpec] = (),
-        stream: TokenStream | None = None,
-    ) -> ModelResponse:
-        """One message in answer to ``messages``, streamed onto ``stream`` when given.
-
-        Raises:
-            ModelError: the request failed after its retries.
-            ModelRejected: the server refused the request.
-        """
+    def _request(self, messages: Sequence[Message], tools: Sequence[ToolSpec]) -> dict[str, Any]:
         system, turns = to_anthropic(messages)
         request: dict[str, Any] = {
-            **self._options,
             "model": self.model,
             "max_tokens": self._max_tokens,
             "messages": turns,
@@ -128,21 +93,10 @@ class AnthropicModel:
             request["system"] = system
         if tools:
             request["tools"] = [anthropic_tool(t) for t in tools]
-        if stream is None:
-            return await retrying(
-                lambda: self._complete(request),
-                provider=self.provider,
-                policy=self._retry,
-                classify=self._classify,
-            )
-        reader = _Events(stream)
-        return await retrying(
-            lambda: reader.read(self._client, request),
-            provider=self.provider,
-            policy=self._retry,
-            classify=self._classify,
-            streamed=lambda: reader.started,
-        )
+        return request
+
+    def _reader(self, stream: TokenStream) -> StreamReader:
+        return _Events(stream)
 
     async def _complete(self, request: dict[str, Any]) -> ModelResponse:
         message = await self._client.messages.create(**request)
@@ -164,12 +118,8 @@ class AnthropicModel:
         )
 
 
-class _Events:
+class _Events(StreamReader):
     """Assembles a streamed message, putting its text on the token stream."""
-
-    def __init__(self, stream: TokenStream) -> None:
-        self._stream = stream
-        self.started = False  # a token went out: a retry would repeat it
 
     async def read(self, client: Any, request: dict[str, Any]) -> ModelResponse:
         text: list[str] = []
@@ -187,8 +137,7 @@ class _Events:
                         block = event.content_block
                         blocks[event.index] = {"id": block.id, "name": block.name, "json": ""}
                     case "content_block_delta" if event.delta.type == "text_delta":
-                        self.started = True
-                        self._stream.put(event.delta.text)
+                        self.put(event.delta.text)
                         text.append(event.delta.text)
                     case "content_block_delta" if event.delta.type == "input_json_delta":
                         blocks[event.index]["json"] += event.delta.partial_json

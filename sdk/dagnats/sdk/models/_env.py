@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.sdk.models._ask import ChatModel
+from dagnats.sdk.models._base import missing_key
 
 VARIABLE = "DAGNATS_MODEL"
 PROVIDERS = ("openai", "anthropic")
@@ -120,11 +121,3 @@ def model_from_env(env: Mapping[str, str] | None = None, **options: Any) -> Chat
     from dagnats.sdk.models._anthropic import AnthropicModel
 
     return AnthropicModel(spec.model, base_url=spec.base_url, api_key=key, **options)
-
-
-def missing_key(variable: str, provider: str) -> InvalidArgument:
-    return InvalidArgument(
-        f"{variable} is not set: the {provider} model needs a key (pass api_key=, or set "
-        f"{variable}; a server at a base URL may need none)",
-        field=variable,
-    )

@@ -9,13 +9,13 @@ chunks) becomes a :class:`ModelResponse`; nothing else crosses this edge.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from dagnats.sdk._stream import TokenStream
 from dagnats.sdk.models._ask import require
-from dagnats.sdk.models._retry import RetryPolicy, classifier, retrying
+from dagnats.sdk.models._base import ProviderModel, StreamReader
+from dagnats.sdk.models._retry import RetryPolicy
 from dagnats.sdk.models._shapes import (
     AssistantMessage,
     Message,
@@ -38,7 +38,7 @@ STOP = {
 }
 
 
-class OpenAIModel:
+class OpenAIModel(ProviderModel):
     """A chat completions model.
 
     Args:
@@ -59,6 +59,7 @@ class OpenAIModel:
     """
 
     provider = "openai"
+    key_variable = "OPENAI_API_KEY"
 
     def __init__(
         self,
@@ -71,56 +72,20 @@ class OpenAIModel:
         max_tokens: int | None = None,
         options: dict[str, Any] | None = None,
     ) -> None:
-        sdk = require("openai", extra="openai", what="OpenAIModel")
-        key = api_key or os.environ.get("OPENAI_API_KEY") or ""
-        if not key and base_url is None:
-            from dagnats.sdk.models._env import missing_key
-
-            raise missing_key("OPENAI_API_KEY", "openai")
-        self.model = model
-        self.base_url = base_url
-        self._retry = retry or RetryPolicy()
-        self._classify = classifier(sdk)
-        self._max_tokens = max_tokens
-        self._options = dict(options or {})
-        # max_retries=0: retries are by time, in _retry, for both providers.
-        self._client: Any = sdk.AsyncOpenAI(
-            api_key=key or "unused", base_url=base_url, timeout=timeout, max_retries=0
+        super().__init__(
+            model,
+            sdk=require("openai", extra="openai", what="OpenAIModel"),
+            client="AsyncOpenAI",
+            base_url=base_url,
+            api_key=api_key,
+            retry=retry,
+            timeout=timeout,
+            options=options,
         )
+        self._max_tokens = max_tokens
 
-    @property
-    def name(self) -> str:
-        return f"{self.provider}:{self.model}"
-
-    def __repr__(self) -> str:  # never the key
-        where = f" at {self.base_url}" if self.base_url else ""
-        return f"<OpenAIModel {self.model}{where}>"
-
-    async def aclose(self) -> None:
-        """Close the HTTP connections."""
-        await self._client.close()
-
-    async def __aenter__(self) -> OpenAIModel:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def generate(
-        self,
-        messages: Sequence[Message],
-        *,
-        tools: Sequence[ToolSpec] = (),
-        stream: TokenStream | None = None,
-    ) -> ModelResponse:
-        """One completion of ``messages``, streamed onto ``stream`` when given.
-
-        Raises:
-            ModelError: the request failed after its retries.
-            ModelRejected: the server refused the request.
-        """
+    def _request(self, messages: Sequence[Message], tools: Sequence[ToolSpec]) -> dict[str, Any]:
         request: dict[str, Any] = {
-            **self._options,
             "model": self.model,
             "messages": [to_openai(m) for m in messages],
         }
@@ -128,21 +93,10 @@ class OpenAIModel:
             request["tools"] = [openai_tool(t) for t in tools]
         if self._max_tokens is not None:
             request["max_completion_tokens"] = self._max_tokens
-        if stream is None:
-            return await retrying(
-                lambda: self._complete(request),
-                provider=self.provider,
-                policy=self._retry,
-                classify=self._classify,
-            )
-        reader = _Chunks(stream)
-        return await retrying(
-            lambda: reader.read(self._client, request),
-            provider=self.provider,
-            policy=self._retry,
-            classify=self._classify,
-            streamed=lambda: reader.started,
-        )
+        return request
+
+    def _reader(self, stream: TokenStream) -> StreamReader:
+        return _Chunks(stream)
 
     async def _complete(self, request: dict[str, Any]) -> ModelResponse:
         completion = await self._client.chat.completions.create(**request)
@@ -161,12 +115,8 @@ class OpenAIModel:
         )
 
 
-class _Chunks:
+class _Chunks(StreamReader):
     """Assembles a streamed completion, putting its text on the token stream."""
-
-    def __init__(self, stream: TokenStream) -> None:
-        self._stream = stream
-        self.started = False  # a token went out: a retry would repeat it
 
     async def read(self, client: Any, request: dict[str, Any]) -> ModelResponse:
         text: list[str] = []
@@ -184,8 +134,7 @@ class _Chunks:
                 for choice in chunk.choices[:1]:
                     delta = choice.delta
                     if delta.content:
-                        self.started = True
-                        self._stream.put(delta.content)
+                        self.put(delta.content)
                         text.append(delta.content)
                     for part in delta.tool_calls or ():
                         call = calls.setdefault(part.index, {"id": "", "name": "", "args": ""})
