@@ -4,6 +4,7 @@ exporter for tracing assertions."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -21,6 +22,11 @@ from dagnats.engine.server import EngineServer, start_engine
 from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
 from dagnats.sdk import Client
 from tests.stack import FAST
+
+# No test reaches a real model: a model or a key set in the shell that runs the
+# tests would send the demo and the examples (run as processes) to a provider.
+for _name in ("DAGNATS_MODEL", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_BASE_URL"):
+    os.environ.pop(_name, None)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -667,3 +667,41 @@ def test_the_stand_in_demo_streams_its_answer_too() -> None:
     response = asyncio.run(StandIn().generate(done, stream=tokens))  # type: ignore[arg-type]
     assert len(tokens.got) > 1 and "".join(tokens.got) == response.text
     assert "Lisbon" in response.text
+
+
+async def test_the_example_runs_on_the_model_dagnats_model_names(engine: EngineServer) -> None:
+    script = [
+        Reply(tools=[("search", {"q": "Lisbon weather"})]),
+        Reply(tools=[("send_email", {"to": "ops@example.com", "body": "21 °C"})]),
+        Reply("It is 21 °C in Lisbon; ops knows."),
+        Reply("Tomorrow: 23 °C."),
+    ]
+    root = Path(__file__).parent.parent
+    async with FakeProvider(script) as fake:
+        env = clean_env(
+            DAGNATS_ENGINE=engine.target, DAGNATS_MODEL=f"openai:{MODEL}@{fake.openai_base_url}"
+        )
+        command = [sys.executable, "-m", "examples.agent_turn.run"]
+        done = await asyncio.to_thread(
+            subprocess.run, command, capture_output=True, text=True, timeout=100, cwd=root, env=env
+        )
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"model openai:{MODEL}" in done.stdout
+    assert "answer: It is 21 °C in Lisbon; ops knows." in done.stdout
+    assert "answer: Tomorrow: 23 °C." in done.stdout
+    assert len(fake.requests) == 4 and not fake.unscripted
+    # The follow-up reaches the model after the first answer; the email's
+    # result went back answering the model's own call id.
+    messages = fake.requests[3].body["messages"]
+    assert messages[-1] == {"role": "user", "content": "And tomorrow?"}
+    call = next(
+        m
+        for m in messages
+        if m["role"] == "assistant"
+        and m.get("tool_calls")
+        and m["tool_calls"][0]["function"]["name"] == "send_email"
+    )
+    result = messages[messages.index(call) + 1]
+    assert result["role"] == "tool" and result["tool_call_id"] == call["tool_calls"][0]["id"]
+    assert json.loads(result["content"])["sent"] is True

@@ -1,7 +1,9 @@
 """Run the agent-turn example against a running engine (``make dev``).
 
-Registers ``workflow.yaml``, runs the handler in a worker with a scripted model
-and two stand-in tools, starts a run and prints the agent's answer. The agent
+Registers ``workflow.yaml``, runs the handler in a worker with the model
+``$DAGNATS_MODEL`` names (``examples/agent_turn/model.py``; a scripted model
+when it names none) and two stand-in tools, starts a run and prints the
+agent's answer. The agent
 then waits for a follow-up, holding no worker; the script sends one, prints
 the second answer, and cancels the run. From the repository root:
 ``.venv/bin/python -m examples.agent_turn.run``. The engine is
@@ -17,9 +19,11 @@ from typing import Any
 
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, InputMode, Worker
+from dagnats.sdk.models import model_from_env
 from dagnats.sdk.testing import ScriptedModel
 from dagnats.sdk.views import decode_payload
-from examples.agent_turn.handler import make_agent_turn
+from examples.agent_turn.handler import CallModel, make_agent_turn
+from examples.agent_turn.model import call_model_with
 
 TARGET = os.environ.get("DAGNATS_ENGINE", "127.0.0.1:7233")
 WORKFLOW = Path(__file__).with_name("workflow.yaml")
@@ -46,6 +50,15 @@ async def run_tool(name: str, input: Any, key: str) -> Any:
     raise LookupError(f"no tool named {name!r}")
 
 
+def chosen_model() -> CallModel:
+    """The model ``DAGNATS_MODEL`` names (key from the environment), else the script."""
+    model = model_from_env()
+    if model is None:
+        return ScriptedModel(SCRIPT)
+    print(f"model {model.name}")
+    return call_model_with(model)
+
+
 def workflow_text() -> str:
     return WORKFLOW.read_text()
 
@@ -70,7 +83,7 @@ def step_of(run: pb.Run) -> pb.StepState:
 async def main() -> int:
     async with Client(TARGET) as client:
         workflow = await client.register_workflow(workflow_text())
-        handler = make_agent_turn(ScriptedModel(SCRIPT), run_tool)
+        handler = make_agent_turn(chosen_model(), run_tool)
         async with Worker(TARGET, handlers={workflow.steps[0].task: handler}):
             run = await client.start_run(workflow.name, "How warm is it in Lisbon?")
             print(f"run {run.run_id} of workflow {workflow.name}")
