@@ -23,10 +23,11 @@ from pydantic_ai import Agent
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
+from dagnats.core.errors import InvalidArgument
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
-from dagnats.integrations.pydantic_ai import current_tool_run, durable_agent, safe
+from dagnats.integrations.pydantic_ai import current_tool_run, durable_agent, model_from_env, safe
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, InputMode, Worker, run_output
 from tests.helpers import wait_for
@@ -322,6 +323,24 @@ async def test_the_example_agent_on_the_provider_and_its_run_script_offline(
     assert await script_run.main() == 0
 
 
+async def test_the_run_script_on_the_model_dagnats_model_names(
+    engine: EngineServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from examples.pydantic_ai import run as script_run
+
+    async with FakeProvider(script()) as provider:
+        monkeypatch.setenv("DAGNATS_MODEL", f"openai:{MODEL}@{provider.openai_base_url}")
+        monkeypatch.setattr(script_run, "TARGET", engine.target)
+        assert await script_run.main() == 0
+    assert len(provider.requests) == 3 and provider.unscripted == []
+    assert all(r.body["model"] == MODEL and r.body["stream"] for r in provider.requests)
+    with pytest.raises(InvalidArgument, match="DAGNATS_MODEL"):
+        model_from_env({"DAGNATS_MODEL": "openai"})
+    with pytest.raises(InvalidArgument, match="OPENAI_API_KEY"):
+        model_from_env({"DAGNATS_MODEL": "openai:gpt-4.1-mini"})
+    assert model_from_env({}) is None
+
+
 def test_the_public_names_are_exactly_these() -> None:
     import dagnats.integrations.pydantic_ai as integration
 
@@ -333,6 +352,7 @@ def test_the_public_names_are_exactly_these() -> None:
         "dump_messages",
         "durable_agent",
         "load_messages",
+        "model_from_env",
         "safe",
     }
     assert all(hasattr(integration, name) for name in integration.__all__)

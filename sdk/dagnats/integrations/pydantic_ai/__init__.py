@@ -21,6 +21,7 @@ except ImportError as err:  # pragma: no cover - the dev extra installs it
     ) from err
 
 from dagnats.integrations.pydantic_ai._agent import DurableAgent, durable_agent
+from dagnats.integrations.pydantic_ai._env import model_from_env
 from dagnats.integrations.pydantic_ai._history import content_text, dump_messages, load_messages
 from dagnats.integrations.pydantic_ai._journaled import REPLAY_METADATA_KEY, current_tool_run, safe
 
@@ -32,5 +33,6 @@ __all__ = [
     "dump_messages",
     "durable_agent",
     "load_messages",
+    "model_from_env",
     "safe",
 ]

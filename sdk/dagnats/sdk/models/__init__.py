@@ -12,7 +12,7 @@ imported only when an adapter is built.
 
 from dagnats.sdk.models._anthropic import AnthropicModel
 from dagnats.sdk.models._ask import ChatModel, ask
-from dagnats.sdk.models._env import ModelSpec, model_from_env, parse_model
+from dagnats.sdk.models._env import ModelSpec, model_from_env, parse_model, spec_from_env
 from dagnats.sdk.models._openai import OpenAIModel
 from dagnats.sdk.models._retry import ModelError, ModelRejected, RetryPolicy, retry_after
 from dagnats.sdk.models._shapes import (
@@ -59,5 +59,6 @@ __all__ = [
     "model_from_env",
     "parse_model",
     "retry_after",
+    "spec_from_env",
     "tool_message",
 ]

@@ -92,6 +92,25 @@ def _base_url(url: str, bad: Any) -> str:
     return url
 
 
+def spec_from_env(env: Mapping[str, str] | None = None) -> tuple[ModelSpec, str | None] | None:
+    """What ``DAGNATS_MODEL`` names and its provider's key (None with a base URL
+    and no key set); None when the variable is not set (or empty).
+
+    Raises:
+        InvalidArgument: ``DAGNATS_MODEL`` is malformed, or its provider's key
+            is not set for the provider's own server.
+    """
+    env = os.environ if env is None else env
+    text = env.get(VARIABLE, "")
+    if not text:
+        return None
+    spec = parse_model(text)
+    key = env.get(KEYS[spec.provider]) or None
+    if key is None and spec.base_url is None:
+        raise missing_key(KEYS[spec.provider], spec.provider)
+    return spec, key
+
+
 def model_from_env(env: Mapping[str, str] | None = None, **options: Any) -> ChatModel | None:
     """The model ``DAGNATS_MODEL`` names, with its key from the environment;
     None when the variable is not set (or empty).
@@ -106,14 +125,10 @@ def model_from_env(env: Mapping[str, str] | None = None, **options: Any) -> Chat
         ModuleNotFoundError: the provider's package is not installed (the
             message names the extra that installs it).
     """
-    env = os.environ if env is None else env
-    text = env.get(VARIABLE, "")
-    if not text:
+    found = spec_from_env(env)
+    if found is None:
         return None
-    spec = parse_model(text)
-    key = env.get(KEYS[spec.provider]) or None
-    if key is None and spec.base_url is None:
-        raise missing_key(KEYS[spec.provider], spec.provider)
+    spec, key = found
     if spec.provider == "openai":
         from dagnats.sdk.models._openai import OpenAIModel
 
