@@ -68,6 +68,7 @@ def test_public_names_are_exactly_the_documented_ones() -> None:
         "ReplayMismatch",
         "RestartLimit",
         "RunCancelled",
+        "RunFailed",
         "Stale",
         "TaskAlreadySettled",
         "TaskContext",
@@ -199,6 +200,11 @@ class ScriptedStatuses(engine_pb2_grpc.EngineServiceServicer):
     async def GetRun(self, request: pb.GetRunRequest, context: Any) -> pb.GetRunResponse:
         run = pb.Run(run_id=request.run_id, status=self.run_status, output=b'{"a":1}')
         return await self._answer("GetRun", context, pb.GetRunResponse(run=run))
+
+    async def WatchRun(self, request: pb.WatchRunRequest, context: Any) -> AsyncIterator[Any]:
+        run = pb.Run(run_id=request.run_id, status=self.run_status, output=b'{"a":1}')
+        yield await self._answer("WatchRun", context, pb.WatchRunResponse(run=run, revision=1))
+        await asyncio.Event().wait()  # a run that never changes again
 
     async def CancelRun(self, request: pb.CancelRunRequest, context: Any) -> pb.CancelRunResponse:
         return await self._answer("CancelRun", context, pb.CancelRunResponse())
@@ -429,9 +435,22 @@ async def test_waiting_for_a_run_ends_at_its_deadline(server: tuple[ScriptedStat
     servicer.run_status = pb.RUN_STATUS_RUNNING
     async with Client(target) as client:
         with pytest.raises(DeadlineExceeded):
-            await client.wait_for_run("ab" * 16, timeout=0.05, poll=0.01)
+            await client.wait_for_run("ab" * 16, timeout=0.05)
 
-    assert servicer.calls["GetRun"] >= 1
+    assert servicer.calls["WatchRun"] == 1
+    assert servicer.calls["GetRun"] == 0
+
+
+async def test_a_watch_whose_engine_is_unavailable_is_opened_again(
+    server: tuple[ScriptedStatuses, str],
+) -> None:
+    servicer, target = server
+    servicer.script["WatchRun"] = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE]
+    async with Client(target) as client:
+        run = await client.wait_for_run("ab" * 16, timeout=10)
+
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert servicer.calls["WatchRun"] == 3
 
 
 @pytest.mark.parametrize(

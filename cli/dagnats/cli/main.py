@@ -29,6 +29,8 @@ DEV_FILE = "dev.json"
 EXIT_BROKEN_PIPE = 141
 
 RUN_STATUSES = ("running", "completed", "failed", "cancelled")
+# The longest `run start --wait` and `run watch --stream` wait for a run to end.
+WAIT_SECONDS = 3600.0
 
 
 class UsageError(Exception):
@@ -224,7 +226,7 @@ async def _run(args: argparse.Namespace) -> int:
                     args.workflow, payload, idempotency_key=args.idempotency_key
                 )
                 if args.wait:
-                    run = await client.wait_for_run(run.run_id, timeout=3600)
+                    run = await client.wait_for_run(run.run_id, timeout=WAIT_SECONDS)
                 print_run(run, args.json)
                 return 1 if run.status == pb.RUN_STATUS_FAILED else 0
             case "get":
@@ -264,20 +266,14 @@ def _parse_input(raw: str | None) -> Any:
 
 async def _watch(client: Any, run_id: str, as_json: bool) -> int:
     """Print the run each time it changes until it ends."""
-    last = None
-    while True:
-        run = await client.get_run(run_id)
-        view = run.SerializeToString(deterministic=True)
-        if view != last:
-            if as_json:
-                print(json.dumps(run_dict(run), ensure_ascii=False), flush=True)
-            else:
-                print_run(run, False)
-                print(flush=True)
-            last = view
-        if run.status != pb.RUN_STATUS_RUNNING:
-            return 1 if run.status == pb.RUN_STATUS_FAILED else 0
-        await asyncio.sleep(0.5)  # a poll interval for a person watching, not a sync point
+    run = None
+    async for run in client.watch_run(run_id):
+        if as_json:
+            print(json.dumps(run_dict(run), ensure_ascii=False), flush=True)
+        else:
+            print_run(run, False)
+            print(flush=True)
+    return 1 if run is not None and run.status == pb.RUN_STATUS_FAILED else 0
 
 
 async def _watch_stream(client: Any, target: str, run_id: str) -> int:
@@ -312,9 +308,7 @@ async def _watch_stream(client: Any, target: str, run_id: str) -> int:
     async with JournalClient(target, retry_for=RETRY_FOR) as journal:
         tasks = [asyncio.create_task(follow(journal, s.step_id)) for s in run.steps]
         try:
-            while run.status == pb.RUN_STATUS_RUNNING:
-                await asyncio.sleep(0.5)  # a poll interval for a person watching
-                run = await client.get_run(run_id)
+            run = await client.wait_for_run(run_id, timeout=WAIT_SECONDS)
         finally:
             for task in tasks:
                 task.cancel()

@@ -8,14 +8,15 @@ stubs document every field.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import Any, Self
 
-from dagnats.core.errors import DeadlineExceeded
+from dagnats.core.errors import DeadlineExceeded, Unavailable
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk._codec import decode, encode
+from dagnats.sdk._errors import RunFailed
 from dagnats.sdk._journal import InputMode
 from dagnats.sdk._rpc import EngineRpc, RetryPolicy
 
@@ -173,37 +174,83 @@ class Client:
         """
         await self._rpc.purge_run(pb.PurgeRunRequest(run_id=run_id))
 
+    async def watch_run(self, run_id: str) -> AsyncIterator[pb.Run]:
+        """Yield the run as it is now, then each time it changes, until it has
+        ended: the last run yielded is completed, failed or cancelled.
+
+        A change is any difference in the ``Run`` message: the run's status,
+        output or error, or a step's status, iteration, attempt, output, error
+        or wait. A watcher that falls far behind skips intermediate states,
+        never the last one. The engine pushes each change (``WatchRun``); there
+        is no polling. An engine restart is ridden out: the watch is opened
+        again for ``retry_for`` seconds, and repeats nothing it yielded.
+
+        Raises:
+            InvalidArgument: a malformed run id.
+            NotFound: no run has that id.
+            Unavailable: the engine could not be reached for ``retry_for`` seconds.
+        """
+        async for response in self._rpc.watch_run(pb.WatchRunRequest(run_id=run_id)):
+            yield response.run
+
     # The one public `timeout` parameter (ASYNC109): waiting for a run to finish
-    # has its own budget, separate from the deadline of each get_run call.
-    async def wait_for_run(
-        self,
-        run_id: str,
-        *,
-        timeout: float = 60.0,  # noqa: ASYNC109
-        poll: float = 0.1,
-    ) -> pb.Run:
-        """Poll the run until it is completed, failed or cancelled.
+    # has its own budget, separate from the deadline of each engine call.
+    async def wait_for_run(self, run_id: str, *, timeout: float = 60.0) -> pb.Run:  # noqa: ASYNC109
+        """Wait until the run is completed, failed or cancelled (``watch_run``:
+        the answer comes as the engine stores the run's end).
 
         Args:
             run_id: The run.
             timeout: Seconds to wait in all.
-            poll: Seconds between two looks.
 
         Returns:
             The finished run.
 
         Raises:
             DeadlineExceeded: the run had not finished after ``timeout`` seconds.
+            NotFound: no run has that id.
         """
         try:
             async with asyncio.timeout(timeout):
-                while True:
-                    run = await self.get_run(run_id)
+                async for run in self.watch_run(run_id):
                     if run.status in TERMINAL_STATUSES:
                         return run
-                    await asyncio.sleep(poll)
         except TimeoutError:
             raise DeadlineExceeded(f"run {run_id} had not finished after {timeout}s") from None
+        raise Unavailable(f"the watch of run {run_id} ended before the run did")
+
+    async def run(
+        self,
+        workflow: str,
+        input: Any = None,
+        *,
+        timeout: float = 60.0,  # noqa: ASYNC109
+        idempotency_key: str = "",
+    ) -> Any:
+        """Start a run of ``workflow``, wait for it and return its output.
+
+        Args:
+            workflow: Name of a registered workflow.
+            input: The run's input (JSON-serialisable).
+            timeout: Seconds to wait for the run to finish; the run goes on
+                after that, and a call with the same ``idempotency_key`` waits
+                for the same run.
+            idempotency_key: A repeat with the same key waits for the first run.
+
+        Returns:
+            The output of the completed run, JSON-decoded (None when it has none).
+
+        Raises:
+            RunFailed: the run failed or was cancelled; it carries the run.
+            DeadlineExceeded: the run had not finished after ``timeout`` seconds.
+            InvalidArgument: ``input`` is not JSON; nothing was sent.
+            NotFound: no workflow has that name.
+        """
+        started = await self.start_run(workflow, input, idempotency_key=idempotency_key)
+        run = await self.wait_for_run(started.run_id, timeout=timeout)
+        if run.status != pb.RUN_STATUS_COMPLETED:
+            raise RunFailed(run)
+        return run_output(run)
 
     # Inputs.
 

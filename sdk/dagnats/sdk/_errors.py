@@ -20,6 +20,7 @@ The domain errors are the ones every dagnats component shares
         │   ├── DeadlineExceeded      an operation ran out of time
         │   ├── ReplayMismatch        a different call at a recorded position
         │   ├── InputsQueued          continue_(until_input=True) with inputs queued
+        │   ├── RunFailed             Client.run: the run failed or was cancelled
         │   └── TaskAlreadySettled    a second continue_/complete/fail/pause on one task
         ├── ConcurrentJournalUse      two asyncio tasks used one journal handle
         └── PermanentError            raised by a handler: fail the step, no retry
@@ -41,6 +42,7 @@ from dagnats.core.errors import (
     ReplayMismatch,
     Unavailable,
 )
+from dagnats.engine.v1 import engine_pb2 as epb
 
 __all__ = [
     "Committed",
@@ -57,6 +59,7 @@ __all__ = [
     "ReplayMismatch",
     "RestartLimit",
     "RunCancelled",
+    "RunFailed",
     "Stale",
     "TaskAlreadySettled",
     "Unavailable",
@@ -168,3 +171,25 @@ class InputsQueued(DagnatsError):
     and run another turn instead of waiting. Nothing was settled."""
 
     code = "inputs_queued"
+
+
+class RunFailed(DagnatsError):
+    """A run that :meth:`Client.run` waited for failed or was cancelled.
+
+    Attributes:
+        run_id: The run.
+        status: ``"failed"`` or ``"cancelled"``.
+        error: The run's error: the failed step's, or the cancel's reason.
+        run: The run as it ended.
+    """
+
+    code = "run_failed"
+
+    def __init__(self, run: epb.Run) -> None:
+        status = "cancelled" if run.status == epb.RUN_STATUS_CANCELLED else "failed"
+        what = "was cancelled" if status == "cancelled" else "failed"
+        super().__init__(f"run {run.run_id} of {run.workflow} {what}: {run.error or 'no error'}")
+        self.run_id = run.run_id
+        self.status = status
+        self.error = run.error
+        self.run = run

@@ -16,7 +16,8 @@ Invariants:
 - Nothing outside this module sees a ``grpc.RpcError``; cancelling the awaiting
   asyncio task cancels the RPC in flight.
 
-Which calls are safe to repeat: reads; RegisterWorkflow (same document, same
+Which calls are safe to repeat: reads (a ``WatchRun`` stream the transport
+broke is opened again and skips what it gave); RegisterWorkflow (same document, same
 result); StartRun only with an idempotency key; CancelRun and PurgeRun; the
 task calls Heartbeat, SaveCheckpoint and Report (the engine accepts one report
 per dispatch and drops repeats); every journal call: a write is sent again
@@ -67,6 +68,10 @@ log = logging.getLogger("dagnats.sdk")
 # does not pay for opening one; more than a worker's slots are rarely idle.
 MAX_IDLE_SESSIONS = 64
 SessionStream = grpc.aio.StreamStreamCall[jpb.SessionRequest, jpb.SessionResponse]
+WatchCall = grpc.aio.UnaryStreamCall[pb.WatchRunRequest, pb.WatchRunResponse]
+FINAL_RUN_STATUSES = frozenset(
+    {pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED}
+)
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
 T = TypeVar("T")
@@ -184,6 +189,47 @@ class EngineRpc:
 
     async def get_run(self, request: pb.GetRunRequest) -> pb.GetRunResponse:
         return await self._call(self._connect().GetRun, request, idempotent=True)
+
+    async def watch_run(self, request: pb.WatchRunRequest) -> AsyncIterator[pb.WatchRunResponse]:
+        """The run's states from ``WatchRun`` until the one whose status is final.
+
+        A stream the transport broke (an engine restart) is opened again, by
+        the retry rules above with the budget counted from the break; the new
+        stream starts with the run as stored then, and states at or below a
+        revision already given are skipped.
+        """
+        revision = 0
+        while True:
+            call, response = await self.retrying(
+                "WatchRun", lambda: self._open_watch(request), idempotent=True
+            )
+            try:
+                while response is not None:
+                    if response.revision > revision:
+                        revision = response.revision
+                        yield response
+                    if response.run.status in FINAL_RUN_STATUSES:
+                        return
+                    response = await _next(call)
+                # Closed before the run ended (an engine stopping): watch again.
+            except grpc.aio.AioRpcError as err:
+                if not _is_transient(err, idempotent=True):
+                    raise self._domain_error("WatchRun", err) from None
+                log.info("engine WatchRun stream broke with %s; watching again", err.code().name)
+            finally:
+                call.cancel()
+
+    async def _open_watch(
+        self, request: pb.WatchRunRequest
+    ) -> tuple[WatchCall, pb.WatchRunResponse | None]:
+        """Open a WatchRun stream and read its first message, so that the retry
+        of a failed open covers an engine that is not there yet."""
+        call = self._connect().WatchRun(request)
+        try:
+            return call, await _next(call)
+        except BaseException:
+            call.cancel()
+            raise
 
     async def list_runs(self, request: pb.ListRunsRequest) -> pb.ListRunsResponse:
         return await self._call(self._connect().ListRuns, request, idempotent=True)
@@ -394,6 +440,14 @@ class EngineRpc:
             # A server without that service (an engine served without the journal).
             return Unavailable(f"{self._target} does not serve {name}")
         return error_from_rpc(err)
+
+
+async def _next(call: WatchCall) -> pb.WatchRunResponse | None:
+    """The stream's next message; None once it has ended."""
+    try:
+        return await anext(aiter(call))
+    except StopAsyncIteration:
+        return None
 
 
 def _is_transient(err: BaseException, *, idempotent: bool) -> bool:

@@ -18,6 +18,7 @@ from dagnats.engine.processor import Engine
 from dagnats.engine.service import EngineServicer
 from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
+from dagnats.engine.watch import RunWatches
 from dagnats.inputs.natsapi import serve_nats_api
 from dagnats.inputs.service import Inputs, InputsServicer
 from dagnats.inputs.store import InputStore
@@ -41,6 +42,7 @@ class EngineServer:
     # The api.inputs.* endpoints; stop() ends them with nc.drain().
     subscriptions: list[Subscription] = field(default_factory=list)
     journal: JournalServicer | None = None
+    watches: RunWatches | None = None
 
     @property
     def target(self) -> str:
@@ -48,6 +50,8 @@ class EngineServer:
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
+        if self.watches is not None:
+            await self.watches.close()  # the run watches of WatchRun calls
         if self.journal is not None:
             await self.journal.close()  # the settles of commits it answered
         await self.engine.stop()
@@ -92,7 +96,8 @@ async def start_engine(
         interceptors=tracing.server_interceptors(),
         options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
     )
-    pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), server)
+    servicer = EngineServicer(engine)
+    pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
     journal: JournalServicer | None = None
     if with_journal:
         runs = await nc.jetstream().key_value(jsx.KV_RUNS)
@@ -114,6 +119,7 @@ async def start_engine(
         port=bound,
         subscriptions=subscriptions,
         journal=journal,
+        watches=servicer.watches,
     )
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
 
 import nats.errors
 from nats.aio.msg import Msg
 
 from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
-from dagnats.core.grpcutil import Context, domain_errors
+from dagnats.core.grpcutil import Context, abort_with, as_domain_error, domain_errors
 from dagnats.core.ids import check_run_id, check_token, new_run_id
 from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
@@ -23,6 +24,7 @@ from dagnats.engine.store import StoredRun, history_subject, task_consumer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.engine.v1 import internal_pb2 as ipb
+from dagnats.engine.watch import RunWatches
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.engine = engine
         self.store = engine.store
         self._consumers: set[str] = set()
+        self.watches = RunWatches(engine.store)
 
     # ---- workflows ----------------------------------------------------------------
 
@@ -123,6 +126,18 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def GetRun(self, request: pb.GetRunRequest, context: Context) -> pb.GetRunResponse:
         stored = await self.store.require_run(check_run_id(request.run_id))
         return pb.GetRunResponse(run=stored.record.run)
+
+    async def WatchRun(
+        self, request: pb.WatchRunRequest, context: Context
+    ) -> AsyncIterator[pb.WatchRunResponse]:
+        try:
+            stored = await self.store.require_run(check_run_id(request.run_id))
+            async for state in self.watches.follow(stored):
+                yield pb.WatchRunResponse(run=state.record.run, revision=state.revision)
+        except Exception as err:
+            if (domain := as_domain_error(err)) is None:
+                raise
+            await abort_with(context, domain)
 
     @domain_errors
     async def ListRuns(self, request: pb.ListRunsRequest, context: Context) -> pb.ListRunsResponse:

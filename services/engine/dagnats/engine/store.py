@@ -6,6 +6,8 @@ error types do not leave this module.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -41,6 +44,11 @@ class StaleRevision(Exception):
 
 # Seconds a watcher may stay silent before a listing ends (see _values).
 WATCH_IDLE = 2.0
+# Seconds between the server's heartbeats on a run watch: two missed ones and
+# the watch starts over after the last write it saw (a NATS restart).
+WATCH_HEARTBEAT = 1.0
+# Seconds the server keeps a run watch's consumer after its watcher left.
+WATCH_INACTIVE = 10.0
 # The key in the active-run index that says every older run was entered.
 INDEX_COMPLETE = "index-complete"
 
@@ -163,6 +171,44 @@ class EngineStore:
     async def iter_runs(self) -> AsyncIterator[StoredRun]:
         async for _, value, revision in jsx.walk_kv(self.js, jsx.KV_RUNS):
             yield StoredRun(ipb.RunRecord.FromString(value), revision)
+
+    async def watch_run(self, run_id: str) -> AsyncIterator[StoredRun | None]:
+        """The run as stored now, then after every write, in order; None once it
+        is purged. One ordered push consumer on the run's key, with no acks:
+        the server sends each write as it is stored, and after a NATS outage
+        the client library starts a new consumer after the last write it saw,
+        missing nothing (``WATCH_HEARTBEAT`` bounds how long it takes to notice)."""
+        from nats.js.api import DeliverPolicy
+
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def deliver(msg: Msg) -> None:
+            queue.put_nowait(msg)
+
+        sub = await _retry(
+            lambda: self.js.subscribe(
+                f"$KV.{jsx.KV_RUNS}.{run_id}",
+                stream=f"KV_{jsx.KV_RUNS}",
+                cb=deliver,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                idle_heartbeat=WATCH_HEARTBEAT,
+                inactive_threshold=WATCH_INACTIVE,
+            ),
+            "watch the run",
+        )
+        try:
+            while True:
+                msg = await queue.get()
+                operation = (msg.headers or {}).get("KV-Operation")
+                if operation in ("DEL", "PURGE") or not msg.data:
+                    yield None
+                    continue
+                record = ipb.RunRecord.FromString(msg.data)
+                yield StoredRun(record, int(msg.metadata.sequence.stream))
+        finally:
+            with contextlib.suppress(Exception):  # gone with the connection already
+                await sub.unsubscribe()
 
     async def delete_run(self, run_id: str) -> None:
         await _retry(lambda: self._runs.purge(run_id), "purge the run")

@@ -737,6 +737,58 @@ class GetRunResponse(_message.Message):
 Global___GetRunResponse: _TypeAlias = GetRunResponse  # noqa: Y015
 
 @_typing.final
+class WatchRunRequest(_message.Message):
+    """WatchRunRequest names a run."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run id."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRunRequest: _TypeAlias = WatchRunRequest  # noqa: Y015
+
+@_typing.final
+class WatchRunResponse(_message.Message):
+    """WatchRunResponse is the run as stored after one change."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """Stored revision of the run; it grows with every write, so a client that
+    watches again after a broken stream can skip what it has seen.
+    """
+    @_builtins.property
+    def run(self) -> Global___Run:
+        """The run."""
+
+    def __init__(
+        self,
+        *,
+        run: Global___Run | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision", "run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRunResponse: _TypeAlias = WatchRunResponse  # noqa: Y015
+
+@_typing.final
 class ListRunsRequest(_message.Message):
     """ListRunsRequest filters runs."""
 

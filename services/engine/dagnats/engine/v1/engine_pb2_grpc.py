@@ -60,6 +60,11 @@ class EngineServiceStub:
                 request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.GetRunRequest.SerializeToString,
                 response_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.GetRunResponse.FromString,
                 _registered_method=True)
+        self.WatchRun = channel.unary_stream(
+                '/dagnats.engine.v1.EngineService/WatchRun',
+                request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunRequest.SerializeToString,
+                response_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunResponse.FromString,
+                _registered_method=True)
         self.ListRuns = channel.unary_unary(
                 '/dagnats.engine.v1.EngineService/ListRuns',
                 request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ListRunsRequest.SerializeToString,
@@ -136,6 +141,20 @@ class EngineServiceServicer:
 
     def GetRun(self, request, context):
         """GetRun returns a run and the state of its steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchRun(self, request, context):
+        """WatchRun sends the run as stored now, then again each time it changes as
+        a client sees it (its Run message differs: the run's status, output or
+        error, or a step's status, iteration, attempt, output, error or wait).
+        Writes that change only the engine's own bookkeeping are not sent. Once
+        the run has ended the last message carries its final state and the
+        stream closes. NOT_FOUND for an unknown run, INVALID_ARGUMENT for a
+        malformed id. A watcher that falls far behind skips intermediate states,
+        never the last one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -233,6 +252,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetRun,
                     request_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.GetRunRequest.FromString,
                     response_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.GetRunResponse.SerializeToString,
+            ),
+            'WatchRun': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRun,
+                    request_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunRequest.FromString,
+                    response_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunResponse.SerializeToString,
             ),
             'ListRuns': grpc.unary_unary_rpc_method_handler(
                     servicer.ListRuns,
@@ -411,6 +435,33 @@ class EngineService:
             '/dagnats.engine.v1.EngineService/GetRun',
             dagnats_dot_engine_dot_v1_dot_engine__pb2.GetRunRequest.SerializeToString,
             dagnats_dot_engine_dot_v1_dot_engine__pb2.GetRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dagnats.engine.v1.EngineService/WatchRun',
+            dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunRequest.SerializeToString,
+            dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,16 @@ class EngineServiceStub:
     """StartRun starts a run of a registered workflow."""
     GetRun: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GetRunRequest, _engine_pb2.GetRunResponse]
     """GetRun returns a run and the state of its steps."""
+    WatchRun: _grpc.UnaryStreamMultiCallable[_engine_pb2.WatchRunRequest, _engine_pb2.WatchRunResponse]
+    """WatchRun sends the run as stored now, then again each time it changes as
+    a client sees it (its Run message differs: the run's status, output or
+    error, or a step's status, iteration, attempt, output, error or wait).
+    Writes that change only the engine's own bookkeeping are not sent. Once
+    the run has ended the last message carries its final state and the
+    stream closes. NOT_FOUND for an unknown run, INVALID_ARGUMENT for a
+    malformed id. A watcher that falls far behind skips intermediate states,
+    never the last one.
+    """
     ListRuns: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ListRunsRequest, _engine_pb2.ListRunsResponse]
     """ListRuns returns runs, optionally filtered by workflow and status."""
     CancelRun: _grpc.UnaryUnaryMultiCallable[_engine_pb2.CancelRunRequest, _engine_pb2.CancelRunResponse]
@@ -86,6 +96,16 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """StartRun starts a run of a registered workflow."""
     GetRun: _aio.UnaryUnaryMultiCallable[_engine_pb2.GetRunRequest, _engine_pb2.GetRunResponse]  # type: ignore[assignment]
     """GetRun returns a run and the state of its steps."""
+    WatchRun: _aio.UnaryStreamMultiCallable[_engine_pb2.WatchRunRequest, _engine_pb2.WatchRunResponse]  # type: ignore[assignment]
+    """WatchRun sends the run as stored now, then again each time it changes as
+    a client sees it (its Run message differs: the run's status, output or
+    error, or a step's status, iteration, attempt, output, error or wait).
+    Writes that change only the engine's own bookkeeping are not sent. Once
+    the run has ended the last message carries its final state and the
+    stream closes. NOT_FOUND for an unknown run, INVALID_ARGUMENT for a
+    malformed id. A watcher that falls far behind skips intermediate states,
+    never the last one.
+    """
     ListRuns: _aio.UnaryUnaryMultiCallable[_engine_pb2.ListRunsRequest, _engine_pb2.ListRunsResponse]  # type: ignore[assignment]
     """ListRuns returns runs, optionally filtered by workflow and status."""
     CancelRun: _aio.UnaryUnaryMultiCallable[_engine_pb2.CancelRunRequest, _engine_pb2.CancelRunResponse]  # type: ignore[assignment]
@@ -156,6 +176,22 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.GetRunResponse, _abc.Awaitable[_engine_pb2.GetRunResponse]]:
         """GetRun returns a run and the state of its steps."""
+
+    @_abc_1.abstractmethod
+    def WatchRun(
+        self,
+        request: _engine_pb2.WatchRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_engine_pb2.WatchRunResponse], _abc.AsyncIterator[_engine_pb2.WatchRunResponse]]:
+        """WatchRun sends the run as stored now, then again each time it changes as
+        a client sees it (its Run message differs: the run's status, output or
+        error, or a step's status, iteration, attempt, output, error or wait).
+        Writes that change only the engine's own bookkeeping are not sent. Once
+        the run has ended the last message carries its final state and the
+        stream closes. NOT_FOUND for an unknown run, INVALID_ARGUMENT for a
+        malformed id. A watcher that falls far behind skips intermediate states,
+        never the last one.
+        """
 
     @_abc_1.abstractmethod
     def ListRuns(

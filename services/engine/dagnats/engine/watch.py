@@ -1,0 +1,159 @@
+"""Watching runs for clients (``WatchRun``): one watch of a run per engine,
+however many clients watch it.
+
+A :class:`RunHub` holds one ``EngineStore.watch_run`` (one ordered consumer
+on the run's key) and hands every stored state of the run to each of its
+:class:`Watcher`\\ s. The hub stops its watch when its last watcher leaves.
+
+What a watcher sends (the contract of ``WatchRun``):
+
+- first the run as the servicer read it, so the answer needs no wait for the
+  hub; then each later state, in the order stored;
+- a state only when the run as a client sees it (the ``Run`` message) differs
+  from the one sent last: a write that only clears the engine's outbox is
+  not a change; a state with a revision at or below one sent is not news;
+- after a state whose status is final, nothing: the watch ends.
+
+A watcher holds at most ``BUFFER`` states. One that falls further behind
+drops the oldest: it skips intermediate states, never the latest one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator
+
+from dagnats.core.errors import DagnatsError, NotFound, Unavailable
+from dagnats.core.grpcutil import as_domain_error
+from dagnats.engine.store import EngineStore, StoredRun
+from dagnats.engine.v1 import engine_pb2 as pb
+
+BUFFER = 256
+FINAL = frozenset({pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED})
+
+
+class Watcher:
+    """One client's view of a hub: the states it has yet to send."""
+
+    def __init__(self, first: StoredRun) -> None:
+        self._pending: deque[StoredRun | None] = deque([first], maxlen=BUFFER)
+        self._ready = asyncio.Event()
+        self._ready.set()
+        self._failed: DagnatsError | None = None
+
+    def offer(self, stored: StoredRun | None) -> None:
+        """A state the hub saw; None when the run was purged."""
+        self._pending.append(stored)
+        self._ready.set()
+
+    def fail(self, err: DagnatsError) -> None:
+        self._failed = err
+        self._ready.set()
+
+    async def changes(self) -> AsyncIterator[StoredRun]:
+        """The states to send, by the rules above, until the run has ended.
+
+        Raises:
+            NotFound: the run was purged.
+            DagnatsError: the hub's watch failed (``Unavailable``: watch again).
+        """
+        revision, last = 0, None
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while self._pending:
+                stored = self._pending.popleft()
+                if stored is None:
+                    raise NotFound("the run was purged", field="run_id")
+                if stored.revision <= revision:
+                    continue
+                revision = stored.revision
+                if stored.record.run == last:
+                    continue
+                last = stored.record.run
+                yield stored
+                if last.status in FINAL:
+                    return
+            if self._failed is not None:
+                raise self._failed
+
+
+class RunHub:
+    """One run's watch and the watchers that share it."""
+
+    def __init__(self, hubs: RunWatches, store: EngineStore, run_id: str) -> None:
+        self._hubs = hubs
+        self.run_id = run_id
+        self.watchers: set[Watcher] = set()
+        self.latest: StoredRun | None = None  # the last state the watch gave
+        self._task = asyncio.create_task(self._pump(store), name=f"watch-run-{run_id}")
+
+    async def _pump(self, store: EngineStore) -> None:
+        try:
+            async for stored in store.watch_run(self.run_id):
+                self.latest = stored
+                for watcher in list(self.watchers):
+                    watcher.offer(stored)
+        except Exception as err:
+            failed = as_domain_error(err) or Unavailable(f"watching run {self.run_id}: {err!r}")
+            for watcher in list(self.watchers):
+                watcher.fail(failed)
+        finally:
+            self._hubs.forget(self)
+
+    def leave(self, watcher: Watcher) -> None:
+        self.watchers.discard(watcher)
+        if not self.watchers:
+            self._hubs.forget(self)
+            self._task.cancel()
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+class RunWatches:
+    """The runs this engine watches for clients, one :class:`RunHub` each."""
+
+    def __init__(self, store: EngineStore) -> None:
+        self._store = store
+        self._hubs: dict[str, RunHub] = {}
+
+    async def follow(self, first: StoredRun) -> AsyncIterator[StoredRun]:
+        """``first``, then the run's later states by the rules above, until it ends."""
+        if first.record.run.status in FINAL:
+            yield first  # it changes no more: no watch needed
+            return
+        run_id = first.record.run.run_id
+        hub = self._hubs.get(run_id)
+        if hub is None:
+            hub = self._hubs[run_id] = RunHub(self, self._store, run_id)
+        watcher = Watcher(first)
+        if hub.latest is not None:
+            # What the hub saw while ``first`` was read (the older is skipped).
+            watcher.offer(hub.latest)
+        hub.watchers.add(watcher)
+        try:
+            async for stored in watcher.changes():
+                yield stored
+        finally:
+            hub.leave(watcher)
+
+    def forget(self, hub: RunHub) -> None:
+        if self._hubs.get(hub.run_id) is hub:
+            del self._hubs[hub.run_id]
+
+    def __len__(self) -> int:
+        return len(self._hubs)
+
+    def __contains__(self, run_id: object) -> bool:
+        """Whether the run is watched now."""
+        return run_id in self._hubs
+
+    async def close(self) -> None:
+        hubs, self._hubs = list(self._hubs.values()), {}
+        for hub in hubs:
+            await hub.stop()

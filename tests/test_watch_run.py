@@ -1,0 +1,289 @@
+"""Waiting for a run without polling: ``WatchRun``, ``wait_for_run`` and ``Client.run``.
+
+Handlers here wait on a gate the test opens, so each change of the run is
+one the test caused and can expect in order. ``GetRun`` calls are counted at
+the engine: a wait makes none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+import pytest_asyncio
+
+from dagnats.core.natsserver import NatsServer
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.service import EngineServicer
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
+from dagnats.sdk import (
+    Client,
+    InvalidArgument,
+    NotFound,
+    PermanentError,
+    RunFailed,
+    TaskContext,
+    Worker,
+)
+from tests.helpers import wait_for
+from tests.matrix import EngineProcess
+from tests.stack import FAST, unique
+
+RUNNING, COMPLETED = pb.STEP_STATUS_RUNNING, pb.STEP_STATUS_COMPLETED
+
+
+class Gates:
+    """One gate per step: its handler completes when the test opens it."""
+
+    def __init__(self) -> None:
+        self.gates: dict[str, asyncio.Event] = {}
+        self.failing: set[str] = set()
+
+    def open(self, step_id: str) -> None:
+        self.gate(step_id).set()
+
+    def gate(self, step_id: str) -> asyncio.Event:
+        return self.gates.setdefault(step_id, asyncio.Event())
+
+    async def handle(self, tc: TaskContext) -> None:
+        await self.gate(tc.step_id).wait()
+        if tc.step_id in self.failing:
+            raise PermanentError("told to fail")
+        await tc.complete({"step": tc.step_id})
+
+
+def two_steps(name: str, task: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "steps": [
+            {"id": "first", "task": task},
+            {"id": "second", "task": task, "depends_on": ["first"]},
+        ],
+    }
+
+
+@pytest.fixture
+def get_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
+    """How many GetRun calls the engine served, by run id."""
+    calls: Counter[str] = Counter()
+    served = EngineServicer.GetRun
+
+    async def counted(self: EngineServicer, request: pb.GetRunRequest, context: Any) -> Any:
+        calls[request.run_id] += 1
+        return await served(self, request, context)
+
+    monkeypatch.setattr(EngineServicer, "GetRun", counted)
+    yield calls
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def flow(engine: EngineServer) -> AsyncIterator[tuple[str, Gates]]:
+    """A two-step workflow whose steps wait for their gates, and its worker."""
+    name, task, gates = unique("watch"), unique("watch-task"), Gates()
+    async with Client(engine.target) as client:
+        await client.register_workflow(two_steps(name, task))
+    async with Worker(engine.target, handlers={task: gates.handle}, poll_wait=1.0):
+        yield name, gates
+        for gate in gates.gates.values():
+            gate.set()  # let a handler still waiting finish
+
+
+def statuses(run: pb.Run) -> tuple[int, ...]:
+    return (run.status, *(s.status for s in run.steps))
+
+
+async def test_a_watcher_gets_each_change_in_order_then_the_end(
+    client: Client, flow: tuple[str, Gates]
+) -> None:
+    name, gates = flow
+    run = await client.start_run(name, {"ask": 1})
+    seen: list[pb.Run] = []
+    async for state in client.watch_run(run.run_id):
+        seen.append(state)
+        steps = {s.step_id: s.status for s in state.steps}
+        if steps["first"] == RUNNING:
+            gates.open("first")
+        if steps["second"] == RUNNING:
+            gates.open("second")
+
+    # Each change the run went through, in order, once; nothing after the end.
+    changes = [statuses(r) for r in seen]
+    assert [c for i, c in enumerate(changes) if i == 0 or c != changes[i - 1]] == [
+        (pb.RUN_STATUS_RUNNING, RUNNING, pb.STEP_STATUS_PENDING),
+        (pb.RUN_STATUS_RUNNING, COMPLETED, RUNNING),
+        (pb.RUN_STATUS_COMPLETED, COMPLETED, COMPLETED),
+    ]
+    assert all(a != b for a, b in itertools.pairwise(seen)), "a state sent twice"
+    assert seen[-1].output == b'{"step":"second"}'
+
+
+async def test_wait_for_run_answers_on_the_end_without_polling(
+    engine: EngineServer, client: Client, flow: tuple[str, Gates], get_runs: Counter[str]
+) -> None:
+    name, gates = flow
+    run = await client.start_run(name)
+    waiting = asyncio.create_task(client.wait_for_run(run.run_id, timeout=30))
+    assert engine.watches is not None
+    await wait_for(lambda: run.run_id in engine.watches, message="the run is watched")
+    gates.open("first")
+    gates.open("second")
+
+    done = await waiting
+    assert done.status == pb.RUN_STATUS_COMPLETED
+    assert [s.status for s in done.steps] == [COMPLETED, COMPLETED]
+    assert get_runs[run.run_id] == 0, "the wait polled GetRun"
+    await wait_for(lambda: run.run_id not in engine.watches, message="the watch is stopped")
+
+
+async def test_many_watchers_of_a_run_share_one_consumer(
+    engine: EngineServer, client: Client, flow: tuple[str, Gates]
+) -> None:
+    name, gates = flow
+    run = await client.start_run(name)
+    js = engine.nc.jetstream()
+    before = (await js.stream_info("KV_RUNS")).state.consumer_count
+    waits = [asyncio.create_task(client.wait_for_run(run.run_id, timeout=30)) for _ in range(20)]
+    assert engine.watches is not None
+    await wait_for(lambda: run.run_id in engine.watches, message="the run is watched")
+    info = await js.stream_info("KV_RUNS")
+    assert info.state.consumer_count == before + 1
+    gates.open("first")
+    gates.open("second")
+    ends = await asyncio.gather(*waits)
+    assert {r.status for r in ends} == {pb.RUN_STATUS_COMPLETED}
+
+
+async def test_a_finished_run_is_answered_at_once(client: Client, flow: tuple[str, Gates]) -> None:
+    name, gates = flow
+    gates.open("first")
+    gates.open("second")
+    run = await client.start_run(name)
+    done = await client.wait_for_run(run.run_id, timeout=30)
+    assert [r.status async for r in client.watch_run(run.run_id)] == [pb.RUN_STATUS_COMPLETED]
+    assert (await client.wait_for_run(run.run_id, timeout=30)) == done
+
+
+async def test_run_returns_the_output_of_a_completed_run(
+    client: Client, flow: tuple[str, Gates]
+) -> None:
+    name, gates = flow
+    gates.open("first")
+    gates.open("second")
+    assert await client.run(name, {"ask": 2}, timeout=30) == {"step": "second"}
+
+
+async def test_run_raises_for_a_failed_run(client: Client, flow: tuple[str, Gates]) -> None:
+    name, gates = flow
+    gates.failing.add("first")
+    gates.open("first")
+    with pytest.raises(RunFailed) as raised:
+        await client.run(name, timeout=30)
+    assert raised.value.status == "failed"
+    assert "told to fail" in raised.value.error
+    assert raised.value.run.status == pb.RUN_STATUS_FAILED
+
+
+async def test_run_raises_for_a_cancelled_run(client: Client, flow: tuple[str, Gates]) -> None:
+    name, _ = flow
+    key = unique("key")
+    waiting = asyncio.create_task(client.run(name, timeout=30, idempotency_key=key))
+    started = await client.start_run(name, idempotency_key=key)  # the same run
+    await client.cancel_run(started.run_id, "not needed")
+    with pytest.raises(RunFailed) as raised:
+        await waiting
+    assert raised.value.status == "cancelled"
+    assert raised.value.run_id == started.run_id
+    assert "not needed" in str(raised.value)
+
+
+async def test_bad_and_unknown_run_ids(engine: EngineServer, client: Client) -> None:
+    with pytest.raises(InvalidArgument) as bad:
+        await client.wait_for_run("not-a-run", timeout=5)
+    assert bad.value.field == "run_id"
+    with pytest.raises(NotFound):
+        await client.wait_for_run("ab" * 16, timeout=5)
+
+    # On the wire: the status, and the error trailers every dagnats call carries.
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        for run_id, status, code in [
+            ("../x", grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+            ("ab" * 16, grpc.StatusCode.NOT_FOUND, "not_found"),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                async for _ in stub.WatchRun(pb.WatchRunRequest(run_id=run_id)):
+                    pass
+            assert failed.value.code() == status
+            trailers = dict(failed.value.trailing_metadata() or ())
+            assert trailers["dagnats-error-code"] == code
+            assert trailers["dagnats-error-field"] == "run_id"
+
+
+# ---- restarts ----------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def gated_run(target: str) -> AsyncIterator[tuple[Client, str, Gates]]:
+    """A client, a started run of a gated two-step workflow, and its gates."""
+    name, task, gates = unique("watch"), unique("watch-task"), Gates()
+    async with (
+        Client(target) as client,
+        Worker(target, handlers={task: gates.handle}, poll_wait=1.0),
+    ):
+        await client.register_workflow(two_steps(name, task))
+        run = await client.start_run(name)
+        yield client, run.run_id, gates
+
+
+@pytest.mark.slow
+async def test_a_watch_rides_out_an_engine_restart(nats_server: NatsServer, tmp_path: Path) -> None:
+    """The engine process is SIGKILLed while a run is watched and started
+    again on its port: the watch opens again and gets the run's end."""
+    engine = EngineProcess(nats_server.url, tmp_path, "engine")
+    await engine.start()
+    try:
+        async with gated_run(engine.target) as (client, run_id, gates):
+            watch = client.watch_run(run_id)
+            first = await anext(watch)
+            assert first.status == pb.RUN_STATUS_RUNNING
+            engine.kill()
+            await engine.start()
+            gates.open("first")
+            gates.open("second")
+            rest = [state async for state in watch]
+        assert engine.starts == 2
+        assert rest[-1].status == pb.RUN_STATUS_COMPLETED
+        assert all(r.status == pb.RUN_STATUS_RUNNING for r in rest[:-1])
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.slow
+async def test_a_watch_rides_out_a_nats_server_restart(tmp_path: Path) -> None:
+    """nats-server restarts under an engine with a watched run: the engine's
+    watch of the run starts over after the last write it saw."""
+    server = await NatsServer.start(tmp_path / "nats")
+    engine = await start_engine(server.url, config=FAST)
+    assert engine.watches is not None
+    watches = engine.watches
+    try:
+        async with gated_run(engine.target) as (client, run_id, gates):
+            waiting = asyncio.create_task(client.wait_for_run(run_id, timeout=60))
+            await wait_for(lambda: run_id in watches, message="the run is watched")
+            await server.restart()
+            gates.open("first")
+            gates.open("second")
+            done = await waiting
+        assert done.status == pb.RUN_STATUS_COMPLETED
+    finally:
+        await engine.stop()
+        await server.stop()
