@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -19,9 +20,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from dagnats.core.natsserver import NatsCluster, NatsServer
 from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.service import EngineServicer
+from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
-from dagnats.sdk import Client
-from tests.stack import FAST
+from dagnats.sdk import Client, Worker
+from tests.gates import Gates, two_steps
+from tests.stack import FAST, unique
 
 # No test reaches a real model: a model or a key set in the shell that runs the
 # tests would send the demo and the examples (run as processes) to a provider.
@@ -96,6 +100,32 @@ async def http(gateway: GatewayServer) -> AsyncIterator[httpx.AsyncClient]:
     """An HTTP client of the module's gateway."""
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30.0) as c:
         yield c
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def gated(engine: EngineServer) -> AsyncIterator[tuple[str, Gates]]:
+    """A two-step workflow on the module's engine whose steps wait for their
+    gates (``tests.gates``), and a worker for it; its name and the gates."""
+    name, task, gates = unique("gated"), unique("gated-task"), Gates()
+    async with Client(engine.target) as client:
+        await client.register_workflow(two_steps(name, task))
+    async with Worker(engine.target, handlers={task: gates.handle}, poll_wait=1.0):
+        yield name, gates
+        gates.open_all()  # let a handler still waiting finish
+
+
+@pytest.fixture
+def get_runs(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """How many GetRun calls the engine served during the test, by run id."""
+    calls: Counter[str] = Counter()
+    served = EngineServicer.GetRun
+
+    async def counted(self: EngineServicer, request: pb.GetRunRequest, context: Any) -> Any:
+        calls[request.run_id] += 1
+        return await served(self, request, context)
+
+    monkeypatch.setattr(EngineServicer, "GetRun", counted)
+    return calls
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -1,7 +1,7 @@
 """Waiting for a run without polling: ``WatchRun``, ``wait_for_run`` and ``Client.run``.
 
-Handlers here wait on a gate the test opens, so each change of the run is
-one the test caused and can expect in order. ``GetRun`` calls are counted at
+Handlers here wait on gates the test opens (``tests.gates``), so each change
+of the run is one the test caused and can expect in order. ``GetRun`` calls are counted at
 the engine: a wait makes none.
 """
 
@@ -11,29 +11,25 @@ import asyncio
 import contextlib
 import itertools
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import grpc.aio
 import pytest
-import pytest_asyncio
 
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer, start_engine
-from dagnats.engine.service import EngineServicer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.sdk import (
     Client,
     InvalidArgument,
     NotFound,
-    PermanentError,
     RunFailed,
-    TaskContext,
     Worker,
 )
+from tests.gates import Gates, two_steps
 from tests.helpers import wait_for
 from tests.matrix import EngineProcess
 from tests.stack import FAST, unique
@@ -41,70 +37,14 @@ from tests.stack import FAST, unique
 RUNNING, COMPLETED = pb.STEP_STATUS_RUNNING, pb.STEP_STATUS_COMPLETED
 
 
-class Gates:
-    """One gate per step: its handler completes when the test opens it."""
-
-    def __init__(self) -> None:
-        self.gates: dict[str, asyncio.Event] = {}
-        self.failing: set[str] = set()
-
-    def open(self, step_id: str) -> None:
-        self.gate(step_id).set()
-
-    def gate(self, step_id: str) -> asyncio.Event:
-        return self.gates.setdefault(step_id, asyncio.Event())
-
-    async def handle(self, tc: TaskContext) -> None:
-        await self.gate(tc.step_id).wait()
-        if tc.step_id in self.failing:
-            raise PermanentError("told to fail")
-        await tc.complete({"step": tc.step_id})
-
-
-def two_steps(name: str, task: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "steps": [
-            {"id": "first", "task": task},
-            {"id": "second", "task": task, "depends_on": ["first"]},
-        ],
-    }
-
-
-@pytest.fixture
-def get_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
-    """How many GetRun calls the engine served, by run id."""
-    calls: Counter[str] = Counter()
-    served = EngineServicer.GetRun
-
-    async def counted(self: EngineServicer, request: pb.GetRunRequest, context: Any) -> Any:
-        calls[request.run_id] += 1
-        return await served(self, request, context)
-
-    monkeypatch.setattr(EngineServicer, "GetRun", counted)
-    yield calls
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def flow(engine: EngineServer) -> AsyncIterator[tuple[str, Gates]]:
-    """A two-step workflow whose steps wait for their gates, and its worker."""
-    name, task, gates = unique("watch"), unique("watch-task"), Gates()
-    async with Client(engine.target) as client:
-        await client.register_workflow(two_steps(name, task))
-    async with Worker(engine.target, handlers={task: gates.handle}, poll_wait=1.0):
-        yield name, gates
-        for gate in gates.gates.values():
-            gate.set()  # let a handler still waiting finish
-
-
 def statuses(run: pb.Run) -> tuple[int, ...]:
     return (run.status, *(s.status for s in run.steps))
 
 
 async def test_a_watcher_gets_each_change_in_order_then_the_end(
-    client: Client, flow: tuple[str, Gates]
+    client: Client, gated: tuple[str, Gates]
 ) -> None:
-    name, gates = flow
+    name, gates = gated
     run = await client.start_run(name, {"ask": 1})
     seen: list[pb.Run] = []
     async for state in client.watch_run(run.run_id):
@@ -127,15 +67,14 @@ async def test_a_watcher_gets_each_change_in_order_then_the_end(
 
 
 async def test_wait_for_run_answers_on_the_end_without_polling(
-    engine: EngineServer, client: Client, flow: tuple[str, Gates], get_runs: Counter[str]
+    engine: EngineServer, client: Client, gated: tuple[str, Gates], get_runs: Counter[str]
 ) -> None:
-    name, gates = flow
+    name, gates = gated
     run = await client.start_run(name)
     waiting = asyncio.create_task(client.wait_for_run(run.run_id, timeout=30))
     assert engine.watches is not None
     await wait_for(lambda: run.run_id in engine.watches, message="the run is watched")
-    gates.open("first")
-    gates.open("second")
+    gates.open("first", "second")
 
     done = await waiting
     assert done.status == pb.RUN_STATUS_COMPLETED
@@ -145,9 +84,9 @@ async def test_wait_for_run_answers_on_the_end_without_polling(
 
 
 async def test_many_watchers_of_a_run_share_one_consumer(
-    engine: EngineServer, client: Client, flow: tuple[str, Gates]
+    engine: EngineServer, client: Client, gated: tuple[str, Gates]
 ) -> None:
-    name, gates = flow
+    name, gates = gated
     run = await client.start_run(name)
     js = engine.nc.jetstream()
     before = (await js.stream_info("KV_RUNS")).state.consumer_count
@@ -156,16 +95,14 @@ async def test_many_watchers_of_a_run_share_one_consumer(
     await wait_for(lambda: run.run_id in engine.watches, message="the run is watched")
     info = await js.stream_info("KV_RUNS")
     assert info.state.consumer_count == before + 1
-    gates.open("first")
-    gates.open("second")
+    gates.open("first", "second")
     ends = await asyncio.gather(*waits)
     assert {r.status for r in ends} == {pb.RUN_STATUS_COMPLETED}
 
 
-async def test_a_finished_run_is_answered_at_once(client: Client, flow: tuple[str, Gates]) -> None:
-    name, gates = flow
-    gates.open("first")
-    gates.open("second")
+async def test_a_finished_run_is_answered_at_once(client: Client, gated: tuple[str, Gates]) -> None:
+    name, gates = gated
+    gates.open("first", "second")
     run = await client.start_run(name)
     done = await client.wait_for_run(run.run_id, timeout=30)
     assert [r.status async for r in client.watch_run(run.run_id)] == [pb.RUN_STATUS_COMPLETED]
@@ -173,16 +110,15 @@ async def test_a_finished_run_is_answered_at_once(client: Client, flow: tuple[st
 
 
 async def test_run_returns_the_output_of_a_completed_run(
-    client: Client, flow: tuple[str, Gates]
+    client: Client, gated: tuple[str, Gates]
 ) -> None:
-    name, gates = flow
-    gates.open("first")
-    gates.open("second")
+    name, gates = gated
+    gates.open("first", "second")
     assert await client.run(name, {"ask": 2}, timeout=30) == {"step": "second"}
 
 
-async def test_run_raises_for_a_failed_run(client: Client, flow: tuple[str, Gates]) -> None:
-    name, gates = flow
+async def test_run_raises_for_a_failed_run(client: Client, gated: tuple[str, Gates]) -> None:
+    name, gates = gated
     gates.failing.add("first")
     gates.open("first")
     with pytest.raises(RunFailed) as raised:
@@ -192,8 +128,8 @@ async def test_run_raises_for_a_failed_run(client: Client, flow: tuple[str, Gate
     assert raised.value.run.status == pb.RUN_STATUS_FAILED
 
 
-async def test_run_raises_for_a_cancelled_run(client: Client, flow: tuple[str, Gates]) -> None:
-    name, _ = flow
+async def test_run_raises_for_a_cancelled_run(client: Client, gated: tuple[str, Gates]) -> None:
+    name, _ = gated
     key = unique("key")
     waiting = asyncio.create_task(client.run(name, timeout=30, idempotency_key=key))
     started = await client.start_run(name, idempotency_key=key)  # the same run
@@ -234,7 +170,7 @@ async def test_bad_and_unknown_run_ids(engine: EngineServer, client: Client) -> 
 @contextlib.asynccontextmanager
 async def gated_run(target: str) -> AsyncIterator[tuple[Client, str, Gates]]:
     """A client, a started run of a gated two-step workflow, and its gates."""
-    name, task, gates = unique("watch"), unique("watch-task"), Gates()
+    name, task, gates = unique("gated"), unique("gated-task"), Gates()
     async with (
         Client(target) as client,
         Worker(target, handlers={task: gates.handle}, poll_wait=1.0),
@@ -257,8 +193,7 @@ async def test_a_watch_rides_out_an_engine_restart(nats_server: NatsServer, tmp_
             assert first.status == pb.RUN_STATUS_RUNNING
             engine.kill()
             await engine.start()
-            gates.open("first")
-            gates.open("second")
+            gates.open("first", "second")
             rest = [state async for state in watch]
         assert engine.starts == 2
         assert rest[-1].status == pb.RUN_STATUS_COMPLETED
@@ -280,8 +215,7 @@ async def test_a_watch_rides_out_a_nats_server_restart(tmp_path: Path) -> None:
             waiting = asyncio.create_task(client.wait_for_run(run_id, timeout=60))
             await wait_for(lambda: run_id in watches, message="the run is watched")
             await server.restart()
-            gates.open("first")
-            gates.open("second")
+            gates.open("first", "second")
             done = await waiting
         assert done.status == pb.RUN_STATUS_COMPLETED
     finally:

@@ -8,7 +8,7 @@ stubs document every field.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from types import TracebackType
 from typing import Any, Self
 
@@ -174,7 +174,7 @@ class Client:
         """
         await self._rpc.purge_run(pb.PurgeRunRequest(run_id=run_id))
 
-    async def watch_run(self, run_id: str) -> AsyncIterator[pb.Run]:
+    async def watch_run(self, run_id: str) -> AsyncGenerator[pb.Run, None]:
         """Yield the run as it is now, then each time it changes, until it has
         ended: the last run yielded is completed, failed or cancelled.
 

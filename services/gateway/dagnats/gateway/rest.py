@@ -28,7 +28,7 @@ from dagnats.core.ids import (
     parse_seq,
 )
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.gateway import journal_stream, live_stream
+from dagnats.gateway import journal_stream, live_stream, run_watch
 from dagnats.gateway.auth import api_auth
 from dagnats.gateway.backend import BackendDep
 from dagnats.inputs.rules import MAX_WAIT
@@ -95,10 +95,15 @@ def _request_id(request_id: str) -> str:
     return check_request_id(request_id)
 
 
+def _run_status(name: RunStatusName) -> pb.RunStatus.ValueType:
+    return pb.RunStatus.Value(f"RUN_STATUS_{name.upper()}")
+
+
 ValidRun = Annotated[str, Depends(_run_id)]
 ValidStep = Annotated[str, Depends(_step_id)]
 ValidRequest = Annotated[str, Depends(_request_id)]
 
+RunStatusName = Literal["running", "completed", "failed", "cancelled"]
 InputStatus = Literal["queued", "placed", "done", "unanswered", "withdrawn"]
 
 
@@ -152,22 +157,65 @@ async def start_run(
 async def list_runs(
     b: BackendDep,
     workflow: Annotated[str, Query(max_length=64)] = "",
-    status: Literal["running", "completed", "failed", "cancelled"] | None = None,
+    status: RunStatusName | None = None,
     limit: Annotated[int, Query(ge=0, le=10_000)] = 0,
 ) -> dict[str, Any]:
     if workflow:
         check_token(workflow, field="workflow")
     runs = await b.client.list_runs(
-        workflow=workflow,
-        status=pb.RunStatus.Value(f"RUN_STATUS_{status.upper()}") if status else None,
-        limit=limit,
+        workflow=workflow, status=_run_status(status) if status else None, limit=limit
     )
     return {"runs": [run_dict(r) for r in runs]}
 
 
-@router.get("/runs/{run_id}", tags=["runs"], summary="Get a run and its steps")
-async def get_run(b: BackendDep, run_id: ValidRun) -> dict[str, Any]:
-    return run_dict(await b.client.get_run(run_id))
+@router.get(
+    "/runs/{run_id}",
+    tags=["runs"],
+    summary="Get a run and its steps, waiting up to `wait` for its status to change",
+    description=(
+        "With `wait`, the answer comes when the run's status differs from `if_status` "
+        "(the status the caller last saw), at once when it already does, or when `wait` "
+        "runs out (200 with the run as it is then). Without `if_status` it waits for a "
+        "change from the status on arrival: a running run answers when it ends. The "
+        "engine pushes the change; the gateway does not poll."
+    ),
+)
+async def get_run(
+    b: BackendDep,
+    run_id: ValidRun,
+    wait: Annotated[str, Query(description="e.g. 30s, 500ms; at most 60s")] = "0s",
+    if_status: Annotated[
+        RunStatusName | None, Query(description="the status the caller last saw")
+    ] = None,
+) -> dict[str, Any]:
+    seconds = parse_duration(wait, field="wait", maximum=MAX_WAIT)
+    if not seconds:
+        return run_dict(await b.client.get_run(run_id))
+    seen = _run_status(if_status) if if_status else None
+    return run_dict(await run_watch.wait_for_change(b.client, run_id, seconds, seen))
+
+
+@router.get(
+    "/runs/{run_id}/events",
+    tags=["runs"],
+    summary="A run's changes, as server-sent events",
+    description=(
+        "One event `run` (data: the run, as `GET /runs/{run_id}` answers it) at once, then "
+        "one each time the run changes: its status, output or error, or a step's status, "
+        "iteration, attempt, output, error or wait. After the run's final state one event "
+        "`end` (data: `status`) closes the stream; a client should not reconnect after it. "
+        "A reconnect gets the run as it is then, first. An event `error` (data: `code`, "
+        "`message`) ends a stream whose engine could not be reached."
+    ),
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def run_events(request: Request, b: BackendDep, run_id: ValidRun) -> Response:
+    watch, first = await run_watch.first_state(b.client, run_id)
+    return StreamingResponse(
+        run_watch.events(request, watch, first),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 @router.post("/runs/{run_id}/cancel", tags=["runs"], summary="Cancel a run and its child runs")
