@@ -20,8 +20,11 @@ import pytest
 
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.store import StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
+from dagnats.engine.v1 import internal_pb2 as ipb
+from dagnats.engine.watch import BUFFER, Watcher
 from dagnats.sdk import (
     Client,
     InvalidArgument,
@@ -88,13 +91,13 @@ async def test_many_watchers_of_a_run_share_one_consumer(
 ) -> None:
     name, gates = gated
     run = await client.start_run(name)
-    js = engine.nc.jetstream()
-    before = (await js.stream_info("KV_RUNS")).state.consumer_count
     waits = [asyncio.create_task(client.wait_for_run(run.run_id, timeout=30)) for _ in range(20)]
     assert engine.watches is not None
-    await wait_for(lambda: run.run_id in engine.watches, message="the run is watched")
-    info = await js.stream_info("KV_RUNS")
-    assert info.state.consumer_count == before + 1
+    watches = engine.watches
+    await wait_for(lambda: watches.watchers(run.run_id) == 20, message="20 watchers")
+    consumers = await engine.nc.jetstream().consumers_info("KV_RUNS")
+    on_the_run = [c for c in consumers if c.config.filter_subject == f"$KV.RUNS.{run.run_id}"]
+    assert len(on_the_run) == 1
     gates.open("first", "second")
     ends = await asyncio.gather(*waits)
     assert {r.status for r in ends} == {pb.RUN_STATUS_COMPLETED}
@@ -221,3 +224,20 @@ async def test_a_watch_rides_out_a_nats_server_restart(tmp_path: Path) -> None:
     finally:
         await engine.stop()
         await server.stop()
+
+
+async def test_a_watcher_far_behind_skips_the_oldest_states_never_the_last() -> None:
+    def state(revision: int, status: pb.RunStatus.ValueType = pb.RUN_STATUS_RUNNING) -> StoredRun:
+        output = str(min(revision, 1000)).encode()
+        run = pb.Run(run_id="ab" * 16, status=status, output=output)
+        return StoredRun(ipb.RunRecord(run=run), revision)
+
+    watcher = Watcher(state(1))
+    for revision in range(2, 1000):
+        watcher.offer(state(revision))
+    watcher.offer(state(1000, pb.RUN_STATUS_COMPLETED))
+    watcher.offer(state(1001, pb.RUN_STATUS_COMPLETED))  # an outbox cleared: no news
+
+    sent = [s.revision async for s in watcher.changes()]
+    # It holds the last BUFFER offers, and sends none after the final state.
+    assert sent == list(range(1001 - BUFFER + 1, 1001))

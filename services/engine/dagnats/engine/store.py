@@ -47,8 +47,9 @@ WATCH_IDLE = 2.0
 # Seconds between the server's heartbeats on a run watch: two missed ones and
 # the watch starts over after the last write it saw (a NATS restart).
 WATCH_HEARTBEAT = 1.0
-# Seconds the server keeps a run watch's consumer after its watcher left.
-WATCH_INACTIVE = 10.0
+# Seconds the server keeps a run watch's consumer after its watcher left (or
+# lost its connection: the watch then starts a new one).
+WATCH_INACTIVE = 5.0
 # The key in the active-run index that says every older run was entered.
 INDEX_COMPLETE = "index-complete"
 

@@ -149,6 +149,11 @@ class RunWatches:
     def __len__(self) -> int:
         return len(self._hubs)
 
+    def watchers(self, run_id: str) -> int:
+        """How many watchers the run has now."""
+        hub = self._hubs.get(run_id)
+        return len(hub.watchers) if hub is not None else 0
+
     def __contains__(self, run_id: object) -> bool:
         """Whether the run is watched now."""
         return run_id in self._hubs
