@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -20,8 +19,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from dagnats.core.natsserver import NatsCluster, NatsServer
 from dagnats.engine.server import EngineServer, start_engine
-from dagnats.engine.service import EngineServicer
-from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
 from dagnats.sdk import Client, Worker
 from tests.gates import Gates, two_steps
@@ -112,20 +109,6 @@ async def gated(engine: EngineServer) -> AsyncIterator[tuple[str, Gates]]:
     async with Worker(engine.target, handlers={task: gates.handle}, poll_wait=1.0):
         yield name, gates
         gates.open_all()  # let a handler still waiting finish
-
-
-@pytest.fixture
-def get_runs(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """How many GetRun calls the engine served during the test, by run id."""
-    calls: Counter[str] = Counter()
-    served = EngineServicer.GetRun
-
-    async def counted(self: EngineServicer, request: pb.GetRunRequest, context: Any) -> Any:
-        calls[request.run_id] += 1
-        return await served(self, request, context)
-
-    monkeypatch.setattr(EngineServicer, "GetRun", counted)
-    return calls
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

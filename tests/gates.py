@@ -1,13 +1,21 @@
 """Runs whose every change the test causes: each step's handler waits for a
 gate the test opens, so the changes of the run come one at a time, in an
-order the test knows."""
+order the test knows. :func:`engine_counting_get_runs` starts an engine
+that counts the ``GetRun`` calls it serves, to show that a wait polls none."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.service import EngineServicer
+from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import PermanentError, TaskContext
+from tests.stack import FAST
 
 
 class Gates:
@@ -45,3 +53,27 @@ def two_steps(name: str, task: str) -> dict[str, Any]:
             {"id": "second", "task": task, "depends_on": ["first"]},
         ],
     }
+
+
+@contextlib.asynccontextmanager
+async def engine_counting_get_runs(
+    nats_url: str, calls: Counter[str]
+) -> AsyncIterator[EngineServer]:
+    """An engine that adds each ``GetRun`` it serves to ``calls``, by run id.
+    The servicer's methods are bound when the server starts, so the count is
+    installed before it."""
+    served = EngineServicer.GetRun
+
+    async def counted(self: EngineServicer, request: pb.GetRunRequest, context: Any) -> Any:
+        calls[request.run_id] += 1
+        return await served(self, request, context)
+
+    EngineServicer.GetRun = counted  # type: ignore[method-assign]
+    try:
+        server = await start_engine(nats_url, config=FAST)
+    finally:
+        EngineServicer.GetRun = served  # type: ignore[method-assign]
+    try:
+        yield server
+    finally:
+        await server.stop()

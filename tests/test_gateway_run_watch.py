@@ -14,13 +14,25 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest_asyncio
 
+from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway import GatewayConfig, start_gateway
 from dagnats.sdk import Client
-from tests.gates import Gates
+from tests.gates import Gates, engine_counting_get_runs
 from tests.helpers import wait_for
+
+# GetRun calls the module's engine served, by run id.
+GET_RUNS: Counter[str] = Counter()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
+    """The module's engine, counting the GetRun calls it serves in GET_RUNS."""
+    async with engine_counting_get_runs(nats_server.url, GET_RUNS) as server:
+        yield server
 
 
 async def start(http: httpx.AsyncClient, workflow: str) -> str:
@@ -48,7 +60,7 @@ def step_status(run: dict[str, Any], step_id: str) -> str:
 
 
 async def test_the_event_stream_shows_each_change_then_the_end(
-    http: httpx.AsyncClient, gated: tuple[str, Gates], get_runs: Counter[str]
+    http: httpx.AsyncClient, gated: tuple[str, Gates]
 ) -> None:
     name, gates = gated
     run_id = await start(http, name)
@@ -77,11 +89,11 @@ async def test_the_event_stream_shows_each_change_then_the_end(
     assert seen[-1] == ("end", {"status": "completed"})
     assert [e for e, _ in seen[:-1]] == ["run"] * (len(seen) - 1)
     assert seen[-2][1]["output"] == {"step": "second"}
-    assert get_runs[run_id] == 0
+    assert GET_RUNS[run_id] == 0
 
 
 async def test_a_long_poll_answers_when_the_run_ends(
-    engine: EngineServer, http: httpx.AsyncClient, gated: tuple[str, Gates], get_runs: Counter[str]
+    engine: EngineServer, http: httpx.AsyncClient, gated: tuple[str, Gates]
 ) -> None:
     name, gates = gated
     run_id = await start(http, name)
@@ -96,7 +108,7 @@ async def test_a_long_poll_answers_when_the_run_ends(
     response = await waiting
     assert response.status_code == 200
     assert response.json()["status"] == "completed"
-    assert get_runs[run_id] == 0
+    assert GET_RUNS[run_id] == 0
 
     # The status already differs from if_status: at once.
     again = await http.get(f"/runs/{run_id}", params={"wait": "30s", "if_status": "running"})
@@ -169,3 +181,19 @@ async def test_an_ended_run_streams_its_state_and_end(
     async with http.stream("GET", f"/runs/{run_id}/events") as response:
         seen = [event async for event, _ in sse(response)]
     assert seen == ["run", "end"]
+
+
+async def test_a_journal_follower_of_a_cancelled_run_ends_on_the_cancel(
+    http: httpx.AsyncClient, gated: tuple[str, Gates]
+) -> None:
+    """A cancel writes no journal record: the run's watch tells the follower."""
+    name, _ = gated
+    run_id = await start(http, name)
+    path = f"/runs/{run_id}/steps/first/journal"
+    async with http.stream("GET", path, params={"follow": "1"}, timeout=None) as response:
+        assert response.status_code == 200
+        cancelled = await http.post(f"/runs/{run_id}/cancel", json={"reason": "enough"})
+        assert cancelled.status_code == 200
+        seen = [(event, data) async for event, data in sse(response)]
+    assert seen == [("end", {"run_status": "cancelled", "step_status": "cancelled"})]
+    assert GET_RUNS[run_id] == 1, "only the route's own look at the step"

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
+import pytest_asyncio
 
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer, start_engine
@@ -32,10 +33,21 @@ from dagnats.sdk import (
     RunFailed,
     Worker,
 )
-from tests.gates import Gates, two_steps
+from tests.gates import Gates, engine_counting_get_runs, two_steps
 from tests.helpers import wait_for
 from tests.matrix import EngineProcess
 from tests.stack import FAST, unique
+
+# GetRun calls the module's engine served, by run id.
+GET_RUNS: Counter[str] = Counter()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
+    """The module's engine, counting the GetRun calls it serves in GET_RUNS."""
+    async with engine_counting_get_runs(nats_server.url, GET_RUNS) as server:
+        yield server
+
 
 RUNNING, COMPLETED = pb.STEP_STATUS_RUNNING, pb.STEP_STATUS_COMPLETED
 
@@ -70,7 +82,7 @@ async def test_a_watcher_gets_each_change_in_order_then_the_end(
 
 
 async def test_wait_for_run_answers_on_the_end_without_polling(
-    engine: EngineServer, client: Client, gated: tuple[str, Gates], get_runs: Counter[str]
+    engine: EngineServer, client: Client, gated: tuple[str, Gates]
 ) -> None:
     name, gates = gated
     run = await client.start_run(name)
@@ -82,7 +94,7 @@ async def test_wait_for_run_answers_on_the_end_without_polling(
     done = await waiting
     assert done.status == pb.RUN_STATUS_COMPLETED
     assert [s.status for s in done.steps] == [COMPLETED, COMPLETED]
-    assert get_runs[run.run_id] == 0, "the wait polled GetRun"
+    assert GET_RUNS[run.run_id] == 0, "the wait polled GetRun"
     await wait_for(lambda: run.run_id not in engine.watches, message="the watch is stopped")
 
 
