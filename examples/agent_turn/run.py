@@ -66,14 +66,13 @@ def workflow_text() -> str:
 async def answer(client: Client, run_id: str, *, after: int = -1) -> pb.Run:
     """The run once its agent answered in an iteration after ``after`` and
     waits for a follow-up, or once the run ended."""
-    while True:
-        run = await client.get_run(run_id)
-        step = next(s for s in run.steps if s.step_id == STEP)
+    async for run in client.watch_run(run_id):  # each change, pushed by the engine
+        step = step_of(run)
         if run.status != pb.RUN_STATUS_RUNNING:
             return run
         if step.waiting_for_input and step.iteration > after:
             return run
-        await asyncio.sleep(0.2)  # a poll for a person at a terminal
+    raise AssertionError("a run watch ends only with the run's end")
 
 
 def step_of(run: pb.Run) -> pb.StepState:
