@@ -4,6 +4,7 @@ exact interleaving is reproduced every time rather than by chance."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client
+from tests.helpers import wait_for
 from tests.stack import loop_workflow, unique
 from tests.test_journal import read_journal
 
@@ -261,3 +263,44 @@ async def test_place_inputs_whose_claim_landed_without_an_answer_records_the_inp
     records = await read_journal(engine, token.run_id)
     assert [r.input_placed.request_id for r in records if r.HasField("input_placed")] == ["s1"]
     assert answer.token.last_seq == records[-1].seq
+
+
+async def test_a_fenced_writer_gives_back_an_input_it_claimed_but_never_recorded(
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+) -> None:
+    # The chaos soak on a cluster: a holder's PlaceInputs is checked current,
+    # then stalls inside the call (a stream electing its leader); meanwhile
+    # its successor claims and places what is queued (nothing yet), and an
+    # input arrives. The stalled call claims that input in the bucket and is
+    # fenced at its record. Left claimed, the input read as done once the
+    # successor's iteration committed, though no turn ever saw it.
+    token = await claimed_run(client, journal)
+    stalled, resume = asyncio.Event(), asyncio.Event()
+
+    async def stall_once(name: str) -> None:
+        if name == "before_inputs_listed":
+            seam.install(None)
+            stalled.set()
+            await resume.wait()
+
+    seam.install(stall_once)
+    try:
+        request = jpb.PlaceInputsRequest(token=token, position=0, mode=STEER)
+        zombie = asyncio.ensure_future(journal.PlaceInputs(request))
+        await wait_for(stalled.is_set)
+        successor = await journal.Claim(
+            jpb.ClaimRequest(run_id=token.run_id, step_id="agent", iteration=0, attempt=2)
+        )
+        mine = jpb.PlaceInputsRequest(token=successor.claimed.token, position=0, mode=STEER)
+        assert list((await journal.PlaceInputs(mine)).inputs) == []
+        await client.submit_input(token.run_id, "agent", "late", {"steer": 1})
+        resume.set()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await zombie
+        assert isinstance(error_from_rpc(refused.value), Fenced)
+    finally:
+        seam.install(None)
+    late = await client.get_input(token.run_id, "agent", "late")
+    assert late.status == ipb.STATUS_QUEUED, late
+    records = await read_journal(engine, token.run_id)
+    assert not [r for r in records if r.HasField("input_placed")]

@@ -88,6 +88,26 @@ def test_reclaim_refuses_another_iteration_or_an_unplaced_input() -> None:
     assert isinstance(unplaced, Refusal)
 
 
+def test_a_fenced_writer_releases_its_unrecorded_claim_to_the_queue() -> None:
+    state = rules.release(placed(iteration=2), iteration=2, writer="w1", recorded=(), now=9.0)
+    assert state == replace(queued(), updated_at=9.0)
+
+
+@pytest.mark.parametrize(
+    ("iteration", "writer", "recorded"),
+    [(2, "w1", ("msg-1",)), (2, "w2", ()), (3, "w1", ())],
+    ids=["recorded", "another writer", "another iteration"],
+)
+def test_release_leaves_a_recorded_or_another_claim(
+    iteration: int, writer: str, recorded: tuple[str, ...]
+) -> None:
+    state = placed(iteration=2)
+    assert (
+        rules.release(state, iteration=iteration, writer=writer, recorded=recorded, now=9.0) is None
+    )
+    assert rules.release(queued(), iteration=2, writer="w1", recorded=(), now=9.0) is None
+
+
 # ---- close ----------------------------------------------------------------------
 
 

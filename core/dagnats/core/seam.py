@@ -7,7 +7,9 @@ there (see ``tests/README.md``); this module is internal, not public API.
 
 Seams: ``before_claim``, ``after_claim``, ``after_intent``, ``after_result``,
 ``after_model``, ``after_inputs_placed``, ``after_event`` (the task is settled, or
-its commit answered); in the journal service ``after_input_claimed`` (an input is
+its commit answered); in the journal service ``before_inputs_listed`` (a
+``PlaceInputs`` writer was checked current, the step's inputs not yet listed),
+``after_input_claimed`` (an input is
 claimed in its bucket, its ``input.placed`` record not yet written) and
 ``after_commit_stored`` (a commit that settles its task is stored and
 answered, its event not yet published); and in the engine ``after_dispatch_saved`` (a dispatch is

@@ -197,6 +197,34 @@ def claim_for(
     return moved if isinstance(moved, InputState) else None
 
 
+def release(
+    state: InputState, *, iteration: int, writer: str, recorded: Collection[str], now: float
+) -> InputState | None:
+    """Placed -> queued, for a claim of a fenced ``writer`` in ``iteration``
+    that never got its ``input.placed`` record (``recorded`` lists the request
+    ids that have one in the iteration); None when ``state`` is not such a claim.
+
+    The successor may have placed the step's inputs before this claim was made,
+    and would never take it over: left placed, it reads as done once the
+    iteration commits, though no turn ever saw it.
+    """
+    if (
+        state.status is not Status.PLACED
+        or state.placed_by != writer
+        or state.placed_iteration != iteration
+        or state.request_id in recorded
+    ):
+        return None
+    return replace(
+        state,
+        status=Status.QUEUED,
+        placed_iteration=0,
+        placed_attempt=0,
+        placed_by="",
+        updated_at=now,
+    )
+
+
 def _placed(
     state: InputState, *, iteration: int, attempt: int, writer: str, now: float
 ) -> InputState:

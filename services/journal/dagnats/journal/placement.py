@@ -10,6 +10,7 @@ earlier try recorded is part of the answer.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from dagnats.core import errors
@@ -24,6 +25,8 @@ from dagnats.journal.writer import JournalWriter, fenced
 
 MODES = {1: "STEER", 2: "FOLLOW_UP"}
 
+log = logging.getLogger("dagnats.journal")
+
 
 class InputPlacement:
     def __init__(self, writer: JournalWriter, inputs: InputStore) -> None:
@@ -33,9 +36,22 @@ class InputPlacement:
     async def place(
         self, token: pb.WriterToken, request: pb.PlaceInputsRequest
     ) -> pb.PlaceInputsResponse:
-        """Place the inputs of ``request.mode`` for a writer; the request is valid."""
+        """Place the inputs of ``request.mode`` for a writer; the request is valid.
+
+        A writer found fenced gives back what it claimed and never recorded.
+        """
+        try:
+            return await self._place(token, request)
+        except errors.Fenced:
+            await self._release_unrecorded(token)
+            raise
+
+    async def _place(
+        self, token: pb.WriterToken, request: pb.PlaceInputsRequest
+    ) -> pb.PlaceInputsResponse:
         snapshot = await self._writer.snapshot(token)
         token, earlier, retried = await self._own_records(token)
+        await seam("before_inputs_listed")
         entries = [*snapshot, *earlier]
         decision = replay.decide_place(
             entries, attempt=token.attempt, position=request.position, mode=request.mode
@@ -61,6 +77,39 @@ class InputPlacement:
                     placed.append(record.input_placed)
                 token = await self._claim_queued(token, request, recorded, placed, queued=True)
         return pb.PlaceInputsResponse(token=token, inputs=placed)
+
+    async def _release_unrecorded(self, token: pb.WriterToken) -> None:
+        """Put back in the queue each input this fenced writer claimed in the
+        bucket but never recorded: checked current, its call was slow (an
+        election inside it) while a successor claimed and placed the step's
+        inputs, then it claimed one that arrived meanwhile. Best effort: a
+        failure here is logged, and the input stays as it was."""
+        try:
+            records = await self._writer.store.read(
+                token.run_id, token.step_id, after=token.base_seq
+            )
+            recorded = {r.input_placed.request_id for r in records if r.HasField("input_placed")}
+            now = time.time()
+
+            def give_back(state: input_rules.InputState) -> input_rules.InputState | None:
+                return input_rules.release(
+                    state,
+                    iteration=token.iteration,
+                    writer=token.writer,
+                    recorded=recorded,
+                    now=now,
+                )
+
+            for state, revision in await self._inputs.list(token.run_id, token.step_id):
+                await change(self._inputs, state, revision, give_back)
+        except errors.DagnatsError as err:
+            log.warning(
+                "journal.%s.%s: inputs claimed by fenced writer %s not given back: %s",
+                token.run_id,
+                token.step_id,
+                token.writer,
+                err,
+            )
 
     async def _own_records(
         self, token: pb.WriterToken
