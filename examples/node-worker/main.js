@@ -15,6 +15,11 @@
 //                        hangs (later starts, in any process, do not)
 //   WORKER_CONCURRENCY   most handlers at once (default 4)
 //   WORKER_POLL_WAIT     seconds one poll waits for tasks (default 5)
+//   DAGNATS_TOKEN        bearer token with the worker role, when the engine
+//                        needs credentials
+//   DAGNATS_TLS_CA       PEM CA of the engine's certificate: connect with TLS
+//   DAGNATS_TLS_CERT     PEM client certificate and its key, for mTLS
+//   DAGNATS_TLS_KEY
 
 import { readFileSync } from 'node:fs';
 import { agentTurn, chargeCard, scriptedModel } from './agent.js';

@@ -5,6 +5,11 @@ data under ``.dagnats/``), creates the streams and buckets, starts the engine,
 runs the demo agent with a worker, prints what happened, and keeps serving
 until Ctrl-C. Data survives restarts, so a second ``dagnats dev`` finds the
 runs of the first.
+
+Everything listens on loopback, in plaintext and without credentials, and the
+processes it starts talk to each other that way: ``DAGNATS_TOKEN`` and
+``DAGNATS_TLS_*`` in the environment are for ``dagnats serve``'s engines and
+are not used here.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import shlex
 import signal
@@ -23,8 +29,11 @@ from dagnats.cli.main import DEFAULT_DATA_DIR, DEV_FILE, UsageError, print_run
 from dagnats.core.natsserver import NatsServer, free_port
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
-from dagnats.sdk import Client, Worker
+from dagnats.sdk import Client, Credentials, Worker
 from dagnats.sdk.models import ChatModel
+
+# The engine of `dagnats dev` needs none: loopback, plaintext, open.
+NO_CREDENTIALS = Credentials()
 
 
 def _port_or_free(port: int) -> int:
@@ -53,9 +62,12 @@ async def run_dev(args: argparse.Namespace) -> int:
         engine = await start_engine(
             nats.url, port=_port_or_free(args.engine_port), monitor_url=nats.monitor_url
         )
+        config = GatewayConfig.from_env(
+            engine.target, host="127.0.0.1", port=_port_or_free(args.gateway_port)
+        )
         gateway = await start_gateway(
-            GatewayConfig.from_env(
-                engine.target, host="127.0.0.1", port=_port_or_free(args.gateway_port)
+            dataclasses.replace(
+                config, client_credentials=NO_CREDENTIALS, worker_credentials=NO_CREDENTIALS
             )
         )
         info = json.dumps({"engine": engine.target, "nats": nats.url, "gateway": gateway.url})
@@ -65,7 +77,7 @@ async def run_dev(args: argparse.Namespace) -> int:
         print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")
         if model is not None:
             print(f"model        {_describe(model)}")
-        async with Client(engine.target) as client:
+        async with Client(engine.target, credentials=NO_CREDENTIALS) as client:
             earlier = await client.list_runs(limit=10_000)
             if earlier:
                 print(f"found {len(earlier)} earlier run(s); `dagnats run list` shows them")
@@ -73,6 +85,7 @@ async def run_dev(args: argparse.Namespace) -> int:
                 worker = Worker(
                     engine.target,
                     handlers={demo.TASK_TYPE: demo.make_agent_turn(model or demo.StandIn())},
+                    credentials=NO_CREDENTIALS,
                 )
                 await worker.__aenter__()
                 await _demo(client, gateway.url, _cli(data))

@@ -18,7 +18,7 @@ import json
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import parse_seq
 from dagnats.journal.v1 import journal_pb2 as pb
-from dagnats.sdk import Client, JournalClient
+from dagnats.sdk import Client, Credentials, JournalClient
 from dagnats.sdk._follow import follow_step
 from dagnats.sdk.views import check_dict, record_dict
 
@@ -54,17 +54,17 @@ def add_journal_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
 
 
-async def run_journal(args: argparse.Namespace, target: str) -> int:
+async def run_journal(args: argparse.Namespace, target: str, credentials: Credentials) -> int:
     """Run ``journal check`` or ``journal read``; returns the exit code.
 
     Raises:
         DagnatsError: the journal service failed the call.
     """
-    async with JournalClient(target, retry_for=RETRY_FOR) as journal:
+    async with JournalClient(target, retry_for=RETRY_FOR, credentials=credentials) as journal:
         if args.action == "check":
             return await _check(journal, args.run_id, as_json=args.json)
         if args.follow:
-            async with Client(target, retry_for=RETRY_FOR) as client:
+            async with Client(target, retry_for=RETRY_FOR, credentials=credentials) as client:
                 return await _follow(client, journal, args, as_json=args.json)
         return await _read(journal, args.run_id, args.step_id, args.from_seq, as_json=args.json)
 

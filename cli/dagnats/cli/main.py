@@ -20,6 +20,7 @@ from typing import Any
 from dagnats.cli.journal import RETRY_FOR, add_journal_commands, run_journal
 from dagnats.core.errors import DagnatsError, Unavailable
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk import Credentials
 from dagnats.sdk.views import decode_payload, enum_name, run_dict, workflow_dict
 
 DEFAULT_ENGINE = "127.0.0.1:7233"
@@ -61,6 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="the data of `dagnats dev`; the other commands find its engine there "
         "(DAGNATS_DATA_DIR, default .dagnats)",
     )
+    for name, what in (
+        ("ca", "CA of the engine's certificate"),
+        ("cert", "client certificate"),
+        ("key", "client certificate's key"),
+    ):
+        parser.add_argument(
+            f"--tls-{name}",
+            default=os.environ.get(f"DAGNATS_TLS_{name.upper()}") or None,
+            help=f"TLS to the engine: PEM file of the {what} (DAGNATS_TLS_{name.upper()}); "
+            "the token is DAGNATS_TOKEN",
+        )
     sub = parser.add_subparsers(dest="command", required=True)
 
     dev = sub.add_parser("dev", help="run nats-server, the services and a demo agent")
@@ -169,6 +181,14 @@ def print_run(run: pb.Run, as_json: bool) -> None:
 # ---- commands ----------------------------------------------------------------------
 
 
+def credentials(args: argparse.Namespace) -> Credentials:
+    """The token (``DAGNATS_TOKEN``) and TLS files the client commands use."""
+    env = Credentials.from_env()
+    return Credentials(
+        token=env.token, ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, tls=env.tls
+    )
+
+
 def _read_file(name: str) -> str:
     try:
         return Path(name).read_text()
@@ -196,7 +216,8 @@ async def _workflow(args: argparse.Namespace) -> int:
 
     if args.action == "validate":
         return _validate(args)
-    async with Client(args.engine or default_target(), retry_for=RETRY_FOR) as client:
+    target = args.engine or default_target()
+    async with Client(target, retry_for=RETRY_FOR, credentials=credentials(args)) as client:
         if args.action == "apply":
             text = _read_file(args.file)
             workflow = await client.register_workflow(text)
@@ -218,7 +239,8 @@ async def _workflow(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> int:
     from dagnats.sdk import Client
 
-    async with Client(args.engine or default_target(), retry_for=RETRY_FOR) as client:
+    target = args.engine or default_target()
+    async with Client(target, retry_for=RETRY_FOR, credentials=credentials(args)) as client:
         match args.action:
             case "start":
                 payload = _parse_input(args.input)
@@ -237,7 +259,7 @@ async def _run(args: argparse.Namespace) -> int:
                 await client.purge_run(args.run_id)
                 print(f"run {args.run_id} purged")
             case "watch" if args.stream:
-                return await _watch_stream(client, args.engine or default_target(), args.run_id)
+                return await _watch_stream(client, target, args.run_id, credentials(args))
             case "watch":
                 return await _watch(client, args.run_id, args.json)
             case "list":
@@ -276,7 +298,7 @@ async def _watch(client: Any, run_id: str, as_json: bool) -> int:
     return 1 if run is not None and run.status == pb.RUN_STATUS_FAILED else 0
 
 
-async def _watch_stream(client: Any, target: str, run_id: str) -> int:
+async def _watch_stream(client: Any, target: str, run_id: str, creds: Credentials) -> int:
     """Print the live tokens of the run's steps until the run ends: tokens as
     they come, a marker line when a stream is committed or abandoned."""
     from dagnats.sdk import JournalClient
@@ -305,7 +327,7 @@ async def _watch_stream(client: Any, target: str, run_id: str) -> int:
             elif kind == "abandoned":
                 print(f"\n[{step_id}: abandoned ({data['reason']})]", flush=True)
 
-    async with JournalClient(target, retry_for=RETRY_FOR) as journal:
+    async with JournalClient(target, retry_for=RETRY_FOR, credentials=creds) as journal:
         tasks = [asyncio.create_task(follow(journal, s.step_id)) for s in run.steps]
         try:
             run = await client.wait_for_run(run_id, timeout=WAIT_SECONDS)
@@ -321,6 +343,7 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.service == "gateway":
         return await _serve_gateway(args)
     from dagnats.core.jetstream import Topology
+    from dagnats.engine.security import ServerSecurity
     from dagnats.engine.server import start_engine
 
     replicas = int(os.environ.get("DAGNATS_REPLICAS", "1"))
@@ -330,6 +353,7 @@ async def _serve(args: argparse.Namespace) -> int:
         port=7233 if args.port is None else args.port,
         topology=Topology(replicas=replicas),
         monitor_url=args.nats_monitor,
+        security=ServerSecurity.from_env(),
     )
     print(f"engine serving on {server.target}", flush=True)
     try:
@@ -358,7 +382,7 @@ async def _serve_gateway(args: argparse.Namespace) -> int:
 
 
 async def _journal(args: argparse.Namespace) -> int:
-    return await run_journal(args, args.engine or default_target())
+    return await run_journal(args, args.engine or default_target(), credentials(args))
 
 
 async def _dev(args: argparse.Namespace) -> int:

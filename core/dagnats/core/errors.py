@@ -12,6 +12,8 @@ place, so no caller outside those two modules sees a ``grpc.RpcError``.
     ├── Unavailable                   transport or backend trouble; retriable
     │   └── NotProvisioned            a stream or bucket the call needs is missing
     ├── DeadlineExceeded              an operation ran out of time
+    ├── Unauthenticated               the call carried no valid credential
+    ├── PermissionDenied              the credential's role may not make the call
     ├── Fenced                        a successor holds the step; stop writing
     └── ReplayMismatch                the handler made a different call at a
                                       recorded position; nothing was written
@@ -72,6 +74,19 @@ class DeadlineExceeded(DagnatsError):
     """The operation did not finish in time."""
 
     code = "deadline_exceeded"
+
+
+class Unauthenticated(DagnatsError):
+    """The call carried no valid credential (a bearer token or a client
+    certificate the server maps to a role)."""
+
+    code = "unauthenticated"
+
+
+class PermissionDenied(DagnatsError):
+    """The caller's credential is valid, but its role may not make this call."""
+
+    code = "permission_denied"
 
 
 class Fenced(DagnatsError):

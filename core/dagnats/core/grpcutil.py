@@ -29,6 +29,8 @@ STATUS_OF: dict[type[errors.DagnatsError], grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.Fenced: grpc.StatusCode.ABORTED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.ReplayMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     # Not UNAVAILABLE: clients retry that, and no retry creates a stream.
     errors.NotProvisioned: grpc.StatusCode.FAILED_PRECONDITION,

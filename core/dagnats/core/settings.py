@@ -8,6 +8,7 @@ README's Settings table.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 
@@ -52,3 +53,13 @@ def env_bool(name: str, default: bool) -> bool:
     if raw is None:
         return default
     return raw.strip().lower() not in _FALSE
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

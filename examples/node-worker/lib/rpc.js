@@ -14,9 +14,15 @@
 // - A call given an AbortSignal is cancelled when the signal fires, and rejects
 //   with the signal's reason.
 //
+// - Credentials: a bearer token (`authorization: Bearer ...` on every call,
+//   streams included) and TLS files (the engine's CA; a client certificate
+//   and key for mTLS), by default from DAGNATS_TOKEN and DAGNATS_TLS_CA,
+//   DAGNATS_TLS_CERT, DAGNATS_TLS_KEY, as the Python SDK reads them.
+//
 // Messages keep the proto's field names (run_id, journal_seq, ...); 64-bit
 // integers are strings, enums are their names, bytes are Buffers.
 
+import { readFileSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { setTimeout as sleep } from 'node:timers/promises';
 import grpc from '@grpc/grpc-js';
@@ -61,13 +67,36 @@ const ATTEMPTS = 5;
 const BACKOFF = 0.1; // seconds; the wait before try n is random in [0, BACKOFF * 2^n]
 const MAX_BACKOFF = 2.0;
 
+// The token and TLS files from the environment (empty values are unset).
+export function credentialsFromEnv(env = process.env) {
+  return {
+    token: env.DAGNATS_TOKEN || undefined,
+    ca: env.DAGNATS_TLS_CA || undefined,
+    cert: env.DAGNATS_TLS_CERT || undefined,
+    key: env.DAGNATS_TLS_KEY || undefined,
+  };
+}
+
 export class EngineRpc {
-  constructor(target, { timeout = 10 } = {}) {
+  // credentials: { token, ca, cert, key } (file paths); TLS when ca or cert is set.
+  constructor(target, { timeout = 10, credentials = credentialsFromEnv() } = {}) {
     this.timeout = timeout;
-    const credentials = grpc.credentials.createInsecure();
-    const engine = new dagnats.engine.v1.EngineService(target, credentials);
+    const { token, ca, cert, key } = credentials;
+    if (Boolean(cert) !== Boolean(key)) {
+      throw new DagnatsError('a client certificate needs its key (DAGNATS_TLS_CERT and _KEY)');
+    }
+    const read = (path) => (path ? readFileSync(path) : null);
+    const channel =
+      ca || cert
+        ? grpc.credentials.createSsl(read(ca), read(key), read(cert))
+        : grpc.credentials.createInsecure();
+    // The token goes in every call's metadata: call credentials cannot be
+    // composed with a plaintext channel, which `dagnats dev` serves.
+    const options = token ? { interceptors: [withToken(token)] } : {};
+    const engine = new dagnats.engine.v1.EngineService(target, channel, options);
     // Both services are on the engine's port: one channel carries both.
-    const journal = new dagnats.journal.v1.JournalService(target, credentials, {
+    const journal = new dagnats.journal.v1.JournalService(target, channel, {
+      ...options,
       channelOverride: engine.getChannel(),
     });
     this.clients = { engine, journal };
@@ -114,6 +143,16 @@ export class EngineRpc {
       }
     }
   }
+}
+
+function withToken(token) {
+  return (options, nextCall) =>
+    new grpc.InterceptingCall(nextCall(options), {
+      start(metadata, listener, next) {
+        metadata.set('authorization', `Bearer ${token}`);
+        next(metadata, listener);
+      },
+    });
 }
 
 function unary(client, rpc, request, deadline, signal) {

@@ -8,6 +8,7 @@ task. ``dagnats.sdk.testing`` has a scripted model for tests.
 
 from dagnats.sdk._client import Client, run_output
 from dagnats.sdk._context import TaskContext
+from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import (
     Committed,
     ConcurrentJournalUse,
@@ -20,12 +21,14 @@ from dagnats.sdk._errors import (
     JournalSignal,
     NotFound,
     PermanentError,
+    PermissionDenied,
     ReplayMismatch,
     RestartLimit,
     RunCancelled,
     RunFailed,
     Stale,
     TaskAlreadySettled,
+    Unauthenticated,
     Unavailable,
 )
 from dagnats.sdk._journal import (
@@ -46,6 +49,7 @@ __all__ = [
     "Committed",
     "ConcurrentJournalUse",
     "Conflict",
+    "Credentials",
     "DagnatsError",
     "DeadlineExceeded",
     "Fenced",
@@ -58,6 +62,7 @@ __all__ = [
     "JournalSignal",
     "NotFound",
     "PermanentError",
+    "PermissionDenied",
     "PlacedInput",
     "Replay",
     "ReplayMismatch",
@@ -71,6 +76,7 @@ __all__ = [
     "ToolCall",
     "ToolResult",
     "ToolRun",
+    "Unauthenticated",
     "Unavailable",
     "Worker",
     "run_output",

@@ -16,6 +16,7 @@ from dagnats.core.errors import DeadlineExceeded, Unavailable
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk._codec import decode, encode
+from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import RunFailed
 from dagnats.sdk._journal import InputMode
 from dagnats.sdk._rpc import EngineRpc, RetryPolicy
@@ -45,14 +46,26 @@ class Client:
         timeout: Deadline of one engine call, in seconds.
         retry_for: Seconds a call keeps retrying an engine it cannot reach
             (a restart, a leader election) before it raises ``Unavailable``.
+        credentials: Token and TLS files; by default from the environment
+            (``DAGNATS_TOKEN``, ``DAGNATS_TLS_CA``, ...; see ``Credentials``).
 
     Every method raises the domain error the engine answered with
-    (``InvalidArgument``, ``NotFound``, ``Conflict``, ...), or ``Unavailable``
-    when the engine could not be reached after retries.
+    (``InvalidArgument``, ``NotFound``, ``Conflict``, ...), ``Unauthenticated``
+    or ``PermissionDenied`` when the engine refused the credential, or
+    ``Unavailable`` when the engine could not be reached after retries.
     """
 
-    def __init__(self, target: str, *, timeout: float = 10.0, retry_for: float = 30.0) -> None:
-        self._rpc = EngineRpc(target, timeout=timeout, retry=RetryPolicy(budget=retry_for))
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = 10.0,
+        retry_for: float = 30.0,
+        credentials: Credentials | None = None,
+    ) -> None:
+        self._rpc = EngineRpc(
+            target, timeout=timeout, retry=RetryPolicy(budget=retry_for), credentials=credentials
+        )
 
     async def __aenter__(self) -> Self:
         return self

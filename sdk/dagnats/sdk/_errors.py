@@ -18,6 +18,8 @@ The domain errors are the ones every dagnats component shares
         │   ├── Conflict              the request contradicts current state
         │   ├── Unavailable           the engine could not be reached (after retries)
         │   ├── DeadlineExceeded      an operation ran out of time
+        │   ├── Unauthenticated       the engine found no valid credential
+        │   ├── PermissionDenied      the credential's role may not make the call
         │   ├── ReplayMismatch        a different call at a recorded position
         │   ├── InputsQueued          continue_(until_input=True) with inputs queued
         │   ├── RunFailed             Client.run: the run failed or was cancelled
@@ -39,7 +41,9 @@ from dagnats.core.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ReplayMismatch,
+    Unauthenticated,
     Unavailable,
 )
 from dagnats.engine.v1 import engine_pb2 as epb
@@ -56,12 +60,14 @@ __all__ = [
     "JournalSignal",
     "NotFound",
     "PermanentError",
+    "PermissionDenied",
     "ReplayMismatch",
     "RestartLimit",
     "RunCancelled",
     "RunFailed",
     "Stale",
     "TaskAlreadySettled",
+    "Unauthenticated",
     "Unavailable",
 ]
 

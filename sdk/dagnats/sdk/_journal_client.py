@@ -20,6 +20,7 @@ import grpc.aio
 from dagnats.core import errors
 from dagnats.core.grpcutil import error_from_rpc
 from dagnats.journal.v1 import journal_pb2 as pb
+from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._rpc import EngineRpc, RetryPolicy
 
 # Records per Read page when not following; a shorter page is the last one.
@@ -36,15 +37,26 @@ class JournalClient:
         target: Address of the journal service, such as ``"localhost:7233"``.
         timeout: Deadline of one call (of one page, for ``read``), in seconds.
         retry_for: Seconds a call keeps retrying a service it cannot reach.
+        credentials: Token and TLS files; by default from the environment
+            (see ``Credentials``).
 
     Every method raises the domain error the service answered with
     (``NotFound``, ``InvalidArgument``, ``Unavailable``, ...).
     """
 
-    def __init__(self, target: str, *, timeout: float = 30.0, retry_for: float = 30.0) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = 30.0,
+        retry_for: float = 30.0,
+        credentials: Credentials | None = None,
+    ) -> None:
         self._target = target
         self._timeout = timeout
-        self._rpc = EngineRpc(target, timeout=timeout, retry=RetryPolicy(budget=retry_for))
+        self._rpc = EngineRpc(
+            target, timeout=timeout, retry=RetryPolicy(budget=retry_for), credentials=credentials
+        )
 
     async def __aenter__(self) -> Self:
         return self

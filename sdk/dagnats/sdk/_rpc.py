@@ -47,7 +47,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from dagnats.core.errors import DagnatsError, Unavailable
+from dagnats.core.errors import DagnatsError, PermissionDenied, Unauthenticated, Unavailable
 from dagnats.core.grpcutil import error_code, error_from_rpc, retriable
 from dagnats.core.tracing import client_interceptors
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -56,6 +56,7 @@ from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.inputs.v1 import inputs_pb2_grpc
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc
+from dagnats.sdk._credentials import Credentials
 
 if TYPE_CHECKING:
     from dagnats.engine.v1.engine_pb2_grpc import EngineServiceAsyncStub
@@ -141,11 +142,21 @@ class EngineRpc:
     """A connection to the engine; every method is one RPC with retries and a deadline.
 
     The channel is opened on the first call, so that it belongs to the running
-    event loop.
+    event loop; TLS files are read here, so a missing one fails at once.
+    ``credentials`` None reads them from the environment (``Credentials.from_env``).
     """
 
-    def __init__(self, target: str, *, timeout: float, retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float,
+        retry: RetryPolicy | None = None,
+        credentials: Credentials | None = None,
+    ) -> None:
         self._target = target
+        self._credentials = credentials if credentials is not None else Credentials.from_env()
+        self._channel_credentials = self._credentials.channel_credentials()
         self._timeout = timeout
         self._retry = retry or RetryPolicy()
         self._channel: grpc.aio.Channel | None = None
@@ -341,9 +352,18 @@ class EngineRpc:
 
     def _connect(self) -> EngineServiceAsyncStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(
-                self._target, options=CHANNEL_OPTIONS, interceptors=client_interceptors()
-            )
+            interceptors = client_interceptors() + self._credentials.interceptors()
+            if self._channel_credentials is None:
+                self._channel = grpc.aio.insecure_channel(
+                    self._target, options=CHANNEL_OPTIONS, interceptors=interceptors
+                )
+            else:
+                self._channel = grpc.aio.secure_channel(
+                    self._target,
+                    self._channel_credentials,
+                    options=CHANNEL_OPTIONS,
+                    interceptors=interceptors,
+                )
             self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         return self._stub
 
@@ -439,7 +459,13 @@ class EngineRpc:
         if err.code() == grpc.StatusCode.UNIMPLEMENTED:
             # A server without that service (an engine served without the journal).
             return Unavailable(f"{self._target} does not serve {name}")
-        return error_from_rpc(err)
+        domain = error_from_rpc(err)
+        if isinstance(domain, Unauthenticated | PermissionDenied):
+            # Say which credential was used, never the token itself.
+            used = "a token" if self._credentials.token else "no token (DAGNATS_TOKEN)"
+            domain.message = f"{domain.message} (sent {used}, to {self._target})"
+            domain.args = (domain.message,)
+        return domain
 
 
 async def _next(call: WatchCall) -> pb.WatchRunResponse | None:

@@ -39,6 +39,7 @@ from dagnats.core.ids import check_token
 from dagnats.core.tracing import extract, tracer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk._context import ASSUMED_LEASE, TaskContext, describe_error
+from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import Fenced, JournalSignal, PermanentError, RunCancelled
 from dagnats.sdk._rpc import EngineRpc
 
@@ -71,6 +72,8 @@ class Worker:
             third of the task's lease, at least 0.05.
         worker_id: Names the worker in the engine's logs; by default
             ``host-pid-random``.
+        credentials: Token and TLS files (a worker's token has the worker
+            role); by default from the environment (see ``Credentials``).
 
     Raises:
         InvalidArgument: a task type is not one NATS token, or a number is out of range.
@@ -87,6 +90,7 @@ class Worker:
         heartbeat_interval: float | None = None,
         worker_id: str | None = None,
         restart_limit: int = 5,
+        credentials: Credentials | None = None,
     ) -> None:
         _check_options(handlers, concurrency, poll_wait, rpc_timeout, heartbeat_interval)
         if not 1 <= restart_limit <= 1000:
@@ -99,7 +103,7 @@ class Worker:
         self._poll_wait = poll_wait
         self._heartbeat_interval = heartbeat_interval
         self._worker_id = worker_id or _default_worker_id()
-        self._rpc = EngineRpc(target, timeout=rpc_timeout)
+        self._rpc = EngineRpc(target, timeout=rpc_timeout, credentials=credentials)
         self._inflight: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()

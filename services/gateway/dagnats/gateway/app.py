@@ -54,9 +54,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.backend = Backend.connect(
-            config.engine_target, timeout=config.rpc_timeout, retry_for=config.retry_for
-        )
+        app.state.backend = Backend.connect(config)
         app.state.hubs = live_stream.Hubs()
         app.state.follows = journal_stream.Follows()
         try:

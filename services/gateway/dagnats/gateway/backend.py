@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from dagnats.gateway.config import GatewayConfig
 from dagnats.sdk import Client, JournalClient
 from dagnats.sdk._rpc import EngineRpc
 
@@ -24,11 +25,15 @@ class Backend:
     rpc: EngineRpc
 
     @classmethod
-    def connect(cls, target: str, *, timeout: float, retry_for: float) -> Backend:
+    def connect(cls, config: GatewayConfig) -> Backend:
+        """Clients of ``config``'s engine: the REST API's with its client
+        credentials, the bridge's with its worker credentials."""
+        target, timeout, retry_for = config.engine_target, config.rpc_timeout, config.retry_for
+        api = config.client_credentials
         return cls(
-            client=Client(target, timeout=timeout, retry_for=retry_for),
-            journal=JournalClient(target, timeout=timeout, retry_for=retry_for),
-            rpc=EngineRpc(target, timeout=timeout),
+            client=Client(target, timeout=timeout, retry_for=retry_for, credentials=api),
+            journal=JournalClient(target, timeout=timeout, retry_for=retry_for, credentials=api),
+            rpc=EngineRpc(target, timeout=timeout, credentials=config.worker_credentials),
         )
 
     async def close(self) -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dagnats.core.settings import env_seconds
+from dagnats.sdk import Credentials
 
 # Defaults a user can rely on; each is documented in the README.
 DEFAULT_HOST = "127.0.0.1"
@@ -37,6 +37,11 @@ class GatewayConfig:
         rpc_timeout: Deadline of one backend call, in seconds.
         retry_for: Seconds a request keeps retrying a backend it cannot reach
             before it answers 503 (``DAGNATS_GATEWAY_RETRY_FOR``).
+        client_credentials: How the REST API reaches the engine: a token with
+            the client role (admin, to register workflows and purge runs
+            through it) and TLS files.
+        worker_credentials: How the worker bridge reaches the engine: a token
+            with the worker role and TLS files.
     """
 
     engine_target: str
@@ -47,11 +52,22 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY
     rpc_timeout: float = 10.0
     retry_for: float = DEFAULT_RETRY_FOR
+    client_credentials: Credentials = field(default_factory=Credentials)
+    worker_credentials: Credentials = field(default_factory=Credentials)
 
     @classmethod
     def from_env(cls, engine_target: str, *, host: str, port: int) -> GatewayConfig:
         """Tokens from ``DAGNATS_API_TOKEN`` and ``DAGNATS_BRIDGE_TOKEN`` (empty is
-        unset), the retry budget from ``DAGNATS_GATEWAY_RETRY_FOR``."""
+        unset), the retry budget from ``DAGNATS_GATEWAY_RETRY_FOR``; towards the
+        engine, TLS from ``DAGNATS_TLS_*`` and the tokens
+        ``DAGNATS_GATEWAY_CLIENT_TOKEN`` (REST API) and
+        ``DAGNATS_GATEWAY_WORKER_TOKEN`` (worker bridge)."""
+        tls = Credentials.from_env()
+
+        def with_token(var: str) -> Credentials:
+            token = os.environ.get(var) or None
+            return Credentials(token=token, ca=tls.ca, cert=tls.cert, key=tls.key, tls=tls.tls)
+
         return cls(
             engine_target=engine_target,
             host=host,
@@ -59,6 +75,8 @@ class GatewayConfig:
             api_token=os.environ.get("DAGNATS_API_TOKEN") or None,
             bridge_token=os.environ.get("DAGNATS_BRIDGE_TOKEN") or None,
             retry_for=env_seconds("DAGNATS_GATEWAY_RETRY_FOR", DEFAULT_RETRY_FOR),
+            client_credentials=with_token("DAGNATS_GATEWAY_CLIENT_TOKEN"),
+            worker_credentials=with_token("DAGNATS_GATEWAY_WORKER_TOKEN"),
         )
 
     @property
@@ -70,13 +88,3 @@ class GatewayConfig:
         if self.bridge_token is None:
             parts.append("the worker bridge")
         return parts
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` only accepts connections from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -28,6 +28,10 @@ STATUS_OF: dict[type[errors.DagnatsError], int] = {
     errors.ReplayMismatch: 409,
     errors.Unavailable: 503,
     errors.DeadlineExceeded: 504,
+    # The engine refused the gateway's own credential (DAGNATS_GATEWAY_*_TOKEN):
+    # not the caller's fault, so not a 401.
+    errors.Unauthenticated: 502,
+    errors.PermissionDenied: 403,
 }
 
 # What a 503 (a backend the gateway could not reach within its retry budget)
@@ -38,6 +42,7 @@ RETRY_AFTER_SECONDS = 1
 _CODE_OF_STATUS = {
     400: "invalid_argument",
     401: "unauthenticated",
+    403: "permission_denied",
     404: "not_found",
     405: "method_not_allowed",
     406: "not_acceptable",

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import uvicorn
 
 from dagnats.core.errors import InvalidArgument, Unavailable
+from dagnats.core.settings import is_loopback
 from dagnats.gateway.app import create_app
-from dagnats.gateway.config import GatewayConfig, is_loopback
+from dagnats.gateway.config import GatewayConfig
 
 log = logging.getLogger("dagnats.gateway")
 

@@ -1,0 +1,529 @@
+"""The engine's gRPC port off loopback: TLS, mTLS, bearer tokens and roles.
+
+Certificates are made by the test (``trustme``); every connection is a real
+TLS handshake with a real engine on port 0. The methods checked without
+credentials come from the services' descriptors, so a new RPC is checked as
+soon as it exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import httpx
+import pytest
+import pytest_asyncio
+import trustme
+from google.protobuf.descriptor import MethodDescriptor
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from dagnats.core.grpcutil import CODE_KEY
+from dagnats.core.natsserver import NatsServer
+from dagnats.engine import access
+from dagnats.engine.access import METHOD_ROLES, Decision, Role, decide, parse_tokens
+from dagnats.engine.security import ServerSecurity
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.gateway import GatewayConfig, start_gateway
+from dagnats.inputs.v1 import inputs_pb2 as ipb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk import (
+    Client,
+    Credentials,
+    InvalidArgument,
+    JournalClient,
+    PermissionDenied,
+    TaskContext,
+    Unauthenticated,
+    Worker,
+    run_output,
+)
+from dagnats.sdk._rpc import EngineRpc, RetryPolicy
+from tests.helpers import wait_for
+from tests.stack import FAST, loop_workflow, unique
+
+ROOT = Path(__file__).parent.parent
+SERVICES = [
+    pb.DESCRIPTOR.services_by_name["EngineService"],
+    jpb.DESCRIPTOR.services_by_name["JournalService"],
+    ipb.DESCRIPTOR.services_by_name["InputsService"],
+]
+TOKENS = {
+    "worker": "worker-token-1",
+    "client": "client-token-1",
+    "client2": "client-token-2",  # a second client token at once: rotation
+    "admin": "admin-token-1",
+    "revoked": "client-token-old",
+}
+QUICK = RetryPolicy(budget=0.5, backoff=0.01, max_backoff=0.05)
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    cert: Path
+    key: Path
+    worker_cert: Path
+    worker_key: Path
+    client_cert: Path
+    client_key: Path
+    stranger_cert: Path  # signed by a CA the engine does not trust
+    stranger_key: Path
+
+
+def _write(dir: Path, name: str, cert: trustme.LeafCert) -> tuple[Path, Path]:
+    chain, key = dir / f"{name}.pem", dir / f"{name}.key"
+    chain.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(key))
+    return chain, key
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    dir = tmp_path_factory.mktemp("pki")
+    ca, stranger_ca = trustme.CA(), trustme.CA()
+    ca.cert_pem.write_to_path(str(dir / "ca.pem"))
+    cert, key = _write(dir, "server", ca.issue_cert("127.0.0.1", "localhost"))
+    worker = _write(dir, "worker", ca.issue_cert("worker.dagnats.test"))
+    client = _write(dir, "client", ca.issue_cert("client.dagnats.test"))
+    stranger = _write(dir, "stranger", stranger_ca.issue_cert("client.dagnats.test"))
+    return Pki(dir / "ca.pem", cert, key, *worker, *client, *stranger)
+
+
+def tokens_text(*names: str) -> str:
+    roles = {"worker": "worker", "admin": "admin"}
+    return "".join(f"{roles.get(n, 'client')} {TOKENS[n]}\n" for n in names)
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write a new file and rename it over the old one, as the README says."""
+    new = path.with_suffix(".new")
+    new.write_text(text)
+    new.replace(path)
+
+
+@pytest.fixture(scope="module")
+def tokens_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokens") / "tokens"
+    replace_file(path, "# role token\n" + tokens_text(*TOKENS))
+    return path
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(
+    nats_server: NatsServer, pki: Pki, tokens_file: Path
+) -> AsyncIterator[EngineServer]:
+    """TLS and tokens: what a deployment off loopback serves."""
+    security = ServerSecurity(tls_cert=pki.cert, tls_key=pki.key, tokens_file=tokens_file)
+    server = await start_engine(nats_server.url, config=FAST, security=security)
+    yield server
+    await server.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def mtls_engine(nats_server: NatsServer, pki: Pki) -> AsyncIterator[EngineServer]:
+    """mTLS: roles from the client certificate's name, no tokens."""
+    security = ServerSecurity(
+        tls_cert=pki.cert,
+        tls_key=pki.key,
+        client_ca=pki.ca,
+        identities=access.parse_identities(
+            "worker.dagnats.test=worker,client.dagnats.test=client", source="test"
+        ),
+    )
+    server = await start_engine(nats_server.url, config=FAST, security=security)
+    yield server
+    await server.stop()
+
+
+def creds(pki: Pki, name: str | None = None) -> Credentials:
+    return Credentials(token=TOKENS[name] if name else None, ca=pki.ca)
+
+
+def tls_channel(pki: Pki, target: str, token: str | None = None) -> grpc.aio.Channel:
+    rpc = EngineRpc(target, timeout=5.0, credentials=Credentials(token=token, ca=pki.ca))
+    rpc._connect()
+    assert rpc._channel is not None
+    return rpc._channel
+
+
+# ---- the rules ---------------------------------------------------------------------
+
+
+def test_every_method_of_the_three_services_has_a_role() -> None:
+    methods = {f"/{s.full_name}/{m.name}" for s in SERVICES for m in s.methods}
+    assert methods - set(METHOD_ROLES) == set()
+    # Admin holds client's rights, not worker's; a worker lists its step's inputs only.
+    admin = frozenset({Role.ADMIN})
+    assert decide("/dagnats.engine.v1.EngineService/GetRun", admin) is Decision.ALLOW
+    assert decide("/dagnats.engine.v1.EngineService/PollTasks", admin) is (
+        Decision.PERMISSION_DENIED
+    )
+    assert decide("/grpc.health.v1.Health/Check", None) is Decision.ALLOW
+    assert decide("/dagnats.engine.v1.EngineService/NewThing", frozenset({Role.CLIENT})) is (
+        Decision.PERMISSION_DENIED
+    )
+
+
+def test_a_tokens_file_line_without_a_role_names_the_line_not_the_token() -> None:
+    table = parse_tokens("# comment\n\nworker  w1\nclient c1 # the CLI\n", source="t")
+    assert table.roles_of("w1") == {Role.WORKER} and table.roles_of("c1") == {Role.CLIENT}
+    assert table.roles_of("w") is None
+    with pytest.raises(InvalidArgument, match=r"^t:2: expected") as err:
+        parse_tokens("client ok\nsuperuser s3cret\n", source="t")
+    assert "s3cret" not in str(err.value)
+
+
+# ---- without credentials, and with the wrong role ------------------------------------
+
+
+async def _call_raw(
+    channel: grpc.aio.Channel, path: str, method: MethodDescriptor
+) -> grpc.aio.AioRpcError:
+    """Call ``path`` with an empty request; the error it ends with."""
+    kind = (method.client_streaming, method.server_streaming)
+    try:
+        match kind:
+            case (False, False):
+                await channel.unary_unary(path)(b"", timeout=5)
+            case (False, True):
+                async for _ in channel.unary_stream(path)(b"", timeout=5):
+                    pass
+            case (True, False):
+                await channel.stream_unary(path)(iter([b""]), timeout=5)
+            case (True, True):
+                async for _ in channel.stream_stream(path)(iter([b""]), timeout=5):
+                    pass
+    except grpc.aio.AioRpcError as err:
+        return err
+    raise AssertionError(f"{path} answered without a credential")
+
+
+async def test_without_a_credential_every_method_but_health_is_unauthenticated(
+    engine: EngineServer, pki: Pki
+) -> None:
+    channel = tls_channel(pki, engine.target)
+    try:
+        for service in SERVICES:
+            for method in service.methods:
+                path = f"/{service.full_name}/{method.name}"
+                err = await _call_raw(channel, path, method)
+                assert err.code() == grpc.StatusCode.UNAUTHENTICATED, (path, err.details())
+                assert dict(err.trailing_metadata() or ())[CODE_KEY] == "unauthenticated"
+        health = health_pb2_grpc.HealthStub(channel)
+        answer = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        answer = await health.Check(
+            health_pb2.HealthCheckRequest(service="dagnats.journal.v1.JournalService"), timeout=5
+        )
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await channel.close()
+
+
+async def _list_services(channel: grpc.aio.Channel) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    async for answer in stub.ServerReflectionInfo(iter([request]), timeout=5):
+        return [s.name for s in answer.list_services_response.service]
+    return []
+
+
+async def test_server_reflection_is_for_admin(engine: EngineServer, pki: Pki) -> None:
+    for name, code in (
+        (None, grpc.StatusCode.UNAUTHENTICATED),
+        ("client", grpc.StatusCode.PERMISSION_DENIED),
+    ):
+        channel = tls_channel(pki, engine.target, TOKENS[name] if name else None)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _list_services(channel)
+        assert err.value.code() == code
+        await channel.close()
+    channel = tls_channel(pki, engine.target, TOKENS["admin"])
+    assert "dagnats.engine.v1.EngineService" in await _list_services(channel)
+    await channel.close()
+
+
+async def test_a_worker_token_cannot_start_read_or_cancel_runs_or_submit_inputs(
+    engine: EngineServer, pki: Pki
+) -> None:
+    async with Client(engine.target, credentials=creds(pki, "admin")) as admin:
+        name = unique("secwf")
+        await admin.register_workflow(loop_workflow(name, unique("sectask")))
+        run = await admin.start_run(name, {"q": 1})
+    async with Client(engine.target, credentials=creds(pki, "worker")) as worker:
+        refused = [
+            worker.start_run(name, {"q": 2}),
+            worker.get_run(run.run_id),
+            worker.list_runs(),
+            worker.cancel_run(run.run_id, "no"),
+            worker.submit_input(run.run_id, "agent", "r1", "ignore your instructions"),
+            worker.register_workflow(loop_workflow(unique("secwf"), "t")),
+        ]
+        for call in refused:
+            with pytest.raises(PermissionDenied, match="not allowed for the role worker"):
+                await call
+    async with Client(engine.target, credentials=creds(pki, "client")) as client:
+        assert (await client.get_run(run.run_id)).status == pb.RUN_STATUS_RUNNING
+        with pytest.raises(PermissionDenied, match="PurgeRun"):
+            await client.purge_run(run.run_id)
+        await client.cancel_run(run.run_id, "done")
+
+
+async def test_a_client_token_cannot_poll_tasks_or_write_the_journal(
+    engine: EngineServer, pki: Pki
+) -> None:
+    rpc = EngineRpc(engine.target, timeout=5.0, credentials=creds(pki, "client"))
+    try:
+        with pytest.raises(PermissionDenied, match="PollTasks"):
+            await rpc.poll_tasks(pb.PollTasksRequest(task_types=["x"]), deadline=5)
+        with pytest.raises(PermissionDenied, match="Claim"):
+            await rpc.claim(jpb.ClaimRequest(run_id="r", step_id="s"))
+        with pytest.raises(PermissionDenied, match="Commit"):
+            await rpc.commit(jpb.CommitRequest())
+        session = rpc.open_session()  # a stream is checked too
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await session.write(jpb.SessionRequest(id=1))
+            await session.read()
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await rpc.close()
+
+
+async def test_a_revoked_token_stops_working_and_two_valid_ones_both_work(
+    engine: EngineServer, pki: Pki, tokens_file: Path
+) -> None:
+    old = Client(engine.target, retry_for=0.5, credentials=creds(pki, "revoked"))
+    new = Client(engine.target, retry_for=0.5, credentials=creds(pki, "client2"))
+    async with old, new:
+        await old.list_runs(limit=1)
+        await new.list_runs(limit=1)  # both at once: rotation
+        kept = [n for n in TOKENS if n != "revoked"]
+        replace_file(tokens_file, tokens_text(*kept))  # no restart
+
+        async def refused() -> bool:
+            try:
+                await old.list_runs(limit=1)
+            except Unauthenticated as err:
+                assert "token is not valid" in str(err) and TOKENS["revoked"] not in str(err)
+                return True
+            return False
+
+        await wait_for(refused, timeout=10, message="the revoked token still works")
+        await new.list_runs(limit=1)
+    replace_file(tokens_file, tokens_text(*TOKENS))
+
+
+# ---- TLS and mTLS --------------------------------------------------------------------
+
+
+async def test_plaintext_to_a_tls_engine_is_refused(engine: EngineServer) -> None:
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=3)
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def test_mtls_refuses_an_untrusted_certificate_and_maps_names_to_roles(
+    mtls_engine: EngineServer, pki: Pki
+) -> None:
+    target = mtls_engine.target
+    for cert, key in ((pki.stranger_cert, pki.stranger_key), (None, None)):
+        stranger = Credentials(ca=pki.ca, cert=cert, key=key, tls=True)
+        async with Client(target, retry_for=0.5, credentials=stranger) as client:
+            with pytest.raises(Exception, match="UNAVAILABLE") as err:
+                await client.list_runs(limit=1)
+            assert type(err.value).__name__ == "Unavailable"
+    as_client = Credentials(ca=pki.ca, cert=pki.client_cert, key=pki.client_key)
+    async with Client(target, credentials=as_client) as client:
+        await client.list_runs(limit=1)
+    as_worker = Credentials(ca=pki.ca, cert=pki.worker_cert, key=pki.worker_key)
+    async with Client(target, credentials=as_worker) as client:
+        with pytest.raises(PermissionDenied):
+            await client.list_runs(limit=1)
+
+
+# ---- the SDK, the CLI, the gateway and the Node worker over TLS with tokens ----------
+
+
+async def journaled_turn(tc: TaskContext) -> None:
+    j = await tc.journal()
+
+    async def model() -> Any:
+        return {"answer": f"done {tc.input['n']}"}
+
+    reply = await j.model(model)
+    await tc.complete(reply["answer"])
+
+
+async def test_a_journaled_run_through_the_sdk_over_tls_with_tokens(
+    engine: EngineServer, pki: Pki
+) -> None:
+    name, task = unique("secrun"), unique("sectask")
+    async with Client(engine.target, credentials=creds(pki, "admin")) as admin:
+        await admin.register_workflow(loop_workflow(name, task))
+    async with (
+        Worker(
+            engine.target,
+            handlers={task: journaled_turn},
+            poll_wait=0.5,
+            credentials=creds(pki, "worker"),
+        ),
+        Client(engine.target, credentials=creds(pki, "client")) as client,
+        JournalClient(engine.target, credentials=creds(pki, "client")) as journal,
+    ):
+        run = await client.start_run(name, {"n": 1})
+        run = await client.wait_for_run(run.run_id, timeout=30)
+        assert run.status == pb.RUN_STATUS_COMPLETED, run.error
+        assert run_output(run) == "done 1"
+        check = await journal.check(run.run_id)
+        assert list(check.violations) == [] and check.records >= 3
+
+
+def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dagnats.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+        cwd=ROOT,
+    )
+
+
+async def test_the_cli_over_tls_with_a_token_from_the_environment(
+    engine: EngineServer, pki: Pki
+) -> None:
+    env = {"DAGNATS_ENGINE": engine.target, "DAGNATS_TLS_CA": str(pki.ca)}
+    async with Client(engine.target, credentials=creds(pki, "admin")) as admin:
+        name = unique("secwf")
+        await admin.register_workflow(loop_workflow(name, unique("sectask")))
+        run = await admin.start_run(name, {"q": 1})
+        done = await asyncio.to_thread(
+            cli, "run", "list", "--json", env={**env, "DAGNATS_TOKEN": TOKENS["client"]}
+        )
+        assert done.returncode == 0, done.stderr
+        assert run.run_id in {r["run_id"] for r in json.loads(done.stdout)}
+        for token, what in (("", "needs a credential"), (TOKENS["worker"], "role worker")):
+            done = await asyncio.to_thread(cli, "run", "list", env={**env, "DAGNATS_TOKEN": token})
+            assert done.returncode == 1
+            assert done.stderr.startswith("error: ") and what in done.stderr, done.stderr
+            assert "Traceback" not in done.stderr
+        await admin.cancel_run(run.run_id)
+
+
+async def test_the_gateway_holds_its_own_credentials_for_the_engine(
+    engine: EngineServer, pki: Pki
+) -> None:
+    config = GatewayConfig(
+        engine_target=engine.target,
+        port=0,
+        api_token="http-api",
+        bridge_token="http-bridge",
+        client_credentials=creds(pki, "client"),
+        worker_credentials=creds(pki, "worker"),
+    )
+    gateway = await start_gateway(config)
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+            api = {"authorization": "Bearer http-api"}
+            assert (await http.get("/runs", headers=api)).status_code == 200
+            poll = await http.post(
+                "/bridge/poll",
+                json={"task_types": [unique("sectask")], "wait": 0.1},
+                headers={"authorization": "Bearer http-bridge"},
+            )
+            assert poll.status_code == 200, poll.text
+            # The client role may not register workflows: the gateway says so.
+            answer = await http.post(
+                "/workflows", json=loop_workflow(unique("secwf"), "t"), headers=api
+            )
+            assert answer.status_code == 403
+            assert answer.json()["code"] == "permission_denied"
+            document = (await http.get("/openapi.json", headers=api)).json()
+        schemes = document["components"]["securitySchemes"]
+        assert schemes["api_token"] == {
+            "type": "http",
+            "scheme": "bearer",
+            "description": schemes["api_token"]["description"],
+        }
+        assert schemes["bridge_token"]["scheme"] == "bearer"
+        assert document["paths"]["/runs"]["get"]["security"] == [{"api_token": []}]
+    finally:
+        await gateway.stop()
+
+
+async def test_the_node_worker_over_tls_with_a_worker_token(
+    engine: EngineServer, pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.test_node_worker import ANSWER, EXAMPLE, INPUT, NodeWorkers, lines
+
+    node = _node()
+    monkeypatch.setenv("DAGNATS_TOKEN", TOKENS["worker"])
+    monkeypatch.setenv("DAGNATS_TLS_CA", str(pki.ca))
+    started: list[subprocess.Popen[bytes]] = []
+    name, task = unique("nodesec"), unique("nodesectask")
+    try:
+        async with Client(engine.target, credentials=creds(pki, "admin")) as client:
+            await client.register_workflow(loop_workflow(name, task))
+            workers = NodeWorkers(node, engine.target, task, tmp_path, started)
+            proc = workers.spawn("worker")
+            run = await client.start_run(name, INPUT)
+
+            async def ended() -> pb.Run | None:
+                workers.alive(proc)
+                got = await client.get_run(run.run_id)
+                return None if got.status == pb.RUN_STATUS_RUNNING else got
+
+            done = await wait_for(ended, timeout=30, interval=0.05, message="no end")
+            assert done.status == pb.RUN_STATUS_COMPLETED, f"{done.error}\n{workers.logs()}"
+            assert run_output(done) == ANSWER
+            assert lines(workers.starts) == [f"charge_card {run.run_id}.agent.0.1"]
+        async with JournalClient(engine.target, credentials=creds(pki, "client")) as journal:
+            assert list((await journal.check(run.run_id)).violations) == []
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert EXAMPLE.is_dir()
+
+
+def _node() -> str:
+    import shutil
+
+    path = shutil.which("node")
+    if path is None:
+        pytest.fail("node is not on PATH: the Node.js worker example needs Node.js 20 or later")
+    return path
+
+
+# ---- refusing to be open -------------------------------------------------------------
+
+
+def test_serve_refuses_an_open_port_and_names_the_missing_settings(pki: Pki) -> None:
+    base = {"DAGNATS_NATS_URL": "nats://127.0.0.1:1"}  # refused before NATS is dialled
+    for var in list(os.environ):
+        if var.startswith("DAGNATS_GRPC_"):
+            base[var] = ""
+    done = cli("serve", "engine", "--host", "0.0.0.0", "--port", "0", env=base)
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: refusing to serve gRPC on 0.0.0.0 without ")
+    assert "DAGNATS_GRPC_TLS_CERT" in done.stderr and "DAGNATS_GRPC_TOKENS_FILE" in done.stderr
+    tls = {**base, "DAGNATS_GRPC_TLS_CERT": str(pki.cert), "DAGNATS_GRPC_TLS_KEY": str(pki.key)}
+    done = cli("serve", "engine", "--host", "0.0.0.0", "--port", "0", env=tls)
+    assert done.returncode == 1
+    assert "DAGNATS_GRPC_TOKENS_FILE" in done.stderr and "DAGNATS_GRPC_TLS_CERT" not in done.stderr
+    assert "Traceback" not in done.stderr
