@@ -266,6 +266,7 @@ async def test_a_worker_token_cannot_start_read_or_cancel_runs_or_submit_inputs(
         refused = [
             worker.start_run(name, {"q": 2}),
             worker.get_run(run.run_id),
+            worker.wait_for_run(run.run_id, timeout=10),  # WatchRun, a stream
             worker.list_runs(),
             worker.cancel_run(run.run_id, "no"),
             worker.submit_input(run.run_id, "agent", "r1", "ignore your instructions"),

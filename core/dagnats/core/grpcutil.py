@@ -49,6 +49,23 @@ CODE_KEY = "dagnats-error-code"
 FIELD_KEY = "dagnats-error-field"
 
 
+def with_metadata(
+    details: grpc.aio.ClientCallDetails, items: Iterable[tuple[str, str]]
+) -> grpc.aio.ClientCallDetails:
+    """``details`` of a client call with ``items`` set in its metadata (for
+    client interceptors: trace context, a bearer token)."""
+    metadata = grpc.aio.Metadata(*(details.metadata or ()))
+    for key, value in items:
+        metadata[key] = value
+    return grpc.aio.ClientCallDetails(
+        method=details.method,
+        timeout=details.timeout,
+        metadata=metadata,
+        credentials=details.credentials,
+        wait_for_ready=details.wait_for_ready,
+    )
+
+
 def register_error(cls: type[errors.DagnatsError], status: grpc.StatusCode) -> None:
     """Add a service-specific error class to the table."""
     STATUS_OF[cls] = status

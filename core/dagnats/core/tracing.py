@@ -23,6 +23,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from dagnats.core.grpcutil import with_metadata
+
 __all__ = [
     "client_interceptors",
     "client_span",
@@ -282,16 +284,7 @@ def _with_trace_metadata(
 ) -> grpc.aio.ClientCallDetails:
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=trace.set_span_in_context(span))
-    metadata = grpc.aio.Metadata(*(details.metadata or ()))
-    for key, value in carrier.items():
-        metadata[key] = value
-    return grpc.aio.ClientCallDetails(
-        method=details.method,
-        timeout=details.timeout,
-        metadata=metadata,
-        credentials=details.credentials,
-        wait_for_ready=details.wait_for_ready,
-    )
+    return with_metadata(details, carrier.items())
 
 
 def _span_name(method: str) -> str:

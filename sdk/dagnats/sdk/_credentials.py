@@ -19,6 +19,7 @@ import grpc
 import grpc.aio
 
 from dagnats.core.errors import InvalidArgument
+from dagnats.core.grpcutil import with_metadata
 from dagnats.core.settings import env_bool
 
 if TYPE_CHECKING:
@@ -127,15 +128,7 @@ class _Token:
         self._header = header
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()))
-        metadata[self._header[0]] = self._header[1]
-        return grpc.aio.ClientCallDetails(
-            method=details.method,
-            timeout=details.timeout,
-            metadata=metadata,
-            credentials=details.credentials,
-            wait_for_ready=details.wait_for_ready,
-        )
+        return with_metadata(details, [self._header])
 
 
 Continuation = Callable[[grpc.aio.ClientCallDetails, Any], Any]

@@ -101,10 +101,11 @@ async def start_engine(
 
     Raises:
         InvalidArgument: a non-loopback ``host`` without both TLS and
-            authentication (naming the missing settings), or unreadable
-            certificate, key or tokens files.
+            authentication (naming the missing settings), settings that do
+            not fit together, or unreadable certificate, key or tokens files.
     """
     security = security or ServerSecurity()
+    security.check()
     _refuse_open(host, security)
     credentials = security.server_credentials()  # files read before anything starts
     guard = security.interceptor()
