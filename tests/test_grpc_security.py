@@ -279,6 +279,15 @@ async def test_a_worker_token_cannot_start_read_or_cancel_runs_or_submit_inputs(
         assert (await client.get_run(run.run_id)).status == pb.RUN_STATUS_RUNNING
         with pytest.raises(PermissionDenied, match="PurgeRun"):
             await client.purge_run(run.run_id)
+        await client.submit_input(run.run_id, "agent", "r1", {"secret": "s3cret"})
+        # A worker learns that an input is queued, not what it says: the content
+        # reaches it only through PlaceInputs, in the journal of a task it holds.
+        listing = ipb.ListRequest(run_id=run.run_id, step_id="agent")
+        for name, content in (("worker", b""), ("client", b'{"secret":"s3cret"}')):
+            rpc = EngineRpc(engine.target, timeout=5.0, credentials=creds(pki, name))
+            (queued,) = (await rpc.list_inputs(listing)).inputs
+            await rpc.close()
+            assert queued.request_id == "r1" and queued.content.replace(b" ", b"") == content
         await client.cancel_run(run.run_id, "done")
 
 

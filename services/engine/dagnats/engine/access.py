@@ -10,6 +10,8 @@ Invariants:
   admin (a test walks the services' descriptors, so a new RPC cannot be
   forgotten silently).
 - Health checking is open; server reflection is admin's.
+- A worker may list a step's inputs (is anything queued?) but is answered
+  without their content, which it gets only by placing them in its journal.
 - A call with no credential, or with one that matches nothing, is
   ``UNAUTHENTICATED``; a credential whose roles do not include the method's
   is ``PERMISSION_DENIED``.
@@ -105,8 +107,11 @@ METHOD_ROLES: Mapping[str, Role] = {
     _INPUTS + "List": _C,
 }
 
-# Calls a worker makes besides its own role's: whether inputs are queued for
-# the step it holds, before it waits for one (``continue_(until_input=True)``).
+# Calls a worker makes besides its own role's, answered without what only a
+# client may read (``redacted_for``): whether inputs are queued for the step
+# it holds, before it waits for one (``continue_(until_input=True)``). An
+# input's content reaches a worker only through PlaceInputs, recorded in the
+# journal under the writer token of the task it holds.
 WORKER_ALSO: frozenset[str] = frozenset({_INPUTS + "List"})
 
 
@@ -137,6 +142,12 @@ def decide(method: str, roles: frozenset[Role] | None) -> Decision:
     if needed in held or (Role.WORKER in held and method in WORKER_ALSO):
         return Decision.ALLOW
     return Decision.PERMISSION_DENIED
+
+
+def redacted_for(method: str, roles: frozenset[Role]) -> bool:
+    """Whether the answer to ``method`` leaves out what only a client may
+    read: a call a worker may make beside its role's, made without client rights."""
+    return method in WORKER_ALSO and Role.CLIENT not in roles_held(roles)
 
 
 def method_name(method: str) -> str:

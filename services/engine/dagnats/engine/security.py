@@ -38,8 +38,10 @@ from dagnats.engine.access import (
     method_name,
     parse_identities,
     parse_tokens,
+    redacted_for,
     tokens_of,
 )
+from dagnats.inputs.v1 import inputs_pb2 as inputs_pb
 
 log = logging.getLogger(__name__)
 
@@ -234,41 +236,60 @@ class AuthInterceptor(_Interceptor):
             return handler
         token = _bearer(handler_call_details.invocation_metadata)
 
-        async def check(context: Context) -> None:
-            refusal = self._refusal(method, token, context)
+        async def check(context: Context) -> Answer:
+            refusal, roles = self._refusal(method, token, context)
             if refusal is not None:
                 await abort_with(context, refusal)
+            redact = _REDACTIONS.get(method)
+            return redact if redact is not None and redacted_for(method, roles) else _as_is
 
         return _guarded(handler, check)
 
     def _refusal(
         self, method: str, token: str | None, context: Context
-    ) -> errors.DagnatsError | None:
+    ) -> tuple[errors.DagnatsError | None, frozenset[Role]]:
         roles: set[Role] = set()
         if token is not None:
             by_token = self._tokens.current().roles_of(token)
             if by_token is None:  # a wrong or revoked token is refused, certificate or not
-                return errors.Unauthenticated("the bearer token is not valid")
+                return errors.Unauthenticated("the bearer token is not valid"), frozenset()
             roles |= by_token
         by_cert = (
             self._identities.roles_of(_peer_names(context)) if self._identities.roles else None
         )
         roles |= by_cert or set()
-        decision = decide(method, frozenset(roles) if roles else None)
+        held = frozenset(roles)
+        decision = decide(method, held or None)
         if decision is Decision.UNAUTHENTICATED:
             return errors.Unauthenticated(
                 f"{method_name(method)} needs a credential: a bearer token "
                 "(authorization: Bearer ...) or a client certificate with a role"
-            )
+            ), held
         if decision is Decision.PERMISSION_DENIED:
-            held = ", ".join(sorted(roles))
+            names = ", ".join(sorted(roles))
             return errors.PermissionDenied(
-                f"{method_name(method)} is not allowed for the role {held}"
-            )
-        return None
+                f"{method_name(method)} is not allowed for the role {names}"
+            ), held
+        return None, held
 
 
-Check = Callable[[Context], Awaitable[None]]
+# What a call's answer becomes for its caller: itself, or without what only a
+# client may read (``access.redacted_for``).
+Answer = Callable[[Any], Any]
+Check = Callable[[Context], Awaitable[Answer]]
+
+
+def _as_is(response: Any) -> Any:
+    return response
+
+
+def _without_content(response: inputs_pb.ListResponse) -> inputs_pb.ListResponse:
+    for item in response.inputs:
+        item.ClearField("content")
+    return response
+
+
+_REDACTIONS: dict[str, Answer] = {"/dagnats.inputs.v1.InputsService/List": _without_content}
 
 
 def _guarded(handler: _Handler, check: Check) -> _Handler:
@@ -301,8 +322,8 @@ def _wrap(behaviour: Any, check: Check) -> Any:
         raise TypeError(f"{behaviour!r} is not async: it cannot be guarded")
 
     async def call(request: Any, context: Context) -> Any:
-        await check(context)
-        return await behaviour(request, context)
+        answer = await check(context)
+        return answer(await behaviour(request, context))
 
     return call
 
