@@ -35,7 +35,7 @@ from dagnats.engine.access import METHOD_ROLES, Decision, Role, decide, parse_to
 from dagnats.engine.security import ServerSecurity
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.gateway import GatewayConfig, start_gateway
+from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import (
@@ -434,9 +434,10 @@ async def test_the_cli_over_tls_with_a_token_from_the_environment(
         await admin.cancel_run(run.run_id)
 
 
-async def test_the_gateway_holds_its_own_credentials_for_the_engine(
-    engine: EngineServer, pki: Pki
-) -> None:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gateway(engine: EngineServer, pki: Pki) -> AsyncIterator[GatewayServer]:
+    """A gateway with HTTP tokens of its own, holding a client and a worker
+    token towards the TLS engine."""
     config = GatewayConfig(
         engine_target=engine.target,
         port=0,
@@ -445,34 +446,72 @@ async def test_the_gateway_holds_its_own_credentials_for_the_engine(
         client_credentials=creds(pki, "client"),
         worker_credentials=creds(pki, "worker"),
     )
-    gateway = await start_gateway(config)
-    try:
-        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
-            api = {"authorization": "Bearer http-api"}
-            assert (await http.get("/runs", headers=api)).status_code == 200
-            poll = await http.post(
-                "/bridge/poll",
-                json={"task_types": [unique("sectask")], "wait": 0.1},
-                headers={"authorization": "Bearer http-bridge"},
-            )
-            assert poll.status_code == 200, poll.text
-            # The client role may not register workflows: the gateway says so.
-            answer = await http.post(
-                "/workflows", json=loop_workflow(unique("secwf"), "t"), headers=api
-            )
-            assert answer.status_code == 403
-            assert answer.json()["code"] == "permission_denied"
-            document = (await http.get("/openapi.json", headers=api)).json()
-        schemes = document["components"]["securitySchemes"]
-        assert schemes["api_token"] == {
-            "type": "http",
-            "scheme": "bearer",
-            "description": schemes["api_token"]["description"],
-        }
-        assert schemes["bridge_token"]["scheme"] == "bearer"
-        assert document["paths"]["/runs"]["get"]["security"] == [{"api_token": []}]
-    finally:
-        await gateway.stop()
+    server = await start_gateway(config)
+    yield server
+    await server.stop()
+
+
+API = {"authorization": "Bearer http-api"}
+
+
+async def test_the_gateway_holds_its_own_credentials_for_the_engine(
+    engine: EngineServer, pki: Pki, gateway: GatewayServer
+) -> None:
+    name = unique("secwf")
+    async with Client(engine.target, credentials=creds(pki, "admin")) as admin:
+        await admin.register_workflow(loop_workflow(name, unique("sectask")))
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        started = await http.post("/runs", json={"workflow": name}, headers=API)
+        assert started.status_code == 201, started.text
+        run_id = started.json()["run_id"]
+        step = f"/runs/{run_id}/steps/agent/inputs"
+        sent = {"request_id": "r1", "content": {"say": "hi"}}
+        assert (await http.post(step, json=sent, headers=API)).status_code == 201
+        (listed,) = (await http.get(step, headers=API)).json()["inputs"]
+        assert listed["content"] == {"say": "hi"}  # the client's view, not a worker's
+        assert (await http.get("/runs", headers=API)).status_code == 200
+        cancel = await http.post(f"/runs/{run_id}/cancel", json={}, headers=API)
+        assert cancel.status_code == 200, cancel.text
+        # The client role may not register workflows: the gateway says so.
+        answer = await http.post(
+            "/workflows", json=loop_workflow(unique("secwf"), "t"), headers=API
+        )
+        assert answer.status_code == 403
+        assert answer.json()["code"] == "permission_denied"
+        document = (await http.get("/openapi.json", headers=API)).json()
+    schemes = document["components"]["securitySchemes"]
+    assert schemes["api_token"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": schemes["api_token"]["description"],
+    }
+    assert schemes["bridge_token"]["scheme"] == "bearer"
+    assert document["paths"]["/runs"]["get"]["security"] == [{"api_token": []}]
+    assert document["paths"]["/bridge/poll"]["post"]["security"] == [{"bridge_token": []}]
+
+
+async def test_a_journaled_run_through_the_gateway_and_its_worker_bridge(
+    engine: EngineServer, pki: Pki, gateway: GatewayServer, tmp_path: Path
+) -> None:
+    """The HTTP worker example on the bridge: the gateway's worker token
+    polls, claims and commits; its client token starts the run over REST."""
+    from tests.test_http_worker import ANSWER, ORDER, http_worker
+
+    name, task = unique("secbridge"), unique("secbridgetask")
+    async with Client(engine.target, credentials=creds(pki, "admin")) as admin:
+        await admin.register_workflow(loop_workflow(name, task, max_iterations=5))
+    async with (
+        http_worker(gateway, task, tmp_path / "worker.log", DAGNATS_BRIDGE_TOKEN="http-bridge"),
+        httpx.AsyncClient(base_url=gateway.url, timeout=30) as http,
+        Client(engine.target, credentials=creds(pki, "client")) as client,
+    ):
+        started = await http.post("/runs", json={"workflow": name, "input": ORDER}, headers=API)
+        assert started.status_code == 201, started.text
+        run = await client.wait_for_run(started.json()["run_id"], timeout=30)
+    assert run.status == pb.RUN_STATUS_COMPLETED, (run.error, (tmp_path / "worker.log").read_text())
+    assert run_output(run) == ANSWER
+    async with JournalClient(engine.target, credentials=creds(pki, "client")) as journal:
+        assert list((await journal.check(run.run_id)).violations) == []
 
 
 async def test_the_node_worker_over_tls_with_a_worker_token(

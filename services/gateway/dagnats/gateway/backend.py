@@ -9,19 +9,22 @@ from fastapi import Depends, Request
 
 from dagnats.gateway.config import GatewayConfig
 from dagnats.sdk import Client, JournalClient
-from dagnats.sdk._rpc import EngineRpc
+from dagnats.sdk._rpc import EngineRpc, RetryPolicy
 
 
 @dataclass(slots=True)
 class Backend:
     """Clients of the engine, journal and inputs services (one gRPC target).
 
-    ``client`` and ``journal`` serve the REST API; ``rpc`` is the task and
-    journal-writer API the worker bridge speaks for its HTTP workers.
+    ``client``, ``journal`` and ``api`` (the calls ``client`` does not wrap)
+    serve the REST API, with the gateway's client credentials; ``rpc`` is the
+    task and journal-writer API the worker bridge speaks for its HTTP
+    workers, with its worker credentials.
     """
 
     client: Client
     journal: JournalClient
+    api: EngineRpc
     rpc: EngineRpc
 
     @classmethod
@@ -33,12 +36,16 @@ class Backend:
         return cls(
             client=Client(target, timeout=timeout, retry_for=retry_for, credentials=api),
             journal=JournalClient(target, timeout=timeout, retry_for=retry_for, credentials=api),
+            api=EngineRpc(
+                target, timeout=timeout, retry=RetryPolicy(budget=retry_for), credentials=api
+            ),
             rpc=EngineRpc(target, timeout=timeout, credentials=config.worker_credentials),
         )
 
     async def close(self) -> None:
         await self.client.close()
         await self.journal.close()
+        await self.api.close()
         await self.rpc.close()
 
 

@@ -39,7 +39,8 @@ class GatewayConfig:
             before it answers 503 (``DAGNATS_GATEWAY_RETRY_FOR``).
         client_credentials: How the REST API reaches the engine: a token with
             the client role (admin, to register workflows and purge runs
-            through it) and TLS files.
+            through it) and TLS files. The worker bridge reads journals with
+            it too (``/bridge/read``: reading is a client's call).
         worker_credentials: How the worker bridge reaches the engine: a token
             with the worker role and TLS files.
     """

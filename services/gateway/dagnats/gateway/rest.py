@@ -149,7 +149,7 @@ async def start_run(
     request = pb.StartRunRequest(
         workflow=body.workflow, input=encode(body.input, field="input"), idempotency_key=key
     )
-    response = await b.rpc.start_run(request)
+    response = await b.api.start_run(request)
     return JSONResponse(run_dict(response.run), status_code=201 if response.created else 200)
 
 
@@ -262,7 +262,7 @@ async def submit_input(
 @router.get("/runs/{run_id}/steps/{step_id}/inputs", tags=["inputs"], summary="List inputs")
 async def list_inputs(b: BackendDep, run_id: ValidRun, step_id: ValidStep) -> dict[str, Any]:
     await _require_step(b, run_id, step_id)
-    response = await b.rpc.list_inputs(ipb.ListRequest(run_id=run_id, step_id=step_id))
+    response = await b.api.list_inputs(ipb.ListRequest(run_id=run_id, step_id=step_id))
     return {"inputs": [input_dict(i) for i in response.inputs]}
 
 
