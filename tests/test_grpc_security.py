@@ -417,12 +417,15 @@ async def test_the_cli_over_tls_with_a_token_from_the_environment(
     engine: EngineServer, pki: Pki
 ) -> None:
     env = {"DAGNATS_ENGINE": engine.target, "DAGNATS_TLS_CA": str(pki.ca)}
+    flag = {"DAGNATS_ENGINE": engine.target, "DAGNATS_TLS_CA": ""}  # --tls-ca instead
     async with Client(engine.target, credentials=creds(pki, "admin")) as admin:
         name = unique("secwf")
         await admin.register_workflow(loop_workflow(name, unique("sectask")))
         run = await admin.start_run(name, {"q": 1})
         done = await asyncio.to_thread(
-            cli, "run", "list", "--json", env={**env, "DAGNATS_TOKEN": TOKENS["client"]}
+            cli,
+            *("--tls-ca", str(pki.ca), "run", "list", "--json"),
+            env={**flag, "DAGNATS_TOKEN": TOKENS["client"]},
         )
         assert done.returncode == 0, done.stderr
         assert run.run_id in {r["run_id"] for r in json.loads(done.stdout)}
