@@ -596,6 +596,7 @@ def test_the_public_names_are_exactly_the_documented_ones() -> None:
         "model_from_env",
         "parse_model",
         "retry_after",
+        "spec_from_env",
         "tool_message",
     }
 
