@@ -304,3 +304,52 @@ async def test_a_fenced_writer_gives_back_an_input_it_claimed_but_never_recorded
     assert late.status == ipb.STATUS_QUEUED, late
     records = await read_journal(engine, token.run_id)
     assert not [r for r in records if r.HasField("input_placed")]
+
+
+async def test_a_placement_whose_caller_went_away_still_gives_back_its_claim(
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+) -> None:
+    # As above, but the stalled holder's caller gives up on the call (its
+    # deadline, its lease) right after the input is claimed in the bucket, and
+    # the gRPC server cancels the handler. Cancelled there, the placement wrote
+    # neither the record nor the give-back.
+    token = await claimed_run(client, journal)
+    listed, resume_listing = asyncio.Event(), asyncio.Event()
+    claimed, resume_claim = asyncio.Event(), asyncio.Event()
+
+    async def stall(name: str) -> None:
+        if name == "before_inputs_listed" and not listed.is_set():
+            listed.set()
+            await resume_listing.wait()
+        elif name == "after_input_claimed" and not claimed.is_set():
+            claimed.set()
+            await resume_claim.wait()
+
+    assert engine.journal is not None and engine.journal._placement is not None
+    placement = engine.journal._placement
+    seam.install(stall)
+    try:
+        request = jpb.PlaceInputsRequest(token=token, position=0, mode=STEER)
+        handler = asyncio.create_task(placement.place(token, request))
+        await wait_for(listed.is_set)
+        successor = await journal.Claim(
+            jpb.ClaimRequest(run_id=token.run_id, step_id="agent", iteration=0, attempt=2)
+        )
+        mine = jpb.PlaceInputsRequest(token=successor.claimed.token, position=0, mode=STEER)
+        await client.submit_input(token.run_id, "agent", "late", {"steer": 1})
+        resume_listing.set()
+        await wait_for(claimed.is_set)
+        handler.cancel()  # what the server does to a call whose caller went away
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        resume_claim.set()
+
+        async def queued() -> bool:
+            late = await client.get_input(token.run_id, "agent", "late")
+            return late.status == ipb.STATUS_QUEUED
+
+        await wait_for(queued, message="the claim given back")
+    finally:
+        seam.install(None)
+    placed = await journal.PlaceInputs(mine)
+    assert [p.request_id for p in placed.inputs] == ["late"]

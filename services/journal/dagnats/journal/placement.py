@@ -10,6 +10,7 @@ earlier try recorded is part of the answer.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -39,7 +40,17 @@ class InputPlacement:
         """Place the inputs of ``request.mode`` for a writer; the request is valid.
 
         A writer found fenced gives back what it claimed and never recorded.
+        Once begun, a placement runs to its end even when its caller goes
+        away (its deadline, its lease): cancelled between a claim and its
+        record, it would leave the claim with neither record nor give-back.
         """
+        work = asyncio.ensure_future(self._place_or_give_back(token, request))
+        work.add_done_callback(_retrieve)
+        return await asyncio.shield(work)
+
+    async def _place_or_give_back(
+        self, token: pb.WriterToken, request: pb.PlaceInputsRequest
+    ) -> pb.PlaceInputsResponse:
         try:
             return await self._place(token, request)
         except errors.Fenced:
@@ -193,3 +204,13 @@ def _full(placed: list[pb.InputPlaced], state: input_rules.InputState) -> bool:
     """Whether placing ``state`` too would take the answer past its size."""
     size = sum(p.ByteSize() for p in placed) + len(state.content)
     return bool(placed) and size > MAX_PLACED_BYTES
+
+
+def _retrieve(work: asyncio.Future[pb.PlaceInputsResponse]) -> None:
+    """Take the outcome of a placement whose caller went away, so its error
+    is logged as what it is instead of as a task nobody awaited."""
+    if work.cancelled():
+        return
+    err = work.exception()
+    if err is not None and not isinstance(err, errors.DagnatsError):
+        log.warning("a placement ended with %r", err)
