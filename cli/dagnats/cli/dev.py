@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dagnats.cli import demo
 from dagnats.cli.main import DEFAULT_DATA_DIR, DEV_FILE, UsageError, print_run
+from dagnats.core.natsauth import NatsSettings
 from dagnats.core.natsserver import NatsServer, free_port
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
@@ -59,8 +60,13 @@ async def run_dev(args: argparse.Namespace) -> int:
     gateway: GatewayServer | None = None
     worker: Worker | None = None
     try:
+        # Its own server on loopback, open: NATS settings meant for a
+        # deployment in the shell do not apply to it.
         engine = await start_engine(
-            nats.url, port=_port_or_free(args.engine_port), monitor_url=nats.monitor_url
+            nats.url,
+            port=_port_or_free(args.engine_port),
+            monitor_url=nats.monitor_url,
+            nats_settings=NatsSettings(),
         )
         config = GatewayConfig.from_env(
             engine.target, host="127.0.0.1", port=_port_or_free(args.gateway_port)

@@ -39,6 +39,7 @@ from tenacity import (
 
 from dagnats.core import deadline
 from dagnats.core.errors import Unavailable
+from dagnats.core.natsauth import NatsSettings, is_refusal
 from dagnats.core.settings import env_seconds
 
 log = logging.getLogger(__name__)
@@ -96,15 +97,73 @@ class Topology:
     replicas: int = 1
 
 
-async def connect(url: str, *, name: str) -> NATS:
-    """Connect with unlimited reconnects: a service outlives any server restart."""
-    return await nats.connect(
-        servers=url.split(","),
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        connect_timeout=5,
-    )
+async def connect(url: str, *, name: str, settings: NatsSettings | None = None) -> NATS:
+    """Connect with unlimited reconnects: a service outlives any server restart.
+
+    This is the one place the product connects to NATS, so credentials and TLS
+    (``settings``, by default the ``DAGNATS_NATS_*`` environment) apply to
+    every service alike.
+
+    Args:
+        url: one or more comma-separated NATS URLs.
+        name: the connection's name, as the server's monitoring shows it.
+        settings: credentials and TLS; ``NatsSettings.from_env()`` when None.
+
+    Raises:
+        InvalidArgument: a setting is malformed, or the server refused the
+            credential or the TLS handshake at the first connection (a
+            server down is waited for; a refusal would repeat forever). The
+            message and ``field`` name the setting, never its value.
+    """
+    settings = NatsSettings.from_env() if settings is None else settings
+    options: dict[str, Any] = {
+        "servers": url.split(","),
+        "name": name,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "connect_timeout": 5,
+        **settings.connect_options(),
+    }
+    if "tls" in options:
+        logging.getLogger("asyncio").addFilter(_quiet_tls_eof)
+    nc = NATS()
+    refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    async def on_error(err: Exception) -> None:
+        # Only the first connection's refusal ends the start; later ones (a
+        # credential revoked while running) are logged while reconnecting.
+        if is_refusal(err) and not refused.done():
+            refused.set_result(err)  # raised from connect, which says more
+            return
+        log.warning("NATS connection %s: %s", name, err)
+
+    connecting = asyncio.ensure_future(nc.connect(error_cb=on_error, **options))
+    waiting: list[asyncio.Future[Any]] = [connecting, refused]
+    try:
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            raise settings.refused(url, refused.result())
+        connecting.result()
+    except BaseException:
+        await _abandon(nc, connecting)
+        raise
+    finally:
+        refused.cancel()
+    return nc
+
+
+def _quiet_tls_eof(record: logging.LogRecord) -> bool:
+    # nats-py's protocol answers a closed connection's EOF with True, which
+    # asyncio ignores under TLS, and logs a warning for at every disconnect.
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+async def _abandon(nc: NATS, connecting: asyncio.Future[None]) -> None:
+    connecting.cancel()
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await connecting
+    with contextlib.suppress(Exception):
+        await nc.close()
 
 
 def _streams(topology: Topology) -> list[StreamConfig]:

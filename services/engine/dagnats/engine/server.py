@@ -16,6 +16,7 @@ from nats.aio.subscription import Subscription
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import InvalidArgument
+from dagnats.core.natsauth import NatsSettings
 from dagnats.core.natsserver import check_sync_always
 from dagnats.core.settings import is_loopback
 from dagnats.engine.access import missing_for_open_host
@@ -82,6 +83,7 @@ async def start_engine(
     with_inputs: bool = True,
     monitor_url: str | None = None,
     security: ServerSecurity | None = None,
+    nats_settings: NatsSettings | None = None,
 ) -> EngineServer:
     """Connect, provision streams and buckets, start the loops and serve gRPC.
 
@@ -98,11 +100,14 @@ async def start_engine(
             warns at start-up unless the server fsyncs every write.
         security: TLS and the credentials every call needs; None serves
             plaintext to anyone, which only a loopback ``host`` allows.
+        nats_settings: NATS credentials and TLS; by default the
+            ``DAGNATS_NATS_*`` environment.
 
     Raises:
         InvalidArgument: a non-loopback ``host`` without both TLS and
             authentication (naming the missing settings), settings that do
-            not fit together, or unreadable certificate, key or tokens files.
+            not fit together, or unreadable certificate, key or tokens files;
+            a NATS setting that is malformed, or refused by nats-server.
     """
     security = security or ServerSecurity()
     security.check()
@@ -111,7 +116,7 @@ async def start_engine(
     guard = security.interceptor()
     config = config or EngineConfig.from_env()
     await _check_durability(monitor_url)
-    nc = await jsx.connect(nats_url, name="dagnats-engine")
+    nc = await jsx.connect(nats_url, name="dagnats-engine", settings=nats_settings)
     await jsx.provision(nc.jetstream(), topology)
     input_store = await InputStore.open(nc)
     engine = Engine(await EngineStore.open(nc), config, inputs=input_store)
