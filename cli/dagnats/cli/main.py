@@ -19,6 +19,8 @@ from typing import Any
 
 from dagnats.cli.journal import RETRY_FOR, add_journal_commands, run_journal
 from dagnats.core.errors import DagnatsError, Unavailable
+from dagnats.core.natsauth import FLAGS as NATS_FLAGS
+from dagnats.core.natsauth import NatsSettings
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Credentials
 from dagnats.sdk.views import decode_payload, enum_name, run_dict, workflow_dict
@@ -103,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("DAGNATS_NATS_MONITOR"),
         help="nats-server monitoring URL, to check sync_interval at start-up",
     )
+    for setting, (flag, about) in NATS_FLAGS.items():
+        serve.add_argument(flag, default=None, help=f"engine: {about} ({setting})")
 
     _workflow_commands(sub.add_parser("workflow", help="register and read workflows"))
     _run_commands(sub.add_parser("run", help="start, read, cancel and watch runs"))
@@ -354,6 +358,7 @@ async def _serve(args: argparse.Namespace) -> int:
         topology=Topology(replicas=replicas),
         monitor_url=args.nats_monitor,
         security=ServerSecurity.from_env(),
+        nats_settings=_nats_settings(args),
     )
     print(f"engine serving on {server.target}", flush=True)
     try:
@@ -361,6 +366,12 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         await server.stop()
     return 0
+
+
+def _nats_settings(args: argparse.Namespace) -> NatsSettings:
+    """The ``DAGNATS_NATS_*`` settings, each flag given in place of its variable."""
+    flags = {s: getattr(args, f.lstrip("-").replace("-", "_")) for s, (f, _) in NATS_FLAGS.items()}
+    return NatsSettings.from_env({**os.environ, **{s: v for s, v in flags.items() if v}})
 
 
 async def _serve_gateway(args: argparse.Namespace) -> int:
