@@ -28,27 +28,29 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
 from dagnats.core import errors
+from dagnats.core.natsconfig import ClusterConfig, NatsUser, Security, ServerConfig, TLSFiles
 
 __all__ = [
     "ClusterConfig",
     "NatsCluster",
     "NatsServer",
     "NatsServerError",
+    "NatsUser",
+    "Security",
     "ServerConfig",
+    "TLSFiles",
     "check_sync_always",
     "free_port",
     "server_binary",
 ]
 
 _BINARY = "nats-server"
-_MAX_PAYLOAD = 8 * 1024 * 1024
 _POLL_INTERVAL = 0.02
 _LOG_TAIL_BYTES = 4000
 
@@ -122,55 +124,6 @@ def _free_ports(count: int, host: str) -> list[int]:
         return [sock.getsockname()[1] for sock in socks]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ClusterConfig:
-    """The ``cluster {}`` block: this server's route port and every member's route URL."""
-
-    name: str
-    port: int
-    routes: tuple[str, ...]
-    host: str = "127.0.0.1"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServerConfig:
-    """Everything written into one server's config file."""
-
-    store_dir: Path
-    port: int
-    monitor_port: int
-    host: str = "127.0.0.1"
-    sync_always: bool = True
-    server_name: str | None = None
-    cluster: ClusterConfig | None = None
-    log_file: Path | None = None
-
-    @property
-    def config_file(self) -> Path:
-        return self.store_dir / "nats-server.conf"
-
-    def render(self) -> str:
-        """The nats-server configuration text."""
-        q = json.dumps  # a JSON string is a valid quoted string in the NATS config syntax
-        lines = [
-            f"listen: {q(f'{self.host}:{self.port}')}",
-            f"http: {q(f'{self.host}:{self.monitor_port}')}",
-            f"max_payload: {_MAX_PAYLOAD}",
-            "jetstream {",
-            f"  store_dir: {q(str(self.store_dir))}",
-        ]
-        if self.server_name is not None:
-            lines.insert(0, f"server_name: {q(self.server_name)}")
-        if self.sync_always:
-            lines.append("  sync_interval: always")
-        lines.append("}")
-        if self.cluster is not None:
-            c = self.cluster
-            lines += ["cluster {", f"  name: {q(c.name)}", f"  listen: {q(f'{c.host}:{c.port}')}"]
-            lines += ["  routes: [", *(f"    {q(r)}" for r in c.routes), "  ]", "}"]
-        return "\n".join(lines) + "\n"
-
-
 class NatsServer:
     """One nats-server process with JetStream, owned by this Python process."""
 
@@ -191,6 +144,7 @@ class NatsServer:
         sync_always: bool = True,
         server_name: str | None = None,
         cluster: ClusterConfig | None = None,
+        security: Security | None = None,
         log_file: Path | None = None,
         ready_timeout: float = 10.0,
     ) -> NatsServer:
@@ -203,6 +157,8 @@ class NatsServer:
             sync_always: write ``sync_interval: always`` (fsync before every ack).
             server_name: fixed server name (required in a cluster, where it must be stable).
             cluster: a ``cluster {}`` block, for :class:`NatsCluster`.
+            security: accounts, users and TLS; None serves anonymous clients
+                in plaintext (loopback only).
             log_file: where stdout/stderr go; default ``store_dir/nats-server.log``.
             ready_timeout: seconds to wait for JetStream to be ready.
 
@@ -223,6 +179,7 @@ class NatsServer:
                 sync_always=sync_always,
                 server_name=server_name,
                 cluster=cluster,
+                security=security,
                 log_file=log_file,
             )
             try:
@@ -245,6 +202,7 @@ class NatsServer:
         sync_always: bool,
         server_name: str | None,
         cluster: ClusterConfig | None,
+        security: Security | None = None,
         log_file: Path | None = None,
     ) -> NatsServer:
         monitor_port, client_port = _free_ports(2, host)
@@ -257,6 +215,7 @@ class NatsServer:
             sync_always=sync_always,
             server_name=server_name,
             cluster=cluster,
+            security=security,
             log_file=log_file or store_dir / "nats-server.log",
         )
         return cls(config)
@@ -387,9 +346,12 @@ class NatsCluster:
         host: str = "127.0.0.1",
         name: str = "dagnats",
         sync_always: bool = True,
+        security: Security | None = None,
         ready_timeout: float = 30.0,
     ) -> NatsCluster:
-        """Start ``size`` servers, each with a store under ``base_dir/n<i>``.
+        """Start ``size`` servers, each with a store under ``base_dir/n<i>``;
+        with ``security``, every member has its accounts and TLS (route TLS
+        from ``security.route_tls``).
 
         A port found free can be taken by another socket before the server binds
         it, so a start that fails that way is tried again with new ports.
@@ -403,7 +365,15 @@ class NatsCluster:
         """
         for tries_left in range(2, -1, -1):
             try:
-                return await cls._start_once(base_dir, size, host, name, sync_always, ready_timeout)
+                return await cls._start_once(
+                    base_dir,
+                    size,
+                    host=host,
+                    name=name,
+                    sync_always=sync_always,
+                    security=security,
+                    ready_timeout=ready_timeout,
+                )
             except NatsServerError as err:
                 if tries_left == 0 or "address already in use" not in str(err):
                     raise
@@ -414,9 +384,11 @@ class NatsCluster:
         cls,
         base_dir: Path,
         size: int,
+        *,
         host: str,
         name: str,
         sync_always: bool,
+        security: Security | None,
         ready_timeout: float,
     ) -> NatsCluster:
         route_ports = _free_ports(size, host)
@@ -429,6 +401,7 @@ class NatsCluster:
                 sync_always=sync_always,
                 server_name=f"n{i + 1}",
                 cluster=ClusterConfig(name=name, port=p, routes=routes, host=host),
+                security=security,
             )
             for i, p in enumerate(route_ports)
         ]
