@@ -1,12 +1,16 @@
 """Fixtures: a real nats-server (and a 3-node cluster) on free ports with temp
 stores, the engine on it (gRPC on port 0) with a client, and an in-memory span
-exporter for tracing assertions."""
+exporter for tracing assertions. With ``DAGNATS_TEST_NATS_AUTH=1`` the servers
+require credentials and TLS, and the services use them (``tests/secured.py``)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +26,7 @@ from dagnats.engine.server import EngineServer, start_engine
 from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
 from dagnats.sdk import Client, Worker
 from tests.gates import Gates, two_steps
+from tests.secured import install_suite_certs, suite_auth, suite_security
 from tests.stack import FAST, unique
 
 # No test reaches a real model: a model or a key set in the shell that runs the
@@ -30,10 +35,18 @@ for _name in ("DAGNATS_MODEL", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_BA
     os.environ.pop(_name, None)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With ``DAGNATS_TEST_NATS_AUTH=1``, the session's certificates and the
+    services' NATS settings, before any server starts."""
+    if suite_auth():
+        certs = install_suite_certs(Path(tempfile.mkdtemp(prefix="dagnats-nats-certs-")))
+        config.add_cleanup(lambda: shutil.rmtree(certs.dir, ignore_errors=True))
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def nats_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[NatsServer]:
     """A JetStream server (sync_interval: always) shared by the tests of one module."""
-    server = await NatsServer.start(tmp_path_factory.mktemp("nats"))
+    server = await NatsServer.start(tmp_path_factory.mktemp("nats"), security=suite_security())
     try:
         yield server
     finally:
@@ -43,7 +56,9 @@ async def nats_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[NatsCluster]:
     """A 3-node JetStream cluster on loopback, shared by the tests of one module."""
-    cluster = await NatsCluster.start(tmp_path_factory.mktemp("nats-cluster"))
+    cluster = await NatsCluster.start(
+        tmp_path_factory.mktemp("nats-cluster"), security=suite_security()
+    )
     try:
         yield cluster
     finally:

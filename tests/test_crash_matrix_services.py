@@ -40,6 +40,7 @@ from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, run_output
 from tests.helpers import wait_for
 from tests.matrix import CASES, EngineProcess, lines, reap, spawn_worker, zombie_turn
+from tests.secured import suite_security
 from tests.stack import loop_workflow, steps_by_id, unique
 
 SEAMS = ("after_dispatch_saved", "after_input_claimed", "after_commit_stored")
@@ -64,9 +65,9 @@ async def stack(
     base = tmp_path_factory.mktemp("services")
     nats: NatsServer | NatsCluster
     if replicas == 1:
-        nats = await NatsServer.start(base / "nats")
+        nats = await NatsServer.start(base / "nats", security=suite_security())
     else:
-        nats = await NatsCluster.start(base / "nats")
+        nats = await NatsCluster.start(base / "nats", security=suite_security())
     arm, hit = base / "arm", base / "hit"
     engines = tuple(
         EngineProcess(nats.url, base, f"engine-{i}", replicas=replicas, arm=arm, hit=hit)

@@ -61,6 +61,7 @@ from tests.chaos import worker as chaos_worker
 from tests.chaos.faults import JournalTap, LossyPublish, instrumented_journal
 from tests.helpers import wait_for
 from tests.matrix import child_env
+from tests.secured import suite_security
 from tests.stack import FAST, loop_workflow, steps_by_id
 from tests.workers import agent
 
@@ -161,8 +162,11 @@ class Soak:
         )
         began = time.monotonic()
         nats_dir = self.base / "nats"
+        security = suite_security()  # DAGNATS_TEST_NATS_AUTH: accounts and TLS
         self.nats: NatsServer | NatsCluster = await (
-            NatsCluster.start(nats_dir) if c.topology == "cluster" else NatsServer.start(nats_dir)
+            NatsCluster.start(nats_dir, security=security)
+            if c.topology == "cluster"
+            else NatsServer.start(nats_dir, security=security)
         )
         try:
             acks_rng = random.Random(f"{c.seed}/acks")
