@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Make what docker-compose.yml mounts, for a deployment of your own:
+#   deploy/certs/ca/       the CAs and their keys (mounted nowhere; keep them safe);
+#   deploy/certs/nats/     for nats-server: its certificate (nats-1..3), the CA
+#                          of its clients, the routes' own CA and certificate;
+#   deploy/certs/services/ for the engines: their client certificate for NATS,
+#                          the CA of nats-server's, the gRPC server certificate;
+#   deploy/certs/gateway/  for the gateway: the CA of the engine's certificate;
+#   deploy/secrets/        the services' nkey seed (nats-user.nk);
+# and print the line to put in .env (the nkey's public key).
+# Usage: deploy/make-certs.sh [DAYS]   (default 365). Needs openssl and python
+# with dagnats installed (for the nkey). Existing files are kept.
+set -euo pipefail
+cd "$(dirname "$0")"
+days=${1:-365}
+mkdir -p certs/ca certs/nats certs/services certs/gateway secrets
+chmod 700 certs/ca secrets
+
+ca() { # name subject
+  [[ -f certs/ca/$1.pem ]] && return
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days "$days" \
+    -subj "/CN=$2" -keyout "certs/ca/$1.key" -out "certs/ca/$1.pem" 2>/dev/null
+}
+
+leaf() { # dir/name ca subject-alt-names extended-key-usage
+  [[ -f certs/$1.pem ]] && return
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=${1#*/}" \
+    -keyout "certs/$1.key" -out "certs/$1.csr" 2>/dev/null
+  openssl x509 -req -in "certs/$1.csr" -CA "certs/ca/$2.pem" -CAkey "certs/ca/$2.key" \
+    -CAcreateserial -days "$days" -out "certs/$1.pem" \
+    -extfile <(printf 'subjectAltName=%s\nextendedKeyUsage=%s\n' "$3" "$4") 2>/dev/null
+  rm "certs/$1.csr"
+  chmod 644 "certs/$1.key" # read by the containers' users; the directory is yours
+}
+
+nodes="DNS:nats-1,DNS:nats-2,DNS:nats-3,DNS:localhost,IP:127.0.0.1"
+ca ca "dagnats CA"
+ca route-ca "dagnats route CA"
+engines="DNS:engine,DNS:engine-2,DNS:localhost,IP:127.0.0.1"
+leaf nats/nats-server ca "$nodes" serverAuth
+leaf nats/route route-ca "$nodes" "serverAuth,clientAuth"
+leaf services/services ca "DNS:dagnats-services" clientAuth
+leaf services/engine ca "$engines" serverAuth
+cp certs/ca/ca.pem certs/nats/ca.pem
+cp certs/ca/route-ca.pem certs/nats/route-ca.pem
+cp certs/ca/ca.pem certs/services/ca.pem
+cp certs/ca/ca.pem certs/gateway/ca.pem
+
+if [[ ! -f secrets/nats-user.nk ]]; then
+  python -c 'import nkeys, os, sys; sys.stdout.buffer.write(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))' \
+    > secrets/nats-user.nk
+fi
+public=$(python -c 'import nkeys, sys; print(nkeys.from_seed(bytearray(open(sys.argv[1], "rb").read().strip())).public_key.decode())' secrets/nats-user.nk)
+echo "DAGNATS_NATS_NKEY_PUBLIC=$public"
