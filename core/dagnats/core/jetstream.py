@@ -135,7 +135,10 @@ async def connect(url: str, *, name: str, settings: NatsSettings | None = None) 
         if is_refusal(err) and not refused.done():
             refused.set_result(err)  # raised from connect, which says more
             return
-        log.warning("NATS connection %s: %s", name, err)
+        # Until the first connection stands, a socket error is most often the
+        # server closing on a refusal reported next, or a server not up yet.
+        level = logging.WARNING if connecting.done() else logging.INFO
+        log.log(level, "NATS connection %s: %s", name, err)
 
     connecting = asyncio.ensure_future(nc.connect(error_cb=on_error, **options))
     waiting: list[asyncio.Future[Any]] = [connecting, refused]
