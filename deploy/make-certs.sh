@@ -5,7 +5,8 @@
 #                          of its clients, the routes' own CA and certificate;
 #   deploy/certs/services/ for the engines: their client certificate for NATS,
 #                          the CA of nats-server's, the gRPC server certificate;
-#   deploy/certs/gateway/  for the gateway: the CA of the engine's certificate;
+#   deploy/certs/gateway/  for the gateway: the CA of the engine's certificate,
+#                          and its own HTTPS certificate and key;
 #   deploy/secrets/        the services' nkey seed (nats-user.nk);
 # and print the line to put in .env (the nkey's public key).
 # Usage: deploy/make-certs.sh [DAYS]   (default 365). Needs openssl and python
@@ -41,6 +42,7 @@ leaf nats/nats-server ca "$nodes" serverAuth
 leaf nats/route route-ca "$nodes" "serverAuth,clientAuth"
 leaf services/services ca "DNS:dagnats-services" clientAuth
 leaf services/engine ca "$engines" serverAuth
+leaf gateway/gateway ca "DNS:gateway,DNS:localhost,IP:127.0.0.1" serverAuth
 cp certs/ca/ca.pem certs/nats/ca.pem
 cp certs/ca/route-ca.pem certs/nats/route-ca.pem
 cp certs/ca/ca.pem certs/services/ca.pem

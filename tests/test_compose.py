@@ -147,6 +147,8 @@ def test_the_grpc_and_gateway_ports_are_not_open() -> None:
         if "serve gateway" in command(service):
             env = service["environment"]
             assert host_path(service, env["DAGNATS_TLS_CA"]), "the engine's CA is not mounted"
+            for setting in ("DAGNATS_GATEWAY_TLS_CERT", "DAGNATS_GATEWAY_TLS_KEY"):
+                assert host_path(service, env[setting]), f"{name}: {setting} is not mounted"
             tokens = ("DAGNATS_API_TOKEN", "DAGNATS_BRIDGE_TOKEN")
             for token in (*tokens, "DAGNATS_GATEWAY_CLIENT_TOKEN", "DAGNATS_GATEWAY_WORKER_TOKEN"):
                 assert re.fullmatch(rf"\$\{{{token}:\?.+\}}", env[token]), f"{token} required"

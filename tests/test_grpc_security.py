@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import ssl
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -491,6 +492,38 @@ async def test_the_gateway_holds_its_own_credentials_for_the_engine(
     assert schemes["bridge_token"]["scheme"] == "bearer"
     assert document["paths"]["/runs"]["get"]["security"] == [{"api_token": []}]
     assert document["paths"]["/bridge/poll"]["post"]["security"] == [{"bridge_token": []}]
+
+
+async def test_the_gateway_serves_https_with_its_certificate(
+    engine: EngineServer, pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DAGNATS_API_TOKEN", "http-api")
+    monkeypatch.setenv("DAGNATS_BRIDGE_TOKEN", "http-bridge")
+    monkeypatch.setenv("DAGNATS_GATEWAY_TLS_CERT", str(pki.cert))
+    monkeypatch.setenv("DAGNATS_GATEWAY_CLIENT_TOKEN", TOKENS["client"])
+    monkeypatch.setenv("DAGNATS_TLS_CA", str(pki.ca))
+    with pytest.raises(InvalidArgument, match="go together") as half:
+        GatewayConfig.from_env(engine.target, host="127.0.0.1", port=0)
+    assert half.value.field == "DAGNATS_GATEWAY_TLS_KEY"
+    monkeypatch.setenv("DAGNATS_GATEWAY_TLS_KEY", str(pki.cert))  # not a key
+    with pytest.raises(InvalidArgument, match="cannot serve TLS"):
+        await start_gateway(GatewayConfig.from_env(engine.target, host="127.0.0.1", port=0))
+    monkeypatch.setenv("DAGNATS_GATEWAY_TLS_KEY", str(pki.key))
+    server = await start_gateway(GatewayConfig.from_env(engine.target, host="127.0.0.1", port=0))
+    try:
+        assert server.url.startswith("https://")
+        trusted = ssl.create_default_context(cafile=str(pki.ca))
+        async with httpx.AsyncClient(base_url=server.url, verify=trusted) as http:
+            assert (await http.get("/runs", headers=API)).status_code == 200
+        plain = server.url.replace("https://", "http://")
+        async with httpx.AsyncClient(base_url=plain) as http:
+            with pytest.raises(httpx.HTTPError):
+                await http.get("/runs", headers=API)
+        async with httpx.AsyncClient(base_url=server.url) as http:  # the system's CAs
+            with pytest.raises(httpx.ConnectError):
+                await http.get("/healthz")
+    finally:
+        await server.stop()
 
 
 async def test_a_journaled_run_through_the_gateway_and_its_worker_bridge(

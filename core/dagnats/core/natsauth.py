@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dagnats.core.errors import InvalidArgument
+from dagnats.core.settings import env_file
 
 __all__ = ["FLAGS", "NatsSettings", "is_refusal"]
 
@@ -224,13 +225,7 @@ def _is_auth(err: BaseException) -> bool:
 
 
 def _file(env: Mapping[str, str], name: str) -> Path | None:
-    raw = env.get(name)  # set but empty counts as unset
-    if not raw:
-        return None
-    path = Path(raw)
-    if not path.is_file() or not os.access(path, os.R_OK):
-        raise InvalidArgument(f"{name}: {raw} is not a readable file", field=name)
-    return path
+    return env_file(name, env)
 
 
 def _secret(env: Mapping[str, str], name: str, file_name: str) -> str | None:

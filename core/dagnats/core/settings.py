@@ -11,6 +11,8 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+from collections.abc import Mapping
+from pathlib import Path
 
 from dagnats.core.errors import InvalidArgument
 
@@ -63,3 +65,15 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def env_file(name: str, env: Mapping[str, str] | None = None) -> Path | None:
+    """A readable file named by ``name``; None when unset (set but empty counts
+    as unset)."""
+    raw = (os.environ if env is None else env).get(name)
+    if not raw:
+        return None
+    path = Path(raw)
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise InvalidArgument(f"{name}: {raw} is not a readable file", field=name)
+    return path

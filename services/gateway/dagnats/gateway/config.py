@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from dagnats.core.settings import env_seconds
+from dagnats.core.errors import InvalidArgument
+from dagnats.core.settings import env_file, env_seconds
 from dagnats.sdk import Credentials
 
 # Defaults a user can rely on; each is documented in the README.
@@ -43,6 +45,9 @@ class GatewayConfig:
             it too (``/bridge/read``: reading is a client's call).
         worker_credentials: How the worker bridge reaches the engine: a token
             with the worker role and TLS files.
+        tls_cert: PEM certificate chain the gateway serves HTTPS with
+            (``DAGNATS_GATEWAY_TLS_CERT``); None serves plain HTTP.
+        tls_key: Its private key (``DAGNATS_GATEWAY_TLS_KEY``).
     """
 
     engine_target: str
@@ -55,6 +60,18 @@ class GatewayConfig:
     retry_for: float = DEFAULT_RETRY_FOR
     client_credentials: Credentials = field(default_factory=Credentials)
     worker_credentials: Credentials = field(default_factory=Credentials)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            missing = (
+                "DAGNATS_GATEWAY_TLS_KEY" if self.tls_key is None else "DAGNATS_GATEWAY_TLS_CERT"
+            )
+            raise InvalidArgument(
+                "DAGNATS_GATEWAY_TLS_CERT and DAGNATS_GATEWAY_TLS_KEY go together: set both",
+                field=missing,
+            )
 
     @classmethod
     def from_env(cls, engine_target: str, *, host: str, port: int) -> GatewayConfig:
@@ -62,7 +79,8 @@ class GatewayConfig:
         unset), the retry budget from ``DAGNATS_GATEWAY_RETRY_FOR``; towards the
         engine, TLS from ``DAGNATS_TLS_*`` and the tokens
         ``DAGNATS_GATEWAY_CLIENT_TOKEN`` (REST API) and
-        ``DAGNATS_GATEWAY_WORKER_TOKEN`` (worker bridge)."""
+        ``DAGNATS_GATEWAY_WORKER_TOKEN`` (worker bridge); HTTPS from
+        ``DAGNATS_GATEWAY_TLS_CERT`` and ``DAGNATS_GATEWAY_TLS_KEY``."""
         tls = Credentials.from_env()
 
         def with_token(var: str) -> Credentials:
@@ -78,6 +96,8 @@ class GatewayConfig:
             retry_for=env_seconds("DAGNATS_GATEWAY_RETRY_FOR", DEFAULT_RETRY_FOR),
             client_credentials=with_token("DAGNATS_GATEWAY_CLIENT_TOKEN"),
             worker_credentials=with_token("DAGNATS_GATEWAY_WORKER_TOKEN"),
+            tls_cert=env_file("DAGNATS_GATEWAY_TLS_CERT"),
+            tls_key=env_file("DAGNATS_GATEWAY_TLS_KEY"),
         )
 
     @property

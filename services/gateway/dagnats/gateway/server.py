@@ -65,6 +65,12 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
             "%s accept requests without a token; serving on loopback only",
             " and ".join(open_parts),
         )
+    if config.tls_cert is None and not is_loopback(config.host):
+        log.warning(
+            "serving plain HTTP on %s: tokens travel in the clear; set "
+            "DAGNATS_GATEWAY_TLS_CERT and DAGNATS_GATEWAY_TLS_KEY, or end TLS in front of it",
+            config.host,
+        )
     sock = _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     uv_config = uvicorn.Config(
@@ -72,7 +78,17 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
         log_level="warning",
         lifespan="on",
         timeout_graceful_shutdown=GRACE_SECONDS,
+        ssl_certfile=config.tls_cert,
+        ssl_keyfile=config.tls_key,
     )
+    try:
+        uv_config.load()  # reads the certificate and key: refuse a bad pair here
+    except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+        sock.close()
+        raise InvalidArgument(
+            f"DAGNATS_GATEWAY_TLS_CERT/KEY: cannot serve TLS with them: {err}",
+            field="DAGNATS_GATEWAY_TLS_CERT",
+        ) from None
     server = _Server(uv_config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="dagnats-gateway")
     deadline = asyncio.get_running_loop().time() + STARTUP_SECONDS
@@ -84,7 +100,8 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
             raise Unavailable(f"the gateway did not start on {host}:{port}")
         await asyncio.sleep(0.01)
     shown = f"[{host}]" if ":" in host else host
-    return GatewayServer(url=f"http://{shown}:{port}", _server=server, _task=task)
+    scheme = "https" if config.tls_cert is not None else "http"
+    return GatewayServer(url=f"{scheme}://{shown}:{port}", _server=server, _task=task)
 
 
 def _bind(host: str, port: int) -> socket.socket:
