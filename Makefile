@@ -58,10 +58,11 @@ proto-check: proto ## fail when the generated code is stale
 	@git diff --exit-code --stat -- '*_pb2.py' '*_pb2.pyi' '*_pb2_grpc.py' '*_pb2_grpc.pyi' \
 	  || { echo "generated code is stale: run 'make proto' and commit" >&2; exit 1; }
 
-bench: setup ## journal overhead against a raw JetStream floor; live token streams; waits
+bench: setup ## journal overhead and the agent-turn workload against raw JetStream; streams; waits
 	$(PY) -m tests.bench
 	$(PY) -m tests.bench_stream
 	$(PY) -m tests.bench_wait
+	$(PY) -m tests.bench_turn
 
 test-guards: setup ## delete each safety guard in a scratch copy; a named test must fail
 	$(PY) -m tests.guards

@@ -1,0 +1,736 @@
+"""The agent-turn workload through the product as a user deploys it, beside
+the raw JetStream floor measured in the same run.
+
+Run with ``make bench`` or ``python -m tests.bench_turn``.
+
+The workload is the peers' (``BENCH_K`` = 50 iterations a run; each one
+journaled model call and one journaled unsafe tool call, both returning at
+once: two journaled steps an iteration). Four processes, as deployed:
+
+- ``dagnats dev --no-demo`` (the engine, the journal and inputs services and
+  the gateway in one process; free ports; a temporary data directory), which
+  starts nats-server with ``sync_interval: always`` as its child;
+- a worker process (``python -m tests.bench_turn worker``) running the
+  journaled handler;
+- this process, the client: ``Client.run`` starts a run and waits for its
+  result on the run's ``WatchRun`` push.
+
+Phases, each the floor's and then dagnats', so both see the machine alike:
+
+- ``seq``: one run at a time; a step is run wall / K / 2; median and p90 of
+  ``BENCH_RUNS`` (20) runs after ``BENCH_WARMUP`` (3);
+- ``thr``: ``BENCH_C`` (20) runs at once; steps/s of a round, the median of
+  ``BENCH_THR_ROUNDS`` (5) after one warm-up round; CPU ms per step of each
+  process (utime + stime from /proc) over the timed rounds;
+- ``start``: a K=1 run, start to result seen by the client, ``BENCH_START_RUNS``
+  (50) times;
+- messages per iteration, untimed: what nats-server counted (``/varz``), what
+  each stream stored (``/jsz``) and what clients sent, by kind (a tap on ``>``);
+- fsync calls per step on nats-server, with ``strace`` when it is installed
+  (``BENCH_STRACE=0`` skips it): sequential runs, then one concurrent round.
+
+The floor is what ``../shared/peers`` calls the naive JetStream journal: per
+iteration one tail read and five publishes fenced on the subject's last
+sequence, with nats-py on the same server. The record goes to ``$BENCH_OUT``
+(``/tmp/peers-results``) in the peers' format, so their ``summarize.py`` shows
+it beside them. Nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STEPS_PER_ITER = 2
+FLOOR_APPENDS = 5  # the peers' naive journal: model req/res, tool req/res, iteration done
+FLOOR_STREAM = "BENCHFLOOR"
+SYNC_CALLS = ("fsync", "fdatasync", "sync_file_range", "msync", "syncfs", "sync")
+HERE = Path(__file__).resolve().parent
+
+
+# ---- knobs ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Params:
+    k: int = 50
+    c: int = 20
+    runs: int = 20
+    warmup: int = 3
+    thr_rounds: int = 5
+    start_runs: int = 50
+    strace: bool = True
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Params:
+        """The knobs from ``BENCH_*`` variables; a bad one stops with its name."""
+
+        def number(name: str, default: int, least: int) -> int:
+            raw = env.get(name, "")
+            if not raw:
+                return default
+            try:
+                value = int(raw)
+            except ValueError:
+                raise SystemExit(f"{name} must be a whole number, got {raw!r}") from None
+            if value < least:
+                raise SystemExit(f"{name} must be at least {least}, got {value}")
+            return value
+
+        return cls(
+            k=number("BENCH_K", cls.k, 1),
+            c=number("BENCH_C", cls.c, 1),
+            runs=number("BENCH_RUNS", cls.runs, 2),
+            warmup=number("BENCH_WARMUP", cls.warmup, 0),
+            thr_rounds=number("BENCH_THR_ROUNDS", cls.thr_rounds, 1),
+            start_runs=number("BENCH_START_RUNS", cls.start_runs, 2),
+            strace=env.get("BENCH_STRACE", "1") not in ("0", "", "no", "false"),
+        )
+
+    def peers(self) -> dict[str, int]:
+        """The ``params`` of a peers' record."""
+        return {
+            "K": self.k,
+            "C": self.c,
+            "seq_runs": self.runs,
+            "warmup": self.warmup,
+            "start_runs": self.start_runs,
+            "thr_rounds": self.thr_rounds,
+        }
+
+
+# ---- summaries, as the peers make them ----------------------------------------------------
+
+
+def pct(xs: Iterable[float], p: float) -> float:
+    """The nearest-rank percentile ``p`` (0..100)."""
+    ordered = sorted(xs)
+    if not ordered:
+        return float("nan")
+    rank = max(0, min(len(ordered) - 1, round(p / 100.0 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def summarize(xs: list[float]) -> dict[str, float]:
+    return {
+        "n": len(xs),
+        "median": statistics.median(xs),
+        "p90": pct(xs, 90),
+        "min": min(xs),
+        "max": max(xs),
+    }
+
+
+def seq_result(walls: list[float], k: int) -> dict[str, Any]:
+    per_iter = [w * 1000.0 / k for w in walls]
+    return {
+        "per_iter_ms": summarize(per_iter),
+        "per_step_ms": summarize([x / STEPS_PER_ITER for x in per_iter]),
+        "run_ms": summarize([w * 1000.0 for w in walls]),
+    }
+
+
+def thr_result(walls: list[float], c: int, k: int) -> dict[str, Any]:
+    steps = c * k * STEPS_PER_ITER
+    return {
+        "steps_per_s": summarize([steps / w for w in walls]),
+        "round_wall_s": summarize(walls),
+        "steps_per_round": steps,
+    }
+
+
+def start_result(walls: list[float]) -> dict[str, Any]:
+    return {"k1_run_ms": summarize([w * 1000.0 for w in walls])}
+
+
+# ---- processes: CPU, strace -------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of every thread of ``pid`` (not of its children)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(x) for x in f.read().split()]
+    return found
+
+
+def cpu_per_step(before: dict[str, float], after: dict[str, float], steps: int) -> dict[str, float]:
+    per = {name: (after[name] - before[name]) * 1000.0 / steps for name in before}
+    per["total"] = sum(per.values())
+    return {name: round(ms, 4) for name, ms in per.items()}
+
+
+_STRACE_ROW = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$")
+
+
+def parse_strace_summary(text: str) -> dict[str, int]:
+    """Calls by syscall from the table ``strace -c`` writes."""
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if (row := _STRACE_ROW.match(line)) and row.group(2) != "total":
+            counts[row.group(2)] = int(row.group(1))
+    return counts
+
+
+def sync_calls(counts: Mapping[str, int]) -> int:
+    return sum(n for name, n in counts.items() if name in SYNC_CALLS)
+
+
+class Strace:
+    """``strace -f -c`` on one process for the length of a block."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.pid, self.out = pid, out
+        self.counts: dict[str, int] = {}
+
+    async def __aenter__(self) -> Strace:
+        args = ["strace", "-f", "-c", "-o", str(self.out), "-e", f"trace={','.join(SYNC_CALLS)}"]
+        self.proc = await asyncio.create_subprocess_exec(
+            *args, "-p", str(self.pid), stderr=subprocess.DEVNULL
+        )
+        await wait_until(lambda: _traced(self.pid), 10.0, "strace to attach")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(self.proc.wait(), 30)
+        self.counts = parse_strace_summary(self.out.read_text())
+
+
+def _traced(pid: int) -> bool:
+    tasks = os.listdir(f"/proc/{pid}/task")
+    for task in tasks:
+        status = Path(f"/proc/{pid}/task/{task}/status").read_text()
+        if re.search(r"^TracerPid:\s+0$", status, re.M):
+            return False
+    return bool(tasks)
+
+
+async def wait_until(check: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+# ---- nats-server's own counts -----------------------------------------------------------
+
+
+def get_json(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())  # type: ignore[no-any-return]
+
+
+def stream_seqs(jsz: Mapping[str, Any]) -> dict[str, int]:
+    """The last sequence of every stream in ``/jsz?streams=true``."""
+    seqs: dict[str, int] = {}
+    for account in jsz.get("account_details", []):
+        for stream in account.get("stream_detail", []):
+            seqs[stream["name"]] = int(stream["state"]["last_seq"])
+    return seqs
+
+
+def per_iteration(before: Mapping[str, int], after: Mapping[str, int], n: int) -> dict[str, float]:
+    """What grew between two counts, per iteration; unchanged keys left out."""
+    grew = {key: (after.get(key, 0) - before.get(key, 0)) / n for key in after}
+    return {key: round(v, 2) for key, v in sorted(grew.items()) if v}
+
+
+# ---- the workload -----------------------------------------------------------------------
+
+
+def model_output(i: int) -> dict[str, Any]:
+    return {"tool": "charge", "input": {"n": i}}
+
+
+def tool_output(call_input: Mapping[str, Any]) -> dict[str, Any]:
+    return {"ok": True, "charged": call_input["n"]}
+
+
+async def run_worker(target: str, task: str, concurrency: int) -> None:
+    """The worker process: a journaled handler, one model and one unsafe tool
+    call an iteration, ``k`` iterations (the run's input)."""
+    from dagnats.sdk import Replay, TaskContext, ToolCall, ToolRun, Worker
+
+    async def charge(run: ToolRun) -> dict[str, Any]:
+        return tool_output(run.call.input)
+
+    async def turn(tc: TaskContext) -> None:
+        j = await tc.journal()
+        i = tc.iteration
+
+        async def model() -> dict[str, Any]:
+            return model_output(i)
+
+        reply = await j.model(model)
+        result = await j.tool(
+            ToolCall(name=reply["tool"], input=reply["input"]), Replay.UNSAFE, charge
+        )
+        if i + 1 < tc.input["k"]:
+            await tc.continue_()
+        else:
+            await tc.complete(result.output)
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    async with Worker(target, handlers={task: turn}, concurrency=concurrency, poll_wait=5.0):
+        print("worker ready", flush=True)
+        await stop.wait()
+
+
+# ---- the floor --------------------------------------------------------------------------
+
+
+@dataclass
+class Floor:
+    """The naive journal on raw JetStream: per iteration one tail read, then
+    ``FLOOR_APPENDS`` publishes fenced on the subject's last sequence."""
+
+    js: Any  # nats.js.JetStreamContext
+    runs: int = 0
+
+    async def run(self, k: int) -> None:
+        from nats.js.errors import NotFoundError
+
+        self.runs += 1
+        subject = f"floor.{os.getpid()}.{self.runs}"
+        fence = "Nats-Expected-Last-Subject-Sequence"
+        for i in range(k):
+            try:
+                last = int((await self.js.get_last_msg(FLOOR_STREAM, subject)).seq or 0)
+            except NotFoundError:
+                last = 0
+            m = model_output(i)
+            for payload in ({"i": i}, m, m["input"], tool_output(m["input"]), {"i": i, "end": 1}):
+                ack = await self.js.publish(
+                    subject, json.dumps(payload).encode(), headers={fence: str(last)}
+                )
+                last = int(ack.seq)
+
+
+# ---- the measurement --------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    """The processes of one deployment and how to reach them."""
+
+    dev: subprocess.Popen[str]
+    worker: subprocess.Popen[bytes]
+    nats_pid: int
+    engine: str
+    nats_url: str
+    monitor: str
+    logs: Path
+
+    def cpu(self) -> dict[str, float]:
+        return {
+            "services(engine+journal+gateway)": cpu_seconds(self.dev.pid),
+            "nats-server": cpu_seconds(self.nats_pid),
+            "worker": cpu_seconds(self.worker.pid),
+            "client": cpu_seconds(os.getpid()),
+        }
+
+
+@dataclass
+class Measured:
+    seq: list[float] = field(default_factory=list)
+    thr: list[float] = field(default_factory=list)
+    start: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
+    strace: dict[str, Any] | None = None
+
+
+def progress(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+async def timed(work: Callable[[], Awaitable[Any]]) -> float:
+    started = time.perf_counter()
+    await work()
+    return time.perf_counter() - started
+
+
+async def phases(
+    name: str,
+    p: Params,
+    run: Callable[[int], Awaitable[Any]],
+    cpu: Callable[[], dict[str, float]],
+    out: Measured,
+    phase: str,
+) -> None:
+    """One phase of the workload for one system, into ``out``."""
+    if phase == "seq":
+        for _ in range(p.warmup):
+            await run(p.k)
+        for n in range(p.runs):
+            out.seq.append(await timed(lambda: run(p.k)))
+            if n % 5 == 4:
+                progress(f"{name} seq {n + 1}/{p.runs}")
+    elif phase == "thr":
+
+        async def round_() -> None:
+            await asyncio.gather(*(run(p.k) for _ in range(p.c)))
+
+        await round_()
+        before = cpu()
+        for n in range(p.thr_rounds):
+            out.thr.append(await timed(round_))
+            progress(f"{name} thr {n + 1}/{p.thr_rounds}")
+        steps = p.c * p.k * STEPS_PER_ITER * p.thr_rounds
+        out.cpu = cpu_per_step(before, cpu(), steps)
+    elif phase == "start":
+        for _ in range(3):
+            await run(1)
+        for _ in range(p.start_runs):
+            out.start.append(await timed(lambda: run(1)))
+        progress(f"{name} start {p.start_runs} runs")
+
+
+async def fsyncs(
+    pid: int, p: Params, run: Callable[[int], Awaitable[Any]], logs: Path, label: str
+) -> dict[str, Any]:
+    """fsync-family calls of ``pid`` per step: idle, sequential runs, one round of C."""
+    idle_s, seq_runs = 3.0, 4
+    async with Strace(pid, logs / f"strace-{label}-idle.txt") as idle:
+        await asyncio.sleep(idle_s)  # the idle baseline's length
+    async with Strace(pid, logs / f"strace-{label}.txt") as seq:
+        wall = 0.0
+        for _ in range(seq_runs):
+            wall += await timed(lambda: run(p.k))
+    async with Strace(pid, logs / f"strace-{label}-conc.txt") as conc:
+        conc_wall = await timed(lambda: asyncio.gather(*(run(p.k) for _ in range(p.c))))
+    steps, conc_steps = seq_runs * p.k * STEPS_PER_ITER, p.c * p.k * STEPS_PER_ITER
+    return {
+        "label": label,
+        "runs": seq_runs,
+        "steps": steps,
+        "traced_wall_s": wall,
+        "counts": seq.counts,
+        "idle_counts_3s": idle.counts,
+        "sync_calls_per_step": sync_calls(seq.counts) / steps,
+        "idle_sync_calls_per_s": sync_calls(idle.counts) / idle_s,
+        "concurrent": {
+            "runs": p.c,
+            "steps": conc_steps,
+            "traced_wall_s": conc_wall,
+            "counts": conc.counts,
+            "sync_calls_per_step": sync_calls(conc.counts) / conc_steps,
+        },
+    }
+
+
+async def messages(stack: Stack, run: Callable[[int], Awaitable[Any]], k: int) -> dict[str, Any]:
+    """Messages of one iteration, from two untimed runs of ``k``: nats-server's
+    counters and each stream's appends, then clients' messages by kind."""
+    from dagnats.core import jetstream as jsx
+    from tests.bench import traffic
+
+    varz = f"{stack.monitor}/varz"
+    jsz = f"{stack.monitor}/jsz?streams=true"
+    v0, j0 = get_json(varz), stream_seqs(get_json(jsz))
+    await run(k)
+    v1, j1 = get_json(varz), stream_seqs(get_json(jsz))
+    keys = ("in_msgs", "out_msgs")
+    nc = await jsx.connect(stack.nats_url, name="bench-tap")
+    try:
+        _, seen = await traffic(nc, run(k))
+    finally:
+        await nc.close()
+    return {
+        "iterations": k,
+        "server": per_iteration({x: v0[x] for x in keys}, {x: v1[x] for x in keys}, k),
+        "stored_by_stream": per_iteration(j0, j1, k),
+        "sent_by_kind": {kind: round(n / k, 2) for kind, n in sorted(seen.items())},
+    }
+
+
+def start_stack(data: Path, p: Params) -> Stack:
+    from tests.stack import start_dev
+
+    logs = data / "logs"
+    logs.mkdir(parents=True)
+    dev = start_dev(data / "dev", "--no-demo", stderr=logs / "dev.err")
+    info = json.loads((data / "dev" / "dev.json").read_text())
+    conf = (data / "dev" / "nats" / "nats-server.conf").read_text()
+    http = re.search(r'^http: "([^"]+)"', conf, re.M)
+    nats_pids = [pid for pid in children(dev.proc.pid) if "nats-server" in _cmdline(pid)]
+    if http is None or len(nats_pids) != 1:
+        dev.proc.kill()
+        raise SystemExit(f"dagnats dev: no monitor port or nats-server child: {conf}")
+    task = "bench-turn"
+    with (logs / "worker.log").open("wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "tests.bench_turn", "worker", info["engine"], task, str(p.c)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=HERE.parent,
+        )
+    return Stack(
+        dev.proc, worker, nats_pids[0], info["engine"], info["nats"], f"http://{http[1]}", logs
+    )
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+
+
+def stop_stack(stack: Stack) -> None:
+    for proc in (stack.worker, stack.dev):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def measure(p: Params, data: Path) -> dict[str, Any]:
+    import nats
+
+    from dagnats.sdk import Client
+    from tests.stack import loop_workflow
+
+    stack = start_stack(data, p)
+    try:
+        nc = await nats.connect(stack.nats_url, name="bench-floor")
+        js = nc.jetstream()
+        await js.add_stream(name=FLOOR_STREAM, subjects=["floor.>"], storage="file")
+        floor = Floor(js)
+        async with Client(stack.engine) as client:
+            workflow = "bench-turn"
+            await client.register_workflow(
+                loop_workflow(workflow, "bench-turn", max_iterations=10_000)
+            )
+
+            async def dagnats_run(k: int) -> None:
+                out = await client.run(workflow, {"k": k}, timeout=120 + k)
+                if out != tool_output({"n": k - 1}):
+                    raise SystemExit(f"a run of {k} answered {out!r}")
+
+            def floor_cpu() -> dict[str, float]:
+                return {
+                    "nats-server": cpu_seconds(stack.nats_pid),
+                    "client(nats-py)": cpu_seconds(os.getpid()),
+                }
+
+            await dagnats_run(1)  # the worker is polling
+            ours, base = Measured(), Measured()
+            for phase in ("seq", "thr", "start"):
+                progress(f"phase {phase}")
+                await phases("floor", p, floor.run, floor_cpu, base, phase)
+                await phases("dagnats", p, dagnats_run, stack.cpu, ours, phase)
+            progress("messages per iteration")
+            counted = await messages(stack, dagnats_run, min(p.k, 20))
+            if p.strace and shutil.which("strace"):
+                progress("strace")
+                base.strace = await fsyncs(stack.nats_pid, p, floor.run, stack.logs, "floor")
+                ours.strace = await fsyncs(stack.nats_pid, p, dagnats_run, stack.logs, "dagnats")
+            elif p.strace:
+                progress("strace is not installed: no fsync counts")
+        await nc.close()
+        for proc, name in ((stack.worker, "worker"), (stack.dev, "dagnats dev")):
+            if proc.poll() is not None:
+                raise SystemExit(f"{name} exited early (logs in {stack.logs})")
+        return {"dagnats": ours, "floor": base, "messages": counted, "monitor": stack.monitor}
+    finally:
+        stop_stack(stack)
+
+
+# ---- the report -------------------------------------------------------------------------
+
+
+def results_of(m: Measured, p: Params) -> dict[str, Any]:
+    thr = thr_result(m.thr, p.c, p.k)
+    thr["cpu_ms_per_step"] = m.cpu
+    return {"seq": seq_result(m.seq, p.k), "thr": thr, "start": start_result(m.start)}
+
+
+def record(
+    system: str, variant: str, results: dict[str, Any], p: Params, extra: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A record in the peers' format (``../shared/peers/README.md``)."""
+    return {
+        "system": system,
+        "variant": variant,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "kernel": platform.release(),
+            "loadavg_at_end": os.getloadavg(),
+        },
+        "pass": os.environ.get("BENCH_PASS", "adhoc"),
+        "params": p.peers(),
+        "results": results,
+        **extra,
+    }
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    ours: float | None
+    floor: float | None
+    fmt: str = "{:.2f}"
+
+
+def rows(ours: Mapping[str, Any], floor: Mapping[str, Any]) -> list[Row]:
+    """The side-by-side measures of two records."""
+
+    def get(rec: Mapping[str, Any], *path: str) -> float | None:
+        value: Any = rec
+        for key in path:
+            if not isinstance(value, Mapping) or key not in value:
+                return None
+            value = value[key]
+        return float(value)
+
+    def both(label: str, *path: str, fmt: str = "{:.2f}") -> Row:
+        return Row(label, get(ours, *path), get(floor, *path), fmt)
+
+    return [
+        both("seq: ms per journaled step, median", "results", "seq", "per_step_ms", "median"),
+        both("seq: ms per journaled step, p90", "results", "seq", "per_step_ms", "p90"),
+        both(
+            "thr: journaled steps/s, median",
+            "results",
+            "thr",
+            "steps_per_s",
+            "median",
+            fmt="{:.0f}",
+        ),
+        both(
+            "start: K=1 run to result seen, ms, median", "results", "start", "k1_run_ms", "median"
+        ),
+        both("start: K=1 run to result seen, ms, p90", "results", "start", "k1_run_ms", "p90"),
+        both("fsync calls per step, sequential", "strace", "sync_calls_per_step"),
+        both("fsync calls per step, C at once", "strace", "concurrent", "sync_calls_per_step"),
+        both("CPU ms per step, all processes (thr)", "results", "thr", "cpu_ms_per_step", "total"),
+    ]
+
+
+def format_table(table: list[Row]) -> str:
+    lines = [f"{'measure':44} {'dagnats':>9} {'floor':>9} {'ratio':>7}"]
+    for row in table:
+        ours = row.fmt.format(row.ours) if row.ours is not None else "n/a"
+        floor = row.fmt.format(row.floor) if row.floor is not None else "n/a"
+        ratio = f"{row.ours / row.floor:.2f}x" if row.ours is not None and row.floor else "n/a"
+        lines.append(f"{row.label:44} {ours:>9} {floor:>9} {ratio:>7}")
+    return "\n".join(lines)
+
+
+def write_record(rec: Mapping[str, Any], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{rec['system']}-{rec['variant']}-{int(time.time())}.json"
+    path.write_text(json.dumps(rec, indent=1))
+    return path
+
+
+def _git_head() -> str:
+    try:
+        args = ["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"]
+        return subprocess.run(args, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["worker"]:
+        target, task, concurrency = args[1], args[2], int(args[3])
+        asyncio.run(run_worker(target, task, concurrency))
+        return
+    if args:
+        raise SystemExit(
+            f"usage: python -m tests.bench_turn (knobs: BENCH_* variables); got {args}"
+        )
+    p = Params.from_env(os.environ)
+    out_dir = Path(os.environ.get("BENCH_OUT", "/tmp/peers-results"))
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dagnats-bench-turn-") as tmp:
+        got = asyncio.run(measure(p, Path(tmp)))
+    head = _git_head()
+    settings = {"server": "nats-server from dagnats dev, sync_interval: always", "commit": head}
+    ours = record(
+        "dagnats",
+        "dev",
+        results_of(got["dagnats"], p),
+        p,
+        {
+            "versions": {"dagnats": head},
+            "settings": settings,
+            "messages_per_iteration": got["messages"],
+            **({"strace": got["dagnats"].strace} if got["dagnats"].strace else {}),
+        },
+    )
+    floor = record(
+        "nats-raw",
+        "always-floor",
+        results_of(got["floor"], p),
+        p,
+        {
+            "settings": {**settings, "pattern": "1 get_last_msg + 5 fenced publishes / iteration"},
+            **({"strace": got["floor"].strace} if got["floor"].strace else {}),
+        },
+    )
+    paths = [write_record(ours, out_dir), write_record(floor, out_dir)]
+    print(
+        f"agent turn, K={p.k}, C={p.c}, {p.runs} sequential runs, {p.thr_rounds} rounds, "
+        f"{p.start_runs} K=1 runs; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; "
+        f"dagnats {head}; {time.perf_counter() - started:.0f}s"
+    )
+    print(format_table(rows(ours, floor)))
+    print("\nCPU ms per step by process (thr):")
+    for name, cpu in (("dagnats", got["dagnats"].cpu), ("floor", got["floor"].cpu)):
+        print(f"  {name:8} " + ", ".join(f"{k} {v:.3f}" for k, v in cpu.items()))
+    msgs = got["messages"]
+    print(f"\nmessages per iteration (untimed runs of K={msgs['iterations']}):")
+    print(f"  nats-server counted: {msgs['server']}")
+    print(f"  stored, by stream:   {msgs['stored_by_stream']}")
+    print("  sent by clients, by kind:")
+    for kind, n in msgs["sent_by_kind"].items():
+        print(f"    {kind:44} {n:6.2f}")
+    print(f"    {'all':44} {sum(msgs['sent_by_kind'].values()):6.2f}")
+    for rec in (ours, floor):
+        if "strace" in rec:
+            st = rec["strace"]
+            print(
+                f"\nfsync-family calls, {rec['system']}: {st['counts']} over {st['steps']} "
+                f"steps; C at once: {st['concurrent']['counts']}; "
+                f"idle {st['idle_sync_calls_per_s']:.1f}/s"
+            )
+    for path in paths:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

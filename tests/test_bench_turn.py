@@ -1,0 +1,96 @@
+"""The pure parts of ``tests/bench_turn.py``: its knobs, its summaries in the
+peers' format, the strace table it reads and the side-by-side table it
+prints. No server and no timing: the bench itself is run by ``make bench``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import bench_turn as bt
+
+STRACE_OUTPUT = """\
+% time     seconds  usecs/call     calls    errors syscall
+------ ----------- ----------- --------- --------- ----------------
+ 99.10    0.512345         226      2260           fsync
+  0.90    0.004000          40       100         3 fdatasync
+------ ----------- ----------- --------- --------- ----------------
+100.00    0.516345         218      2360         3 total
+"""
+
+
+def test_strace_summary_counts_calls_by_syscall() -> None:
+    counts = bt.parse_strace_summary(STRACE_OUTPUT)
+    assert counts == {"fsync": 2260, "fdatasync": 100}
+    assert bt.sync_calls({**counts, "write": 7}) == 2360
+
+
+def test_strace_summary_of_no_calls_is_empty() -> None:
+    header = STRACE_OUTPUT.splitlines()[:2]
+    assert bt.parse_strace_summary("\n".join(header)) == {}
+
+
+def test_summaries_are_the_peers_nearest_rank() -> None:
+    xs = [float(x) for x in range(1, 21)]  # 1..20
+    s = bt.summarize(xs)
+    assert (s["n"], s["median"], s["p90"], s["min"], s["max"]) == (20, 10.5, 18.0, 1.0, 20.0)
+    seq = bt.seq_result([1.0, 2.0, 3.0], k=50)  # seconds per run of 50 iterations
+    assert seq["per_iter_ms"]["median"] == 40.0
+    assert seq["per_step_ms"]["median"] == 20.0
+    thr = bt.thr_result([2.0, 4.0], c=20, k=50)
+    assert thr["steps_per_round"] == 2000
+    assert thr["steps_per_s"]["median"] == 750.0
+
+
+def test_cpu_per_step_per_process_and_total() -> None:
+    before, after = {"a": 1.0, "b": 2.0}, {"a": 1.5, "b": 4.0}
+    assert bt.cpu_per_step(before, after, steps=1000) == {"a": 0.5, "b": 2.0, "total": 2.5}
+
+
+def test_stream_appends_per_iteration() -> None:
+    jsz = {
+        "account_details": [
+            {
+                "stream_detail": [
+                    {"name": "TASKS", "state": {"last_seq": 150}},
+                    {"name": "KV_RUNS", "state": {"last_seq": 90}},
+                ]
+            }
+        ]
+    }
+    after = bt.stream_seqs(jsz)
+    assert after == {"TASKS": 150, "KV_RUNS": 90}
+    before = {"TASKS": 100, "KV_RUNS": 90}
+    assert bt.per_iteration(before, {**after, "NEW": 25}, 50) == {"NEW": 0.5, "TASKS": 1.0}
+
+
+def test_knobs_from_the_environment() -> None:
+    p = bt.Params.from_env({"BENCH_K": "5", "BENCH_RUNS": "3", "BENCH_STRACE": "0"})
+    assert (p.k, p.runs, p.c, p.strace) == (5, 3, 20, False)
+    assert p.peers()["K"] == 5
+    with pytest.raises(SystemExit, match="BENCH_K must be a whole number"):
+        bt.Params.from_env({"BENCH_K": "fifty"})
+    with pytest.raises(SystemExit, match="BENCH_RUNS must be at least 2"):
+        bt.Params.from_env({"BENCH_RUNS": "1"})
+
+
+def test_the_table_puts_dagnats_beside_the_floor() -> None:
+    p = bt.Params(k=2, c=1, runs=2, thr_rounds=1, start_runs=2)
+    ours = bt.Measured(seq=[0.02, 0.02], thr=[0.01], start=[0.01, 0.01], cpu={"total": 3.0})
+    floor = bt.Measured(seq=[0.004, 0.004], thr=[0.002], start=[0.002, 0.002], cpu={"total": 0.5})
+    rec = bt.record("dagnats", "dev", bt.results_of(ours, p), p, {})
+    base = bt.record("nats-raw", "floor", bt.results_of(floor, p), p, {})
+    assert rec["params"] == {
+        "K": 2,
+        "C": 1,
+        "seq_runs": 2,
+        "warmup": 3,
+        "start_runs": 2,
+        "thr_rounds": 1,
+    }
+    table = {row.label: row for row in bt.rows(rec, base)}
+    step = table["seq: ms per journaled step, median"]
+    assert (step.ours, step.floor) == (5.0, 1.0)
+    text = bt.format_table(list(table.values()))
+    assert "5.00x" in text  # 5 ms against 1 ms a step
+    assert "0.20x" in text  # steps/s: 400 against 2000
+    assert "n/a" in text  # no strace in either record
