@@ -28,6 +28,9 @@ Phases, each the floor's and then dagnats', so both see the machine alike:
   each stream stored (``/jsz``) and what clients sent, by kind (a tap on ``>``);
 - fsync calls per step on nats-server, with ``strace`` when it is installed
   (``BENCH_STRACE=0`` skips it): sequential runs, then one concurrent round.
+- with ``BENCH_PROFILE=DIR``, last: py-spy samples of the services and the
+  worker over rounds of C runs (raw stacks into DIR, top functions printed;
+  ``BENCH_PROFILE_NATIVE=1`` adds native frames and pauses the processes).
 
 The floor is what ``../shared/peers`` calls the naive JetStream journal: per
 iteration one tail read and five publishes fenced on the subject's last
@@ -52,6 +55,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +80,7 @@ class Params:
     thr_rounds: int = 5
     start_runs: int = 50
     strace: bool = True
+    profile: str = ""  # a directory: py-spy samples of the services and the worker under load
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Params:
@@ -101,6 +106,7 @@ class Params:
             thr_rounds=number("BENCH_THR_ROUNDS", cls.thr_rounds, 1),
             start_runs=number("BENCH_START_RUNS", cls.start_runs, 2),
             strace=env.get("BENCH_STRACE", "1") not in ("0", "", "no", "false"),
+            profile=env.get("BENCH_PROFILE", ""),
         )
 
     def peers(self) -> dict[str, int]:
@@ -335,6 +341,128 @@ class Floor:
                 last = int(ack.seq)
 
 
+# ---- profiles ----------------------------------------------------------------------------
+
+
+# Native leaf frames of a thread that waits: with ``--native`` py-spy counts
+# them as running, so they are left out.
+WAITING = ("epoll_wait", "wait4", "poll", "select", "futex", "nanosleep", "pthread_cond_wait")
+
+
+def parse_raw_profile(text: str) -> list[tuple[list[str], int]]:
+    """Stacks (outermost frame first) and their sample counts from py-spy's
+    ``--format raw`` output (one ``frame;frame;... count`` a line), without
+    the stacks of threads that wait in a system call."""
+    stacks: list[tuple[list[str], int]] = []
+    for line in text.splitlines():
+        frames, _, count = line.rpartition(" ")
+        if frames and count.isdigit():
+            stack = frames.split(";")
+            if stack[-1].partition(" ")[0] not in WAITING:
+                stacks.append((stack, int(count)))
+    return stacks
+
+
+def top_functions(
+    stacks: list[tuple[list[str], int]], n: int
+) -> tuple[int, list[tuple[str, int]], list[tuple[str, int]]]:
+    """All samples, then the ``n`` functions with most samples of their own
+    (the leaf) and most samples anywhere on the stack."""
+    own: Counter[str] = Counter()
+    anywhere: Counter[str] = Counter()
+    for frames, count in stacks:
+        own[frames[-1]] += count
+        for frame in set(frames):
+            anywhere[frame] += count
+    total = sum(count for _, count in stacks)
+    return total, own.most_common(n), anywhere.most_common(n)
+
+
+# py-spy names the product's files from their component (``journal/writer.py``).
+COMPONENTS = frozenset(
+    {"cli", "core", "engine", "gateway", "inputs", "integrations", "journal", "sdk"}
+)
+
+
+def package_of(frame: str) -> str:
+    """Where a frame's code lives: ``dagnats.<component>``, or the top-level
+    package or library (``nats``, ``grpc``, ``asyncio``, ``libc.so.6``...)."""
+    where = frame.rpartition(" (")[2].rstrip(")").split(":")[0]
+    parts = [x for x in where.split("/") if x]
+    if not parts:
+        return "?"
+    if parts[0] == "dagnats" and len(parts) > 2:
+        parts = parts[1:]
+    if parts[0] in COMPONENTS and len(parts) > 1:
+        return f"dagnats.{parts[0]}"
+    return parts[0].removesuffix(".py")
+
+
+def by_package(stacks: list[tuple[list[str], int]]) -> list[tuple[str, int]]:
+    """Samples by the package of the leaf frame, most first."""
+    seen: Counter[str] = Counter()
+    for frames, count in stacks:
+        seen[package_of(frames[-1])] += count
+    return seen.most_common()
+
+
+def py_spy() -> str | None:
+    """py-spy beside this Python (the dev extra installs it), else on PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+class PySpy:
+    """``py-spy record --format raw`` on one process for the length of a block."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.pid, self.out = pid, out
+
+    async def __aenter__(self) -> PySpy:
+        args = ["py-spy", "record", "--nolineno", "--format", "raw"]
+        # Native frames name the C work (grpc's Cython core, protobuf, json)
+        # that a Python-only sample charges to its caller; sampling them
+        # pauses the process, so the numbers while sampled are not the bench's.
+        args += ["--native"] if os.environ.get("BENCH_PROFILE_NATIVE") else ["--nonblocking"]
+        args += ["--rate", "250", "-o", str(self.out), "-p", str(self.pid)]
+        self.proc = await asyncio.create_subprocess_exec(
+            py_spy() or args[0], *args[1:], stdout=subprocess.DEVNULL
+        )
+        await asyncio.sleep(1.0)  # py-spy prints nothing once it samples; give it its start
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(self.proc.wait(), 60)
+
+
+async def profiles(
+    stack: Stack, p: Params, run: Callable[[int], Awaitable[Any]], out: Path
+) -> dict[str, Any]:
+    """py-spy samples of the services and the worker over rounds of C runs."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"services": out / "services.raw", "worker": out / "worker.raw"}
+    rounds = max(2, p.thr_rounds)
+    before = stack.cpu()
+    async with PySpy(stack.dev.pid, files["services"]), PySpy(stack.worker.pid, files["worker"]):
+        for n in range(rounds):
+            await asyncio.gather(*(run(p.k) for _ in range(p.c)))
+            progress(f"profile round {n + 1}/{rounds}")
+    cpu = cpu_per_step(before, stack.cpu(), rounds * p.c * p.k * STEPS_PER_ITER)
+    found: dict[str, Any] = {"cpu_ms_per_step_while_sampled": cpu, "files": {}}
+    for name, path in files.items():
+        stacks = parse_raw_profile(path.read_text()) if path.exists() else []
+        total, own, anywhere = top_functions(stacks, 25)
+        found["files"][name] = {
+            "path": str(path),
+            "samples": total,
+            "by_package": by_package(stacks),
+            "own": own,
+            "anywhere": anywhere,
+        }
+    return found
+
+
 # ---- the measurement --------------------------------------------------------------------
 
 
@@ -556,11 +684,17 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
                 ours.strace = await fsyncs(stack.nats_pid, p, dagnats_run, stack.logs, "dagnats")
             elif p.strace:
                 progress("strace is not installed: no fsync counts")
+            profiled = None
+            if p.profile and py_spy():
+                progress("py-spy under rounds of C runs")
+                profiled = await profiles(stack, p, dagnats_run, Path(p.profile))
+            elif p.profile:
+                progress("py-spy is not installed (pip install py-spy): no profiles")
         await nc.close()
         for proc, name in ((stack.worker, "worker"), (stack.dev, "dagnats dev")):
             if proc.poll() is not None:
                 raise SystemExit(f"{name} exited early (logs in {stack.logs})")
-        return {"dagnats": ours, "floor": base, "messages": counted, "monitor": stack.monitor}
+        return {"dagnats": ours, "floor": base, "messages": counted, "profiles": profiled}
     finally:
         stop_stack(stack)
 
@@ -648,6 +782,23 @@ def format_table(table: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def print_profiles(found: Mapping[str, Any]) -> None:
+    print(f"\npy-spy (CPU ms per step while sampled: {found['cpu_ms_per_step_while_sampled']})")
+    for name, prof in found["files"].items():
+        total = prof["samples"] or 1
+        print(f"\n{name}: {prof['samples']} samples in {prof['path']}")
+        print(
+            "  by package of the running frame: "
+            + ", ".join(f"{pkg} {100 * n / total:.0f}%" for pkg, n in prof["by_package"][:12])
+        )
+        print("  most samples of their own:")
+        for frame, n in prof["own"][:15]:
+            print(f"    {100 * n / total:5.1f}%  {frame}")
+        print("  most samples anywhere on the stack:")
+        for frame, n in prof["anywhere"][:25]:
+            print(f"    {100 * n / total:5.1f}%  {frame}")
+
+
 def write_record(rec: Mapping[str, Any], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{rec['system']}-{rec['variant']}-{int(time.time())}.json"
@@ -689,6 +840,7 @@ def main(argv: list[str] | None = None) -> None:
             "versions": {"dagnats": head},
             "settings": settings,
             "messages_per_iteration": got["messages"],
+            **({"profiles": got["profiles"]} if got["profiles"] else {}),
             **({"strace": got["dagnats"].strace} if got["dagnats"].strace else {}),
         },
     )
@@ -728,6 +880,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"steps; C at once: {st['concurrent']['counts']}; "
                 f"idle {st['idle_sync_calls_per_s']:.1f}/s"
             )
+    if got["profiles"]:
+        print_profiles(got["profiles"])
     for path in paths:
         print(f"wrote {path}")
 

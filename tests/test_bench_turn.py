@@ -94,3 +94,20 @@ def test_the_table_puts_dagnats_beside_the_floor() -> None:
     assert "5.00x" in text  # 5 ms against 1 ms a step
     assert "0.20x" in text  # steps/s: 400 against 2000
     assert "n/a" in text  # no strace in either record
+
+
+RAW_PROFILE = """\
+<module> (cli/main.py);run (asyncio/runners.py);publish (nats/aio/client.py) 30
+<module> (cli/main.py);run (asyncio/runners.py);append (journal/writer.py) 10
+<module> (cli/main.py);apply (dagnats/engine/processor.py);dumps (json/__init__.py) 10
+thread_run (libpython3.11.so.1.0);epoll_wait (libc.so.6) 500
+"""
+
+
+def test_profiles_count_own_and_stack_samples_and_leave_waits_out() -> None:
+    stacks = bt.parse_raw_profile(RAW_PROFILE)
+    total, own, anywhere = bt.top_functions(stacks, 2)
+    assert total == 50
+    assert own == [("publish (nats/aio/client.py)", 30), ("append (journal/writer.py)", 10)]
+    assert anywhere[0] == ("<module> (cli/main.py)", 50)
+    assert dict(bt.by_package(stacks)) == {"nats": 30, "dagnats.journal": 10, "json": 10}
