@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from dagnats.core.errors import InvalidArgument, NotFound
+from dagnats.engine import model as m
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
@@ -156,6 +157,41 @@ async def test_two_engines_run_twenty_loops(
         assert steps_by_id(run)["agent"].iterations == 3
     assert len(seen) == 20 * 4
     assert max(seen.values()) == 1, "no iteration ran twice"
+
+
+async def test_an_engine_whose_last_write_is_stale_applies_what_a_read_accepts(
+    client: Client, engine: EngineServer, nats_server: Any
+) -> None:
+    """The engine decides on the run it wrote last without reading it (ADR 21).
+    When another engine has moved the run on since, a report of the new
+    dispatch would be dropped on that stale run: it must be decided again on
+    the run as stored, and accepted."""
+    second = await start_engine(nats_server.url, config=FAST)
+    task, name = unique("guess"), unique("wf")
+    await client.register_workflow(loop_workflow(name, task))
+    try:
+        run = await client.start_run(name)  # written by the first engine, its last write
+        ours, theirs = engine.engine, second.engine
+
+        def report(iteration: int) -> m.StepReport:
+            identity = m.Identity(iteration=iteration, attempt=1)
+            return m.StepReport(step_id="agent", identity=identity, outcome=m.Continued())
+
+        moved = await theirs.apply(run.run_id, report(0))  # the other engine moves it on
+        assert moved is not None and isinstance(moved[1], m.Accepted)
+        dropped = ours.counters["dropped"]
+        applied = await ours.apply(run.run_id, report(1))  # a report of the new dispatch
+        assert applied is not None and isinstance(applied[1], m.Accepted), applied
+        assert ours.counters["dropped"] == dropped
+        step = steps_by_id(await client.get_run(run.run_id))["agent"]
+        assert (step.iteration, step.status) == (2, pb.STEP_STATUS_RUNNING)
+        # And a report the run as stored does not accept is still dropped.
+        stale = await ours.apply(run.run_id, report(0))
+        assert stale is not None and isinstance(stale[1], m.Dropped)
+        assert ours.counters["dropped"] == dropped + 1
+    finally:
+        await second.stop()
+        await client.cancel_run(run.run_id)
 
 
 @pytest.mark.parametrize("wait_kind", ["loop_delay", "retry_backoff"])

@@ -8,6 +8,13 @@ publish the outbox and clear it. A crash anywhere in that sequence leaves
 either the old run (the input is redelivered) or the new run with its outbox
 (the next writer or the reconciler publishes it; Msg-Ids make that safe).
 
+The read may be skipped: the engine keeps the run as it last wrote it (its
+outbox cleared) and decides on that, and the compare-and-swap at that
+revision checks the guess. If it lands, nobody wrote the run since, so the
+decision is the one a read would have given. If it misses, nothing was
+written and the run is read. A decision that writes nothing (a dropped
+input) has no swap to check it, so it is taken on a read only (ADR 21).
+
 An event an engine took from the history and never applied (it died) would
 wait out ``history_ack_wait`` before another engine got it. The reconciler
 applies such events itself once a run's history has stood unacknowledged for
@@ -21,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from nats.aio.msg import Msg
@@ -53,6 +60,8 @@ log = logging.getLogger(__name__)
 HISTORY_CONSUMER = "engine"
 TIMER_CONSUMER = "engine-timers"
 MAX_CAS_RETRIES = 100
+WRITTEN_RUNS = 4096  # runs whose last write the engine keeps, to decide on without a read
+WRITTEN_BYTES = 16 * 1024  # a larger run is read again instead
 
 Decide = Callable[[m.Run, float], m.Decision]
 # The events that report a step's outcome.
@@ -90,6 +99,9 @@ class Engine:
         self._unapplied: dict[str, int] = {}
         self._recovered: dict[str, int] = {}
         self._indexed = False
+        # The runs as this engine last wrote them, outbox cleared: a guess at
+        # what is stored, checked by the next compare-and-swap.
+        self._written: OrderedDict[str, StoredRun] = OrderedDict()
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -140,15 +152,22 @@ class Engine:
 
     async def transition(self, run_id: str, decide: Decide) -> tuple[m.Run, m.Decision] | None:
         """Apply ``decide`` to the run with compare-and-swap; None if no such run."""
+        guess = self._written.pop(run_id, None)
         for _ in range(MAX_CAS_RETRIES):
-            stored = await self.store.load_run(run_id)
-            if stored is None:
-                return None
+            if guess is not None:
+                stored, guessed, guess = guess, True, None
+            else:
+                read = await self.store.load_run(run_id)
+                if read is None:
+                    return None
+                stored, guessed = read, False
             if stored.record.outbox:
                 stored = await self.flush(stored)
             run = convert.record_from_proto(stored.record)
             decision = decide(run, self.clock())
             if isinstance(decision, m.Dropped):
+                if guessed:
+                    continue  # nothing to swap checks the guess: decide on a read
                 self.counters["dropped"] += 1
                 log.info("run %s: dropped input: %s", run_id, decision.reason)
                 return run, decision
@@ -156,12 +175,29 @@ class Engine:
             try:
                 revision = await self.store.update_run(record, stored.revision)
             except StaleRevision:
-                self.counters["cas_conflicts"] += 1
+                self.counters["guess_missed" if guessed else "cas_conflicts"] += 1
                 continue
             await seam("after_dispatch_saved")
-            await self.flush(StoredRun(record, revision))
+            self._remember(await self.flush(StoredRun(record, revision)))
             return decision.run, decision
         raise Unavailable(f"run {run_id} is changing too fast; try again")
+
+    def _remember(self, written: StoredRun) -> None:
+        """Keep the run as written, if its outbox is clear and it may change
+        again; a run that ended is not changed by the hot path any more."""
+        run_id = written.record.run.run_id
+        record = written.record
+        if (
+            record.outbox
+            or record.run.status != pb.RUN_STATUS_RUNNING
+            or record.ByteSize() > WRITTEN_BYTES
+        ):
+            self._written.pop(run_id, None)
+            return
+        self._written[run_id] = written
+        self._written.move_to_end(run_id)
+        while len(self._written) > WRITTEN_RUNS:
+            self._written.popitem(last=False)
 
     async def create(self, accepted: m.Accepted, trace_context: dict[str, str]) -> m.Run:
         """Store a new run and publish its first dispatches. A run that exists
@@ -174,7 +210,7 @@ class Engine:
                 stored = await self.flush(stored)
             return convert.record_from_proto(stored.record)
         await seam("after_dispatch_saved")
-        await self.flush(StoredRun(record, revision))
+        self._remember(await self.flush(StoredRun(record, revision)))
         return accepted.run
 
     async def flush(self, stored: StoredRun) -> StoredRun:
