@@ -27,6 +27,18 @@ ENGINE_PROCESS = WORKERS / "engine_process.py"
 # case waits for.
 MATRIX = dataclasses.replace(FAST, task_ack_wait=1.0)
 
+# The worker's seams the matrix stops a holder at; ``inside_tool`` is the
+# tools' own, inside a tool once its start is counted.
+WORKER_SEAMS = (
+    "before_claim",
+    "after_claim",
+    "after_model",
+    "after_intent",
+    "inside_tool",
+    "after_result",
+    "after_event",
+)
+
 # (where, "seam/mode") -> cases run; printed by conftest.pytest_terminal_summary.
 CASES: Counter[tuple[str, str]] = Counter()
 

@@ -20,19 +20,18 @@ from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, run_output
 from tests.helpers import wait_for
-from tests.matrix import CASES, MATRIX, activate, lines, reap, spawn_worker, zombie_turn
+from tests.matrix import (
+    CASES,
+    MATRIX,
+    WORKER_SEAMS,
+    activate,
+    lines,
+    reap,
+    spawn_worker,
+    zombie_turn,
+)
 from tests.stack import loop_workflow, steps_by_id, unique
 from tests.test_journal import journal_check
-
-SEAMS = (
-    "before_claim",
-    "after_claim",
-    "after_model",
-    "after_intent",
-    "inside_tool",
-    "after_result",
-    "after_event",
-)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +57,7 @@ async def second_engine(nats_server: Any, engine: EngineServer) -> AsyncIterator
 @pytest.mark.slow
 @pytest.mark.parametrize("iteration", [0, 1, 2])
 @pytest.mark.parametrize("mode", ["kill", "stall"])
-@pytest.mark.parametrize("seam", SEAMS)
+@pytest.mark.parametrize("seam", WORKER_SEAMS)
 async def test_crash_point(
     engine: EngineServer,
     second_engine: EngineServer,

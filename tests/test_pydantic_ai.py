@@ -20,10 +20,12 @@ import httpx
 import openai
 import pytest
 from pydantic_ai import Agent
+from pydantic_ai.models import Model
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
 from dagnats.core.errors import InvalidArgument
+from dagnats.core.seam import seam
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
@@ -52,8 +54,9 @@ def script() -> list[Reply]:
 
 @dataclass
 class Tools:
-    """The agent's tools, counting their starts outside the journal; a tool
-    named in ``block`` waits for its event once started."""
+    """The agent's tools, counting their starts outside the journal; once
+    started, a tool passes the seam ``inside_tool``, and one named in
+    ``block`` waits for its event."""
 
     starts: Counter[str] = field(default_factory=Counter)
     keys: list[str] = field(default_factory=list)
@@ -64,6 +67,7 @@ class Tools:
         run = current_tool_run()
         self.keys.append(run.call.key)
         await run.report(f"started {name};")
+        await seam("inside_tool")
         if name in self.block:
             await self.block[name].wait()
 
@@ -77,8 +81,14 @@ async def openai_client(provider: FakeProvider) -> AsyncIterator[openai.AsyncOpe
         yield c
 
 
-def weather_agent(api: openai.AsyncOpenAI, tools: Tools) -> Agent[None, str]:
-    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=api))
+def chat_model(api: openai.AsyncOpenAI) -> OpenAIChatModel:
+    return OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=api))
+
+
+def weather_agent(model: Model | openai.AsyncOpenAI, tools: Tools) -> Agent[None, str]:
+    """The agent on ``model``, or on the OpenAI chat model of a client."""
+    if isinstance(model, openai.AsyncOpenAI):
+        model = chat_model(model)
     agent = Agent(model, instructions="Answer weather questions; tell ops what you found.")
 
     @agent.tool_plain(metadata=safe())
@@ -312,8 +322,7 @@ async def test_the_example_agent_on_the_provider_and_its_run_script_offline(
 
     task, name = await register(client)
     async with FakeProvider(script()) as provider, openai_client(provider) as api:
-        model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=api))
-        handlers = {task: example.handler(model, follow_up_window=None)}
+        handlers = {task: example.handler(chat_model(api), follow_up_window=None)}
         async with Worker(engine.target, handlers=handlers, poll_wait=1.0):
             run = await client.start_run(name, QUESTION)
             await finished(client, engine, run.run_id)
