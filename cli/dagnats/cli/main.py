@@ -343,7 +343,18 @@ async def _watch_stream(client: Any, target: str, run_id: str, creds: Credential
     return 1 if run.status == pb.RUN_STATUS_FAILED else 0
 
 
+def _require_server(command: str) -> None:
+    """One line naming the extra, when the services are not installed."""
+    from dagnats.core.extras import MissingExtra, require_server
+
+    try:
+        require_server(command)
+    except MissingExtra as err:
+        raise UsageError(str(err)) from None
+
+
 async def _serve(args: argparse.Namespace) -> int:
+    _require_server(f"dagnats serve {args.service}")
     if args.service == "gateway":
         return await _serve_gateway(args)
     from dagnats.core.jetstream import Topology
@@ -397,6 +408,7 @@ async def _journal(args: argparse.Namespace) -> int:
 
 
 async def _dev(args: argparse.Namespace) -> int:
+    _require_server("dagnats dev")
     from dagnats.cli.dev import run_dev
 
     return await run_dev(args)
