@@ -181,6 +181,11 @@ async def test_an_ended_run_streams_its_state_and_end(
     async with http.stream("GET", f"/runs/{run_id}/events") as response:
         seen = [event async for event, _ in sse(response)]
     assert seen == ["run", "end"]
+    # A long poll of an ended run answers it at once, with or without if_status.
+    for params in ({"wait": "30s"}, {"wait": "30s", "if_status": "completed"}):
+        response = await http.get(f"/runs/{run_id}", params=params)
+        assert response.status_code == 200, response.text
+        assert response.json()["status"] == "completed"
 
 
 async def test_a_journal_follower_of_a_cancelled_run_ends_on_the_cancel(

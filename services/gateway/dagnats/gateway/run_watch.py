@@ -35,7 +35,8 @@ async def wait_for_change(
     client: Client, run_id: str, wait: float, seen: pb.RunStatus.ValueType | None
 ) -> pb.Run:
     """The run once its status differs from ``seen`` (the status on arrival
-    when None), or as it is when ``wait`` seconds have passed first.
+    when None), or as it is when ``wait`` seconds have passed first, or at
+    once when it has ended (its watch says nothing more).
 
     Raises:
         NotFound: no run has that id.
@@ -47,7 +48,10 @@ async def wait_for_change(
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait):
                 while run.status == seen:
-                    run = await anext(watch)
+                    later = await anext(watch, None)
+                    if later is None:  # the run ended as it was
+                        break
+                    run = later
         return run
     finally:
         await watch.aclose()
