@@ -306,6 +306,10 @@ class NatsServer:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
+                # Its own process group: a Ctrl-C at the terminal reaches the
+                # process that owns this server, which stops its services
+                # first and the server last, not the server under them.
+                start_new_session=True,
             )
 
     async def _ready_or_raise(self, ready_timeout: float) -> None:

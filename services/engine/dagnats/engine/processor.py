@@ -329,8 +329,10 @@ class Engine:
         while not self._stopping.is_set():
             try:
                 msgs = await jsx.pull_now(nc, stream, durable, self.config.history_batch, 1.0)
-            except Exception:  # the connection is reconnecting; try again shortly
-                log.exception("fetch from %s failed", durable)
+            except Exception as err:  # the connection is reconnecting; try again shortly
+                # One line: a server that is gone fails every half second,
+                # and each traceback of nats-py's reconnect runs to pages.
+                log.warning("fetch from %s failed: %r", durable, err)
                 await asyncio.sleep(0.5)
                 continue
             await self._handle_batch(msgs, handle)

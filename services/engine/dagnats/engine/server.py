@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
+import nats.errors
 from grpc_health.v1 import _async as health_aio  # health.aio, the asyncio servicer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -69,7 +70,10 @@ class EngineServer:
         if self.journal is not None:
             await self.journal.close()  # the settles of commits it answered
         await self.engine.stop()
-        await self.nc.drain()
+        try:
+            await self.nc.drain()
+        except nats.errors.Error:  # the server went first: nothing left to drain
+            await self.nc.close()
 
 
 async def start_engine(
