@@ -100,6 +100,15 @@ def test_the_data_dir_names_the_dev_json_to_use(dev: Dev) -> None:
     assert "no .dagnats/dev.json" in lost.stderr and "--data-dir" in lost.stderr
 
 
+def test_a_second_dev_on_the_same_data_dir_is_refused(dev: Dev) -> None:
+    # Two nats-servers on one store would corrupt it; the second says whose it is.
+    second = dev.cli("dev", "--no-demo", "--exit-after-demo")
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert second.stderr.startswith("error: ") and "in use by dagnats dev" in second.stderr
+    assert f"pid {dev.process.proc.pid}" in second.stderr, second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1, second.stderr
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -18,11 +18,14 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import json
+import os
 import shlex
 import signal
 import socket
 from pathlib import Path
+from typing import IO
 
 from dagnats.cli import demo
 from dagnats.cli.main import DEFAULT_DATA_DIR, DEV_FILE, UsageError, print_run
@@ -53,6 +56,7 @@ async def run_dev(args: argparse.Namespace) -> int:
     data = Path(args.dev_data_dir or args.data_dir)
     model = None if args.no_demo else _demo_model()  # a bad DAGNATS_MODEL stops us here
     data.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before anything runs
+    lock = _lock(data)  # held until this process ends
     stack = LocalStack(
         store_dir=data / "nats",
         nats_port=_port_or_free(args.nats_port),
@@ -98,6 +102,32 @@ async def run_dev(args: argparse.Namespace) -> int:
         close = getattr(model, "aclose", None)
         if close is not None:
             await close()
+        lock.close()
+
+
+def _lock(data: Path) -> IO[str]:
+    """The data directory for this process alone: two nats-servers on one
+    store would corrupt it.
+
+    Raises:
+        UsageError: another ``dagnats dev`` holds it.
+    """
+    lock = (data / "dev.lock").open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise UsageError(
+            f"{data} is in use by dagnats dev (pid {holder}); stop it, "
+            "or give this one its own --data-dir"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 def _demo_model() -> ChatModel:

@@ -472,4 +472,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m`` runs this file as ``__main__``; the commands import
+    # ``dagnats.cli.main``, whose UsageError is the one they raise.
+    from dagnats.cli import main as cli
+
+    sys.exit(cli.main())
