@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -31,6 +32,7 @@ from dagnats.sdk import (
     InvalidArgument,
     NotFound,
     RunFailed,
+    Unavailable,
     Worker,
 )
 from tests.gates import Gates, engine_counting_get_runs, two_steps
@@ -215,6 +217,88 @@ async def test_a_watch_rides_out_an_engine_restart(nats_server: NatsServer, tmp_
         assert all(r.status == pb.RUN_STATUS_RUNNING for r in rest[:-1])
     finally:
         await engine.stop()
+
+
+class _Broke(logging.Handler):
+    """Counts the SDK's log lines that say a WatchRun stream broke."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "WatchRun stream broke" in record.getMessage():
+            self.count += 1
+
+
+@contextlib.contextmanager
+def watch_breaks() -> Iterator[_Broke]:
+    handler = _Broke()
+    sdk_log = logging.getLogger("dagnats.sdk")
+    level = sdk_log.level
+    sdk_log.addHandler(handler)
+    sdk_log.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        sdk_log.removeHandler(handler)
+        sdk_log.setLevel(level)
+
+
+@pytest.mark.slow
+async def test_a_watch_of_a_frozen_engine_gives_up_instead_of_hanging(
+    nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine process is frozen (SIGSTOP: its socket stays open, nothing
+    answers) under a watched run. The connection's keepalive ping goes
+    unanswered, the stream breaks, and the watch gives up as Unavailable once
+    its retry budget is spent, instead of waiting for the caller's timeout."""
+    monkeypatch.setenv("DAGNATS_GRPC_KEEPALIVE", "0.3")
+    engine = EngineProcess(nats_server.url, tmp_path, "engine")
+    await engine.start()
+    try:
+        async with Client(engine.target, retry_for=2.0, timeout=2.0) as client:
+            name = unique("frozen")
+            await client.register_workflow(two_steps(name, unique("frozen-task")))
+            run = await client.start_run(name)
+            engine.freeze()
+            with pytest.raises(Unavailable, match="WatchRun"):
+                await client.wait_for_run(run.run_id, timeout=120)
+    finally:
+        engine.thaw()
+        await engine.stop()
+
+
+@pytest.mark.slow
+async def test_a_watch_carries_on_when_a_frozen_engine_wakes(
+    nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine is frozen long enough for the keepalive to break the
+    watch's stream, then wakes within the retry budget: the watch opens
+    again and gets the run's end."""
+    monkeypatch.setenv("DAGNATS_GRPC_KEEPALIVE", "0.3")
+    engine = EngineProcess(nats_server.url, tmp_path, "engine")
+    await engine.start()
+    try:
+        with watch_breaks() as broke:
+            async with gated_run(engine.target) as (client, run_id, gates):
+                watch = client.watch_run(run_id)
+                first = await anext(watch)
+                assert first.status == pb.RUN_STATUS_RUNNING
+                engine.freeze()
+                rest = asyncio.create_task(_collect(watch))
+                await wait_for(lambda: broke.count > 0, message="the frozen stream broke")
+                engine.thaw()
+                gates.open("first", "second")
+                states = await asyncio.wait_for(rest, 60)
+        assert states[-1].status == pb.RUN_STATUS_COMPLETED
+    finally:
+        engine.thaw()
+        await engine.stop()
+
+
+async def _collect(watch: AsyncIterator[pb.Run]) -> list[pb.Run]:
+    return [state async for state in watch]
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
@@ -49,6 +49,7 @@ from tenacity import (
 
 from dagnats.core.errors import DagnatsError, PermissionDenied, Unauthenticated, Unavailable
 from dagnats.core.grpcutil import error_code, error_from_rpc, retriable
+from dagnats.core.settings import env_seconds
 from dagnats.core.tracing import client_interceptors
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc
@@ -86,6 +87,24 @@ CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
+# Seconds of silence on a connection with calls open (a WatchRun, a session)
+# before it is pinged; a ping unanswered as long again (at most 20 s) ends the
+# connection, so an engine that froze or a peer that vanished without closing
+# fails its calls as UNAVAILABLE, which the rules above retry elsewhere or give
+# up on, instead of waiting on a stream that no one will write to.
+DEFAULT_KEEPALIVE = 20.0
+
+
+def keepalive_options(seconds: float) -> tuple[tuple[str, int], ...]:
+    """Channel options that ping a connection silent for ``seconds``."""
+    interval = max(int(seconds * 1000), 100)
+    return (
+        ("grpc.keepalive_time_ms", interval),
+        ("grpc.keepalive_timeout_ms", min(interval, 20_000)),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.ping_timeout_ms", min(interval, 20_000)),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,11 +116,16 @@ class RetryPolicy:
             for a held task tries for as long as its lease lasts).
         backoff: Scale of the randomised exponential wait between tries, in seconds.
         max_backoff: Upper bound of one wait, in seconds.
+        keepalive: Seconds of silence before an open call's connection is
+            pinged (``DAGNATS_GRPC_KEEPALIVE``, default 20).
     """
 
     budget: float = 30.0
     backoff: float = 0.1
     max_backoff: float = 2.0
+    keepalive: float = field(
+        default_factory=lambda: env_seconds("DAGNATS_GRPC_KEEPALIVE", DEFAULT_KEEPALIVE)
+    )
 
 
 class Lease:
@@ -353,15 +377,16 @@ class EngineRpc:
     def _connect(self) -> EngineServiceAsyncStub:
         if self._stub is None:
             interceptors = client_interceptors() + self._credentials.interceptors()
+            options = CHANNEL_OPTIONS + keepalive_options(self._retry.keepalive)
             if self._channel_credentials is None:
                 self._channel = grpc.aio.insecure_channel(
-                    self._target, options=CHANNEL_OPTIONS, interceptors=interceptors
+                    self._target, options=options, interceptors=interceptors
                 )
             else:
                 self._channel = grpc.aio.secure_channel(
                     self._target,
                     self._channel_credentials,
-                    options=CHANNEL_OPTIONS,
+                    options=options,
                     interceptors=interceptors,
                 )
             self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)

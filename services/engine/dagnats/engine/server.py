@@ -76,6 +76,19 @@ class EngineServer:
             await self.nc.close()
 
 
+# Requests up to 16 MiB reach the services, so a journal record over its
+# maximum is refused with the error's code rather than by gRPC's 4 MiB cap.
+# Clients ping a silent connection that has calls open (``DAGNATS_GRPC_KEEPALIVE``,
+# 20 s by default, down to a tenth of a second in tests); the server answers
+# every ping rather than closing the connection of a client that pings more
+# often than gRPC's default of once in five minutes.
+SERVER_OPTIONS = (
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
+    ("grpc.http2.max_ping_strikes", 0),
+)
+
+
 async def start_engine(
     nats_url: str,
     *,
@@ -125,13 +138,8 @@ async def start_engine(
     input_store = await InputStore.open(nc)
     engine = Engine(await EngineStore.open(nc), config, inputs=input_store)
     await engine.start()
-    # Requests up to 16 MiB reach the services, so a journal record over its
-    # maximum is refused with the error's code rather than by gRPC's 4 MiB cap.
     interceptors = tracing.server_interceptors() + ([guard] if guard is not None else [])
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
-    )
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     servicer = EngineServicer(engine)
     pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
     services = [pb.DESCRIPTOR.services_by_name["EngineService"].full_name]
