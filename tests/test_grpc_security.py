@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import ssl
 import subprocess
@@ -47,6 +48,7 @@ from dagnats.sdk import (
     PermissionDenied,
     TaskContext,
     Unauthenticated,
+    Unavailable,
     Worker,
     run_output,
 )
@@ -364,6 +366,59 @@ async def test_mtls_refuses_an_untrusted_certificate_and_maps_names_to_roles(
     async with Client(target, credentials=as_worker) as client:
         with pytest.raises(PermissionDenied):
             await client.list_runs(limit=1)
+
+
+async def test_a_rotated_certificate_is_served_to_new_connections_without_a_restart(
+    nats_server: NatsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The certificate and key files are replaced (renamed over, as a rotation
+    does) by ones from another CA: a client trusting only the new CA connects,
+    with no restart. A broken rotation (a key that is not the certificate's)
+    is logged and the certificate before it kept."""
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+    for name, ca in (("old", old_ca), ("new", new_ca)):
+        ca.cert_pem.write_to_path(str(tmp_path / f"{name}-ca.pem"))
+        _write(tmp_path, name, ca.issue_cert("127.0.0.1"))
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+
+    def install(name: str, part: str = "both") -> None:
+        for src, dst in ((f"{name}.pem", cert), (f"{name}.key", key)):
+            if part == "both" or dst.suffix == f".{part}":
+                staged = dst.with_suffix(".staged")
+                staged.write_bytes((tmp_path / src).read_bytes())
+                staged.replace(dst)
+
+    async def works(ca_name: str) -> bool:
+        trust = Credentials(ca=tmp_path / f"{ca_name}-ca.pem")
+        async with Client(server.target, retry_for=0.3, timeout=2.0, credentials=trust) as client:
+            try:
+                await client.list_runs(limit=1)
+            except Unavailable:
+                return False
+            return True
+
+    install("old")
+    server = await start_engine(
+        nats_server.url, config=FAST, security=ServerSecurity(tls_cert=cert, tls_key=key)
+    )
+    try:
+        assert await works("old") and not await works("new")
+        install("new")
+        assert await works("new") and not await works("old")
+        with caplog.at_level(logging.WARNING, logger="dagnats.engine.security"):
+            install("old", part="key")  # the new certificate with the old key
+            assert await works("new")
+        assert "cannot be used; keeping the current" in caplog.text
+        install("old", part="pem")  # the pair matches again
+        assert await works("old")
+    finally:
+        await server.stop()
+
+
+def test_a_certificate_that_is_not_its_keys_is_refused_at_start(pki: Pki) -> None:
+    security = ServerSecurity(tls_cert=pki.cert, tls_key=pki.client_key)
+    with pytest.raises(InvalidArgument, match="are not a certificate and its key"):
+        security.server_credentials()
 
 
 # ---- the SDK, the CLI, the gateway and the Node worker over TLS with tokens ----------

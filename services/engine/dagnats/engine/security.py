@@ -11,7 +11,9 @@ interceptor that hands the call's credentials to those rules:
 
 A refused call ends with ``UNAUTHENTICATED`` or ``PERMISSION_DENIED`` and the
 error trailers of ``grpcutil``. Tokens are never logged. A tokens file is
-read again whenever it changes, so a token is revoked by removing its line.
+read again whenever it changes, so a token is revoked by removing its line;
+the TLS files are read again when they change, so a certificate is rotated
+without a restart.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,18 +141,20 @@ class ServerSecurity:
             )
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
-        """TLS credentials for ``add_secure_port``; None without TLS.
+        """TLS credentials for ``add_secure_port``; None without TLS. The files
+        are read now, and again when they change (``CertificateFiles``).
 
         Raises:
-            InvalidArgument: a file that cannot be read, naming it.
+            InvalidArgument: a file that cannot be read or a certificate that
+                does not match its key, naming it.
         """
         if self.tls_cert is None or self.tls_key is None:
             return None
-        key = _read(self.tls_key, "DAGNATS_GRPC_TLS_KEY")
-        chain = _read(self.tls_cert, "DAGNATS_GRPC_TLS_CERT")
-        ca = None if self.client_ca is None else _read(self.client_ca, "DAGNATS_GRPC_CLIENT_CA")
-        return grpc.ssl_server_credentials(
-            [(key, chain)], root_certificates=ca, require_client_auth=ca is not None
+        files = CertificateFiles(self.tls_cert, self.tls_key, self.client_ca)
+        return grpc.dynamic_ssl_server_credentials(
+            files.initial,
+            files.fetch,  # type: ignore[arg-type]  # None means "no change" to gRPC
+            require_client_authentication=self.client_ca is not None,
         )
 
     def interceptor(self) -> grpc.aio.ServerInterceptor[Any, Any] | None:
@@ -342,6 +347,74 @@ def _peer_names(context: Context) -> list[str]:
     auth = context.auth_context()
     names = [*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())]
     return [n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in names]
+
+
+class CertificateFiles:
+    """The server's certificate chain, key and client CA, read again when one
+    of the files changes, so a certificate is rotated without a restart.
+
+    gRPC asks ``fetch`` before each new connection's handshake; connections
+    open keep the certificate they started with. A change is taken only once
+    the chain and key match and the CA parses, so a rotation caught half
+    written is taken on a later connection, and a broken one is logged and
+    the current certificate kept.
+    """
+
+    def __init__(self, cert: Path, key: Path, ca: Path | None) -> None:
+        self.cert, self.key, self.ca = cert, key, ca
+        self._stamp = self._stamps()
+        self.initial = self._configuration()
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """The new configuration if the files changed and are sound, else None."""
+        stamp = self._stamps()
+        if stamp == self._stamp:
+            return None
+        try:
+            configuration = self._configuration()
+        except errors.InvalidArgument as err:
+            log.warning("TLS files changed but cannot be used; keeping the current: %s", err)
+            self._stamp = stamp  # warned once per change
+            return None
+        if self._stamps() != stamp:
+            return None  # still being written: taken on a later connection
+        self._stamp = stamp
+        log.info("TLS certificate read again from %s", self.cert)
+        return configuration
+
+    def _stamps(self) -> tuple[tuple[int, int, int] | None, ...]:
+        return tuple(_stamp(p) for p in (self.cert, self.key, self.ca) if p is not None)
+
+    def _configuration(self) -> grpc.ServerCertificateConfiguration:
+        key = _read(self.key, "DAGNATS_GRPC_TLS_KEY")
+        chain = _read(self.cert, "DAGNATS_GRPC_TLS_CERT")
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)
+        except (ssl.SSLError, OSError) as err:
+            why = getattr(err, "reason", None) or err.strerror or type(err).__name__
+            raise errors.InvalidArgument(
+                f"DAGNATS_GRPC_TLS_CERT and _KEY: {self.cert} and {self.key} are not a "
+                f"certificate and its key ({why})",
+                field="DAGNATS_GRPC_TLS_CERT",
+            ) from None
+        ca = None if self.ca is None else _read(self.ca, "DAGNATS_GRPC_CLIENT_CA")
+        if ca is not None:
+            try:
+                ssl.create_default_context().load_verify_locations(cadata=ca.decode())
+            except (ssl.SSLError, ValueError, UnicodeDecodeError):
+                raise errors.InvalidArgument(
+                    f"DAGNATS_GRPC_CLIENT_CA: {self.ca} holds no PEM certificate",
+                    field="DAGNATS_GRPC_CLIENT_CA",
+                ) from None
+        return grpc.ssl_server_certificate_configuration([(key, chain)], root_certificates=ca)
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _path(var: str) -> Path | None:
