@@ -170,6 +170,37 @@ class Client:
         response = await self._rpc.list_runs(request)
         return list(response.runs)
 
+    async def watch_runs(
+        self,
+        *,
+        workflow: str = "",
+        status: pb.RunStatus.ValueType | None = None,
+        limit: int = 0,
+    ) -> AsyncGenerator[pb.WatchRunsResponse, None]:
+        """A live list of runs: first a snapshot (``snapshot`` true, ``runs``
+        the list as ``list_runs`` answers it), then each change of it as runs
+        are stored (``runs`` changed or entered, ``removed`` left). Runs come
+        without input and outputs. The engine pushes every change; an engine
+        restart is ridden out for ``retry_for`` seconds and answered with a new
+        snapshot. It never ends by itself.
+
+        Args:
+            workflow: Only runs of this workflow, when set.
+            status: Only runs with this status, when set.
+            limit: Most runs in the list; 0 means 100, at most 1000.
+
+        Raises:
+            InvalidArgument: a bad workflow name, status or limit.
+            Unavailable: the engine could not be reached for ``retry_for`` seconds.
+        """
+        request = pb.WatchRunsRequest(
+            workflow=workflow,
+            status=pb.RUN_STATUS_UNSPECIFIED if status is None else status,
+            limit=limit,
+        )
+        async for response in self._rpc.watch_runs(request):
+            yield response
+
     async def cancel_run(self, run_id: str, reason: str = "") -> pb.Run:
         """Cancel a run and its child runs.
 

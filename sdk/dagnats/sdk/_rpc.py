@@ -70,7 +70,6 @@ log = logging.getLogger("dagnats.sdk")
 # does not pay for opening one; more than a worker's slots are rarely idle.
 MAX_IDLE_SESSIONS = 64
 SessionStream = grpc.aio.StreamStreamCall[jpb.SessionRequest, jpb.SessionResponse]
-WatchCall = grpc.aio.UnaryStreamCall[pb.WatchRunRequest, pb.WatchRunResponse]
 FINAL_RUN_STATUSES = frozenset(
     {pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED}
 )
@@ -236,7 +235,7 @@ class EngineRpc:
         revision = 0
         while True:
             call, response = await self.retrying(
-                "WatchRun", lambda: self._open_watch(request), idempotent=True
+                "WatchRun", lambda: _open(self._connect().WatchRun, request), idempotent=True
             )
             try:
                 while response is not None:
@@ -254,17 +253,26 @@ class EngineRpc:
             finally:
                 call.cancel()
 
-    async def _open_watch(
-        self, request: pb.WatchRunRequest
-    ) -> tuple[WatchCall, pb.WatchRunResponse | None]:
-        """Open a WatchRun stream and read its first message, so that the retry
-        of a failed open covers an engine that is not there yet."""
-        call = self._connect().WatchRun(request)
-        try:
-            return call, await _next(call)
-        except BaseException:
-            call.cancel()
-            raise
+    async def watch_runs(self, request: pb.WatchRunsRequest) -> AsyncIterator[pb.WatchRunsResponse]:
+        """The list of runs and its changes from ``WatchRuns``, for as long as
+        the caller reads. A stream the transport broke is opened again by the
+        retry rules above; the new stream starts with a snapshot (the list as
+        it is then), which replaces what the caller holds."""
+        while True:
+            call, response = await self.retrying(
+                "WatchRuns", lambda: _open(self._connect().WatchRuns, request), idempotent=True
+            )
+            try:
+                while response is not None:
+                    yield response
+                    response = await _next(call)
+                # Closed without an error (an engine stopping): watch again.
+            except grpc.aio.AioRpcError as err:
+                if not _is_transient(err, idempotent=True):
+                    raise self._domain_error("WatchRuns", err) from None
+                log.info("engine WatchRuns stream broke with %s; watching again", err.code().name)
+            finally:
+                call.cancel()
 
     async def list_runs(self, request: pb.ListRunsRequest) -> pb.ListRunsResponse:
         return await self._call(self._connect().ListRuns, request, idempotent=True)
@@ -493,7 +501,20 @@ class EngineRpc:
         return domain
 
 
-async def _next(call: WatchCall) -> pb.WatchRunResponse | None:
+async def _open(
+    method: Callable[[Req], grpc.aio.UnaryStreamCall[Req, Resp]], request: Req
+) -> tuple[grpc.aio.UnaryStreamCall[Req, Resp], Resp | None]:
+    """Open a server stream and read its first message, so that the retry of a
+    failed open covers an engine that is not there yet."""
+    call = method(request)
+    try:
+        return call, await _next(call)
+    except BaseException:
+        call.cancel()
+        raise
+
+
+async def _next(call: grpc.aio.UnaryStreamCall[Req, Resp]) -> Resp | None:
     """The stream's next message; None once it has ended."""
     try:
         return await anext(aiter(call))

@@ -76,6 +76,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     _ENGINE + "GetRun": _C,
     _ENGINE + "ListRuns": _C,
     _ENGINE + "WatchRun": _C,
+    _ENGINE + "WatchRuns": _C,
     _ENGINE + "CancelRun": _C,
     _ENGINE + "PurgeRun": _A,
     # The task API.

@@ -23,6 +23,7 @@ from dagnats.core.settings import is_loopback
 from dagnats.engine.access import missing_for_open_host
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.processor import Engine
+from dagnats.engine.run_feed import RunFeed
 from dagnats.engine.security import ServerSecurity
 from dagnats.engine.service import EngineServicer
 from dagnats.engine.store import EngineStore
@@ -55,6 +56,7 @@ class EngineServer:
     subscriptions: list[Subscription] = field(default_factory=list)
     journal: JournalServicer | None = None
     watches: RunWatches | None = None
+    feed: RunFeed | None = None
     health: health_aio.HealthServicer | None = None
 
     @property
@@ -67,6 +69,8 @@ class EngineServer:
         await self.server.stop(grace)
         if self.watches is not None:
             await self.watches.close()  # the run watches of WatchRun calls
+        if self.feed is not None:
+            await self.feed.close()  # the runs watch of WatchRuns calls
         if self.journal is not None:
             await self.journal.close()  # the settles of commits it answered
         await self.engine.stop()
@@ -178,6 +182,7 @@ async def start_engine(
         subscriptions=subscriptions,
         journal=journal,
         watches=servicer.watches,
+        feed=servicer.feed,
         health=served,
     )
 

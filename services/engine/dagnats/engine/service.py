@@ -20,6 +20,8 @@ from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
 from dagnats.engine.processor import Engine
 from dagnats.engine.report import check_lease, lease_position, outcome_event, publish_outcome
+from dagnats.engine.run_feed import RunFeed
+from dagnats.engine.run_list import DEFAULT_LIMIT, MAX_LIMIT, Filter
 from dagnats.engine.store import StoredRun, history_subject, task_consumer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -51,12 +53,23 @@ def check_json(raw: bytes, *, field: str, limit: int = MAX_INPUT_BYTES) -> bytes
     return raw
 
 
+def _runs_filter(request: pb.WatchRunsRequest) -> Filter:
+    workflow = check_token(request.workflow, field="workflow") if request.workflow else ""
+    if request.status not in pb.RunStatus.values():
+        raise errors.InvalidArgument(f"status {request.status} is not a run status", field="status")
+    limit = request.limit or DEFAULT_LIMIT
+    if not 0 < limit <= MAX_LIMIT:
+        raise errors.InvalidArgument(f"limit must be between 1 and {MAX_LIMIT}", field="limit")
+    return Filter(workflow=workflow, status=request.status, limit=limit)
+
+
 class EngineServicer(pb_grpc.EngineServiceServicer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.store = engine.store
         self._consumers: set[str] = set()
         self.watches = RunWatches(engine.store)
+        self.feed = RunFeed(engine.store)
 
     # ---- workflows ----------------------------------------------------------------
 
@@ -155,6 +168,20 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             runs.append(run)
         runs.sort(key=lambda r: r.created_at.ToNanoseconds(), reverse=True)
         return pb.ListRunsResponse(runs=runs[:limit])
+
+    async def WatchRuns(
+        self, request: pb.WatchRunsRequest, context: Context
+    ) -> AsyncIterator[pb.WatchRunsResponse]:
+        try:
+            runs = _runs_filter(request)
+            async for snapshot, changes in self.feed.follow(runs):
+                yield pb.WatchRunsResponse(
+                    snapshot=snapshot, runs=changes.runs, removed=changes.removed
+                )
+        except Exception as err:
+            if (domain := as_domain_error(err)) is None:
+                raise
+            await abort_with(context, domain)
 
     @domain_errors
     async def CancelRun(

@@ -11,8 +11,9 @@ import contextlib
 import functools
 import hashlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import nats.errors
 import nats.js.errors
@@ -28,6 +29,10 @@ from dagnats.engine import model as m
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.journal.store import journal_subject
+
+if TYPE_CHECKING:
+    from nats.aio.subscription import Subscription
+    from nats.js.api import DeliverPolicy
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,13 @@ INDEX_COMPLETE = "index-complete"
 class StoredRun:
     record: ipb.RunRecord
     revision: int
+
+
+def _stored(msg: Msg) -> StoredRun | None:
+    """A write of the runs bucket as a watch delivers it; None for a delete or purge."""
+    if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
+        return None
+    return StoredRun(ipb.RunRecord.FromString(msg.data), int(msg.metadata.sequence.stream))
 
 
 def task_subject(task_type: str, run_id: str, step_id: str) -> str:
@@ -186,30 +198,55 @@ class EngineStore:
         async def deliver(msg: Msg) -> None:
             queue.put_nowait(msg)
 
-        sub = await _retry(
-            lambda: self.js.subscribe(
-                f"$KV.{jsx.KV_RUNS}.{run_id}",
-                stream=f"KV_{jsx.KV_RUNS}",
-                cb=deliver,
-                ordered_consumer=True,
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-                idle_heartbeat=WATCH_HEARTBEAT,
-                inactive_threshold=WATCH_INACTIVE,
-            ),
-            "watch the run",
-        )
+        sub = await self._watch_bucket(run_id, DeliverPolicy.LAST_PER_SUBJECT, deliver)
         try:
             while True:
-                msg = await queue.get()
-                operation = (msg.headers or {}).get("KV-Operation")
-                if operation in ("DEL", "PURGE") or not msg.data:
-                    yield None
-                    continue
-                record = ipb.RunRecord.FromString(msg.data)
-                yield StoredRun(record, int(msg.metadata.sequence.stream))
+                yield _stored(await queue.get())
         finally:
             with contextlib.suppress(Exception):  # gone with the connection already
                 await sub.unsubscribe()
+
+    async def watch_runs(
+        self, deliver: Callable[[str, StoredRun | None], None]
+    ) -> Callable[[], Awaitable[None]]:
+        """Call ``deliver(run_id, state)`` with every write of any run from now
+        on, in the order stored (``None`` for a purge); returns once the watch
+        is in place, with the call that stops it. One ordered push consumer on
+        the whole bucket, deliver-new, no acks, resumed by the client library
+        after a NATS outage as :meth:`watch_run` is."""
+        from nats.js.api import DeliverPolicy
+
+        prefix = f"$KV.{jsx.KV_RUNS}."
+
+        async def on_msg(msg: Msg) -> None:
+            deliver((msg.subject or "").removeprefix(prefix), _stored(msg))
+
+        sub = await self._watch_bucket(">", DeliverPolicy.NEW, on_msg)
+
+        async def stop() -> None:
+            with contextlib.suppress(Exception):  # gone with the connection already
+                await sub.unsubscribe()
+
+        return stop
+
+    async def _watch_bucket(
+        self, keys: str, policy: DeliverPolicy, cb: Callable[[Msg], Awaitable[None]]
+    ) -> Subscription:
+        """An ordered push consumer on the runs bucket's ``keys``: no acks,
+        heartbeats every ``WATCH_HEARTBEAT``, removed by the server
+        ``WATCH_INACTIVE`` after its subscriber left."""
+        return await _retry(
+            lambda: self.js.subscribe(
+                f"$KV.{jsx.KV_RUNS}.{keys}",
+                stream=f"KV_{jsx.KV_RUNS}",
+                cb=cb,
+                ordered_consumer=True,
+                deliver_policy=policy,
+                idle_heartbeat=WATCH_HEARTBEAT,
+                inactive_threshold=WATCH_INACTIVE,
+            ),
+            "watch the runs",
+        )
 
     async def delete_run(self, run_id: str) -> None:
         await _retry(lambda: self._runs.purge(run_id), "purge the run")

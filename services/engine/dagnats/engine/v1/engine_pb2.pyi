@@ -843,6 +843,72 @@ class ListRunsResponse(_message.Message):
 Global___ListRunsResponse: _TypeAlias = ListRunsResponse  # noqa: Y015
 
 @_typing.final
+class WatchRunsRequest(_message.Message):
+    """WatchRunsRequest filters the list as ListRunsRequest does."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKFLOW_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    workflow: _builtins.str
+    """Only runs of this workflow, when set."""
+    status: Global___RunStatus.ValueType
+    """Only runs with this status, when set."""
+    limit: _builtins.int
+    """Most runs in the list; 0 means 100, at most 1000."""
+    def __init__(
+        self,
+        *,
+        workflow: _builtins.str = ...,
+        status: Global___RunStatus.ValueType = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "status", b"status", "workflow", b"workflow"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRunsRequest: _TypeAlias = WatchRunsRequest  # noqa: Y015
+
+@_typing.final
+class WatchRunsResponse(_message.Message):
+    """WatchRunsResponse is the list, or a change of it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    RUNS_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    snapshot: _builtins.bool
+    """True on the first message: runs is the whole list, newest first. Later
+    messages carry changes only.
+    """
+    @_builtins.property
+    def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Run]:
+        """Runs that entered the list or changed, without input and outputs."""
+
+    @_builtins.property
+    def removed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ids of runs that left the list."""
+
+    def __init__(
+        self,
+        *,
+        snapshot: _builtins.bool = ...,
+        runs: _abc.Iterable[Global___Run] | None = ...,
+        removed: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["removed", b"removed", "runs", b"runs", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRunsResponse: _TypeAlias = WatchRunsResponse  # noqa: Y015
+
+@_typing.final
 class CancelRunRequest(_message.Message):
     """CancelRunRequest names a run."""
 

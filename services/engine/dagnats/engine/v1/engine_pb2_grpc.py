@@ -70,6 +70,11 @@ class EngineServiceStub:
                 request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ListRunsRequest.SerializeToString,
                 response_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ListRunsResponse.FromString,
                 _registered_method=True)
+        self.WatchRuns = channel.unary_stream(
+                '/dagnats.engine.v1.EngineService/WatchRuns',
+                request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunsRequest.SerializeToString,
+                response_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunsResponse.FromString,
+                _registered_method=True)
         self.CancelRun = channel.unary_unary(
                 '/dagnats.engine.v1.EngineService/CancelRun',
                 request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.CancelRunRequest.SerializeToString,
@@ -162,6 +167,21 @@ class EngineServiceServicer:
 
     def ListRuns(self, request, context):
         """ListRuns returns runs, optionally filtered by workflow and status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchRuns(self, request, context):
+        """WatchRuns keeps a list of runs up to date: first the runs ListRuns would
+        answer for the same filter (newest first, at most limit), then, as runs
+        are stored, what changed in that list: runs that changed or entered it
+        (a new run, or one whose status now matches) and runs that left it (its
+        status no longer matches, a newer run pushed it out, it was purged). A
+        run that leaves is not replaced by an older one. Changes are coalesced
+        per run while the caller reads, so a slow reader gets the latest state of
+        each run, never a backlog. The runs come without their input and outputs
+        (GetRun has them). The stream does not end by itself.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -262,6 +282,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.ListRuns,
                     request_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ListRunsRequest.FromString,
                     response_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ListRunsResponse.SerializeToString,
+            ),
+            'WatchRuns': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRuns,
+                    request_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunsRequest.FromString,
+                    response_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunsResponse.SerializeToString,
             ),
             'CancelRun': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelRun,
@@ -489,6 +514,33 @@ class EngineService:
             '/dagnats.engine.v1.EngineService/ListRuns',
             dagnats_dot_engine_dot_v1_dot_engine__pb2.ListRunsRequest.SerializeToString,
             dagnats_dot_engine_dot_v1_dot_engine__pb2.ListRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dagnats.engine.v1.EngineService/WatchRuns',
+            dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunsRequest.SerializeToString,
+            dagnats_dot_engine_dot_v1_dot_engine__pb2.WatchRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,17 @@ class EngineServiceStub:
     """
     ListRuns: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ListRunsRequest, _engine_pb2.ListRunsResponse]
     """ListRuns returns runs, optionally filtered by workflow and status."""
+    WatchRuns: _grpc.UnaryStreamMultiCallable[_engine_pb2.WatchRunsRequest, _engine_pb2.WatchRunsResponse]
+    """WatchRuns keeps a list of runs up to date: first the runs ListRuns would
+    answer for the same filter (newest first, at most limit), then, as runs
+    are stored, what changed in that list: runs that changed or entered it
+    (a new run, or one whose status now matches) and runs that left it (its
+    status no longer matches, a newer run pushed it out, it was purged). A
+    run that leaves is not replaced by an older one. Changes are coalesced
+    per run while the caller reads, so a slow reader gets the latest state of
+    each run, never a backlog. The runs come without their input and outputs
+    (GetRun has them). The stream does not end by itself.
+    """
     CancelRun: _grpc.UnaryUnaryMultiCallable[_engine_pb2.CancelRunRequest, _engine_pb2.CancelRunResponse]
     """CancelRun cancels a run and its child runs."""
     PurgeRun: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PurgeRunRequest, _engine_pb2.PurgeRunResponse]
@@ -108,6 +119,17 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """
     ListRuns: _aio.UnaryUnaryMultiCallable[_engine_pb2.ListRunsRequest, _engine_pb2.ListRunsResponse]  # type: ignore[assignment]
     """ListRuns returns runs, optionally filtered by workflow and status."""
+    WatchRuns: _aio.UnaryStreamMultiCallable[_engine_pb2.WatchRunsRequest, _engine_pb2.WatchRunsResponse]  # type: ignore[assignment]
+    """WatchRuns keeps a list of runs up to date: first the runs ListRuns would
+    answer for the same filter (newest first, at most limit), then, as runs
+    are stored, what changed in that list: runs that changed or entered it
+    (a new run, or one whose status now matches) and runs that left it (its
+    status no longer matches, a newer run pushed it out, it was purged). A
+    run that leaves is not replaced by an older one. Changes are coalesced
+    per run while the caller reads, so a slow reader gets the latest state of
+    each run, never a backlog. The runs come without their input and outputs
+    (GetRun has them). The stream does not end by itself.
+    """
     CancelRun: _aio.UnaryUnaryMultiCallable[_engine_pb2.CancelRunRequest, _engine_pb2.CancelRunResponse]  # type: ignore[assignment]
     """CancelRun cancels a run and its child runs."""
     PurgeRun: _aio.UnaryUnaryMultiCallable[_engine_pb2.PurgeRunRequest, _engine_pb2.PurgeRunResponse]  # type: ignore[assignment]
@@ -200,6 +222,23 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.ListRunsResponse, _abc.Awaitable[_engine_pb2.ListRunsResponse]]:
         """ListRuns returns runs, optionally filtered by workflow and status."""
+
+    @_abc_1.abstractmethod
+    def WatchRuns(
+        self,
+        request: _engine_pb2.WatchRunsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_engine_pb2.WatchRunsResponse], _abc.AsyncIterator[_engine_pb2.WatchRunsResponse]]:
+        """WatchRuns keeps a list of runs up to date: first the runs ListRuns would
+        answer for the same filter (newest first, at most limit), then, as runs
+        are stored, what changed in that list: runs that changed or entered it
+        (a new run, or one whose status now matches) and runs that left it (its
+        status no longer matches, a newer run pushed it out, it was purged). A
+        run that leaves is not replaced by an older one. Changes are coalesced
+        per run while the caller reads, so a slow reader gets the latest state of
+        each run, never a backlog. The runs come without their input and outputs
+        (GetRun has them). The stream does not end by itself.
+        """
 
     @_abc_1.abstractmethod
     def CancelRun(

@@ -1,0 +1,149 @@
+"""The rules of a live list of runs (``WatchRuns``): which runs one watcher
+shows, and what it must be told when a run is stored. Every rule is in this
+file; it does no I/O and knows no protobuf: a run is a :class:`Listed` (what
+the rules look at) carrying an opaque ``view`` (what the watcher is sent).
+
+The list is the newest ``limit`` runs matching the watcher's filter, as
+``ListRuns`` answers: ordered by creation time, newest first (the run id
+breaks ties). It is seeded from a read of the stored runs, then each stored
+state of any run is applied:
+
+- a state at or below the revision the list holds for its run is old news
+  (the seeding read saw a later one) and is ignored;
+- a state of a listed run that still matches replaces it; one whose view
+  equals the view shown is no change (a write that only the engine sees);
+- a state that matches, of a run not listed, enters the list when the list
+  has room or the run is newer than its oldest; the oldest then leaves when
+  the list is over ``limit``; an older run is not shown;
+- a state that no longer matches, or a purge (``None``), takes its run out.
+  Nothing older takes its place: the list shows fewer runs until it is read
+  again.
+
+Changes wait in the list until :meth:`RunList.take` and are coalesced per
+run: the latest view of each run that changed or entered, and the runs that
+left, but only those the watcher was told of. A run that entered and left
+between two takes is never mentioned. So what waits is bounded by about twice
+``limit``, however many runs are stored or how fast, and a slow watcher gets
+the latest state of each run instead of a backlog.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Filter:
+    """Which runs a list shows: of ``workflow`` and with ``status`` when set
+    (empty, 0: any), at most ``limit``."""
+
+    workflow: str = ""
+    status: int = 0
+    limit: int = DEFAULT_LIMIT
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Listed(Generic[V]):
+    """A stored state of a run, as the rules see it."""
+
+    run_id: str
+    workflow: str
+    status: int
+    created: int  # creation time, in nanoseconds
+    revision: int  # the stored revision of this state
+    view: V  # what a watcher is sent; compared with == to find no-change writes
+
+    @property
+    def order(self) -> tuple[int, str]:
+        return (self.created, self.run_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Changes(Generic[V]):
+    """What a watcher is told at once: ``runs`` changed or entered (newest
+    first), ``removed`` left."""
+
+    runs: list[V]
+    removed: list[str]
+
+
+@dataclass(slots=True)
+class RunList(Generic[V]):
+    """One watcher's list and the changes it has yet to be told."""
+
+    filter: Filter
+    _listed: dict[str, Listed[V]] = field(default_factory=dict)
+    _order: list[tuple[int, str]] = field(default_factory=list)  # ascending: oldest first
+    _told: set[str] = field(default_factory=set)  # runs the watcher knows are listed
+    _changed: dict[str, Listed[V]] = field(default_factory=dict)
+    _left: set[str] = field(default_factory=set)
+
+    def matches(self, run: Listed[V]) -> bool:
+        f = self.filter
+        return (not f.workflow or run.workflow == f.workflow) and (
+            not f.status or run.status == f.status
+        )
+
+    def seed(self, runs: list[Listed[V]]) -> list[V]:
+        """Fill the list from a read of the stored runs; returns the list
+        (newest first), which the watcher is told as a whole."""
+        for run in runs:
+            self.apply(run)
+        self._changed.clear()
+        self._left.clear()
+        self._told = set(self._listed)
+        return [self._listed[run_id].view for _, run_id in reversed(self._order)]
+
+    def apply(self, run: Listed[V] | None, *, run_id: str = "") -> None:
+        """A stored state of a run; None (with ``run_id``) when it was purged."""
+        key = run.run_id if run is not None else run_id
+        held = self._listed.get(key)
+        if run is None or not self.matches(run):
+            if held is not None and (run is None or run.revision > held.revision):
+                self._drop(key)
+            return
+        if held is not None:
+            if run.revision <= held.revision:
+                return
+            self._listed[key] = run
+            if run.view != held.view:
+                self._changed[key] = run
+            return
+        full = len(self._order) >= self.filter.limit
+        if full and run.order < self._order[0]:
+            return  # older than everything shown
+        self._listed[key] = run
+        bisect.insort(self._order, run.order)
+        self._changed[key] = run
+        self._left.discard(key)
+        if len(self._order) > self.filter.limit:
+            self._drop(self._order[0][1])
+
+    def _drop(self, run_id: str) -> None:
+        run = self._listed.pop(run_id)
+        del self._order[bisect.bisect_left(self._order, run.order)]
+        self._changed.pop(run_id, None)
+        if run_id in self._told:
+            self._left.add(run_id)
+
+    def take(self) -> Changes[V] | None:
+        """The changes since the last take, or None when there are none."""
+        if not self._changed and not self._left:
+            return None
+        changed = sorted(self._changed.values(), key=lambda r: r.order, reverse=True)
+        removed = sorted(self._left)
+        self._told.difference_update(self._left)
+        self._told.update(self._changed)
+        self._changed.clear()
+        self._left.clear()
+        return Changes([r.view for r in changed], removed)
+
+    def __len__(self) -> int:
+        return len(self._listed)
