@@ -28,7 +28,7 @@ from dagnats.core.ids import (
     parse_seq,
 )
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.gateway import journal_stream, live_stream, run_watch
+from dagnats.gateway import journal_stream, live_stream, run_watch, runs_stream
 from dagnats.gateway.auth import api_auth
 from dagnats.gateway.backend import BackendDep
 from dagnats.inputs.rules import MAX_WAIT
@@ -57,6 +57,8 @@ router = APIRouter(dependencies=[Depends(api_auth)], responses=ERRORS)
 # The page sizes of the journal.
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
+# The most runs a live list holds (the engine's WatchRuns limit).
+MAX_LIVE_RUNS = 1000
 
 
 class _Body(BaseModel):
@@ -166,6 +168,45 @@ async def list_runs(
         workflow=workflow, status=_run_status(status) if status else None, limit=limit
     )
     return {"runs": [run_dict(r) for r in runs]}
+
+
+# Before /runs/{run_id}: "events" is no run id, and this path is matched first.
+@router.get(
+    "/runs/events",
+    tags=["runs"],
+    summary="A live list of runs, as server-sent events",
+    description=(
+        "The runs `GET /runs` lists (newest first, at most `limit`, default 100, at most "
+        "1000), kept up to date: one event `runs` (data: `runs`, the whole list) first, then "
+        "an event `change` (data: `runs` that changed or entered the list, `removed`: ids of "
+        "runs that left it) as runs are stored. A run leaves when its status no longer "
+        "matches `status`, when newer runs push it out, or when it is purged; an older run "
+        "does not take its place. Runs here have no input or outputs (`null`; "
+        "`GET /runs/{run_id}` has them). Another event `runs` replaces the list (the "
+        "engine's stream was opened anew). An event `error` (data: `code`, `message`) ends "
+        "a stream whose engine could not be reached. The engine pushes every change; the "
+        "gateway does not poll. Changes are coalesced per run while a client reads, so a "
+        "slow client gets each run's latest state, not a backlog."
+    ),
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def runs_events(
+    request: Request,
+    b: BackendDep,
+    workflow: Annotated[str, Query(max_length=64)] = "",
+    status: RunStatusName | None = None,
+    limit: Annotated[int, Query(ge=0, le=MAX_LIVE_RUNS)] = 0,
+) -> Response:
+    if workflow:
+        check_token(workflow, field="workflow")
+    feed, first = await runs_stream.first_list(
+        b.client, workflow=workflow, status=_run_status(status) if status else None, limit=limit
+    )
+    return StreamingResponse(
+        runs_stream.events(request, feed, first),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 @router.get(

@@ -10,25 +10,21 @@ The events: each ``run`` event carries the run's JSON (``run_dict``); after
 the run's final state one ``end`` event (data: ``status``) closes the
 stream, and a client should not reconnect after it. Events have no ids: a
 client that reconnects gets the run as it is then, first, which is all it
-needs. While nothing changes, a comment line every ``KEEPALIVE_SECONDS``
-keeps proxies from closing the connection.
+needs. Keepalives and errors are ``dagnats.gateway.sse``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 
-from dagnats.core.errors import DagnatsError
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.gateway import sse
 from dagnats.sdk import Client
 from dagnats.sdk.views import enum_name, run_dict
-
-KEEPALIVE_SECONDS = 15.0
 
 
 async def wait_for_change(
@@ -65,11 +61,7 @@ async def first_state(client: Client, run_id: str) -> tuple[AsyncGenerator[pb.Ru
         NotFound: no run has that id.
     """
     watch = client.watch_run(run_id)
-    try:
-        return watch, await anext(watch)
-    except BaseException:
-        await watch.aclose()
-        raise
+    return watch, await sse.first(watch)
 
 
 async def events(
@@ -78,44 +70,12 @@ async def events(
     """The SSE text of ``first`` and each later state, then ``end``; or an
     ``error`` event when the engine could not be reached for the client's
     ``retry_for``."""
-    streams = request.app.state.metrics.streams
-    streams.inc()
-    queue: asyncio.Queue[pb.Run | DagnatsError] = asyncio.Queue()
-
-    async def pump() -> None:
-        try:
-            async for run in watch:
-                await queue.put(run)
-        except DagnatsError as err:
-            await queue.put(err)
-
-    reader = asyncio.create_task(pump(), name=f"run-events-{first.run_id}")
-    try:
-        yield "retry: 1000\n\n"
-        item: pb.Run | DagnatsError = first
-        while True:
-            if isinstance(item, DagnatsError):
-                yield _event("error", {"code": item.code, "message": item.message})
-                return
-            yield _event("run", run_dict(item))
-            if item.status != pb.RUN_STATUS_RUNNING:
-                yield _event("end", {"status": enum_name(pb.RunStatus, item.status)})
-                return
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
-                    break
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    yield ": keepalive\n\n"
-    finally:
-        streams.dec()
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
-        await watch.aclose()
+    async for text in sse.relay(request, watch, first, _state):
+        yield text
 
 
-def _event(kind: str, data: object) -> str:
-    return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+def _state(run: pb.Run) -> tuple[str, bool]:
+    text = sse.event("run", run_dict(run))
+    if run.status == pb.RUN_STATUS_RUNNING:
+        return text, False
+    return text + sse.event("end", {"status": enum_name(pb.RunStatus, run.status)}), True
