@@ -172,6 +172,21 @@ async def test_the_list_ends_equal_to_list_runs_with_runs_started_around_its_rea
         assert len(followed.runs) == 10
 
 
+async def test_a_purged_run_leaves_the_list_and_a_list_read_after_it_has_no_trace(
+    client: Client,
+) -> None:
+    name = await idle_workflow(client)
+    kept, purged = await client.start_run(name), await client.start_run(name)
+    await client.cancel_run(purged.run_id)
+    async with following(client, workflow=name) as followed:
+        assert set(followed.runs) == {kept.run_id, purged.run_id}
+        await client.purge_run(purged.run_id)
+        await wait_for(lambda: purged.run_id not in followed.runs, timeout=10)
+    # The purge's marker is the bucket's last write: the read ends on it.
+    async with following(client, workflow=name) as later:
+        assert later.runs == {kept.run_id: RUNNING}
+
+
 async def test_every_follower_shares_one_watch_which_stops_when_the_last_leaves(
     engine: EngineServer, client: Client
 ) -> None:

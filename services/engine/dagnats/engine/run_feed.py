@@ -7,10 +7,11 @@ the last one leaves: nobody watching costs nothing. It hands each stored
 state to every follower's :class:`~dagnats.engine.run_list.RunList`, whose
 rules decide what that client is told.
 
-A follower joins the watch first, then reads the stored runs (as ``ListRuns``
-does) to seed its list, then applies what the watch gave meanwhile: a state
-the read saw already is skipped by its revision, so a run stored during the
-read is neither lost nor sent twice.
+A follower joins the watch first, then reads the stored runs to seed its list
+(``EngineStore.latest_runs``: one consumer's pass over the bucket), then
+applies what the watch gave meanwhile: a state the read saw already is
+skipped by its revision, so a run stored during the read is neither lost nor
+sent twice.
 
 Runs are sent without their input, output and the steps' outputs: a list
 shows where runs are, and a payload can be megabytes (``GetRun`` has them).
@@ -96,7 +97,7 @@ class RunFeed:
         self._followers.add(follower)
         try:
             await self._watching()
-            seeded = [listed(stored) async for stored in self._store.iter_runs()]
+            seeded = [listed(stored) for stored in await self._store.latest_runs()]
             early, follower.early = follower.early or {}, None
             snapshot = follower.runs.seed(seeded)
             for run_id, state in early.items():

@@ -31,7 +31,6 @@ from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.journal.store import journal_subject
 
 if TYPE_CHECKING:
-    from nats.aio.subscription import Subscription
     from nats.js.api import DeliverPolicy
 
 log = logging.getLogger(__name__)
@@ -185,6 +184,44 @@ class EngineStore:
         async for _, value, revision in jsx.walk_kv(self.js, jsx.KV_RUNS):
             yield StoredRun(ipb.RunRecord.FromString(value), revision)
 
+    async def latest_runs(self) -> list[StoredRun]:
+        """Every stored run as it is now, pushed by one short-lived ordered
+        consumer that delivers the last write of each key: one pass, where
+        :meth:`iter_runs` asks for each message in turn (a few milliseconds
+        against seconds for thousands of runs). It reads until the bucket's
+        last write at the call, so no run stored before it is missed (a run
+        stored since may be in it too, newer)."""
+        from nats.js.api import DeliverPolicy
+
+        info = await _retry(
+            lambda: self.js.stream_info(f"KV_{jsx.KV_RUNS}"), "read the runs bucket"
+        )
+        last = int(info.state.last_seq or 0)
+        if not info.state.messages:
+            return []
+        prefix = f"$KV.{jsx.KV_RUNS}."
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def deliver(msg: Msg) -> None:
+            queue.put_nowait(msg)
+
+        sub = await self._watch_bucket(">", DeliverPolicy.LAST_PER_SUBJECT, deliver)
+        found: dict[str, StoredRun] = {}
+        try:
+            while True:
+                msg = await queue.get()
+                key = (msg.subject or "").removeprefix(prefix)
+                stored = _stored(msg)
+                if stored is None:
+                    found.pop(key, None)
+                else:
+                    found[key] = stored
+                meta = msg.metadata
+                if meta.sequence.stream >= last or meta.num_pending == 0:
+                    return list(found.values())
+        finally:
+            await self._unwatch(sub)
+
     async def watch_run(self, run_id: str) -> AsyncIterator[StoredRun | None]:
         """The run as stored now, then after every write, in order; None once it
         is purged. One ordered push consumer on the run's key, with no acks:
@@ -222,16 +259,11 @@ class EngineStore:
             deliver((msg.subject or "").removeprefix(prefix), _stored(msg))
 
         sub = await self._watch_bucket(">", DeliverPolicy.NEW, on_msg)
-
-        async def stop() -> None:
-            with contextlib.suppress(Exception):  # gone with the connection already
-                await sub.unsubscribe()
-
-        return stop
+        return functools.partial(self._unwatch, sub)
 
     async def _watch_bucket(
         self, keys: str, policy: DeliverPolicy, cb: Callable[[Msg], Awaitable[None]]
-    ) -> Subscription:
+    ) -> JetStreamContext.PushSubscription:
         """An ordered push consumer on the runs bucket's ``keys``: no acks,
         heartbeats every ``WATCH_HEARTBEAT``, removed by the server
         ``WATCH_INACTIVE`` after its subscriber left."""
@@ -247,6 +279,19 @@ class EngineStore:
             ),
             "watch the runs",
         )
+
+    async def _unwatch(self, sub: JetStreamContext.PushSubscription) -> None:
+        """Stop a watch of the runs bucket and remove its consumer at once,
+        rather than after ``WATCH_INACTIVE``."""
+        name = ""
+        # Each may fail with the connection gone already: then so is the consumer.
+        with contextlib.suppress(Exception):
+            name = (await sub.consumer_info()).name
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        if name:
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(f"KV_{jsx.KV_RUNS}", name)
 
     async def delete_run(self, run_id: str) -> None:
         await _retry(lambda: self._runs.purge(run_id), "purge the run")
