@@ -17,7 +17,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dagnats.gateway import bridge, journal_stream, live_stream, metrics, rest
+from dagnats.gateway import bridge, console, journal_stream, live_stream, metrics, rest
 from dagnats.gateway.auth import api_auth
 from dagnats.gateway.backend import Backend
 from dagnats.gateway.config import GatewayConfig
@@ -79,6 +79,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(docs)
     app.include_router(rest.router)
     app.include_router(bridge.router)
+    app.include_router(console.router)
     # Added last is outermost: the body limit sees the request before anything
     # reads it, and the body is declared JSON before a route parses it.
     app.add_middleware(JsonBodies)

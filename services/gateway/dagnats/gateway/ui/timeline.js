@@ -1,0 +1,246 @@
+// A step's journal as a timeline: each record as it arrives, and beside them
+// the live previews of model calls, each replaced by its record once
+// committed, or kept and marked when abandoned.
+//
+// What the timeline works out from the records:
+// - which claim fenced which: a claim fences the holder before it when that
+//   holder had not committed (its dispatch was still open);
+// - a tool intent's fate: running until its result, then returned, failed, or
+//   interrupted (started by a holder that did not finish it) with the partial
+//   output that holder wrote.
+
+import { badge, fill, h, jsonBlock, short, when } from "./dom.js";
+
+export class Timeline {
+  constructor(records, live) {
+    this.list = records; // <ol> of records (and abandoned previews)
+    this.live = live; // <ol> of previews in flight
+    this.seen = new Map(); // seq -> element
+    this.intents = new Map(); // intent seq -> { el, name }
+    this.holder = null; // the last claim whose writer has not committed: { writer, seq, el }
+    this.iteration = null;
+    this.streams = new Map(); // stream id -> preview
+    this.recordOf = new Map(); // model record seq -> stream id, committed before the record came
+  }
+
+  // ---- records ----------------------------------------------------------------
+
+  record(rec) {
+    if (this.seen.has(rec.seq)) return;
+    if (rec.iteration !== this.iteration) {
+      this.iteration = rec.iteration;
+      this.list.append(h("li", { class: "iter", "data-iteration": rec.iteration }, `Iteration ${rec.iteration}`));
+    }
+    const body = this[`_${rec.kind}`]?.(rec) ?? jsonBlock(rec[rec.kind]);
+    const el = h(
+      "li",
+      { class: `rec k-${rec.kind}`, "data-seq": rec.seq, "data-kind": rec.kind, "data-writer": rec.writer },
+      h(
+        "div",
+        { class: "rec-head" },
+        h("span", { class: "seq" }, `#${rec.seq}`),
+        h("span", { class: "kind" }, KIND[rec.kind] ?? rec.kind),
+        h("span", { class: "who" }, `it ${rec.iteration} · attempt ${rec.attempt} · writer `, short(rec.writer)),
+        when(rec.time),
+      ),
+      h("div", { class: "rec-body" }, body),
+    );
+    this.seen.set(rec.seq, el);
+    this.list.append(el);
+    this[`_after_${rec.kind}`]?.(rec, el);
+    const stream = this.recordOf.get(rec.seq);
+    if (stream !== undefined) this._replace(stream, rec.seq);
+  }
+
+  _claim(rec) {
+    const c = rec.claim;
+    const parts = [h("span", {}, `Claimed by writer `, short(rec.writer), ` (worker ${c.worker_id || "?"}, delivery ${c.delivery})`)];
+    const fenced = this.holder && this.holder.writer !== rec.writer ? this.holder : null;
+    if (fenced) {
+      parts.push(
+        h("p", { class: "fence", "data-fenced-writer": fenced.writer, "data-fenced-claim": fenced.seq }, badge("fenced", "fenced"), " this claim fenced writer ", short(fenced.writer), ` (claim #${fenced.seq}), which had not committed`),
+      );
+      fenced.el.classList.add("fenced");
+      fenced.el
+        .querySelector(".rec-body")
+        .append(h("p", { class: "fenced-by", "data-fenced-by": rec.seq }, badge("fenced", "fenced"), ` fenced by claim #${rec.seq} of writer `, short(rec.writer)));
+    }
+    return parts;
+  }
+
+  _after_claim(rec, el) {
+    this.holder = { writer: rec.writer, seq: rec.seq, el };
+  }
+
+  _model(rec) {
+    const response = rec.model.response;
+    // The answer's text, when the response has one, above the whole response.
+    const text = typeof response === "string" ? response : typeof response?.text === "string" ? response.text : "";
+    return [
+      h("p", {}, `Model response (call position ${rec.model.position})`),
+      text ? h("blockquote", { class: "model-text" }, text) : null,
+      typeof response === "string" ? null : jsonBlock(response, "response"),
+    ];
+  }
+
+  _tool_intent(rec) {
+    const t = rec.tool_intent;
+    const replay = t.replay === "safe" ? "safe" : "unsafe";
+    return [
+      h("p", {}, "Tool ", h("strong", { class: "tool-name" }, t.name), ` (call position ${t.position}) `, badge(replay, replay), " ", h("span", { class: "tool-state" }, badge("running", "running"))),
+      t.honours_seq ? h("p", { class: "hint" }, `Honours intent #${t.honours_seq} of an earlier attempt: it is not run again.`) : null,
+      jsonBlock(t.input, "input"),
+      h("div", { class: "so-far", hidden: true }, h("p", { class: "hint" }, "Output so far:"), h("pre", { class: "partial" })),
+    ];
+  }
+
+  _after_tool_intent(rec, el) {
+    this.intents.set(rec.seq, { el, name: rec.tool_intent.name });
+  }
+
+  _tool_output(rec) {
+    const o = rec.tool_output;
+    const intent = this.intents.get(o.intent_seq);
+    if (intent) {
+      intent.el.querySelector(".so-far").hidden = false;
+      intent.el.querySelector(".partial").textContent += o.chunk;
+    }
+    return [h("p", {}, `Partial output of ${intent ? intent.name + " " : ""}#${o.intent_seq}: `), h("pre", { class: "chunk" }, o.chunk)];
+  }
+
+  _tool_result(rec) {
+    const r = rec.tool_result;
+    const intent = this.intents.get(r.intent_seq);
+    const name = intent ? intent.name : "tool";
+    let state;
+    let body;
+    if (r.interrupted) {
+      state = badge("interrupted", "interrupted");
+      body = [
+        h("p", {}, badge("interrupted", "interrupted"), ` ${name} (#${r.intent_seq}) was started by a holder that did not finish it; it is not run again.`),
+        h("p", {}, "Partial output it wrote:"),
+        h("pre", { class: "partial-output" }, r.partial || "(none)"),
+      ];
+    } else if (r.error) {
+      state = badge("tool error", "failed");
+      body = [h("p", {}, `${name} (#${r.intent_seq}) failed: `), h("pre", { class: "error-text" }, r.error)];
+    } else {
+      state = badge("returned", "completed");
+      body = [h("p", {}, `${name} (#${r.intent_seq}) returned`), jsonBlock(r.output, "output")];
+    }
+    if (intent) fill(intent.el.querySelector(".tool-state"), state, ` → #${rec.seq}`);
+    return body;
+  }
+
+  _input_placed(rec) {
+    const p = rec.input_placed;
+    return [
+      h("p", {}, `${p.mode === "follow_up" ? "Follow-up" : "Steer"} input `, h("code", { class: "request-id" }, p.request_id), ` placed (call position ${p.position})`, p.carried ? " · carried from an earlier attempt" : ""),
+      jsonBlock(p.content, "content"),
+    ];
+  }
+
+  _commit(rec) {
+    const c = rec.commit;
+    const out = [h("p", {}, "Commit: ", badge(c.action, `a-${c.action}`))];
+    if (c.wait_delay) out.push(h("p", {}, `then wait ${c.wait_delay}`));
+    if (c.wait_until) out.push(h("p", {}, "then wait until ", when(c.wait_until)));
+    if (c.wait_until_input) out.push(h("p", {}, "then wait for an input"));
+    if (c.pause) out.push(h("p", {}, `pause ${c.pause}`));
+    if (c.error) out.push(h("pre", { class: "error-text" }, c.reason ? `${c.reason}: ${c.error}` : c.error));
+    if (c.action === "continue" || c.action === "complete") out.push(jsonBlock(c.output, "output"));
+    if (c.has_state) out.push(jsonBlock(c.state, "state"));
+    return out;
+  }
+
+  _after_commit(rec) {
+    if (this.holder && this.holder.writer === rec.writer) this.holder = null;
+  }
+
+  end(data) {
+    this.list.append(h("li", { class: "rec k-end", id: "step-end" }, "Step finished: ", badge(data.step_status), ` · run ${data.run_status}`));
+    for (const [id, p] of [...this.streams]) {
+      if (p.el.dataset.state === "streaming") this._abandon(id, "the step ended before it was recorded");
+    }
+  }
+
+  // ---- live previews ----------------------------------------------------------
+
+  _preview(ev) {
+    const id = ev.stream ?? `${ev.writer}.${ev.position}`;
+    let p = this.streams.get(id);
+    if (p) return p;
+    const text = h("pre", { class: "tokens" });
+    const state = h("span", { class: "stream-state" }, badge("streaming", "streaming"));
+    const el = h(
+      "li",
+      { class: "rec k-stream", "data-stream": id, "data-state": "streaming" },
+      h(
+        "div",
+        { class: "rec-head" },
+        h("span", { class: "kind" }, "model call, live"),
+        h("span", { class: "who" }, `it ${ev.iteration} · attempt ${ev.attempt} · position ${ev.position} · writer `, short(ev.writer)),
+        state,
+      ),
+      ev.retry_of ? h("p", { class: "hint" }, "retry of the abandoned stream ", short(ev.retry_of, 20)) : null,
+      text,
+    );
+    p = { id, el, text, state };
+    this.streams.set(id, p);
+    this.live.append(el);
+    return p;
+  }
+
+  stream(type, ev) {
+    if (type === "token") {
+      const p = this._preview(ev);
+      p.text.textContent += ev.text ?? JSON.stringify(ev.json);
+    } else if (type === "gap") {
+      this._preview(ev).text.append(h("span", { class: "gap" }, ` [${ev.dropped} chunk(s) not shown] `));
+    } else if (type === "committed") {
+      const id = ev.stream ?? `${ev.writer}.${ev.position}`;
+      if (!this.streams.has(id)) return; // a late reader: the record says it all
+      if (this.seen.has(ev.record_seq)) this._replace(id, ev.record_seq);
+      else {
+        this.recordOf.set(ev.record_seq, id);
+        const p = this.streams.get(id);
+        p.el.dataset.state = "committed";
+        fill(p.state, badge(`committed as #${ev.record_seq}`, "completed"));
+      }
+    } else if (type === "abandoned") {
+      const id = ev.stream ?? `${ev.writer}.${ev.position}`;
+      if (this.streams.has(id)) this._abandon(id, ev.reason === "superseded" ? "its writer was fenced by a new claim" : "the model call failed");
+    }
+  }
+
+  _replace(id, seq) {
+    const p = this.streams.get(id);
+    this.recordOf.delete(seq);
+    if (!p) return;
+    this.streams.delete(id);
+    p.el.remove();
+    const rec = this.seen.get(seq);
+    rec.classList.add("from-stream");
+    rec.querySelector(".rec-body").prepend(h("p", { class: "hint replaced" }, `Streamed live (${p.text.textContent.length} characters); this record replaced the preview.`));
+  }
+
+  _abandon(id, why) {
+    const p = this.streams.get(id);
+    this.streams.delete(id);
+    p.el.dataset.state = "abandoned";
+    p.el.classList.add("abandoned");
+    fill(p.state, badge("abandoned", "abandoned"));
+    p.el.append(h("p", { class: "hint" }, `Abandoned: ${why}. A preview is not a record; this text was not recorded.`));
+    this.list.append(p.el); // it stays, in order, among the records
+  }
+}
+
+const KIND = {
+  claim: "claim",
+  model: "model call",
+  tool_intent: "tool intent",
+  tool_output: "tool output",
+  tool_result: "tool result",
+  input_placed: "input placed",
+  commit: "commit",
+};
