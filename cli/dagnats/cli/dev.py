@@ -79,6 +79,7 @@ async def run_dev(args: argparse.Namespace) -> int:
         print(f"nats-server  {nats.url}  (data in {data / 'nats'}, sync_interval: always)")
         print(f"engine       {engine.target}  (gRPC)")
         print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")
+        print(f"console      {gateway.url}/ui")
         if model is not None:
             print(f"model        {_describe(model)}")
         client = stack.client
