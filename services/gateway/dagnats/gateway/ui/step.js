@@ -8,6 +8,9 @@ import { inputsPanel } from "./inputs.js";
 import { waitText } from "./run.js";
 import { Timeline } from "./timeline.js";
 
+// How long the token stream stays open after the journal's end.
+const TOKENS_LINGER_MS = 3000;
+
 export function stepPage(view, { run: runId, step: stepId }, crumbs) {
   const runLink = `#${path("runs", runId)}`;
   crumbs(h("a", { href: "#/runs" }, "Runs"), " / ", h("a", { href: runLink }, "run ", short(runId, 12)), " / ", h("span", {}, `step ${stepId}`));
@@ -20,6 +23,7 @@ export function stepPage(view, { run: runId, step: stepId }, crumbs) {
   const live = h("ol", { class: "timeline live", id: "live" });
   const timeline = new Timeline(records, live);
   const inputs = inputsPanel(runId, stepId);
+  let linger = null;
 
   fill(
     view,
@@ -63,9 +67,14 @@ export function stepPage(view, { run: runId, step: stepId }, crumbs) {
           if (data.kind === "input_placed") inputs.placed(data.input_placed.request_id);
         } else if (type === "end") {
           timeline.end(data);
-          tokens.close();
-          tokensState.textContent = "tokens: finished";
-          tokensState.dataset.state = "ended";
+          // The tokens come on another connection and may trail the journal:
+          // the last call's preview events can still be on their way.
+          linger = setTimeout(() => {
+            tokens.close();
+            timeline.settle();
+            tokensState.textContent = "tokens: finished";
+            tokensState.dataset.state = "ended";
+          }, TOKENS_LINGER_MS);
         } else if (type === "error") say(msg, "error", `The journal cannot be read: ${data.message}`);
       },
       state(s, detail) {
@@ -88,6 +97,7 @@ export function stepPage(view, { run: runId, step: stepId }, crumbs) {
     state: failed,
   });
   return () => {
+    clearTimeout(linger);
     tokens.close();
     journal.close();
     run.close();

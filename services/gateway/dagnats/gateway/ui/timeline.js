@@ -21,6 +21,7 @@ export class Timeline {
     this.iteration = null;
     this.streams = new Map(); // stream id -> preview
     this.recordOf = new Map(); // model record seq -> stream id, committed before the record came
+    this.ended = null; // the step's end, once the journal said so
   }
 
   // ---- records ----------------------------------------------------------------
@@ -158,7 +159,12 @@ export class Timeline {
   }
 
   end(data) {
-    this.list.append(h("li", { class: "rec k-end", id: "step-end" }, "Step finished: ", badge(data.step_status), ` · run ${data.run_status}`));
+    this.ended = h("li", { class: "rec k-end", id: "step-end" }, "Step finished: ", badge(data.step_status), ` · run ${data.run_status}`);
+    this.list.append(this.ended);
+  }
+
+  /** No more preview events will come: a preview still streaming was never recorded. */
+  settle() {
     for (const [id, p] of [...this.streams]) {
       if (p.el.dataset.state === "streaming") this._abandon(id, "the step ended before it was recorded");
     }
@@ -231,7 +237,9 @@ export class Timeline {
     p.el.classList.add("abandoned");
     fill(p.state, badge("abandoned", "abandoned"));
     p.el.append(h("p", { class: "hint" }, `Abandoned: ${why}. A preview is not a record; this text was not recorded.`));
-    this.list.append(p.el); // it stays, in order, among the records
+    // It stays, in order, among the records (before the step's end).
+    if (this.ended) this.list.insertBefore(p.el, this.ended);
+    else this.list.append(p.el);
   }
 }
 
