@@ -429,6 +429,15 @@ async def test_a_run_is_cancelled_from_its_page_and_without_a_token_the_page_ask
 
         await tab.goto(f"/ui/{child_href}")
         await expect(tab.locator("#run-status")).to_have_text("cancelled", timeout=WAIT)
+
+        # What a waiting step waits for: a delay, or a time (and, above, an input).
+        for script, says in [("delay", "delay 600s"), ("until", "until ")]:
+            waiting = await start(http, WORKFLOW, script)
+            await tab.goto(f"/ui/#/runs/{waiting}")
+            wait = tab.locator('#steps-body tr[data-step-id="agent"] .wait')
+            await expect(wait).to_contain_text(says, timeout=WAIT)
+            await expect(wait.locator("time")).to_be_visible()
+            await http.post(f"/runs/{waiting}/cancel", json={})
     finally:
         await context.close()
     assert errors == [], errors

@@ -9,6 +9,8 @@ so the test decides when the agent goes on, and nothing polls.
 
 - ``wait``: waits for an input (``continue_(until_input=True)``), then
   places the steer inputs and completes with their contents.
+- ``delay``, ``until``: waits ten minutes (``continue_(delay=...)``, or
+  ``until=`` ten minutes from now), then completes.
 - ``inputs``: iteration 0 stops at ``queued``, places the steer inputs, stops
   at ``placed``, then completes with their contents.
 - ``journal``: a streamed model call that stops at ``model`` before its
@@ -26,6 +28,7 @@ import asyncio
 import contextlib
 import os
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +76,15 @@ def main(target: str, task: str, state: Path) -> None:
                 placed = await tc.place_inputs(InputMode.STEER)
         await tc.complete({"placed": [p.content for p in placed]})
 
+    async def wait_script_timed(tc: TaskContext) -> None:
+        await tc.journal()
+        if tc.iteration > 0:
+            await tc.complete()
+        elif tc.input["script"] == "delay":
+            await tc.continue_(delay=600)
+        else:
+            await tc.continue_(until=datetime.now(UTC) + timedelta(minutes=10))
+
     async def inputs_script(tc: TaskContext) -> None:
         await tc.journal()
         await gate(state, tc, "queued")
@@ -108,7 +120,13 @@ def main(target: str, task: str, state: Path) -> None:
             await j.streamed_model(failing)
         await tc.complete({"interrupted": result.interrupted, "partial": result.partial})
 
-    scripts = {"wait": wait_script, "inputs": inputs_script, "journal": journal_script}
+    scripts = {
+        "wait": wait_script,
+        "delay": wait_script_timed,
+        "until": wait_script_timed,
+        "inputs": inputs_script,
+        "journal": journal_script,
+    }
 
     async def turn(tc: TaskContext) -> None:
         await scripts[tc.input["script"]](tc)
