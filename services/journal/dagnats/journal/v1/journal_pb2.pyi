@@ -382,6 +382,8 @@ class Record(_message.Message):
     TOOL_RESULT_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     INPUT_PLACED_FIELD_NUMBER: _builtins.int
+    LEADING_MODEL_FIELD_NUMBER: _builtins.int
+    LEADING_TOOL_RESULT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -434,6 +436,14 @@ class Record(_message.Message):
     def input_placed(self) -> Global___InputPlaced:
         """An input entered the conversation."""
 
+    @_builtins.property
+    def leading_model(self) -> Global___ModelCall:
+        """A model response, at a position before kind's."""
+
+    @_builtins.property
+    def leading_tool_result(self) -> Global___ToolResult:
+        """A tool result, before the commit in kind."""
+
     def __init__(
         self,
         *,
@@ -454,14 +464,21 @@ class Record(_message.Message):
         tool_result: Global___ToolResult | None = ...,
         commit: Global___Commit | None = ...,
         input_placed: Global___InputPlaced | None = ...,
+        leading_model: Global___ModelCall | None = ...,
+        leading_tool_result: Global___ToolResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "commit", b"commit", "input_placed", b"input_placed", "kind", b"kind", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "commit", b"commit", "input_placed", b"input_placed", "kind", b"kind", "leading", b"leading", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "leading", b"leading", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["claim", "model", "tool_intent", "tool_output", "tool_result", "commit", "input_placed"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    _WhichOneofReturnType_leading: _TypeAlias = _typing.Literal["leading_model", "leading_tool_result"]  # noqa: Y015
+    _WhichOneofArgType_leading: _TypeAlias = _typing.Literal["leading", b"leading"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_leading) -> _WhichOneofReturnType_leading | None: ...
 
 Global___Record: _TypeAlias = Record  # noqa: Y015
 
@@ -832,6 +849,7 @@ class BeginToolRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     INPUT_FIELD_NUMBER: _builtins.int
     REPLAY_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     position: _builtins.int
     """Position of the call."""
     name: _builtins.str
@@ -844,6 +862,14 @@ class BeginToolRequest(_message.Message):
     def token(self) -> Global___WriterToken:
         """The writer."""
 
+    @_builtins.property
+    def model(self) -> Global___ModelCall:
+        """The response of the model call at position - 1, not yet recorded: the
+        intent is stored with it in one record, as RecordModel then BeginTool
+        would store them in two. A call that fails with a domain error stores
+        neither; make the two calls apart then.
+        """
+
     def __init__(
         self,
         *,
@@ -852,10 +878,11 @@ class BeginToolRequest(_message.Message):
         name: _builtins.str = ...,
         input: _builtins.bytes = ...,
         replay: Global___Replay.ValueType = ...,
+        model: Global___ModelCall | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "name", b"name", "position", b"position", "replay", b"replay", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "model", b"model", "name", b"name", "position", b"position", "replay", b"replay", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1146,6 +1173,8 @@ class CommitRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    TOOL_RESULT_FIELD_NUMBER: _builtins.int
     lease: _builtins.str
     """The task's lease (LeasedTask.lease). Set: once the commit is stored, the
     journal service answers and then settles the task as Report would with
@@ -1161,18 +1190,30 @@ class CommitRequest(_message.Message):
     def commit(self) -> Global___Commit:
         """The commit."""
 
+    @_builtins.property
+    def model(self) -> Global___ModelCall:
+        """A model response (RecordModel's position and response)."""
+
+    @_builtins.property
+    def tool_result(self) -> Global___ToolResult:
+        """The result of a tool call of this writer (FinishTool's fields)."""
+
     def __init__(
         self,
         *,
         token: Global___WriterToken | None = ...,
         commit: Global___Commit | None = ...,
         lease: _builtins.str = ...,
+        model: Global___ModelCall | None = ...,
+        tool_result: Global___ToolResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "token", b"token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "leading", b"leading", "model", b"model", "token", b"token", "tool_result", b"tool_result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "lease", b"lease", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "leading", b"leading", "lease", b"lease", "model", b"model", "token", b"token", "tool_result", b"tool_result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType_leading: _TypeAlias = _typing.Literal["model", "tool_result"]  # noqa: Y015
+    _WhichOneofArgType_leading: _TypeAlias = _typing.Literal["leading", b"leading"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_leading) -> _WhichOneofReturnType_leading | None: ...
 
 Global___CommitRequest: _TypeAlias = CommitRequest  # noqa: Y015
 

@@ -36,6 +36,13 @@ class JournalServiceStub:
       EngineService: one channel carries all three.
     - Model calls (BeginModel), tool calls (BeginTool) and PlaceInputs share one
       position counter per dispatch, from 0, in the order the handler makes them.
+    - A model response may ride the next call instead of RecordModel: a
+      BeginTool at the next position (BeginToolRequest.model) or the Commit
+      (CommitRequest.model); a tool result may ride the Commit instead of
+      FinishTool (CommitRequest.tool_result). One record holds both entries
+      (Record.leading). The separate calls stay valid. Either way an entry
+      must be stored before anything that depends on it starts (the tool, the
+      next model call): a carrying call is that point, or it comes too late.
     - After ABORTED (error code "fenced") from any call, Hold included, a
       successor holds the step: send no Heartbeat and no Report (either would
       take the task from the successor) and write nothing more.
@@ -108,6 +115,13 @@ class JournalServiceAsyncStub(JournalServiceStub):
       EngineService: one channel carries all three.
     - Model calls (BeginModel), tool calls (BeginTool) and PlaceInputs share one
       position counter per dispatch, from 0, in the order the handler makes them.
+    - A model response may ride the next call instead of RecordModel: a
+      BeginTool at the next position (BeginToolRequest.model) or the Commit
+      (CommitRequest.model); a tool result may ride the Commit instead of
+      FinishTool (CommitRequest.tool_result). One record holds both entries
+      (Record.leading). The separate calls stay valid. Either way an entry
+      must be stored before anything that depends on it starts (the tool, the
+      next model call): a carrying call is that point, or it comes too late.
     - After ABORTED (error code "fenced") from any call, Hold included, a
       successor holds the step: send no Heartbeat and no Report (either would
       take the task from the successor) and write nothing more.
@@ -176,6 +190,13 @@ class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
       EngineService: one channel carries all three.
     - Model calls (BeginModel), tool calls (BeginTool) and PlaceInputs share one
       position counter per dispatch, from 0, in the order the handler makes them.
+    - A model response may ride the next call instead of RecordModel: a
+      BeginTool at the next position (BeginToolRequest.model) or the Commit
+      (CommitRequest.model); a tool result may ride the Commit instead of
+      FinishTool (CommitRequest.tool_result). One record holds both entries
+      (Record.leading). The separate calls stay valid. Either way an entry
+      must be stored before anything that depends on it starts (the tool, the
+      next model call): a carrying call is that point, or it comes too late.
     - After ABORTED (error code "fenced") from any call, Hold included, a
       successor holds the step: send no Heartbeat and no Report (either would
       take the task from the successor) and write nothing more.
