@@ -3,6 +3,9 @@ corruption is reported by exactly the rule it breaks. Pure: no event loop."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from dagnats.journal import convert
 from dagnats.journal.audit import EngineStep, Finding, check_run, check_step
 from dagnats.journal.model import (
     Action,
@@ -15,6 +18,7 @@ from dagnats.journal.model import (
     OutputEntry,
     ResultEntry,
 )
+from dagnats.journal.v1 import journal_pb2 as pb
 
 
 class Journal:
@@ -514,3 +518,77 @@ def test_a_failed_or_cancelled_step_is_not_compared() -> None:
     for status in ("failed", "cancelled"):
         step = EngineStep(status=status, iteration=0, output=b"")
         assert check_step("agent", j.entries, engine_step=step) == []
+
+
+# ---- records that hold two entries (ADR 24) ---------------------------------------------
+
+
+def merged_turns(*, expected: dict[int, int] | None = None) -> list[AnyEntry]:
+    """Two tool turns stored as the SDK stores them: a claim, the response with
+    the intent it asks for, the result with the commit; then an answer with
+    its commit. ``expected`` overrides a record's expected tail."""
+    bodies = []
+    for iteration, name in ((0, "search"), (1, "charge")):
+        intent_seq = len(bodies) + 2
+        bodies += [
+            (iteration, pb.Record(claim=pb.Claim(delivery=1))),
+            (
+                iteration,
+                pb.Record(
+                    leading_model=pb.ModelCall(position=0, response=b"{}"),
+                    tool_intent=pb.ToolIntent(position=1, name=name, input=b"{}"),
+                ),
+            ),
+            (
+                iteration,
+                pb.Record(
+                    leading_tool_result=pb.ToolResult(intent_seq=intent_seq, output=b'"ok"'),
+                    commit=pb.Commit(action=pb.ACTION_CONTINUE),
+                ),
+            ),
+        ]
+    bodies += [
+        (2, pb.Record(claim=pb.Claim(delivery=1))),
+        (
+            2,
+            pb.Record(
+                leading_model=pb.ModelCall(position=0, response=b"{}"),
+                commit=pb.Commit(action=pb.ACTION_COMPLETE),
+            ),
+        ),
+    ]
+    records = []
+    for seq, (iteration, body) in enumerate(bodies, start=1):
+        record = pb.Record(iteration=iteration, attempt=1, writer=f"{iteration:016x}")
+        record.MergeFrom(body)
+        record.seq = seq
+        record.expected_seq = (expected or {}).get(seq, seq - 1)
+        records.append(record)
+    return convert.all_entries(records)
+
+
+def test_records_that_hold_two_entries_are_sound() -> None:
+    entries = merged_turns()
+    assert len(entries) == 13, "8 records, 5 of them with an entry ahead of their kind"
+    assert check_step("agent", entries, engine_iterations=2) == []
+    # In any order the service hands them over.
+    assert check_step("agent", entries[::-1], engine_iterations=2) == []
+
+
+def test_a_broken_chain_at_a_record_of_two_entries_is_one_finding() -> None:
+    finding = only(check_step("agent", merged_turns(expected={5: 3})), "chain")
+    assert finding.seq == 5
+    assert finding.message == (
+        "seq 5 (tool intent 'charge') expected the tail at seq 3, but the record before it is seq 4"
+    )
+
+
+def test_a_result_stored_with_a_commit_must_answer_an_intent() -> None:
+    entries = [
+        replace(e, intent_seq=1) if isinstance(e, ResultEntry) and e.seq == 3 else e
+        for e in merged_turns()
+    ]
+    findings = check_step("agent", entries)
+    assert rules(findings) == ["unanswered_intent", "orphan_result"]
+    assert findings[0].seq == 2 and "'search' at seq 2" in findings[0].message
+    assert findings[1].seq == 3 and "answers seq 1, which is a claim" in findings[1].message

@@ -89,7 +89,7 @@ def test_what_follows_a_writers_last_record_says_why_it_was_fenced() -> None:
     mine, dispatch = "a" * 16, (1, 2)
 
     def why(*records: jpb.Record) -> str:
-        entries = [convert.entry(r) for r in records]
+        entries = convert.all_entries(records)
         return replay.why_fenced(entries, writer=mine, dispatch=dispatch)
 
     def record(iteration: int, attempt: int, who: str = "b" * 16, **kind: Any) -> jpb.Record:

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import pytest
 
+from dagnats.journal import convert
 from dagnats.journal.limits import MAX_PARTIAL_BYTES
 from dagnats.journal.model import (
     Action,
@@ -45,6 +46,7 @@ from dagnats.journal.replay import (
     restart_limit_reached,
     stands_on_a_guess,
 )
+from dagnats.journal.v1 import journal_pb2 as pb
 
 E = TypeVar("E", bound=AnyEntry)
 
@@ -702,3 +704,79 @@ def test_base_before_is_the_commit_that_ended_the_previous_iteration() -> None:
     assert replay.base_before(claim, 1) == 9, "a record of the iteration carries its base"
     failed = CommitEntry(seq=11, iteration=1, attempt=1, writer="v", base_seq=9, action=Action.FAIL)
     assert replay.base_before(failed, 1) == 9, "a retriable failure ends no iteration"
+
+
+# ---- records that hold two entries (ADR 24) ---------------------------------------------
+
+
+def stored(*bodies: pb.Record, attempt: int = 1) -> list[pb.Record]:
+    """``bodies`` as one writer's fenced appends store them: each the next
+    sequence, expecting the one before it."""
+    records = []
+    for seq, body in enumerate(bodies, start=1):
+        record = pb.Record(iteration=0, attempt=attempt, writer="a" * 16, expected_seq=seq - 1)
+        record.MergeFrom(body)
+        record.seq = seq
+        records.append(record)
+    return records
+
+
+def test_a_response_stored_with_its_intent_replays_as_a_record_of_its_own() -> None:
+    # A holder stored the response with the intent it asked for, started the
+    # unsafe tool and died: its redelivery reuses the response and interrupts
+    # the tool, exactly as if each had a record of its own.
+    records = stored(
+        pb.Record(claim=pb.Claim(delivery=1)),
+        pb.Record(
+            leading_model=pb.ModelCall(position=0, response=b'{"tool": "rm"}'),
+            tool_intent=pb.ToolIntent(position=1, name="rm", input=b"{}", replay=pb.REPLAY_UNSAFE),
+        ),
+        pb.Record(tool_output=pb.ToolOutput(intent_seq=2, chunk="removing")),
+        pb.Record(claim=pb.Claim(delivery=2)),
+    )
+    entries = convert.all_entries(records)
+    assert [type(e).__name__ for e in entries] == [
+        "ClaimEntry",
+        "ModelEntry",
+        "IntentEntry",
+        "OutputEntry",
+        "ClaimEntry",
+    ]
+    model, intent = entries[1], entries[2]
+    assert (model.seq, intent.seq) == (2, 2) and model.leading and not intent.leading
+    assert convert.entry(records[1]) == intent, "the record's kind is its last entry"
+    assert decide_model(entries, attempt=1, position=0) == UseResponse(response=b'{"tool": "rm"}')
+    assert isinstance(intent, IntentEntry)
+    assert decide_tool(entries, attempt=1, position=1, call=unsafe("rm")) == Interrupt(
+        intent=intent, partial="removing"
+    )
+    # A retry honours the intent the claim closes, found by its seq.
+    assert decide_claim(tail=entries[-1], records=entries, iteration=0, attempt=2) == Proceed(
+        close=(intent,)
+    )
+
+
+def test_a_result_stored_with_its_commit_answers_its_intent() -> None:
+    records = stored(
+        pb.Record(claim=pb.Claim(delivery=1)),
+        pb.Record(
+            leading_model=pb.ModelCall(position=0, response=b'{"tool": "send"}'),
+            tool_intent=pb.ToolIntent(position=1, name="send", input=b"{}"),
+        ),
+        pb.Record(
+            leading_tool_result=pb.ToolResult(intent_seq=2, output=b'"sent"'),
+            commit=pb.Commit(action=pb.ACTION_FAIL, error="boom"),
+        ),
+    )
+    entries = convert.all_entries(records)
+    result, commit = entries[-2], entries[-1]
+    assert isinstance(result, ResultEntry) and result.leading and result.intent_seq == 2
+    assert isinstance(commit, CommitEntry) and commit.seq == result.seq == 3
+    # The failed attempt's retry has nothing to close, and honours the result.
+    decision = decide_claim(tail=commit, records=entries, iteration=0, attempt=2)
+    assert decision == Proceed(close=())
+    honour = decide_tool(entries, attempt=2, position=1, call=unsafe("send"))
+    assert isinstance(honour, Honour) and honour.result == result
+    assert decide_claim(tail=commit, records=entries, iteration=0, attempt=1) == AlreadyCommitted(
+        commit=commit
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import parse_seq
@@ -128,33 +129,35 @@ async def _follow(
 
 
 def record_line(record: pb.Record) -> str:
-    """``  14  2/1  tool_intent  charge {"amount": 5} unsafe  (writer 3f9a...)``."""
+    """``  14  2/1  tool_intent  charge {"amount": 5} unsafe  (writer 3f9a...)``;
+    a record that holds two entries is a line each, with the same sequence."""
     kind = record.WhichOneof("kind") or "unknown"
-    return (
-        f"{record.seq:>6}  {record.iteration}/{record.attempt:<3} {kind:<11}  "
-        f"{_summary(record)}  (writer {record.writer})"
+    leading = record.WhichOneof("leading")
+    entries = [(leading.removeprefix("leading_"), getattr(record, leading))] if leading else []
+    entries.append((kind, getattr(record, kind) if kind != "unknown" else None))
+    return "\n".join(
+        f"{record.seq:>6}  {record.iteration}/{record.attempt:<3} {name:<11}  "
+        f"{_summary(name, body)}  (writer {record.writer})"
+        for name, body in entries
     )
 
 
-def _summary(record: pb.Record) -> str:
-    match record.WhichOneof("kind"):
+def _summary(kind: str, body: Any) -> str:
+    match kind:
         case "claim":
-            c = record.claim
-            return f"worker {c.worker_id or '-'} delivery {c.delivery}"
+            return f"worker {body.worker_id or '-'} delivery {body.delivery}"
         case "model":
-            return f"#{record.model.position} {_preview(record.model.response)}"
+            return f"#{body.position} {_preview(body.response)}"
         case "tool_intent":
-            i = record.tool_intent
-            safety = "safe" if i.replay == pb.REPLAY_SAFE else "unsafe"
-            honours = f" honours seq {i.honours_seq}" if i.honours_seq else ""
-            return f"#{i.position} {i.name} {_preview(i.input)} {safety}{honours}"
+            safety = "safe" if body.replay == pb.REPLAY_SAFE else "unsafe"
+            honours = f" honours seq {body.honours_seq}" if body.honours_seq else ""
+            return f"#{body.position} {body.name} {_preview(body.input)} {safety}{honours}"
         case "tool_output":
-            o = record.tool_output
-            return f"intent {o.intent_seq}: {_shorten(json.dumps(o.chunk))}"
+            return f"intent {body.intent_seq}: {_shorten(json.dumps(body.chunk))}"
         case "tool_result":
-            return _result_summary(record.tool_result)
+            return _result_summary(body)
         case "commit":
-            return _commit_summary(record.commit)
+            return _commit_summary(body)
     return "-"
 
 

@@ -66,13 +66,19 @@ def input_dict(item: ipb.Input) -> dict[str, Any]:
 
 
 def record_dict(record: jpb.Record) -> dict[str, Any]:
-    """A journal record; ``kind`` names which of the record's bodies is set."""
+    """A journal record; ``kind`` names which of the record's bodies is set.
+    A record that also holds the entry stored ahead of it names that one's
+    body in ``leading`` (``leading_model`` or ``leading_tool_result``)."""
     data = _as_dict(record)
     kind = record.WhichOneof("kind")
     data["kind"] = kind
-    for field_kind, field in _JSON_PAYLOADS:
-        if kind == field_kind and field in data[kind]:
-            data[kind][field] = decode_payload(getattr(getattr(record, kind), field))
+    leading = record.WhichOneof("leading")
+    data["leading"] = leading
+    for name in (kind, leading):
+        for field_kind, field in _JSON_PAYLOADS:
+            body = name.removeprefix("leading_") if name else None
+            if body == field_kind and name and field in data[name]:
+                data[name][field] = decode_payload(getattr(getattr(record, name), field))
     if kind == "tool_intent":
         data[kind]["replay"] = enum_name(jpb.Replay, record.tool_intent.replay)
     if kind == "commit":

@@ -121,7 +121,7 @@ async def why_fenced(b: Backend, t: BridgeToken) -> FenceReason | Literal["cance
     assert t.writer is not None
     writer = t.writer
     async with records_from(b, t, writer.last_seq + 1) as records:
-        entries = [convert.entry(record) async for record in records]
+        entries = convert.all_entries([record async for record in records])
     return replay.why_fenced(
         entries, writer=writer.writer, dispatch=(writer.iteration, writer.attempt)
     )

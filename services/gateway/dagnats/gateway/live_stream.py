@@ -154,19 +154,22 @@ class Hubs:
 
 
 async def journal_committed(backend: Backend, run_id: str, step_id: str) -> list[Event]:
-    """The step's model records, as the ``committed`` events a late reader gets."""
+    """The step's model responses, as the ``committed`` events a late reader
+    gets: those in records of their own, and those stored ahead of an intent
+    or a commit."""
     out = []
     async for record in backend.journal.read(run_id, step_id):
-        if record.WhichOneof("kind") == "model":
+        if record.HasField("model") or record.HasField("leading_model"):
+            model = record.model if record.HasField("model") else record.leading_model
             data = {
                 "type": "committed",
                 "run": run_id,
                 "step": step_id,
                 "iteration": record.iteration,
                 "attempt": record.attempt,
-                "position": record.model.position,
+                "position": model.position,
                 "record_seq": record.seq,
-                "response": json.loads(record.model.response),
+                "response": json.loads(model.response),
                 "from": "journal",
             }
             out.append(Event(f"journal.{record.seq}", "committed", data))

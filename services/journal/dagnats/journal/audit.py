@@ -10,7 +10,9 @@ Invariants, named by the rule a violation reports:
 * ``chain``: each record's ``expected_seq`` is the ``seq`` of the record before
   it on the subject (0 for the first). Every append carries
   Nats-Expected-Last-Subject-Sequence, so a record can only follow the tail
-  its writer saw.
+  its writer saw. A record that holds two entries (a model response or a
+  tool result ahead of an intent or a commit) is one link of the chain; every
+  other rule reads its entries as records of their own, in their order.
 * ``after_fence``: a claim fences every writer that claimed before it, and no
   record by a fenced writer comes after that claim. A record whose writer
   never claimed is fenced by any claim before it.
@@ -136,7 +138,8 @@ def check_step(
     Returns:
         The findings, in sequence order; empty when the journal is sound.
     """
-    records = sorted(entries, key=lambda r: r.seq)
+    # Stable on seq, and a record's leading entry ahead of its kind's.
+    records = sorted(entries, key=lambda r: (r.seq, not r.leading))
     found = [
         *_chain(records),
         *_fencing(records),
@@ -192,6 +195,8 @@ def check_run(
 def _chain(records: Sequence[AnyEntry]) -> Iterator[_Found]:
     previous = 0
     for r in records:
+        if r.leading:
+            continue  # its record's link is checked once, on the entry after it
         if r.expected_seq != previous:
             if previous == 0:
                 why = f"is the first record but expected the tail at seq {r.expected_seq}"
@@ -294,7 +299,7 @@ def _after_commit_message(record: AnyEntry, commit: CommitEntry) -> str:
 
 
 def _answers(records: Sequence[AnyEntry]) -> Iterator[_Found]:
-    by_seq = {r.seq: r for r in records}
+    by_seq = {r.seq: r for r in records if not r.leading}  # an intent is never leading
     results = _group([r for r in records if isinstance(r, ResultEntry)], lambda r: r.intent_seq)
     pending = _may_still_be_answered(records)
     for r in records:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from dagnats.journal import model as jm
@@ -16,9 +17,30 @@ _ACTION = {
 }
 
 
-def entry(record: pb.Record) -> jm.AnyEntry:
-    """The plain value of a stored record (``record.seq`` must be set)."""
-    head: dict[str, Any] = {
+def entries(record: pb.Record) -> list[jm.AnyEntry]:
+    """The entries of a stored record, in order: the one stored ahead of its
+    kind (``Record.leading``), if any, then its kind's (``record.seq`` must be
+    set)."""
+    if record.HasField("leading_model"):
+        m = record.leading_model
+        model = jm.ModelEntry(
+            **_head(record), leading=True, position=m.position, response=m.response
+        )
+        return [model, entry(record)]
+    if record.HasField("leading_tool_result"):
+        r = record.leading_tool_result
+        result = jm.ResultEntry(**_head(record), leading=True, **_result_fields(r))
+        return [result, entry(record)]
+    return [entry(record)]
+
+
+def all_entries(records: Iterable[pb.Record]) -> list[jm.AnyEntry]:
+    """The entries of ``records``, in order."""
+    return [e for record in records for e in entries(record)]
+
+
+def _head(record: pb.Record) -> dict[str, Any]:
+    return {
         "seq": record.seq,
         "iteration": record.iteration,
         "attempt": record.attempt,
@@ -26,6 +48,22 @@ def entry(record: pb.Record) -> jm.AnyEntry:
         "expected_seq": record.expected_seq,
         "base_seq": record.base_seq,
     }
+
+
+def _result_fields(r: pb.ToolResult) -> dict[str, Any]:
+    return {
+        "intent_seq": r.intent_seq,
+        "output": r.output,
+        "error": r.error,
+        "interrupted": r.interrupted,
+        "partial": r.partial,
+    }
+
+
+def entry(record: pb.Record) -> jm.AnyEntry:
+    """The entry of a stored record's kind, the last of its entries (see
+    :func:`entries`; ``record.seq`` must be set)."""
+    head = _head(record)
     kind = record.WhichOneof("kind")
     if kind == "claim":
         return jm.ClaimEntry(
@@ -47,15 +85,7 @@ def entry(record: pb.Record) -> jm.AnyEntry:
         o = record.tool_output
         return jm.OutputEntry(**head, intent_seq=o.intent_seq, chunk=o.chunk)
     if kind == "tool_result":
-        r = record.tool_result
-        return jm.ResultEntry(
-            **head,
-            intent_seq=r.intent_seq,
-            output=r.output,
-            error=r.error,
-            interrupted=r.interrupted,
-            partial=r.partial,
-        )
+        return jm.ResultEntry(**head, **_result_fields(record.tool_result))
     if kind == "commit":
         c = record.commit
         return jm.CommitEntry(

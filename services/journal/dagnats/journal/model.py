@@ -1,6 +1,11 @@
 """Journal records as plain values, one class per kind, for the pure rules
 (:mod:`dagnats.journal.replay`, :mod:`dagnats.journal.audit`).
-:mod:`dagnats.journal.convert` builds them from the stored protobuf records."""
+:mod:`dagnats.journal.convert` builds them from the stored protobuf records.
+
+An entry is what the rules read; a stored record holds one entry, or two: a
+model response or a tool result stored in the same message as the intent or
+commit after it (``Record.leading``, ADR 24). Both entries of such a record
+have its ``seq``; the first is marked ``leading``, and it comes first."""
 
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ ENDS_ITERATION = frozenset({Action.CONTINUE, Action.COMPLETE, Action.FAIL_PERMAN
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Entry:
-    """Fields every record has. ``seq`` is its stream sequence."""
+    """Fields every record has. ``seq`` is its stream sequence; ``leading``
+    marks the entry stored ahead of another in the same record."""
 
     seq: int
     iteration: int
@@ -31,6 +37,7 @@ class Entry:
     writer: str
     expected_seq: int = 0
     base_seq: int = 0
+    leading: bool = False
 
     @property
     def dispatch(self) -> tuple[int, int]:

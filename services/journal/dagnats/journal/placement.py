@@ -138,7 +138,7 @@ class InputPlacement:
         for record in records:
             if record.writer != token.writer:
                 raise fenced(token, record.seq)
-        known = [convert.entry(r) for r in records if r.seq <= token.last_seq]
+        known = convert.all_entries(r for r in records if r.seq <= token.last_seq)
         retried = [r for r in records if r.seq > token.last_seq]
         if retried:
             moved = pb.WriterToken()

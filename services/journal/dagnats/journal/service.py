@@ -87,14 +87,14 @@ def check_writer_token(token: pb.WriterToken) -> pb.WriterToken:
     return token
 
 
-def _check_intent_seq(token: pb.WriterToken, intent_seq: int) -> None:
+def _check_intent_seq(token: pb.WriterToken, intent_seq: int, field: str = "intent_seq") -> None:
     """An output or result answers a record of this iteration that the writer
     has seen: after the iteration's base, not after the writer's tail."""
     if not token.base_seq < intent_seq <= token.last_seq:
         raise errors.InvalidArgument(
-            f"intent_seq {intent_seq} is no record of iteration {token.iteration} this "
+            f"{field} {intent_seq} is no record of iteration {token.iteration} this "
             f"writer has seen ({token.base_seq + 1}..{token.last_seq})",
-            field="intent_seq",
+            field=field,
         )
 
 
@@ -169,7 +169,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         run_id, step_id = request.run_id, request.step_id
         base = replay.base_before(convert.entry(tail) if tail else None, request.iteration)
         records = await self._iteration_records(run_id, step_id, request.iteration, base, tail)
-        entries = [convert.entry(r) for r in records]
+        entries = convert.all_entries(records)
         decision = replay.decide_claim(
             tail=convert.entry(tail) if tail else None,
             records=entries,
@@ -290,11 +290,22 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self, request: pb.RecordModelRequest, context: Context
     ) -> pb.RecordModelResponse:
         token = check_writer_token(request.token)
-        _check_json(request.response, "response")
-        record = pb.Record(model=pb.ModelCall(position=request.position, response=request.response))
-        token, stored = await self._writer.append(token, record)
-        await stream.publish(self.store.nc, stream.committed_event(token, request.position, stored))
+        model = _model_call(request.position, request.response, field="")
+        token, _ = await self._store_model(token, model)
         return pb.RecordModelResponse(token=token)
+
+    async def _store_model(
+        self, token: pb.WriterToken, model: pb.ModelCall, record: pb.Record | None = None
+    ) -> tuple[pb.WriterToken, pb.Record]:
+        """Append ``model``: on its own, or ahead of ``record``'s entry in one
+        record; then end the call's live stream with the record's sequence."""
+        if record is None:
+            record = pb.Record(model=model)
+        else:
+            record.leading_model.CopyFrom(model)
+        token, stored = await self._writer.append(token, record)
+        await stream.publish(self.store.nc, stream.committed_event(token, stored))
+        return token, stored
 
     # ---- live preview ----------------------------------------------------------------
 
@@ -359,6 +370,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if not request.name or len(request.name) > 256:
             raise errors.InvalidArgument("name must be 1-256 characters", field="name")
         _check_json(request.input, "input")
+        model = _riding_model(request)
         call = jm.ToolCall(
             name=request.name, input=request.input, safe=request.replay == pb.REPLAY_SAFE
         )
@@ -370,14 +382,26 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             call=call,
             honoured=token.honoured,
         )
-        answer = await self._begin_tool(token, request, decision)
+        if isinstance(decision, replay.Mismatch):
+            raise errors.ReplayMismatch(decision.reason)  # and nothing is written
+        if model is not None and not isinstance(decision, replay.RunNew | replay.Honour):
+            # The decision writes no intent the response could ride: it is stored
+            # first, on its own, as RecordModel would have.
+            token, _ = await self._store_model(token, model)
+            model = None
+        answer = await self._begin_tool(token, request, decision, model)
         answer.key = f"{token.run_id}.{token.step_id}.{token.iteration}.{request.position}"
         answer.intent_seq = answer.intent_seq or answer.result.intent_seq
         return answer
 
     async def _begin_tool(
-        self, token: pb.WriterToken, request: pb.BeginToolRequest, decision: replay.ToolDecision
+        self,
+        token: pb.WriterToken,
+        request: pb.BeginToolRequest,
+        decision: replay.ToolDecision,
+        model: pb.ModelCall | None,
     ) -> pb.BeginToolResponse:
+        """Write what ``decision`` says; ``model`` rides the intent it writes."""
         match decision:
             case replay.UseResult(result=result):
                 return pb.BeginToolResponse(token=token, result=convert.result_to_proto(result))
@@ -392,9 +416,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 token, _ = await self._writer.append(token, pb.Record(tool_result=cut))
                 return pb.BeginToolResponse(token=token, result=cut)
             case replay.Honour(earlier=earlier, result=result):
-                return await self._honour(token, request, earlier, result)
+                return await self._honour(token, request, earlier, result, model)
             case replay.RunNew():
-                token, intent_record = await self._writer.append(token, _intent(request))
+                token, intent_record = await self._append_intent(token, _intent(request), model)
                 return pb.BeginToolResponse(token=token, run=True, intent_seq=intent_record.seq)
             case replay.Mismatch(reason=reason):
                 raise errors.ReplayMismatch(reason)
@@ -405,15 +429,23 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         request: pb.BeginToolRequest,
         earlier: jm.IntentEntry,
         earlier_result: jm.ResultEntry,
+        model: pb.ModelCall | None,
     ) -> pb.BeginToolResponse:
         intent = _intent(request)
         intent.tool_intent.honours_seq = earlier.seq
-        token, intent = await self._writer.append(token, intent)
+        token, intent = await self._append_intent(token, intent, model)
         result = convert.result_to_proto(earlier_result)
         result.intent_seq = intent.seq
         token, _ = await self._writer.append(token, pb.Record(tool_result=result))
         token.honoured.append(earlier.seq)
         return pb.BeginToolResponse(token=token, result=result)
+
+    async def _append_intent(
+        self, token: pb.WriterToken, intent: pb.Record, model: pb.ModelCall | None
+    ) -> tuple[pb.WriterToken, pb.Record]:
+        if model is None:
+            return await self._writer.append(token, intent)
+        return await self._store_model(token, model, intent)
 
     @domain_errors
     async def ToolOutput(
@@ -430,16 +462,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self, request: pb.FinishToolRequest, context: Context
     ) -> pb.FinishToolResponse:
         token = check_writer_token(request.token)
-        _check_intent_seq(token, request.intent_seq)
-        if request.interrupted:
-            partial = replay.cut_partial(request.partial)
-            result = pb.ToolResult(intent_seq=request.intent_seq, interrupted=True, partial=partial)
-        else:
-            if not request.error:
-                _check_json(request.output, "output")
-            result = pb.ToolResult(
-                intent_seq=request.intent_seq, output=request.output, error=request.error
-            )
+        result = _tool_result(token, request, field="")
         token, _ = await self._writer.append(token, pb.Record(tool_result=result))
         return pb.FinishToolResponse(token=token)
 
@@ -477,7 +500,17 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if commit.action == pb.ACTION_PAUSE and commit.pause.ToNanoseconds() <= 0:
             raise errors.InvalidArgument("commit.pause must be positive", field="commit.pause")
         lease = check_lease(request.lease) if request.lease else ""
-        token, record = await self._writer.append(token, pb.Record(commit=commit))
+        record = pb.Record(commit=commit)
+        match request.WhichOneof("leading"):
+            case "model":
+                model = _model_call(request.model.position, request.model.response, field="model.")
+                token, record = await self._store_model(token, model, record)
+            case "tool_result":
+                result = _tool_result(token, request.tool_result, field="tool_result.")
+                record.leading_tool_result.CopyFrom(result)
+                token, record = await self._writer.append(token, record)
+            case _:
+                token, record = await self._writer.append(token, record)
         self._writer.forget(token)
         answer = pb.CommitResponse(commit_seq=record.seq, record=record)
         if lease:
@@ -576,10 +609,12 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         run_id = check_run_id(request.run_id)
         run = await self._run(run_id)
         steps: dict[str, list[jm.AnyEntry]] = {}
+        stored = 0
         for step in run.steps:
             records = await self.store.read(run_id, step.step_id, after=0)
             if records:
-                steps[step.step_id] = [convert.entry(r) for r in records]
+                steps[step.step_id] = convert.all_entries(records)
+                stored += len(records)
         iterations = {s.step_id: s.iterations for s in run.steps if s.step_id in steps}
         settling = {s.step_id for s in run.steps if s.status in _SETTLING}
         engine_steps = {
@@ -598,7 +633,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 for f in findings
             ],
             steps=len(steps),
-            records=sum(len(v) for v in steps.values()),
+            records=stored,
         )
 
     # ---- helpers -------------------------------------------------------------------------
@@ -627,6 +662,40 @@ def _intent(request: pb.BeginToolRequest) -> pb.Record:
             replay=request.replay or pb.REPLAY_UNSAFE,
         )
     )
+
+
+def _riding_model(request: pb.BeginToolRequest) -> pb.ModelCall | None:
+    """The model response a tool call's intent is to be stored with, checked."""
+    if not request.HasField("model"):
+        return None
+    if request.model.position != request.position - 1:
+        raise errors.InvalidArgument(
+            f"model.position must be position - 1 ({request.position - 1}): the response "
+            "an intent is stored with is the call's just before it",
+            field="model.position",
+        )
+    return _model_call(request.model.position, request.model.response, field="model.")
+
+
+def _model_call(position: int, response: bytes, *, field: str) -> pb.ModelCall:
+    """A model response to store; ``field`` prefixes the names in errors."""
+    check_position(position)
+    _check_json(response, field + "response")
+    return pb.ModelCall(position=position, response=response)
+
+
+def _tool_result(
+    token: pb.WriterToken, request: pb.FinishToolRequest | pb.ToolResult, *, field: str
+) -> pb.ToolResult:
+    """The result to store for a finished call (FinishTool's, or one that rides
+    a commit); ``field`` prefixes the names in errors."""
+    _check_intent_seq(token, request.intent_seq, field + "intent_seq")
+    if request.interrupted:
+        partial = replay.cut_partial(request.partial)
+        return pb.ToolResult(intent_seq=request.intent_seq, interrupted=True, partial=partial)
+    if not request.error:
+        _check_json(request.output, field + "output")
+    return pb.ToolResult(intent_seq=request.intent_seq, output=request.output, error=request.error)
 
 
 def _page(claimed: pb.Claimed, records: list[pb.Record]) -> None:

@@ -235,12 +235,10 @@ def _same_or_fenced(
     """A record with our Msg-Id landed: it is our earlier try of this write only
     if it records the same thing. A writer token used again for another record
     (a worker that lost track of its latest token) wrote nothing and is behind."""
-    kind = record.WhichOneof("kind")
     if (
         landed is not None
-        and kind is not None
-        and landed.WhichOneof("kind") == kind
-        and getattr(landed, kind) == getattr(record, kind)
+        and record.WhichOneof("kind") is not None
+        and _body(landed) == _body(record)
     ):
         return
     actual = landed.seq if landed is not None else expected
@@ -249,6 +247,17 @@ def _same_or_fenced(
         "that token is behind",
         expected=expected,
         actual=actual,
+    )
+
+
+def _body(record: pb.Record) -> tuple[object, ...]:
+    """What a record records: its kind's entry and the one stored ahead of it."""
+    kind, leading = record.WhichOneof("kind"), record.WhichOneof("leading")
+    return (
+        kind,
+        getattr(record, kind) if kind else None,
+        leading,
+        getattr(record, leading) if leading else None,
     )
 
 

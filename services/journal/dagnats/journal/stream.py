@@ -3,8 +3,9 @@
 A preview is not a record (the spec's PutStream): chunks go to the readers of
 ``dagnats.stream.<run>.<step>`` with no stream behind them, so they cost no
 fsync and a reader that was not listening never sees them. The markers tie
-the preview to the journal: ``committed`` (the model record's sequence, sent
-when RecordModel stored it), ``claim`` (a successor holds the step: every
+the preview to the journal: ``committed`` (the sequence of the record that
+holds the model response, sent once it is stored: by RecordModel, or with the
+intent or commit it rode), ``claim`` (a successor holds the step: every
 open stream of another writer is abandoned) and ``abandoned`` (the call
 failed). Run and step ids are validated tokens before they reach a subject,
 so nothing from a request becomes a wildcard.
@@ -82,12 +83,14 @@ def chunk_event(request: pb.PutStreamRequest) -> dict[str, Any]:
     return event
 
 
-def committed_event(token: pb.WriterToken, position: int, record: pb.Record) -> dict[str, Any]:
-    """The marker that ends a stream once its model record is stored."""
-    return _head(token, position) | {
+def committed_event(token: pb.WriterToken, record: pb.Record) -> dict[str, Any]:
+    """The marker that ends a stream once its model response is stored: in a
+    record of its own, or ahead of the intent or commit it rode."""
+    model = record.model if record.HasField("model") else record.leading_model
+    return _head(token, model.position) | {
         "type": "committed",
         "record_seq": record.seq,
-        "response": json.loads(record.model.response),
+        "response": json.loads(model.response),
     }
 
 

@@ -112,7 +112,7 @@ class JournalWriter:
         found = await self.store.read(
             token.run_id, token.step_id, after=token.base_seq, through=token.snapshot_seq
         )
-        entries = [convert.entry(r) for r in found if r.iteration == token.iteration]
+        entries = convert.all_entries(r for r in found if r.iteration == token.iteration)
         self.remember(token, entries)
         return entries
 
