@@ -51,8 +51,8 @@ GUARDS = (
     Guard(
         name="a record under our Msg-Id is ours only if it records the same thing",
         file="services/journal/dagnats/journal/store.py",
-        guard="        and getattr(landed, kind) == getattr(record, kind)\n",
-        removed="",
+        guard="        and _body(landed) == _body(record)\n",
+        removed='        and landed.WhichOneof("kind") == record.WhichOneof("kind")\n',
         how="any record of the same kind under the writer's Msg-Id passes as its retried write",
         tests=(
             "tests/test_journal_store.py::"
@@ -320,6 +320,41 @@ GUARDS = (
         tests=(
             "tests/test_engine.py::"
             "test_an_engine_whose_last_write_is_stale_applies_what_a_read_accepts",
+        ),
+    ),
+    Guard(
+        name="a response that rides an intent is stored in the intent's record",
+        file="services/journal/dagnats/journal/service.py",
+        guard="        return await self._store_model(token, model, intent)\n",
+        removed="        return await self._writer.append(token, intent)\n",
+        how="the intent is stored, and the tool starts, without the response that asked for it",
+        tests=("tests/test_journal.py::test_crash_after_safe_intent_runs_it_again",),
+    ),
+    Guard(
+        name="a result that rides the commit is stored in the commit's record",
+        file="services/journal/dagnats/journal/service.py",
+        guard="                record.leading_tool_result.CopyFrom(result)\n",
+        removed="",
+        how="the commit is stored without the result it carries, its intent left unanswered",
+        tests=("tests/test_journal.py::test_a_crash_free_run",),
+    ),
+    Guard(
+        name="a pending response or result is stored before the next call",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="            if pending_first:\n                await self._store_pending()\n",
+        removed="",
+        how="a call that cannot carry the pending entry goes out first, and the entry is lost",
+        tests=("tests/test_journal_api.py::test_two_model_calls_in_a_row_keep_both_responses",),
+    ),
+    Guard(
+        name="a pending response or result is stored once the handler awaits anything else",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="            self._storing = asyncio.ensure_future(self._store_apart())\n",
+        removed="            pass\n",
+        how="the entry waits for the handler's next journal call however long it awaits first",
+        tests=(
+            "tests/test_journal.py::"
+            "test_a_handler_that_awaits_between_its_calls_stores_each_on_its_own",
         ),
     ),
 )

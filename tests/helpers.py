@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -48,3 +48,17 @@ async def wait_for(
             what = message or getattr(predicate, "__qualname__", repr(predicate))
             raise AssertionError(f"{what}: not true within {timeout}s (last value: {value!r})")
         await asyncio.sleep(interval)
+
+
+def holds(record: Any, kind: str) -> bool:
+    """Whether a journal record holds an entry of ``kind`` (``model``,
+    ``tool_result``, ...): as its own kind, or stored ahead of it (ADR 24)."""
+    return bool(record.HasField(kind)) or (
+        f"leading_{kind}" in record.DESCRIPTOR.fields_by_name
+        and bool(record.HasField(f"leading_{kind}"))
+    )
+
+
+def body(record: Any, kind: str) -> Any:
+    """The entry of ``kind`` a journal record holds (see :func:`holds`)."""
+    return getattr(record, kind if record.HasField(kind) else f"leading_{kind}")

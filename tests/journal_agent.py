@@ -13,6 +13,7 @@ a heartbeat, exactly what a killed process looks like from outside; a
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,19 @@ SCRIPT: list[dict[str, Any]] = [
     {"tool": "search", "input": {"q": "confirm"}},
     {"answer": "done"},
 ]
+
+
+class ConversationModel(ScriptedModel):
+    """The script's reply for the conversation's turn (a conversation is the
+    input, then a reply and an outcome per turn), not for the request's count:
+    a request asked again gets the same answer, as from a deterministic model."""
+
+    def __init__(self) -> None:
+        super().__init__(SCRIPT)
+
+    async def __call__(self, request: Any) -> Any:
+        self.requests.append(copy.deepcopy(request))
+        return copy.deepcopy(SCRIPT[(len(request) - 1) // 2])
 
 
 @dataclass
@@ -51,7 +65,13 @@ class Seen:
     results: list[dict[str, Any]] = field(default_factory=list)
 
 
-def agent(model: ScriptedModel, tools: Tools, seen: Seen | None = None) -> Any:
+def agent(
+    model: ScriptedModel, tools: Tools, seen: Seen | None = None, *, apart: bool = False
+) -> Any:
+    """The agent's handler. ``apart``: it heartbeats after its model call and
+    after its tool, so the response and the result are stored in records of
+    their own before its next journal call (ADR 24), as they were before
+    they could ride that call's record."""
     seen = seen or Seen()
 
     async def turn(tc: TaskContext) -> None:
@@ -59,6 +79,8 @@ def agent(model: ScriptedModel, tools: Tools, seen: Seen | None = None) -> Any:
             j = await tc.journal()
             history = await tc.load_checkpoint() or [tc.input]
             reply = await j.model(lambda: model(history))
+            if apart:
+                await tc.heartbeat()
             if "answer" in reply:
                 await tc.checkpoint([*history, reply])
                 await tc.complete(reply["answer"])
@@ -66,6 +88,8 @@ def agent(model: ScriptedModel, tools: Tools, seen: Seen | None = None) -> Any:
             replay = Replay.SAFE if reply["tool"] == "search" else Replay.UNSAFE
             call = ToolCall(name=reply["tool"], input=reply["input"])
             result = await j.tool(call, replay, tools.run)
+            if apart:
+                await tc.heartbeat()
             outcome = {
                 "tool": reply["tool"],
                 "output": result.output,

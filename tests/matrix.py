@@ -28,16 +28,24 @@ ENGINE_PROCESS = WORKERS / "engine_process.py"
 MATRIX = dataclasses.replace(FAST, task_ack_wait=1.0)
 
 # The worker's seams the matrix stops a holder at; ``inside_tool`` is the
-# tools' own, inside a tool once its start is counted.
+# tools' own, inside a tool once its start is counted. A model response rides
+# the intent of the tool it asks for and a result rides the commit (ADR 24):
+# ``model_pending`` and ``result_pending`` are the windows before those
+# records, ``after_model`` and ``after_result`` the records stored on their
+# own, which the matrix's agent does when it awaits something between its
+# calls (``APART``).
 WORKER_SEAMS = (
     "before_claim",
     "after_claim",
+    "model_pending",
     "after_model",
     "after_intent",
     "inside_tool",
+    "result_pending",
     "after_result",
     "after_event",
 )
+APART = frozenset({"after_model", "after_result"})
 
 # (where, "seam/mode") -> cases run; printed by conftest.pytest_terminal_summary.
 CASES: Counter[tuple[str, str]] = Counter()
@@ -58,11 +66,14 @@ def spawn_worker(
     name: str = "",
     standby: bool = False,
     stream: bool = False,
+    apart: bool = False,
 ) -> subprocess.Popen[bytes]:
     """A matrix worker process (see ``tests/workers/matrix_worker.py``); it
     writes ``state/ready-<name or crash or 'clean'>`` once it polls (with
     ``standby``, only once :func:`activate` let it)."""
     args = [sys.executable, str(MATRIX_WORKER), target, task, str(state), crash]
+    if apart:
+        args.append("--apart")
     if gate is not None:
         args += ["--gate", str(gate)]
     if inputs:

@@ -3,7 +3,10 @@ unsafe iteration and on the one after it, the worker holding the step is
 killed (SIGKILL) or frozen past its lease (SIGSTOP, then SIGCONT: a zombie),
 with two engines sharing the history consumer. Every case must end with the
 crash-free answer, a clean journal, the engine's iteration count equal to the
-commits, and the unsafe tool started at most once."""
+commits, and the unsafe tool started at most once: stopped with the model's
+response pending (``model_pending``) the model is asked again, and with the
+unsafe tool's result pending (``result_pending``) it comes back interrupted,
+never started again."""
 
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ import pytest_asyncio
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, run_output
-from tests.helpers import wait_for
+from tests.helpers import body, holds, wait_for
 from tests.matrix import (
+    APART,
     CASES,
     MATRIX,
     WORKER_SEAMS,
@@ -31,7 +35,7 @@ from tests.matrix import (
     zombie_turn,
 )
 from tests.stack import loop_workflow, steps_by_id, unique
-from tests.test_journal import journal_check
+from tests.test_journal import journal_check, read_journal
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +58,16 @@ async def second_engine(nats_server: Any, engine: EngineServer) -> AsyncIterator
     await server.stop()
 
 
+# Every seam on iterations 0, 1 (the unsafe one) and 2; the seams of records
+# stored on their own (``APART``: the agent awaits between its calls) on the
+# unsafe iteration only, where a result stored or not decides whether the
+# tool comes back interrupted.
+POINTS = [(seam, at) for seam in WORKER_SEAMS for at in ((1,) if seam in APART else (0, 1, 2))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("iteration", [0, 1, 2])
 @pytest.mark.parametrize("mode", ["kill", "stall"])
-@pytest.mark.parametrize("seam", WORKER_SEAMS)
+@pytest.mark.parametrize(("seam", "iteration"), POINTS)
 async def test_crash_point(
     engine: EngineServer,
     second_engine: EngineServer,
@@ -70,7 +80,9 @@ async def test_crash_point(
 ) -> None:
     task, name = unique("matrix"), unique("matrixwf")
     await client.register_workflow(loop_workflow(name, task))
-    crasher = spawn_worker(engine.target, task, tmp_path, f"{seam}:{iteration}")
+    crasher = spawn_worker(
+        engine.target, task, tmp_path, f"{seam}:{iteration}", apart=seam in APART
+    )
     successor = spawn_worker(second_engine.target, task, tmp_path, standby=True)
     try:
         await wait_for(lambda: (tmp_path / f"ready-{seam}:{iteration}").exists(), timeout=30)
@@ -99,6 +111,21 @@ async def test_crash_point(
     assert steps_by_id(done)["agent"].iterations == 3
     sends = [line for line in lines(tmp_path, "starts") if line.startswith("send")]
     assert len(sends) <= 1, f"the unsafe tool started {len(sends)} times"
+    # What each window costs: a response lost before its record is asked for
+    # again, and a tool whose result was lost comes back as its declaration says.
+    asked = lines(tmp_path, "model").count(str(iteration))
+    assert asked == (2 if seam == "model_pending" else 1), f"the model was asked {asked} times"
+    if seam == "result_pending":
+        tool = "send" if iteration == 1 else "search"
+        starts = lines(tmp_path, "starts").count(f"{tool} {iteration}")
+        assert starts == (1 if tool == "send" else 2), f"{tool} started {starts} times"
+        records = await read_journal(engine, run.run_id)
+        (result,) = [
+            body(r, "tool_result")
+            for r in records
+            if r.iteration == iteration and holds(r, "tool_result")
+        ]
+        assert result.interrupted == (tool == "send")
     if mode == "stall":
         # Woken after its successor took over, the zombie is fenced -- by its next
         # write, or by the fence check before its next heartbeat, which stops the
@@ -110,6 +137,6 @@ async def test_crash_point(
             outcome == "CancelledError" and "a successor holds the step" in log
         )
         assert fenced or outcome in ("Stale", "Committed", "returned", "CancelledError"), outcome
-        if seam in ("after_claim", "after_model", "after_intent", "inside_tool", "after_result"):
+        if seam not in ("before_claim", "after_event"):
             assert fenced, f"a zombie with writes left must be fenced, got {outcome}"
     CASES[where, f"{seam}/{mode}"] += 1

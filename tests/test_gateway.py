@@ -336,9 +336,17 @@ async def test_a_hundred_followers_of_one_step_each_get_every_record(
         async with Worker(engine.target, handlers={task: loop.handler}, poll_wait=1.0):
             loop.release(3)
             seen = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
-        expected = [r["seq"] for r in await page(http, run_id)]
+        records = await page(http, run_id)
+        expected = [r["seq"] for r in records]
     assert all(ids == expected for ids in seen)
-    assert len(expected) >= 3 * 3  # a claim, a model call and a commit per iteration
+    # A claim, then a commit with the model's response, per iteration.
+    assert [(r["kind"], r["leading"]) for r in records] == [
+        ("claim", None),
+        ("commit", "leading_model"),
+    ] * 3
+    assert [r["leading_model"]["response"] for r in records[1::2]] == [
+        {"turn": i} for i in range(3)
+    ]
 
 
 # ---- bad input --------------------------------------------------------------------

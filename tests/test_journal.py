@@ -3,10 +3,12 @@ finished model or tool call, and an unsafe tool never starts twice."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import nats.errors
 
+from dagnats.cli.journal import record_line
 from dagnats.core import seam
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -14,8 +16,9 @@ from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, Worker, run_output
 from dagnats.sdk.testing import ScriptedModel
+from dagnats.sdk.views import record_dict
 from tests.helpers import wait_for
-from tests.journal_agent import SCRIPT, Crasher, Seen, Tools, agent
+from tests.journal_agent import SCRIPT, ConversationModel, Crasher, Seen, Tools, agent
 from tests.stack import loop_workflow, steps_by_id, unique
 
 NO_HEARTBEAT = 3600.0  # a crashed holder sends nothing, heartbeats included
@@ -132,10 +135,124 @@ async def test_crash_after_safe_intent_runs_it_again(client: Client, engine: Eng
     assert model.calls == 4, "the model response of the crashed turn was reused"
 
 
+async def test_a_turn_is_three_records_and_reads_back_whole(
+    client: Client, engine: EngineServer
+) -> None:
+    # The model's response rides the intent of the tool it asks for, the
+    # tool's result rides the commit: claim, intent, commit per tool turn.
+    task, name = await start(client)
+    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    async with Worker(engine.target, handlers={task: agent(model, tools, seen)}, poll_wait=1.0):
+        run = await client.start_run(name, {"ask": "weather"})
+        await finish(client, engine, run.run_id)
+    records = await read_journal(engine, run.run_id)
+    shape = [(r.iteration, r.WhichOneof("leading"), r.WhichOneof("kind")) for r in records]
+    assert shape == [
+        *[
+            (i, kind, body)
+            for i in range(3)
+            for kind, body in [
+                (None, "claim"),
+                ("leading_model", "tool_intent"),
+                (None, "tool_output"),  # the tool reports "started <name>;"
+                ("leading_tool_result", "commit"),
+            ]
+        ],
+        (3, None, "claim"),
+        (3, "leading_model", "commit"),
+    ]
+    intent = records[1]
+    assert json.loads(intent.leading_model.response) == SCRIPT[0]
+    assert (intent.leading_model.position, intent.tool_intent.position) == (0, 1)
+    commit = records[3]
+    assert commit.leading_tool_result.intent_seq == intent.seq
+    assert json.loads(commit.leading_tool_result.output)["tool"] == "search"
+    assert commit.commit.action == jpb.ACTION_CONTINUE
+    assert [r["tool"] for r in seen.results] == ["search", "send_email", "search"]
+    # Read through the SDK's view (the gateway's journal stream and `--json`).
+    view = record_dict(intent)
+    assert view["kind"] == "tool_intent" and view["leading"] == "leading_model"
+    assert view["leading_model"]["response"] == SCRIPT[0]
+    assert view["tool_intent"]["input"] == SCRIPT[0]["input"]
+    lines = record_line(commit).splitlines()
+    assert [line.split()[2] for line in lines] == ["tool_result", "commit"]
+    assert {line.split()[0] for line in lines} == {str(commit.seq)}
+
+
+async def test_a_handler_that_awaits_between_its_calls_stores_each_on_its_own(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await start(client)
+    model, tools = ScriptedModel(SCRIPT), Tools()
+    async with Worker(
+        engine.target, handlers={task: agent(model, tools, apart=True)}, poll_wait=1.0
+    ):
+        run = await client.start_run(name, {"ask": "weather"})
+        await finish(client, engine, run.run_id)
+    records = await read_journal(engine, run.run_id)
+    assert not [r for r in records if r.WhichOneof("leading")]
+    kinds = [r.WhichOneof("kind") for r in records if r.iteration == 0]
+    assert kinds == ["claim", "model", "tool_intent", "tool_output", "tool_result", "commit"]
+
+
+async def test_crash_while_the_response_is_pending_asks_the_model_again(
+    client: Client, engine: EngineServer
+) -> None:
+    # The window this record merging opens: the model answered, and the
+    # holder died before its next journal call stored the answer.
+    task, name = await start(client)
+    model, tools = ConversationModel(), Tools()
+    handler = agent(model, tools)
+    with Crasher("model_pending", skip=1) as crash:
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        ) as first:
+            run = await client.start_run(name)
+            await wait_for(crash.hit.is_set, timeout=20)
+            assert model.calls == 2
+            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+                await first.stop(grace=0)
+                await finish(client, engine, run.run_id)
+    assert model.calls == 5, "the unstored response was asked for again, once"
+    assert model.requests[1] == model.requests[2], "with the same conversation"
+    assert tools.starts == {"search": 2, "send_email": 1}
+
+
+async def test_crash_while_an_unsafe_result_is_pending_comes_back_interrupted(
+    client: Client, engine: EngineServer
+) -> None:
+    # The other window: the unsafe tool returned, and the holder died before
+    # the commit its result rides. Its intent is unanswered: the successor
+    # records it interrupted (with what the tool reported) and never starts it.
+    task, name = await start(client)
+    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    handler = agent(model, tools, seen)
+    with Crasher("result_pending", skip=1) as crash:  # iteration 1: send_email
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        ) as first:
+            run = await client.start_run(name)
+            await wait_for(crash.hit.is_set, timeout=20)
+            assert tools.effects["send_email"] == 1
+            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+                await first.stop(grace=0)
+                await finish(client, engine, run.run_id)
+    assert tools.starts["send_email"] == 1, "never started again"
+    assert [r for r in seen.results if r["tool"] == "send_email"] == [
+        {
+            "tool": "send_email",
+            "output": None,
+            "interrupted": True,
+            "partial": "started send_email;",
+        }
+    ]
+    assert model.calls == 4, "the response the intent rode was reused"
+
+
 async def test_crash_after_model_reuses_the_response(client: Client, engine: EngineServer) -> None:
     task, name = await start(client)
     model, tools = ScriptedModel(SCRIPT), Tools()
-    handler = agent(model, tools)
+    handler = agent(model, tools, apart=True)  # so the response has a record of its own
     with Crasher("after_model", skip=1) as crash:
         async with Worker(
             engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
@@ -200,9 +317,9 @@ async def test_zombie_is_fenced_and_writes_nothing_after_its_successor(
     client: Client, engine: EngineServer
 ) -> None:
     task, name = await start(client)
-    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    model, tools, seen = ConversationModel(), Tools(), Seen()  # asked again: same answer
     handler = agent(model, tools, seen)
-    with Crasher("after_model", skip=1) as stall:
+    with Crasher("model_pending", skip=1) as stall:
         async with Worker(
             engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
         ):

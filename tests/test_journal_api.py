@@ -15,6 +15,7 @@ from dagnats.core.grpcutil import error_from_rpc
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.limits import HEADER_ROOM, MAX_RECORD_BYTES
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import (
@@ -330,3 +331,178 @@ async def test_a_claim_after_its_own_commit_reads_no_tail_and_a_wrong_guess_read
         await sub.unsubscribe()
         await nc.close()
         await other.stop()
+
+
+# ---- a response or result stored with the next call (ADR 24) ------------------------------
+
+
+async def refused_field(call: Any) -> str:
+    """The field an INVALID_ARGUMENT answer names; fails if ``call`` succeeds."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as err:
+        refused = error_from_rpc(err)
+    else:
+        raise AssertionError("the call was accepted")
+    assert isinstance(refused, InvalidArgument), refused
+    return refused.field or ""
+
+
+async def test_an_entry_that_rides_a_call_is_checked_and_a_refused_call_writes_neither(
+    engine: EngineServer,
+) -> None:
+    name, task = unique("ride"), unique("ride")
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        run = await client.start_run(name)  # no worker: the test is the worker
+        async with grpc.aio.insecure_channel(engine.target) as channel:
+            stub = jgrpc.JournalServiceStub(channel)
+            claimed = await stub.Claim(
+                jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+            )
+            token = claimed.claimed.token
+
+            def begin(model: jpb.ModelCall, **fields: Any) -> Any:
+                call = {"position": 1, "name": "charge", "input": b"{}"} | fields
+                return stub.BeginTool(jpb.BeginToolRequest(token=token, model=model, **call))
+
+            good = jpb.ModelCall(position=0, response=b'{"tool": "charge"}')
+            assert await refused_field(begin(jpb.ModelCall(position=1, response=b"{}"))) == (
+                "model.position"
+            )
+            assert await refused_field(begin(jpb.ModelCall(position=0, response=b"no"))) == (
+                "model.response"
+            )
+            assert await refused_field(begin(good, name="")) == "name"
+            assert await refused_field(begin(good, input=b"{")) == "input"
+            begun = await begin(good, replay=jpb.REPLAY_UNSAFE)
+            assert begun.run and begun.token.last_seq == token.last_seq + 1, "one record"
+            token = begun.token
+
+            def commit(result: jpb.ToolResult, **fields: Any) -> Any:
+                request = jpb.CommitRequest(token=token, tool_result=result)
+                request.commit.MergeFrom(jpb.Commit(**fields))
+                return stub.Commit(request)
+
+            done = jpb.ToolResult(intent_seq=begun.intent_seq, output=b'"charged"')
+            wrong = jpb.ToolResult(intent_seq=begun.intent_seq + 1, output=b"1")
+            assert await refused_field(commit(wrong, action=jpb.ACTION_CONTINUE)) == (
+                "tool_result.intent_seq"
+            )
+            not_json = jpb.ToolResult(intent_seq=begun.intent_seq, output=b"{")
+            assert await refused_field(commit(not_json, action=jpb.ACTION_CONTINUE)) == (
+                "tool_result.output"
+            )
+            assert await refused_field(commit(done)) == "commit.action"
+            stored = await commit(done, action=jpb.ACTION_CONTINUE)
+            assert stored.commit_seq == token.last_seq + 1
+        records = await read_journal(engine, run.run_id)
+        assert [(r.WhichOneof("leading"), r.WhichOneof("kind")) for r in records] == [
+            (None, "claim"),
+            ("leading_model", "tool_intent"),
+            ("leading_tool_result", "commit"),
+        ]
+        assert records[1].leading_model == good
+        assert records[2].leading_tool_result == done
+        check = await journal_check(engine, run.run_id)
+        assert list(check.violations) == [] and check.records == 3
+        await client.cancel_run(run.run_id)
+
+
+async def test_a_call_refused_whole_stores_the_response_on_its_own_first(
+    engine: EngineServer,
+) -> None:
+    # A tool name the service refuses, and an intent that fits a record
+    # alone but not with the response: the response is stored on its own,
+    # as before, and the call goes on alone (raising, or running the tool).
+    limit = min(MAX_RECORD_BYTES, engine.nc.max_payload - HEADER_ROOM)
+    big = "x" * (limit - 30_000)
+    raised: list[BaseException] = []
+
+    async def handler(tc: TaskContext) -> None:
+        j = await tc.journal()
+        await j.model(lambda: asyncio.sleep(0, result={"tool": "n" * 300}))
+        try:
+            await j.tool(ToolCall(name="n" * 300), Replay.SAFE, lambda run: asyncio.sleep(0))
+        except InvalidArgument as err:
+            raised.append(err)
+        await j.model(lambda: asyncio.sleep(0, result={"text": "y" * 60_000}))
+        result = await j.tool(
+            ToolCall(name="echo", input=big), Replay.SAFE, lambda run: asyncio.sleep(0, result=1)
+        )
+        await tc.complete(result.output)
+
+    run = await run_once(engine, handler)
+    assert run.status == pb.RUN_STATUS_COMPLETED, run.error
+    assert len(raised) == 1 and raised[0].field == "name"
+    records = await read_journal(engine, run.run_id)
+    assert [(r.WhichOneof("leading"), r.WhichOneof("kind")) for r in records] == [
+        (None, "claim"),
+        (None, "model"),
+        (None, "model"),
+        (None, "tool_intent"),
+        ("leading_tool_result", "commit"),
+    ]
+    assert [r.model.position for r in records[1:3]] == [0, 2]
+    assert records[3].tool_intent.position == 3
+    check = await journal_check(engine, run.run_id)
+    assert list(check.violations) == []
+
+
+async def test_a_replay_mismatch_with_a_response_writes_nothing(engine: EngineServer) -> None:
+    name, task = unique("ridemm"), unique("ridemm")
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        run = await client.start_run(name)  # no worker: the test is the worker
+        async with grpc.aio.insecure_channel(engine.target) as channel:
+            stub = jgrpc.JournalServiceStub(channel)
+            claim = jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+            first = (await stub.Claim(claim)).claimed.token
+            await stub.RecordModel(jpb.RecordModelRequest(token=first, position=1, response=b"1"))
+            claim.delivery = 2
+            token = (await stub.Claim(claim)).claimed.token  # a redelivery
+            request = jpb.BeginToolRequest(
+                token=token,
+                position=1,
+                name="charge",
+                input=b"{}",
+                model=jpb.ModelCall(position=0, response=b"{}"),
+            )
+            try:
+                await stub.BeginTool(request)
+            except grpc.aio.AioRpcError as err:
+                assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+            else:
+                raise AssertionError("a tool at a model call's position was accepted")
+            records = await read_journal(engine, run.run_id)
+            assert records[-1].seq == token.last_seq, "nothing was written"
+        await client.cancel_run(run.run_id)
+
+
+async def test_two_model_calls_in_a_row_keep_both_responses(engine: EngineServer) -> None:
+    # The first response cannot ride a model call (BeginModel writes nothing):
+    # it is stored on its own before the second request goes out, and the
+    # second rides the commit. The models answer without giving the event
+    # loop a turn, so only that rule stores the first.
+    async def now(response: Any) -> Any:
+        return response
+
+    async def handler(tc: TaskContext) -> None:
+        j = await tc.journal()
+        first = await j.model(lambda: now({"draft": 1}))
+        second = await j.model(lambda: now({"final": first["draft"] + 1}))
+        await tc.complete(second)
+
+    run = await run_once(engine, handler)
+    assert run.status == pb.RUN_STATUS_COMPLETED, run.error
+    records = await read_journal(engine, run.run_id)
+    assert [(r.WhichOneof("leading"), r.WhichOneof("kind")) for r in records] == [
+        (None, "claim"),
+        (None, "model"),
+        ("leading_model", "commit"),
+    ]
+    assert (records[1].model.position, records[1].model.response) == (0, b'{"draft":1}')
+    assert (records[2].leading_model.position, records[2].leading_model.response) == (
+        1,
+        b'{"final":2}',
+    )

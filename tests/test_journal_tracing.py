@@ -9,9 +9,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from dagnats.engine.server import start_engine
 from dagnats.sdk import Client, Worker
-from dagnats.sdk.testing import ScriptedModel
 from tests.helpers import wait_for
-from tests.journal_agent import SCRIPT, Crasher, Seen, Tools, agent
+from tests.journal_agent import ConversationModel, Crasher, Seen, Tools, agent
 from tests.stack import FAST, loop_workflow, unique
 from tests.test_journal import NO_HEARTBEAT, read_journal
 
@@ -21,12 +20,12 @@ async def test_fenced_write_is_a_span_event_in_the_zombies_trace(
 ) -> None:
     engine = await start_engine(nats_server.url, config=FAST)
     task, name = unique("tj"), unique("twf")
-    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    model, tools, seen = ConversationModel(), Tools(), Seen()
     handler = agent(model, tools, seen)
     try:
         async with Client(engine.target) as client:
             await client.register_workflow(loop_workflow(name, task))
-            with Crasher("after_model", skip=1) as stall:
+            with Crasher("model_pending", skip=1) as stall:
                 async with Worker(
                     engine.target,
                     handlers={task: handler},

@@ -25,7 +25,7 @@ from dagnats.journal import stream as live
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, TaskContext, TokenStream, Worker
-from tests.helpers import wait_for
+from tests.helpers import body, holds, wait_for
 from tests.stack import FAST, loop_workflow, unique
 from tests.test_journal import NO_HEARTBEAT, journal_check, read_journal
 
@@ -133,9 +133,9 @@ async def test_tokens_in_order_then_committed_with_the_record(
     assert "".join(e.data["text"] for e in tokens) == "".join(TOKENS)
     assert [e.data["seq"] for e in tokens] == list(range(1, len(tokens) + 1))
     assert end.type == "committed"
-    model = [r for r in await read_journal(engine, run.run_id) if r.HasField("model")]
+    model = [r for r in await read_journal(engine, run.run_id) if holds(r, "model")]
     assert end.data["record_seq"] == model[0].seq
-    assert json.loads(model[0].model.response) == "".join(e.data["text"] for e in tokens)
+    assert json.loads(body(model[0], "model").response) == "".join(e.data["text"] for e in tokens)
     assert end.data["response"] == "".join(TOKENS)
     first = tokens[0].data
     assert (first["run"], first["step"], first["iteration"], first["attempt"]) == (

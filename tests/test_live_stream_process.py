@@ -25,7 +25,7 @@ import pytest
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client
-from tests.helpers import wait_for
+from tests.helpers import body, holds, wait_for
 from tests.matrix import activate, lines, reap, spawn_worker, zombie_turn
 from tests.stack import loop_workflow, unique
 from tests.test_crash_matrix import engine, second_engine
@@ -137,10 +137,10 @@ async def test_a_killed_streamer_is_abandoned_and_its_successor_retries(
     assert (retry[0].data["iteration"], retry[0].data["position"]) == (0, 0)
     assert lines(tmp_path, "model").count("0") == 2, "the model request was sent again"
     records = await read_journal(engine, at.run_id)
-    (model,) = [r for r in records if r.HasField("model") and r.iteration == 0]
+    (model,) = [r for r in records if holds(r, "model") and r.iteration == 0]
     end = events[-1]
     assert end.data["record_seq"] == model.seq and end.data["writer"] == retried
-    assert model.model.response.decode() == text(events, retried) == "".join(TOKENS)
+    assert body(model, "model").response.decode() == text(events, retried) == "".join(TOKENS)
     assert done.status == pb.RUN_STATUS_COMPLETED, done.error
     check = await journal_check(engine, at.run_id)
     assert list(check.violations) == [], check.violations
@@ -195,9 +195,9 @@ async def test_a_frozen_streamer_woken_after_its_successor_claimed_shows_nothing
         retry = [e for e in events if e.type == "token" and e.data["writer"] == successor]
         assert events.index(abandoned) < events.index(retry[0])
         assert all(e.data["retry_of"] == abandoned.data["stream"] for e in retry)
-    (model,) = [r for r in records if r.HasField("model") and r.iteration == 0]
+    (model,) = [r for r in records if holds(r, "model") and r.iteration == 0]
     assert model.writer == successor
-    assert model.model.response.decode() == text(events, successor) == "".join(TOKENS)
+    assert body(model, "model").response.decode() == text(events, successor) == "".join(TOKENS)
     assert done.status == pb.RUN_STATUS_COMPLETED, done.error
     check = await journal_check(engine, at.run_id)
     assert list(check.violations) == [], check.violations

@@ -49,7 +49,7 @@ from dagnats.sdk.models import (
     tool_message,
 )
 from dagnats.sdk.models._anthropic import to_anthropic
-from tests.helpers import wait_for
+from tests.helpers import body, holds, wait_for
 from tests.providers import MODEL, Failure, FakeProvider, Reply
 from tests.stack import dev_args, loop_workflow, unique
 from tests.test_journal import NO_HEARTBEAT, Crasher, journal_check, read_journal
@@ -83,12 +83,15 @@ async def run_to_end(client: Client, engine: EngineServer, handler: Turn) -> pb.
         return await client.wait_for_run(run.run_id, timeout=40)
 
 
-def answering(model: ChatModel, *, tools: tuple[ToolSpec, ...] = ()) -> Turn:
-    """A handler that asks once and completes with the text."""
+def answering(model: ChatModel, *, tools: tuple[ToolSpec, ...] = (), apart: bool = False) -> Turn:
+    """A handler that asks once and completes with the text (``apart``: it
+    heartbeats in between, so the response has a record of its own)."""
 
     async def turn(tc: TaskContext) -> None:
         j = await tc.journal()
         response = await ask(j, model, [UserMessage(content="hi")], tools=tools)
+        if apart:
+            await tc.heartbeat()
         await tc.complete(response.text)
 
     return turn
@@ -96,7 +99,7 @@ def answering(model: ChatModel, *, tools: tuple[ToolSpec, ...] = ()) -> Turn:
 
 async def model_records(engine: EngineServer, run_id: str) -> list[Any]:
     records = await read_journal(engine, run_id)
-    return [json.loads(r.model.response) for r in records if r.HasField("model")]
+    return [json.loads(body(r, "model").response) for r in records if holds(r, "model")]
 
 
 # ---- a streamed turn ----------------------------------------------------------------
@@ -343,7 +346,7 @@ async def test_a_successor_after_a_crash_past_the_record_sends_no_request(
     task, name = unique("models"), unique("models-wf")
     await client.register_workflow(loop_workflow(name, task))
     async with FakeProvider([Reply("asked once")]) as fake, adapter(provider, fake) as model:
-        handler = answering(model)
+        handler = answering(model, apart=True)
         with Crasher("after_model") as crash:
             async with Worker(
                 engine.target,

@@ -5,7 +5,8 @@ on the local OpenAI provider (pydantic-ai's ``OpenAIChatModel``) and once on
 pydantic-ai's ``FunctionModel``. Every case ends with the crash-free run's
 answer and a clean journal; the unsafe tool is never started twice; the model
 is asked exactly what the crash-free run asked it, plus the one request a
-crash interrupted after the model answered and before its record."""
+crash interrupted after the model answered and before its record (inside the
+model call, or with the response pending for the next journal call)."""
 
 from __future__ import annotations
 
@@ -164,12 +165,13 @@ CLEAN: dict[str, Outcome] = {}
 
 def starts_after(seam_name: str, at: int) -> dict[str, int]:
     """The tools' starts when the holder stopped at ``seam_name`` of round ``at``:
-    a safe tool stopped inside runs again; an unsafe tool whose intent was
-    recorded is never started by the successor, and was not by the holder
-    stopped right after the intent."""
+    a safe tool stopped inside, or after it returned with its result not yet
+    stored, runs again; an unsafe tool whose intent was recorded is never
+    started by the successor, and was not by the holder stopped right after
+    the intent."""
     starts = {"lookup": 1, "send_email": 1}
-    if (seam_name, at) == ("inside_tool", SAFE_ROUND):
-        starts["lookup"] = 2
+    if seam_name in ("inside_tool", "result_pending") and at == SAFE_ROUND:
+        starts["lookup"] = 2  # its intent unanswered: a safe tool runs again
     if (seam_name, at) == ("after_intent", UNSAFE_ROUND):
         del starts["send_email"]
     return starts
@@ -187,7 +189,7 @@ async def test_a_holder_stopped_at_a_seam(
 
     task, name = await register(client)
     tools = Tools()
-    again = at if seam_name == "inside_model" else None
+    again = at if seam_name in ("inside_model", "model_pending") else None
     async with BACKENDS[backend](tools, again) as (model, asked):
         handler = durable_agent(weather_agent(model, tools), follow_up_window=None)
         with Crasher(seam_name, skip=at) as crash:

@@ -54,7 +54,7 @@ from dagnats.sdk import (
     run_output,
 )
 from dagnats.sdk.testing import ScriptedModel
-from tests.helpers import wait_for
+from tests.helpers import body, holds, wait_for
 from tests.matrix import EngineProcess
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
 
@@ -115,7 +115,7 @@ def assert_nothing_lost(
     assert done.status == pb.RUN_STATUS_COMPLETED, done.error
     assert run_output(done) == "done"
     assert violations == []
-    results = [r.tool_result for r in records if r.HasField("tool_result")]
+    results = [body(r, "tool_result") for r in records if holds(r, "tool_result")]
     assert [(r.interrupted, json.loads(r.output or b"null")) for r in results] == [
         (False, {"sent": "ops"})
     ], "the tool's own result is recorded, not interrupted"

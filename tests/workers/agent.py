@@ -48,19 +48,26 @@ async def turn(
     model: ModelFn,
     tool: Callable[[ToolRun], Awaitable[Any]],
     streamed: bool = False,
+    apart: bool = False,
 ) -> None:
     """One turn after the claim: ask the model (``streamed``: with a live
     stream, ``j.streamed_model``), then answer, or run the tool it picked
-    (``search`` is safe, anything else unsafe), checkpoint and continue."""
+    (``search`` is safe, anything else unsafe), checkpoint and continue.
+    ``apart``: heartbeat after the model call and after the tool, so each is
+    stored in a record of its own before the next journal call."""
     if streamed:
         reply = await j.streamed_model(lambda stream: model(history, stream))
     else:
         reply = await j.model(lambda: model(history, None))
+    if apart:
+        await tc.heartbeat()
     if "answer" in reply:
         await tc.complete(reply["answer"])
         return
     replay = Replay.SAFE if reply["tool"] == "search" else Replay.UNSAFE
     result = await j.tool(ToolCall(name=reply["tool"], input=reply["input"]), replay, tool)
+    if apart:
+        await tc.heartbeat()
     entry = {"reply": reply, "output": result.output, "interrupted": result.interrupted}
     await tc.checkpoint([*history, entry])
     await tc.continue_()

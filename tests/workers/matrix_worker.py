@@ -1,7 +1,7 @@
 """A worker process for the crash-point matrix.
 
 usage: matrix_worker.py TARGET TASK STATE [CRASH] [--gate N] [--inputs] [--name NAME]
-                        [--standby] [--stream]
+                        [--standby] [--stream] [--apart]
 
 It runs the scripted agent of ``tests/workers/agent.py`` (a safe tool, an
 unsafe tool, a safe tool, an answer). Tools count their starts and effects in files in STATE,
@@ -19,7 +19,10 @@ run. ``--inputs``: every turn places the step's queued inputs after its claim.
 successor costs no start-up time when it is needed. ``--stream``: the model
 streams its reply's JSON text (``j.streamed_model``), passing the seams
 ``before_tokens`` before its first token and ``inside_stream`` halfway through,
-and logs each token it puts to STATE/tokens.
+and logs each token it puts to STATE/tokens. ``--apart``: the agent
+heartbeats after its model call and after its tool, so the response and the
+result are stored in records of their own (``after_model``, ``after_result``)
+rather than with its next call's.
 """
 
 from __future__ import annotations
@@ -110,7 +113,9 @@ def main(args: argparse.Namespace) -> None:
                 for placed in await j.place_inputs(InputMode.STEER):
                     log(state, "placed", f"{pid} {tc.iteration} {placed.request_id}")
                     history = [*history, {"input": placed.content}]
-            await agent.turn(tc, j, history, model=model, tool=tool, streamed=args.stream)
+            await agent.turn(
+                tc, j, history, model=model, tool=tool, streamed=args.stream, apart=args.apart
+            )
         except BaseException as signal:
             log(state, "turns", f"{pid} {tc.iteration} {type(signal).__name__}")
             raise
@@ -143,6 +148,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--name", default="")
     parser.add_argument("--standby", action="store_true")
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--apart", action="store_true")
     return parser.parse_args(argv)
 
 

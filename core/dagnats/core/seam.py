@@ -5,12 +5,16 @@ each such boundary. Production installs no hook, and a seam is then one
 attribute check. Tests install a hook to stall or stop the holder right
 there (see ``tests/README.md``); this module is internal, not public API.
 
-Seams: ``before_claim``, ``after_claim``, ``after_intent``, ``after_result``,
-``after_model``, ``after_inputs_placed``, ``after_event`` (the task is settled, or
-its commit answered); in the journal service ``before_inputs_listed`` (a
-``PlaceInputs`` writer was checked current, the step's inputs not yet listed),
-``after_input_claimed`` (an input is
-claimed in its bucket, its ``input.placed`` record not yet written) and
+Seams: ``before_claim``, ``after_claim``, ``model_pending`` (a model answered;
+its response waits to ride the next journal call), ``after_model`` (a response
+stored in a record of its own), ``after_intent`` (an intent stored, with the
+response that asked for it when that rode along), ``result_pending`` (a tool
+returned; its result waits to ride the commit), ``after_result`` (a result
+stored in a record of its own), ``after_inputs_placed``, ``after_event`` (the
+task is settled, or its commit answered, with a pending entry that rode it);
+in the journal service ``before_inputs_listed`` (a ``PlaceInputs`` writer was
+checked current, the step's inputs not yet listed), ``after_input_claimed``
+(an input is claimed in its bucket, its ``input.placed`` record not yet written) and
 ``after_commit_stored`` (a commit that settles its task is stored and
 answered, its event not yet published); and in the engine ``after_dispatch_saved`` (a dispatch is
 saved, its task not yet published) and ``before_event_applied`` (an event is

@@ -20,6 +20,15 @@ Invariants:
   has nothing left to check.
 - A tool stopped because its run was cancelled is answered ``interrupted``
   before the worker commits, so every intent the handle wrote has a result.
+- A model response or a tool result is not sent at once: it rides the next
+  journal call in that call's record when that call can carry it (a tool
+  call's intent after a response, the commit after either), and is stored on
+  its own first when the next call cannot, or as soon as the handler gives
+  the event loop a turn before its next call (ADR 24). So it is stored before
+  anything that depends on it starts -- a tool, the next model call, the
+  commit -- and a crash before it is stored loses only what a crash inside
+  the model call or the tool would have lost. A response or result over
+  ``PENDING_BYTES`` is stored at once.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
-from dagnats.core.errors import DagnatsError, InvalidArgument, RecordTooLarge
+from dagnats.core.errors import DagnatsError, InvalidArgument, RecordTooLarge, ReplayMismatch
 from dagnats.core.errors import Fenced as FencedError
 from dagnats.core.seam import seam
 from dagnats.journal.v1 import journal_pb2 as jpb
@@ -112,6 +121,22 @@ StreamedModelFn = Callable[[TokenStream], Awaitable[Any]]
 
 log = logging.getLogger("dagnats.sdk")
 
+# A response or result at most this large (serialized) waits to ride the next
+# call; a larger one is stored at once, on its own. Kept far below the
+# smallest record limit, so that a pending entry always fits a record alone.
+PENDING_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Pending:
+    """An entry the handle has not stored yet: a model response or a tool
+    result. ``alone``: a call that carried it failed with its outcome unknown,
+    so only the same record may be sent again under that call's identity."""
+
+    model: jpb.ModelCall | None = None
+    result: jpb.ToolResult | None = None
+    alone: bool = False
+
 
 class _Written(Protocol):
     """The answer to a call that may append: it carries the next token."""
@@ -143,6 +168,8 @@ class Journal:
         self._sending = asyncio.Lock()
         self._cancellation = cancellation or asyncio.Event()
         self._loose: TokenStream | None = None  # put_stream outside a model call
+        self._pending: _Pending | None = None
+        self._storing: asyncio.Task[None] | None = None  # the pending entry, on its own
 
     @property
     def token(self) -> jpb.WriterToken:
@@ -160,7 +187,10 @@ class Journal:
     async def model(self, fn: ModelFn) -> Any:
         """The response recorded at this position, or ``await fn()`` recorded.
 
-        A failed ``fn`` records nothing (the exception propagates).
+        The new response is stored with the handle's next call when that is the
+        tool call it asks for or the commit, else on its own before that call,
+        or as soon as the handler awaits anything else (see the module's
+        invariants). A failed ``fn`` records nothing (the exception propagates).
 
         Raises:
             ReplayMismatch: a tool call was recorded at this position.
@@ -198,13 +228,21 @@ class Journal:
             data = encode(response, field="response")
             if live is not None:
                 await live.close()  # every chunk is published before the record's marker
-            await self._write(
-                lambda t: self._rpc.record_model(
-                    jpb.RecordModelRequest(token=t, position=position, response=data)
-                )
-            )
-            await seam("after_model")
+            model = jpb.ModelCall(position=position, response=data)
+            if model.ByteSize() <= PENDING_BYTES:
+                await seam("model_pending")  # answered, and stored nowhere yet
+                self._defer(_Pending(model=model))
+            else:
+                await self._send(self._record_model(model), self._advance)
+                await seam("after_model")
             return response
+
+    def _record_model(
+        self, model: jpb.ModelCall
+    ) -> Callable[[jpb.WriterToken], Awaitable[jpb.RecordModelResponse]]:
+        return lambda t: self._rpc.record_model(
+            jpb.RecordModelRequest(token=t, position=model.position, response=model.response)
+        )
 
     def put_stream(self, chunk: Any) -> None:
         """Put a chunk on the live preview of the next call position (the
@@ -219,7 +257,9 @@ class Journal:
             await loose.close()
 
     async def tool(self, call: ToolCall, replay: Replay, fn: ToolFn) -> ToolResult:
-        """Run a tool call durably: intent before, result after.
+        """Run a tool call durably: intent before, result after (the result
+        stored with the commit when that comes next, as :meth:`model`'s
+        response is with its intent).
 
         ``fn`` gets a :class:`ToolRun` and returns the tool's output, which
         must be JSON. An exception from ``fn`` is the tool's own error and part
@@ -234,23 +274,29 @@ class Journal:
             t = self._token
             call = replace(call, key=f"{t.run_id}.{t.step_id}.{t.iteration}.{position}")
             data = encode(call.input, field="input")
-            begin = await self._write(
-                lambda token: self._rpc.begin_tool(
-                    jpb.BeginToolRequest(
-                        token=token,
-                        position=position,
-                        name=call.name,
-                        input=data,
-                        replay=jpb.REPLAY_SAFE if replay is Replay.SAFE else jpb.REPLAY_UNSAFE,
-                    )
+
+            def begin_tool(
+                token: jpb.WriterToken, pending: _Pending | None
+            ) -> Awaitable[jpb.BeginToolResponse]:
+                request = jpb.BeginToolRequest(
+                    token=token,
+                    position=position,
+                    name=call.name,
+                    input=data,
+                    replay=jpb.REPLAY_SAFE if replay is Replay.SAFE else jpb.REPLAY_UNSAFE,
                 )
-            )
+                if pending is not None and pending.model is not None:
+                    request.model.CopyFrom(pending.model)  # one record: response, then intent
+                return self._rpc.begin_tool(request)
+
+            def carries(pending: _Pending) -> bool:  # the response that asked for this call
+                return pending.model is not None and pending.model.position == position - 1
+
+            begin = await self._carrying(begin_tool, carries, self._advance)
             if not begin.run:
                 return _result(begin.result, replayed=True)
             await seam("after_intent")
-            result = await self._run(call, begin.intent_seq, fn)
-            await seam("after_result")
-            return result
+            return await self._run(call, begin.intent_seq, fn)
 
     async def _run(self, call: ToolCall, intent_seq: int, fn: ToolFn) -> ToolResult:
         reported: list[str] = []
@@ -277,23 +323,45 @@ class Journal:
                 data = encode(output, field="output")
             except InvalidArgument as err:
                 error, raised = f"tool output is not JSON: {err.message}", err
+        result = jpb.ToolResult(intent_seq=intent_seq, output=data, error=error)
+        if raised is None and result.ByteSize() <= PENDING_BYTES:
+            await seam("result_pending")  # the tool returned; its intent is unanswered
+            self._defer(_Pending(result=result))
+        else:
+            async with self._sending:
+                await self._store_pending()
+                result = await self._store_result(result, self._advance)
+            await seam("after_result")
+        if raised is not None:
+            raise raised
+        data, error = result.output, result.error
+        return ToolResult(output=decode(data, field="output") if data else None, error=error)
+
+    async def _store_result(
+        self, result: jpb.ToolResult, then: Callable[[jpb.FinishToolResponse], None]
+    ) -> jpb.ToolResult:
+        """FinishTool with ``result`` (the lock held); returns what was stored."""
+
+        def finish(
+            r: jpb.ToolResult,
+        ) -> Callable[[jpb.WriterToken], Awaitable[jpb.FinishToolResponse]]:
+            request = jpb.FinishToolRequest(intent_seq=r.intent_seq, output=r.output, error=r.error)
+
+            def send(t: jpb.WriterToken) -> Awaitable[jpb.FinishToolResponse]:
+                request.token.CopyFrom(t)
+                return self._rpc.finish_tool(request)
+
+            return send
+
         try:
-            await self._finish(intent_seq, data, error)
+            await self._locked(finish(result), then)
         except RecordTooLarge as err:
             # The tool ran and its result cannot be stored: record that as the
             # tool's error, so the intent has a result and the model sees why.
-            data, error = b"", f"tool result not recorded: {err.message}"
-            await self._finish(intent_seq, data, error)
-        if raised is not None:
-            raise raised
-        return ToolResult(output=decode(data, field="output") if data else None, error=error)
-
-    async def _finish(self, intent_seq: int, data: bytes, error: str) -> None:
-        await self._write(
-            lambda t: self._rpc.finish_tool(
-                jpb.FinishToolRequest(token=t, intent_seq=intent_seq, output=data, error=error)
-            )
-        )
+            error = f"tool result not recorded: {err.message}"
+            result = jpb.ToolResult(intent_seq=result.intent_seq, error=error)
+            await self._locked(finish(result), then)
+        return result
 
     async def _interrupted(self, intent_seq: int, partial: str) -> None:
         """Answer the intent of a tool its run's cancellation stopped: the run
@@ -340,7 +408,7 @@ class Journal:
 
         Waits for a write in flight and checks with the token it returns.
         """
-        await self._send(self._hold, writes=False)
+        await self._send(self._hold, writes=False, pending_first=False)
 
     async def _hold(self, token: jpb.WriterToken) -> jpb.HoldResponse:
         if self._committed:
@@ -360,11 +428,116 @@ class Journal:
         await self._end_loose()
         request = jpb.CommitRequest(commit=commit, lease=lease)
 
-        def send(token: jpb.WriterToken) -> Awaitable[jpb.CommitResponse]:
+        def send(token: jpb.WriterToken, pending: _Pending | None) -> Awaitable[jpb.CommitResponse]:
             request.token.CopyFrom(token)
+            request.ClearField("leading")
+            if pending is not None and pending.model is not None:
+                request.model.CopyFrom(pending.model)  # one record: response, then commit
+            elif pending is not None and pending.result is not None:
+                request.tool_result.CopyFrom(pending.result)  # one record: result, then commit
             return self._rpc.commit(request)
 
-        await self._send(send, committed)
+        await self._carrying(send, lambda _: True, committed)
+
+    async def close(self) -> None:
+        """Stop storing a pending entry on its own, once the handler is done.
+
+        A settled dispatch has nothing left here (its commit stored the entry or
+        waited for it), nor has a fenced one anything it may write; a handler
+        given up on leaves what a crash would. The worker calls this before it
+        gives the dispatch's stream back. A write in flight is waited for.
+        """
+        if self._storing is not None:
+            self._storing.cancel()
+            await asyncio.wait((self._storing,))
+
+    # ---- pending entries -------------------------------------------------------------
+
+    def _defer(self, pending: _Pending) -> None:
+        """Keep ``pending`` for the next call; store it on its own if the handler
+        gives the event loop a turn first."""
+        self._pending = pending
+        asyncio.get_running_loop().call_soon(self._on_loop_turn, pending)
+
+    def _on_loop_turn(self, pending: _Pending) -> None:
+        if self._pending is pending and self._storing is None:
+            self._storing = asyncio.ensure_future(self._store_apart())
+
+    async def _store_apart(self) -> None:
+        try:
+            async with self._sending:
+                if not self._fenced:
+                    await self._store_pending()
+        except (DagnatsError, Fenced) as err:
+            # Still pending (or fenced): the next call tries again and raises.
+            log.debug(
+                "%s/%s: a pending journal entry was not stored yet: %s",
+                self._token.run_id,
+                self._token.step_id,
+                err,
+            )
+        finally:
+            self._storing = None
+
+    async def _store_pending(self) -> None:
+        """Store the pending entry in a record of its own (the lock held)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        stored = False
+
+        def advance(answer: _Written) -> None:
+            nonlocal stored
+            stored = True
+            self._advance(answer)
+
+        try:
+            if pending.model is not None:
+                await self._locked(self._record_model(pending.model), advance)
+            else:
+                assert pending.result is not None
+                await self._store_result(pending.result, advance)
+        except BaseException:
+            if not stored and not self._fenced:
+                self._pending = replace(pending, alone=True)
+            raise
+        await seam("after_model" if pending.model is not None else "after_result")
+
+    async def _carrying(
+        self,
+        rpc: Callable[[jpb.WriterToken, _Pending | None], Awaitable[R]],
+        carries: Callable[[_Pending], bool],
+        then: Callable[[R], None],
+    ) -> R:
+        """A call whose record may carry the pending entry, if ``carries`` says
+        it can; else the entry is stored on its own first. A call refused as a
+        whole (an invalid argument, a record too large, a replay mismatch)
+        stored nothing, and the two are sent apart, as separate calls would be."""
+        async with self._sending:
+            pending = self._pending
+            if pending is not None and (pending.alone or not carries(pending)):
+                await self._store_pending()
+                pending = None
+            if pending is None:
+                return await self._locked(lambda t: rpc(t, None), then)
+            self._pending = None
+            answered = False
+
+            def done(answer: R) -> None:
+                nonlocal answered
+                answered = True
+                then(answer)
+
+            try:
+                return await self._locked(lambda t: rpc(t, pending), done)
+            except (InvalidArgument, ReplayMismatch):
+                self._pending = pending  # refused before anything was written
+            except BaseException:
+                if not answered and not self._fenced:
+                    self._pending = replace(pending, alone=True)
+                raise
+            await self._store_pending()
+            return await self._locked(lambda t: rpc(t, None), then)
 
     def _turn(self) -> _Turn:
         if self._busy:
@@ -384,11 +557,14 @@ class Journal:
         """A call that may append: the token it answers with is the next one."""
 
         def advance(answer: W) -> None:
-            self._token = answer.token
+            self._advance(answer)
             if then is not None:
                 then(answer)
 
         return await self._send(rpc, advance)
+
+    def _advance(self, answer: _Written) -> None:
+        self._token = answer.token
 
     async def _send(
         self,
@@ -396,30 +572,45 @@ class Journal:
         then: Callable[[R], None] | None = None,
         *,
         writes: bool = True,
+        pending_first: bool = True,
     ) -> R:
         """Call ``rpc`` with the newest token once no other call is in flight;
-        ``then`` sees the answer before the next call goes out.
+        ``then`` sees the answer before the next call goes out. A pending entry
+        is stored on its own first, unless ``pending_first`` is false.
+        """
+        async with self._sending:
+            if pending_first:
+                await self._store_pending()
+            return await self._locked(rpc, then, writes=writes)
+
+    async def _locked(
+        self,
+        rpc: Callable[[jpb.WriterToken], Awaitable[R]],
+        then: Callable[[R], None] | None = None,
+        *,
+        writes: bool = True,
+    ) -> R:
+        """:meth:`_send`'s call, the lock held.
 
         A call that ``writes``, cancelled here, is waited for before the
         cancellation goes on: its write may land all the same, and the next
         write (an interrupted result, the commit) must follow it rather than
         reuse its identity.
         """
-        async with self._sending:
-            if self._fenced:
-                raise Fenced(self._token.run_id, self._token.step_id)
-            if not writes:
-                return await self._exchange(rpc, then)
-            # The call runs in a task of its own, which a cancellation here does
-            # not reach. The task hands over its answer itself, not through a
-            # done callback as asyncio.shield would: a loop turn less per write.
-            answer: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-            call = asyncio.ensure_future(_answer(answer, self._exchange(rpc, then)))
-            try:
-                return await answer
-            except asyncio.CancelledError:
-                await asyncio.wait((call,))  # what it raised is for nobody now
-                raise
+        if self._fenced:
+            raise Fenced(self._token.run_id, self._token.step_id)
+        if not writes:
+            return await self._exchange(rpc, then)
+        # The call runs in a task of its own, which a cancellation here does
+        # not reach. The task hands over its answer itself, not through a
+        # done callback as asyncio.shield would: a loop turn less per write.
+        answer: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        call = asyncio.ensure_future(_answer(answer, self._exchange(rpc, then)))
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            await asyncio.wait((call,))  # what it raised is for nobody now
+            raise
 
     async def _exchange(
         self, rpc: Callable[[jpb.WriterToken], Awaitable[R]], then: Callable[[R], None] | None

@@ -291,6 +291,8 @@ class Worker:
                 if not running.done():  # stop() gave up on this task
                     running.cancel()
                 await asyncio.wait((running, beats))
+                if tc.journaled is not None:
+                    await tc.journaled.close()  # no write is left in flight on the stream
                 tc._close()
 
     async def _keep_alive(self, tc: TaskContext, running: asyncio.Task[None]) -> None:
