@@ -2,6 +2,11 @@
 // the live previews of model calls, each replaced by its record once
 // committed, or kept and marked when abandoned.
 //
+// A record may hold two entries (ADR 24): the model response or the tool
+// result stored just before its kind's, named by `leading`. Each entry is
+// shown as a record of its own, with the record's sequence, the leading one
+// first.
+//
 // What the timeline works out from the records:
 // - which claim fenced which: a claim fences the holder before it when that
 //   holder had not committed (its dispatch was still open);
@@ -32,6 +37,17 @@ export class Timeline {
       this.iteration = rec.iteration;
       this.list.append(h("li", { class: "iter", "data-iteration": rec.iteration }, `Iteration ${rec.iteration}`));
     }
+    if (rec.leading) {
+      const kind = rec.leading.replace(/^leading_/, "");
+      this._entry({ ...rec, kind, [kind]: rec[rec.leading], leading: null });
+    }
+    this._entry(rec);
+    const stream = this.recordOf.get(rec.seq);
+    if (stream !== undefined) this._replace(stream, rec.seq);
+  }
+
+  /** One entry of a record; the record's first entry stands for its sequence. */
+  _entry(rec) {
     const body = this[`_${rec.kind}`]?.(rec) ?? jsonBlock(rec[rec.kind]);
     const el = h(
       "li",
@@ -46,11 +62,9 @@ export class Timeline {
       ),
       h("div", { class: "rec-body" }, body),
     );
-    this.seen.set(rec.seq, el);
+    if (!this.seen.has(rec.seq)) this.seen.set(rec.seq, el);
     this.list.append(el);
     this[`_after_${rec.kind}`]?.(rec, el);
-    const stream = this.recordOf.get(rec.seq);
-    if (stream !== undefined) this._replace(stream, rec.seq);
   }
 
   _claim(rec) {
