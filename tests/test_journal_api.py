@@ -194,13 +194,7 @@ async def assert_intent_seq_refused(
         stub.ToolOutput(jpb.ToolOutputRequest(token=token, intent_seq=intent_seq, chunk="x")),
         stub.FinishTool(jpb.FinishToolRequest(token=token, intent_seq=intent_seq, output=b"1")),
     ):
-        try:
-            await call
-        except grpc.aio.AioRpcError as err:
-            refused = error_from_rpc(err)
-        else:
-            raise AssertionError(f"intent_seq {intent_seq} was accepted")
-        assert isinstance(refused, InvalidArgument) and refused.field == "intent_seq"
+        assert await refused_field(call) == "intent_seq", f"intent_seq {intent_seq}"
 
 
 async def test_an_output_or_result_must_answer_a_record_the_writer_has_seen(
