@@ -56,7 +56,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,11 +64,29 @@ from typing import Any
 STEPS_PER_ITER = 2
 FLOOR_APPENDS = 5  # the peers' naive journal: model req/res, tool req/res, iteration done
 FLOOR_STREAM = "BENCHFLOOR"
+TASK = "bench-turn"  # the workload's task type and workflow
 SYNC_CALLS = ("fsync", "fdatasync", "sync_file_range", "msync", "syncfs", "sync")
 HERE = Path(__file__).resolve().parent
 
 
 # ---- knobs ------------------------------------------------------------------------------
+
+
+def knob(env: Mapping[str, str], name: str, default: int, least: int, most: int = 0) -> int:
+    """The whole number in ``env[name]``, ``default`` when unset; one out of
+    ``least..most`` (no upper bound when ``most`` is 0) stops with its name."""
+    raw = env.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SystemExit(f"{name} must be a whole number, got {raw!r}") from None
+    if value < least:
+        raise SystemExit(f"{name} must be at least {least}, got {value}")
+    if most and value > most:
+        raise SystemExit(f"{name} must be at most {most}, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -85,26 +103,13 @@ class Params:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Params:
         """The knobs from ``BENCH_*`` variables; a bad one stops with its name."""
-
-        def number(name: str, default: int, least: int) -> int:
-            raw = env.get(name, "")
-            if not raw:
-                return default
-            try:
-                value = int(raw)
-            except ValueError:
-                raise SystemExit(f"{name} must be a whole number, got {raw!r}") from None
-            if value < least:
-                raise SystemExit(f"{name} must be at least {least}, got {value}")
-            return value
-
         return cls(
-            k=number("BENCH_K", cls.k, 1),
-            c=number("BENCH_C", cls.c, 1),
-            runs=number("BENCH_RUNS", cls.runs, 2),
-            warmup=number("BENCH_WARMUP", cls.warmup, 0),
-            thr_rounds=number("BENCH_THR_ROUNDS", cls.thr_rounds, 1),
-            start_runs=number("BENCH_START_RUNS", cls.start_runs, 2),
+            k=knob(env, "BENCH_K", cls.k, 1),
+            c=knob(env, "BENCH_C", cls.c, 1),
+            runs=knob(env, "BENCH_RUNS", cls.runs, 2),
+            warmup=knob(env, "BENCH_WARMUP", cls.warmup, 0),
+            thr_rounds=knob(env, "BENCH_THR_ROUNDS", cls.thr_rounds, 1),
+            start_runs=knob(env, "BENCH_START_RUNS", cls.start_runs, 2),
             strace=env.get("BENCH_STRACE", "1") not in ("0", "", "no", "false"),
             profile=env.get("BENCH_PROFILE", ""),
         )
@@ -254,13 +259,18 @@ def get_json(url: str) -> dict[str, Any]:
         return json.loads(response.read())  # type: ignore[no-any-return]
 
 
-def stream_seqs(jsz: Mapping[str, Any]) -> dict[str, int]:
-    """The last sequence of every stream in ``/jsz?streams=true``."""
-    seqs: dict[str, int] = {}
+def stream_field(jsz: Mapping[str, Any], field: str) -> dict[str, int]:
+    """``field`` of every stream's state in ``/jsz?streams=true``."""
+    found: dict[str, int] = {}
     for account in jsz.get("account_details", []):
         for stream in account.get("stream_detail", []):
-            seqs[stream["name"]] = int(stream["state"]["last_seq"])
-    return seqs
+            found[stream["name"]] = int(stream["state"][field])
+    return found
+
+
+def stream_seqs(jsz: Mapping[str, Any]) -> dict[str, int]:
+    """The last sequence of every stream in ``/jsz?streams=true``."""
+    return stream_field(jsz, "last_seq")
 
 
 def per_iteration(before: Mapping[str, int], after: Mapping[str, int], n: int) -> dict[str, float]:
@@ -280,10 +290,10 @@ def tool_output(call_input: Mapping[str, Any]) -> dict[str, Any]:
     return {"ok": True, "charged": call_input["n"]}
 
 
-async def run_worker(target: str, task: str, concurrency: int) -> None:
-    """The worker process: a journaled handler, one model and one unsafe tool
-    call an iteration, ``k`` iterations (the run's input)."""
-    from dagnats.sdk import Replay, TaskContext, ToolCall, ToolRun, Worker
+def turn_handler() -> Callable[[Any], Awaitable[None]]:
+    """The journaled handler: one model and one unsafe tool call an
+    iteration, ``k`` iterations (the run's input)."""
+    from dagnats.sdk import Replay, TaskContext, ToolCall, ToolRun
 
     async def charge(run: ToolRun) -> dict[str, Any]:
         return tool_output(run.call.input)
@@ -304,11 +314,34 @@ async def run_worker(target: str, task: str, concurrency: int) -> None:
         else:
             await tc.complete(result.output)
 
+    return turn
+
+
+async def serve_worker(
+    targets: Sequence[str], handlers: Mapping[str, Callable[[Any], Awaitable[None]]], c: int
+) -> None:
+    """The worker process: a ``Worker`` of concurrency ``c`` on each engine
+    in ``targets``, until SIGTERM."""
+    from dagnats.sdk import Worker
+
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    async with Worker(target, handlers={task: turn}, concurrency=concurrency, poll_wait=5.0):
+    async with contextlib.AsyncExitStack() as workers:
+        for target in targets:
+            await workers.enter_async_context(
+                Worker(target, handlers=handlers, concurrency=c, poll_wait=5.0)
+            )
         print("worker ready", flush=True)
         await stop.wait()
+
+
+def spawn_worker(
+    module: str, targets: Sequence[str], task: str, c: int, log: Path
+) -> subprocess.Popen[bytes]:
+    """``python -m module worker TARGET[,TARGET] TASK C``, its output into ``log``."""
+    args = [sys.executable, "-m", module, "worker", ",".join(targets), task, str(c)]
+    with log.open("ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent)
 
 
 # ---- the floor --------------------------------------------------------------------------
@@ -322,13 +355,16 @@ class Floor:
     js: Any  # nats.js.JetStreamContext
     runs: int = 0
 
-    async def run(self, k: int) -> None:
+    async def run(self, k: int, stamps: list[float] | None = None) -> None:
+        """One run of ``k`` iterations; with ``stamps``, the time each began."""
         from nats.js.errors import NotFoundError
 
         self.runs += 1
         subject = f"floor.{os.getpid()}.{self.runs}"
         fence = "Nats-Expected-Last-Subject-Sequence"
         for i in range(k):
+            if stamps is not None:
+                stamps.append(time.perf_counter())
             try:
                 last = int((await self.js.get_last_msg(FLOOR_STREAM, subject)).seq or 0)
             except NotFoundError:
@@ -600,7 +636,9 @@ async def messages(stack: Stack, run: Callable[[int], Awaitable[Any]], k: int) -
     }
 
 
-def start_stack(data: Path, p: Params) -> Stack:
+def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") -> Stack:
+    """``dagnats dev --no-demo`` with its data in ``data``, and the worker
+    process ``python -m worker_module worker`` on its engine."""
     from tests.stack import start_dev
 
     logs = data / "logs"
@@ -613,14 +651,7 @@ def start_stack(data: Path, p: Params) -> Stack:
     if http is None or len(nats_pids) != 1:
         dev.proc.kill()
         raise SystemExit(f"dagnats dev: no monitor port or nats-server child: {conf}")
-    task = "bench-turn"
-    with (logs / "worker.log").open("wb") as log:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "tests.bench_turn", "worker", info["engine"], task, str(p.c)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=HERE.parent,
-        )
+    worker = spawn_worker(worker_module, [info["engine"]], TASK, p.c, logs / "worker.log")
     return Stack(
         dev.proc, worker, nats_pids[0], info["engine"], info["nats"], f"http://{http[1]}", logs
     )
@@ -630,15 +661,20 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
 
 
+def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> None:
+    """Stop ``proc`` with ``sig``, killing it after 20 s."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def stop_stack(stack: Stack) -> None:
     for proc in (stack.worker, stack.dev):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
 
 async def measure(p: Params, data: Path) -> dict[str, Any]:
@@ -654,10 +690,8 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
         await js.add_stream(name=FLOOR_STREAM, subjects=["floor.>"], storage="file")
         floor = Floor(js)
         async with Client(stack.engine) as client:
-            workflow = "bench-turn"
-            await client.register_workflow(
-                loop_workflow(workflow, "bench-turn", max_iterations=10_000)
-            )
+            workflow = TASK
+            await client.register_workflow(loop_workflow(workflow, TASK, max_iterations=10_000))
 
             async def dagnats_run(k: int) -> None:
                 out = await client.run(workflow, {"k": k}, timeout=120 + k)
@@ -772,13 +806,16 @@ def rows(ours: Mapping[str, Any], floor: Mapping[str, Any]) -> list[Row]:
     ]
 
 
-def format_table(table: list[Row]) -> str:
-    lines = [f"{'measure':44} {'dagnats':>9} {'floor':>9} {'ratio':>7}"]
+def format_table(
+    table: list[Row], columns: tuple[str, str] = ("dagnats", "floor"), width: int = 44
+) -> str:
+    """The rows with the ratio of their two values; ``columns`` names them."""
+    lines = [f"{'measure':{width}} {columns[0]:>9} {columns[1]:>9} {'ratio':>7}"]
     for row in table:
         ours = row.fmt.format(row.ours) if row.ours is not None else "n/a"
         floor = row.fmt.format(row.floor) if row.floor is not None else "n/a"
         ratio = f"{row.ours / row.floor:.2f}x" if row.ours is not None and row.floor else "n/a"
-        lines.append(f"{row.label:44} {ours:>9} {floor:>9} {ratio:>7}")
+        lines.append(f"{row.label:{width}} {ours:>9} {floor:>9} {ratio:>7}")
     return "\n".join(lines)
 
 
@@ -817,8 +854,8 @@ def _git_head() -> str:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["worker"]:
-        target, task, concurrency = args[1], args[2], int(args[3])
-        asyncio.run(run_worker(target, task, concurrency))
+        targets, task, concurrency = args[1].split(","), args[2], int(args[3])
+        asyncio.run(serve_worker(targets, {task: turn_handler()}, concurrency))
         return
     if args:
         raise SystemExit(
