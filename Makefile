@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup chromium dev test lint fmt proto proto-check bench test-guards test-chaos clean
+.PHONY: help setup chromium dev test lint fmt proto proto-check bench bench-scale test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -76,6 +76,10 @@ bench: setup ## journal overhead and the agent-turn workload against raw JetStre
 	$(PY) -m tests.bench_stream
 	$(PY) -m tests.bench_wait
 	$(PY) -m tests.bench_turn
+
+# BENCH_WAITERS (10,000), BENCH_WAKES, BENCH_LONG_K, BENCH_CLUSTER=0... scale it down.
+bench-scale: setup ## 10,000 waiting runs, wake latency, iteration 1,000, two engines, R3 cluster
+	$(PY) -m tests.bench_scale
 
 test-guards: setup ## delete each safety guard in a scratch copy; a named test must fail
 	$(PY) -m tests.guards
