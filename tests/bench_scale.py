@@ -43,6 +43,7 @@ on time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -827,6 +828,22 @@ def print_messages(one: Mapping[str, Any], two: Mapping[str, Any]) -> None:
                 print(f"  {part:16} {kind:44} {a:6.2f} {b:6.2f}")
 
 
+def scale_record(
+    got: Mapping[str, Any], k: Knobs, head: str, load: tuple[float, float, float]
+) -> dict[str, Any]:
+    """The run's record: every figure, the knobs, the load at its start and end."""
+    return {
+        "system": "dagnats",
+        "variant": "scale",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": head,
+        "cpus": os.cpu_count(),
+        "load": {"start": load, "end": os.getloadavg()},
+        "knobs": dataclasses.asdict(k),
+        "results": got,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["worker"]:
@@ -845,16 +862,7 @@ def main(argv: list[str] | None = None) -> None:
             got["cluster"] = asyncio.run(cluster(k, Path(tmp) / "cluster"))
     head = bt._git_head()
     got["per_waiter_bytes"] = per_waiter(got["one"], k)
-    rec = {
-        "system": "dagnats",
-        "variant": "scale",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": head,
-        "cpus": os.cpu_count(),
-        "load": {"start": load, "end": os.getloadavg()},
-        "knobs": k.__dict__,
-        "results": got,
-    }
+    rec = scale_record(got, k, head, load)
     path = bt.write_record(rec, Path(os.environ.get("BENCH_OUT", "/tmp/peers-results")))
     one = got["one"]
     p = k.turn

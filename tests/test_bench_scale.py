@@ -5,6 +5,7 @@ and no timing: the bench itself is run by ``make bench-scale``."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,10 @@ def test_the_table_puts_each_figure_beside_its_baseline() -> None:
         "store on disk": round(2 * 1024 * 1024 / 1000),
         "stream KV_RUNS": 1,
     }
+
+
+def test_the_record_is_json_with_the_knobs() -> None:
+    got = {"one": one_server()}
+    rec = json.loads(json.dumps(bs.scale_record(got, bs.Knobs(), "abc1234", (1.0, 2.0, 3.0))))
+    assert rec["knobs"]["waiters"] == 10_000 and rec["knobs"]["turn"]["c"] == 20
+    assert rec["results"]["one"]["two_engines"]["steps_per_s"] == 150.0
