@@ -1,11 +1,15 @@
 """The JetStream adapter's per-message paths against a real nats-server: its
-reads give what nats-py's give, a call that fails at first is retried by the
-one rule for transient errors, and pulls keep their inbox."""
+reads give what nats-py's give, a call's first try runs outside the retry loop
+and a failed one is retried by the same rule, pulls keep their inbox, and
+tracing without a provider still passes an incoming context on."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import textwrap
 import urllib.request
 from collections.abc import AsyncIterator
 
@@ -162,3 +166,58 @@ async def test_pulls_of_one_consumer_subscribe_once_and_take_all_pending(
     assert taken == [f"{i}.{j}".encode() for i in range(10) for j in range(i % 3 + 1)]
     assert await jsx.pull_now(nc, STREAM, durable, 8, 0.2) == []  # expired: nothing left
     assert await asyncio.to_thread(subscribed) == made  # the first pull's inbox, kept
+
+
+UNTRACED = textwrap.dedent(
+    """
+    import asyncio, json
+    import grpc, grpc.aio
+    from opentelemetry import context
+    from dagnats.core import tracing
+
+    async def handler(request, ctx):
+        carrier = {}
+        tracing.inject(carrier)
+        with tracing.server_span("/t.T/Inner", tracing.extract(carrier)):
+            inner = {}
+            tracing.inject(inner)
+        return json.dumps([carrier, inner]).encode()
+
+    async def main():
+        server = grpc.aio.server(interceptors=tracing.server_interceptors())
+        methods = {"Echo": grpc.unary_unary_rpc_method_handler(handler)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", methods),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", interceptors=tracing.client_interceptors()
+        )
+        echo = channel.unary_unary("/t.T/Echo")
+        seen = [json.loads(await echo(b""))]
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        token = context.attach(tracing.extract({"traceparent": parent}))
+        seen.append(json.loads(await echo(b"")))
+        carrier = {}
+        with tracing.client_span("/t.T/Session", carrier):
+            seen.append(carrier)
+        context.detach(token)
+        seen.append(tracing.quiet())
+        print(json.dumps(seen))
+        await channel.close()
+        await server.stop(None)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_without_a_tracer_provider_an_incoming_context_is_still_passed_on() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", UNTRACED], capture_output=True, text=True, timeout=60, check=True
+    )
+    untraced, traced, session, quiet = json.loads(done.stdout)
+    assert untraced == [{}, {}]  # nothing came in: nothing goes out
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    for carrier in (*traced, session):
+        assert carrier["traceparent"].split("-")[1] == trace_id
+    assert quiet is True

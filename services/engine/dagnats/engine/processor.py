@@ -386,7 +386,7 @@ class Engine:
         await seam("before_event_applied")
         kind = event.WhichOneof("kind") or "unknown"
         parent = tracing.extract(dict(event.trace_context))
-        with tracing.tracer.start_as_current_span(f"engine apply {kind}", context=parent) as span:
+        with tracing.span(f"engine apply {kind}", parent) as span:
             span.set_attribute("dagnats.run_id", event.run_id)
             span.set_attribute("dagnats.step_id", event.step_id)
             await self._apply_event(event)
@@ -458,7 +458,7 @@ class Engine:
             await msg.nak(delay=remaining)
             return
         parent = tracing.extract(dict(timer.trace_context))
-        with tracing.tracer.start_as_current_span("engine timer", context=parent):
+        with tracing.span("engine timer", parent):
             await self.apply(timer.run_id, convert.timer_to_input(timer))
         await msg.ack()
 
@@ -576,7 +576,7 @@ class Engine:
                 elif kind in _REPORTS and event.attempt <= 0:
                     continue
                 parent = tracing.extract(dict(event.trace_context))
-                with tracing.tracer.start_as_current_span(f"engine recover {kind}", context=parent):
+                with tracing.span(f"engine recover {kind}", parent):
                     await self._apply_event(event)
             except asyncio.CancelledError:
                 raise
