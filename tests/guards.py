@@ -311,6 +311,17 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="a task of an outbox past the duplicate window is not published again",
+        file="services/engine/dagnats/engine/processor.py",
+        guard="            if old and entry.subject.startswith(TASK_SUBJECTS):\n",
+        removed="            if False:\n",
+        how="an outbox read two minutes on publishes its task again: a second, current delivery",
+        tests=(
+            "tests/test_engine_writes.py::"
+            "test_a_task_of_an_outbox_past_the_duplicate_window_is_not_published_again",
+        ),
+    ),
+    Guard(
         name="an input dropped on the engine's own last write is decided again on a read",
         file="services/engine/dagnats/engine/processor.py",
         guard="                if guessed:\n"

@@ -234,7 +234,7 @@ def _buckets(topology: Topology) -> list[KeyValueConfig]:
             bucket=KV_RUN_KEYS, history=1, replicas=r, storage=StorageType.FILE, ttl=30 * DAY
         ),
         KeyValueConfig(bucket=KV_CHECKPOINTS, history=1, replicas=r, storage=StorageType.FILE),
-        # The runs the reconciler looks at: running, or with an outbox to publish.
+        # The runs the reconciler looks at: running, or with an outbox not cleared yet.
         KeyValueConfig(bucket=KV_ACTIVE_RUNS, history=1, replicas=r, storage=StorageType.FILE),
         # A request_id is recognised for seven days; the journal's input.placed
         # record, not this bucket, is the truth about placement.

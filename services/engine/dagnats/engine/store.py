@@ -316,7 +316,7 @@ class EngineStore:
 
     @staticmethod
     def needs_reconciler(record: ipb.RunRecord) -> bool:
-        """Whether a run belongs in the index: running, or with an outbox to publish."""
+        """Whether a run belongs in the index: running, or with an outbox not cleared yet."""
         return record.run.status == pb.RUN_STATUS_RUNNING or bool(record.outbox)
 
     async def active_run_ids(self) -> list[str]:
