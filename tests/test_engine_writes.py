@@ -2,7 +2,8 @@
 run for its next write to replace, and never publishes a task again once an
 outbox is older than JetStream's duplicate window, where a second copy would
 be stored and could fence a live holder; the reconciler's stranded-step check
-dispatches such a task anew if it was never published."""
+dispatches such a task anew if it was never published. A task is leased on
+the run as the engine last wrote it, and settled as stale only on a read."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+import grpc.aio
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
@@ -25,6 +27,7 @@ from dagnats.engine.processor import Engine, task_msg_id
 from dagnats.engine.server import start_engine
 from dagnats.engine.store import EngineStore, task_subject
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.sdk import Client, TaskContext, Worker
 from tests.helpers import wait_for
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
@@ -181,3 +184,29 @@ async def test_a_task_never_published_from_an_old_outbox_is_dispatched_anew(
     assert later.counters["old_task_left"] >= 1
     assert later.counters["redispatched"] == 1
     await forget(store, run_id, subject)
+
+
+async def test_a_task_dispatched_by_another_engine_is_leased_though_this_one_guessed_older(
+    nats_server: NatsServer,
+) -> None:
+    # The engine that started the run keeps it as it wrote it, and checks a
+    # task it leases against that first: a dispatch made since by another
+    # engine looks stale there, and only a read may settle a task as stale.
+    engine = await start_engine(nats_server.url, config=FAST)
+    task, name = unique("guessed"), unique("guessedwf")
+    try:
+        async with Client(engine.target) as client:
+            await client.register_workflow(loop_workflow(name, task))
+            run = await client.start_run(name)  # no worker: its task waits
+            other = Engine(await EngineStore.open(engine.nc), FAST)
+            report = m.StepReport(
+                step_id="agent", identity=m.Identity(iteration=0, attempt=1), outcome=m.Continued()
+            )
+            await other.apply(run.run_id, report)  # iteration 1, dispatched by the other
+            async with grpc.aio.insecure_channel(engine.target) as channel:
+                request = pb.PollTasksRequest(task_types=[task], max_tasks=2)
+                request.wait.FromSeconds(5)
+                polled = await pb_grpc.EngineServiceStub(channel).PollTasks(request)
+    finally:
+        await engine.stop()
+    assert 1 in [t.task.iteration for t in polled.tasks], "the current task was settled as stale"

@@ -225,18 +225,27 @@ class Engine:
         while len(self._written) > WRITTEN_RUNS:
             self._written.popitem(last=False)
 
-    async def create(self, accepted: m.Accepted, trace_context: dict[str, str]) -> m.Run:
-        """Store a new run and publish its first dispatches. A run that exists
-        already is returned as stored (after finishing its outbox)."""
+    async def create(
+        self, accepted: m.Accepted, trace_context: dict[str, str], *, indexed: bool = False
+    ) -> StoredRun:
+        """Store a new run and publish its first dispatches; the run as stored.
+        A run that exists already is returned as stored (after finishing its
+        outbox). ``indexed``: the caller entered the run in the active-run index."""
         record = self._record(accepted, trace_context)
-        revision = await self.store.create_run(record)
+        revision = await self.store.create_run(record, indexed=indexed)
         if revision is None:
             stored = await self.store.require_run(accepted.run.run_id)
             if stored.record.outbox:
                 stored = await self.flush(stored)
-            return convert.record_from_proto(stored.record)
-        await self._publish_written(StoredRun(record, revision))
-        return accepted.run
+            return stored
+        created = StoredRun(record, revision)
+        await self._publish_written(created)
+        return created
+
+    def last_written(self, run_id: str) -> StoredRun | None:
+        """The run as this engine last wrote it, if it keeps it: a guess at
+        what is stored (see the module's docstring)."""
+        return self._written.get(run_id)
 
     async def publish_outbox(self, stored: StoredRun) -> None:
         """Publish a run's outbox, but for the tasks of one older than

@@ -166,11 +166,13 @@ class EngineStore:
             raise NotFound(f"run {run_id} does not exist", field="run_id")
         return stored
 
-    async def create_run(self, record: ipb.RunRecord) -> int | None:
+    async def create_run(self, record: ipb.RunRecord, *, indexed: bool = False) -> int | None:
         """Store a new run; None when a run with that id exists already. The run
-        enters the active-run index first, so the reconciler cannot miss it."""
+        enters the active-run index first (unless ``indexed``: the caller did),
+        so the reconciler cannot miss it."""
         run_id, data = record.run.run_id, record.SerializeToString()
-        await _retry(lambda: self._active.put(run_id, b"1"), "index the run")
+        if not indexed:
+            await self.enter_active(run_id)
         try:
             # A retried create whose first try landed finds the key taken: the
             # caller then reads the run, and finds its own (the id is random).
@@ -318,6 +320,10 @@ class EngineStore:
     def needs_reconciler(record: ipb.RunRecord) -> bool:
         """Whether a run belongs in the index: running, or with an outbox not cleared yet."""
         return record.run.status == pb.RUN_STATUS_RUNNING or bool(record.outbox)
+
+    async def enter_active(self, run_id: str) -> None:
+        """Enter a run in the index; before the run is stored."""
+        await _retry(lambda: self._active.put(run_id, b"1"), "index the run")
 
     async def active_run_ids(self) -> list[str]:
         """The runs in the index: running, or finished with an outbox not yet cleared.
