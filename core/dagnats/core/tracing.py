@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
@@ -26,6 +27,7 @@ import grpc
 import grpc.aio
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.environment_variables import OTEL_PYTHON_TRACER_PROVIDER
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from dagnats.core.grpcutil import with_metadata
@@ -85,6 +87,9 @@ def extract(carrier: Mapping[str, str]) -> otel_context.Context:
 
 
 _installed = False  # a TracerProvider was installed; it is never taken back
+# A provider named in the environment is installed by the first span.
+_FROM_ENV = OTEL_PYTHON_TRACER_PROVIDER in os.environ
+_UNKNOWN = object()
 
 
 def quiet(parent: otel_context.Context | None = None) -> bool:
@@ -99,9 +104,19 @@ def quiet(parent: otel_context.Context | None = None) -> bool:
     if parent or otel_context.get_current():
         return False
     if not _installed:
-        provider = trace.get_tracer_provider()
-        _installed = not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+        _installed = _provider_set()
     return not _installed
+
+
+def _provider_set() -> bool:
+    # trace.get_tracer_provider() looks in os.environ on every call until a
+    # provider is set: microseconds, on every message. The API module's global
+    # says the same at once; asked only where it has none (another version).
+    provider = getattr(trace, "_TRACER_PROVIDER", _UNKNOWN)
+    if provider is _UNKNOWN:
+        found = trace.get_tracer_provider()
+        return not isinstance(found, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+    return _FROM_ENV or provider is not None
 
 
 # What the callers get instead of a span when tracing is quiet.
