@@ -311,6 +311,28 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="a task is settled as stale on a read only, never on a guess",
+        file="services/engine/dagnats/engine/service.py",
+        guard="            current = _is_current(await self.store.load_run(task.run_id), task)\n",
+        removed="            pass\n",
+        how="a task the engine's last write of the run does not know is acknowledged: lost",
+        tests=(
+            "tests/test_engine_writes.py::"
+            "test_a_task_dispatched_by_another_engine_is_leased_though_this_one_guessed_older",
+        ),
+    ),
+    Guard(
+        name="a task of an outbox past the duplicate window is not published again",
+        file="services/engine/dagnats/engine/processor.py",
+        guard="            if old and entry.subject.startswith(TASK_SUBJECTS):\n",
+        removed="            if False:\n",
+        how="an outbox read two minutes on publishes its task again: a second, current delivery",
+        tests=(
+            "tests/test_engine_writes.py::"
+            "test_a_task_of_an_outbox_past_the_duplicate_window_is_not_published_again",
+        ),
+    ),
+    Guard(
         name="an input dropped on the engine's own last write is decided again on a read",
         file="services/engine/dagnats/engine/processor.py",
         guard="                if guessed:\n"

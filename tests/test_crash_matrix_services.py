@@ -1,6 +1,8 @@
 """The crash-point matrix for the seams a service owns: the engine's
 ``after_dispatch_saved`` (a dispatch saved in the run, its task not yet
-published), and the journal service's ``after_input_claimed`` (an input claimed
+published) and ``after_dispatch_published`` (the task published, the outbox
+left in the run: the next writer of the run finds it and publishes it again,
+which its Msg-Id makes a no-op), and the journal service's ``after_input_claimed`` (an input claimed
 in the inputs bucket, its ``input.placed`` record not yet written) and
 ``after_commit_stored`` (a commit that settles its task stored, its lifecycle
 event not yet published nor the task acknowledged).
@@ -43,7 +45,12 @@ from tests.matrix import CASES, EngineProcess, lines, reap, spawn_worker, zombie
 from tests.secured import suite_security
 from tests.stack import loop_workflow, steps_by_id, unique
 
-SEAMS = ("after_dispatch_saved", "after_input_claimed", "after_commit_stored")
+SEAMS = (
+    "after_dispatch_saved",
+    "after_dispatch_published",
+    "after_input_claimed",
+    "after_commit_stored",
+)
 PLACES = {"one server": 1, "3-node cluster": 3}
 REQUEST = "steer-1"
 

@@ -40,14 +40,16 @@ from tests.helpers import wait_for
 from tests.matrix import EngineProcess
 from tests.stack import FAST, unique
 
-# GetRun calls the module's engine served, by run id.
+# GetRun calls the module's engine served, by run id; StartRun and WatchRun by name.
 GET_RUNS: Counter[str] = Counter()
+CALLS: Counter[str] = Counter()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
-    """The module's engine, counting the GetRun calls it serves in GET_RUNS."""
-    async with engine_counting_get_runs(nats_server.url, GET_RUNS) as server:
+    """The module's engine, counting the GetRun calls it serves in GET_RUNS
+    and its StartRun and WatchRun calls in CALLS."""
+    async with engine_counting_get_runs(nats_server.url, GET_RUNS, CALLS) as server:
         yield server
 
 
@@ -132,6 +134,45 @@ async def test_run_returns_the_output_of_a_completed_run(
     name, gates = gated
     gates.open("first", "second")
     assert await client.run(name, {"ask": 2}, timeout=30) == {"step": "second"}
+
+
+async def test_run_starts_its_run_with_the_watch_it_waits_on(
+    client: Client, gated: tuple[str, Gates]
+) -> None:
+    name, gates = gated
+    gates.open("first", "second")
+    before = CALLS.copy()
+    assert await client.run(name, {"ask": 3}, timeout=30) == {"step": "second"}
+    assert CALLS - before == Counter({"WatchRun": 1}), "one call: no StartRun, one watch"
+
+
+async def test_a_watch_that_starts_a_run_refuses_bad_input_as_start_run_does(
+    engine: EngineServer, client: Client
+) -> None:
+    with pytest.raises(NotFound) as unknown:
+        await client.run(unique("nowf"), timeout=5)
+    assert unknown.value.field == "workflow"
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        for request, status, field in [
+            (pb.StartRunRequest(workflow="bad name"), grpc.StatusCode.INVALID_ARGUMENT, "workflow"),
+            (
+                pb.StartRunRequest(workflow="w", input=b"{"),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "input",
+            ),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                async for _ in stub.WatchRun(pb.WatchRunRequest(start=request)):
+                    pass
+            assert failed.value.code() == status
+            assert dict(failed.value.trailing_metadata() or ())["dagnats-error-field"] == field
+        both = pb.WatchRunRequest(run_id="ab" * 16, start=pb.StartRunRequest(workflow="w"))
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for _ in stub.WatchRun(both):
+                pass
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert dict(failed.value.trailing_metadata() or ())["dagnats-error-field"] == "run_id"
 
 
 async def test_run_raises_for_a_failed_run(client: Client, gated: tuple[str, Gates]) -> None:
@@ -299,6 +340,37 @@ async def test_a_watch_carries_on_when_a_frozen_engine_wakes(
 
 async def _collect(watch: AsyncIterator[pb.Run]) -> list[pb.Run]:
     return [state async for state in watch]
+
+
+@pytest.mark.slow
+async def test_a_watch_that_started_its_run_watches_it_again_by_id_after_a_restart(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A watch that started its run (``Client.run``'s) broken by an engine
+    SIGKILL after its first message opens again on the run's id: one run."""
+    engine = EngineProcess(nats_server.url, tmp_path, "engine")
+    await engine.start()
+    name, task, gates = unique("gated"), unique("gated-task"), Gates()
+    try:
+        async with (
+            Client(engine.target) as client,
+            Worker(engine.target, handlers={task: gates.handle}, poll_wait=1.0),
+        ):
+            await client.register_workflow(two_steps(name, task))
+            start = pb.StartRunRequest(workflow=name)
+            watch = client._rpc.watch_run(pb.WatchRunRequest(start=start))
+            first = (await anext(watch)).run
+            engine.kill()
+            await engine.start()
+            gates.open("first", "second")
+            rest = [response.run async for response in watch]
+            runs = await client.list_runs(workflow=name)
+        assert engine.starts == 2
+        assert rest[-1].status == pb.RUN_STATUS_COMPLETED
+        assert {r.run_id for r in rest} == {first.run_id}
+        assert [r.run_id for r in runs] == [first.run_id]
+    finally:
+        await engine.stop()
 
 
 @pytest.mark.slow

@@ -9,10 +9,14 @@ drop a message after a delivery limit, and no stream uses async persistence.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import json
 import logging
+import re
+import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,14 +26,17 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
+    RawStreamMsg,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
+from nats.js.kv import KeyValue
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -227,7 +234,7 @@ def _buckets(topology: Topology) -> list[KeyValueConfig]:
             bucket=KV_RUN_KEYS, history=1, replicas=r, storage=StorageType.FILE, ttl=30 * DAY
         ),
         KeyValueConfig(bucket=KV_CHECKPOINTS, history=1, replicas=r, storage=StorageType.FILE),
-        # The runs the reconciler looks at: running, or with an outbox to publish.
+        # The runs the reconciler looks at: running, or with an outbox not cleared yet.
         KeyValueConfig(bucket=KV_ACTIVE_RUNS, history=1, replicas=r, storage=StorageType.FILE),
         # A request_id is recognised for seven days; the journal's input.placed
         # record, not this bucket, is the truth about placement.
@@ -289,18 +296,43 @@ async def retry_transient(
     append follow the same budget.
     """
     try:
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception(is_transient),
-            wait=_BACKOFF,
-            stop=stop_after_delay(retry_budget(deadline)),
-            reraise=True,
-        ):
-            with attempt:
-                return await call()
+        return await _tried(call, retry_budget(deadline))
     except Exception as err:
         if is_transient(err):
             raise Unavailable(f"could not {what}: {err!r}") from err
         raise
+
+
+async def _tried(call: Callable[[], Awaitable[T]], budget: float) -> T:
+    """``await call()``; after a transient failure, tried again for ``budget``
+    seconds from the first try, with ``_BACKOFF`` between tries; the last
+    error is raised as is.
+
+    The first try runs without the retry machinery around it: it is every
+    call's cost, and nearly every call succeeds at once. A first try that
+    fails is handed to tenacity as its first attempt, with the budget that is
+    left, so the tries, their backoff and their end are the loop's from the
+    first try on.
+    """
+    started = time.monotonic()
+    try:
+        return await call()
+    except Exception as err:
+        if not is_transient(err):
+            raise
+        first = err
+    tries = 0
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception(is_transient),
+        wait=_BACKOFF,
+        stop=stop_after_delay(budget - (time.monotonic() - started)),
+        reraise=True,
+    ):
+        with attempt:
+            tries += 1
+            if tries == 1:
+                raise first  # the first try's failure, as the loop's first attempt
+            return await call()
     raise AssertionError("unreachable")
 
 
@@ -327,7 +359,7 @@ async def walk_kv(
     seq = 1
     while True:
         try:
-            get = functools.partial(js.get_msg, stream, seq=seq, subject=prefix + keys, next=True)
+            get = functools.partial(get_msg, js, stream, seq=seq, subject=prefix + keys, next=True)
             msg = await retry_transient(get, f"read {bucket}")
         except nats.js.errors.NotFoundError:
             break
@@ -339,6 +371,98 @@ async def walk_kv(
             latest.pop(key, None)
     for key, (value, revision) in latest.items():
         yield key, value, revision
+
+
+async def get_msg(
+    js: JetStreamContext,
+    stream: str,
+    *,
+    seq: int | None = None,
+    subject: str | None = None,
+    next: bool = False,
+) -> RawStreamMsg:
+    """One message of ``stream``, as ``js.get_msg`` reads it: at ``seq``, the
+    last one on ``subject``, or with ``next`` the first one on ``subject`` at
+    or after ``seq``.
+
+    Read from the stream's leader (its message-get API), never with a direct
+    get: with ``allow_direct`` any replica answers, and one that lags gives an
+    older message, which the reads that fence writers (a journal's tail, the
+    run a lease is checked against) must not see. The headers are read by
+    :func:`parse_headers`, not by the standard library's email parser that
+    ``js.get_msg`` uses.
+
+    Raises:
+        NotFoundError: no such message (``err_code`` 10059: no such stream).
+        APIError: any other error JetStream answered.
+    """
+    if next:
+        request: dict[str, Any] = {"seq": seq, "next_by_subj": subject}
+    elif subject:
+        request = {"last_by_subj": subject}
+    else:
+        request = {"seq": seq}
+    try:
+        answer = await js._nc.request(
+            f"{js._prefix}.STREAM.MSG.GET.{stream}",
+            json.dumps(request).encode(),
+            timeout=js._timeout,
+        )
+    except nats.errors.NoRespondersError:
+        raise nats.js.errors.ServiceUnavailableError from None
+    reply = json.loads(answer.data)
+    if "error" in reply:
+        raise nats.js.errors.APIError.from_error(reply["error"])  # raises the error's class
+    message = reply["message"]
+    data, hdrs = message.get("data"), message.get("hdrs")
+    return RawStreamMsg(
+        subject=message.get("subject"),
+        seq=message.get("seq"),
+        data=base64.b64decode(data) if data else None,
+        headers=parse_headers(base64.b64decode(hdrs)) if hdrs else None,
+    )
+
+
+def parse_headers(block: bytes) -> dict[str, str] | None:
+    """The headers of a stored message (``NATS/1.0`` then ``Name: value``
+    lines); None when there are none. A name given twice keeps its last
+    value, as ``js.get_msg`` does."""
+    headers: dict[str, str] = {}
+    for line in block.split(b"\r\n")[1:]:
+        name, colon, value = line.partition(b":")
+        if colon and name:
+            headers[name.decode(errors="replace")] = value.strip().decode(errors="replace")
+    return headers or None
+
+
+_KEY = re.compile(r"^[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*$")
+
+
+async def kv_get(js: JetStreamContext, bucket: str, key: str) -> KeyValue.Entry:
+    """The value of ``key`` in ``bucket``, as ``KeyValue.get`` gives it, read
+    by :func:`get_msg` (from the bucket's leader).
+
+    Raises:
+        KeyNotFoundError: no such key (or bucket), or the key was deleted or purged.
+        InvalidKeyError: ``key`` is not a valid key.
+    """
+    if not _KEY.match(key):
+        raise nats.js.errors.InvalidKeyError
+    try:
+        msg = await get_msg(js, f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+    except nats.js.errors.NotFoundError:
+        raise nats.js.errors.KeyNotFoundError from None
+    if msg.headers and msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
+        raise nats.js.errors.KeyNotFoundError
+    return KeyValue.Entry(
+        bucket=bucket,
+        key=key,
+        value=msg.data,
+        revision=msg.seq,
+        delta=None,
+        created=None,
+        operation=None,
+    )
 
 
 async def publish(
@@ -359,18 +483,28 @@ async def publish(
         The stream sequence of the message.
     """
     all_headers = {"Nats-Msg-Id": msg_id, **(headers or {})}
-    budget = retry_budget(deadline)
-    async for attempt in AsyncRetrying(
-        retry=retry_if_exception(is_transient),
-        wait=_BACKOFF,
-        stop=stop_after_delay(budget),
-        reraise=True,
-    ):
-        with attempt:
-            timeout = min(attempt_timeout, max(retry_budget(deadline), 0.5))
-            ack = await js.publish(subject, data, timeout=timeout, headers=all_headers)
-            return int(ack.seq)
-    raise AssertionError("unreachable")
+
+    async def once() -> int:
+        timeout = min(attempt_timeout, max(retry_budget(deadline), 0.5))
+        ack = await js.publish(subject, data, timeout=timeout, headers=all_headers)
+        return int(ack.seq)
+
+    return await _tried(once, retry_budget(deadline))
+
+
+@dataclass(slots=True)
+class _Inbox:
+    """A subscription that pull requests are answered on, with what reached it."""
+
+    sub: Subscription
+    arrived: asyncio.Queue[Msg]
+
+
+# Inboxes that pulls left clean (every request read to its end, nothing left in
+# them), per connection, for the next pull: a consumer read in a loop
+# subscribes once, not once a pull.
+_IDLE: weakref.WeakKeyDictionary[NATS, list[_Inbox]] = weakref.WeakKeyDictionary()
+MAX_IDLE_INBOXES = 64
 
 
 async def pull_now(nc: NATS, stream: str, durable: str, batch: int, wait: float) -> list[Msg]:
@@ -380,37 +514,50 @@ async def pull_now(nc: NATS, stream: str, durable: str, batch: int, wait: float)
     Every pull request is read to its end (a message count reached or the
     server's closing status), so no message delivered to this call is left
     unread when it returns: a message dropped on the floor would stay
-    invisible until its ack wait ran out.
+    invisible until its ack wait ran out. The request for more is sent only
+    when the first message says more are pending. The inbox it was answered
+    on is kept for the next pull when both requests ended so (nothing can
+    still arrive in it), and unsubscribed otherwise.
 
     Cancelled, it withdraws its interest, which makes the server drop the
     pull instead of delivering to it, and gives back every message that had
     reached it (see :func:`give_back`): its caller is gone and would leave
     them invisible for an ack wait.
     """
-    arrived: asyncio.Queue[Msg] = asyncio.Queue()
-    sub = await nc.subscribe(nc.new_inbox(), cb=arrived.put)
+    idle = _IDLE.setdefault(nc, [])
+    inbox = idle.pop() if idle else await _open_inbox(nc)
     subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
     msgs: list[Msg] = []
+    ended = False
     try:
         first = {"batch": 1, "expires": max(int(wait * 1e9) - 1_000_000, 1_000_000)}
-        await _read_pull(nc, sub, arrived, subject, first, msgs, 1, wait + 2.0)
-        if msgs and batch > 1:
+        ended = await _read_pull(nc, inbox, subject, first, msgs, 1, wait + 2.0)
+        if ended and msgs and batch > 1 and msgs[0].metadata.num_pending > 0:
             more = {"batch": batch - 1, "no_wait": True}
-            await _read_pull(nc, sub, arrived, subject, more, msgs, batch, 2.0)
+            ended = await _read_pull(nc, inbox, subject, more, msgs, batch, 2.0)
         return msgs
     except asyncio.CancelledError:
+        ended = False
         with contextlib.suppress(nats.errors.Error):
             # Unsubscribes, then waits for every message sent to it before that.
-            await sub.drain()  # type: ignore[no-untyped-call]
-        while not arrived.empty():
-            msg = arrived.get_nowait()
+            await inbox.sub.drain()  # type: ignore[no-untyped-call]
+        while not inbox.arrived.empty():
+            msg = inbox.arrived.get_nowait()
             if not JetStreamContext.is_status_msg(msg):
                 msgs.append(msg)
         await give_back(msgs)
         raise
     finally:
-        with contextlib.suppress(nats.errors.Error):
-            await sub.unsubscribe()
+        if ended and inbox.arrived.empty() and len(idle) < MAX_IDLE_INBOXES:
+            idle.append(inbox)
+        else:
+            with contextlib.suppress(nats.errors.Error):
+                await inbox.sub.unsubscribe()
+
+
+async def _open_inbox(nc: NATS) -> _Inbox:
+    arrived: asyncio.Queue[Msg] = asyncio.Queue()
+    return _Inbox(await nc.subscribe(nc.new_inbox(), cb=arrived.put), arrived)
 
 
 async def give_back(msgs: list[Msg]) -> None:
@@ -423,27 +570,29 @@ async def give_back(msgs: list[Msg]) -> None:
 
 async def _read_pull(
     nc: NATS,
-    sub: Any,
-    arrived: asyncio.Queue[Msg],
+    inbox: _Inbox,
     subject: str,
     request: dict[str, Any],
     into: list[Msg],
     limit: int,
     deadline: float,
-) -> None:
-    await nc.publish(subject, json.dumps(request).encode(), reply=sub.subject)
+) -> bool:
+    """Send one pull request and read its answers into ``into``; whether the
+    request ended (``limit`` messages, or a closing status) before ``deadline``."""
+    await nc.publish(subject, json.dumps(request).encode(), reply=inbox.sub.subject)
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline
     while len(into) < limit:
         remaining = end - loop.time()
         if remaining <= 0:
-            break
+            return False
         try:
-            msg = await asyncio.wait_for(arrived.get(), timeout=remaining)
+            msg = await asyncio.wait_for(inbox.arrived.get(), timeout=remaining)
         except TimeoutError:
-            break
+            return False
         if JetStreamContext.is_status_msg(msg):
             if msg.headers and msg.headers.get("Status") == "100":
                 continue  # an idle heartbeat
-            break  # 404 no messages, 408 expired, 409 ...: the request is over
+            return True  # 404 no messages, 408 expired, 409 ...: the request is over
         into.append(msg)
+    return True

@@ -17,7 +17,9 @@ checked current, the step's inputs not yet listed), ``after_input_claimed``
 (an input is claimed in its bucket, its ``input.placed`` record not yet written) and
 ``after_commit_stored`` (a commit that settles its task is stored and
 answered, its event not yet published); and in the engine ``after_dispatch_saved`` (a dispatch is
-saved, its task not yet published) and ``before_event_applied`` (an event is
+saved, its task not yet published), ``after_dispatch_published`` (its task
+published, the outbox left in the run for the next write to replace) and
+``before_event_applied`` (an event is
 taken from the history, not yet applied nor acknowledged).
 """
 

@@ -8,11 +8,17 @@ configured propagator (``opentelemetry.propagate``), so :func:`inject` and
 
 This module never installs a TracerProvider: that is the application's choice.
 Without one, spans are no-ops but the incoming context is still passed on.
+When there is no provider and no context to pass on (none came in and none is
+current), no span is made at all: a no-op span of an empty context records
+nothing and writes nothing into a carrier, and making one is most of what a
+message costs the tracing (see :func:`quiet`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
@@ -21,6 +27,7 @@ import grpc
 import grpc.aio
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.environment_variables import OTEL_PYTHON_TRACER_PROVIDER
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from dagnats.core.grpcutil import with_metadata
@@ -30,9 +37,11 @@ __all__ = [
     "client_span",
     "extract",
     "inject",
+    "quiet",
     "server_interceptors",
     "server_span",
     "set_status",
+    "span",
     "tracer",
 ]
 
@@ -66,12 +75,66 @@ else:  # the runtime classes are not generic
 
 def inject(carrier: dict[str, str]) -> None:
     """Write the current trace context into ``carrier`` (NATS headers, a proto map)."""
-    propagate.inject(carrier)
+    if otel_context.get_current():  # an empty context has nothing to write
+        propagate.inject(carrier)
 
 
 def extract(carrier: Mapping[str, str]) -> otel_context.Context:
     """The trace context carried by ``carrier``; use it as a span's parent."""
+    if not carrier:
+        return otel_context.Context()  # what every propagator makes of nothing
     return propagate.extract(carrier)
+
+
+_installed = False  # a TracerProvider was installed; it is never taken back
+# A provider named in the environment is installed by the first span.
+_FROM_ENV = OTEL_PYTHON_TRACER_PROVIDER in os.environ
+_UNKNOWN = object()
+
+
+def quiet(parent: otel_context.Context | None = None) -> bool:
+    """Whether a span would do nothing: no TracerProvider is installed, and
+    neither ``parent`` nor the current context holds anything to pass on.
+
+    Such a span is a no-op that records nothing and gives a carrier nothing,
+    so the callers below make none. A provider, once installed, stays: the
+    global one is set once.
+    """
+    global _installed
+    if parent or otel_context.get_current():
+        return False
+    if not _installed:
+        _installed = _provider_set()
+    return not _installed
+
+
+def _provider_set() -> bool:
+    # trace.get_tracer_provider() looks in os.environ on every call until a
+    # provider is set: microseconds, on every message. The API module's global
+    # says the same at once; asked only where it has none (another version).
+    provider = getattr(trace, "_TRACER_PROVIDER", _UNKNOWN)
+    if provider is _UNKNOWN:
+        found = trace.get_tracer_provider()
+        return not isinstance(found, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+    return _FROM_ENV or provider is not None
+
+
+# What the callers get instead of a span when tracing is quiet.
+_NO_SPAN: AbstractContextManager[Span] = contextlib.nullcontext(trace.INVALID_SPAN)
+
+
+def span(
+    name: str,
+    parent: otel_context.Context,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+    attributes: Mapping[str, str | int] | None = None,
+) -> AbstractContextManager[Span]:
+    """The current span ``name``, a child of ``parent``; none when
+    :func:`quiet` (the span given is then the invalid no-op span)."""
+    if quiet(parent):
+        return _NO_SPAN
+    return tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attributes)
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
@@ -104,6 +167,8 @@ class _UnaryUnaryTracing(_UnaryUnaryClient):
         client_call_details: grpc.aio.ClientCallDetails,
         request: Any,
     ) -> Any:
+        if quiet():
+            return await continuation(client_call_details, request)
         span = _start_client_span(client_call_details.method)
         call: grpc.aio.UnaryUnaryCall[Any, Any] | None = None
         try:
@@ -128,6 +193,8 @@ class _UnaryStreamTracing(_UnaryStreamClient):
         client_call_details: grpc.aio.ClientCallDetails,
         request: Any,
     ) -> AsyncIterator[Any]:
+        if quiet():
+            return await continuation(client_call_details, request)  # type: ignore[no-any-return]
         span = _start_client_span(client_call_details.method)
         try:
             call = await continuation(_with_trace_metadata(client_call_details, span), request)
@@ -164,8 +231,15 @@ class _ServerInterceptor(_Server):
         if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
             return handler
         method = handler_call_details.method
-        carrier = {k: v for k, v in handler_call_details.invocation_metadata if isinstance(v, str)}
+        fields = propagate.get_global_textmap().fields
+        carrier = {
+            k: v
+            for k, v in handler_call_details.invocation_metadata or ()
+            if k in fields and isinstance(v, str)
+        }
         parent = extract(carrier)
+        if quiet(parent):
+            return handler  # nothing to trace: the call runs as it is
         serde = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
@@ -188,7 +262,10 @@ class _ServerInterceptor(_Server):
 
 
 def server_span(method: str, parent: otel_context.Context) -> AbstractContextManager[Span]:
-    """The current SERVER span of one call of ``method`` ("/pkg.Service/Name")."""
+    """The current SERVER span of one call of ``method`` ("/pkg.Service/Name");
+    none when :func:`quiet`."""
+    if quiet(parent):
+        return _NO_SPAN
     return tracer.start_as_current_span(
         _span_name(method),
         context=parent,
@@ -201,7 +278,10 @@ def server_span(method: str, parent: otel_context.Context) -> AbstractContextMan
 
 def client_span(method: str, carrier: dict[str, str]) -> AbstractContextManager[Span]:
     """A CLIENT span of one call of ``method``, its context written to ``carrier``
-    (for calls that carry trace context in the message, not in metadata)."""
+    (for calls that carry trace context in the message, not in metadata); none
+    when :func:`quiet`, and ``carrier`` stays empty."""
+    if quiet():
+        return _NO_SPAN
     span = _start_client_span(method)
     propagate.inject(carrier, context=trace.set_span_in_context(span))
     return trace.use_span(
@@ -212,6 +292,8 @@ def client_span(method: str, carrier: dict[str, str]) -> AbstractContextManager[
 def set_status(span: Span, code: grpc.StatusCode, details: str, *, server: bool) -> None:
     """Record the status a call ended with: any non-OK code fails a client span,
     only a server-side failure (UNKNOWN, INTERNAL, ...) a server span."""
+    if not span.is_recording():
+        return
     _set_grpc_status(span, code, details, error_codes=_SERVER_ERROR_CODES if server else None)
 
 

@@ -254,13 +254,21 @@ class Client:
             DeadlineExceeded: the run had not finished after ``timeout`` seconds.
             NotFound: no run has that id.
         """
+        return await self._wait(pb.WatchRunRequest(run_id=run_id), timeout)
+
+    async def _wait(self, request: pb.WatchRunRequest, seconds: float) -> pb.Run:
+        """The run of a ``WatchRun`` of ``request`` once it has ended, waited
+        for ``seconds`` in all."""
+        run_id = request.run_id
         try:
-            async with asyncio.timeout(timeout):
-                async for run in self.watch_run(run_id):
-                    if run.status in TERMINAL_STATUSES:
-                        return run
+            async with asyncio.timeout(seconds):
+                async for response in self._rpc.watch_run(request):
+                    run_id = response.run.run_id
+                    if response.run.status in TERMINAL_STATUSES:
+                        return response.run
         except TimeoutError:
-            raise DeadlineExceeded(f"run {run_id} had not finished after {timeout}s") from None
+            what = f"run {run_id}" if run_id else f"the run of {request.start.workflow}"
+            raise DeadlineExceeded(f"{what} had not finished after {seconds}s") from None
         raise Unavailable(f"the watch of run {run_id} ended before the run did")
 
     async def run(
@@ -272,6 +280,9 @@ class Client:
         idempotency_key: str = "",
     ) -> Any:
         """Start a run of ``workflow``, wait for it and return its output.
+
+        One ``WatchRun`` call starts the run and is answered as it changes,
+        until it has ended.
 
         Args:
             workflow: Name of a registered workflow.
@@ -290,8 +301,12 @@ class Client:
             InvalidArgument: ``input`` is not JSON; nothing was sent.
             NotFound: no workflow has that name.
         """
-        started = await self.start_run(workflow, input, idempotency_key=idempotency_key)
-        run = await self.wait_for_run(started.run_id, timeout=timeout)
+        start = pb.StartRunRequest(
+            workflow=workflow,
+            input=encode(input, field="input"),
+            idempotency_key=idempotency_key,
+        )
+        run = await self._wait(pb.WatchRunRequest(start=start), timeout)
         if run.status != pb.RUN_STATUS_COMPLETED:
             raise RunFailed(run)
         return run_output(run)

@@ -225,7 +225,8 @@ class EngineRpc:
         return await self._call(self._connect().GetRun, request, idempotent=True)
 
     async def watch_run(self, request: pb.WatchRunRequest) -> AsyncIterator[pb.WatchRunResponse]:
-        """The run's states from ``WatchRun`` until the one whose status is final.
+        """The run's states from ``WatchRun`` until the one whose status is final
+        (with ``request.start``, the run it starts).
 
         A stream the transport broke (an engine restart) is opened again, by
         the retry rules above with the budget counted from the break; the new
@@ -233,10 +234,16 @@ class EngineRpc:
         revision already given are skipped.
         """
         revision = 0
+        # A watch that starts its run is sent again only as StartRun would be.
+        idempotent = not request.HasField("start") or bool(request.start.idempotency_key)
         while True:
             call, response = await self.retrying(
-                "WatchRun", lambda: _open(self._connect().WatchRun, request), idempotent=True
+                "WatchRun", functools.partial(self._open_watch, request), idempotent=idempotent
             )
+            if response is not None and request.HasField("start"):
+                # Started: from now on the run is watched by its id.
+                request = pb.WatchRunRequest(run_id=response.run.run_id)
+                idempotent = True
             try:
                 while response is not None:
                     if response.revision > revision:
@@ -273,6 +280,15 @@ class EngineRpc:
                 log.info("engine WatchRuns stream broke with %s; watching again", err.code().name)
             finally:
                 call.cancel()
+
+    async def _open_watch(
+        self, request: pb.WatchRunRequest
+    ) -> tuple[
+        grpc.aio.UnaryStreamCall[pb.WatchRunRequest, pb.WatchRunResponse],
+        pb.WatchRunResponse | None,
+    ]:
+        """Open a ``WatchRun`` stream on the channel as it is at this try."""
+        return await _open(self._connect().WatchRun, request)
 
     async def list_runs(self, request: pb.ListRunsRequest) -> pb.ListRunsResponse:
         return await self._call(self._connect().ListRuns, request, idempotent=True)

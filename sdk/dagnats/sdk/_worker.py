@@ -34,9 +34,9 @@ from typing import Any, Self, TypeVar
 from google.protobuf.duration_pb2 import Duration
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from dagnats.core import tracing
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
 from dagnats.core.ids import check_token
-from dagnats.core.tracing import extract, tracer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk._context import ASSUMED_LEASE, TaskContext, describe_error
 from dagnats.sdk._credentials import Credentials
@@ -266,10 +266,10 @@ class Worker:
         if handler is None:  # the engine sent a type we did not ask for
             await _report(tc.fail(f"worker {self._worker_id} has no handler for {tc.task_type}"))
             return
-        parent = extract(tc.trace_context)
-        with tracer.start_as_current_span(
+        parent = tracing.extract(tc.trace_context)
+        with tracing.span(
             f"task {tc.task_type}",
-            context=parent,
+            parent,
             kind=SpanKind.CONSUMER,
             attributes={
                 "run_id": tc.run_id,

@@ -34,8 +34,9 @@ class EngineConfig:
             engine took and did not apply (it died), which the reconciler then
             applies itself, so that a run is not left idle for
             ``history_ack_wait``.
-        outbox_grace: how old an unpublished outbox must be before the
-            reconciler publishes it on the writer's behalf.
+        outbox_grace: how old a run's outbox must be before the reconciler
+            publishes it on the writer's behalf (unless this engine did) and
+            clears it; the engine's own writes leave it for the next write.
         history_batch: most events one fetch takes from the history.
         dead_letter_after: deliveries of an event that keeps failing before it
             is moved to the dead letters.

@@ -4,15 +4,29 @@ publishing what the rules decided, and reconciling stranded work.
 Every change to a run goes through :meth:`Engine.transition`: read the run
 with its revision, publish any outbox left by an earlier writer, decide with
 the pure rules, save the new run *and* its outbox with compare-and-swap, then
-publish the outbox and clear it. A crash anywhere in that sequence leaves
-either the old run (the input is redelivered) or the new run with its outbox
-(the next writer or the reconciler publishes it; Msg-Ids make that safe).
+publish the outbox. A crash anywhere in that sequence leaves either the old
+run (the input is redelivered) or the new run with its outbox (the next
+writer or the reconciler publishes it; Msg-Ids make that safe).
+
+The outbox is not cleared after it is published (ADR 25): the next write of
+the run replaces it. An outbox in a stored run therefore means "maybe not
+published yet", and whoever reads it publishes it again, which its Msg-Ids
+make a no-op within JetStream's duplicate window. Two rules keep that true:
+
+- The reconciler clears an outbox once it is ``outbox_grace`` old (publishing
+  it first unless this engine published it), so a run that waits long keeps
+  no outbox near the duplicate window's end.
+- A task of an outbox older than ``REPUBLISH_TASKS_WITHIN`` is never published
+  again: past the window it would be stored as a second delivery of a
+  dispatch that may be current, whose claim fences the live holder. If it was
+  never published, the reconciler's stranded-step check dispatches it anew.
 
 The read may be skipped: the engine keeps the run as it last wrote it (its
-outbox cleared) and decides on that, and the compare-and-swap at that
-revision checks the guess. If it lands, nobody wrote the run since, so the
-decision is the one a read would have given. If it misses, nothing was
-written and the run is read. A decision that writes nothing (a dropped
+outbox published by this engine) and decides on that, and the
+compare-and-swap at that revision checks the guess. If it lands, nobody wrote
+the run since, so the decision is the one a read would have given, and the
+outbox it replaces is the one this engine published. If it misses, nothing
+was written and the run is read. A decision that writes nothing (a dropped
 input) has no swap to check it, so it is taken on a read only (ADR 21).
 
 An event an engine took from the history and never applied (it died) would
@@ -62,8 +76,14 @@ TIMER_CONSUMER = "engine-timers"
 MAX_CAS_RETRIES = 100
 WRITTEN_RUNS = 4096  # runs whose last write the engine keeps, to decide on without a read
 WRITTEN_BYTES = 16 * 1024  # a larger run is read again instead
+# The age of an outbox past which its tasks are not published again: the
+# duplicate window, less a margin for the clocks of two engines (the age is
+# one engine's clock against the stamp of another's).
+REPUBLISH_TASKS_WITHIN = jsx.DEDUPE_WINDOW - 30.0
 
 Decide = Callable[[m.Run, float], m.Decision]
+# The subjects of task messages (``store.task_subject``).
+TASK_SUBJECTS = "tasks."
 # The events that report a step's outcome.
 _REPORTS = frozenset({"continue", "complete", "fail", "pause"})
 
@@ -99,8 +119,8 @@ class Engine:
         self._unapplied: dict[str, int] = {}
         self._recovered: dict[str, int] = {}
         self._indexed = False
-        # The runs as this engine last wrote them, outbox cleared: a guess at
-        # what is stored, checked by the next compare-and-swap.
+        # The runs as this engine last wrote them, their outboxes published by
+        # it: a guess at what is stored, checked by the next compare-and-swap.
         self._written: OrderedDict[str, StoredRun] = OrderedDict()
 
     # ---- lifecycle ----------------------------------------------------------------
@@ -153,6 +173,7 @@ class Engine:
     async def transition(self, run_id: str, decide: Decide) -> tuple[m.Run, m.Decision] | None:
         """Apply ``decide`` to the run with compare-and-swap; None if no such run."""
         guess = self._written.pop(run_id, None)
+        published = guess.revision if guess is not None else 0  # its outbox, by us
         for _ in range(MAX_CAS_RETRIES):
             if guess is not None:
                 stored, guessed, guess = guess, True, None
@@ -161,8 +182,10 @@ class Engine:
                 if read is None:
                     return None
                 stored, guessed = read, False
-            if stored.record.outbox:
-                stored = await self.flush(stored)
+                if stored.record.outbox and stored.revision != published:
+                    # Maybe never published (its writer died first). Not
+                    # cleared: the write below replaces it.
+                    await self.publish_outbox(stored)
             run = convert.record_from_proto(stored.record)
             decision = decide(run, self.clock())
             if isinstance(decision, m.Dropped):
@@ -177,21 +200,24 @@ class Engine:
             except StaleRevision:
                 self.counters["guess_missed" if guessed else "cas_conflicts"] += 1
                 continue
-            await seam("after_dispatch_saved")
-            self._remember(await self.flush(StoredRun(record, revision)))
+            await self._publish_written(StoredRun(record, revision))
             return decision.run, decision
         raise Unavailable(f"run {run_id} is changing too fast; try again")
 
+    async def _publish_written(self, written: StoredRun) -> None:
+        """Publish the outbox of a run this engine just wrote, and keep the run
+        as the guess for its next change: its outbox is then known published."""
+        await seam("after_dispatch_saved")
+        await self.publish_outbox(written)
+        await seam("after_dispatch_published")
+        self._remember(written)
+
     def _remember(self, written: StoredRun) -> None:
-        """Keep the run as written, if its outbox is clear and it may change
+        """Keep the run as written, its outbox published, if it may change
         again; a run that ended is not changed by the hot path any more."""
         run_id = written.record.run.run_id
         record = written.record
-        if (
-            record.outbox
-            or record.run.status != pb.RUN_STATUS_RUNNING
-            or record.ByteSize() > WRITTEN_BYTES
-        ):
+        if record.run.status != pb.RUN_STATUS_RUNNING or record.ByteSize() > WRITTEN_BYTES:
             self._written.pop(run_id, None)
             return
         self._written[run_id] = written
@@ -199,24 +225,51 @@ class Engine:
         while len(self._written) > WRITTEN_RUNS:
             self._written.popitem(last=False)
 
-    async def create(self, accepted: m.Accepted, trace_context: dict[str, str]) -> m.Run:
-        """Store a new run and publish its first dispatches. A run that exists
-        already is returned as stored (after finishing its outbox)."""
+    async def create(
+        self, accepted: m.Accepted, trace_context: dict[str, str], *, indexed: bool = False
+    ) -> StoredRun:
+        """Store a new run and publish its first dispatches; the run as stored.
+        A run that exists already is returned as stored (after finishing its
+        outbox). ``indexed``: the caller entered the run in the active-run index."""
         record = self._record(accepted, trace_context)
-        revision = await self.store.create_run(record)
+        revision = await self.store.create_run(record, indexed=indexed)
         if revision is None:
             stored = await self.store.require_run(accepted.run.run_id)
             if stored.record.outbox:
                 stored = await self.flush(stored)
-            return convert.record_from_proto(stored.record)
-        await seam("after_dispatch_saved")
-        self._remember(await self.flush(StoredRun(record, revision)))
-        return accepted.run
+            return stored
+        created = StoredRun(record, revision)
+        await self._publish_written(created)
+        return created
 
-    async def flush(self, stored: StoredRun) -> StoredRun:
-        """Publish a run's outbox, then clear it if nobody changed the run meanwhile."""
+    def last_written(self, run_id: str) -> StoredRun | None:
+        """The run as this engine last wrote it, if it keeps it: a guess at
+        what is stored (see the module's docstring)."""
+        return self._written.get(run_id)
+
+    async def publish_outbox(self, stored: StoredRun) -> None:
+        """Publish a run's outbox, but for the tasks of one older than
+        ``REPUBLISH_TASKS_WITHIN`` (see the module's docstring)."""
+        since = stored.record.outbox_since.ToNanoseconds() / 1e9
+        old = self.clock() - since >= REPUBLISH_TASKS_WITHIN
         for entry in stored.record.outbox:
+            if old and entry.subject.startswith(TASK_SUBJECTS):
+                self.counters["old_task_left"] += 1
+                log.warning(
+                    "run %s: a task of an outbox %.0fs old is not published again (%s); "
+                    "if it never was, its step is dispatched anew",
+                    stored.record.run.run_id,
+                    self.clock() - since,
+                    entry.msg_id,
+                )
+                continue
             await self.store.publish(entry)
+
+    async def flush(self, stored: StoredRun, *, published: bool = False) -> StoredRun:
+        """Publish a run's outbox (unless ``published``: this engine did), then
+        clear it if nobody changed the run meanwhile."""
+        if not published:
+            await self.publish_outbox(stored)
         cleared = ipb.RunRecord()
         cleared.CopyFrom(stored.record)
         del cleared.outbox[:]
@@ -386,7 +439,7 @@ class Engine:
         await seam("before_event_applied")
         kind = event.WhichOneof("kind") or "unknown"
         parent = tracing.extract(dict(event.trace_context))
-        with tracing.tracer.start_as_current_span(f"engine apply {kind}", context=parent) as span:
+        with tracing.span(f"engine apply {kind}", parent) as span:
             span.set_attribute("dagnats.run_id", event.run_id)
             span.set_attribute("dagnats.step_id", event.step_id)
             await self._apply_event(event)
@@ -458,7 +511,7 @@ class Engine:
             await msg.nak(delay=remaining)
             return
         parent = tracing.extract(dict(timer.trace_context))
-        with tracing.tracer.start_as_current_span("engine timer", context=parent):
+        with tracing.span("engine timer", parent):
             await self.apply(timer.run_id, convert.timer_to_input(timer))
         await msg.ack()
 
@@ -509,8 +562,15 @@ class Engine:
             if record.outbox:
                 since = record.outbox_since.ToNanoseconds() / 1e9
                 if now - since >= self.config.outbox_grace:
-                    self.counters["outbox_recovered"] += 1
-                    await self.flush(stored)
+                    # Published already, as a rule; cleared here, long before
+                    # the duplicate window would let a publish count twice.
+                    mine = self._written.get(run_id)
+                    published = mine is not None and mine.revision == stored.revision
+                    self.counters["outbox_cleared" if published else "outbox_recovered"] += 1
+                    stored = await self.flush(stored, published=published)
+                    record = stored.record
+                    if published and not record.outbox:  # nothing in it left to publish
+                        self._remember(stored)
             if not self.store.needs_reconciler(record):  # finished for good
                 await self.store.leave_active(run_id)
                 continue
@@ -576,7 +636,7 @@ class Engine:
                 elif kind in _REPORTS and event.attempt <= 0:
                     continue
                 parent = tracing.extract(dict(event.trace_context))
-                with tracing.tracer.start_as_current_span(f"engine recover {kind}", context=parent):
+                with tracing.span(f"engine recover {kind}", parent):
                     await self._apply_event(event)
             except asyncio.CancelledError:
                 raise

@@ -149,8 +149,7 @@ async def start_engine(
     services = [pb.DESCRIPTOR.services_by_name["EngineService"].full_name]
     journal: JournalServicer | None = None
     if with_journal:
-        runs = await nc.jetstream().key_value(jsx.KV_RUNS)
-        journal = JournalServicer(JournalStore(nc), runs, input_store, clock=engine.clock)
+        journal = JournalServicer(JournalStore(nc), input_store, clock=engine.clock)
         journal_grpc.add_JournalServiceServicer_to_server(journal, server)
         services.append(journal_pb.DESCRIPTOR.services_by_name["JournalService"].full_name)
     subscriptions: list[Subscription] = []

@@ -106,6 +106,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     @domain_errors
     async def StartRun(self, request: pb.StartRunRequest, context: Context) -> pb.StartRunResponse:
+        stored, created = await self._start(request)
+        return pb.StartRunResponse(run=stored.record.run, created=created)
+
+    async def _start(self, request: pb.StartRunRequest) -> tuple[StoredRun, bool]:
+        """Start a run (or find the one its idempotency key names); the run as
+        stored, and whether this call created it."""
         name = check_token(request.workflow, field="workflow")
         payload = check_json(request.input, field="input")
         key = request.idempotency_key
@@ -114,15 +120,24 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 f"idempotency_key is longer than {MAX_IDEMPOTENCY_KEY} characters",
                 field="idempotency_key",
             )
-        workflow = workflow_from_proto(await self.store.get_workflow(name))
         run_id = new_run_id()
         if key:
+            workflow = workflow_from_proto(await self.store.get_workflow(name))
             run_id = await self.store.claim_run_key(name, key, run_id)
             existing = await self.store.load_run(run_id)
             if existing is not None:
                 if existing.record.outbox:
-                    await self.engine.flush(existing)
-                return pb.StartRunResponse(run=existing.record.run, created=False)
+                    existing = await self.engine.flush(existing)
+                return existing, False
+            await self.store.enter_active(run_id)
+        else:
+            # The run enters the active-run index, which must hold it before it
+            # is stored, while its workflow is read. A start that then fails (no
+            # such workflow) leaves an entry the reconciler's second pass removes.
+            found, _ = await asyncio.gather(
+                self.store.get_workflow(name), self.store.enter_active(run_id)
+            )
+            workflow = workflow_from_proto(found)
         accepted = rules.start_run(
             run_id=run_id,
             workflow=workflow,
@@ -132,8 +147,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         )
         trace_context: dict[str, str] = {}
         tracing.inject(trace_context)
-        run = await self.engine.create(accepted, trace_context)
-        return pb.StartRunResponse(run=convert.run_to_proto(run), created=True)
+        return await self.engine.create(accepted, trace_context, indexed=True), True
 
     @domain_errors
     async def GetRun(self, request: pb.GetRunRequest, context: Context) -> pb.GetRunResponse:
@@ -144,7 +158,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.WatchRunRequest, context: Context
     ) -> AsyncIterator[pb.WatchRunResponse]:
         try:
-            stored = await self.store.require_run(check_run_id(request.run_id))
+            if request.HasField("start"):
+                if request.run_id:
+                    raise errors.InvalidArgument(
+                        "give a run id or a start, not both", field="run_id"
+                    )
+                stored, _ = await self._start(request.start)
+            else:
+                stored = await self.store.require_run(check_run_id(request.run_id))
             async for state in self.watches.follow(stored):
                 yield pb.WatchRunResponse(run=state.record.run, revision=state.revision)
         except Exception as err:
@@ -296,15 +317,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         """Turn a task message into a lease, or settle it at once when its run
         ended or its step moved on (a stale duplicate)."""
         task = pb.Task.FromString(msg.data)
-        stored = await self.store.load_run(task.run_id)
-        current = stored is not None and stored.record.run.status == pb.RUN_STATUS_RUNNING
-        if current and stored is not None:
-            step = next((s for s in stored.record.run.steps if s.step_id == task.step_id), None)
-            current = (
-                step is not None
-                and step.status == pb.STEP_STATUS_RUNNING
-                and (step.iteration, step.attempt) == (task.iteration, task.attempt)
-            )
+        # The run as this engine last wrote it, when it says the task is
+        # current: the engine that dispatched the task usually leases it. A
+        # guess that is stale by then leases a stale task, as a read just
+        # before the run moved on would; the claim and the report's checks
+        # refuse it. Only a read settles a task as stale.
+        current = _is_current(self.engine.last_written(task.run_id), task)
+        if not current:
+            current = _is_current(await self.store.load_run(task.run_id), task)
         if not current:
             log.info("run %s step %s: task no longer current; settled", task.run_id, task.step_id)
             await msg.ack()
@@ -463,6 +483,18 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if not any(s.step_id == step_id for s in stored.record.run.steps):
             raise errors.NotFound(f"run {run_id} has no step {step_id!r}", field="step_id")
         return stored.record
+
+
+def _is_current(stored: StoredRun | None, task: pb.Task) -> bool:
+    """Whether ``task`` is the dispatch its step runs now, by ``stored``."""
+    if stored is None or stored.record.run.status != pb.RUN_STATUS_RUNNING:
+        return False
+    step = next((s for s in stored.record.run.steps if s.step_id == task.step_id), None)
+    return (
+        step is not None
+        and step.status == pb.STEP_STATUS_RUNNING
+        and (step.iteration, step.attempt) == (task.iteration, task.attempt)
+    )
 
 
 _background: set[asyncio.Task[None]] = set()

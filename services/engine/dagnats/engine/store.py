@@ -13,13 +13,14 @@ import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
@@ -124,6 +125,14 @@ class EngineStore:
             active_runs=await js.key_value(jsx.KV_ACTIVE_RUNS),
         )
 
+    async def _get(self, bucket: str, key: str, what: str) -> KeyValue.Entry:
+        """A key's value (``jsx.kv_get``), read again while JetStream is unavailable."""
+        return await _retry(functools.partial(jsx.kv_get, self.js, bucket, key), what)
+
+    async def _msg(self, stream: str, what: str, **where: Any) -> RawStreamMsg:
+        """A stream's message (``jsx.get_msg``), read again while JetStream is unavailable."""
+        return await _retry(functools.partial(jsx.get_msg, self.js, stream, **where), what)
+
     # ---- workflows ----------------------------------------------------------------
 
     async def put_workflow(self, workflow: pb.Workflow) -> None:
@@ -132,7 +141,7 @@ class EngineStore:
 
     async def get_workflow(self, name: str) -> pb.Workflow:
         try:
-            entry = await _retry(lambda: self._workflows.get(name), "read the workflow")
+            entry = await self._get(jsx.KV_WORKFLOWS, name, "read the workflow")
         except nats.js.errors.KeyNotFoundError:
             raise NotFound(f"workflow {name!r} is not registered", field="workflow") from None
         return pb.Workflow.FromString(entry.value or b"")
@@ -146,7 +155,7 @@ class EngineStore:
 
     async def load_run(self, run_id: str) -> StoredRun | None:
         try:
-            entry = await _retry(lambda: self._runs.get(run_id), "read the run")
+            entry = await self._get(jsx.KV_RUNS, run_id, "read the run")
         except nats.js.errors.KeyNotFoundError:
             return None
         return StoredRun(ipb.RunRecord.FromString(entry.value or b""), int(entry.revision or 0))
@@ -157,11 +166,13 @@ class EngineStore:
             raise NotFound(f"run {run_id} does not exist", field="run_id")
         return stored
 
-    async def create_run(self, record: ipb.RunRecord) -> int | None:
+    async def create_run(self, record: ipb.RunRecord, *, indexed: bool = False) -> int | None:
         """Store a new run; None when a run with that id exists already. The run
-        enters the active-run index first, so the reconciler cannot miss it."""
+        enters the active-run index first (unless ``indexed``: the caller did),
+        so the reconciler cannot miss it."""
         run_id, data = record.run.run_id, record.SerializeToString()
-        await _retry(lambda: self._active.put(run_id, b"1"), "index the run")
+        if not indexed:
+            await self.enter_active(run_id)
         try:
             # A retried create whose first try landed finds the key taken: the
             # caller then reads the run, and finds its own (the id is random).
@@ -307,8 +318,12 @@ class EngineStore:
 
     @staticmethod
     def needs_reconciler(record: ipb.RunRecord) -> bool:
-        """Whether a run belongs in the index: running, or with an outbox to publish."""
+        """Whether a run belongs in the index: running, or with an outbox not cleared yet."""
         return record.run.status == pb.RUN_STATUS_RUNNING or bool(record.outbox)
+
+    async def enter_active(self, run_id: str) -> None:
+        """Enter a run in the index; before the run is stored."""
+        await _retry(lambda: self._active.put(run_id, b"1"), "index the run")
 
     async def active_run_ids(self) -> list[str]:
         """The runs in the index: running, or finished with an outbox not yet cleared.
@@ -327,7 +342,7 @@ class EngineStore:
         """Enter the runs that may need the reconciler, stored before the index
         existed; once per deployment (a marker records it). Returns how many."""
         try:
-            await _retry(lambda: self._active.get(INDEX_COMPLETE), "read the index")
+            await self._get(jsx.KV_ACTIVE_RUNS, INDEX_COMPLETE, "read the index")
             return 0
         except nats.js.errors.KeyNotFoundError:
             pass
@@ -350,7 +365,7 @@ class EngineStore:
             await _retry(lambda: self._run_keys.create(name, run_id.encode()), "bind the key")
             return run_id
         except nats.js.errors.KeyWrongLastSequenceError:
-            entry = await _retry(lambda: self._run_keys.get(name), "read the key")
+            entry = await self._get(jsx.KV_RUN_KEYS, name, "read the key")
             return (entry.value or b"").decode()
 
     # ---- checkpoints --------------------------------------------------------------
@@ -362,7 +377,7 @@ class EngineStore:
     async def load_checkpoint(self, run_id: str, step_id: str) -> bytes | None:
         try:
             key = f"{run_id}.{step_id}"
-            entry = await _retry(lambda: self._checkpoints.get(key), "load the checkpoint")
+            entry = await self._get(jsx.KV_CHECKPOINTS, key, "load the checkpoint")
         except nats.js.errors.KeyNotFoundError:
             return None
         return entry.value or b""
@@ -391,7 +406,7 @@ class EngineStore:
         """Whether the task queue still holds the dispatch ``msg_id`` (or a
         re-dispatch of it), i.e. no worker has acknowledged it."""
         try:
-            msg = await _retry(lambda: self.js.get_last_msg(jsx.TASKS, subject), "read a task")
+            msg = await self._msg(jsx.TASKS, "read a task", subject=subject)
         except nats.js.errors.NotFoundError:
             return False
         headers = msg.headers or {}
@@ -402,7 +417,7 @@ class EngineStore:
         """Stream sequence of the run's newest event; 0 when it has none."""
         subject = history_subject(run_id)
         try:
-            msg = await _retry(lambda: self.js.get_last_msg(jsx.HISTORY, subject), "read history")
+            msg = await self._msg(jsx.HISTORY, "read history", subject=subject)
         except nats.js.errors.NotFoundError:
             return 0
         return int(msg.seq or 0)
@@ -412,11 +427,9 @@ class EngineStore:
         each as its sequence and data; read from the stream leader."""
         subject, seq = history_subject(run_id), after + 1
         while True:
-            get = functools.partial(
-                self.js.get_msg, jsx.HISTORY, seq=seq, subject=subject, next=True
-            )
             try:
-                msg = await _retry(get, "read history")
+                where = {"seq": seq, "subject": subject, "next": True}
+                msg = await self._msg(jsx.HISTORY, "read history", **where)
             except nats.js.errors.NotFoundError:
                 return
             seq = int(msg.seq or 0)
@@ -454,7 +467,7 @@ class EngineStore:
         """The last record of a step's journal, read from the stream leader."""
         try:
             subject = journal_subject(run_id, step_id)
-            msg = await _retry(lambda: self.js.get_last_msg(jsx.JOURNAL, subject), "read a journal")
+            msg = await self._msg(jsx.JOURNAL, "read a journal", subject=subject)
         except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
             return None  # no journal (or no journal stream: nothing was journaled)
         return convert.journal_mark(msg.data or b"", int(msg.seq or 0), msg.headers)
@@ -462,7 +475,7 @@ class EngineStore:
     async def journal_record(self, run_id: str, step_id: str, seq: int) -> m.JournalMark | None:
         """The record at ``seq`` if it is on the step's journal; None otherwise."""
         try:
-            msg = await _retry(lambda: self.js.get_msg(jsx.JOURNAL, seq=seq), "read a journal")
+            msg = await self._msg(jsx.JOURNAL, "read a journal", seq=seq)
         except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
             return None
         if msg.subject != journal_subject(run_id, step_id):
@@ -472,7 +485,7 @@ class EngineStore:
     async def task_at(self, seq: int) -> pb.Task | None:
         """The task message at ``seq`` of the task stream, while it is there."""
         try:
-            msg = await _retry(lambda: self.js.get_msg(jsx.TASKS, seq=seq), "read a task")
+            msg = await self._msg(jsx.TASKS, "read a task", seq=seq)
         except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
             return None  # acknowledged: the lease is spent
         return pb.Task.FromString(msg.data or b"")

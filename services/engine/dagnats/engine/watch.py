@@ -7,8 +7,9 @@ on the run's key) and hands every stored state of the run to each of its
 
 What a watcher sends (the contract of ``WatchRun``):
 
-- first the run as the servicer read it, so the answer needs no wait for the
-  hub; then each later state, in the order stored;
+- first the run as the servicer read it (or as the start it served stored
+  it), so the answer needs no wait for the hub; then each later state, in
+  the order stored;
 - a state only when the run as a client sees it (the ``Run`` message) differs
   from the one sent last: a write that only clears the engine's outbox is
   not a change; a state with a revision at or below one sent is not news;

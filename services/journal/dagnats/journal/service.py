@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import nats.js.errors
-from nats.js.kv import KeyValue
 
 from dagnats.core import errors
 from dagnats.core import jetstream as jsx
@@ -102,7 +101,6 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
     def __init__(
         self,
         store: JournalStore,
-        runs: KeyValue,
         inputs: InputStore | None = None,
         *,
         clock: Callable[[], float] = time.time,
@@ -110,7 +108,6 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self.store = store
         self._clock = clock  # the engine's: it stamps the events the journal publishes
         self.inputs = inputs
-        self._runs = runs
         self._writer = JournalWriter(store)
         self._settling: set[asyncio.Task[None]] = set()
         self._placement = InputPlacement(self._writer, inputs) if inputs is not None else None
@@ -640,7 +637,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
 
     async def _run(self, run_id: str) -> epb.Run:
         try:
-            entry = await jsx.retry_transient(lambda: self._runs.get(run_id), "read the run")
+            entry = await jsx.retry_transient(
+                lambda: jsx.kv_get(self.store.js, jsx.KV_RUNS, run_id), "read the run"
+            )
         except nats.js.errors.KeyNotFoundError:
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id") from None
         return eipb.RunRecord.FromString(entry.value or b"").run

@@ -167,9 +167,7 @@ class JournalStore:
         """The last record of a step, read from the stream leader."""
         subject = journal_subject(run_id, step_id)
         try:
-            msg = await jsx.retry_transient(
-                functools.partial(self.js.get_last_msg, jsx.JOURNAL, subject), "read the tail"
-            )
+            msg = await self._get_msg(subject=subject)
         except nats.js.errors.NotFoundError as err:
             _unless_stream_missing(err)
             return None
@@ -225,7 +223,7 @@ class JournalStore:
     async def _get_msg(self, **where: Any) -> RawStreamMsg:
         """One message from the stream leader, read again while JetStream is
         unavailable (a read is always safe to repeat)."""
-        get = functools.partial(self.js.get_msg, jsx.JOURNAL, **where)
+        get = functools.partial(jsx.get_msg, self.js, jsx.JOURNAL, **where)
         return await jsx.retry_transient(get, "read the journal")
 
 

@@ -738,21 +738,32 @@ Global___GetRunResponse: _TypeAlias = GetRunResponse  # noqa: Y015
 
 @_typing.final
 class WatchRunRequest(_message.Message):
-    """WatchRunRequest names a run."""
+    """WatchRunRequest names a run, or starts one to watch."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
-    """The run id."""
+    """The run id; empty when start is set."""
+    @_builtins.property
+    def start(self) -> Global___StartRunRequest:
+        """Start this run first, with StartRun's rules and errors, then watch it:
+        the first message is the run as the start stored it (or, for an
+        idempotency key used before, the run as it is). A stream that breaks
+        before its first message may or may not have started the run; it is
+        safe to send again with an idempotency key only.
+        """
+
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
+        start: Global___StartRunRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

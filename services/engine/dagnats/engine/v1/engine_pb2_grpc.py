@@ -159,7 +159,8 @@ class EngineServiceServicer:
         the run has ended the last message carries its final state and the
         stream closes. NOT_FOUND for an unknown run, INVALID_ARGUMENT for a
         malformed id. A watcher that falls far behind skips intermediate states,
-        never the last one.
+        never the last one. Given a start instead of a run id, it starts the run
+        as StartRun does and watches it: one call from a start to the run's end.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

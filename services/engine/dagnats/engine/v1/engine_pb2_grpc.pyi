@@ -51,7 +51,8 @@ class EngineServiceStub:
     the run has ended the last message carries its final state and the
     stream closes. NOT_FOUND for an unknown run, INVALID_ARGUMENT for a
     malformed id. A watcher that falls far behind skips intermediate states,
-    never the last one.
+    never the last one. Given a start instead of a run id, it starts the run
+    as StartRun does and watches it: one call from a start to the run's end.
     """
     ListRuns: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ListRunsRequest, _engine_pb2.ListRunsResponse]
     """ListRuns returns runs, optionally filtered by workflow and status."""
@@ -115,7 +116,8 @@ class EngineServiceAsyncStub(EngineServiceStub):
     the run has ended the last message carries its final state and the
     stream closes. NOT_FOUND for an unknown run, INVALID_ARGUMENT for a
     malformed id. A watcher that falls far behind skips intermediate states,
-    never the last one.
+    never the last one. Given a start instead of a run id, it starts the run
+    as StartRun does and watches it: one call from a start to the run's end.
     """
     ListRuns: _aio.UnaryUnaryMultiCallable[_engine_pb2.ListRunsRequest, _engine_pb2.ListRunsResponse]  # type: ignore[assignment]
     """ListRuns returns runs, optionally filtered by workflow and status."""
@@ -212,7 +214,8 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         the run has ended the last message carries its final state and the
         stream closes. NOT_FOUND for an unknown run, INVALID_ARGUMENT for a
         malformed id. A watcher that falls far behind skips intermediate states,
-        never the last one.
+        never the last one. Given a start instead of a run id, it starts the run
+        as StartRun does and watches it: one call from a start to the run's end.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,212 @@
+"""One run write per iteration: the engine leaves a published outbox in the
+run for its next write to replace, and never publishes a task again once an
+outbox is older than JetStream's duplicate window, where a second copy would
+be stored and could fence a live holder; the reconciler's stranded-step check
+dispatches such a task anew if it was never published. A task is leased on
+the run as the engine last wrote it, and settled as stale only on a read."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+import grpc.aio
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from dagnats.core import jetstream as jsx
+from dagnats.core import seam
+from dagnats.core.ids import new_run_id
+from dagnats.core.natsserver import NatsServer
+from dagnats.engine import definition, rules
+from dagnats.engine import model as m
+from dagnats.engine.processor import Engine, task_msg_id
+from dagnats.engine.server import start_engine
+from dagnats.engine.store import EngineStore, task_subject
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
+from dagnats.sdk import Client, TaskContext, Worker
+from tests.helpers import wait_for
+from tests.stack import FAST, loop_workflow, steps_by_id, unique
+
+ITERATIONS = 8
+# The task stream's duplicate window in the outbox tests: short, so that a
+# publish after it is stored again without the test waiting two minutes, with
+# the engine's clock moved on by the real window to match.
+SHORT_WINDOW = 0.5
+
+
+async def test_an_iteration_writes_its_run_once(nats_server: NatsServer) -> None:
+    task, name = unique("writes"), unique("writeswf")
+    engine = await start_engine(nats_server.url, config=FAST)
+    writes: list[str] = []
+
+    async def written(msg: Msg) -> None:
+        writes.append(msg.subject.removeprefix(f"$KV.{jsx.KV_RUNS}."))
+
+    async def loop(tc: TaskContext) -> None:
+        if tc.iteration + 1 < ITERATIONS:
+            await tc.continue_()
+        else:
+            await tc.complete(tc.iteration)
+
+    # Every write of a run is a message on its key's subject.
+    tap = await engine.nc.subscribe(f"$KV.{jsx.KV_RUNS}.*", cb=written)
+    try:
+        async with Client(engine.target) as client:
+            await client.register_workflow(loop_workflow(name, task))
+            async with Worker(engine.target, handlers={task: loop}, poll_wait=1.0):
+                run = await client.start_run(name)
+                done = await client.wait_for_run(run.run_id, timeout=30)
+    finally:
+        await tap.unsubscribe()
+        await engine.stop()
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    assert steps_by_id(done)["agent"].iterations == ITERATIONS - 1
+    # The start, one write per continue, the end; the reconciler may clear an
+    # outbox that stood a whole grace (a slow machine): one more at most.
+    assert writes.count(run.run_id) <= ITERATIONS + 2, writes.count(run.run_id)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def short_window(nats_server: NatsServer) -> AsyncIterator[EngineStore]:
+    """An engine's store, and the task stream with a ``SHORT_WINDOW`` duplicate
+    window for one test. No engine runs: none publishes or clears an outbox
+    while it is young, as a reconciler would."""
+    nc = await jsx.connect(nats_server.url, name="test-engine-writes")
+    js = nc.jetstream()
+    await jsx.provision(js)
+    config = (await js.stream_info(jsx.TASKS)).config
+    config.duplicate_window = SHORT_WINDOW
+    await js.update_stream(config)
+    try:
+        yield await EngineStore.open(nc)
+    finally:
+        config.duplicate_window = jsx.DEDUPE_WINDOW
+        await js.update_stream(config)
+        await nc.close()
+
+
+def later_clock() -> float:
+    return time.time() + jsx.DEDUPE_WINDOW
+
+
+async def start_bare(run_id: str, task: str, engine: Engine) -> None:
+    """A run of a one-step loop created by ``engine`` (no worker polls it)."""
+    document = json.dumps(loop_workflow(unique("outboxwf"), task))
+    accepted = rules.start_run(
+        run_id=run_id,
+        workflow=definition.parse_document(document),
+        input=b"",
+        now=time.time(),
+    )
+    await engine.create(accepted, {})
+
+
+async def forget(store: EngineStore, run_id: str, subject: str) -> None:
+    await store.purge_subject(jsx.TASKS, subject)
+    await store.delete_run(run_id)
+
+
+async def tasks_of(nc: NATS, subject: str) -> list[str]:
+    """The Msg-Ids of the task messages stored on ``subject``, oldest first."""
+    js = nc.jetstream()
+    ids: list[str] = []
+    seq = 1
+    while True:
+        try:
+            msg = await jsx.get_msg(js, jsx.TASKS, seq=seq, subject=subject, next=True)
+        except Exception:
+            return ids
+        ids.append((msg.headers or {}).get("Nats-Msg-Id", ""))
+        seq = int(msg.seq or 0) + 1
+
+
+async def window_passed(nc: NATS, probe: str) -> bool:
+    ack = await nc.jetstream().publish(
+        f"tasks.probe.{probe}.x", b"", headers={"Nats-Msg-Id": probe}
+    )
+    return not ack.duplicate
+
+
+async def test_a_task_of_an_outbox_past_the_duplicate_window_is_not_published_again(
+    short_window: EngineStore,
+) -> None:
+    store, task, run_id = short_window, unique("oldbox"), new_run_id()
+    nc = store.nc
+    await start_bare(run_id, task, Engine(store, FAST))  # published, left in the run
+    subject = task_subject(task, run_id, "agent")
+    assert await tasks_of(nc, subject) == [task_msg_id(run_id, "agent", 0, 1)]
+    probe = unique("probe")  # published after the task: once it counts again, so would the task
+    assert await window_passed(nc, probe)
+    await wait_for(lambda: window_passed(nc, probe), timeout=20, message="window not over")
+    # Another engine, two minutes on, applies an input to the run: it reads
+    # the run and finds the outbox, whose task is current and may be held.
+    later = Engine(store, FAST, clock=later_clock)
+    await later.apply(run_id, m.InputArrived(step_id="agent"))
+    assert await tasks_of(nc, subject) == [task_msg_id(run_id, "agent", 0, 1)]
+    await forget(store, run_id, subject)
+
+
+async def test_a_task_never_published_from_an_old_outbox_is_dispatched_anew(
+    short_window: EngineStore,
+) -> None:
+    store, task, run_id = short_window, unique("lostbox"), new_run_id()
+    nc = store.nc
+
+    async def crash(point: str) -> None:
+        if point == "after_dispatch_saved":
+            raise RuntimeError("the engine died with the dispatch saved, not published")
+
+    seam.install(crash)
+    try:
+        with pytest.raises(RuntimeError):
+            await start_bare(run_id, task, Engine(store, FAST))
+    finally:
+        seam.install(None)
+    subject = task_subject(task, run_id, "agent")
+    assert await tasks_of(nc, subject) == []
+    later = Engine(store, FAST, clock=later_clock)
+    await later.start()  # its reconciler finds the outbox, two minutes old
+    try:
+
+        async def dispatched() -> bool:
+            return bool(await tasks_of(nc, subject))
+
+        await wait_for(dispatched, timeout=30, message="the step was not dispatched again")
+    finally:
+        await later.stop()
+    first = task_msg_id(run_id, "agent", 0, 1)
+    assert await tasks_of(nc, subject) == [f"{first}.r1"]  # a new dispatch, not the old one
+    assert later.counters["old_task_left"] >= 1
+    assert later.counters["redispatched"] == 1
+    await forget(store, run_id, subject)
+
+
+async def test_a_task_dispatched_by_another_engine_is_leased_though_this_one_guessed_older(
+    nats_server: NatsServer,
+) -> None:
+    # The engine that started the run keeps it as it wrote it, and checks a
+    # task it leases against that first: a dispatch made since by another
+    # engine looks stale there, and only a read may settle a task as stale.
+    engine = await start_engine(nats_server.url, config=FAST)
+    task, name = unique("guessed"), unique("guessedwf")
+    try:
+        async with Client(engine.target) as client:
+            await client.register_workflow(loop_workflow(name, task))
+            run = await client.start_run(name)  # no worker: its task waits
+            other = Engine(await EngineStore.open(engine.nc), FAST)
+            report = m.StepReport(
+                step_id="agent", identity=m.Identity(iteration=0, attempt=1), outcome=m.Continued()
+            )
+            await other.apply(run.run_id, report)  # iteration 1, dispatched by the other
+            async with grpc.aio.insecure_channel(engine.target) as channel:
+                request = pb.PollTasksRequest(task_types=[task], max_tasks=2)
+                request.wait.FromSeconds(5)
+                polled = await pb_grpc.EngineServiceStub(channel).PollTasks(request)
+    finally:
+        await engine.stop()
+    assert 1 in [t.task.iteration for t in polled.tasks], "the current task was settled as stale"
