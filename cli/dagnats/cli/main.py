@@ -17,27 +17,22 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from dagnats.cli.common import DEFAULT_DATA_DIR, DEV_FILE, UsageError, dumps, print_run
 from dagnats.cli.journal import RETRY_FOR, add_journal_commands, run_journal
 from dagnats.core.errors import DagnatsError, Unavailable
 from dagnats.core.natsauth import FLAGS as NATS_FLAGS
 from dagnats.core.natsauth import NatsSettings
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Credentials
-from dagnats.sdk.views import decode_payload, enum_name, run_dict, workflow_dict
+from dagnats.sdk.views import enum_name, run_dict, workflow_dict
 
 DEFAULT_ENGINE = "127.0.0.1:7233"
-DEFAULT_DATA_DIR = ".dagnats"
-DEV_FILE = "dev.json"
 # The exit code of a command whose reader closed the pipe (128 + SIGPIPE).
 EXIT_BROKEN_PIPE = 141
 
 RUN_STATUSES = ("running", "completed", "failed", "cancelled")
 # The longest `run start --wait` and `run watch --stream` wait for a run to end.
 WAIT_SECONDS = 3600.0
-
-
-class UsageError(Exception):
-    """Bad command-line input, reported like a domain error."""
 
 
 # Set by ``main`` from ``--data-dir``: where ``dagnats dev`` keeps its data and ``dev.json``.
@@ -156,30 +151,6 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- output ----------------------------------------------------------------------
-
-
-def dumps(value: Any) -> str:
-    """JSON for a person and for a program alike: indented, text as written."""
-    return json.dumps(value, indent=2, ensure_ascii=False)
-
-
-def print_run(run: pb.Run, as_json: bool) -> None:
-    if as_json:
-        print(dumps(run_dict(run)))
-        return
-    print(f"run       {run.run_id}")
-    print(f"workflow  {run.workflow}")
-    print(f"status    {enum_name(pb.RunStatus, run.status)}")
-    if run.error:
-        print(f"error     {run.error}")
-    if run.output:
-        print(f"output    {json.dumps(decode_payload(run.output), ensure_ascii=False)}")
-    for step in run.steps:
-        line = f"  step {step.step_id:<16} {enum_name(pb.StepStatus, step.status):<10}"
-        line += f" iteration {step.iteration} attempt {step.attempt}"
-        if step.error:
-            line += f"  error: {step.error}"
-        print(line)
 
 
 # ---- commands ----------------------------------------------------------------------
