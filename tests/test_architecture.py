@@ -105,11 +105,8 @@ KNOWN: frozenset[tuple[str, str, str]] = frozenset(
         ("nats", "dagnats.journal.stream", "nats.aio.client"),
         ("private", "dagnats.cli.journal", "dagnats.sdk._follow"),
         ("private", "dagnats.gateway.backend", "dagnats.sdk._rpc"),
-        ("private", "dagnats.gateway.bridge", "dagnats.sdk._codec"),
-        ("private", "dagnats.gateway.bridge_journal", "dagnats.sdk._codec"),
         ("private", "dagnats.gateway.bridge_ops", "dagnats.sdk._context"),
         ("private", "dagnats.gateway.journal_stream", "dagnats.sdk._follow"),
-        ("private", "dagnats.gateway.rest", "dagnats.sdk._codec"),
     }
 )
 

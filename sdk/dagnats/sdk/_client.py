@@ -13,9 +13,9 @@ from types import TracebackType
 from typing import Any, Self
 
 from dagnats.core.errors import DeadlineExceeded, Unavailable
+from dagnats.core.payload import decode, encode
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
-from dagnats.sdk._codec import decode, encode
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import RunFailed
 from dagnats.sdk._journal import InputMode

@@ -30,12 +30,12 @@ from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
 from dagnats.core.errors import Fenced as FencedError
+from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.journal.outcomes import Outcome, commit_of, outcome_of
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._codec import decode, encode
 from dagnats.sdk._errors import (
     Committed,
     Fenced,

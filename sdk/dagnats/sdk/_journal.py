@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from dagnats.core.errors import DagnatsError, InvalidArgument, RecordTooLarge
 from dagnats.core.errors import Fenced as FencedError
+from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._codec import decode, encode
 from dagnats.sdk._errors import ConcurrentJournalUse, Fenced, RunCancelled
 from dagnats.sdk._stream import TokenStream
 

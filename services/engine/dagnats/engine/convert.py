@@ -3,9 +3,8 @@ servicer and the store that touches generated types for runs and events."""
 
 from __future__ import annotations
 
-from google.protobuf.duration_pb2 import Duration
-from google.protobuf.timestamp_pb2 import Timestamp
-
+from dagnats.core.status import step_status_from_proto, step_status_to_proto
+from dagnats.core.timestamps import duration_seconds, seconds, timestamp
 from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -20,15 +19,6 @@ _RUN_STATUS = {
     m.RunStatus.CANCELLED: pb.RUN_STATUS_CANCELLED,
 }
 _RUN_STATUS_BACK = {v: k for k, v in _RUN_STATUS.items()}
-_STEP_STATUS = {
-    m.StepStatus.PENDING: pb.STEP_STATUS_PENDING,
-    m.StepStatus.RUNNING: pb.STEP_STATUS_RUNNING,
-    m.StepStatus.WAITING: pb.STEP_STATUS_WAITING,
-    m.StepStatus.COMPLETED: pb.STEP_STATUS_COMPLETED,
-    m.StepStatus.FAILED: pb.STEP_STATUS_FAILED,
-    m.StepStatus.CANCELLED: pb.STEP_STATUS_CANCELLED,
-}
-_STEP_STATUS_BACK = {v: k for k, v in _STEP_STATUS.items()}
 _TIMER_KIND = {
     m.TimerKind.WAKE: ipb.TIMER_KIND_WAKE,
     m.TimerKind.STEP_TIMEOUT: ipb.TIMER_KIND_STEP_TIMEOUT,
@@ -45,29 +35,10 @@ def run_status_from_proto(status: pb.RunStatus.ValueType) -> m.RunStatus:
     return _RUN_STATUS_BACK[status]
 
 
-def timestamp(seconds: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(round(seconds * 1e9))
-    return ts
-
-
-def seconds(ts: Timestamp, present: bool = True) -> float | None:
-    return ts.ToNanoseconds() / 1e9 if present else None
-
-
-def duration(value: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(round(value * 1e9))
-    return d
-
-
-# ---- runs ---------------------------------------------------------------------
-
-
 def step_to_proto(step: m.Step) -> pb.StepState:
     msg = pb.StepState(
         step_id=step.step_id,
-        status=_STEP_STATUS[step.status],
+        status=step_status_to_proto(step.status),
         iteration=step.iteration,
         attempt=step.attempt,
         iterations=step.iterations,
@@ -89,7 +60,7 @@ def step_from_proto(msg: pb.StepState, record: ipb.StepRecord | None) -> m.Step:
 
     return m.Step(
         step_id=msg.step_id,
-        status=_STEP_STATUS_BACK[msg.status],
+        status=step_status_from_proto(msg.status),
         iteration=msg.iteration,
         attempt=msg.attempt,
         iterations=msg.iterations,
@@ -203,7 +174,7 @@ def event_to_input(event: ipb.HistoryEvent) -> m.RunInput | None:
         )
         outcome = m.Failed(error=event.fail.error, kind=failure, reason=event.fail.reason)
     elif kind == "pause":
-        outcome = m.Paused(duration=event.pause.duration.ToNanoseconds() / 1e9)
+        outcome = m.Paused(duration=duration_seconds(event.pause.duration))
     elif kind == "cancel":
         return m.CancelRequested(reason=event.cancel.reason)
     elif kind == "input":
@@ -231,8 +202,8 @@ def wait_from_proto(cont: pb.Continue) -> m.Wait | None:
         return None
     w = cont.wait
     return m.Wait(
-        delay=w.delay.ToNanoseconds() / 1e9 if w.HasField("delay") else None,
-        until=w.until.ToNanoseconds() / 1e9 if w.HasField("until") else None,
+        delay=duration_seconds(w.delay) if w.HasField("delay") else None,
+        until=seconds(w.until, w.HasField("until")),
         until_input=w.until_input,
     )
 

@@ -38,19 +38,19 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
 from dagnats.core.seam import seam
-from dagnats.engine import convert, rules
-from dagnats.engine import model as m
-from dagnats.engine.config import EngineConfig
-from dagnats.engine.convert_workflow import workflow_from_proto
-from dagnats.engine.store import (
-    EngineStore,
-    StaleRevision,
-    StoredRun,
+from dagnats.core.subjects import (
     cancel_subject,
+    dead_letter,
     history_subject,
     task_subject,
     timer_subject,
 )
+from dagnats.core.timestamps import timestamp
+from dagnats.engine import convert, rules
+from dagnats.engine import model as m
+from dagnats.engine.config import EngineConfig
+from dagnats.engine.convert_workflow import workflow_from_proto
+from dagnats.engine.store import EngineStore, StaleRevision, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.inputs.store import InputStore, close_step_inputs
@@ -312,7 +312,7 @@ class Engine:
     def _event_entry(
         self, event: ipb.HistoryEvent, msg_id: str, headers: dict[str, str]
     ) -> ipb.OutboxEntry:
-        event.time.CopyFrom(convert.timestamp(self.clock()))
+        event.time.CopyFrom(timestamp(self.clock()))
         return ipb.OutboxEntry(
             subject=history_subject(event.run_id),
             data=event.SerializeToString(),
@@ -370,9 +370,9 @@ class Engine:
         seq = msg.metadata.sequence.stream
         await jsx.publish(
             self.store.js,
-            f"dead.{msg.subject}",
+            dead_letter(msg.subject),
             msg.data,
-            msg_id=f"dead.{msg.subject}.{seq}",
+            msg_id=f"{dead_letter(msg.subject)}.{seq}",
             headers=headers,
         )
         await msg.ack()

@@ -17,8 +17,9 @@ from nats.js import JetStreamContext
 
 from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
+from dagnats.core.subjects import history_subject
+from dagnats.core.timestamps import timestamp
 from dagnats.engine import convert
-from dagnats.engine.store import history_subject
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 
@@ -63,7 +64,7 @@ def outcome_event(
         attempt=attempt,
         journal_seq=journal_seq,
     )
-    event.time.CopyFrom(convert.timestamp(now))
+    event.time.CopyFrom(timestamp(now))
     headers: dict[str, str] = {}
     tracing.inject(headers)
     event.trace_context.update(headers)

@@ -4,7 +4,6 @@ engine. Protobuf stays here and in :mod:`dagnats.engine.convert`."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -15,6 +14,15 @@ from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import Context, abort_with, as_domain_error, domain_errors
 from dagnats.core.ids import check_run_id, check_token, new_run_id
+from dagnats.core.payload import check_json
+from dagnats.core.subjects import (
+    history_subject,
+    run_journal,
+    run_tasks,
+    run_timers,
+    task_consumer,
+)
+from dagnats.core.timestamps import duration
 from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
@@ -22,7 +30,7 @@ from dagnats.engine.processor import Engine
 from dagnats.engine.report import check_lease, lease_position, outcome_event, publish_outcome
 from dagnats.engine.run_feed import RunFeed
 from dagnats.engine.run_list import DEFAULT_LIMIT, MAX_LIMIT, Filter
-from dagnats.engine.store import StoredRun, history_subject, task_consumer
+from dagnats.engine.store import StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.engine.v1 import internal_pb2 as ipb
@@ -37,20 +45,6 @@ DEFAULT_POLL_WAIT = 10.0
 MAX_IDEMPOTENCY_KEY = 256
 MAX_INPUT_BYTES = 4 << 20
 _TERMINAL = (pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED)
-
-
-def check_json(raw: bytes, *, field: str, limit: int = MAX_INPUT_BYTES) -> bytes:
-    if len(raw) > limit:
-        raise errors.InvalidArgument(
-            f"{field} is {len(raw)} bytes; the limit is {limit}", field=field
-        )
-    if not raw:
-        return raw
-    try:
-        json.loads(raw)
-    except ValueError as err:
-        raise errors.InvalidArgument(f"{field} is not valid JSON: {err}", field=field) from None
-    return raw
 
 
 def _runs_filter(request: pb.WatchRunsRequest) -> Filter:
@@ -107,7 +101,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     @domain_errors
     async def StartRun(self, request: pb.StartRunRequest, context: Context) -> pb.StartRunResponse:
         name = check_token(request.workflow, field="workflow")
-        payload = check_json(request.input, field="input")
+        payload = check_json(request.input, field="input", limit=MAX_INPUT_BYTES)
         key = request.idempotency_key
         if len(key) > MAX_IDEMPOTENCY_KEY:
             raise errors.InvalidArgument(
@@ -216,9 +210,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 await self._purge(step.child_run_id, top=False)
             await self.store.delete_checkpoint(run_id, step.step_id)
         await self.store.purge_subject(jsx.HISTORY, history_subject(run_id))
-        await self.store.purge_subject(jsx.TIMERS, f"timers.{run_id}.>")
-        await self.store.purge_subject(jsx.TASKS, f"tasks.*.{run_id}.>")
-        await self.store.purge_subject(jsx.JOURNAL, f"journal.{run_id}.>")
+        await self.store.purge_subject(jsx.TIMERS, run_timers(run_id))
+        await self.store.purge_subject(jsx.TASKS, run_tasks(run_id))
+        await self.store.purge_subject(jsx.JOURNAL, run_journal(run_id))
         await self.store.delete_run(run_id)
 
     # ---- tasks --------------------------------------------------------------------
@@ -317,7 +311,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             task.attempt,
             msg.metadata.num_delivered or 1,
         )
-        lease_duration = convert.duration(self.engine.config.task_ack_wait)
+        lease_duration = duration(self.engine.config.task_ack_wait)
         return pb.LeasedTask(
             task=task,
             lease=msg.reply,
@@ -350,7 +344,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             return pb.ReportResponse(cancelled=not await self.store.run_is_active(run_id))
         outcome = getattr(request, kind)
         if kind in ("continue", "complete"):
-            check_json(outcome.output, field=f"{kind}.output")
+            check_json(outcome.output, field=f"{kind}.output", limit=MAX_INPUT_BYTES)
         if kind == "pause" and outcome.duration.ToNanoseconds() <= 0:
             raise errors.InvalidArgument("pause.duration must be positive", field="pause.duration")
         stored = await self.store.load_run(run_id)

@@ -24,11 +24,17 @@ from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import NotFound, Unavailable
+from dagnats.core.subjects import (
+    history_subject,
+    journal_subject,
+    kv_key,
+    task_consumer,
+    task_filter,
+)
 from dagnats.engine import convert
 from dagnats.engine import model as m
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
-from dagnats.journal.store import journal_subject
 
 if TYPE_CHECKING:
     from nats.js.api import DeliverPolicy
@@ -69,26 +75,6 @@ def _stored(msg: Msg) -> StoredRun | None:
     if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
         return None
     return StoredRun(ipb.RunRecord.FromString(msg.data), int(msg.metadata.sequence.stream))
-
-
-def task_subject(task_type: str, run_id: str, step_id: str) -> str:
-    return f"tasks.{task_type}.{run_id}.{step_id}"
-
-
-def task_consumer(task_type: str) -> str:
-    return f"tasks-{task_type}"
-
-
-def history_subject(run_id: str) -> str:
-    return f"history.{run_id}"
-
-
-def timer_subject(run_id: str, step_id: str) -> str:
-    return f"timers.{run_id}.{step_id}"
-
-
-def cancel_subject(run_id: str) -> str:
-    return f"dagnats.cancel.{run_id}"
 
 
 class EngineStore:
@@ -199,7 +185,7 @@ class EngineStore:
         last = int(info.state.last_seq or 0)
         if not info.state.messages:
             return []
-        prefix = f"$KV.{jsx.KV_RUNS}."
+        prefix = kv_key(jsx.KV_RUNS, "")
         queue: asyncio.Queue[Msg] = asyncio.Queue()
 
         async def deliver(msg: Msg) -> None:
@@ -253,7 +239,7 @@ class EngineStore:
         after a NATS outage as :meth:`watch_run` is."""
         from nats.js.api import DeliverPolicy
 
-        prefix = f"$KV.{jsx.KV_RUNS}."
+        prefix = kv_key(jsx.KV_RUNS, "")
 
         async def on_msg(msg: Msg) -> None:
             deliver((msg.subject or "").removeprefix(prefix), _stored(msg))
@@ -269,7 +255,7 @@ class EngineStore:
         ``WATCH_INACTIVE`` after its subscriber left."""
         return await _retry(
             lambda: self.js.subscribe(
-                f"$KV.{jsx.KV_RUNS}.{keys}",
+                kv_key(jsx.KV_RUNS, keys),
                 stream=f"KV_{jsx.KV_RUNS}",
                 cb=cb,
                 ordered_consumer=True,
@@ -321,7 +307,7 @@ class EngineStore:
     async def leave_active(self, run_id: str) -> None:
         """Take a run out of the index. A subject purge, not a KV delete: a
         delete leaves a marker that every later read of the index goes through."""
-        await self.purge_subject(f"KV_{jsx.KV_ACTIVE_RUNS}", f"$KV.{jsx.KV_ACTIVE_RUNS}.{run_id}")
+        await self.purge_subject(f"KV_{jsx.KV_ACTIVE_RUNS}", kv_key(jsx.KV_ACTIVE_RUNS, run_id))
 
     async def index_active_runs(self) -> int:
         """Enter the runs that may need the reconciler, stored before the index
@@ -439,7 +425,7 @@ class EngineStore:
         name = task_consumer(task_type)
         config = ConsumerConfig(
             durable_name=name,
-            filter_subject=f"tasks.{task_type}.>",
+            filter_subject=task_filter(task_type),
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ack_wait,
             max_deliver=-1,

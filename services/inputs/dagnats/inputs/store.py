@@ -25,7 +25,6 @@ from typing import Any, Self
 
 import nats.errors
 import nats.js.errors
-from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -33,6 +32,8 @@ from nats.js.kv import KeyValue
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
+from dagnats.core.subjects import history_subject
+from dagnats.core.timestamps import timestamp
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs import convert, rules
@@ -50,10 +51,6 @@ _DELETED = frozenset({"DEL", "PURGE"})
 
 class StaleRevision(Exception):
     """The input changed since it was read; read it again and retry."""
-
-
-def history_subject(run_id: str) -> str:
-    return f"history.{run_id}"
 
 
 def submitted_msg_id(run_id: str, step_id: str, request_id: str) -> str:
@@ -203,12 +200,10 @@ class InputStore:
 
     async def publish_submitted(self, state: InputState, now: float) -> None:
         """Tell the engine the step has an input, so a step waiting for one wakes."""
-        time = Timestamp()
-        time.FromNanoseconds(round(now * 1e9))
         event = eipb.HistoryEvent(
             run_id=state.run_id,
             step_id=state.step_id,
-            time=time,
+            time=timestamp(now),
             input=eipb.InputSubmitted(request_id=state.request_id),
         )
         tracing.inject(event.trace_context)  # type: ignore[arg-type]
@@ -392,6 +387,5 @@ __all__ = [
     "change",
     "close_input",
     "close_step_inputs",
-    "history_subject",
     "submitted_msg_id",
 ]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
@@ -27,8 +26,10 @@ from dagnats.core import errors
 from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
 from dagnats.core.ids import check_run_id, check_token
+from dagnats.core.payload import check_json
 from dagnats.core.seam import seam
 from dagnats.core.settings import env_seconds
+from dagnats.core.subjects import live_stream_subject
 from dagnats.engine.report import check_lease, outcome_event, publish_outcome
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
@@ -58,13 +59,6 @@ _WRITER_HEX = frozenset("0123456789abcdef")
 # Steps whose newest continue commit the engine may not have applied: it is
 # in flight, or a cancel dropped it.
 _SETTLING = frozenset({epb.STEP_STATUS_RUNNING, epb.STEP_STATUS_CANCELLED})
-
-
-def _check_json(raw: bytes, field: str) -> None:
-    try:
-        json.loads(raw)
-    except ValueError as err:
-        raise errors.InvalidArgument(f"{field} must be JSON: {err}", field=field) from None
 
 
 def check_position(position: int) -> int:
@@ -290,7 +284,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self, request: pb.RecordModelRequest, context: Context
     ) -> pb.RecordModelResponse:
         token = check_writer_token(request.token)
-        _check_json(request.response, "response")
+        check_json(request.response, field="response", allow_empty=False)
         record = pb.Record(model=pb.ModelCall(position=request.position, response=request.response))
         token, stored = await self._writer.append(token, record)
         await stream.publish(self.store.nc, stream.committed_event(token, request.position, stored))
@@ -331,7 +325,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         async def deliver(msg: Any) -> None:
             queue.put(msg.data)  # never waits: a slow watcher gets a gap, never a stall
 
-        sub = await self.store.nc.subscribe(stream.subject(run_id, step_id), cb=deliver)
+        sub = await self.store.nc.subscribe(live_stream_subject(run_id, step_id), cb=deliver)
         try:
             await self.store.nc.flush()
             # The tail is read once the subscription is in place: a claim stored
@@ -358,7 +352,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         check_position(request.position)
         if not request.name or len(request.name) > 256:
             raise errors.InvalidArgument("name must be 1-256 characters", field="name")
-        _check_json(request.input, "input")
+        check_json(request.input, field="input", allow_empty=False)
         call = jm.ToolCall(
             name=request.name, input=request.input, safe=request.replay == pb.REPLAY_SAFE
         )
@@ -436,7 +430,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             result = pb.ToolResult(intent_seq=request.intent_seq, interrupted=True, partial=partial)
         else:
             if not request.error:
-                _check_json(request.output, "output")
+                check_json(request.output, field="output", allow_empty=False)
             result = pb.ToolResult(
                 intent_seq=request.intent_seq, output=request.output, error=request.error
             )
@@ -471,9 +465,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if commit.action == pb.ACTION_UNSPECIFIED:
             raise errors.InvalidArgument("commit.action is required", field="commit.action")
         if commit.output:
-            _check_json(commit.output, "commit.output")
+            check_json(commit.output, field="commit.output", allow_empty=False)
         if commit.has_state:
-            _check_json(commit.state, "commit.state")
+            check_json(commit.state, field="commit.state", allow_empty=False)
         if commit.action == pb.ACTION_PAUSE and commit.pause.ToNanoseconds() <= 0:
             raise errors.InvalidArgument("commit.pause must be positive", field="commit.pause")
         lease = check_lease(request.lease) if request.lease else ""

@@ -34,6 +34,7 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Fenced, NotProvisioned, RecordTooLarge, Unavailable
 from dagnats.core.settings import env_seconds
+from dagnats.core.subjects import journal_subject, run_journal
 from dagnats.journal.limits import HEADER_ROOM, MAX_RECORD_BYTES
 from dagnats.journal.v1 import journal_pb2 as pb
 
@@ -46,10 +47,6 @@ STREAM_NOT_FOUND = 10059
 _CURRENT = re.compile(r"wrong last sequence: (\d+)")
 # The longest one publish attempt waits for its ack.
 ATTEMPT_TIMEOUT = env_seconds("DAGNATS_NATS_ATTEMPT_TIMEOUT", 5.0)
-
-
-def journal_subject(run_id: str, step_id: str) -> str:
-    return f"journal.{run_id}.{step_id}"
 
 
 class JournalStore:
@@ -219,7 +216,7 @@ class JournalStore:
             await sub.unsubscribe()
 
     async def purge(self, run_id: str) -> None:
-        purge = functools.partial(self.js.purge_stream, jsx.JOURNAL, subject=f"journal.{run_id}.>")
+        purge = functools.partial(self.js.purge_stream, jsx.JOURNAL, subject=run_journal(run_id))
         await jsx.retry_transient(purge, "purge the journal")
 
     async def _get_msg(self, **where: Any) -> RawStreamMsg:

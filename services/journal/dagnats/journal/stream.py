@@ -26,15 +26,10 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from dagnats.core import errors
+from dagnats.core.subjects import live_stream_subject
 from dagnats.journal.v1 import journal_pb2 as pb
 
-SUBJECT = "dagnats.stream"
 MAX_CHUNK = 64 * 1024
-
-
-def subject(run_id: str, step_id: str) -> str:
-    """The subject of a step's preview (both ids already validated)."""
-    return f"{SUBJECT}.{run_id}.{step_id}"
 
 
 def stream_id(writer: str, position: int) -> str:
@@ -100,7 +95,7 @@ def claim_event(token: pb.WriterToken) -> dict[str, Any]:
 async def publish(nc: NATS, event: dict[str, Any]) -> None:
     """Send one event; a preview is best-effort, so a lost one is not an error."""
     data = json.dumps(event, separators=(",", ":")).encode()
-    await nc.publish(subject(event["run"], event["step"]), data)
+    await nc.publish(live_stream_subject(event["run"], event["step"]), data)
 
 
 WATCH_BUFFER = 1024  # chunks a slow WatchStream reader may fall behind

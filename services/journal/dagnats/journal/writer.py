@@ -20,9 +20,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry import trace
 
 from dagnats.core import errors, tracing
+from dagnats.core.subjects import journal_subject
 from dagnats.journal import convert
 from dagnats.journal import model as jm
-from dagnats.journal.store import JournalStore, journal_subject
+from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as pb
 
 SNAPSHOTS = 4096
@@ -123,7 +124,7 @@ def fenced(token: pb.WriterToken, actual: int) -> errors.Fenced:
         "fenced", {"expected_seq": token.last_seq, "actual_seq": actual}
     )
     return errors.Fenced(
-        f"journal.{token.run_id}.{token.step_id}: a successor holds the step "
+        f"{journal_subject(token.run_id, token.step_id)}: a successor holds the step "
         f"(expected tail {token.last_seq}, found {actual})",
         expected=token.last_seq,
         actual=actual,
