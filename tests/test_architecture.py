@@ -92,8 +92,6 @@ NATS_MODULES = frozenset(
 KNOWN: frozenset[tuple[str, str, str]] = frozenset(
     {
         ("layer", "dagnats.journal.service", "dagnats.engine.report"),
-        ("layer", "dagnats.sdk._context", "dagnats.journal.outcomes"),
-        ("layer", "dagnats.sdk._session", "dagnats.journal.session"),
         ("nats", "dagnats.engine.processor", "nats.aio.msg"),
         ("nats", "dagnats.engine.processor", "nats.js.api"),
         ("nats", "dagnats.engine.report", "nats.aio.client"),
@@ -103,10 +101,6 @@ KNOWN: frozenset[tuple[str, str, str]] = frozenset(
         ("nats", "dagnats.journal.service", "nats.js.errors"),
         ("nats", "dagnats.journal.service", "nats.js.kv"),
         ("nats", "dagnats.journal.stream", "nats.aio.client"),
-        ("private", "dagnats.cli.journal", "dagnats.sdk._follow"),
-        ("private", "dagnats.gateway.backend", "dagnats.sdk._rpc"),
-        ("private", "dagnats.gateway.bridge_ops", "dagnats.sdk._context"),
-        ("private", "dagnats.gateway.journal_stream", "dagnats.sdk._follow"),
     }
 )
 

@@ -30,11 +30,11 @@ from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
 from dagnats.core.errors import Fenced as FencedError
+from dagnats.core.outcomes import Outcome, commit_of, settled_report
 from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
-from dagnats.journal.outcomes import Outcome, commit_of, outcome_of
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._errors import (
     Committed,
@@ -471,26 +471,6 @@ class TaskContext:
             raise
         self._settle_done = True
         await seam("after_event")
-
-
-def settled_report(
-    settled: jpb.Settled, *, lease: str, run_id: str, step_id: str, iteration: int, attempt: int
-) -> pb.ReportRequest:
-    """What settles a task (``iteration``, ``attempt``) whose claim the journal
-    answered ``settled``: a stale task is acknowledged; a stored commit
-    (committed before a crash, or the restart limit's failure) is reported
-    again, under its own dispatch."""
-    request = pb.ReportRequest(lease=lease, run_id=run_id, step_id=step_id)
-    if settled.reason == "stale":
-        request.iteration, request.attempt = iteration, attempt
-        request.acknowledge.SetInParent()
-        return request
-    commit = settled.commit
-    request.iteration, request.attempt = commit.iteration, commit.attempt
-    request.journal_seq = commit.seq
-    field, outcome = outcome_of(commit.commit)
-    getattr(request, field).CopyFrom(outcome)
-    return request
 
 
 def _wait(delay: float | None, until: datetime | None, until_input: bool) -> pb.Wait:

@@ -33,7 +33,7 @@ from google.protobuf.message import Message
 
 from dagnats.core import tracing
 from dagnats.core.grpcutil import error_from_status, status_code
-from dagnats.journal.session import CALLS, SERVICE
+from dagnats.core.session_calls import CALLS, SERVICE
 from dagnats.journal.v1 import journal_pb2 as jpb
 
 if TYPE_CHECKING:

@@ -3,13 +3,13 @@ servicer and the store that touches generated types for runs and events."""
 
 from __future__ import annotations
 
+from dagnats.core.outcomes import outcome_of
 from dagnats.core.status import step_status_from_proto, step_status_to_proto
 from dagnats.core.timestamps import duration_seconds, seconds, timestamp
 from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
-from dagnats.journal.outcomes import outcome_of
 from dagnats.journal.v1 import journal_pb2 as jpb
 
 _RUN_STATUS = {

@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 
 from dagnats.gateway.config import GatewayConfig
 from dagnats.sdk import Client, JournalClient
-from dagnats.sdk._rpc import EngineRpc, RetryPolicy
+from dagnats.sdk.rpc import EngineRpc, RetryPolicy
 
 
 @dataclass(slots=True)

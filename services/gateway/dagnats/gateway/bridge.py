@@ -33,6 +33,7 @@ from fastapi import APIRouter, Depends
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import check_token
+from dagnats.core.outcomes import Outcome, commit_of
 from dagnats.core.payload import encode
 from dagnats.core.timestamps import duration
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -44,7 +45,6 @@ from dagnats.gateway.backend import Backend, BackendDep
 from dagnats.gateway.bridge_token import BridgeToken
 from dagnats.gateway.errors import ApiError
 from dagnats.inputs.v1 import inputs_pb2 as ipb
-from dagnats.journal.outcomes import Outcome, commit_of
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk.views import decode_payload
 

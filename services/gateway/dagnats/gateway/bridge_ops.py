@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Literal, TypeVar, cast
 
 from dagnats.core.errors import Fenced
+from dagnats.core.outcomes import settled_report
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway.backend import Backend
 from dagnats.gateway.bridge_token import BridgeToken
@@ -23,7 +24,6 @@ from dagnats.gateway.errors import ApiError
 from dagnats.journal import convert, replay
 from dagnats.journal.replay import FenceReason
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._context import settled_report
 
 T = TypeVar("T")
 

@@ -26,6 +26,7 @@ from dagnats.core import errors
 from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
 from dagnats.core.ids import check_run_id, check_token
+from dagnats.core.outcomes import outcome_of
 from dagnats.core.payload import check_json
 from dagnats.core.seam import seam
 from dagnats.core.settings import env_seconds
@@ -34,7 +35,7 @@ from dagnats.engine.report import check_lease, outcome_event, publish_outcome
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs.store import InputStore
-from dagnats.journal import audit, convert, outcomes, replay, session, stream
+from dagnats.journal import audit, convert, replay, session, stream
 from dagnats.journal import model as jm
 from dagnats.journal.limits import MAX_ANSWER_BYTES
 from dagnats.journal.placement import MODES, InputPlacement
@@ -503,7 +504,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         would. If that fails, the task comes back, and its next claim finds the
         commit and republishes the event; a negative acknowledgement brings it
         back at once rather than when its lease runs out."""
-        _, outcome = outcomes.outcome_of(record.commit)
+        _, outcome = outcome_of(record.commit)
         event = outcome_event(
             run_id=record.run_id,
             step_id=record.step_id,

@@ -23,15 +23,8 @@ from typing import Any
 
 from dagnats.core import deadline, errors, tracing
 from dagnats.core.grpcutil import Context, as_domain_error, status_of, wire_status
+from dagnats.core.session_calls import CALLS, SERVICE
 from dagnats.journal.v1 import journal_pb2 as pb
-
-SERVICE = "/dagnats.journal.v1.JournalService/"
-_METHODS = pb.DESCRIPTOR.services_by_name["JournalService"].methods
-# The request's oneof field -> the unary RPC that takes the same request.
-CALLS = {
-    field.name: next(m.name for m in _METHODS if m.input_type is field.message_type)
-    for field in pb.SessionRequest.DESCRIPTOR.oneofs_by_name["call"].fields
-}
 
 Behaviour = Callable[[Any, Any, Context], Awaitable[Any]]
 
