@@ -29,7 +29,6 @@ from typing import Any
 from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
-from dagnats.core.errors import Fenced as FencedError
 from dagnats.core.outcomes import Outcome, commit_of, settled_report
 from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
@@ -212,14 +211,10 @@ class TaskContext:
             lease=self._leased.lease,  # a settled claim is settled by the service
         )
         self._session = self._session or JournalSession(self._rpc, lease=self._lease)
-        try:
-            response = await self._session.claim(request)
-        except FencedError as err:
-            # A concurrent claim of this dispatch came between our read of the
-            # tail and our append: the task is its holder's, not ours to report.
-            raise Fenced(
-                self.run_id, self.step_id, expected=err.expected, actual=err.actual
-            ) from None
+        # A claim that raises Fenced lost to a concurrent claim of this
+        # dispatch (between its read of the tail and its append): the task is
+        # that holder's, not ours to report.
+        response = await self._session.claim(request)
         if response.HasField("settled"):
             await self._settled_by_journal(response.settled)
         claimed = response.claimed
@@ -466,7 +461,7 @@ class TaskContext:
                 getattr(request, field).CopyFrom(outcome)
                 if (await self._rpc.report(request, lease=self._lease)).cancelled:
                     self._mark_cancelled()
-        except DagnatsError:
+        except (DagnatsError, Fenced):
             self._settled_as = None
             raise
         self._settle_done = True

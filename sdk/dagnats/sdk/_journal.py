@@ -32,7 +32,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from dagnats.core.errors import DagnatsError, InvalidArgument, RecordTooLarge
-from dagnats.core.errors import Fenced as FencedError
 from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
 from dagnats.journal.v1 import journal_pb2 as jpb
@@ -426,11 +425,9 @@ class Journal:
     ) -> R:
         try:
             answer = await rpc(self._token)
-        except FencedError as err:
+        except Fenced:
             self._fenced = True
-            raise Fenced(
-                self._token.run_id, self._token.step_id, expected=err.expected, actual=err.actual
-            ) from None
+            raise
         if then is not None:
             then(answer)
         return answer

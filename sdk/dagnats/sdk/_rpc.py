@@ -47,8 +47,8 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from dagnats.core.errors import DagnatsError, PermissionDenied, Unauthenticated, Unavailable
-from dagnats.core.grpcutil import error_code, error_from_rpc, retriable
+from dagnats.core.errors import PermissionDenied, Unauthenticated, Unavailable
+from dagnats.core.grpcutil import WireError, error_code, error_from_rpc, retriable
 from dagnats.core.settings import env_seconds
 from dagnats.core.tracing import client_interceptors
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -488,7 +488,7 @@ class EngineRpc:
             raise self._domain_error(name, err) from None
         raise AssertionError("unreachable: the retry loop returns or raises")
 
-    def _domain_error(self, name: str, err: grpc.aio.AioRpcError) -> DagnatsError:
+    def _domain_error(self, name: str, err: grpc.aio.AioRpcError) -> WireError:
         if err.code() == grpc.StatusCode.UNIMPLEMENTED:
             # A server without that service (an engine served without the journal).
             return Unavailable(f"{self._target} does not serve {name}")

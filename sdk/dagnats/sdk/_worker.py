@@ -362,7 +362,7 @@ async def _invoke(handler: Handler, tc: TaskContext) -> None:
 async def _report(settle: Awaitable[None]) -> None:
     try:
         await settle
-    except DagnatsError as err:
+    except (DagnatsError, Fenced) as err:
         log.warning(
             "could not report a task (%s); its lease will expire and the engine "
             "will deliver it again",

@@ -409,7 +409,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             "run %s step %s: refused (%s): %s", run_id, step_id, refused.reason, refused.message
         )
         if refused.reason == "fenced":
-            raise errors.Fenced(f"run {run_id} step {step_id}: {refused.message}")
+            raise errors.Fenced(
+                run_id, step_id, detail=f"run {run_id} step {step_id}: {refused.message}"
+            )
         return True
 
     def _stale(self, stored: StoredRun, event: ipb.HistoryEvent) -> bool:

@@ -120,7 +120,8 @@ async def heartbeat(b: BackendDep, body: bm.TokenBody) -> bm.TokenResult:
     t = BridgeToken.decode(body.token)
     if t.writer is not None:
         await ops.holding(b, t)
-    response = await b.rpc.heartbeat(pb.HeartbeatRequest(lease=t.lease, run_id=t.run_id))
+    heartbeat = b.rpc.heartbeat(pb.HeartbeatRequest(lease=t.lease, run_id=t.run_id))
+    response = await ops.refused_as_fenced(heartbeat)
     if response.cancelled:
         raise await ops.ended(b, t)
     return bm.TokenResult(token=body.token)
@@ -150,7 +151,7 @@ async def resolve(b: BackendDep, body: bm.ResolveBody) -> bm.ResolveResult:
             b, t, b.rpc.commit(jpb.CommitRequest(token=t.writer, commit=commit))
         )
         request.journal_seq = done.commit_seq
-    response = await b.rpc.report(request)
+    response = await ops.refused_as_fenced(b.rpc.report(request))
     if response.cancelled:
         raise ops.cancelled(t)
     if response.stale:

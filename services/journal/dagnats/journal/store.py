@@ -8,7 +8,9 @@ error 10071 plus a read-back on R1) and a zombie reusing its successor's
 identifiers never passes as the successor. A record found under our Msg-Id
 counts as ours only if it records the same thing: a writer token sent again for
 another record (an HTTP worker that lost track of its latest token) is behind,
-not retried. Error 10071 becomes ``Fenced`` here and nowhere else. Tail reads
+not retried. Error 10071 becomes ``Fenced`` here and nowhere else, with the
+tail the writer expected and the one the stream holds (read from the stream:
+nats-server names it only in the error's text). Tail reads
 use the stream leader (the message-get API), not direct gets. A missing
 ``AGENT_JOURNAL`` stream is ``NotProvisioned``, told apart from an empty
 subject here and nowhere else.
@@ -19,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,7 +45,6 @@ WRONG_LAST_SEQUENCE = 10071
 IN_FLIGHT_ON_SUBJECT = 10164
 RETRY_IN_FLIGHT = 10158
 STREAM_NOT_FOUND = 10059
-_CURRENT = re.compile(r"wrong last sequence: (\d+)")
 # The longest one publish attempt waits for its ack.
 ATTEMPT_TIMEOUT = env_seconds("DAGNATS_NATS_ATTEMPT_TIMEOUT", 5.0)
 
@@ -103,13 +103,11 @@ class JournalStore:
                 ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
                 if ack.duplicate:  # R3: our Msg-Id landed before; is it this record?
                     landed = await self.get(int(ack.seq))
-                    _same_or_fenced(subject, token.last_seq, landed, record)
+                    _same_or_fenced(token, landed, record)
                 return int(ack.seq)
             except nats.js.errors.APIError as err:
                 if err.err_code == WRONG_LAST_SEQUENCE:
-                    return await self._resolve(
-                        subject, token.last_seq, msg_id, record, err, guessed=guessed
-                    )
+                    return await self._resolve(token, msg_id, record, err, guessed=guessed)
                 in_flight = err.err_code in (IN_FLIGHT_ON_SUBJECT, RETRY_IN_FLIGHT)
                 if not in_flight and not jsx.is_transient(err):
                     raise
@@ -117,16 +115,13 @@ class JournalStore:
                 if not jsx.is_transient(err):
                     raise
             if loop.time() > deadline:
-                return await self._resolve(
-                    subject, token.last_seq, msg_id, record, None, guessed=guessed
-                )
+                return await self._resolve(token, msg_id, record, None, guessed=guessed)
             await asyncio.sleep(delay)  # backoff between retries of the same write
             delay = min(delay * 2, 1.0)
 
     async def _resolve(
         self,
-        subject: str,
-        expected: int,
+        token: pb.WriterToken,
         msg_id: str,
         record: pb.Record,
         err: nats.js.errors.APIError | None,
@@ -134,30 +129,30 @@ class JournalStore:
         guessed: bool = False,
     ) -> int:
         """After a rejected or unanswered write: did our own earlier try land?"""
+        subject, expected = journal_subject(token.run_id, token.step_id), token.last_seq
         try:
             first = await self._get_msg(seq=expected + 1, subject=subject, next=True)
         except nats.js.errors.NotFoundError as missing:
             _unless_stream_missing(missing)
             first = None
         if first is not None and (first.headers or {}).get("Nats-Msg-Id") == msg_id:
-            _same_or_fenced(subject, expected, _decode(first.data, first.seq), record)
+            _same_or_fenced(token, _decode(first.data, first.seq), record)
             return int(first.seq or 0)
         if err is None and first is None:
             raise Unavailable(f"could not append to {subject}; try again")
-        actual = expected
-        if err is not None and (match := _CURRENT.search(err.description or "")):
-            actual = int(match.group(1))
-        elif first is not None:
-            actual = int(first.seq or 0)
+        tail = await self.tail(token.run_id, token.step_id)
+        actual = tail.seq if tail is not None else 0
         span = trace.get_current_span()
         span.add_event(
             "tail guess missed" if guessed else "fenced",
             {"subject": subject, "expected_seq": expected, "actual_seq": actual},
         )
         raise Fenced(
-            f"{subject}: another holder wrote after sequence {expected} (tail is {actual})",
+            token.run_id,
+            token.step_id,
             expected=expected,
             actual=actual,
+            detail=f"{subject}: another holder wrote after sequence {expected} (tail is {actual})",
         )
 
     async def tail(self, run_id: str, step_id: str) -> pb.Record | None:
@@ -226,9 +221,7 @@ class JournalStore:
         return await jsx.retry_transient(get, "read the journal")
 
 
-def _same_or_fenced(
-    subject: str, expected: int, landed: pb.Record | None, record: pb.Record
-) -> None:
+def _same_or_fenced(token: pb.WriterToken, landed: pb.Record | None, record: pb.Record) -> None:
     """A record with our Msg-Id landed: it is our earlier try of this write only
     if it records the same thing. A writer token used again for another record
     (a worker that lost track of its latest token) wrote nothing and is behind."""
@@ -240,12 +233,15 @@ def _same_or_fenced(
         and getattr(landed, kind) == getattr(record, kind)
     ):
         return
+    expected = token.last_seq
     actual = landed.seq if landed is not None else expected
     raise Fenced(
-        f"{subject}: this writer already wrote sequence {actual} with the token it sent; "
-        "that token is behind",
+        token.run_id,
+        token.step_id,
         expected=expected,
         actual=actual,
+        detail=f"{journal_subject(token.run_id, token.step_id)}: this writer already wrote "
+        f"sequence {actual} with the token it sent; that token is behind",
     )
 
 

@@ -124,10 +124,12 @@ def fenced(token: pb.WriterToken, actual: int) -> errors.Fenced:
         "fenced", {"expected_seq": token.last_seq, "actual_seq": actual}
     )
     return errors.Fenced(
-        f"{journal_subject(token.run_id, token.step_id)}: a successor holds the step "
-        f"(expected tail {token.last_seq}, found {actual})",
+        token.run_id,
+        token.step_id,
         expected=token.last_seq,
         actual=actual,
+        detail=f"{journal_subject(token.run_id, token.step_id)}: a successor holds the step "
+        f"(expected tail {token.last_seq}, found {actual})",
     )
 
 
