@@ -59,7 +59,11 @@ def test_every_error_comes_back_from_a_status_as_itself(cls: type[WireError]) ->
     raised = example(cls)
     status, message, _ = wire_status(raised)
     failed = grpc.aio.AioRpcError(
-        status, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers(raised)), details=message
+        status,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(*trailers(raised)),
+        details=message,
+        debug_error_string="",
     )
     same(error_from_rpc(failed), raised)
 
