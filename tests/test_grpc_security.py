@@ -156,9 +156,7 @@ def creds(pki: Pki, name: str | None = None) -> Credentials:
 
 def tls_channel(pki: Pki, target: str, token: str | None = None) -> grpc.aio.Channel:
     rpc = EngineRpc(target, timeout=5.0, credentials=Credentials(token=token, ca=pki.ca))
-    rpc._connect()
-    assert rpc._channel is not None
-    return rpc._channel
+    return rpc._channel(target)  # the SDK's own channel: its interceptors and TLS
 
 
 # ---- the rules ---------------------------------------------------------------------

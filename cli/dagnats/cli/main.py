@@ -22,6 +22,7 @@ from dagnats.cli.journal import RETRY_FOR, add_journal_commands, run_journal
 from dagnats.core.errors import DagnatsError, Unavailable
 from dagnats.core.natsauth import FLAGS as NATS_FLAGS
 from dagnats.core.natsauth import NatsSettings
+from dagnats.core.settings import DEFAULT_PORTS, SERVICES
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Credentials
 from dagnats.sdk.views import enum_name, run_dict, workflow_dict
@@ -84,17 +85,32 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--exit-after-demo", action="store_true", help="stop after the demo run")
 
     serve = sub.add_parser(
-        "serve", help="serve the engine (against NATS) or the HTTP gateway (against the engine)"
+        "serve",
+        help="serve the engine, the journal or the inputs service, or all three on one port "
+        "(against NATS), or the HTTP gateway (against them)",
     )
-    serve.add_argument("service", choices=["engine", "gateway"])
+    serve.add_argument("service", choices=[*SERVICES, "all", "gateway"])
     serve.add_argument(
         "--nats", default=os.environ.get("DAGNATS_NATS_URL", "nats://127.0.0.1:4222")
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument(
-        "--port", type=int, default=None, help="default 7233 (engine), 8080 (gateway)"
+        "--port",
+        type=int,
+        default=None,
+        help="default 7233 (engine, all), 7234 (journal), 7235 (inputs), 8080 (gateway)",
     )
     serve.add_argument("--engine", default=None, help="gateway: engine address (DAGNATS_ENGINE)")
+    serve.add_argument(
+        "--journal",
+        default=os.environ.get("DAGNATS_JOURNAL"),
+        help="gateway: journal service address, when it runs apart (DAGNATS_JOURNAL)",
+    )
+    serve.add_argument(
+        "--inputs",
+        default=os.environ.get("DAGNATS_INPUTS"),
+        help="gateway: inputs service address, when it runs apart (DAGNATS_INPUTS)",
+    )
     serve.add_argument(
         "--nats-monitor",
         default=os.environ.get("DAGNATS_NATS_MONITOR"),
@@ -330,19 +346,21 @@ async def _serve(args: argparse.Namespace) -> int:
         return await _serve_gateway(args)
     from dagnats.core.jetstream import Topology
     from dagnats.engine.security import ServerSecurity
-    from dagnats.engine.server import start_engine
+    from dagnats.engine.server import start_services
 
+    services = SERVICES if args.service == "all" else (args.service,)
     replicas = int(os.environ.get("DAGNATS_REPLICAS", "1"))
-    server = await start_engine(
+    server = await start_services(
         args.nats,
+        services=services,
         host=args.host,
-        port=7233 if args.port is None else args.port,
+        port=DEFAULT_PORTS[services[0]] if args.port is None else args.port,
         topology=Topology(replicas=replicas),
         monitor_url=args.nats_monitor,
         security=ServerSecurity.from_env(),
         nats_settings=_nats_settings(args),
     )
-    print(f"engine serving on {server.target}", flush=True)
+    print(f"{' and '.join(server.services)} serving on {server.target}", flush=True)
     try:
         await asyncio.Event().wait()
     finally:
@@ -364,6 +382,8 @@ async def _serve_gateway(args: argparse.Namespace) -> int:
         args.engine or default_target(),
         host=args.host,
         port=DEFAULT_PORT if args.port is None else args.port,
+        journal_target=args.journal,
+        inputs_target=args.inputs,
     )
     server = await start_gateway(config)
     print(f"gateway serving on {server.url} (engine {config.engine_target})", flush=True)

@@ -48,6 +48,8 @@ class Client:
             (a restart, a leader election) before it raises ``Unavailable``.
         credentials: Token and TLS files; by default from the environment
             (``DAGNATS_TOKEN``, ``DAGNATS_TLS_CA``, ...; see ``Credentials``).
+        inputs_target: Address of the inputs service when it runs apart from
+            the engine (``dagnats serve inputs``); by default ``target``.
 
     Every method raises the domain error the engine answered with
     (``InvalidArgument``, ``NotFound``, ``Conflict``, ...), ``Unauthenticated``
@@ -62,9 +64,14 @@ class Client:
         timeout: float = 10.0,
         retry_for: float = 30.0,
         credentials: Credentials | None = None,
+        inputs_target: str | None = None,
     ) -> None:
         self._rpc = EngineRpc(
-            target, timeout=timeout, retry=RetryPolicy(budget=retry_for), credentials=credentials
+            target,
+            timeout=timeout,
+            retry=RetryPolicy(budget=retry_for),
+            credentials=credentials,
+            inputs_target=inputs_target,
         )
 
     async def __aenter__(self) -> Self:
