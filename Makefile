@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup chromium dev test lint breaking fmt proto proto-check bench test-guards test-chaos clean
+.PHONY: help setup chromium dev test lint breaking fmt proto proto-check bench jetstream-facts test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -89,6 +89,10 @@ bench: setup ## journal overhead and the agent-turn workload against raw JetStre
 	$(PY) -m tests.bench_stream
 	$(PY) -m tests.bench_wait
 	$(PY) -m tests.bench_turn
+
+jetstream-facts: setup ## the JetStream facts the design depends on (R1 and R3), and fsyncs per operation (strace)
+	$(BIN)/pytest -q tests/test_jetstream_facts.py
+	$(PY) -m tests.jetstream_fsyncs
 
 test-guards: setup ## delete each safety guard in a scratch copy; a named test must fail
 	$(PY) -m tests.guards
