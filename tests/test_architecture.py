@@ -89,20 +89,7 @@ NATS_MODULES = frozenset(
 )
 # Known departures from the rules above, each to be removed by the change that
 # fixes it: (rule, importer, imported).
-KNOWN: frozenset[tuple[str, str, str]] = frozenset(
-    {
-        ("layer", "dagnats.journal.service", "dagnats.engine.report"),
-        ("nats", "dagnats.engine.processor", "nats.aio.msg"),
-        ("nats", "dagnats.engine.processor", "nats.js.api"),
-        ("nats", "dagnats.engine.report", "nats.aio.client"),
-        ("nats", "dagnats.engine.report", "nats.js"),
-        ("nats", "dagnats.engine.service", "nats.aio.msg"),
-        ("nats", "dagnats.engine.service", "nats.errors"),
-        ("nats", "dagnats.journal.service", "nats.js.errors"),
-        ("nats", "dagnats.journal.service", "nats.js.kv"),
-        ("nats", "dagnats.journal.stream", "nats.aio.client"),
-    }
-)
+KNOWN: frozenset[tuple[str, str, str]] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,12 @@
-"""Moves engine values to and from protobuf. The only module besides the
-servicer and the store that touches generated types for runs and events."""
+"""Moves engine values to and from protobuf, and effects to the messages that
+carry them out (:func:`outbox_entry`). The only module besides the servicer
+and the store that touches generated types for runs and events."""
 
 from __future__ import annotations
 
 from dagnats.core.outcomes import outcome_of
 from dagnats.core.status import step_status_from_proto, step_status_to_proto
+from dagnats.core.subjects import cancel_subject, history_subject, task_subject, timer_subject
 from dagnats.core.timestamps import duration_seconds, seconds, timestamp
 from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
@@ -246,10 +248,9 @@ def task_to_proto(effect: m.DispatchTask, trace_context: dict[str, str]) -> pb.T
 # ---- journal records ----------------------------------------------------------
 
 
-def journal_mark(data: bytes, seq: int, headers: dict[str, str] | None) -> m.JournalMark:
-    """What the rules need of a stored journal record: its dispatch, its delivery
-    (the ``Dagnats-Delivery`` header) and, for a commit, its outcome."""
-    record = jpb.Record.FromString(data)
+def journal_mark(record: jpb.Record, delivery: int) -> m.JournalMark:
+    """What the rules need of a stored journal record: its dispatch, its
+    writer's delivery and, for a commit, its outcome."""
     commit: m.StepOutcome | None = None
     if record.HasField("commit"):
         field, outcome = outcome_of(record.commit)
@@ -258,11 +259,101 @@ def journal_mark(data: bytes, seq: int, headers: dict[str, str] | None) -> m.Jou
         report = event_to_input(event)
         assert isinstance(report, m.StepReport)
         commit = report.outcome
-    delivery = (headers or {}).get("Dagnats-Delivery", "0")
     return m.JournalMark(
-        seq=seq,
+        seq=record.seq,
         iteration=record.iteration,
         attempt=record.attempt,
         commit=commit,
-        delivery=int(delivery) if delivery.isdigit() else 0,
+        delivery=delivery,
+    )
+
+
+def task_msg_id(run_id: str, step_id: str, iteration: int, attempt: int) -> str:
+    """The Msg-Id of a dispatch's task (a re-dispatch appends ``.r<n>``)."""
+    return f"{run_id}.{step_id}.{iteration}.{attempt}"
+
+
+def outbox_entry(effect: m.Effect, headers: dict[str, str], now: float) -> ipb.OutboxEntry:
+    """The message that carries out ``effect``: its subject, its data, the
+    Msg-Id that makes publishing it twice harmless, and ``headers`` (the trace
+    context it is stamped with); an event is stamped ``now``."""
+    match effect:
+        case m.DispatchTask():
+            task = task_to_proto(effect, headers)
+            msg_id = task_msg_id(effect.run_id, effect.step_id, effect.iteration, effect.attempt)
+            if effect.redispatch:
+                msg_id += f".r{effect.redispatch}"
+            subject = task_subject(effect.task_type, effect.run_id, effect.step_id)
+            return ipb.OutboxEntry(
+                subject=subject, data=task.SerializeToString(), msg_id=msg_id, headers=headers
+            )
+        case m.SetTimer():
+            timer = timer_to_proto(effect, headers)
+            msg_id = (
+                f"{effect.run_id}.{effect.step_id}.{effect.kind.value}"
+                f".{effect.iteration}.{effect.attempt}"
+            )
+            return ipb.OutboxEntry(
+                subject=timer_subject(effect.run_id, effect.step_id),
+                data=timer.SerializeToString(),
+                msg_id=msg_id,
+                headers=headers,
+            )
+        case m.StartChildRun():
+            event = ipb.HistoryEvent(
+                run_id=effect.child_run_id,
+                trace_context=headers,
+                start=ipb.StartChild(
+                    workflow=effect.workflow,
+                    input=effect.input,
+                    parent_run_id=effect.parent_run_id,
+                    parent_step_id=effect.parent_step_id,
+                ),
+            )
+            return _event_entry(event, now, f"{effect.child_run_id}.start", headers)
+        case m.CancelChildRun():
+            event = ipb.HistoryEvent(
+                run_id=effect.child_run_id,
+                trace_context=headers,
+                cancel=ipb.CancelRequest(reason=effect.reason),
+            )
+            return _event_entry(event, now, f"{effect.child_run_id}.cancel", headers)
+        case m.NotifyParent():
+            event = ipb.HistoryEvent(
+                run_id=effect.parent_run_id,
+                step_id=effect.parent_step_id,
+                trace_context=headers,
+                child=ipb.ChildFinished(
+                    child_run_id=effect.child_run_id,
+                    status=run_status_to_proto(effect.status),
+                    output=effect.output,
+                    error=effect.error,
+                ),
+            )
+            msg_id = f"{effect.parent_run_id}.{effect.parent_step_id}.child.{effect.child_run_id}"
+            return _event_entry(event, now, msg_id, headers)
+        case m.AnnounceCancel():
+            return ipb.OutboxEntry(subject=cancel_subject(effect.run_id), data=b"")
+        case m.StepInputs():
+            event = ipb.HistoryEvent(
+                run_id=effect.run_id,
+                step_id=effect.step_id,
+                iteration=effect.iteration,
+                trace_context=headers,
+                inputs=ipb.StepInputs(close=effect.close),
+            )
+            what = "close" if effect.close else "check"
+            msg_id = f"{effect.run_id}.{effect.step_id}.inputs.{what}.{effect.iteration}"
+            return _event_entry(event, now, msg_id, headers)
+
+
+def _event_entry(
+    event: ipb.HistoryEvent, now: float, msg_id: str, headers: dict[str, str]
+) -> ipb.OutboxEntry:
+    event.time.CopyFrom(timestamp(now))
+    return ipb.OutboxEntry(
+        subject=history_subject(event.run_id),
+        data=event.SerializeToString(),
+        msg_id=msg_id,
+        headers=headers,
     )

@@ -41,6 +41,7 @@ from dagnats.core.settings import SERVICES, is_loopback
 from dagnats.engine.access import missing_for_open_host
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.processor import Engine
+from dagnats.engine.report import TaskSettler
 from dagnats.engine.run_feed import RunFeed
 from dagnats.engine.security import ServerSecurity
 from dagnats.engine.service import EngineServicer
@@ -226,18 +227,20 @@ async def start_services(
     await jsx.provision(nc.jetstream(), topology)
     interceptors = tracing.server_interceptors() + ([guard] if guard is not None else [])
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+    engine_store = await EngineStore.open(nc)  # runs, history, tasks: every service reads them
     input_store = await InputStore.open(nc)
+    journal_store = JournalStore(nc)
     engine: Engine | None = None
     clock: Callable[[], float] = time.time
     if "engine" in served:
-        engine = Engine(await EngineStore.open(nc), config, inputs=input_store)
+        engine = Engine(engine_store, config, inputs=input_store)
         await engine.start()
         clock = engine.clock
     journal: JournalServicer | None = None
     if "journal" in served:
-        runs = await nc.jetstream().key_value(jsx.KV_RUNS)
         # The clock stamps the events of the commits it settles: the engine's when both run.
-        journal = JournalServicer(JournalStore(nc), runs, input_store, clock=clock)
+        tasks = TaskSettler(engine_store, clock)
+        journal = JournalServicer(journal_store, engine_store, input_store, tasks=tasks)
         journal_grpc.add_JournalServiceServicer_to_server(journal, server)
     subscriptions: list[Subscription] = []
     if "inputs" in served:
@@ -246,7 +249,7 @@ async def start_services(
         subscriptions = await serve_nats_api(nc, inputs)
     servicer = None
     if engine is not None:
-        servicer = EngineServicer(engine)
+        servicer = EngineServicer(engine, journal_store)
         pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
     served_health = await _add_health_and_reflection(server, [_NAMES[s] for s in served])
     address = f"{host}:{port}"

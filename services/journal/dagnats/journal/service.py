@@ -15,29 +15,21 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
-import nats.js.errors
-from nats.js.kv import KeyValue
-
 from dagnats.core import errors
-from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
-from dagnats.core.ids import check_run_id, check_token
-from dagnats.core.outcomes import outcome_of
+from dagnats.core.ids import check_lease, check_run_id, check_token
 from dagnats.core.payload import check_json
 from dagnats.core.seam import seam
 from dagnats.core.settings import env_seconds
-from dagnats.core.subjects import live_stream_subject
-from dagnats.engine.report import check_lease, outcome_event, publish_outcome
 from dagnats.engine.v1 import engine_pb2 as epb
-from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs.store import InputStore
 from dagnats.journal import audit, convert, replay, session, stream
 from dagnats.journal import model as jm
 from dagnats.journal.limits import MAX_ANSWER_BYTES
+from dagnats.journal.peers import Runs, Tasks
 from dagnats.journal.placement import MODES, InputPlacement
 from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -94,18 +86,22 @@ def _check_intent_seq(token: pb.WriterToken, intent_seq: int) -> None:
 
 
 class JournalServicer(pb_grpc.JournalServiceServicer):
+    """The journal's gRPC methods. ``runs`` and ``tasks`` are the engine's
+    (see :mod:`dagnats.journal.peers`); ``inputs`` is the inputs' store, for
+    placing inputs."""
+
     def __init__(
         self,
         store: JournalStore,
-        runs: KeyValue,
+        runs: Runs,
         inputs: InputStore | None = None,
         *,
-        clock: Callable[[], float] = time.time,
+        tasks: Tasks,
     ) -> None:
         self.store = store
-        self._clock = clock  # the engine's: it stamps the events the journal publishes
         self.inputs = inputs
         self._runs = runs
+        self._tasks = tasks
         self._writer = JournalWriter(store)
         self._settling: set[asyncio.Task[None]] = set()
         self._placement = InputPlacement(self._writer, inputs) if inputs is not None else None
@@ -221,7 +217,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if len(self._holders) > MAX_HOLDERS:
             del self._holders[next(iter(self._holders))]
         # The natural place to end the previous holder's open streams.
-        await stream.publish(self.store.nc, stream.claim_event(token))
+        await self.store.publish_live(stream.claim_event(token))
         if replay.restart_limit_reached(entries, limit):
             failure = pb.Commit(
                 action=pb.ACTION_FAIL,
@@ -288,7 +284,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         check_json(request.response, field="response", allow_empty=False)
         record = pb.Record(model=pb.ModelCall(position=request.position, response=request.response))
         token, stored = await self._writer.append(token, record)
-        await stream.publish(self.store.nc, stream.committed_event(token, request.position, stored))
+        await self.store.publish_live(stream.committed_event(token, request.position, stored))
         return pb.RecordModelResponse(token=token)
 
     # ---- live preview ----------------------------------------------------------------
@@ -306,7 +302,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 if holder is not None and holder != token.writer:
                     refused += 1  # a fenced holder: never shown as current
                     continue
-                await stream.publish(self.store.nc, event)
+                await self.store.publish_live(event)
                 published += 1
         except errors.DagnatsError as err:
             await abort_with(context, err)
@@ -322,13 +318,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             await abort_with(context, err)
             return
         queue = stream.WatchQueue()
-
-        async def deliver(msg: Any) -> None:
-            queue.put(msg.data)  # never waits: a slow watcher gets a gap, never a stall
-
-        sub = await self.store.nc.subscribe(live_stream_subject(run_id, step_id), cb=deliver)
+        # Never waits: a slow watcher gets a gap, never a stall.
+        stop = await self.store.watch_live(run_id, step_id, queue.put)
         try:
-            await self.store.nc.flush()
             # The tail is read once the subscription is in place: a claim stored
             # before the read is in the tail, one stored after it is on the queue.
             try:
@@ -341,7 +333,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 for event in rules.apply(await queue.get()):
                     yield pb.WatchStreamResponse(id=event.id, data=event.json().encode())
         finally:
-            await sub.unsubscribe()
+            await stop()
 
     # ---- tool calls ------------------------------------------------------------------
 
@@ -495,7 +487,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             await self._settle(lease, settled.commit)
             return
         try:
-            await self.store.nc.publish(lease, b"+ACK")
+            await self._tasks.release(lease)
         except Exception as err:  # the task comes back, and its claim answers stale again
             log.warning("could not acknowledge a stale task: %s", err)
 
@@ -504,19 +496,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         would. If that fails, the task comes back, and its next claim finds the
         commit and republishes the event; a negative acknowledgement brings it
         back at once rather than when its lease runs out."""
-        _, outcome = outcome_of(record.commit)
-        event = outcome_event(
-            run_id=record.run_id,
-            step_id=record.step_id,
-            iteration=record.iteration,
-            attempt=record.attempt,
-            journal_seq=record.seq,
-            outcome=outcome,
-            now=self._clock(),
-        )
         try:
             await seam("after_commit_stored")
-            await publish_outcome(self.store.js, self.store.nc, lease, event)
+            await self._tasks.settle(lease, record)
         except Exception as err:
             log.warning(
                 "%s/%s: commit at seq %d is stored but its event was not published (%s); "
@@ -527,7 +509,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 err,
             )
             with contextlib.suppress(Exception):
-                await self.store.nc.publish(lease, b"-NAK")
+                await self._tasks.redeliver(lease)
 
     async def close(self) -> None:
         """Wait up to ``SETTLE_GRACE`` seconds for the settles of answered commits;
@@ -599,11 +581,10 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
     # ---- helpers -------------------------------------------------------------------------
 
     async def _run(self, run_id: str) -> epb.Run:
-        try:
-            entry = await jsx.retry_transient(lambda: self._runs.get(run_id), "read the run")
-        except nats.js.errors.KeyNotFoundError:
-            raise errors.NotFound(f"run {run_id} does not exist", field="run_id") from None
-        return eipb.RunRecord.FromString(entry.value or b"").run
+        run = await self._runs.get_run(run_id)
+        if run is None:
+            raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
+        return run
 
 
 class _GuessMissed(Exception):

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy, RawStreamMsg
 from opentelemetry import trace
@@ -35,7 +38,7 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Fenced, NotProvisioned, RecordTooLarge, Unavailable
 from dagnats.core.settings import env_seconds
-from dagnats.core.subjects import journal_subject, run_journal
+from dagnats.core.subjects import journal_subject, live_stream_subject, run_journal
 from dagnats.journal.limits import HEADER_ROOM, MAX_RECORD_BYTES
 from dagnats.journal.v1 import journal_pb2 as pb
 
@@ -47,6 +50,15 @@ RETRY_IN_FLIGHT = 10158
 STREAM_NOT_FOUND = 10059
 # The longest one publish attempt waits for its ack.
 ATTEMPT_TIMEOUT = env_seconds("DAGNATS_NATS_ATTEMPT_TIMEOUT", 5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """A record as the engine checks it: the record, and the task delivery of
+    its writer (the ``Dagnats-Delivery`` header; 0 when its claim named none)."""
+
+    record: pb.Record
+    delivery: int
 
 
 class JournalStore:
@@ -167,6 +179,52 @@ class JournalStore:
             return None
         return _decode(msg.data, msg.seq)
 
+    async def last_written(self, run_id: str, step_id: str) -> Written | None:
+        """The last record of a step with its writer's delivery, from the
+        stream leader; None for a step without a journal, and without the
+        stream itself (then nothing was journaled)."""
+        subject = journal_subject(run_id, step_id)
+        try:
+            msg = await jsx.retry_transient(
+                functools.partial(self.js.get_last_msg, jsx.JOURNAL, subject), "read the tail"
+            )
+        except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
+            return None
+        return _written(msg)
+
+    async def written_at(self, run_id: str, step_id: str, seq: int) -> Written | None:
+        """The record at ``seq`` with its writer's delivery, if it is on the
+        step's journal; None otherwise."""
+        try:
+            msg = await self._get_msg(seq=seq)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
+            return None
+        if msg.subject != journal_subject(run_id, step_id):
+            return None
+        return _written(msg)
+
+    # ---- the live preview, on core NATS -------------------------------------------
+
+    async def publish_live(self, event: dict[str, Any]) -> None:
+        """Send one preview event; a preview is best-effort, so a lost one is
+        not an error."""
+        data = json.dumps(event, separators=(",", ":")).encode()
+        await self.nc.publish(live_stream_subject(event["run"], event["step"]), data)
+
+    async def watch_live(
+        self, run_id: str, step_id: str, deliver: Callable[[bytes], None]
+    ) -> Callable[[], Awaitable[None]]:
+        """Hand every preview event of a step to ``deliver`` from now on;
+        returns once the subscription is in place on the server, with the call
+        that ends it."""
+
+        async def on_msg(msg: Msg) -> None:
+            deliver(msg.data)
+
+        sub = await self.nc.subscribe(live_stream_subject(run_id, step_id), cb=on_msg)
+        await self.nc.flush()
+        return sub.unsubscribe
+
     async def get(self, seq: int) -> pb.Record | None:
         try:
             msg = await self._get_msg(seq=seq)
@@ -254,10 +312,15 @@ def _unless_stream_missing(err: nats.js.errors.NotFoundError) -> None:
         ) from None
 
 
+def _written(msg: RawStreamMsg) -> Written:
+    delivery = str((msg.headers or {}).get("Dagnats-Delivery", "0"))
+    return Written(_decode(msg.data, msg.seq), int(delivery) if delivery.isdigit() else 0)
+
+
 def _decode(data: bytes | None, seq: int | None) -> pb.Record:
     record = pb.Record.FromString(data or b"")
     record.seq = int(seq or 0)
     return record
 
 
-__all__ = ["JournalStore", "journal_subject"]
+__all__ = ["JournalStore", "Written", "journal_subject"]
