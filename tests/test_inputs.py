@@ -20,6 +20,7 @@ from dagnats.core import errors
 from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import error_from_rpc
 from dagnats.engine.server import EngineServer
+from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs import natsapi, rules
@@ -50,7 +51,7 @@ async def nc(nats_server: Any) -> AsyncIterator[NATS]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def store(nc: NATS) -> InputStore:
-    return await InputStore.open(nc)
+    return await InputStore.open(nc, await EngineStore.open(nc))
 
 
 async def running_step(client: Client) -> str:

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -177,6 +177,31 @@ class EngineStore:
         ``dagnats.inputs.store``); None when there is none."""
         stored = await self.load_run(run_id)
         return stored.record.run if stored is not None else None
+
+    async def follow_run(self, run_id: str) -> AsyncGenerator[pb.Run | None, None]:
+        """The run as stored now (None when there is none), then after every
+        change (None once purged), for the inputs service's waits. A KV watch
+        of the run's key: it gives the current value, then says so, then the
+        changes."""
+        watcher = await _retry(lambda: self._runs.watch(run_id), "watch the run")
+        try:
+            current: pb.Run | None = None
+            started = False
+            async for entry in watcher:
+                if entry is None:  # the current value was given
+                    if not started:
+                        started = True
+                        yield current
+                    continue
+                gone = entry.operation in ("DEL", "PURGE") or not entry.value
+                run = None if gone else ipb.RunRecord.FromString(entry.value).run
+                if started:
+                    yield run
+                else:
+                    current = run
+        finally:
+            with contextlib.suppress(Exception):  # gone with the connection already
+                await watcher.stop()  # type: ignore[no-untyped-call]
 
     async def require_run(self, run_id: str) -> StoredRun:
         stored = await self.load_run(run_id)
