@@ -464,15 +464,11 @@ class Engine:
         return done
 
     async def _stranded(self, record: ipb.RunRecord) -> list[tuple[str, str, int, int]]:
-        run = record.run
+        """The running steps whose current dispatch has no task in flight."""
+        run = convert.record_from_proto(record)
         found = []
-        for step in run.steps:
-            if step.status != pb.STEP_STATUS_RUNNING or step.child_run_id:
-                continue
-            step_def = next((s for s in record.workflow.steps if s.id == step.step_id), None)
-            if step_def is None or not step_def.task:
-                continue
-            subject = task_subject(step_def.task, run.run_id, step.step_id)
+        for step, task_type in rules.awaiting_a_task(run):
+            subject = task_subject(task_type, run.run_id, step.step_id)
             prefix = convert.task_msg_id(run.run_id, step.step_id, step.iteration, step.attempt)
             if not await self.store.task_in_flight(subject, prefix):
                 found.append((run.run_id, step.step_id, step.iteration, step.attempt))

@@ -240,7 +240,9 @@ async def start_services(
     if "journal" in served:
         # The clock stamps the events of the commits it settles: the engine's when both run.
         tasks = TaskSettler(engine_store, clock)
-        journal = JournalServicer(journal_store, engine_store, input_store, tasks=tasks)
+        journal = JournalServicer(
+            journal_store, engine_store, input_store, tasks=tasks, clock=clock
+        )
         journal_grpc.add_JournalServiceServicer_to_server(journal, server)
     subscriptions: list[Subscription] = []
     if "inputs" in served:

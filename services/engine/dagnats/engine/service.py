@@ -12,6 +12,7 @@ from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import Context, abort_with, as_domain_error, domain_errors
 from dagnats.core.ids import check_lease, check_run_id, check_token, new_run_id
 from dagnats.core.payload import check_json
+from dagnats.core.status import step_status_from_proto
 from dagnats.core.subjects import (
     history_subject,
     run_tasks,
@@ -292,14 +293,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         ended or its step moved on (a stale duplicate)."""
         task = pb.Task.FromString(msg.data)
         stored = await self.store.load_run(task.run_id)
-        current = stored is not None and stored.record.run.status == pb.RUN_STATUS_RUNNING
-        if current and stored is not None:
-            step = next((s for s in stored.record.run.steps if s.step_id == task.step_id), None)
-            current = (
-                step is not None
-                and step.status == pb.STEP_STATUS_RUNNING
-                and (step.iteration, step.attempt) == (task.iteration, task.attempt)
-            )
+        run = stored.record.run if stored is not None else None
+        step = next((s for s in run.steps if s.step_id == task.step_id), None) if run else None
+        current = run is not None and rules.task_is_current(
+            convert.run_status_from_proto(run.status),
+            step_status_from_proto(step.status) if step is not None else None,
+            m.Identity(iteration=step.iteration, attempt=step.attempt) if step else None,
+            m.Identity(iteration=task.iteration, attempt=task.attempt),
+        )
         if not current:
             log.info("run %s step %s: task no longer current; settled", task.run_id, task.step_id)
             await msg.ack()

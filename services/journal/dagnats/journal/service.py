@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Coroutine
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from dagnats.core import errors
@@ -88,7 +89,7 @@ def _check_intent_seq(token: pb.WriterToken, intent_seq: int) -> None:
 class JournalServicer(pb_grpc.JournalServiceServicer):
     """The journal's gRPC methods. ``runs`` and ``tasks`` are the engine's
     (see :mod:`dagnats.journal.peers`); ``inputs`` is the inputs' store, for
-    placing inputs."""
+    placing inputs; ``clock`` stamps records and the inputs placed."""
 
     def __init__(
         self,
@@ -97,12 +98,13 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         inputs: InputStore | None = None,
         *,
         tasks: Tasks,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.inputs = inputs
         self._runs = runs
         self._tasks = tasks
-        self._writer = JournalWriter(store)
+        self._writer = JournalWriter(store, clock=clock)
         self._settling: set[asyncio.Task[None]] = set()
         self._placement = InputPlacement(self._writer, inputs) if inputs is not None else None
         # The writer of the newest claim this replica made, per step: a chunk of
@@ -132,20 +134,18 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
 
     async def _claim_answer(self, request: pb.ClaimRequest, limit: int) -> pb.ClaimResponse:
         run_id, step_id = request.run_id, request.step_id
-        if request.iteration == 0:
-            # A purge resets the fence (DESIGN.md §10.4): never open a journal
-            # at iteration 0 for a run that has ended. Later iterations follow a
-            # commit on the subject, which a purge would have removed.
+        if request.iteration == 0:  # only then does the rule need the run
             run = await self._run(run_id)
-            if run.status != epb.RUN_STATUS_RUNNING:
-                status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
-                return _settled("stale", detail=f"run {run_id} is {status}")
+            status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
+            ended = f"run {run_id} is {status}" if run.status != epb.RUN_STATUS_RUNNING else ""
+            if (closed := replay.closed_start(request.iteration, run_ended=ended)) is not None:
+                return _settled("stale", detail=closed.detail)
         # The commit that ended the last iteration, as this replica stored it, is
         # the likely tail: claim after it without reading first. The claim's
         # fenced append checks the guess, so a right guess decides exactly as a
         # read would have; a wrong one wrote nothing, and the tail is read.
         guess = self._writer.last_commit(run_id, step_id)
-        if guess is not None and guess.iteration == request.iteration - 1:
+        if guess is not None and replay.guess_tail(guess.iteration, request.iteration):
             try:
                 return await self._claim_after(request, guess, limit, guessed=True)
             except _GuessMissed:
