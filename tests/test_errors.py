@@ -25,10 +25,10 @@ from dagnats.core.grpcutil import (
     error_from_rpc,
     error_from_status,
     trailers,
-    wire_details,
     wire_status,
 )
 from dagnats.engine.server import EngineServer
+from dagnats.journal import session
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, Fenced
 from dagnats.sdk._journal import Journal
@@ -71,15 +71,9 @@ def test_every_error_comes_back_from_a_status_as_itself(cls: type[WireError]) ->
 @pytest.mark.parametrize("cls", list(STATUS_OF), ids=lambda c: c.__name__)
 def test_every_error_comes_back_from_a_session_error_as_itself(cls: type[WireError]) -> None:
     raised = example(cls)
-    status, message, field = wire_status(raised)
-    sent = jpb.SessionError(
-        status=status.value[0],
-        message=message,
-        code=raised.code,
-        field=field,
-        details=wire_details(raised),
-    )
-    error = jpb.SessionError.FromString(sent.SerializeToString())
+    status, _, _ = wire_status(raised)
+    sent = session._failed(7, raised)  # what the journal's Session stream answers
+    error = jpb.SessionResponse.FromString(sent.SerializeToString()).error
     rebuilt = error_from_status(status, error.message, error.code, error.field, error.details)
     same(rebuilt, raised)
 

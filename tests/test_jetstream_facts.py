@@ -30,20 +30,9 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from dagnats.core.natsserver import NatsCluster, NatsServer
 from tests.helpers import wait_for
 
 WRONG_LAST_SEQUENCE = 10071
-
-
-@pytest.fixture(scope="module", params=["r1", "r3"])
-def topology(request: pytest.FixtureRequest) -> tuple[str, str, int]:
-    """(name, url, replicas); resolved here so each server starts only when used."""
-    if request.param == "r1":
-        server: NatsServer = request.getfixturevalue("nats_server")
-        return "r1", server.url, 1
-    cluster: NatsCluster = request.getfixturevalue("nats_cluster")
-    return "r3", cluster.url, 3
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

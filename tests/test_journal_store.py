@@ -16,7 +16,6 @@ from nats.js import JetStreamContext
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import Fenced
-from dagnats.core.natsserver import NatsCluster, NatsServer
 from dagnats.journal.store import JournalStore, journal_subject
 from dagnats.journal.v1 import journal_pb2 as pb
 
@@ -29,16 +28,6 @@ class Backend:
     nc: NATS
     js: JetStreamContext
     store: JournalStore
-
-
-@pytest.fixture(scope="module", params=["r1", "r3"])
-def topology(request: pytest.FixtureRequest) -> tuple[str, str, int]:
-    """(name, url, replicas); resolved here so each server starts only when used."""
-    if request.param == "r1":
-        server: NatsServer = request.getfixturevalue("nats_server")
-        return "r1", server.url, 1
-    cluster: NatsCluster = request.getfixturevalue("nats_cluster")
-    return "r3", cluster.url, 3
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
