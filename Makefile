@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup chromium dev test lint fmt proto proto-check bench bench-scale test-guards test-chaos clean
+.PHONY: help setup chromium dev test lint breaking fmt proto proto-check bench bench-scale jetstream-facts test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -46,12 +46,25 @@ dev: setup ## run nats-server, the services and a demo agent (Ctrl-C stops)
 test: setup ## run the test suite against a real nats-server
 	$(BIN)/pytest -q
 
-lint: setup proto-check ## ruff, mypy --strict, buf lint and buf format
+lint: setup proto-check ## ruff, mypy (--strict on the code, relaxed on tests), buf lint, format and breaking
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mypy tests
 	$(BIN)/buf lint
 	$(BIN)/buf format --diff --exit-code
+	$(MAKE) --no-print-directory breaking
+
+# The contracts are compared with main's: the local branch, or in a clone of
+# another branch (CI) the remote's, fetched when the clone does not have it.
+breaking: setup ## buf breaking: no change to the contracts that breaks main's clients
+	@if git rev-parse -q --verify refs/heads/main >/dev/null; then against='.git#branch=main'; \
+	elif git rev-parse -q --verify refs/remotes/origin/main >/dev/null \
+	  || git fetch -q --depth=50 origin main:refs/remotes/origin/main; then \
+	  against='.git#ref=origin/main'; \
+	else echo "no main branch to compare the contracts with" >&2; exit 1; fi; \
+	echo "buf breaking --against $$against"; \
+	$(BIN)/buf breaking --against "$$against"
 
 fmt: setup ## format the code and the contracts
 	$(BIN)/ruff format .
@@ -80,6 +93,10 @@ bench: setup ## journal overhead and the agent-turn workload against raw JetStre
 # BENCH_WAITERS (10,000), BENCH_WAKES, BENCH_LONG_K, BENCH_CLUSTER=0... scale it down.
 bench-scale: setup ## 10,000 waiting runs, wake latency, iteration 1,000, two engines, R3 cluster
 	$(PY) -m tests.bench_scale
+
+jetstream-facts: setup ## the JetStream facts the design depends on (R1 and R3), and fsyncs per operation (strace)
+	$(BIN)/pytest -q tests/test_jetstream_facts.py
+	$(PY) -m tests.jetstream_fsyncs
 
 test-guards: setup ## delete each safety guard in a scratch copy; a named test must fail
 	$(PY) -m tests.guards

@@ -3,7 +3,7 @@
 #   deploy/certs/ca/       the CAs and their keys (mounted nowhere; keep them safe);
 #   deploy/certs/nats/     for nats-server: its certificate (nats-1..3), the CA
 #                          of its clients, the routes' own CA and certificate;
-#   deploy/certs/services/ for the engines: their client certificate for NATS,
+#   deploy/certs/services/ for the services: their client certificate for NATS,
 #                          the CA of nats-server's, the gRPC server certificate;
 #   deploy/certs/gateway/  for the gateway: the CA of the engine's certificate,
 #                          and its own HTTPS certificate and key;
@@ -37,7 +37,7 @@ leaf() { # dir/name ca subject-alt-names extended-key-usage
 nodes="DNS:nats-1,DNS:nats-2,DNS:nats-3,DNS:localhost,IP:127.0.0.1"
 ca ca "dagnats CA"
 ca route-ca "dagnats route CA"
-engines="DNS:engine,DNS:engine-2,DNS:localhost,IP:127.0.0.1"
+engines="DNS:engine,DNS:engine-2,DNS:journal,DNS:inputs,DNS:localhost,IP:127.0.0.1"
 leaf nats/nats-server ca "$nodes" serverAuth
 leaf nats/route route-ca "$nodes" "serverAuth,clientAuth"
 leaf services/services ca "DNS:dagnats-services" clientAuth

@@ -22,7 +22,8 @@ from dagnats.sdk.testing import LocalStack
 RUNS = int(os.environ.get("BENCH_FEED_RUNS", "2000"))
 ROUNDS = 5
 NEW_RUNS = 50
-WORKFLOW = {"name": "feed-bench", "steps": [{"id": "a", "type": "task", "task": "nobody"}]}
+NAME = "feed-bench"
+WORKFLOW = {"name": NAME, "steps": [{"id": "a", "type": "task", "task": "nobody"}]}
 
 
 async def main() -> None:
@@ -33,7 +34,7 @@ async def main() -> None:
 
         async def start(n: int) -> None:
             async with limit:
-                await client.start_run(WORKFLOW["name"], {"n": n})
+                await client.start_run(NAME, {"n": n})
 
         await asyncio.gather(*(start(n) for n in range(RUNS)))
         listed, seeded = [], []
@@ -51,7 +52,7 @@ async def main() -> None:
         await anext(feed)
         for _ in range(NEW_RUNS):
             began = time.perf_counter()
-            run = await client.start_run(WORKFLOW["name"])
+            run = await client.start_run(NAME)
             while not any(r.run_id == run.run_id for r in (await anext(feed)).runs):
                 pass
             seen.append(time.perf_counter() - began)

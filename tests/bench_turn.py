@@ -256,7 +256,7 @@ async def wait_until(check: Callable[[], bool], seconds: float, what: str) -> No
 
 def get_json(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=5) as response:
-        return json.loads(response.read())  # type: ignore[no-any-return]
+        return json.loads(response.read())
 
 
 def stream_field(jsz: Mapping[str, Any], field: str) -> dict[str, int]:

@@ -53,6 +53,17 @@ async def nats_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator
         await server.stop()
 
 
+@pytest.fixture(scope="module", params=["r1", "r3"])
+def topology(request: pytest.FixtureRequest) -> tuple[str, str, int]:
+    """Each test of a module that asks for it runs on one server (R1) and on a
+    3-node cluster (R3): (name, url, replicas), each server started only when used."""
+    if request.param == "r1":
+        server: NatsServer = request.getfixturevalue("nats_server")
+        return "r1", server.url, 1
+    cluster: NatsCluster = request.getfixturevalue("nats_cluster")
+    return "r3", cluster.url, 3
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[NatsCluster]:
     """A 3-node JetStream cluster on loopback, shared by the tests of one module."""

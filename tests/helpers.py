@@ -10,9 +10,31 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast, overload
+
+import grpc.aio
 
 T = TypeVar("T")
+
+
+@overload
+async def wait_for(
+    predicate: Callable[[], Awaitable[T | None]],
+    *,
+    timeout: float = ...,  # noqa: ASYNC109
+    interval: float = ...,
+    message: str = ...,
+) -> T: ...
+
+
+@overload
+async def wait_for(
+    predicate: Callable[[], T | None],
+    *,
+    timeout: float = ...,  # noqa: ASYNC109
+    interval: float = ...,
+    message: str = ...,
+) -> T: ...
 
 
 async def wait_for(
@@ -62,3 +84,9 @@ def holds(record: Any, kind: str) -> bool:
 def body(record: Any, kind: str) -> Any:
     """The entry of ``kind`` a journal record holds (see :func:`holds`)."""
     return getattr(record, kind if record.HasField(kind) else f"leading_{kind}")
+
+
+def trailing(err: grpc.aio.AioRpcError) -> dict[str, str]:
+    """A failed call's trailing metadata as text by key (grpc.aio yields pairs)."""
+    pairs = cast(Any, err.trailing_metadata() or ())
+    return {str(k): str(v) for k, v in pairs}

@@ -122,9 +122,27 @@ def test_the_nats_config_requires_tls_credentials_and_keeps_jetstream_to_the_ser
     assert "route-ca.pem" in cluster["tls"] and "/certs/ca.pem" not in cluster["tls"]
 
 
+def test_the_services_run_as_processes_of_their_own() -> None:
+    served = {
+        n: command(s).split()[2] for n, s in SERVICES.items() if "dagnats serve" in command(s)
+    }
+    assert served == {
+        "engine": "engine",
+        "engine-2": "engine",
+        "journal": "journal",
+        "inputs": "inputs",
+        "gateway": "gateway",
+    }
+    gateway = command(SERVICES["gateway"])
+    for flag, service, port in (("--engine", "engine", 7233), ("--journal", "journal", 7234)):
+        assert f"{flag} {service}:{port}" in gateway
+        assert f"--port {port}" in command(SERVICES[service])
+    assert "--inputs inputs:7235" in gateway and "--port 7235" in command(SERVICES["inputs"])
+
+
 def test_every_service_that_reaches_nats_has_credentials_and_tls() -> None:
     engines = [n for n, s in SERVICES.items() if "--nats" in command(s)]
-    assert engines == ["engine", "engine-2"]
+    assert engines == ["engine", "engine-2", "journal", "inputs"]
     for name, service in SERVICES.items():
         env = service.get("environment", {})
         if name in engines:
@@ -140,7 +158,7 @@ def test_every_service_that_reaches_nats_has_credentials_and_tls() -> None:
 
 def test_the_grpc_and_gateway_ports_are_not_open() -> None:
     for name, service in SERVICES.items():
-        if "serve engine" in command(service):
+        if re.search(r"serve (engine|journal|inputs)\b", command(service)):
             env = service["environment"]
             for setting in GRPC_SETTINGS:
                 assert host_path(service, env[setting]), f"{name}: {setting} is not mounted"

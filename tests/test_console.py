@@ -378,7 +378,7 @@ async def test_a_run_is_cancelled_from_its_page_and_without_a_token_the_page_ask
     tmp_path: Path,
 ) -> None:
     run_id = await start(http, PARENT_WORKFLOW, "wait")
-    phone = {"width": 390, "height": 844}
+    phone: Any = {"width": 390, "height": 844}  # playwright's ViewportSize
     context = await browser.new_context(base_url=dev.gateway, viewport=phone)
     tab = await context.new_page()
     errors: list[str] = []

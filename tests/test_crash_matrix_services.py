@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -156,7 +157,7 @@ async def test_service_crash_point(
         for client in clients:
             # A channel to a port whose process was just replaced may still be
             # backing off from the refused connects of the last case.
-            await wait_for(lambda c=client: answers(c), timeout=30, message="engine answers")
+            await wait_for(functools.partial(answers, client), timeout=30, message="engine answers")
         await clients[1].register_workflow(loop_workflow(name, task))
         for i in range(len(engines)):
             # Each worker prefers its own engine and fails over to the other, as
@@ -167,7 +168,8 @@ async def test_service_crash_point(
                 spawn_worker(target, task, tmp_path, gate=gated, inputs=inputs, name=f"w{i}")
             )
         for i in range(len(engines)):
-            await wait_for(lambda i=i: (tmp_path / f"ready-w{i}").exists(), timeout=30)
+            ready = tmp_path / f"ready-w{i}"
+            await wait_for(ready.exists, timeout=30)
         holder = 0
         if gate < 0:
             stack.arm.write_text(f"{seam} {mode}")

@@ -25,6 +25,7 @@ from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, run_output
+from tests.helpers import trailing as helpers_trailing
 from tests.helpers import wait_for
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
 
@@ -33,8 +34,8 @@ LEASE = FAST.task_ack_wait
 
 @dataclass
 class Stubs:
-    engine: pb_grpc.EngineServiceStub
-    journal: jgrpc.JournalServiceStub
+    engine: pb_grpc.EngineServiceAsyncStub
+    journal: jgrpc.JournalServiceAsyncStub
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -101,7 +102,7 @@ async def refused(call: object) -> str:
     """The dagnats error code a call failed with (it must fail)."""
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         await call  # type: ignore[misc]
-    trailing = dict(failed.value.trailing_metadata() or ())  # type: ignore[arg-type]
+    trailing = helpers_trailing(failed.value)
     code = str(trailing.get("dagnats-error-code", ""))
     expected = grpc.StatusCode.ABORTED if code == "fenced" else None
     assert failed.value.code() == expected, (failed.value.code(), failed.value.details())

@@ -249,7 +249,8 @@ async def test_a_reconnect_with_last_event_id_gets_every_record_once_in_order(
 
 async def _every_event(http: httpx.AsyncClient, path: str) -> list[tuple[str, dict[str, Any]]]:
     """(event, data) of every event of a stream, until the server closes it."""
-    got, fields = [], {}
+    got: list[tuple[str, dict[str, Any]]] = []
+    fields: dict[str, str] = {}
     async with http.stream("GET", path, timeout=None) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():

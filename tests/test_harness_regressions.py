@@ -34,12 +34,12 @@ STEER = 1
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def journal(engine: EngineServer) -> AsyncIterator[jgrpc.JournalServiceStub]:
+async def journal(engine: EngineServer) -> AsyncIterator[jgrpc.JournalServiceAsyncStub]:
     async with grpc.aio.insecure_channel(engine.target) as channel:
         yield jgrpc.JournalServiceStub(channel)
 
 
-async def claimed_run(client: Client, journal: jgrpc.JournalServiceStub) -> jpb.WriterToken:
+async def claimed_run(client: Client, journal: jgrpc.JournalServiceAsyncStub) -> jpb.WriterToken:
     """A run whose iteration 0 is claimed by this test, acting as the worker."""
     task, name = unique("regress"), unique("regresswf")
     await client.register_workflow(loop_workflow(name, task))
@@ -51,7 +51,7 @@ async def claimed_run(client: Client, journal: jgrpc.JournalServiceStub) -> jpb.
 
 
 async def test_place_inputs_retried_after_the_service_died_between_claim_and_record(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     # The journal service claims the input in the inputs bucket and dies before
     # it writes input.placed; the SDK retries the call with the same token. The
@@ -80,7 +80,7 @@ async def test_place_inputs_retried_after_the_service_died_between_claim_and_rec
 
 
 async def test_place_inputs_retried_after_a_lost_answer_returns_the_first_answer(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     # The first try recorded the input but its answer was lost; the retry, with
     # the same token, must answer the same, with a token past that record.
@@ -116,7 +116,7 @@ def die_at_claim(number: int) -> seam.Hook:
 
 
 async def test_place_inputs_retried_after_dying_between_two_inputs_places_both(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     # The first input was claimed and recorded, the second only claimed. The
     # retry answers both, in order, and records only the second.
@@ -141,7 +141,7 @@ async def test_place_inputs_retried_after_dying_between_two_inputs_places_both(
 
 
 async def test_a_redelivery_takes_over_an_input_its_predecessor_claimed_but_never_recorded(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     # The first holder recorded one input and died after claiming the next;
     # the redelivery replays the recorded one and places the other, which no
@@ -169,7 +169,7 @@ async def test_a_redelivery_takes_over_an_input_its_predecessor_claimed_but_neve
 
 
 async def test_a_new_attempt_retrying_its_placement_carries_each_earlier_input_once(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     # Attempt 2 carries attempt 1's input s1 into its own turn, claims s2 and
     # dies before recording it; its retry (same token) answers the carried
@@ -196,7 +196,7 @@ async def test_a_new_attempt_retrying_its_placement_carries_each_earlier_input_o
 
 
 async def test_place_inputs_by_a_holder_fenced_by_a_redelivery_writes_nothing(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     # The records after a writer's claim count as an earlier try of its own
     # call only if it wrote them: a stalled holder whose task was redelivered
@@ -245,7 +245,7 @@ def first_input_update_loses_its_ack() -> Iterator[list[int]]:
 
 
 async def test_place_inputs_whose_claim_landed_without_an_answer_records_the_input(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     # The claim of an input in the inputs bucket landed but its answer was
     # lost; the retried claim was refused (the revision had moved on) and the
@@ -266,7 +266,7 @@ async def test_place_inputs_whose_claim_landed_without_an_answer_records_the_inp
 
 
 async def test_a_fenced_writer_gives_back_an_input_it_claimed_but_never_recorded(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     # The chaos soak on a cluster: a holder's PlaceInputs is checked current,
     # then stalls inside the call (a stream electing its leader); meanwhile
@@ -307,7 +307,7 @@ async def test_a_fenced_writer_gives_back_an_input_it_claimed_but_never_recorded
 
 
 async def test_a_placement_whose_caller_went_away_still_gives_back_its_claim(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     # As above, but the stalled holder's caller gives up on the call (its
     # deadline, its lease) right after the input is claimed in the bucket, and

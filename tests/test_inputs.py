@@ -20,6 +20,7 @@ from dagnats.core import errors
 from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import error_from_rpc
 from dagnats.engine.server import EngineServer
+from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs import natsapi, rules
@@ -50,7 +51,7 @@ async def nc(nats_server: Any) -> AsyncIterator[NATS]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def store(nc: NATS) -> InputStore:
-    return await InputStore.open(nc)
+    return await InputStore.open(nc, await EngineStore.open(nc))
 
 
 async def running_step(client: Client) -> str:
@@ -72,7 +73,7 @@ def submit_request(
     request_id: str = "msg-1",
     content: Any = None,
     *,
-    mode: int = pb.MODE_STEER,
+    mode: pb.Mode.ValueType = pb.MODE_STEER,
     step_id: str = STEP,
     raw: bytes | None = None,
 ) -> pb.SubmitRequest:
@@ -98,7 +99,7 @@ async def listed(stub: Any, run_id: str, **kw: Any) -> list[pb.Input]:
     return list(response.inputs)
 
 
-async def refused(call: Any) -> errors.DagnatsError:
+async def refused(call: Any) -> errors.DagnatsError | errors.Fenced:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await call
     return error_from_rpc(caught.value)
@@ -137,7 +138,7 @@ async def history(nc: NATS, run_id: str) -> list[eipb.HistoryEvent]:
         while True:
             msg = await sub.next_msg(timeout=10)
             events.append(eipb.HistoryEvent.FromString(msg.data))
-            if msg.metadata.sequence.stream >= last.seq:
+            if msg.metadata.sequence.stream >= (last.seq or 0):
                 return events
     finally:
         await sub.unsubscribe()
@@ -451,9 +452,11 @@ async def test_nats_endpoints_answer_like_grpc(client: Client, nc: NATS, stub: A
     assert first.created and not again.created and again.input == first.input
     assert first.input == (await get(stub, run_id, "n"))
 
-    names = {"run_id": run_id, "step_id": STEP, "request_id": "n"}
+    names: dict[str, Any] = {"run_id": run_id, "step_id": STEP, "request_id": "n"}
     waiting = asyncio.create_task(
-        nats_call(nc, natsapi.GET, pb.GetRequest(**names, wait=seconds(20), if_status=1))
+        nats_call(
+            nc, natsapi.GET, pb.GetRequest(**names, wait=seconds(20), if_status=pb.STATUS_QUEUED)
+        )
     )
     withdrawn = pb.WithdrawResponse.FromString(
         (await nats_call(nc, natsapi.WITHDRAW, pb.WithdrawRequest(**names))).data
@@ -468,16 +471,16 @@ async def test_nats_endpoints_answer_like_grpc(client: Client, nc: NATS, stub: A
 async def test_nats_errors_carry_a_json_body_and_a_header(client: Client, nc: NATS) -> None:
     run_id = await running_step(client)
     msg = await nats_call(nc, natsapi.SUBMIT, submit_request(run_id, "e", step_id="a.b"))
-    assert msg.headers[natsapi.ERROR_HEADER] == "invalid_argument"
+    assert (msg.headers or {})[natsapi.ERROR_HEADER] == "invalid_argument"
     body = json.loads(msg.data)
     assert body["code"] == "invalid_argument" and body["field"] == "step_id"
     assert "step_id" in body["message"]
 
-    names = {"run_id": run_id, "step_id": STEP, "request_id": "missing"}
+    names: dict[str, Any] = {"run_id": run_id, "step_id": STEP, "request_id": "missing"}
     msg = await nats_call(nc, natsapi.GET, pb.GetRequest(**names))
     assert msg.headers[natsapi.ERROR_HEADER] == "not_found"
     assert json.loads(msg.data)["field"] == "request_id"
 
     msg = await nc.request(natsapi.WITHDRAW, b"\xff\xff not protobuf", timeout=10)
-    assert msg.headers[natsapi.ERROR_HEADER] == "invalid_argument"
+    assert (msg.headers or {})[natsapi.ERROR_HEADER] == "invalid_argument"
     assert json.loads(msg.data)["field"] == "request"

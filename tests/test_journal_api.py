@@ -100,6 +100,7 @@ async def test_journal_state_travels_in_commits_without_the_checkpoint_cap(
             await tc.checkpoint({"blob": big, "turn": 0})
             await tc.continue_()
         else:
+            assert state is not None
             await tc.complete({"len": len(state["blob"]), "turn": state["turn"]})
 
     run = await run_once(engine, handler)
@@ -170,7 +171,9 @@ async def test_calls_per_dispatch_are_bounded(engine: EngineServer) -> None:
     assert seen == ["position"]
 
 
-async def begin_unsafe_tool(stub: jgrpc.JournalServiceStub, run_id: str) -> jpb.BeginToolResponse:
+async def begin_unsafe_tool(
+    stub: jgrpc.JournalServiceAsyncStub, run_id: str
+) -> jpb.BeginToolResponse:
     """Claim iteration 0 of ``run_id`` as its worker and begin an unsafe tool."""
     claimed = await stub.Claim(
         jpb.ClaimRequest(run_id=run_id, step_id="agent", iteration=0, attempt=1)
@@ -187,7 +190,7 @@ async def begin_unsafe_tool(stub: jgrpc.JournalServiceStub, run_id: str) -> jpb.
 
 
 async def assert_intent_seq_refused(
-    stub: jgrpc.JournalServiceStub, token: jpb.WriterToken, intent_seq: int
+    stub: jgrpc.JournalServiceAsyncStub, token: jpb.WriterToken, intent_seq: int
 ) -> None:
     """Both a tool output and a result for ``intent_seq`` are refused."""
     for call in (

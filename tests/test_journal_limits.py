@@ -15,6 +15,7 @@ from dagnats.journal.limits import MAX_RECORD_BYTES
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client
+from tests.helpers import trailing
 from tests.stack import loop_workflow, unique
 from tests.test_journal import read_journal
 
@@ -47,7 +48,7 @@ async def test_an_oversized_record_is_refused_before_it_is_written(
         else:
             raise AssertionError("a record over the maximum was accepted")
         assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        trailers = dict(refusal.trailing_metadata() or ())
+        trailers = trailing(refusal)
         assert trailers[CODE_KEY] == "record_too_large"
         assert trailers[FIELD_KEY] == "model"
         assert isinstance(error_from_rpc(refusal), RecordTooLarge)

@@ -30,7 +30,7 @@ Stream = grpc.aio.StreamStreamCall[jpb.SessionRequest, jpb.SessionResponse]
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def journal(engine: EngineServer) -> AsyncIterator[jgrpc.JournalServiceStub]:
+async def journal(engine: EngineServer) -> AsyncIterator[jgrpc.JournalServiceAsyncStub]:
     async with grpc.aio.insecure_channel(engine.target) as channel:
         yield jgrpc.JournalServiceStub(channel)
 
@@ -64,7 +64,7 @@ async def ask(stream: Stream, request_id: int, **call: object) -> jpb.SessionRes
 
 
 async def test_a_whole_dispatch_over_one_stream(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     run_id = await queued_run(client)
     stream = journal.Session(None)
@@ -85,7 +85,7 @@ async def test_a_whole_dispatch_over_one_stream(
     commit = jpb.CommitRequest(token=token, commit=jpb.Commit(action=jpb.ACTION_CONTINUE))
     committed = (await ask(stream, 6, commit=commit)).commit
     await stream.done_writing()
-    assert await stream.read() is grpc.aio.EOF
+    assert await stream.read() is grpc.aio.EOF  # type: ignore[attr-defined]
 
     records = await read_journal(engine, run_id)
     kinds = [r.WhichOneof("kind") for r in records]
@@ -97,7 +97,7 @@ async def test_a_whole_dispatch_over_one_stream(
 
 
 async def test_an_error_answers_its_request_and_the_stream_goes_on(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     run_id = await queued_run(client)
     stream = journal.Session(None)
@@ -120,7 +120,7 @@ async def test_an_error_answers_its_request_and_the_stream_goes_on(
 
 
 async def test_a_fenced_writer_is_told_so_on_its_stream_and_writes_nothing(
-    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceStub
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     run_id = await queued_run(client)
     zombie, successor = journal.Session(None), journal.Session(None)

@@ -1,6 +1,6 @@
 """The fenced append adapter against a real nats-server, on one server (R1) and
 on a 3-node loopback cluster (R3): the two answer a retried write differently
-(DESIGN.md §10.2), so every fencing case runs on both."""
+(docs/architecture.md, F2), so every fencing case runs on both."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from nats.js import JetStreamContext
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import Fenced
-from dagnats.core.natsserver import NatsCluster, NatsServer
 from dagnats.journal.store import JournalStore, journal_subject
 from dagnats.journal.v1 import journal_pb2 as pb
 
@@ -29,16 +28,6 @@ class Backend:
     nc: NATS
     js: JetStreamContext
     store: JournalStore
-
-
-@pytest.fixture(scope="module", params=["r1", "r3"])
-def topology(request: pytest.FixtureRequest) -> tuple[str, str, int]:
-    """(name, url, replicas); resolved here so each server starts only when used."""
-    if request.param == "r1":
-        server: NatsServer = request.getfixturevalue("nats_server")
-        return "r1", server.url, 1
-    cluster: NatsCluster = request.getfixturevalue("nats_cluster")
-    return "r3", cluster.url, 3
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -142,7 +131,7 @@ async def test_a_token_sent_again_for_another_record_of_the_same_kind_is_fenced(
 async def test_server_answers_a_retried_append_differently_on_r1_and_r3(
     backend: Backend,
 ) -> None:
-    """Why the adapter has two paths to "mine" (DESIGN.md §10.2)."""
+    """Why the adapter has two paths to "mine" (docs/architecture.md, F2)."""
     subject = journal_subject(new_run(), STEP)
     headers = {"Nats-Msg-Id": f"{subject}.{nonce()}", "Nats-Expected-Last-Subject-Sequence": "0"}
     first = await backend.js.publish(subject, b"x", headers=headers)
@@ -217,10 +206,10 @@ async def test_zombie_reusing_its_successors_identity_is_fenced(backend: Backend
 
     Without the nonce in the Msg-Id the zombie's write would carry its
     successor's Msg-Id: on R3 the server checks the Msg-Id *before* the expected
-    sequence and answers ``duplicate`` with the successor's sequence (DESIGN.md
-    §10.1), and on R1 the read-back after 10071 would find a record with "its"
-    Msg-Id. Either way the zombie would believe it wrote, and go on to start a
-    tool or commit. With the nonce its Msg-Id is new, the expected sequence is
+    sequence and answers ``duplicate`` with the successor's sequence
+    (docs/architecture.md, F3), and on R1 the read-back after 10071 would find
+    a record with "its" Msg-Id. Either way the zombie would believe it wrote,
+    and go on to start a tool or commit. With the nonce its Msg-Id is new, the expected sequence is
     checked, and the write is fenced.
     """
     run, successor, zombie = new_run(), nonce(), nonce()

@@ -347,7 +347,7 @@ def _chunks(token: jpb.WriterToken, texts: list[str]) -> list[jpb.PutStreamReque
 
 async def _watch_until_committed(call: Any) -> list[tuple[str, dict[str, Any]]]:
     got = []
-    while (response := await call.read()) is not grpc.aio.EOF:
+    while (response := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
         got.append((response.id, json.loads(response.data)))
         if got[-1][1]["type"] == "committed":
             return got
@@ -373,7 +373,8 @@ async def test_a_watcher_started_after_the_claim_never_shows_the_fenced_holder(
             holder = (await via_one.Claim(_claim(run.run_id, 2))).claimed.token
             # Both watchers start after the successor's claim, one on each replica.
             watch = via_two.WatchStream(jpb.WatchStreamRequest(run_id=run.run_id, step_id="agent"))
-            assert (await watch.read()).id == ""  # subscribed
+            first = await watch.read()  # subscribed
+            assert isinstance(first, jpb.WatchStreamResponse) and first.id == ""
             async with sse(http, run.run_id) as stream:
                 put = await via_two.PutStream(iter(_chunks(zombie, ["stale ", "answer"])))
                 assert (put.published, put.refused) == (2, 0), "the zombie's replica refused"
@@ -411,7 +412,8 @@ async def test_a_watcher_that_falls_behind_gets_a_gap_and_every_marker(
             stub = jgrpc.JournalServiceStub(channel)
             token = (await stub.Claim(_claim(run.run_id, 1))).claimed.token
             watch = stub.WatchStream(jpb.WatchStreamRequest(run_id=run.run_id, step_id="agent"))
-            assert (await watch.read()).id == ""  # subscribed; from now on it does not read
+            first = await watch.read()  # subscribed; from now on it does not read
+            assert isinstance(first, jpb.WatchStreamResponse) and first.id == ""
             put = await asyncio.wait_for(stub.PutStream(iter(_chunks(token, texts))), 60)
             record = jpb.RecordModelRequest(
                 token=token, position=0, response=json.dumps("".join(texts)).encode()

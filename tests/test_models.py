@@ -50,9 +50,10 @@ from dagnats.sdk.models import (
 )
 from dagnats.sdk.models._anthropic import to_anthropic
 from tests.helpers import body, holds, wait_for
+from tests.journal_agent import Crasher
 from tests.providers import MODEL, Failure, FakeProvider, Reply
 from tests.stack import dev_args, loop_workflow, unique
-from tests.test_journal import NO_HEARTBEAT, Crasher, journal_check, read_journal
+from tests.test_journal import NO_HEARTBEAT, journal_check, read_journal
 from tests.test_live_stream import sse, until
 
 PROVIDERS = ["openai", "anthropic"]
@@ -268,7 +269,7 @@ async def test_a_429_is_retried_after_its_retry_after_and_the_journal_sees_one_c
     provider: str, client: Client, engine: EngineServer
 ) -> None:
     waited: list[float] = []
-    script = [Failure(429, "slow down", retry_after=0.4), Reply("fine now")]
+    script: list[Reply | Failure] = [Failure(429, "slow down", retry_after=0.4), Reply("fine now")]
     # No backoff of our own: only the provider's retry-after can space the tries.
     policy = RetryPolicy(budget=10.0, backoff=0.0)
     async with FakeProvider(script) as fake, adapter(provider, fake, retry=policy) as model:
@@ -293,7 +294,7 @@ async def test_a_429_is_retried_after_its_retry_after_and_the_journal_sees_one_c
 async def test_a_500_is_retried_and_the_journal_sees_one_call(
     provider: str, client: Client, engine: EngineServer
 ) -> None:
-    script = [Failure(500, "overloaded"), Failure(503), Reply("back")]
+    script: list[Reply | Failure] = [Failure(500, "overloaded"), Failure(503), Reply("back")]
     async with FakeProvider(script) as fake, adapter(provider, fake) as model:
         run = await run_to_end(client, engine, answering(model))
 

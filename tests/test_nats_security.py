@@ -19,7 +19,7 @@ from typing import Any
 import nats
 import nats.errors
 import nats.js.errors
-import nkeys
+import nkeys  # type: ignore[import-untyped]
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS

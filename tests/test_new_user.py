@@ -246,7 +246,8 @@ def test_a_wait_with_if_status_answers_a_change_made_before_it(dev: Dev) -> None
 
 def _sse(dev: Dev, path: str, headers: dict[str, str] | None = None) -> list[dict[str, str]]:
     """Every event of a stream, read until the server closes it."""
-    events, fields = [], {}
+    events: list[dict[str, str]] = []
+    fields: dict[str, str] = {}
     with httpx.Client(base_url=dev.process.gateway, timeout=60) as http:
         with http.stream("GET", path, headers=headers or {}) as response:
             assert response.status_code == 200, response.read()

@@ -780,3 +780,18 @@ def test_a_result_stored_with_its_commit_answers_its_intent() -> None:
     assert decide_claim(tail=commit, records=entries, iteration=0, attempt=1) == AlreadyCommitted(
         commit=commit
     )
+
+
+def test_a_claim_of_iteration_zero_of_an_ended_run_is_stale_before_any_read() -> None:
+    from dagnats.journal.replay import Stale, closed_start
+
+    assert closed_start(0, run_ended="run r is completed") == Stale(detail="run r is completed")
+    assert closed_start(0, run_ended="") is None
+    assert closed_start(3, run_ended="run r is cancelled") is None, "it follows a commit"
+
+
+def test_only_the_commit_of_the_iteration_before_is_a_guessed_tail() -> None:
+    from dagnats.journal.replay import guess_tail
+
+    assert guess_tail(4, 5)
+    assert not guess_tail(3, 5) and not guess_tail(5, 5) and not guess_tail(None, 0)

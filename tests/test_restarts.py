@@ -54,7 +54,7 @@ from dagnats.sdk import (
     run_output,
 )
 from dagnats.sdk.testing import ScriptedModel
-from tests.helpers import body, holds, wait_for
+from tests.helpers import body, holds, trailing, wait_for
 from tests.matrix import EngineProcess
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
 
@@ -278,13 +278,13 @@ def nats_timeout_once() -> seam.Hook:
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def journal(engine: EngineServer) -> AsyncIterator[jgrpc.JournalServiceStub]:
+async def journal(engine: EngineServer) -> AsyncIterator[jgrpc.JournalServiceAsyncStub]:
     async with grpc.aio.insecure_channel(engine.target) as channel:
         yield jgrpc.JournalServiceStub(channel)
 
 
 async def place_inputs_request(
-    client: Client, journal: jgrpc.JournalServiceStub
+    client: Client, journal: jgrpc.JournalServiceAsyncStub
 ) -> jpb.PlaceInputsRequest:
     """A PlaceInputs call of a claimed iteration 0, with one input queued."""
     task, name = unique("timeout"), unique("timeoutwf")
@@ -298,7 +298,7 @@ async def place_inputs_request(
 
 
 async def test_a_nats_timeout_in_a_unary_journal_call_is_a_retriable_status(
-    client: Client, journal: jgrpc.JournalServiceStub
+    client: Client, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     request = await place_inputs_request(client, journal)
     seam.install(nats_timeout_once())
@@ -309,17 +309,15 @@ async def test_a_nats_timeout_in_a_unary_journal_call_is_a_retriable_status(
         seam.install(None)
     retried = await journal.PlaceInputs(request)
     assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert ("dagnats-error-code", "deadline_exceeded") in tuple(
-        failed.value.trailing_metadata() or ()
-    )
+    assert ("dagnats-error-code", "deadline_exceeded") in tuple(trailing(failed.value).items())
     assert [p.request_id for p in retried.inputs] == ["s1"]
 
 
 async def test_a_nats_timeout_in_a_session_call_answers_it_and_keeps_the_stream(
-    client: Client, journal: jgrpc.JournalServiceStub
+    client: Client, journal: jgrpc.JournalServiceAsyncStub
 ) -> None:
     request = await place_inputs_request(client, journal)
-    stream = journal.Session()
+    stream = journal.Session(None)
     seam.install(nats_timeout_once())
     try:
         await stream.write(jpb.SessionRequest(id=1, place_inputs=request))

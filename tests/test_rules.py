@@ -483,3 +483,41 @@ def test_a_commit_of_an_earlier_attempt_counts_only_when_it_ends_the_iteration()
     )
     accepted = rules.apply(run, cont, T0 + 3)
     assert isinstance(accepted, m.Accepted) and accepted.run.step("agent").iteration == 1
+
+
+# ---- which task is current, which step awaits one ---------------------------------
+
+
+def test_a_task_is_current_only_for_its_steps_dispatch_while_both_run() -> None:
+    dispatch = m.Identity(iteration=2, attempt=1)
+    running, step = m.RunStatus.RUNNING, m.StepStatus.RUNNING
+    assert rules.task_is_current(running, step, dispatch, dispatch)
+    retried = m.Identity(iteration=2, attempt=2)
+    assert not rules.task_is_current(running, step, retried, dispatch), "an earlier attempt"
+    assert not rules.task_is_current(running, m.StepStatus.WAITING, dispatch, dispatch)
+    assert not rules.task_is_current(m.RunStatus.CANCELLED, step, dispatch, dispatch)
+    assert not rules.task_is_current(running, None, None, dispatch), "no such step"
+
+
+def test_the_steps_awaiting_a_task_are_the_running_ones_a_worker_runs() -> None:
+    workflow = wf(
+        [
+            {"id": "a", "type": "task", "task": "t1"},
+            {"id": "b", "type": "task", "task": "t2"},
+            {"id": "c", "type": "task", "task": "t3", "depends_on": ["a"]},
+        ]
+    )
+    run = start(workflow).run
+    awaiting = [(step.step_id, task) for step, task in rules.awaiting_a_task(run)]
+    assert awaiting == [("a", "t1"), ("b", "t2")], "c is pending"
+    done = replace_step(run, "b", status=m.StepStatus.COMPLETED)
+    assert [s.step_id for s, _ in rules.awaiting_a_task(done)] == ["a"]
+    child = replace_step(run, "a", child_run_id="c" * 32)
+    assert [s.step_id for s, _ in rules.awaiting_a_task(child)] == ["b"]
+
+
+def replace_step(run: m.Run, step_id: str, **changes: object) -> m.Run:
+    from dataclasses import replace
+
+    steps = tuple(replace(s, **changes) if s.step_id == step_id else s for s in run.steps)  # type: ignore[arg-type]
+    return replace(run, steps=steps)

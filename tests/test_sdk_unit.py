@@ -238,7 +238,7 @@ class ScriptedStatuses(engine_pb2_grpc.EngineServiceServicer):
 
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[ScriptedStatuses, str]]:
-    servicer = ScriptedStatuses()
+    servicer = ScriptedStatuses()  # type: ignore[abstract]  # the calls the tests make
     srv = grpc.aio.server()
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, srv)
     port = srv.add_insecure_port("127.0.0.1:0")
@@ -507,7 +507,7 @@ class NatsHiccup(engine_pb2_grpc.EngineServiceServicer):
 async def test_a_nats_request_that_went_unanswered_is_retried_where_that_is_safe(
     fault: type[Exception], start_retried: bool
 ) -> None:
-    servicer = NatsHiccup(fault)
+    servicer = NatsHiccup(fault)  # type: ignore[abstract]  # the calls the tests make
     srv = grpc.aio.server()
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, srv)
     port = srv.add_insecure_port("127.0.0.1:0")

@@ -36,7 +36,7 @@ from dagnats.sdk import (
     Worker,
 )
 from tests.gates import Gates, engine_counting_get_runs, two_steps
-from tests.helpers import wait_for
+from tests.helpers import trailing, wait_for
 from tests.matrix import EngineProcess
 from tests.stack import FAST, unique
 
@@ -91,15 +91,16 @@ async def test_wait_for_run_answers_on_the_end_without_polling(
     name, gates = gated
     run = await client.start_run(name)
     waiting = asyncio.create_task(client.wait_for_run(run.run_id, timeout=30))
-    assert engine.watches is not None
-    await wait_for(lambda: run.run_id in engine.watches, message="the run is watched")
+    watches = engine.watches
+    assert watches is not None
+    await wait_for(lambda: run.run_id in watches, message="the run is watched")
     gates.open("first", "second")
 
     done = await waiting
     assert done.status == pb.RUN_STATUS_COMPLETED
     assert [s.status for s in done.steps] == [COMPLETED, COMPLETED]
     assert GET_RUNS[run.run_id] == 0, "the wait polled GetRun"
-    await wait_for(lambda: run.run_id not in engine.watches, message="the watch is stopped")
+    await wait_for(lambda: run.run_id not in watches, message="the watch is stopped")
 
 
 async def test_many_watchers_of_a_run_share_one_consumer(
@@ -217,7 +218,7 @@ async def test_bad_and_unknown_run_ids(engine: EngineServer, client: Client) -> 
                 async for _ in stub.WatchRun(pb.WatchRunRequest(run_id=run_id)):
                     pass
             assert failed.value.code() == status
-            trailers = dict(failed.value.trailing_metadata() or ())
+            trailers = trailing(failed.value)
             assert trailers["dagnats-error-code"] == code
             assert trailers["dagnats-error-field"] == "run_id"
 

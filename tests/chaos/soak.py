@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import random
 import signal
@@ -286,9 +287,10 @@ class Soak:
             await asyncio.sleep(delay)  # when the person types, not a synchronisation
             request_id = f"in-{k}"
             try:
-                await _retry(
-                    lambda r=request_id, k=k: client.submit_input(run_id, "agent", r, {"k": k})
+                submit = functools.partial(
+                    client.submit_input, run_id, "agent", request_id, {"k": k}
                 )
+                await _retry(submit)
             except errors.Conflict:
                 continue  # the step finished first
             submitted.append(request_id)

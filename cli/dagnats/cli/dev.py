@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from dagnats.cli import demo
-from dagnats.cli.main import DEFAULT_DATA_DIR, DEV_FILE, UsageError, print_run
+from dagnats.cli.common import DEFAULT_DATA_DIR, DEV_FILE, UsageError, print_run
 from dagnats.core.natsserver import free_port
 from dagnats.gateway import GatewayConfig
 from dagnats.sdk import Client, Credentials, Worker

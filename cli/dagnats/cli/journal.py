@@ -4,7 +4,7 @@
 summary) and exits 1 on any violation. ``read`` prints a step's records, one
 line each, or one JSON object per line with ``--json``; ``--follow`` keeps
 printing records as they are written, until the step has finished and every
-record was printed (``dagnats.sdk._follow``, as the HTTP API's event stream).
+record was printed (``dagnats.sdk.follow``, as the HTTP API's event stream).
 
 The journal service is reached through ``dagnats.sdk.JournalClient``; the
 JSON is ``dagnats.sdk.views.record_dict``, the same as the HTTP API's.
@@ -20,7 +20,7 @@ from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import parse_seq
 from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.sdk import Client, Credentials, JournalClient
-from dagnats.sdk._follow import follow_step
+from dagnats.sdk.follow import follow_step
 from dagnats.sdk.views import check_dict, record_dict
 
 # A person at a terminal is told within seconds that the engine is not there;

@@ -17,27 +17,23 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from dagnats.cli.common import DEFAULT_DATA_DIR, DEV_FILE, UsageError, dumps, print_run
 from dagnats.cli.journal import RETRY_FOR, add_journal_commands, run_journal
 from dagnats.core.errors import DagnatsError, Unavailable
 from dagnats.core.natsauth import FLAGS as NATS_FLAGS
 from dagnats.core.natsauth import NatsSettings
+from dagnats.core.settings import DEFAULT_PORTS, SERVICES
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Credentials
-from dagnats.sdk.views import decode_payload, enum_name, run_dict, workflow_dict
+from dagnats.sdk.views import enum_name, run_dict, workflow_dict
 
 DEFAULT_ENGINE = "127.0.0.1:7233"
-DEFAULT_DATA_DIR = ".dagnats"
-DEV_FILE = "dev.json"
 # The exit code of a command whose reader closed the pipe (128 + SIGPIPE).
 EXIT_BROKEN_PIPE = 141
 
 RUN_STATUSES = ("running", "completed", "failed", "cancelled")
 # The longest `run start --wait` and `run watch --stream` wait for a run to end.
 WAIT_SECONDS = 3600.0
-
-
-class UsageError(Exception):
-    """Bad command-line input, reported like a domain error."""
 
 
 # Set by ``main`` from ``--data-dir``: where ``dagnats dev`` keeps its data and ``dev.json``.
@@ -89,17 +85,32 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--exit-after-demo", action="store_true", help="stop after the demo run")
 
     serve = sub.add_parser(
-        "serve", help="serve the engine (against NATS) or the HTTP gateway (against the engine)"
+        "serve",
+        help="serve the engine, the journal or the inputs service, or all three on one port "
+        "(against NATS), or the HTTP gateway (against them)",
     )
-    serve.add_argument("service", choices=["engine", "gateway"])
+    serve.add_argument("service", choices=[*SERVICES, "all", "gateway"])
     serve.add_argument(
         "--nats", default=os.environ.get("DAGNATS_NATS_URL", "nats://127.0.0.1:4222")
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument(
-        "--port", type=int, default=None, help="default 7233 (engine), 8080 (gateway)"
+        "--port",
+        type=int,
+        default=None,
+        help="default 7233 (engine, all), 7234 (journal), 7235 (inputs), 8080 (gateway)",
     )
     serve.add_argument("--engine", default=None, help="gateway: engine address (DAGNATS_ENGINE)")
+    serve.add_argument(
+        "--journal",
+        default=os.environ.get("DAGNATS_JOURNAL"),
+        help="gateway: journal service address, when it runs apart (DAGNATS_JOURNAL)",
+    )
+    serve.add_argument(
+        "--inputs",
+        default=os.environ.get("DAGNATS_INPUTS"),
+        help="gateway: inputs service address, when it runs apart (DAGNATS_INPUTS)",
+    )
     serve.add_argument(
         "--nats-monitor",
         default=os.environ.get("DAGNATS_NATS_MONITOR"),
@@ -156,30 +167,6 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- output ----------------------------------------------------------------------
-
-
-def dumps(value: Any) -> str:
-    """JSON for a person and for a program alike: indented, text as written."""
-    return json.dumps(value, indent=2, ensure_ascii=False)
-
-
-def print_run(run: pb.Run, as_json: bool) -> None:
-    if as_json:
-        print(dumps(run_dict(run)))
-        return
-    print(f"run       {run.run_id}")
-    print(f"workflow  {run.workflow}")
-    print(f"status    {enum_name(pb.RunStatus, run.status)}")
-    if run.error:
-        print(f"error     {run.error}")
-    if run.output:
-        print(f"output    {json.dumps(decode_payload(run.output), ensure_ascii=False)}")
-    for step in run.steps:
-        line = f"  step {step.step_id:<16} {enum_name(pb.StepStatus, step.status):<10}"
-        line += f" iteration {step.iteration} attempt {step.attempt}"
-        if step.error:
-            line += f"  error: {step.error}"
-        print(line)
 
 
 # ---- commands ----------------------------------------------------------------------
@@ -359,19 +346,21 @@ async def _serve(args: argparse.Namespace) -> int:
         return await _serve_gateway(args)
     from dagnats.core.jetstream import Topology
     from dagnats.engine.security import ServerSecurity
-    from dagnats.engine.server import start_engine
+    from dagnats.engine.server import start_services
 
+    services = SERVICES if args.service == "all" else (args.service,)
     replicas = int(os.environ.get("DAGNATS_REPLICAS", "1"))
-    server = await start_engine(
+    server = await start_services(
         args.nats,
+        services=services,
         host=args.host,
-        port=7233 if args.port is None else args.port,
+        port=DEFAULT_PORTS[services[0]] if args.port is None else args.port,
         topology=Topology(replicas=replicas),
         monitor_url=args.nats_monitor,
         security=ServerSecurity.from_env(),
         nats_settings=_nats_settings(args),
     )
-    print(f"engine serving on {server.target}", flush=True)
+    print(f"{' and '.join(server.services)} serving on {server.target}", flush=True)
     try:
         await asyncio.Event().wait()
     finally:
@@ -393,6 +382,8 @@ async def _serve_gateway(args: argparse.Namespace) -> int:
         args.engine or default_target(),
         host=args.host,
         port=DEFAULT_PORT if args.port is None else args.port,
+        journal_target=args.journal,
+        inputs_target=args.inputs,
     )
     server = await start_gateway(config)
     print(f"gateway serving on {server.url} (engine {config.engine_target})", flush=True)

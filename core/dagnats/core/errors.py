@@ -1,36 +1,60 @@
 """Domain errors shared by every dagnats component.
 
-Services raise these; each service maps them to a gRPC status in one table
-(``dagnats.core.grpcutil.STATUS_OF``) and the SDK maps statuses back in one
-place, so no caller outside those two modules sees a ``grpc.RpcError``.
+Services raise these; the one table of ``dagnats.core.grpcutil`` maps each to
+a gRPC status with its code, field and typed fields in the trailers (or in a
+``SessionError`` on the journal's Session stream), and ``grpcutil`` rebuilds
+the same error from them on the way back, so no caller outside that module
+sees a ``grpc.RpcError`` and a client gets the fields the service raised
+(a fenced write's expected and actual sequences).
 
-    DagnatsError                      root of everything raised on purpose
-    ├── InvalidArgument               bad input; names the field
-    │   └── RecordTooLarge            a journal record over the documented maximum
-    ├── NotFound                      unknown workflow, run, step, ...
-    ├── Conflict                      the request contradicts current state
-    ├── Unavailable                   transport or backend trouble; retriable
-    │   └── NotProvisioned            a stream or bucket the call needs is missing
-    ├── DeadlineExceeded              an operation ran out of time
-    ├── Unauthenticated               the call carried no valid credential
-    ├── PermissionDenied              the credential's role may not make the call
-    ├── Fenced                        a successor holds the step; stop writing
-    └── ReplayMismatch                the handler made a different call at a
+    BaseException
+    ├── JournalSignal                 the journal decided the task's fate (the SDK's
+    │   │                             Stale, Committed and RestartLimit too)
+    │   └── Fenced                    a successor holds the step; write nothing more
+    └── Exception
+        └── DagnatsError              root of every error raised on purpose
+            ├── InvalidArgument       bad input; names the field
+            │   └── RecordTooLarge    a journal record over the documented maximum
+            ├── NotFound              unknown workflow, run, step, ...
+            ├── Conflict              the request contradicts current state
+            ├── Unavailable           transport or backend trouble; retriable
+            │   └── NotProvisioned    a stream or bucket the call needs is missing
+            ├── DeadlineExceeded      an operation ran out of time
+            ├── Unauthenticated       the call carried no valid credential
+            ├── PermissionDenied      the credential's role may not make the call
+            └── ReplayMismatch        the handler made a different call at a
                                       recorded position; nothing was written
+
+``Fenced`` is a ``BaseException``, as the other journal signals are, so that an
+``except Exception:`` in a handler cannot swallow it: a fenced holder must stop
+(its acknowledgement would take the task from its successor). Services raise
+and answer it like any domain error.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
 
 
 class DagnatsError(Exception):
     """Root of every error dagnats raises on purpose."""
 
-    code = "internal"
+    code: ClassVar[str] = "internal"
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+
+    def details(self) -> dict[str, str]:
+        """The error's typed fields, as text, for the wire (none here)."""
+        return {}
+
+    @classmethod
+    def from_wire(cls, message: str, field: str | None, details: Mapping[str, str]) -> DagnatsError:
+        """The error a service raised, from what its status carried."""
+        return cls(message, field=field)
 
 
 class InvalidArgument(DagnatsError):
@@ -89,20 +113,77 @@ class PermissionDenied(DagnatsError):
     code = "permission_denied"
 
 
-class Fenced(DagnatsError):
-    """A journal write found a tail other than the writer's: a successor claimed."""
-
-    code = "fenced"
-
-    def __init__(
-        self, message: str, *, field: str | None = None, expected: int = 0, actual: int = 0
-    ) -> None:
-        super().__init__(message, field=field)
-        self.expected = expected
-        self.actual = actual
-
-
 class ReplayMismatch(DagnatsError):
     """The call at a position differs from the one the journal recorded there."""
 
     code = "replay_mismatch"
+
+
+class JournalSignal(BaseException):
+    """The journal decided this task's fate; the handler must return at once.
+
+    Attributes:
+        run_id: The run.
+        step_id: The step.
+        detail: What the journal found.
+    """
+
+    code: ClassVar[str] = "journal_signal"
+    field: str | None = None
+
+    def __init__(self, run_id: str, step_id: str, detail: str = "") -> None:
+        super().__init__(detail or type(self).__name__)
+        self.run_id = run_id
+        self.step_id = step_id
+        self.detail = detail
+
+    @property
+    def message(self) -> str:
+        return self.detail or type(self).__name__
+
+
+class Fenced(JournalSignal):
+    """A successor claimed the step: this holder must write nothing more and
+    must not settle the task.
+
+    Attributes:
+        run_id: The run.
+        step_id: The step.
+        expected: The tail the holder knew: the sequence of the last record it
+            saw on the step's journal (0 when the call named none).
+        actual: The tail the journal found instead (0 when not known, as for
+            the engine's refusal of a fenced holder's report).
+    """
+
+    code: ClassVar[str] = "fenced"
+
+    def __init__(
+        self, run_id: str, step_id: str, *, expected: int = 0, actual: int = 0, detail: str = ""
+    ) -> None:
+        detail = detail or f"fenced: expected tail {expected}, found {actual}"
+        super().__init__(run_id, step_id, detail)
+        self.expected = expected
+        self.actual = actual
+
+    def details(self) -> dict[str, str]:
+        return {
+            "run_id": self.run_id,
+            "step_id": self.step_id,
+            "expected": str(self.expected),
+            "actual": str(self.actual),
+        }
+
+    @classmethod
+    def from_wire(cls, message: str, field: str | None, details: Mapping[str, str]) -> Fenced:
+        return cls(
+            details.get("run_id", ""),
+            details.get("step_id", ""),
+            expected=_number(details.get("expected")),
+            actual=_number(details.get("actual")),
+            detail=message,
+        )
+
+
+def _number(text: str | None) -> int:
+    """A sequence from the wire; 0 when it is missing or not a number."""
+    return int(text) if text is not None and text.isdigit() else 0

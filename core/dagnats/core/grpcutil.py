@@ -1,16 +1,22 @@
 """The one table between domain errors and gRPC status codes.
 
 Servicers wrap their methods with :func:`domain_errors`, which turns a raised
-:class:`~dagnats.core.errors.DagnatsError` into a status with the error's code
-and field in trailing metadata. Clients call :func:`error_from_rpc` to turn the
-status back into the same domain error. Nothing else looks at status codes.
+:class:`~dagnats.core.errors.DagnatsError` (or ``Fenced``) into a status with
+the error's code, field and typed fields in trailing metadata
+(``dagnats-error-code``, ``dagnats-error-field``, ``dagnats-error-<name>``:
+a fenced write's ``expected`` and ``actual`` sequences, its ``run-id`` and
+``step-id``). The journal's Session stream answers a call with the same in a
+``SessionError`` (:func:`wire_status`, :func:`wire_details`). Clients turn
+either back into the very error the service raised, typed fields included,
+with :func:`error_from_rpc` and :func:`error_from_status`, and nothing else
+looks at status codes.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -19,9 +25,8 @@ from dagnats.core import deadline, errors
 
 log = logging.getLogger(__name__)
 
-# Domain error -> status code. Subclasses defined by services (Fenced, Stale, ...)
-# are registered with register_error so that both directions stay in this table.
-STATUS_OF: dict[type[errors.DagnatsError], grpc.StatusCode] = {
+# Domain error -> status code, both ways.
+STATUS_OF: dict[type[errors.DagnatsError | errors.Fenced], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.RecordTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
@@ -37,7 +42,9 @@ STATUS_OF: dict[type[errors.DagnatsError], grpc.StatusCode] = {
 }
 
 # The error code carried in trailing metadata -> class, for the way back.
-_CLASS_OF_CODE: dict[str, type[errors.DagnatsError]] = {c.code: c for c in STATUS_OF}
+_CLASS_OF_CODE: dict[str, type[errors.DagnatsError | errors.Fenced]] = {
+    c.code: c for c in STATUS_OF
+}
 # Status codes that mean "the transport failed, try again". RESOURCE_EXHAUSTED
 # is not one: a message over a size limit is as large on every try.
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -47,6 +54,8 @@ _RETRIABLE_ERRORS = frozenset({errors.Unavailable.code, errors.DeadlineExceeded.
 
 CODE_KEY = "dagnats-error-code"
 FIELD_KEY = "dagnats-error-field"
+# Each typed field of an error rides in a trailer of its own, named after it.
+DETAIL_PREFIX = "dagnats-error-"
 
 
 def with_metadata(
@@ -66,13 +75,7 @@ def with_metadata(
     )
 
 
-def register_error(cls: type[errors.DagnatsError], status: grpc.StatusCode) -> None:
-    """Add a service-specific error class to the table."""
-    STATUS_OF[cls] = status
-    _CLASS_OF_CODE[cls.code] = cls
-
-
-def status_of(err: errors.DagnatsError) -> grpc.StatusCode:
+def status_of(err: WireError) -> grpc.StatusCode:
     """The status code for ``err``, found through its class hierarchy."""
     for cls in type(err).__mro__:
         if cls in STATUS_OF:
@@ -81,6 +84,8 @@ def status_of(err: errors.DagnatsError) -> grpc.StatusCode:
 
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+# What a status carries: a domain error, or a fenced write.
+WireError = errors.DagnatsError | errors.Fenced
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -93,7 +98,7 @@ def domain_errors(method: F) -> F:
         try:
             with deadline.serving(context.time_remaining()):
                 return await method(self, request, context)
-        except Exception as err:
+        except (Exception, errors.Fenced) as err:
             if (domain := as_domain_error(err)) is None:
                 raise
             await abort_with(context, domain)
@@ -101,7 +106,7 @@ def domain_errors(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def as_domain_error(err: Exception) -> errors.DagnatsError | None:
+def as_domain_error(err: BaseException) -> WireError | None:
     """The domain error a client should see for ``err``, raised while serving a
     request: a domain error as it is; NATS that did not answer (a stream
     electing its leader, a server restarting) or any timeout as a retriable
@@ -110,9 +115,9 @@ def as_domain_error(err: Exception) -> errors.DagnatsError | None:
     Used by unary methods (:func:`domain_errors`) and by the journal's Session
     stream, so both answer the same failure with the same status.
     """
-    if isinstance(err, errors.DagnatsError):
+    if isinstance(err, errors.DagnatsError | errors.Fenced):
         return err
-    return transient_nats(err)
+    return transient_nats(err) if isinstance(err, Exception) else None
 
 
 def transient_nats(err: Exception) -> errors.Unavailable | errors.DeadlineExceeded | None:
@@ -156,17 +161,32 @@ def error_code(err: grpc.aio.AioRpcError) -> str:
     return str(code) if code else ""
 
 
-async def abort_with(context: Context, err: errors.DagnatsError) -> None:
-    """End the call with the status of ``err``, its code and field in metadata."""
-    status, message, field = wire_status(err)
-    metadata: list[tuple[str, str]] = [(CODE_KEY, err.code)]
-    if field:
-        metadata.append((FIELD_KEY, field))
-    context.set_trailing_metadata(tuple(metadata))
+async def abort_with(context: Context, err: WireError) -> None:
+    """End the call with the status of ``err``, its code, field and typed
+    fields in trailing metadata."""
+    status, message, _ = wire_status(err)
+    context.set_trailing_metadata(trailers(err))
     await context.abort(status, message)
 
 
-def wire_status(err: errors.DagnatsError) -> tuple[grpc.StatusCode, str, str]:
+def trailers(err: WireError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that carries ``err``: its code, its field and
+    each typed field (``dagnats-error-expected: 12``)."""
+    _, _, field = wire_status(err)
+    metadata: list[tuple[str, str]] = [(CODE_KEY, err.code)]
+    if field:
+        metadata.append((FIELD_KEY, field))
+    for name, value in wire_details(err).items():
+        metadata.append((DETAIL_PREFIX + name.replace("_", "-"), value))
+    return tuple(metadata)
+
+
+def wire_details(err: WireError) -> dict[str, str]:
+    """The typed fields of ``err`` as the wire carries them: printable ASCII."""
+    return {k: v.encode("unicode_escape").decode("ascii") for k, v in err.details().items()}
+
+
+def wire_status(err: WireError) -> tuple[grpc.StatusCode, str, str]:
     """The status code, message and field that carry ``err`` to a client."""
     # Messages and fields may quote a request (an unknown field's name): the
     # status message must be valid UTF-8 and metadata values printable ASCII, or gRPC
@@ -175,25 +195,33 @@ def wire_status(err: errors.DagnatsError) -> tuple[grpc.StatusCode, str, str]:
     return status_of(err), err.message.encode("utf-8", "backslashreplace").decode(), field
 
 
-def error_from_rpc(err: grpc.aio.AioRpcError) -> errors.DagnatsError:
+def error_from_rpc(err: grpc.aio.AioRpcError) -> WireError:
     """Turn a failed call back into the domain error the server raised."""
     # grpc.aio yields (key, value) pairs; the stubs describe the sync API's objects.
     pairs = cast(Iterable[tuple[str, Any]], err.trailing_metadata() or ())
-    trailing = dict(pairs)
-    code, field = trailing.get(CODE_KEY), trailing.get(FIELD_KEY)
-    return error_from_status(
-        err.code(), err.details() or "", str(code) if code else "", str(field) if field else ""
-    )
+    trailing = {str(k): str(v) for k, v in pairs}
+    code, field = trailing.pop(CODE_KEY, ""), trailing.pop(FIELD_KEY, "")
+    details = {
+        k.removeprefix(DETAIL_PREFIX).replace("-", "_"): v
+        for k, v in trailing.items()
+        if k.startswith(DETAIL_PREFIX)
+    }
+    return error_from_status(err.code(), err.details() or "", code, field, details)
 
 
 def error_from_status(
-    status: grpc.StatusCode, message: str, code: str, field: str
-) -> errors.DagnatsError:
-    """The domain error named by ``code`` (or, without one, by ``status``)."""
+    status: grpc.StatusCode,
+    message: str,
+    code: str,
+    field: str,
+    details: Mapping[str, str] | None = None,
+) -> WireError:
+    """The domain error named by ``code`` (or, without one, by ``status``),
+    with the typed fields ``details`` carried."""
     cls = _CLASS_OF_CODE.get(code) if code else None
     if cls is None:
         cls = _class_for_status(status)
-    return cls(message or status.name.lower(), field=field or None)
+    return cls.from_wire(message or status.name.lower(), field or None, details or {})
 
 
 def status_code(value: int) -> grpc.StatusCode:
@@ -204,7 +232,7 @@ def status_code(value: int) -> grpc.StatusCode:
 _STATUS_BY_NUMBER = {s.value[0]: s for s in grpc.StatusCode}
 
 
-def _class_for_status(status: grpc.StatusCode) -> type[errors.DagnatsError]:
+def _class_for_status(status: grpc.StatusCode) -> type[WireError]:
     for cls, code in STATUS_OF.items():
         if code == status and cls.__module__ == errors.__name__:
             return cls

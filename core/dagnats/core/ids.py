@@ -13,6 +13,8 @@ with the same message and field everywhere.
   is also one segment of an HTTP path, so it cannot hold ``/`` and cannot be
   ``.`` or ``..`` (clients resolve those segments before sending).
 * A journal cursor is a JetStream sequence: 0 up to ``MAX_SEQ``.
+* A lease is the ack subject of a task message of the ``TASKS`` stream, as
+  ``PollTasks`` handed it out.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from dagnats.core.errors import InvalidArgument
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
+# $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ts>.<pending>, optionally
+# with <domain>.<account hash> after ACK and a trailing random token.
+_LEASE = re.compile(
+    r"\$JS\.ACK\.(?:[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.)?TASKS\.tasks-[A-Za-z0-9_-]{1,64}"
+    r"(?:\.[0-9]+){5}(?:\.[A-Za-z0-9_-]+)?"
+)
 
 MAX_REQUEST_ID = 256
 """The longest request id, in characters."""
@@ -105,6 +113,17 @@ def parse_seq(text: str, *, field: str) -> int:
             field=field,
         )
     return check_seq(int(digits), field=field)
+
+
+def check_lease(value: str, *, field: str = "lease") -> str:
+    """Return ``value`` if it is a task lease from ``PollTasks``.
+
+    Raises:
+        InvalidArgument: naming ``field`` otherwise.
+    """
+    if not _LEASE.fullmatch(value):
+        raise InvalidArgument(f"{field} is not a task lease from PollTasks", field=field)
+    return value
 
 
 def new_run_id() -> str:

@@ -1,7 +1,8 @@
 """Connecting to NATS and provisioning every stream and bucket the product uses.
 
 One place holds the stream configurations so that ``dagnats dev``, the
-services and the tests create the same thing. Settings follow DESIGN.md §10:
+services and the tests create the same thing. Settings follow the JetStream
+facts of docs/architecture.md:
 dedupe windows cover the whole retry horizon, task and timer consumers never
 drop a message after a delivery limit, and no stream uses async persistence.
 """
@@ -204,7 +205,7 @@ def _streams(topology: Topology) -> list[StreamConfig]:
         ),
         # The fence of a step is the last record on its subject, so nothing may
         # remove records early: no TTL, no deletes, no discard; MaxAge bounds the
-        # life of a run (DESIGN.md §10.4). Purged only with its terminal run.
+        # life of a run (docs/architecture.md, F4). Purged only with its terminal run.
         StreamConfig(
             name=JOURNAL,
             subjects=["journal.>"],

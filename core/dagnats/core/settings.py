@@ -18,6 +18,11 @@ from dagnats.core.errors import InvalidArgument
 
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
+# The services a server process runs (``dagnats serve``), each alone or all
+# together, and the port each takes by default (all three: the engine's).
+SERVICES = ("engine", "journal", "inputs")
+DEFAULT_PORTS = {"engine": 7233, "journal": 7234, "inputs": 7235}
+
 
 def env_seconds(name: str, default: float) -> float:
     """A positive, finite number of seconds from ``name``; ``default`` when unset."""

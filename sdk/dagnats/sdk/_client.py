@@ -13,9 +13,9 @@ from types import TracebackType
 from typing import Any, Self
 
 from dagnats.core.errors import DeadlineExceeded, Unavailable
+from dagnats.core.payload import decode, encode
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
-from dagnats.sdk._codec import decode, encode
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import RunFailed
 from dagnats.sdk._journal import InputMode
@@ -48,6 +48,8 @@ class Client:
             (a restart, a leader election) before it raises ``Unavailable``.
         credentials: Token and TLS files; by default from the environment
             (``DAGNATS_TOKEN``, ``DAGNATS_TLS_CA``, ...; see ``Credentials``).
+        inputs_target: Address of the inputs service when it runs apart from
+            the engine (``dagnats serve inputs``); by default ``target``.
 
     Every method raises the domain error the engine answered with
     (``InvalidArgument``, ``NotFound``, ``Conflict``, ...), ``Unauthenticated``
@@ -62,9 +64,14 @@ class Client:
         timeout: float = 10.0,
         retry_for: float = 30.0,
         credentials: Credentials | None = None,
+        inputs_target: str | None = None,
     ) -> None:
         self._rpc = EngineRpc(
-            target, timeout=timeout, retry=RetryPolicy(budget=retry_for), credentials=credentials
+            target,
+            timeout=timeout,
+            retry=RetryPolicy(budget=retry_for),
+            credentials=credentials,
+            inputs_target=inputs_target,
         )
 
     async def __aenter__(self) -> Self:

@@ -29,13 +29,12 @@ from typing import Any
 from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
-from dagnats.core.errors import Fenced as FencedError
+from dagnats.core.outcomes import Outcome, commit_of, settled_report
+from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
-from dagnats.journal.outcomes import Outcome, commit_of, outcome_of
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._codec import decode, encode
 from dagnats.sdk._errors import (
     Committed,
     Fenced,
@@ -212,14 +211,10 @@ class TaskContext:
             lease=self._leased.lease,  # a settled claim is settled by the service
         )
         self._session = self._session or JournalSession(self._rpc, lease=self._lease)
-        try:
-            response = await self._session.claim(request)
-        except FencedError as err:
-            # A concurrent claim of this dispatch came between our read of the
-            # tail and our append: the task is its holder's, not ours to report.
-            raise Fenced(
-                self.run_id, self.step_id, expected=err.expected, actual=err.actual
-            ) from None
+        # A claim that raises Fenced lost to a concurrent claim of this
+        # dispatch (between its read of the tail and its append): the task is
+        # that holder's, not ours to report.
+        response = await self._session.claim(request)
         if response.HasField("settled"):
             await self._settled_by_journal(response.settled)
         claimed = response.claimed
@@ -466,31 +461,11 @@ class TaskContext:
                 getattr(request, field).CopyFrom(outcome)
                 if (await self._rpc.report(request, lease=self._lease)).cancelled:
                     self._mark_cancelled()
-        except DagnatsError:
+        except (DagnatsError, Fenced):
             self._settled_as = None
             raise
         self._settle_done = True
         await seam("after_event")
-
-
-def settled_report(
-    settled: jpb.Settled, *, lease: str, run_id: str, step_id: str, iteration: int, attempt: int
-) -> pb.ReportRequest:
-    """What settles a task (``iteration``, ``attempt``) whose claim the journal
-    answered ``settled``: a stale task is acknowledged; a stored commit
-    (committed before a crash, or the restart limit's failure) is reported
-    again, under its own dispatch."""
-    request = pb.ReportRequest(lease=lease, run_id=run_id, step_id=step_id)
-    if settled.reason == "stale":
-        request.iteration, request.attempt = iteration, attempt
-        request.acknowledge.SetInParent()
-        return request
-    commit = settled.commit
-    request.iteration, request.attempt = commit.iteration, commit.attempt
-    request.journal_seq = commit.seq
-    field, outcome = outcome_of(commit.commit)
-    getattr(request, field).CopyFrom(outcome)
-    return request
 
 
 def _wait(delay: float | None, until: datetime | None, until_input: bool) -> pb.Wait:

@@ -1,8 +1,10 @@
 """Errors the SDK raises, and the ones a handler raises to steer its task.
 
-The domain errors are the ones every dagnats component shares
-(``dagnats.core.errors``); the SDK turns a failed RPC back into one of them in
-``_rpc`` and nowhere else, so no SDK user ever sees a ``grpc.RpcError``.
+The domain errors, ``JournalSignal`` and ``Fenced`` are the ones every dagnats
+component shares (``dagnats.core.errors``); a failed RPC becomes the very error
+the service raised, with its typed fields (a fenced write's ``expected`` and
+``actual`` sequences), in ``dagnats.core.grpcutil`` and nowhere else, so no
+SDK user ever sees a ``grpc.RpcError``.
 
     BaseException
     ├── RunCancelled                  the run was cancelled; the handler must stop
@@ -39,7 +41,9 @@ from dagnats.core.errors import (
     Conflict,
     DagnatsError,
     DeadlineExceeded,
+    Fenced,
     InvalidArgument,
+    JournalSignal,
     NotFound,
     PermissionDenied,
     ReplayMismatch,
@@ -126,22 +130,6 @@ class TaskAlreadySettled(DagnatsError):
         self.settled_as = settled_as
 
 
-class JournalSignal(BaseException):
-    """The journal decided this task's fate; the handler must return at once.
-
-    Attributes:
-        run_id: The run.
-        step_id: The step.
-        detail: What the journal found.
-    """
-
-    def __init__(self, run_id: str, step_id: str, detail: str = "") -> None:
-        super().__init__(detail or type(self).__name__)
-        self.run_id = run_id
-        self.step_id = step_id
-        self.detail = detail
-
-
 class Stale(JournalSignal):
     """A late redelivery: the journal is past this dispatch. Nothing ran."""
 
@@ -154,17 +142,6 @@ class Committed(JournalSignal):
 class RestartLimit(JournalSignal):
     """The iteration was claimed too many times in a row without progress; the
     failure was committed and reported, and the retry policy applies."""
-
-
-class Fenced(JournalSignal):
-    """A successor claimed the step: this holder must write nothing more and
-    must not settle the task. ``expected`` and ``actual`` are the tail the
-    holder knew and the one it found."""
-
-    def __init__(self, run_id: str, step_id: str, *, expected: int = 0, actual: int = 0) -> None:
-        super().__init__(run_id, step_id, f"fenced: expected tail {expected}, found {actual}")
-        self.expected = expected
-        self.actual = actual
 
 
 class ConcurrentJournalUse(RuntimeError):

@@ -41,10 +41,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from dagnats.core.errors import DagnatsError, InvalidArgument, RecordTooLarge, ReplayMismatch
-from dagnats.core.errors import Fenced as FencedError
+from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._codec import decode, encode
 from dagnats.sdk._errors import ConcurrentJournalUse, Fenced, RunCancelled
 from dagnats.sdk._stream import TokenStream
 
@@ -617,11 +616,9 @@ class Journal:
     ) -> R:
         try:
             answer = await rpc(self._token)
-        except FencedError as err:
+        except Fenced:
             self._fenced = True
-            raise Fenced(
-                self._token.run_id, self._token.step_id, expected=err.expected, actual=err.actual
-            ) from None
+            raise
         if then is not None:
             then(answer)
         return answer

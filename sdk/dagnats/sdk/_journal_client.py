@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 
 from dagnats.core import errors
-from dagnats.core.grpcutil import error_from_rpc
+from dagnats.core.grpcutil import WireError, error_from_rpc
 from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._rpc import EngineRpc, RetryPolicy
@@ -151,7 +151,7 @@ class JournalClient:
         finally:
             call.cancel()  # a no-op once the stream ended; stops it if the caller left early
 
-    def _domain_error(self, err: grpc.aio.AioRpcError) -> errors.DagnatsError:
+    def _domain_error(self, err: grpc.aio.AioRpcError) -> WireError:
         if err.code() == grpc.StatusCode.UNIMPLEMENTED:
             # A server without the journal service (an engine served on its own).
             return errors.Unavailable(f"{self._target} does not serve the journal service")

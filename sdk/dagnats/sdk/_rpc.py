@@ -47,8 +47,8 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from dagnats.core.errors import DagnatsError, PermissionDenied, Unauthenticated, Unavailable
-from dagnats.core.grpcutil import error_code, error_from_rpc, retriable
+from dagnats.core.errors import PermissionDenied, Unauthenticated, Unavailable
+from dagnats.core.grpcutil import WireError, error_code, error_from_rpc, retriable
 from dagnats.core.settings import env_seconds
 from dagnats.core.tracing import client_interceptors
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -72,6 +72,12 @@ MAX_IDLE_SESSIONS = 64
 SessionStream = grpc.aio.StreamStreamCall[jpb.SessionRequest, jpb.SessionResponse]
 FINAL_RUN_STATUSES = frozenset(
     {pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED}
+)
+_JOURNAL_METHODS = frozenset(
+    m.name for m in jpb.DESCRIPTOR.services_by_name["JournalService"].methods
+)
+_INPUTS_METHODS = frozenset(
+    m.name for m in ipb.DESCRIPTOR.services_by_name["InputsService"].methods
 )
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
@@ -162,11 +168,15 @@ class Lease:
 
 
 class EngineRpc:
-    """A connection to the engine; every method is one RPC with retries and a deadline.
+    """Connections to the services; every method is one RPC with retries and a deadline.
 
-    The channel is opened on the first call, so that it belongs to the running
-    event loop; TLS files are read here, so a missing one fails at once.
-    ``credentials`` None reads them from the environment (``Credentials.from_env``).
+    The engine, the journal and the inputs services are reached at ``target``
+    unless ``journal_target`` or ``inputs_target`` name another address (each
+    service running as its own process, ``dagnats serve journal``). A channel
+    is opened per address on the first call to it, so that it belongs to the
+    running event loop; TLS files are read here, so a missing one fails at
+    once. ``credentials`` None reads them from the environment
+    (``Credentials.from_env``); the same credentials go to every service.
     """
 
     def __init__(
@@ -176,13 +186,17 @@ class EngineRpc:
         timeout: float,
         retry: RetryPolicy | None = None,
         credentials: Credentials | None = None,
+        journal_target: str | None = None,
+        inputs_target: str | None = None,
     ) -> None:
         self._target = target
+        self._journal_target = journal_target or target
+        self._inputs_target = inputs_target or target
         self._credentials = credentials if credentials is not None else Credentials.from_env()
         self._channel_credentials = self._credentials.channel_credentials()
         self._timeout = timeout
         self._retry = retry or RetryPolicy()
-        self._channel: grpc.aio.Channel | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._stub: EngineServiceAsyncStub | None = None
         self._journal_stub: JournalServiceAsyncStub | None = None
         self._inputs_stub: InputsServiceAsyncStub | None = None
@@ -194,14 +208,14 @@ class EngineRpc:
         return self._timeout
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled. A later call reconnects."""
-        channel, self._channel, self._stub = self._channel, None, None
+        """Close the channels; calls in flight are cancelled. A later call reconnects."""
+        channels, self._channels, self._stub = self._channels, {}, None
         self._journal_stub = None
         self._inputs_stub = None
         idle, self._idle_sessions = self._idle_sessions, []
         for stream in idle:
             stream.cancel()
-        if channel is not None:
+        for channel in channels.values():
             await channel.close(None)
 
     # Workflows and runs.
@@ -387,34 +401,41 @@ class EngineRpc:
         return await self._journal().PutStream(requests)
 
     def _inputs(self) -> InputsServiceAsyncStub:
-        self._connect()
         if self._inputs_stub is None:
-            self._inputs_stub = inputs_pb2_grpc.InputsServiceStub(self._channel)  # type: ignore[arg-type]
+            channel = self._channel(self._inputs_target)
+            self._inputs_stub = inputs_pb2_grpc.InputsServiceStub(channel)
         return self._inputs_stub
 
     def _journal(self) -> JournalServiceAsyncStub:
-        self._connect()
         if self._journal_stub is None:
-            self._journal_stub = journal_pb2_grpc.JournalServiceStub(self._channel)  # type: ignore[arg-type]
+            channel = self._channel(self._journal_target)
+            self._journal_stub = journal_pb2_grpc.JournalServiceStub(channel)
         return self._journal_stub
 
     def _connect(self) -> EngineServiceAsyncStub:
         if self._stub is None:
+            self._stub = engine_pb2_grpc.EngineServiceStub(self._channel(self._target))
+        return self._stub
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        """The channel to ``target``, opened on first use (one per address)."""
+        channel = self._channels.get(target)
+        if channel is None:
             interceptors = client_interceptors() + self._credentials.interceptors()
             options = CHANNEL_OPTIONS + keepalive_options(self._retry.keepalive)
             if self._channel_credentials is None:
-                self._channel = grpc.aio.insecure_channel(
-                    self._target, options=options, interceptors=interceptors
+                channel = grpc.aio.insecure_channel(
+                    target, options=options, interceptors=interceptors
                 )
             else:
-                self._channel = grpc.aio.secure_channel(
-                    self._target,
+                channel = grpc.aio.secure_channel(
+                    target,
                     self._channel_credentials,
                     options=options,
                     interceptors=interceptors,
                 )
-            self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
-        return self._stub
+            self._channels[target] = channel
+        return channel
 
     async def _call(
         self,
@@ -504,10 +525,18 @@ class EngineRpc:
             raise self._domain_error(name, err) from None
         raise AssertionError("unreachable: the retry loop returns or raises")
 
-    def _domain_error(self, name: str, err: grpc.aio.AioRpcError) -> DagnatsError:
+    def _target_of(self, name: str) -> str:
+        """The address the RPC ``name`` went to."""
+        if name in _JOURNAL_METHODS:
+            return self._journal_target
+        if name in _INPUTS_METHODS:
+            return self._inputs_target
+        return self._target
+
+    def _domain_error(self, name: str, err: grpc.aio.AioRpcError) -> WireError:
         if err.code() == grpc.StatusCode.UNIMPLEMENTED:
             # A server without that service (an engine served without the journal).
-            return Unavailable(f"{self._target} does not serve {name}")
+            return Unavailable(f"{self._target_of(name)} does not serve {name}")
         domain = error_from_rpc(err)
         if isinstance(domain, Unauthenticated | PermissionDenied):
             # Say which credential was used, never the token itself.

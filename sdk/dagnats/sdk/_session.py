@@ -33,7 +33,7 @@ from google.protobuf.message import Message
 
 from dagnats.core import tracing
 from dagnats.core.grpcutil import error_from_status, status_code
-from dagnats.journal.session import CALLS, SERVICE
+from dagnats.core.session_calls import CALLS, SERVICE
 from dagnats.journal.v1 import journal_pb2 as jpb
 
 if TYPE_CHECKING:
@@ -166,7 +166,9 @@ class JournalSession:
                 error = answer.error
                 status = status_code(error.status)
                 tracing.set_status(span, status, error.message, server=False)
-                raise error_from_status(status, error.message, error.code, error.field)
+                raise error_from_status(
+                    status, error.message, error.code, error.field, dict(error.details)
+                )
             tracing.set_status(span, grpc.StatusCode.OK, "", server=False)
             found = getattr(answer, kind) if result == kind else None
             if not isinstance(found, answer_type):

@@ -74,6 +74,9 @@ class Worker:
             ``host-pid-random``.
         credentials: Token and TLS files (a worker's token has the worker
             role); by default from the environment (see ``Credentials``).
+        journal_target: Address of the journal service when it runs apart
+            from the engine (``dagnats serve journal``); by default ``target``.
+        inputs_target: Address of the inputs service, likewise.
 
     Raises:
         InvalidArgument: a task type is not one NATS token, or a number is out of range.
@@ -91,6 +94,8 @@ class Worker:
         worker_id: str | None = None,
         restart_limit: int = 5,
         credentials: Credentials | None = None,
+        journal_target: str | None = None,
+        inputs_target: str | None = None,
     ) -> None:
         _check_options(handlers, concurrency, poll_wait, rpc_timeout, heartbeat_interval)
         if not 1 <= restart_limit <= 1000:
@@ -103,7 +108,13 @@ class Worker:
         self._poll_wait = poll_wait
         self._heartbeat_interval = heartbeat_interval
         self._worker_id = worker_id or _default_worker_id()
-        self._rpc = EngineRpc(target, timeout=rpc_timeout, credentials=credentials)
+        self._rpc = EngineRpc(
+            target,
+            timeout=rpc_timeout,
+            credentials=credentials,
+            journal_target=journal_target,
+            inputs_target=inputs_target,
+        )
         self._inflight: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -364,7 +375,7 @@ async def _invoke(handler: Handler, tc: TaskContext) -> None:
 async def _report(settle: Awaitable[None]) -> None:
     try:
         await settle
-    except DagnatsError as err:
+    except (DagnatsError, Fenced) as err:
         log.warning(
             "could not report a task (%s); its lease will expire and the engine "
             "will deliver it again",

@@ -1,16 +1,17 @@
-"""Moves engine values to and from protobuf. The only module besides the
-servicer and the store that touches generated types for runs and events."""
+"""Moves engine values to and from protobuf, and effects to the messages that
+carry them out (:func:`outbox_entry`). The only module besides the servicer
+and the store that touches generated types for runs and events."""
 
 from __future__ import annotations
 
-from google.protobuf.duration_pb2 import Duration
-from google.protobuf.timestamp_pb2 import Timestamp
-
+from dagnats.core.outcomes import outcome_of
+from dagnats.core.status import step_status_from_proto, step_status_to_proto
+from dagnats.core.subjects import cancel_subject, history_subject, task_subject, timer_subject
+from dagnats.core.timestamps import duration_seconds, seconds, timestamp
 from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
-from dagnats.journal.outcomes import outcome_of
 from dagnats.journal.v1 import journal_pb2 as jpb
 
 _RUN_STATUS = {
@@ -20,15 +21,6 @@ _RUN_STATUS = {
     m.RunStatus.CANCELLED: pb.RUN_STATUS_CANCELLED,
 }
 _RUN_STATUS_BACK = {v: k for k, v in _RUN_STATUS.items()}
-_STEP_STATUS = {
-    m.StepStatus.PENDING: pb.STEP_STATUS_PENDING,
-    m.StepStatus.RUNNING: pb.STEP_STATUS_RUNNING,
-    m.StepStatus.WAITING: pb.STEP_STATUS_WAITING,
-    m.StepStatus.COMPLETED: pb.STEP_STATUS_COMPLETED,
-    m.StepStatus.FAILED: pb.STEP_STATUS_FAILED,
-    m.StepStatus.CANCELLED: pb.STEP_STATUS_CANCELLED,
-}
-_STEP_STATUS_BACK = {v: k for k, v in _STEP_STATUS.items()}
 _TIMER_KIND = {
     m.TimerKind.WAKE: ipb.TIMER_KIND_WAKE,
     m.TimerKind.STEP_TIMEOUT: ipb.TIMER_KIND_STEP_TIMEOUT,
@@ -45,29 +37,10 @@ def run_status_from_proto(status: pb.RunStatus.ValueType) -> m.RunStatus:
     return _RUN_STATUS_BACK[status]
 
 
-def timestamp(seconds: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(round(seconds * 1e9))
-    return ts
-
-
-def seconds(ts: Timestamp, present: bool = True) -> float | None:
-    return ts.ToNanoseconds() / 1e9 if present else None
-
-
-def duration(value: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(round(value * 1e9))
-    return d
-
-
-# ---- runs ---------------------------------------------------------------------
-
-
 def step_to_proto(step: m.Step) -> pb.StepState:
     msg = pb.StepState(
         step_id=step.step_id,
-        status=_STEP_STATUS[step.status],
+        status=step_status_to_proto(step.status),
         iteration=step.iteration,
         attempt=step.attempt,
         iterations=step.iterations,
@@ -89,7 +62,7 @@ def step_from_proto(msg: pb.StepState, record: ipb.StepRecord | None) -> m.Step:
 
     return m.Step(
         step_id=msg.step_id,
-        status=_STEP_STATUS_BACK[msg.status],
+        status=step_status_from_proto(msg.status),
         iteration=msg.iteration,
         attempt=msg.attempt,
         iterations=msg.iterations,
@@ -203,7 +176,7 @@ def event_to_input(event: ipb.HistoryEvent) -> m.RunInput | None:
         )
         outcome = m.Failed(error=event.fail.error, kind=failure, reason=event.fail.reason)
     elif kind == "pause":
-        outcome = m.Paused(duration=event.pause.duration.ToNanoseconds() / 1e9)
+        outcome = m.Paused(duration=duration_seconds(event.pause.duration))
     elif kind == "cancel":
         return m.CancelRequested(reason=event.cancel.reason)
     elif kind == "input":
@@ -231,8 +204,8 @@ def wait_from_proto(cont: pb.Continue) -> m.Wait | None:
         return None
     w = cont.wait
     return m.Wait(
-        delay=w.delay.ToNanoseconds() / 1e9 if w.HasField("delay") else None,
-        until=w.until.ToNanoseconds() / 1e9 if w.HasField("until") else None,
+        delay=duration_seconds(w.delay) if w.HasField("delay") else None,
+        until=seconds(w.until, w.HasField("until")),
         until_input=w.until_input,
     )
 
@@ -275,10 +248,9 @@ def task_to_proto(effect: m.DispatchTask, trace_context: dict[str, str]) -> pb.T
 # ---- journal records ----------------------------------------------------------
 
 
-def journal_mark(data: bytes, seq: int, headers: dict[str, str] | None) -> m.JournalMark:
-    """What the rules need of a stored journal record: its dispatch, its delivery
-    (the ``Dagnats-Delivery`` header) and, for a commit, its outcome."""
-    record = jpb.Record.FromString(data)
+def journal_mark(record: jpb.Record, delivery: int) -> m.JournalMark:
+    """What the rules need of a stored journal record: its dispatch, its
+    writer's delivery and, for a commit, its outcome."""
     commit: m.StepOutcome | None = None
     if record.HasField("commit"):
         field, outcome = outcome_of(record.commit)
@@ -287,11 +259,101 @@ def journal_mark(data: bytes, seq: int, headers: dict[str, str] | None) -> m.Jou
         report = event_to_input(event)
         assert isinstance(report, m.StepReport)
         commit = report.outcome
-    delivery = (headers or {}).get("Dagnats-Delivery", "0")
     return m.JournalMark(
-        seq=seq,
+        seq=record.seq,
         iteration=record.iteration,
         attempt=record.attempt,
         commit=commit,
-        delivery=int(delivery) if delivery.isdigit() else 0,
+        delivery=delivery,
+    )
+
+
+def task_msg_id(run_id: str, step_id: str, iteration: int, attempt: int) -> str:
+    """The Msg-Id of a dispatch's task (a re-dispatch appends ``.r<n>``)."""
+    return f"{run_id}.{step_id}.{iteration}.{attempt}"
+
+
+def outbox_entry(effect: m.Effect, headers: dict[str, str], now: float) -> ipb.OutboxEntry:
+    """The message that carries out ``effect``: its subject, its data, the
+    Msg-Id that makes publishing it twice harmless, and ``headers`` (the trace
+    context it is stamped with); an event is stamped ``now``."""
+    match effect:
+        case m.DispatchTask():
+            task = task_to_proto(effect, headers)
+            msg_id = task_msg_id(effect.run_id, effect.step_id, effect.iteration, effect.attempt)
+            if effect.redispatch:
+                msg_id += f".r{effect.redispatch}"
+            subject = task_subject(effect.task_type, effect.run_id, effect.step_id)
+            return ipb.OutboxEntry(
+                subject=subject, data=task.SerializeToString(), msg_id=msg_id, headers=headers
+            )
+        case m.SetTimer():
+            timer = timer_to_proto(effect, headers)
+            msg_id = (
+                f"{effect.run_id}.{effect.step_id}.{effect.kind.value}"
+                f".{effect.iteration}.{effect.attempt}"
+            )
+            return ipb.OutboxEntry(
+                subject=timer_subject(effect.run_id, effect.step_id),
+                data=timer.SerializeToString(),
+                msg_id=msg_id,
+                headers=headers,
+            )
+        case m.StartChildRun():
+            event = ipb.HistoryEvent(
+                run_id=effect.child_run_id,
+                trace_context=headers,
+                start=ipb.StartChild(
+                    workflow=effect.workflow,
+                    input=effect.input,
+                    parent_run_id=effect.parent_run_id,
+                    parent_step_id=effect.parent_step_id,
+                ),
+            )
+            return _event_entry(event, now, f"{effect.child_run_id}.start", headers)
+        case m.CancelChildRun():
+            event = ipb.HistoryEvent(
+                run_id=effect.child_run_id,
+                trace_context=headers,
+                cancel=ipb.CancelRequest(reason=effect.reason),
+            )
+            return _event_entry(event, now, f"{effect.child_run_id}.cancel", headers)
+        case m.NotifyParent():
+            event = ipb.HistoryEvent(
+                run_id=effect.parent_run_id,
+                step_id=effect.parent_step_id,
+                trace_context=headers,
+                child=ipb.ChildFinished(
+                    child_run_id=effect.child_run_id,
+                    status=run_status_to_proto(effect.status),
+                    output=effect.output,
+                    error=effect.error,
+                ),
+            )
+            msg_id = f"{effect.parent_run_id}.{effect.parent_step_id}.child.{effect.child_run_id}"
+            return _event_entry(event, now, msg_id, headers)
+        case m.AnnounceCancel():
+            return ipb.OutboxEntry(subject=cancel_subject(effect.run_id), data=b"")
+        case m.StepInputs():
+            event = ipb.HistoryEvent(
+                run_id=effect.run_id,
+                step_id=effect.step_id,
+                iteration=effect.iteration,
+                trace_context=headers,
+                inputs=ipb.StepInputs(close=effect.close),
+            )
+            what = "close" if effect.close else "check"
+            msg_id = f"{effect.run_id}.{effect.step_id}.inputs.{what}.{effect.iteration}"
+            return _event_entry(event, now, msg_id, headers)
+
+
+def _event_entry(
+    event: ipb.HistoryEvent, now: float, msg_id: str, headers: dict[str, str]
+) -> ipb.OutboxEntry:
+    event.time.CopyFrom(timestamp(now))
+    return ipb.OutboxEntry(
+        subject=history_subject(event.run_id),
+        data=event.SerializeToString(),
+        msg_id=msg_id,
+        headers=headers,
     )

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf import duration_pb2
-
+from dagnats.core.timestamps import duration, duration_seconds
 from dagnats.engine.definition import (
     AgentLoopBounds,
     Backoff,
@@ -37,7 +36,6 @@ from dagnats.engine.v1 import engine_pb2
 
 __all__ = ["workflow_from_proto", "workflow_to_proto"]
 
-_NANOS_PER_SECOND = 1_000_000_000
 
 _STEP_TYPE_TO_PROTO: dict[StepType, engine_pb2.StepType.ValueType] = {
     StepType.TASK: engine_pb2.STEP_TYPE_TASK,
@@ -106,7 +104,7 @@ def _step_to_proto(step: StepDef) -> engine_pb2.Step:
         workflow=step.workflow or "",
         depends_on=step.depends_on,
         retry=None if step.retry is None else _retry_to_proto(step.retry),
-        timeout=None if step.timeout is None else _duration(step.timeout),
+        timeout=None if step.timeout is None else duration(step.timeout),
         agent_loop=None if step.agent_loop is None else _loop_to_proto(step.agent_loop),
     )
 
@@ -115,16 +113,16 @@ def _retry_to_proto(policy: RetryPolicy) -> engine_pb2.RetryPolicy:
     return engine_pb2.RetryPolicy(
         max_attempts=policy.max_attempts,
         backoff=_BACKOFF_TO_PROTO[policy.backoff],
-        initial_delay=_duration(policy.initial_delay),
-        max_delay=_duration(policy.max_delay),
+        initial_delay=duration(policy.initial_delay),
+        max_delay=duration(policy.max_delay),
     )
 
 
 def _loop_to_proto(bounds: AgentLoopBounds) -> engine_pb2.AgentLoop:
     return engine_pb2.AgentLoop(
         max_iterations=bounds.max_iterations,
-        max_duration=None if bounds.max_duration is None else _duration(bounds.max_duration),
-        loop_delay=_duration(bounds.loop_delay),
+        max_duration=None if bounds.max_duration is None else duration(bounds.max_duration),
+        loop_delay=duration(bounds.loop_delay),
     )
 
 
@@ -136,7 +134,7 @@ def _step_mapping(step: engine_pb2.Step) -> dict[str, Any]:
         "workflow": step.workflow or None,
         "depends_on": list(step.depends_on),
         "retry": _retry_mapping(step.retry),
-        "timeout": _seconds(step.timeout) or None,
+        "timeout": duration_seconds(step.timeout) or None,
         "agent_loop": _loop_mapping(step.agent_loop) if step.HasField("agent_loop") else None,
     }
 
@@ -148,26 +146,17 @@ def _retry_mapping(policy: engine_pb2.RetryPolicy) -> dict[str, Any] | None:
         "max_attempts": policy.max_attempts,
         "backoff": _BACKOFF_FROM_PROTO.get(policy.backoff, policy.backoff),
         "initial_delay": (
-            _seconds(policy.initial_delay) if policy.HasField("initial_delay") else None
+            duration_seconds(policy.initial_delay) if policy.HasField("initial_delay") else None
         ),
-        "max_delay": _seconds(policy.max_delay) if policy.HasField("max_delay") else None,
+        "max_delay": duration_seconds(policy.max_delay) if policy.HasField("max_delay") else None,
     }
 
 
 def _loop_mapping(bounds: engine_pb2.AgentLoop) -> dict[str, Any]:
     return {
         "max_iterations": bounds.max_iterations or None,
-        "max_duration": _seconds(bounds.max_duration) or None,
-        "loop_delay": _seconds(bounds.loop_delay) if bounds.HasField("loop_delay") else None,
+        "max_duration": duration_seconds(bounds.max_duration) or None,
+        "loop_delay": duration_seconds(bounds.loop_delay)
+        if bounds.HasField("loop_delay")
+        else None,
     }
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    duration = duration_pb2.Duration()
-    duration.FromNanoseconds(round(seconds * _NANOS_PER_SECOND))
-    return duration
-
-
-def _seconds(duration: duration_pb2.Duration) -> float:
-    # Whole nanoseconds divided once, so 1.5s comes back as exactly 1.5.
-    return duration.ToNanoseconds() / _NANOS_PER_SECOND

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import Literal
 
+from dagnats.core.status import StepStatus as StepStatus
 from dagnats.engine.definition import WorkflowDef
 
 
@@ -23,22 +24,6 @@ class RunStatus(enum.Enum):
     @property
     def terminal(self) -> bool:
         return self is not RunStatus.RUNNING
-
-
-class StepStatus(enum.Enum):
-    PENDING = "pending"
-    RUNNING = "running"
-    WAITING = "waiting"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED_STEP
-
-
-_FINISHED_STEP = frozenset({StepStatus.COMPLETED, StepStatus.FAILED, StepStatus.CANCELLED})
 
 
 class TimerKind(enum.Enum):

@@ -43,28 +43,20 @@ import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
-
-from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig
+from collections.abc import Awaitable, Callable
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
 from dagnats.core.seam import seam
+from dagnats.core.subjects import (
+    task_subject,
+)
 from dagnats.engine import convert, rules
 from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.convert_workflow import workflow_from_proto
-from dagnats.engine.store import (
-    EngineStore,
-    StaleRevision,
-    StoredRun,
-    cancel_subject,
-    history_subject,
-    task_subject,
-    timer_subject,
-)
+from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.inputs.store import InputStore, close_step_inputs
@@ -86,10 +78,6 @@ Decide = Callable[[m.Run, float], m.Decision]
 TASK_SUBJECTS = "tasks."
 # The events that report a step's outcome.
 _REPORTS = frozenset({"continue", "complete", "fail", "pause"})
-
-
-def task_msg_id(run_id: str, step_id: str, iteration: int, attempt: int) -> str:
-    return f"{run_id}.{step_id}.{iteration}.{attempt}"
 
 
 class Engine:
@@ -132,27 +120,10 @@ class Engine:
                 "are accepted, so a duplicate report from an old worker can advance a loop "
                 "twice. Set it to false once every worker reports its identity."
             )
-        js = self.store.js
-        await js.add_consumer(
-            jsx.HISTORY,
-            ConsumerConfig(
-                durable_name=HISTORY_CONSUMER,
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=self.config.history_ack_wait,
-                max_deliver=-1,
-                max_ack_pending=-1,
-            ),
+        await self.store.ensure_consumer(
+            jsx.HISTORY, HISTORY_CONSUMER, self.config.history_ack_wait
         )
-        await js.add_consumer(
-            jsx.TIMERS,
-            ConsumerConfig(
-                durable_name=TIMER_CONSUMER,
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=self.config.timer_ack_wait,
-                max_deliver=-1,
-                max_ack_pending=-1,
-            ),
-        )
+        await self.store.ensure_consumer(jsx.TIMERS, TIMER_CONSUMER, self.config.timer_ack_wait)
         self._tasks = [
             asyncio.create_task(self._consume(jsx.HISTORY, HISTORY_CONSUMER, self._on_event)),
             asyncio.create_task(self._consume(jsx.TIMERS, TIMER_CONSUMER, self._on_timer)),
@@ -282,106 +253,20 @@ class Engine:
         return StoredRun(cleared, revision)
 
     def _record(self, accepted: m.Accepted, trace_context: dict[str, str]) -> ipb.RunRecord:
-        entries = [self._encode(effect) for effect in accepted.effects]
-        return convert.record_to_proto(accepted.run, entries, self.clock(), dict(trace_context))
-
-    def _encode(self, effect: m.Effect) -> ipb.OutboxEntry:
-        """The message that carries out an effect, stamped with the current trace."""
-        headers: dict[str, str] = {}
-        tracing.inject(headers)
-        match effect:
-            case m.DispatchTask():
-                task = convert.task_to_proto(effect, headers)
-                msg_id = task_msg_id(
-                    effect.run_id, effect.step_id, effect.iteration, effect.attempt
-                )
-                if effect.redispatch:
-                    msg_id += f".r{effect.redispatch}"
-                subject = task_subject(effect.task_type, effect.run_id, effect.step_id)
-                return ipb.OutboxEntry(
-                    subject=subject, data=task.SerializeToString(), msg_id=msg_id, headers=headers
-                )
-            case m.SetTimer():
-                timer = convert.timer_to_proto(effect, headers)
-                msg_id = (
-                    f"{effect.run_id}.{effect.step_id}.{effect.kind.value}"
-                    f".{effect.iteration}.{effect.attempt}"
-                )
-                return ipb.OutboxEntry(
-                    subject=timer_subject(effect.run_id, effect.step_id),
-                    data=timer.SerializeToString(),
-                    msg_id=msg_id,
-                    headers=headers,
-                )
-            case m.StartChildRun():
-                event = ipb.HistoryEvent(
-                    run_id=effect.child_run_id,
-                    trace_context=headers,
-                    start=ipb.StartChild(
-                        workflow=effect.workflow,
-                        input=effect.input,
-                        parent_run_id=effect.parent_run_id,
-                        parent_step_id=effect.parent_step_id,
-                    ),
-                )
-                return self._event_entry(event, f"{effect.child_run_id}.start", headers)
-            case m.CancelChildRun():
-                event = ipb.HistoryEvent(
-                    run_id=effect.child_run_id,
-                    trace_context=headers,
-                    cancel=ipb.CancelRequest(reason=effect.reason),
-                )
-                return self._event_entry(event, f"{effect.child_run_id}.cancel", headers)
-            case m.NotifyParent():
-                event = ipb.HistoryEvent(
-                    run_id=effect.parent_run_id,
-                    step_id=effect.parent_step_id,
-                    trace_context=headers,
-                    child=ipb.ChildFinished(
-                        child_run_id=effect.child_run_id,
-                        status=convert.run_status_to_proto(effect.status),
-                        output=effect.output,
-                        error=effect.error,
-                    ),
-                )
-                msg_id = (
-                    f"{effect.parent_run_id}.{effect.parent_step_id}.child.{effect.child_run_id}"
-                )
-                return self._event_entry(event, msg_id, headers)
-            case m.AnnounceCancel():
-                return ipb.OutboxEntry(subject=cancel_subject(effect.run_id), data=b"")
-            case m.StepInputs():
-                event = ipb.HistoryEvent(
-                    run_id=effect.run_id,
-                    step_id=effect.step_id,
-                    iteration=effect.iteration,
-                    trace_context=headers,
-                    inputs=ipb.StepInputs(close=effect.close),
-                )
-                what = "close" if effect.close else "check"
-                msg_id = f"{effect.run_id}.{effect.step_id}.inputs.{what}.{effect.iteration}"
-                return self._event_entry(event, msg_id, headers)
-
-    def _event_entry(
-        self, event: ipb.HistoryEvent, msg_id: str, headers: dict[str, str]
-    ) -> ipb.OutboxEntry:
-        event.time.CopyFrom(convert.timestamp(self.clock()))
-        return ipb.OutboxEntry(
-            subject=history_subject(event.run_id),
-            data=event.SerializeToString(),
-            msg_id=msg_id,
-            headers=headers,
-        )
+        now = self.clock()
+        entries = [
+            convert.outbox_entry(effect, _trace_headers(), now) for effect in accepted.effects
+        ]
+        return convert.record_to_proto(accepted.run, entries, now, dict(trace_context))
 
     # ---- consumers ------------------------------------------------------------------
 
     async def _consume(
-        self, stream: str, durable: str, handle: Callable[[Msg], asyncio.Future[None] | object]
+        self, stream: str, durable: str, handle: Callable[[Delivery], Awaitable[None]]
     ) -> None:
-        nc = self.store.nc
         while not self._stopping.is_set():
             try:
-                msgs = await jsx.pull_now(nc, stream, durable, self.config.history_batch, 1.0)
+                msgs = await self.store.pull(stream, durable, self.config.history_batch, 1.0)
             except Exception as err:  # the connection is reconnecting; try again shortly
                 # One line: a server that is gone fails every half second,
                 # and each traceback of nats-py's reconnect runs to pages.
@@ -390,25 +275,27 @@ class Engine:
                 continue
             await self._handle_batch(msgs, handle)
 
-    async def _handle_batch(self, msgs: list[Msg], handle: Callable[[Msg], object]) -> None:
+    async def _handle_batch(
+        self, msgs: list[Delivery], handle: Callable[[Delivery], Awaitable[None]]
+    ) -> None:
         """Messages of one subject (one run) in order; different runs concurrently."""
-        by_subject: dict[str, list[Msg]] = {}
+        by_subject: dict[str, list[Delivery]] = {}
         for msg in msgs:
             by_subject.setdefault(msg.subject, []).append(msg)
 
-        async def in_order(group: list[Msg]) -> None:
+        async def in_order(group: list[Delivery]) -> None:
             for msg in group:
                 await self._guarded(msg, handle)
 
         await asyncio.gather(*(in_order(g) for g in by_subject.values()))
 
-    async def _guarded(self, msg: Msg, handle: Callable[[Msg], object]) -> None:
+    async def _guarded(self, msg: Delivery, handle: Callable[[Delivery], Awaitable[None]]) -> None:
         try:
-            await handle(msg)  # type: ignore[misc]
+            await handle(msg)
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            delivered = msg.metadata.num_delivered or 1
+            delivered = msg.delivered
             if delivered >= self.config.dead_letter_after:
                 await self._dead_letter(msg, err)
                 return
@@ -416,21 +303,12 @@ class Engine:
             with contextlib.suppress(Exception):
                 await msg.nak(delay=min(0.1 * 2**delivered, 10.0))
 
-    async def _dead_letter(self, msg: Msg, err: Exception) -> None:
+    async def _dead_letter(self, msg: Delivery, err: Exception) -> None:
         self.counters["dead_letters"] += 1
         log.error("%s: moved aside after repeated failures: %r", msg.subject, err)
-        headers = {"Dagnats-Error": repr(err)[:500], "Dagnats-Subject": msg.subject}
-        seq = msg.metadata.sequence.stream
-        await jsx.publish(
-            self.store.js,
-            f"dead.{msg.subject}",
-            msg.data,
-            msg_id=f"dead.{msg.subject}.{seq}",
-            headers=headers,
-        )
-        await msg.ack()
+        await self.store.dead_letter(msg, err)
 
-    async def _on_event(self, msg: Msg) -> None:
+    async def _on_event(self, msg: Delivery) -> None:
         try:
             event = ipb.HistoryEvent.FromString(msg.data)
         except Exception as err:
@@ -504,7 +382,7 @@ class Engine:
         )
         await self.apply(start.parent_run_id, ended)
 
-    async def _on_timer(self, msg: Msg) -> None:
+    async def _on_timer(self, msg: Delivery) -> None:
         timer = ipb.Timer.FromString(msg.data)
         remaining = timer.due.ToNanoseconds() / 1e9 - self.clock()
         if remaining > 0.005:
@@ -646,16 +524,19 @@ class Engine:
         return done
 
     async def _stranded(self, record: ipb.RunRecord) -> list[tuple[str, str, int, int]]:
-        run = record.run
+        """The running steps whose current dispatch has no task in flight."""
+        run = convert.record_from_proto(record)
         found = []
-        for step in run.steps:
-            if step.status != pb.STEP_STATUS_RUNNING or step.child_run_id:
-                continue
-            step_def = next((s for s in record.workflow.steps if s.id == step.step_id), None)
-            if step_def is None or not step_def.task:
-                continue
-            subject = task_subject(step_def.task, run.run_id, step.step_id)
-            prefix = task_msg_id(run.run_id, step.step_id, step.iteration, step.attempt)
+        for step, task_type in rules.awaiting_a_task(run):
+            subject = task_subject(task_type, run.run_id, step.step_id)
+            prefix = convert.task_msg_id(run.run_id, step.step_id, step.iteration, step.attempt)
             if not await self.store.task_in_flight(subject, prefix):
                 found.append((run.run_id, step.step_id, step.iteration, step.attempt))
         return found
+
+
+def _trace_headers() -> dict[str, str]:
+    """The current trace context, for a message that carries out an effect."""
+    headers: dict[str, str] = {}
+    tracing.inject(headers)
+    return headers

@@ -9,33 +9,19 @@ HISTORY stream drops.
 
 from __future__ import annotations
 
-import re
 import secrets
+from collections.abc import Callable
 
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-
-from dagnats.core import errors, tracing
-from dagnats.core import jetstream as jsx
+from dagnats.core import tracing
+from dagnats.core.outcomes import outcome_of
+from dagnats.core.timestamps import timestamp
 from dagnats.engine import convert
-from dagnats.engine.store import history_subject
+from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
+from dagnats.journal.v1 import journal_pb2 as jpb
 
 Outcome = pb.Continue | pb.Complete | pb.Fail | pb.Pause
-
-# $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ts>.<pending>, optionally
-# with <domain>.<account hash> after ACK and a trailing random token.
-_LEASE = re.compile(
-    r"\$JS\.ACK\.(?:[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.)?TASKS\.tasks-[A-Za-z0-9_-]{1,64}"
-    r"(?:\.[0-9]+){5}(?:\.[A-Za-z0-9_-]+)?"
-)
-
-
-def check_lease(lease: str) -> str:
-    if not _LEASE.fullmatch(lease):
-        raise errors.InvalidArgument("lease is not a task lease from PollTasks", field="lease")
-    return lease
 
 
 def lease_position(lease: str) -> tuple[int, int]:
@@ -63,7 +49,7 @@ def outcome_event(
         attempt=attempt,
         journal_seq=journal_seq,
     )
-    event.time.CopyFrom(convert.timestamp(now))
+    event.time.CopyFrom(timestamp(now))
     headers: dict[str, str] = {}
     tracing.inject(headers)
     event.trace_context.update(headers)
@@ -71,21 +57,42 @@ def outcome_event(
     return event
 
 
-async def publish_outcome(
-    js: JetStreamContext, nc: NATS, lease: str, event: ipb.HistoryEvent
-) -> None:
+async def publish_outcome(store: EngineStore, lease: str, event: ipb.HistoryEvent) -> None:
     """Publish ``event`` on its run's history, then acknowledge the task."""
     kind = event.WhichOneof("kind")
     if event.attempt > 0:
         msg_id = f"{event.run_id}.{event.step_id}.{event.iteration}.{event.attempt}.{kind}"
     else:  # a legacy report, without a dispatch identity
         msg_id = f"{event.run_id}.{event.step_id}.legacy.{secrets.token_hex(8)}"
-    await jsx.publish(
-        js,
-        history_subject(event.run_id),
-        event.SerializeToString(),
-        msg_id=msg_id,
-        headers=dict(event.trace_context),
-    )
+    await store.publish_event(event, msg_id)
     # The outcome is durable on the run's history: only now may the task go.
-    await nc.publish(lease, b"+ACK")
+    await store.release(lease)
+
+
+class TaskSettler:
+    """Settling the task of a stored journal commit, for the journal service
+    (``dagnats.journal.peers.Tasks``): the commit's event, stamped by the
+    engine's clock, then the lease released."""
+
+    def __init__(self, store: EngineStore, clock: Callable[[], float]) -> None:
+        self._store = store
+        self._clock = clock
+
+    async def settle(self, lease: str, commit: jpb.Record) -> None:
+        _, outcome = outcome_of(commit.commit)
+        event = outcome_event(
+            run_id=commit.run_id,
+            step_id=commit.step_id,
+            iteration=commit.iteration,
+            attempt=commit.attempt,
+            journal_seq=commit.seq,
+            outcome=outcome,
+            now=self._clock(),
+        )
+        await publish_outcome(self._store, lease, event)
+
+    async def release(self, lease: str) -> None:
+        await self._store.release(lease)
+
+    async def redeliver(self, lease: str) -> None:
+        await self._store.redeliver(lease)

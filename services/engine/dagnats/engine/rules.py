@@ -35,6 +35,10 @@ Invariants:
   waits: the timeout of the next dispatch is armed when the wait begins.
 * When a step finishes, its queued inputs are closed (they end unanswered).
 * A terminal run never changes again.
+* A task message is leased only for its step's current dispatch
+  (``task_is_current``); any other is settled at once. A running step whose
+  task is a worker's (``awaiting_a_task``) must have that dispatch's task in
+  flight, or the reconciler dispatches it again.
 """
 
 from __future__ import annotations
@@ -205,6 +209,38 @@ def _ends_iteration(outcome: StepOutcome) -> bool:
             return kind is FailureKind.PERMANENT
         case Paused():
             return False
+
+
+# ---- tasks: which message is a step's current dispatch ----------------------------
+
+
+def task_is_current(
+    run: RunStatus, step: StepStatus | None, current: Identity | None, task: Identity
+) -> bool:
+    """Whether a task message may be leased: its run and its step are running
+    and it carries the step's current dispatch (``current``; ``step`` None
+    when the run has no such step). Any other is a stale duplicate, or its
+    run ended, and is settled without a worker."""
+    return (
+        run is RunStatus.RUNNING
+        and step is StepStatus.RUNNING
+        and current is not None
+        and current == task
+    )
+
+
+def awaiting_a_task(run: Run) -> list[tuple[Step, str]]:
+    """The running steps of ``run`` whose dispatch is a worker's task, each
+    with its task type: each must have its current dispatch's task in flight
+    (a step that runs a child run, or has no task type, has none)."""
+    found = []
+    for step in run.steps:
+        if step.status is not StepStatus.RUNNING or step.child_run_id:
+            continue
+        task = next((d.task for d in run.workflow.steps if d.id == step.step_id), None)
+        if task:
+            found.append((step, task))
+    return found
 
 
 # ---- journal steps: what the journal says of a worker's call ----------------------

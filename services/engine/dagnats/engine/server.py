@@ -1,9 +1,27 @@
-"""Running the engine: NATS connection, provisioning, consumer loops and the
-gRPC server, started and stopped as one."""
+"""The server process: any of the three services on one gRPC port.
+
+The engine, the journal and the inputs services each run alone or together
+(``dagnats serve engine|journal|inputs|all``). Each process connects to NATS
+once, provisions every stream and bucket (an idempotent update, so the first
+process of a deployment creates them), serves its services' gRPC methods with
+health and reflection, and stops them in order. What each one needs:
+
+- engine: the history, timer and reconciler loops and the ``EngineService``;
+  it reads the journal (a report or a heartbeat is checked against it) and
+  closes a finished step's inputs, through the journal's and the inputs'
+  stores.
+- journal: the ``JournalService``; it reads runs (a claim of iteration 0
+  checks that the run has not ended) and settles the tasks of the commits it
+  answered through the engine's outcome publishing, and places inputs
+  through the inputs' store.
+- inputs: the ``InputsService`` and the ``api.inputs.*`` NATS endpoints.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,10 +37,11 @@ from dagnats.core import tracing
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.natsauth import NatsSettings
 from dagnats.core.natsserver import check_sync_always
-from dagnats.core.settings import is_loopback
+from dagnats.core.settings import SERVICES, is_loopback
 from dagnats.engine.access import missing_for_open_host
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.processor import Engine
+from dagnats.engine.report import TaskSettler
 from dagnats.engine.run_feed import RunFeed
 from dagnats.engine.security import ServerSecurity
 from dagnats.engine.service import EngineServicer
@@ -42,21 +61,25 @@ from dagnats.journal.v1 import journal_pb2_grpc as journal_grpc
 
 log = logging.getLogger(__name__)
 
+_NAMES = {
+    "engine": pb.DESCRIPTOR.services_by_name["EngineService"].full_name,
+    "journal": journal_pb.DESCRIPTOR.services_by_name["JournalService"].full_name,
+    "inputs": inputs_pb.DESCRIPTOR.services_by_name["InputsService"].full_name,
+}
 
-@dataclass
-class EngineServer:
-    """A running engine; ``target`` is what clients and workers dial."""
 
-    engine: Engine
+@dataclass(kw_only=True)
+class ServiceServer:
+    """A running server of some of the services; ``target`` is what clients dial."""
+
     server: grpc.aio.Server
     nc: NATS
     host: str
     port: int
+    services: tuple[str, ...]
     # The api.inputs.* endpoints; stop() ends them with nc.drain().
     subscriptions: list[Subscription] = field(default_factory=list)
     journal: JournalServicer | None = None
-    watches: RunWatches | None = None
-    feed: RunFeed | None = None
     health: health_aio.HealthServicer | None = None
 
     @property
@@ -67,17 +90,30 @@ class EngineServer:
         if self.health is not None:
             await self.health.enter_graceful_shutdown()  # probes see NOT_SERVING
         await self.server.stop(grace)
-        if self.watches is not None:
-            await self.watches.close()  # the run watches of WatchRun calls
-        if self.feed is not None:
-            await self.feed.close()  # the runs watch of WatchRuns calls
+        await self._stop_work()
         if self.journal is not None:
             await self.journal.close()  # the settles of commits it answered
-        await self.engine.stop()
         try:
             await self.nc.drain()
         except nats.errors.Error:  # the server went first: nothing left to drain
             await self.nc.close()
+
+    async def _stop_work(self) -> None:
+        """Stop what runs besides the gRPC methods (the engine's loops)."""
+
+
+@dataclass(kw_only=True)
+class EngineServer(ServiceServer):
+    """A running server of the engine, alone or with the other services."""
+
+    engine: Engine
+    watches: RunWatches
+    feed: RunFeed
+
+    async def _stop_work(self) -> None:
+        await self.watches.close()  # the run watches of WatchRun calls
+        await self.feed.close()  # the runs watch of WatchRuns calls
+        await self.engine.stop()
 
 
 # Requests up to 16 MiB reach the services, so a journal record over its
@@ -106,30 +142,79 @@ async def start_engine(
     security: ServerSecurity | None = None,
     nats_settings: NatsSettings | None = None,
 ) -> EngineServer:
-    """Connect, provision streams and buckets, start the loops and serve gRPC.
+    """Serve the engine, and by default the journal and inputs services with
+    it on the same port (``dagnats serve all``); see :func:`start_services`.
+
+    Args:
+        with_journal: serve the journal service on the same port.
+        with_inputs: serve the inputs service on the same port and as the
+            NATS endpoints ``api.inputs.*``.
+    """
+    served = [
+        "engine",
+        *(["journal"] if with_journal else []),
+        *(["inputs"] if with_inputs else []),
+    ]
+    server = await start_services(
+        nats_url,
+        services=served,
+        host=host,
+        port=port,
+        config=config,
+        topology=topology,
+        monitor_url=monitor_url,
+        security=security,
+        nats_settings=nats_settings,
+    )
+    assert isinstance(server, EngineServer)
+    return server
+
+
+async def start_services(
+    nats_url: str,
+    *,
+    services: Collection[str] = SERVICES,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: EngineConfig | None = None,
+    topology: jsx.Topology | None = None,
+    monitor_url: str | None = None,
+    security: ServerSecurity | None = None,
+    nats_settings: NatsSettings | None = None,
+) -> ServiceServer:
+    """Connect, provision streams and buckets, and serve ``services`` on one port.
 
     Args:
         nats_url: one or more comma-separated NATS URLs.
+        services: which of ``engine``, ``journal`` and ``inputs`` to serve.
         host: interface to bind.
         port: port to bind; 0 picks a free one.
         config: engine settings; defaults from the environment.
         topology: stream replication.
-        with_journal: serve the journal service on the same port.
-        with_inputs: serve the inputs service on the same port and as the
-            NATS endpoints ``api.inputs.*`` (``nc.drain()`` in ``stop`` ends them).
-        monitor_url: nats-server's monitoring address; when given, the engine
-            warns at start-up unless the server fsyncs every write.
+        monitor_url: nats-server's monitoring address; when given, the server
+            warns at start-up unless nats-server fsyncs every write.
         security: TLS and the credentials every call needs; None serves
             plaintext to anyone, which only a loopback ``host`` allows.
         nats_settings: NATS credentials and TLS; by default the
             ``DAGNATS_NATS_*`` environment.
 
+    Returns:
+        An :class:`EngineServer` when the engine is among ``services``.
+
     Raises:
-        InvalidArgument: a non-loopback ``host`` without both TLS and
-            authentication (naming the missing settings), settings that do
-            not fit together, or unreadable certificate, key or tokens files;
-            a NATS setting that is malformed, or refused by nats-server.
+        InvalidArgument: no service, or one that is not known; a non-loopback
+            ``host`` without both TLS and authentication (naming the missing
+            settings), settings that do not fit together, or unreadable
+            certificate, key or tokens files; a NATS setting that is
+            malformed, or refused by nats-server.
     """
+    served = tuple(s for s in SERVICES if s in services)
+    unknown = set(services) - set(SERVICES)
+    if unknown or not served:
+        raise InvalidArgument(
+            f"services must be some of {', '.join(SERVICES)}; got {sorted(services)}",
+            field="services",
+        )
     security = security or ServerSecurity()
     security.check()
     _refuse_open(host, security)
@@ -137,28 +222,38 @@ async def start_engine(
     guard = security.interceptor()
     config = config or EngineConfig.from_env()
     await _check_durability(monitor_url)
-    nc = await jsx.connect(nats_url, name="dagnats-engine", settings=nats_settings)
+    # Named after its first service: dagnats-engine, -journal or -inputs in /connz.
+    nc = await jsx.connect(nats_url, name=f"dagnats-{served[0]}", settings=nats_settings)
     await jsx.provision(nc.jetstream(), topology)
-    input_store = await InputStore.open(nc)
-    engine = Engine(await EngineStore.open(nc), config, inputs=input_store)
-    await engine.start()
     interceptors = tracing.server_interceptors() + ([guard] if guard is not None else [])
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-    servicer = EngineServicer(engine)
-    pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
-    services = [pb.DESCRIPTOR.services_by_name["EngineService"].full_name]
+    engine_store = await EngineStore.open(nc)  # runs, history, tasks: every service reads them
+    input_store = await InputStore.open(nc, engine_store)
+    journal_store = JournalStore(nc)
+    engine: Engine | None = None
+    clock: Callable[[], float] = time.time
+    if "engine" in served:
+        engine = Engine(engine_store, config, inputs=input_store)
+        await engine.start()
+        clock = engine.clock
     journal: JournalServicer | None = None
-    if with_journal:
-        journal = JournalServicer(JournalStore(nc), input_store, clock=engine.clock)
+    if "journal" in served:
+        # The clock stamps the events of the commits it settles: the engine's when both run.
+        tasks = TaskSettler(engine_store, clock)
+        journal = JournalServicer(
+            journal_store, engine_store, input_store, tasks=tasks, clock=clock
+        )
         journal_grpc.add_JournalServiceServicer_to_server(journal, server)
-        services.append(journal_pb.DESCRIPTOR.services_by_name["JournalService"].full_name)
     subscriptions: list[Subscription] = []
-    if with_inputs:
+    if "inputs" in served:
         inputs = Inputs(input_store)
         inputs_grpc.add_InputsServiceServicer_to_server(InputsServicer(inputs), server)
-        services.append(inputs_pb.DESCRIPTOR.services_by_name["InputsService"].full_name)
         subscriptions = await serve_nats_api(nc, inputs)
-    served = await _add_health_and_reflection(server, services)
+    servicer = None
+    if engine is not None:
+        servicer = EngineServicer(engine, journal_store)
+        pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
+    served_health = await _add_health_and_reflection(server, [_NAMES[s] for s in served])
     address = f"{host}:{port}"
     if credentials is None:
         bound = server.add_insecure_port(address)
@@ -166,23 +261,36 @@ async def start_engine(
         bound = server.add_secure_port(address, credentials)
     await server.start()
     log.info(
-        "engine serving on %s:%d (%s, %s)",
+        "%s serving on %s:%d (%s, %s)",
+        " and ".join(served),
         host,
         bound,
         "TLS" if credentials is not None else "plaintext",
         "credentials required" if guard is not None else "no credentials",
     )
-    return EngineServer(
-        engine=engine,
+    if engine is not None and servicer is not None:
+        return EngineServer(
+            engine=engine,
+            watches=servicer.watches,
+            feed=servicer.feed,
+            server=server,
+            nc=nc,
+            host=host,
+            port=bound,
+            services=served,
+            subscriptions=subscriptions,
+            journal=journal,
+            health=served_health,
+        )
+    return ServiceServer(
         server=server,
         nc=nc,
         host=host,
         port=bound,
+        services=served,
         subscriptions=subscriptions,
         journal=journal,
-        watches=servicer.watches,
-        feed=servicer.feed,
-        health=served,
+        health=served_health,
     )
 
 
@@ -228,6 +336,6 @@ async def _check_durability(monitor_url: str | None) -> None:
     if not always:
         log.warning(
             "nats-server at %s does not run with sync_interval: always; acknowledged "
-            "writes can be lost in a power failure (DESIGN.md §10.10)",
+            "writes can be lost in a power failure (docs/architecture.md, durability)",
             monitor_url,
         )

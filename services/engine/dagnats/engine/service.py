@@ -4,29 +4,34 @@ engine. Protobuf stays here and in :mod:`dagnats.engine.convert`."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
-
-import nats.errors
-from nats.aio.msg import Msg
 
 from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import Context, abort_with, as_domain_error, domain_errors
-from dagnats.core.ids import check_run_id, check_token, new_run_id
+from dagnats.core.ids import check_lease, check_run_id, check_token, new_run_id
+from dagnats.core.payload import check_json
+from dagnats.core.status import step_status_from_proto
+from dagnats.core.subjects import (
+    history_subject,
+    run_tasks,
+    run_timers,
+)
+from dagnats.core.timestamps import duration
 from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
 from dagnats.engine.processor import Engine
-from dagnats.engine.report import check_lease, lease_position, outcome_event, publish_outcome
+from dagnats.engine.report import lease_position, outcome_event, publish_outcome
 from dagnats.engine.run_feed import RunFeed
 from dagnats.engine.run_list import DEFAULT_LIMIT, MAX_LIMIT, Filter
-from dagnats.engine.store import StoredRun, history_subject, task_consumer
+from dagnats.engine.store import Delivery, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.engine.watch import RunWatches
+from dagnats.journal.store import JournalStore
 
 log = logging.getLogger(__name__)
 
@@ -37,20 +42,6 @@ DEFAULT_POLL_WAIT = 10.0
 MAX_IDEMPOTENCY_KEY = 256
 MAX_INPUT_BYTES = 4 << 20
 _TERMINAL = (pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED)
-
-
-def check_json(raw: bytes, *, field: str, limit: int = MAX_INPUT_BYTES) -> bytes:
-    if len(raw) > limit:
-        raise errors.InvalidArgument(
-            f"{field} is {len(raw)} bytes; the limit is {limit}", field=field
-        )
-    if not raw:
-        return raw
-    try:
-        json.loads(raw)
-    except ValueError as err:
-        raise errors.InvalidArgument(f"{field} is not valid JSON: {err}", field=field) from None
-    return raw
 
 
 def _runs_filter(request: pb.WatchRunsRequest) -> Filter:
@@ -64,9 +55,14 @@ def _runs_filter(request: pb.WatchRunsRequest) -> Filter:
 
 
 class EngineServicer(pb_grpc.EngineServiceServicer):
-    def __init__(self, engine: Engine) -> None:
+    """The engine's gRPC methods. ``journal`` is the journal's store: a report
+    and a heartbeat are checked against the step's journal, and a purge
+    removes it."""
+
+    def __init__(self, engine: Engine, journal: JournalStore) -> None:
         self.engine = engine
         self.store = engine.store
+        self.journal = journal
         self._consumers: set[str] = set()
         self.watches = RunWatches(engine.store)
         self.feed = RunFeed(engine.store)
@@ -113,7 +109,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         """Start a run (or find the one its idempotency key names); the run as
         stored, and whether this call created it."""
         name = check_token(request.workflow, field="workflow")
-        payload = check_json(request.input, field="input")
+        payload = check_json(request.input, field="input", limit=MAX_INPUT_BYTES)
         key = request.idempotency_key
         if len(key) > MAX_IDEMPOTENCY_KEY:
             raise errors.InvalidArgument(
@@ -237,9 +233,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 await self._purge(step.child_run_id, top=False)
             await self.store.delete_checkpoint(run_id, step.step_id)
         await self.store.purge_subject(jsx.HISTORY, history_subject(run_id))
-        await self.store.purge_subject(jsx.TIMERS, f"timers.{run_id}.>")
-        await self.store.purge_subject(jsx.TASKS, f"tasks.*.{run_id}.>")
-        await self.store.purge_subject(jsx.JOURNAL, f"journal.{run_id}.>")
+        await self.store.purge_subject(jsx.TIMERS, run_timers(run_id))
+        await self.store.purge_subject(jsx.TASKS, run_tasks(run_id))
+        await self.journal.purge(run_id)
         await self.store.delete_run(run_id)
 
     # ---- tasks --------------------------------------------------------------------
@@ -268,7 +264,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         try:
             leased = [t for t in await asyncio.gather(*(self._lease(msg) for msg in msgs)) if t]
         except asyncio.CancelledError:
-            await jsx.give_back(msgs)  # the caller left: no one will read these leases
+            await self.store.give_back(msgs)  # the caller left: no one will read these leases
             raise
         return pb.PollTasksResponse(tasks=leased)
 
@@ -277,12 +273,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await self.store.ensure_task_consumer(task_type, self.engine.config.task_ack_wait)
             self._consumers.add(task_type)
 
-    async def _fetch(self, types: list[str], max_tasks: int, wait: float) -> list[Msg]:
+    async def _fetch(self, types: list[str], max_tasks: int, wait: float) -> list[Delivery]:
         """Wait for tasks of any of the types. Tasks that arrive for a type after
         another type answered are released at once (nak), not held; so are all
         of them when the caller leaves (the poll is cancelled) first."""
-        fetches = [asyncio.create_task(self._fetch_one(t, max_tasks, wait)) for t in types]
-        got: list[Msg] = []
+        fetches = [asyncio.create_task(self.store.pull_tasks(t, max_tasks, wait)) for t in types]
+        got: list[Delivery] = []
         pending = set(fetches)
         try:
             while pending and not got:
@@ -297,23 +293,23 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             if pending:
                 await asyncio.wait(pending)
             finished = [t for t in pending if not t.cancelled() and t.exception() is None]
-            await jsx.give_back([*got, *(m for t in finished for m in t.result())])
+            await self.store.give_back([*got, *(m for t in finished for m in t.result())])
             raise
         for task in pending:
-            task.add_done_callback(_release_late)
+            task.add_done_callback(self._release_late)
         for extra in got[max_tasks:]:
             await extra.nak()
         return got[:max_tasks]
 
-    async def _fetch_one(self, task_type: str, max_tasks: int, wait: float) -> list[Msg]:
-        try:
-            return await jsx.pull_now(
-                self.store.nc, jsx.TASKS, task_consumer(task_type), max_tasks, wait
-            )
-        except nats.errors.ConnectionClosedError:
-            return []  # the engine is shutting down
+    def _release_late(self, task: asyncio.Task[list[Delivery]]) -> None:
+        """A fetch that lost the race still delivers; give its tasks back at once."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        giving = asyncio.ensure_future(self.store.give_back(task.result()))
+        _background.add(giving)
+        giving.add_done_callback(_background.discard)
 
-    async def _lease(self, msg: Msg) -> pb.LeasedTask | None:
+    async def _lease(self, msg: Delivery) -> pb.LeasedTask | None:
         """Turn a task message into a lease, or settle it at once when its run
         ended or its step moved on (a stale duplicate)."""
         task = pb.Task.FromString(msg.data)
@@ -335,14 +331,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             task.step_id,
             task.iteration,
             task.attempt,
-            msg.metadata.num_delivered or 1,
+            msg.delivered,
         )
-        lease_duration = convert.duration(self.engine.config.task_ack_wait)
+        lease_duration = duration(self.engine.config.task_ack_wait)
         return pb.LeasedTask(
-            task=task,
-            lease=msg.reply,
-            delivery=msg.metadata.num_delivered or 1,
-            lease_duration=lease_duration,
+            task=task, lease=msg.lease, delivery=msg.delivered, lease_duration=lease_duration
         )
 
     @domain_errors
@@ -352,7 +345,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         lease = check_lease(request.lease)
         run_id = check_run_id(request.run_id)
         await self._check_holder(lease, releasing=False)
-        await self.store.nc.publish(lease, b"+WPI")
+        await self.store.extend_lease(lease)
         active = await self.store.run_is_active(run_id)
         return pb.HeartbeatResponse(cancelled=not active)
 
@@ -366,16 +359,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             raise errors.InvalidArgument("an outcome is required", field="outcome")
         if kind == "acknowledge":
             await self._check_holder(lease, releasing=True)
-            await self.store.nc.publish(lease, b"+ACK")
+            await self.store.release(lease)
             return pb.ReportResponse(cancelled=not await self.store.run_is_active(run_id))
         outcome = getattr(request, kind)
         if kind in ("continue", "complete"):
-            check_json(outcome.output, field=f"{kind}.output")
+            check_json(outcome.output, field=f"{kind}.output", limit=MAX_INPUT_BYTES)
         if kind == "pause" and outcome.duration.ToNanoseconds() <= 0:
             raise errors.InvalidArgument("pause.duration must be positive", field="pause.duration")
         stored = await self.store.load_run(run_id)
         if stored is None:
-            await self.store.nc.publish(lease, b"+ACK")
+            await self.store.release(lease)
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
         event = outcome_event(
             run_id=run_id,
@@ -388,7 +381,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         )
         if await self._refused(event):
             return pb.ReportResponse(stale=True)
-        await publish_outcome(self.store.js, self.store.nc, lease, event)
+        await publish_outcome(self.store, lease, event)
         cancelled = stored.record.run.status == pb.RUN_STATUS_CANCELLED
         return pb.ReportResponse(
             cancelled=cancelled, stale=not cancelled and self._stale(stored, event)
@@ -399,15 +392,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         True (stale: publish nothing), unless the journal allows it."""
         report = convert.event_to_input(event)
         assert isinstance(report, m.StepReport)
-        tail = await self.store.journal_tail(event.run_id, event.step_id)
+        tail = await self._journal_tail(event.run_id, event.step_id)
         named = None
         if event.journal_seq > 0:
             if tail is not None and tail.seq == event.journal_seq:
                 named = tail  # the usual case: the commit is the tail
             else:
-                named = await self.store.journal_record(
-                    event.run_id, event.step_id, event.journal_seq
-                )
+                at = await self.journal.written_at(event.run_id, event.step_id, event.journal_seq)
+                named = convert.journal_mark(at.record, at.delivery) if at else None
         refused = rules.check_journal_report(report, tail, named)
         return self._answer(event.run_id, event.step_id, refused)
 
@@ -417,7 +409,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         task = await self.store.task_at(seq)
         if task is None:
             return  # acknowledged already: the lease extends and releases nothing
-        tail = await self.store.journal_tail(task.run_id, task.step_id)
+        tail = await self._journal_tail(task.run_id, task.step_id)
         identity = m.Identity(iteration=task.iteration, attempt=task.attempt)
         # A claim of a run that ended answers stale: its task may go, whoever holds it.
         ended = releasing and not await self.store.run_is_active(task.run_id)
@@ -425,6 +417,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             identity, delivery, tail, releasing=releasing, run_ended=ended
         )
         self._answer(task.run_id, task.step_id, refused)  # a lease is never refused as stale
+
+    async def _journal_tail(self, run_id: str, step_id: str) -> m.JournalMark | None:
+        tail = await self.journal.last_written(run_id, step_id)
+        return convert.journal_mark(tail.record, tail.delivery) if tail is not None else None
 
     def _answer(self, run_id: str, step_id: str, refused: m.Refused | None) -> bool:
         """Raise ``Fenced`` for a fenced refusal; whether the call is stale."""
@@ -435,7 +431,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             "run %s step %s: refused (%s): %s", run_id, step_id, refused.reason, refused.message
         )
         if refused.reason == "fenced":
-            raise errors.Fenced(f"run {run_id} step {step_id}: {refused.message}")
+            raise errors.Fenced(
+                run_id, step_id, detail=f"run {run_id} step {step_id}: {refused.message}"
+            )
         return True
 
     def _stale(self, stored: StoredRun, event: ipb.HistoryEvent) -> bool:
@@ -487,24 +485,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
 def _is_current(stored: StoredRun | None, task: pb.Task) -> bool:
     """Whether ``task`` is the dispatch its step runs now, by ``stored``."""
-    if stored is None or stored.record.run.status != pb.RUN_STATUS_RUNNING:
-        return False
-    step = next((s for s in stored.record.run.steps if s.step_id == task.step_id), None)
-    return (
-        step is not None
-        and step.status == pb.STEP_STATUS_RUNNING
-        and (step.iteration, step.attempt) == (task.iteration, task.attempt)
+    run = stored.record.run if stored is not None else None
+    step = next((s for s in run.steps if s.step_id == task.step_id), None) if run else None
+    return run is not None and rules.task_is_current(
+        convert.run_status_from_proto(run.status),
+        step_status_from_proto(step.status) if step is not None else None,
+        m.Identity(iteration=step.iteration, attempt=step.attempt) if step else None,
+        m.Identity(iteration=task.iteration, attempt=task.attempt),
     )
 
 
 _background: set[asyncio.Task[None]] = set()
-
-
-def _release_late(task: asyncio.Task[list[Msg]]) -> None:
-    """A fetch that lost the race still delivers; give its tasks back at once."""
-    if task.cancelled() or task.exception() is not None:
-        return
-    for msg in task.result():
-        nak = asyncio.ensure_future(msg.nak())
-        _background.add(nak)
-        nak.add_done_callback(_background.discard)

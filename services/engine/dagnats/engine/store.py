@@ -11,7 +11,7 @@ import contextlib
 import functools
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,11 +25,15 @@ from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import NotFound, Unavailable
-from dagnats.engine import convert
-from dagnats.engine import model as m
+from dagnats.core.subjects import (
+    dead_letter,
+    history_subject,
+    kv_key,
+    task_consumer,
+    task_filter,
+)
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
-from dagnats.journal.store import journal_subject
 
 if TYPE_CHECKING:
     from nats.js.api import DeliverPolicy
@@ -65,31 +69,48 @@ class StoredRun:
     revision: int
 
 
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A message a pull consumer delivered, and how to settle it: all the
+    engine's other modules see of a NATS message."""
+
+    _msg: Msg
+
+    @property
+    def data(self) -> bytes:
+        return self._msg.data or b""
+
+    @property
+    def subject(self) -> str:
+        return self._msg.subject
+
+    @property
+    def lease(self) -> str:
+        """The ack subject: what a worker holds as its task's lease."""
+        return self._msg.reply
+
+    @property
+    def delivered(self) -> int:
+        """Which delivery of the message this is, from 1."""
+        return self._msg.metadata.num_delivered or 1
+
+    @property
+    def stream_seq(self) -> int:
+        return int(self._msg.metadata.sequence.stream)
+
+    async def ack(self) -> None:
+        await self._msg.ack()
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Deliver it again, after ``delay`` seconds (at once when None)."""
+        await self._msg.nak(delay=delay)
+
+
 def _stored(msg: Msg) -> StoredRun | None:
     """A write of the runs bucket as a watch delivers it; None for a delete or purge."""
     if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
         return None
     return StoredRun(ipb.RunRecord.FromString(msg.data), int(msg.metadata.sequence.stream))
-
-
-def task_subject(task_type: str, run_id: str, step_id: str) -> str:
-    return f"tasks.{task_type}.{run_id}.{step_id}"
-
-
-def task_consumer(task_type: str) -> str:
-    return f"tasks-{task_type}"
-
-
-def history_subject(run_id: str) -> str:
-    return f"history.{run_id}"
-
-
-def timer_subject(run_id: str, step_id: str) -> str:
-    return f"timers.{run_id}.{step_id}"
-
-
-def cancel_subject(run_id: str) -> str:
-    return f"dagnats.cancel.{run_id}"
 
 
 class EngineStore:
@@ -160,6 +181,37 @@ class EngineStore:
             return None
         return StoredRun(ipb.RunRecord.FromString(entry.value or b""), int(entry.revision or 0))
 
+    async def get_run(self, run_id: str) -> pb.Run | None:
+        """The run as stored, for the other services (``dagnats.journal.peers``,
+        ``dagnats.inputs.store``); None when there is none."""
+        stored = await self.load_run(run_id)
+        return stored.record.run if stored is not None else None
+
+    async def follow_run(self, run_id: str) -> AsyncGenerator[pb.Run | None, None]:
+        """The run as stored now (None when there is none), then after every
+        change (None once purged), for the inputs service's waits. A KV watch
+        of the run's key: it gives the current value, then says so, then the
+        changes."""
+        watcher = await _retry(lambda: self._runs.watch(run_id), "watch the run")
+        try:
+            current: pb.Run | None = None
+            started = False
+            async for entry in watcher:
+                if entry is None:  # the current value was given
+                    if not started:
+                        started = True
+                        yield current
+                    continue
+                gone = entry.operation in ("DEL", "PURGE") or not entry.value
+                run = None if gone else ipb.RunRecord.FromString(entry.value).run
+                if started:
+                    yield run
+                else:
+                    current = run
+        finally:
+            with contextlib.suppress(Exception):  # gone with the connection already
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
     async def require_run(self, run_id: str) -> StoredRun:
         stored = await self.load_run(run_id)
         if stored is None:
@@ -210,7 +262,7 @@ class EngineStore:
         last = int(info.state.last_seq or 0)
         if not info.state.messages:
             return []
-        prefix = f"$KV.{jsx.KV_RUNS}."
+        prefix = kv_key(jsx.KV_RUNS, "")
         queue: asyncio.Queue[Msg] = asyncio.Queue()
 
         async def deliver(msg: Msg) -> None:
@@ -264,7 +316,7 @@ class EngineStore:
         after a NATS outage as :meth:`watch_run` is."""
         from nats.js.api import DeliverPolicy
 
-        prefix = f"$KV.{jsx.KV_RUNS}."
+        prefix = kv_key(jsx.KV_RUNS, "")
 
         async def on_msg(msg: Msg) -> None:
             deliver((msg.subject or "").removeprefix(prefix), _stored(msg))
@@ -280,7 +332,7 @@ class EngineStore:
         ``WATCH_INACTIVE`` after its subscriber left."""
         return await _retry(
             lambda: self.js.subscribe(
-                f"$KV.{jsx.KV_RUNS}.{keys}",
+                kv_key(jsx.KV_RUNS, keys),
                 stream=f"KV_{jsx.KV_RUNS}",
                 cb=cb,
                 ordered_consumer=True,
@@ -336,7 +388,7 @@ class EngineStore:
     async def leave_active(self, run_id: str) -> None:
         """Take a run out of the index. A subject purge, not a KV delete: a
         delete leaves a marker that every later read of the index goes through."""
-        await self.purge_subject(f"KV_{jsx.KV_ACTIVE_RUNS}", f"$KV.{jsx.KV_ACTIVE_RUNS}.{run_id}")
+        await self.purge_subject(f"KV_{jsx.KV_ACTIVE_RUNS}", kv_key(jsx.KV_ACTIVE_RUNS, run_id))
 
     async def index_active_runs(self) -> int:
         """Enter the runs that may need the reconciler, stored before the index
@@ -446,13 +498,27 @@ class EngineStore:
     async def purge_subject(self, stream: str, subject: str) -> None:
         await _retry(lambda: self.js.purge_stream(stream, subject=subject), f"purge {stream}")
 
+    async def ensure_consumer(self, stream: str, durable: str, ack_wait: float) -> None:
+        """A durable consumer of a whole stream that never gives up on a
+        message: explicit acks, no delivery limit, no limit on pending acks."""
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        config = ConsumerConfig(
+            durable_name=durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait,
+            max_deliver=-1,
+            max_ack_pending=-1,
+        )
+        await _retry(lambda: self.js.add_consumer(stream, config), f"create {durable}")
+
     async def ensure_task_consumer(self, task_type: str, ack_wait: float) -> None:
         from nats.js.api import AckPolicy, ConsumerConfig
 
         name = task_consumer(task_type)
         config = ConsumerConfig(
             durable_name=name,
-            filter_subject=f"tasks.{task_type}.>",
+            filter_subject=task_filter(task_type),
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ack_wait,
             max_deliver=-1,
@@ -461,26 +527,57 @@ class EngineStore:
         )
         await _retry(lambda: self.js.add_consumer(jsx.TASKS, config), "create the task consumer")
 
-    # ---- the journal, read to check a worker's report or lease ------------------
+    # ---- deliveries and leases ----------------------------------------------------
+    #
+    # A lease is a task message's ack subject. Acknowledgements are not fenced
+    # (docs/architecture.md, F5): a fenced holder's ack would complete its
+    # successor's delivery, so the callers check the journal before any of these.
 
-    async def journal_tail(self, run_id: str, step_id: str) -> m.JournalMark | None:
-        """The last record of a step's journal, read from the stream leader."""
-        try:
-            subject = journal_subject(run_id, step_id)
-            msg = await self._msg(jsx.JOURNAL, "read a journal", subject=subject)
-        except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
-            return None  # no journal (or no journal stream: nothing was journaled)
-        return convert.journal_mark(msg.data or b"", int(msg.seq or 0), msg.headers)
+    async def pull(self, stream: str, durable: str, batch: int, wait: float) -> list[Delivery]:
+        """Up to ``batch`` messages of a pull consumer, waiting up to ``wait``
+        seconds for the first (see ``jsx.pull_now``)."""
+        return [Delivery(m) for m in await jsx.pull_now(self.nc, stream, durable, batch, wait)]
 
-    async def journal_record(self, run_id: str, step_id: str, seq: int) -> m.JournalMark | None:
-        """The record at ``seq`` if it is on the step's journal; None otherwise."""
+    async def pull_tasks(self, task_type: str, batch: int, wait: float) -> list[Delivery]:
+        """Tasks of one type for a poll; none once the connection is closing."""
         try:
-            msg = await self._msg(jsx.JOURNAL, "read a journal", seq=seq)
-        except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
-            return None
-        if msg.subject != journal_subject(run_id, step_id):
-            return None
-        return convert.journal_mark(msg.data or b"", int(msg.seq or 0), msg.headers)
+            return await self.pull(jsx.TASKS, task_consumer(task_type), batch, wait)
+        except nats.errors.ConnectionClosedError:
+            return []  # the engine is shutting down
+
+    async def give_back(self, deliveries: list[Delivery]) -> None:
+        """Deliver these again at once (their receiver is gone)."""
+        await jsx.give_back([d._msg for d in deliveries])
+
+    async def extend_lease(self, lease: str) -> None:
+        """The task stays with its holder for another ack wait."""
+        await self.nc.publish(lease, b"+WPI")
+
+    async def release(self, lease: str) -> None:
+        """The task is done: acknowledged, and off the work queue."""
+        await self.nc.publish(lease, b"+ACK")
+
+    async def redeliver(self, lease: str) -> None:
+        """The task comes back at once rather than when its lease runs out."""
+        await self.nc.publish(lease, b"-NAK")
+
+    async def dead_letter(self, delivery: Delivery, err: Exception) -> None:
+        """Move a message the engine cannot apply aside, then acknowledge it."""
+        subject = dead_letter(delivery.subject)
+        headers = {"Dagnats-Error": repr(err)[:500], "Dagnats-Subject": delivery.subject}
+        msg_id = f"{subject}.{delivery.stream_seq}"
+        await jsx.publish(self.js, subject, delivery.data, msg_id=msg_id, headers=headers)
+        await delivery.ack()
+
+    async def publish_event(self, event: ipb.HistoryEvent, msg_id: str) -> None:
+        """Append ``event`` to its run's history, deduplicated by ``msg_id``."""
+        await jsx.publish(
+            self.js,
+            history_subject(event.run_id),
+            event.SerializeToString(),
+            msg_id=msg_id,
+            headers=dict(event.trace_context),
+        )
 
     async def task_at(self, seq: int) -> pb.Task | None:
         """The task message at ``seq`` of the task stream, while it is there."""
@@ -516,4 +613,4 @@ async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
         await watcher.stop()  # type: ignore[no-untyped-call]
 
 
-__all__ = ["EngineStore", "StaleRevision", "StoredRun"]
+__all__ = ["Delivery", "EngineStore", "StaleRevision", "StoredRun"]

@@ -98,7 +98,9 @@ class RunHub:
                 for watcher in list(self.watchers):
                     watcher.offer(stored)
         except Exception as err:
-            failed = as_domain_error(err) or Unavailable(f"watching run {self.run_id}: {err!r}")
+            failed = as_domain_error(err)
+            if not isinstance(failed, DagnatsError):
+                failed = Unavailable(f"watching run {self.run_id}: {err!r}")
             for watcher in list(self.watchers):
                 watcher.fail(failed)
         finally:

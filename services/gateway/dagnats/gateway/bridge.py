@@ -30,10 +30,12 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import check_token
+from dagnats.core.outcomes import Outcome, commit_of
+from dagnats.core.payload import encode
+from dagnats.core.timestamps import duration
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway import bridge_journal
 from dagnats.gateway import bridge_models as bm
@@ -43,9 +45,7 @@ from dagnats.gateway.backend import Backend, BackendDep
 from dagnats.gateway.bridge_token import BridgeToken
 from dagnats.gateway.errors import ApiError
 from dagnats.inputs.v1 import inputs_pb2 as ipb
-from dagnats.journal.outcomes import Outcome, commit_of
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._codec import encode
 from dagnats.sdk.views import decode_payload
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -75,8 +75,7 @@ async def poll(b: BackendDep, body: bm.PollBody) -> bm.PollResult:
         raise InvalidArgument(f"wait is at most {bm.MAX_POLL_WAIT:.0f}s", field="wait")
     for i, task_type in enumerate(body.task_types):
         check_token(task_type, field=f"task_types.{i}")
-    wait = Duration()
-    wait.FromNanoseconds(round(body.wait * 1e9))
+    wait = duration(body.wait)
     request = pb.PollTasksRequest(
         task_types=body.task_types, max_tasks=body.max_tasks, wait=wait, worker_id=body.worker_id
     )
@@ -121,7 +120,8 @@ async def heartbeat(b: BackendDep, body: bm.TokenBody) -> bm.TokenResult:
     t = BridgeToken.decode(body.token)
     if t.writer is not None:
         await ops.holding(b, t)
-    response = await b.rpc.heartbeat(pb.HeartbeatRequest(lease=t.lease, run_id=t.run_id))
+    heartbeat = b.rpc.heartbeat(pb.HeartbeatRequest(lease=t.lease, run_id=t.run_id))
+    response = await ops.refused_as_fenced(heartbeat)
     if response.cancelled:
         raise await ops.ended(b, t)
     return bm.TokenResult(token=body.token)
@@ -151,7 +151,7 @@ async def resolve(b: BackendDep, body: bm.ResolveBody) -> bm.ResolveResult:
             b, t, b.rpc.commit(jpb.CommitRequest(token=t.writer, commit=commit))
         )
         request.journal_seq = done.commit_seq
-    response = await b.rpc.report(request)
+    response = await ops.refused_as_fenced(b.rpc.report(request))
     if response.cancelled:
         raise ops.cancelled(t)
     if response.stale:
@@ -178,7 +178,7 @@ def _outcome(body: bm.ResolveBody) -> tuple[str, Outcome]:
             assert body.pause is not None
             if body.pause <= 0:
                 raise InvalidArgument("pause must be positive", field="pause")
-            return "pause", pb.Pause(duration=_duration(body.pause))
+            return "pause", pb.Pause(duration=duration(body.pause))
         case _:
             permanent = body.outcome == "fail_permanent"
             kind = pb.FAILURE_KIND_PERMANENT if permanent else pb.FAILURE_KIND_RETRIABLE
@@ -189,19 +189,13 @@ def _outcome(body: bm.ResolveBody) -> tuple[str, Outcome]:
 def _wait(body: bm.WaitBody) -> pb.Wait:
     wait = pb.Wait(until_input=body.until_input)
     if body.delay is not None:
-        wait.delay.CopyFrom(_duration(body.delay))
+        wait.delay.CopyFrom(duration(body.delay))
     if body.until is not None:
         try:
             wait.until.FromDatetime(body.until)
         except (OverflowError, ValueError):
             raise InvalidArgument("wait.until is out of range", field="wait.until") from None
     return wait
-
-
-def _duration(seconds: float) -> Duration:
-    duration = Duration()
-    duration.FromNanoseconds(round(seconds * 1e9))
-    return duration
 
 
 async def _inputs_queued(b: Backend, t: BridgeToken) -> bool:

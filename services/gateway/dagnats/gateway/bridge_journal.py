@@ -16,12 +16,12 @@ from dataclasses import replace
 from fastapi import APIRouter
 
 from dagnats.core.errors import Conflict, InvalidArgument
+from dagnats.core.payload import encode
 from dagnats.gateway import bridge_models as bm
 from dagnats.gateway import bridge_ops as ops
 from dagnats.gateway.backend import Backend, BackendDep
 from dagnats.gateway.bridge_token import BridgeToken
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._codec import encode
 from dagnats.sdk.views import decode_payload, record_dict
 
 router = APIRouter(prefix="/journal")

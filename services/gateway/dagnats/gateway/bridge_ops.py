@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Literal, TypeVar, cast
 
 from dagnats.core.errors import Fenced
+from dagnats.core.outcomes import settled_report
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway.backend import Backend
 from dagnats.gateway.bridge_token import BridgeToken
@@ -23,7 +24,6 @@ from dagnats.gateway.errors import ApiError
 from dagnats.journal import convert, replay
 from dagnats.journal.replay import FenceReason
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._context import settled_report
 
 T = TypeVar("T")
 
@@ -41,16 +41,19 @@ async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | 
     """
     if t.writer is not None:
         return t, None
-    response = await b.rpc.claim(
-        jpb.ClaimRequest(
-            run_id=t.run_id,
-            step_id=t.step_id,
-            iteration=t.iteration,
-            attempt=t.attempt,
-            delivery=t.delivery,
-            worker_id=t.worker_id,
-            restart_limit=t.restart_limit,
-            lease=t.lease,
+    # A claim that loses to a concurrent claim is fenced: 409, like any write.
+    response = await refused_as_fenced(
+        b.rpc.claim(
+            jpb.ClaimRequest(
+                run_id=t.run_id,
+                step_id=t.step_id,
+                iteration=t.iteration,
+                attempt=t.attempt,
+                delivery=t.delivery,
+                worker_id=t.worker_id,
+                restart_limit=t.restart_limit,
+                lease=t.lease,
+            )
         )
     )
     if response.HasField("settled"):
@@ -77,7 +80,7 @@ async def _settle(b: Backend, t: BridgeToken, settled: jpb.Settled) -> ApiError:
         iteration=t.iteration,
         attempt=t.attempt,
     )
-    response = await b.rpc.report(request)
+    response = await refused_as_fenced(b.rpc.report(request))
     if response.cancelled:
         return await ended(b, t)
     return _settled_answer(settled)
@@ -127,14 +130,28 @@ async def why_fenced(b: Backend, t: BridgeToken) -> FenceReason | Literal["cance
     )
 
 
-def _explained(t: BridgeToken, reason: str, err: Fenced) -> Exception:
+def _explained(t: BridgeToken, reason: str, err: Fenced) -> ApiError:
     if reason == "cancelled":
         return cancelled(t)
     if reason == "stale":
         return ApiError(410, "stale", "the task is finished: the step has moved on")
     if reason == "committed":
         return ApiError(410, "committed", "the task is finished: a successor committed it")
-    return err
+    return fenced(err)
+
+
+def fenced(err: Fenced) -> ApiError:
+    """The answer to a write or a report the journal or the engine refused."""
+    return ApiError(409, "fenced", err.message)
+
+
+async def refused_as_fenced(call: Awaitable[T]) -> T:
+    """Await an engine call that refuses a fenced holder (``Report``,
+    ``Heartbeat``): its refusal is the bridge's 409 ``fenced``."""
+    try:
+        return await call
+    except Fenced as err:
+        raise fenced(err) from None
 
 
 @asynccontextmanager

@@ -28,7 +28,10 @@ class GatewayConfig:
 
     Attributes:
         engine_target: gRPC address of the engine (which also serves the
-            journal and inputs services).
+            journal and inputs services, unless they have addresses of their own).
+        journal_target: gRPC address of the journal service when it runs
+            apart from the engine (``dagnats serve journal``); None: the engine's.
+        inputs_target: gRPC address of the inputs service, likewise.
         host: Address to bind. Without ``api_token`` it must be a loopback address.
         port: Port to bind; 0 picks a free one.
         api_token: Bearer token for run control, inputs and the journal; None
@@ -51,6 +54,8 @@ class GatewayConfig:
     """
 
     engine_target: str
+    journal_target: str | None = None
+    inputs_target: str | None = None
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     api_token: str | None = None
@@ -74,7 +79,15 @@ class GatewayConfig:
             )
 
     @classmethod
-    def from_env(cls, engine_target: str, *, host: str, port: int) -> GatewayConfig:
+    def from_env(
+        cls,
+        engine_target: str,
+        *,
+        host: str,
+        port: int,
+        journal_target: str | None = None,
+        inputs_target: str | None = None,
+    ) -> GatewayConfig:
         """Tokens from ``DAGNATS_API_TOKEN`` and ``DAGNATS_BRIDGE_TOKEN`` (empty is
         unset), the retry budget from ``DAGNATS_GATEWAY_RETRY_FOR``; towards the
         engine, TLS from ``DAGNATS_TLS_*`` and the tokens
@@ -89,6 +102,8 @@ class GatewayConfig:
 
         return cls(
             engine_target=engine_target,
+            journal_target=journal_target,
+            inputs_target=inputs_target,
             host=host,
             port=port,
             api_token=os.environ.get("DAGNATS_API_TOKEN") or None,

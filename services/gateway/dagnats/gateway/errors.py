@@ -24,7 +24,6 @@ STATUS_OF: dict[type[errors.DagnatsError], int] = {
     errors.InvalidArgument: 400,
     errors.NotFound: 404,
     errors.Conflict: 409,
-    errors.Fenced: 409,
     errors.ReplayMismatch: 409,
     errors.Unavailable: 503,
     errors.DeadlineExceeded: 504,

@@ -9,7 +9,7 @@ keeps proxies from closing the connection and lets the gateway notice a
 client that went away.
 
 A stream ends by itself once the step has finished and every record was sent
-(``dagnats.sdk._follow``): one ``end`` event, with no ``id`` (so a client's
+(``dagnats.sdk.follow``): one ``end`` event, with no ``id`` (so a client's
 ``Last-Event-ID`` stays on the last record) and the run's and the step's
 status as its data, closes it.
 
@@ -33,7 +33,7 @@ from dagnats.core.errors import DagnatsError
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.gateway.backend import Backend
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._follow import Ending, follow_step
+from dagnats.sdk.follow import Ending, follow_step
 from dagnats.sdk.views import enum_name, record_dict
 
 KEEPALIVE_SECONDS = 15.0

@@ -27,6 +27,7 @@ from dagnats.core.ids import (
     check_token,
     parse_seq,
 )
+from dagnats.core.payload import encode
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway import journal_stream, live_stream, run_watch, runs_stream
 from dagnats.gateway.auth import api_auth
@@ -34,7 +35,6 @@ from dagnats.gateway.backend import BackendDep
 from dagnats.inputs.rules import MAX_WAIT
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk import InputMode
-from dagnats.sdk._codec import encode
 from dagnats.sdk.views import (
     check_dict,
     input_dict,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
+from dagnats.core.status import step_status_from_proto
+from dagnats.core.timestamps import timestamp
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.inputs import rules
-from dagnats.inputs.rules import InputState, Mode, Status, StepStatus
+from dagnats.inputs.rules import InputState, Mode, Status
 from dagnats.inputs.v1 import inputs_pb2 as pb
 
 _MODE = {pb.MODE_STEER: Mode.STEER, pb.MODE_FOLLOW_UP: Mode.FOLLOW_UP}
@@ -19,14 +19,6 @@ _STATUS = {
     pb.STATUS_WITHDRAWN: Status.WITHDRAWN,
 }
 STATUS_TO_PROTO = {v: k for k, v in _STATUS.items()}
-_STEP_STATUS = {
-    epb.STEP_STATUS_PENDING: StepStatus.PENDING,
-    epb.STEP_STATUS_RUNNING: StepStatus.RUNNING,
-    epb.STEP_STATUS_WAITING: StepStatus.WAITING,
-    epb.STEP_STATUS_COMPLETED: StepStatus.COMPLETED,
-    epb.STEP_STATUS_FAILED: StepStatus.FAILED,
-    epb.STEP_STATUS_CANCELLED: StepStatus.CANCELLED,
-}
 
 
 def mode_from_proto(mode: int) -> Mode | None:
@@ -39,19 +31,8 @@ def status_from_proto(status: int) -> Status | None:
     return _STATUS.get(pb.Status.ValueType(status))
 
 
-def step_status(status: int) -> StepStatus:
-    # An unset status is a step the engine has not touched yet.
-    return _STEP_STATUS.get(epb.StepStatus.ValueType(status), StepStatus.PENDING)
-
-
 def find_step(run: epb.Run, step_id: str) -> epb.StepState | None:
     return next((s for s in run.steps if s.step_id == step_id), None)
-
-
-def _ts(seconds: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(round(seconds * 1e9))
-    return ts
 
 
 def to_proto(state: InputState, status: Status | None = None) -> pb.Input:
@@ -63,8 +44,8 @@ def to_proto(state: InputState, status: Status | None = None) -> pb.Input:
         mode=MODE_TO_PROTO[state.mode],
         content=state.content,
         status=STATUS_TO_PROTO[status or state.status],
-        created_at=_ts(state.created_at),
-        updated_at=_ts(state.updated_at),
+        created_at=timestamp(state.created_at),
+        updated_at=timestamp(state.updated_at),
         placed_iteration=state.placed_iteration,
         placed_attempt=state.placed_attempt,
         placed_by=state.placed_by,
@@ -95,4 +76,4 @@ def visible(state: InputState, run: epb.Run | None) -> Status:
     step = find_step(run, state.step_id) if run is not None else None
     if step is None:
         return rules.visible_status(state, None, 0)
-    return rules.visible_status(state, step_status(step.status), step.iteration)
+    return rules.visible_status(state, step_status_from_proto(step.status), step.iteration)

@@ -35,15 +35,14 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from dagnats.core import errors
+from dagnats.core.subjects import INPUTS_GET, INPUTS_SUBMIT, INPUTS_WITHDRAW
 from dagnats.inputs.service import Inputs
 from dagnats.inputs.v1 import inputs_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 QUEUE = "dagnats-inputs"
-SUBMIT = "api.inputs.submit"
-GET = "api.inputs.get"
-WITHDRAW = "api.inputs.withdraw"
+SUBMIT, GET, WITHDRAW = INPUTS_SUBMIT, INPUTS_GET, INPUTS_WITHDRAW
 ERROR_HEADER = "Dagnats-Error"
 
 Req = TypeVar("Req", bound=Message)

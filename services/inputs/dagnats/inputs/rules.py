@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import check_request_id, check_run_id, check_token
+from dagnats.core.status import StepStatus as StepStatus
 
 MAX_CONTENT_BYTES = 64 * 1024
 MAX_WAIT = 60.0
@@ -58,20 +59,6 @@ class Status(enum.Enum):
     DONE = "done"
     UNANSWERED = "unanswered"
     WITHDRAWN = "withdrawn"
-
-
-class StepStatus(enum.Enum):
-    """The engine's view of the step, as far as inputs care."""
-
-    PENDING = "pending"
-    RUNNING = "running"
-    WAITING = "waiting"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-FINISHED = frozenset({StepStatus.COMPLETED, StepStatus.FAILED, StepStatus.CANCELLED})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -261,7 +248,7 @@ def visible_status(
 
 def accepts_inputs(run_running: bool, step_status: StepStatus) -> bool:
     """Whether a step takes new inputs: its run runs and it has not finished."""
-    return run_running and step_status not in FINISHED
+    return run_running and not step_status.finished
 
 
 # ---- validation -----------------------------------------------------------------

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dagnats.core import errors
 from dagnats.core.grpcutil import Context, domain_errors
 from dagnats.core.ids import check_request_id, check_run_id, check_token
+from dagnats.core.status import step_status_from_proto
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.inputs import convert, rules
 from dagnats.inputs.rules import InputState, Refusal, Status
@@ -64,7 +65,7 @@ def _accepts_inputs(run: epb.Run | None, step_id: str) -> bool:
     if run is None or step is None:
         return False
     running = run.status == epb.RUN_STATUS_RUNNING
-    return rules.accepts_inputs(running, convert.step_status(step.status))
+    return rules.accepts_inputs(running, step_status_from_proto(step.status))
 
 
 def _finished(run_id: str, step_id: str) -> errors.Conflict:

@@ -1,8 +1,9 @@
-"""The inputs service's one adapter to JetStream: the ``INPUTS`` bucket, the
-``RUNS`` bucket (read only) and the history event that wakes a waiting step.
+"""The inputs service's one adapter to JetStream: the ``INPUTS`` bucket. The
+run an input belongs to, and the history event that wakes a waiting step, are
+the engine's, reached through :mod:`dagnats.inputs.peers`.
 
 NATS error types do not leave this module. Two JetStream facts shape it
-(DESIGN.md §10.9 and §10.5):
+(docs/architecture.md, F6 and F7):
 
 * A KV create carries no Msg-Id, so a retried create whose ack was lost looks
   exactly like losing the race to another caller. Every record therefore holds
@@ -19,13 +20,12 @@ import asyncio
 import builtins
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
 from typing import Any, Self
 
 import nats.errors
 import nats.js.errors
-from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -33,9 +33,11 @@ from nats.js.kv import KeyValue
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
+from dagnats.core.timestamps import timestamp
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs import convert, rules
+from dagnats.inputs.peers import Runs
 from dagnats.inputs.rules import InputState, Status
 from dagnats.inputs.v1 import inputs_pb2 as pb
 
@@ -52,10 +54,6 @@ class StaleRevision(Exception):
     """The input changed since it was read; read it again and retry."""
 
 
-def history_subject(run_id: str) -> str:
-    return f"history.{run_id}"
-
-
 def submitted_msg_id(run_id: str, step_id: str, request_id: str) -> str:
     # One event per input however often it is submitted: the Msg-Id dedupes.
     return f"{run_id}.{step_id}.input.{rules.encode_request_id(request_id)}"
@@ -68,16 +66,17 @@ def _decode_input(value: bytes | None) -> InputState:
 class InputStore:
     """Inputs in the ``INPUTS`` bucket, keyed by :func:`dagnats.inputs.rules.key`."""
 
-    def __init__(self, inputs: KeyValue, runs: KeyValue, js: JetStreamContext) -> None:
+    def __init__(self, inputs: KeyValue, js: JetStreamContext, runs: Runs) -> None:
         self._inputs = inputs
-        self._runs = runs
         self._js = js
+        self._runs = runs
 
     @classmethod
-    async def open(cls, nc: NATS) -> InputStore:
-        """The store over the buckets ``jsx.provision`` created."""
+    async def open(cls, nc: NATS, runs: Runs) -> InputStore:
+        """The store over the bucket ``jsx.provision`` created; ``runs`` is the
+        engine's (see :mod:`dagnats.inputs.peers`)."""
         js = nc.jetstream()
-        return cls(await js.key_value(jsx.KV_INPUTS), await js.key_value(jsx.KV_RUNS), js)
+        return cls(await js.key_value(jsx.KV_INPUTS), js, runs)
 
     # ---- inputs -------------------------------------------------------------------
 
@@ -195,30 +194,20 @@ class InputStore:
 
     async def load_run(self, run_id: str) -> epb.Run | None:
         """The engine's view of a run; None when there is none."""
-        try:
-            entry = await jsx.retry_transient(lambda: self._runs.get(run_id), "read the run")
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        return eipb.RunRecord.FromString(entry.value or b"").run
+        return await self._runs.get_run(run_id)
 
     async def publish_submitted(self, state: InputState, now: float) -> None:
         """Tell the engine the step has an input, so a step waiting for one wakes."""
-        time = Timestamp()
-        time.FromNanoseconds(round(now * 1e9))
         event = eipb.HistoryEvent(
             run_id=state.run_id,
             step_id=state.step_id,
-            time=time,
+            time=timestamp(now),
             input=eipb.InputSubmitted(request_id=state.request_id),
         )
         tracing.inject(event.trace_context)  # type: ignore[arg-type]
+        msg_id = submitted_msg_id(state.run_id, state.step_id, state.request_id)
         try:
-            await jsx.publish(
-                self._js,
-                history_subject(state.run_id),
-                event.SerializeToString(),
-                msg_id=submitted_msg_id(state.run_id, state.step_id, state.request_id),
-            )
+            await self._runs.publish_event(event, msg_id)
         except jsx.TRANSIENT_NATS_ERRORS as err:
             raise Unavailable(f"could not publish the input event: {err!r}") from err
 
@@ -231,7 +220,7 @@ class InputWatch:
     """
 
     def __init__(
-        self, inputs: KeyValue, runs: KeyValue, run_id: str, step_id: str, request_id: str
+        self, inputs: KeyValue, runs: Runs, run_id: str, step_id: str, request_id: str
     ) -> None:
         self._inputs = inputs
         self._runs = runs
@@ -242,12 +231,13 @@ class InputWatch:
         self._changed = asyncio.Event()
         self._watchers: list[Any] = []
         self._pumps: list[asyncio.Task[None]] = []
+        self._follows: list[AsyncGenerator[epb.Run | None, None]] = []
 
     async def __aenter__(self) -> Self:
         try:
             # The input last: its first value is the one a caller compares
             # with, so nothing may change it between that read and the return.
-            await self._follow(self._runs, self._run_id, self._set_run)
+            await self._follow_run()
             await self._follow(self._inputs, self._key, self._set_input)
         except BaseException:
             await self._close()
@@ -288,6 +278,21 @@ class InputWatch:
             raise Unavailable(f"watching {key} timed out") from None
         self._pumps.append(asyncio.create_task(self._pump(watcher, apply)))
 
+    async def _follow_run(self) -> None:
+        follow = self._runs.follow_run(self._run_id)
+        self._follows.append(follow)
+        try:
+            async with asyncio.timeout(WATCH_START):
+                self.run = await anext(follow)
+        except TimeoutError:
+            raise Unavailable(f"watching run {self._run_id} timed out") from None
+        self._pumps.append(asyncio.create_task(self._pump_run(follow)))
+
+    async def _pump_run(self, follow: AsyncGenerator[epb.Run | None, None]) -> None:
+        async for run in follow:
+            self.run = run
+            self._changed.set()
+
     async def _pump(self, watcher: Any, apply: Callable[[Any], None]) -> None:
         async for entry in watcher:
             if entry is None:
@@ -303,10 +308,6 @@ class InputWatch:
         gone = entry.operation in _DELETED or not entry.value
         self.input = None if gone else _decode_input(entry.value)
 
-    def _set_run(self, entry: Any) -> None:
-        gone = entry.operation in _DELETED or not entry.value
-        self.run = None if gone else eipb.RunRecord.FromString(entry.value).run
-
     async def _close(self) -> None:
         for pump in self._pumps:
             pump.cancel()
@@ -316,6 +317,9 @@ class InputWatch:
         for pump in self._pumps:
             with contextlib.suppress(asyncio.CancelledError):
                 await pump
+        for follow in self._follows:
+            with contextlib.suppress(Exception):
+                await follow.aclose()
 
 
 async def close_step_inputs(store: InputStore, run_id: str, step_id: str, now: float) -> int:
@@ -392,6 +396,5 @@ __all__ = [
     "change",
     "close_input",
     "close_step_inputs",
-    "history_subject",
     "submitted_msg_id",
 ]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from dagnats.core import errors
 from dagnats.core.seam import seam
@@ -100,7 +99,7 @@ class InputPlacement:
                 token.run_id, token.step_id, after=token.base_seq
             )
             recorded = {r.input_placed.request_id for r in records if r.HasField("input_placed")}
-            now = time.time()
+            now = self._writer.clock()
 
             def give_back(state: input_rules.InputState) -> input_rules.InputState | None:
                 return input_rules.release(
@@ -162,7 +161,7 @@ class InputPlacement:
         or crashed in between -- this writer's own earlier try included -- is
         taken over. ``recorded`` names every input with a record in this
         iteration; with ``queued`` False only such left claims are taken."""
-        now = time.time()
+        now = self._writer.clock()
         mode = input_rules.Mode[MODES[request.mode]]
         iteration, attempt, writer = token.iteration, token.attempt, token.writer
 

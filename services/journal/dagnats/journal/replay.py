@@ -7,6 +7,10 @@ Python SDK, stub-based workers in other languages and the HTTP bridge.
 
 Claim (one dispatch ``(iteration, attempt)`` opening the journal):
 
+* Iteration 0 of a run that has ended -> ``Stale`` before anything is read
+  (``closed_start``): a purge resets a step's fence (docs/architecture.md,
+  F4), so a journal is never opened afresh for an ended run. A later
+  iteration follows a commit on the subject, which a purge would have removed.
 * The tail (last record on the step's subject) belongs to a later dispatch
   -> ``Stale``: a late redelivery; settle the task without running.
 * The iteration has a commit that ends it, or this attempt has a commit
@@ -17,9 +21,10 @@ Claim (one dispatch ``(iteration, attempt)`` opening the journal):
   ``interrupted`` result. After the claim, ``restart_limit_reached`` says
   whether the iteration ended in ``limit`` claims in a row; a claim repeated
   for the same delivery (its answer was lost) counts once.
-* A decision from a guessed tail (the last commit this replica stored) stands
-  only if it is ``Proceed`` (``stands_on_a_guess``); any other answer needs the
-  tail read.
+* The last commit this replica stored on the step is the guessed tail of the
+  next iteration's claim (``guess_tail``: only a commit of the iteration just
+  before). A decision from a guessed tail stands only if it is ``Proceed``
+  (``stands_on_a_guess``); any other answer needs the tail read.
 
 Calls, by position within the attempt (model calls, tool calls and
 place-inputs calls share one position counter):
@@ -102,6 +107,21 @@ def decide_claim(
         if isinstance(record, CommitEntry) and (record.ends_iteration or record.attempt == attempt):
             return AlreadyCommitted(commit=record)
     return Proceed(close=tuple(_unanswered(records, before_attempt=attempt)))
+
+
+def closed_start(iteration: int, *, run_ended: str) -> Stale | None:
+    """``Stale`` for a claim of iteration 0 of a run that has ended (``run_ended``
+    says how, empty while it runs); None when the claim may go on."""
+    if iteration == 0 and run_ended:
+        return Stale(detail=run_ended)
+    return None
+
+
+def guess_tail(last_commit: int | None, iteration: int) -> bool:
+    """Whether the last commit this replica stored on the step (its iteration;
+    None when it stored none) is the likely tail for a claim of ``iteration``:
+    it ended the iteration before."""
+    return last_commit is not None and last_commit == iteration - 1
 
 
 def stands_on_a_guess(decision: ClaimDecision) -> bool:

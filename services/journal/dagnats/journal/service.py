@@ -13,28 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-import nats.js.errors
-
 from dagnats.core import errors
-from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
-from dagnats.core.ids import check_run_id, check_token
+from dagnats.core.ids import check_lease, check_run_id, check_token
+from dagnats.core.payload import check_json
 from dagnats.core.seam import seam
 from dagnats.core.settings import env_seconds
-from dagnats.engine.report import check_lease, outcome_event, publish_outcome
 from dagnats.engine.v1 import engine_pb2 as epb
-from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs.store import InputStore
-from dagnats.journal import audit, convert, outcomes, replay, session, stream
+from dagnats.journal import audit, convert, replay, session, stream
 from dagnats.journal import model as jm
 from dagnats.journal.limits import MAX_ANSWER_BYTES
+from dagnats.journal.peers import Runs, Tasks
 from dagnats.journal.placement import MODES, InputPlacement
 from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -57,13 +53,6 @@ _WRITER_HEX = frozenset("0123456789abcdef")
 # Steps whose newest continue commit the engine may not have applied: it is
 # in flight, or a cancel dropped it.
 _SETTLING = frozenset({epb.STEP_STATUS_RUNNING, epb.STEP_STATUS_CANCELLED})
-
-
-def _check_json(raw: bytes, field: str) -> None:
-    try:
-        json.loads(raw)
-    except ValueError as err:
-        raise errors.InvalidArgument(f"{field} must be JSON: {err}", field=field) from None
 
 
 def check_position(position: int) -> int:
@@ -98,17 +87,24 @@ def _check_intent_seq(token: pb.WriterToken, intent_seq: int, field: str = "inte
 
 
 class JournalServicer(pb_grpc.JournalServiceServicer):
+    """The journal's gRPC methods. ``runs`` and ``tasks`` are the engine's
+    (see :mod:`dagnats.journal.peers`); ``inputs`` is the inputs' store, for
+    placing inputs; ``clock`` stamps records and the inputs placed."""
+
     def __init__(
         self,
         store: JournalStore,
+        runs: Runs,
         inputs: InputStore | None = None,
         *,
+        tasks: Tasks,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
-        self._clock = clock  # the engine's: it stamps the events the journal publishes
         self.inputs = inputs
-        self._writer = JournalWriter(store)
+        self._runs = runs
+        self._tasks = tasks
+        self._writer = JournalWriter(store, clock=clock)
         self._settling: set[asyncio.Task[None]] = set()
         self._placement = InputPlacement(self._writer, inputs) if inputs is not None else None
         # The writer of the newest claim this replica made, per step: a chunk of
@@ -138,20 +134,18 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
 
     async def _claim_answer(self, request: pb.ClaimRequest, limit: int) -> pb.ClaimResponse:
         run_id, step_id = request.run_id, request.step_id
-        if request.iteration == 0:
-            # A purge resets the fence (DESIGN.md §10.4): never open a journal
-            # at iteration 0 for a run that has ended. Later iterations follow a
-            # commit on the subject, which a purge would have removed.
+        if request.iteration == 0:  # only then does the rule need the run
             run = await self._run(run_id)
-            if run.status != epb.RUN_STATUS_RUNNING:
-                status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
-                return _settled("stale", detail=f"run {run_id} is {status}")
+            status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
+            ended = f"run {run_id} is {status}" if run.status != epb.RUN_STATUS_RUNNING else ""
+            if (closed := replay.closed_start(request.iteration, run_ended=ended)) is not None:
+                return _settled("stale", detail=closed.detail)
         # The commit that ended the last iteration, as this replica stored it, is
         # the likely tail: claim after it without reading first. The claim's
         # fenced append checks the guess, so a right guess decides exactly as a
         # read would have; a wrong one wrote nothing, and the tail is read.
         guess = self._writer.last_commit(run_id, step_id)
-        if guess is not None and guess.iteration == request.iteration - 1:
+        if guess is not None and replay.guess_tail(guess.iteration, request.iteration):
             try:
                 return await self._claim_after(request, guess, limit, guessed=True)
             except _GuessMissed:
@@ -223,7 +217,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if len(self._holders) > MAX_HOLDERS:
             del self._holders[next(iter(self._holders))]
         # The natural place to end the previous holder's open streams.
-        await stream.publish(self.store.nc, stream.claim_event(token))
+        await self.store.publish_live(stream.claim_event(token))
         if replay.restart_limit_reached(entries, limit):
             failure = pb.Commit(
                 action=pb.ACTION_FAIL,
@@ -301,7 +295,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         else:
             record.leading_model.CopyFrom(model)
         token, stored = await self._writer.append(token, record)
-        await stream.publish(self.store.nc, stream.committed_event(token, stored))
+        await self.store.publish_live(stream.committed_event(token, stored))
         return token, stored
 
     # ---- live preview ----------------------------------------------------------------
@@ -319,7 +313,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 if holder is not None and holder != token.writer:
                     refused += 1  # a fenced holder: never shown as current
                     continue
-                await stream.publish(self.store.nc, event)
+                await self.store.publish_live(event)
                 published += 1
         except errors.DagnatsError as err:
             await abort_with(context, err)
@@ -335,13 +329,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             await abort_with(context, err)
             return
         queue = stream.WatchQueue()
-
-        async def deliver(msg: Any) -> None:
-            queue.put(msg.data)  # never waits: a slow watcher gets a gap, never a stall
-
-        sub = await self.store.nc.subscribe(stream.subject(run_id, step_id), cb=deliver)
+        # Never waits: a slow watcher gets a gap, never a stall.
+        stop = await self.store.watch_live(run_id, step_id, queue.put)
         try:
-            await self.store.nc.flush()
             # The tail is read once the subscription is in place: a claim stored
             # before the read is in the tail, one stored after it is on the queue.
             try:
@@ -354,7 +344,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 for event in rules.apply(await queue.get()):
                     yield pb.WatchStreamResponse(id=event.id, data=event.json().encode())
         finally:
-            await sub.unsubscribe()
+            await stop()
 
     # ---- tool calls ------------------------------------------------------------------
 
@@ -366,7 +356,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         check_position(request.position)
         if not request.name or len(request.name) > 256:
             raise errors.InvalidArgument("name must be 1-256 characters", field="name")
-        _check_json(request.input, "input")
+        check_json(request.input, field="input", allow_empty=False)
         model = _riding_model(request)
         call = jm.ToolCall(
             name=request.name, input=request.input, safe=request.replay == pb.REPLAY_SAFE
@@ -491,9 +481,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if commit.action == pb.ACTION_UNSPECIFIED:
             raise errors.InvalidArgument("commit.action is required", field="commit.action")
         if commit.output:
-            _check_json(commit.output, "commit.output")
+            check_json(commit.output, field="commit.output", allow_empty=False)
         if commit.has_state:
-            _check_json(commit.state, "commit.state")
+            check_json(commit.state, field="commit.state", allow_empty=False)
         if commit.action == pb.ACTION_PAUSE and commit.pause.ToNanoseconds() <= 0:
             raise errors.InvalidArgument("commit.pause must be positive", field="commit.pause")
         lease = check_lease(request.lease) if request.lease else ""
@@ -530,7 +520,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             await self._settle(lease, settled.commit)
             return
         try:
-            await self.store.nc.publish(lease, b"+ACK")
+            await self._tasks.release(lease)
         except Exception as err:  # the task comes back, and its claim answers stale again
             log.warning("could not acknowledge a stale task: %s", err)
 
@@ -539,19 +529,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         would. If that fails, the task comes back, and its next claim finds the
         commit and republishes the event; a negative acknowledgement brings it
         back at once rather than when its lease runs out."""
-        _, outcome = outcomes.outcome_of(record.commit)
-        event = outcome_event(
-            run_id=record.run_id,
-            step_id=record.step_id,
-            iteration=record.iteration,
-            attempt=record.attempt,
-            journal_seq=record.seq,
-            outcome=outcome,
-            now=self._clock(),
-        )
         try:
             await seam("after_commit_stored")
-            await publish_outcome(self.store.js, self.store.nc, lease, event)
+            await self._tasks.settle(lease, record)
         except Exception as err:
             log.warning(
                 "%s/%s: commit at seq %d is stored but its event was not published (%s); "
@@ -562,7 +542,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 err,
             )
             with contextlib.suppress(Exception):
-                await self.store.nc.publish(lease, b"-NAK")
+                await self._tasks.redeliver(lease)
 
     async def close(self) -> None:
         """Wait up to ``SETTLE_GRACE`` seconds for the settles of answered commits;
@@ -636,13 +616,10 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
     # ---- helpers -------------------------------------------------------------------------
 
     async def _run(self, run_id: str) -> epb.Run:
-        try:
-            entry = await jsx.retry_transient(
-                lambda: jsx.kv_get(self.store.js, jsx.KV_RUNS, run_id), "read the run"
-            )
-        except nats.js.errors.KeyNotFoundError:
-            raise errors.NotFound(f"run {run_id} does not exist", field="run_id") from None
-        return eipb.RunRecord.FromString(entry.value or b"").run
+        run = await self._runs.get_run(run_id)
+        if run is None:
+            raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
+        return run
 
 
 class _GuessMissed(Exception):
@@ -679,7 +656,7 @@ def _riding_model(request: pb.BeginToolRequest) -> pb.ModelCall | None:
 def _model_call(position: int, response: bytes, *, field: str) -> pb.ModelCall:
     """A model response to store; ``field`` prefixes the names in errors."""
     check_position(position)
-    _check_json(response, field + "response")
+    check_json(response, field=field + "response", allow_empty=False)
     return pb.ModelCall(position=position, response=response)
 
 
@@ -693,7 +670,7 @@ def _tool_result(
         partial = replay.cut_partial(request.partial)
         return pb.ToolResult(intent_seq=request.intent_seq, interrupted=True, partial=partial)
     if not request.error:
-        _check_json(request.output, field + "output")
+        check_json(request.output, field=field + "output", allow_empty=False)
     return pb.ToolResult(intent_seq=request.intent_seq, output=request.output, error=request.error)
 
 

@@ -22,16 +22,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from dagnats.core import deadline, errors, tracing
-from dagnats.core.grpcutil import Context, as_domain_error, status_of, wire_status
+from dagnats.core.grpcutil import (
+    Context,
+    WireError,
+    as_domain_error,
+    status_of,
+    wire_details,
+    wire_status,
+)
+from dagnats.core.session_calls import CALLS, SERVICE
 from dagnats.journal.v1 import journal_pb2 as pb
-
-SERVICE = "/dagnats.journal.v1.JournalService/"
-_METHODS = pb.DESCRIPTOR.services_by_name["JournalService"].methods
-# The request's oneof field -> the unary RPC that takes the same request.
-CALLS = {
-    field.name: next(m.name for m in _METHODS if m.input_type is field.message_type)
-    for field in pb.SessionRequest.DESCRIPTOR.oneofs_by_name["call"].fields
-}
 
 Behaviour = Callable[[Any, Any, Context], Awaitable[Any]]
 
@@ -67,7 +67,7 @@ async def _answer(
         try:
             with deadline.serving(None):
                 answer = await methods[kind](servicer, getattr(request, kind), context)
-        except Exception as err:
+        except (Exception, errors.Fenced) as err:
             if (domain := as_domain_error(err)) is None:
                 raise
             tracing.set_status(span, status_of(domain), domain.message, server=True)
@@ -77,7 +77,13 @@ async def _answer(
         return response
 
 
-def _failed(request_id: int, err: errors.DagnatsError) -> pb.SessionResponse:
+def _failed(request_id: int, err: WireError) -> pb.SessionResponse:
     status, message, field = wire_status(err)
-    error = pb.SessionError(status=status.value[0], message=message, code=err.code, field=field)
+    error = pb.SessionError(
+        status=status.value[0],
+        message=message,
+        code=err.code,
+        field=field,
+        details=wire_details(err),
+    )
     return pb.SessionResponse(id=request_id, error=error)

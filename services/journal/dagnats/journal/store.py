@@ -8,7 +8,9 @@ error 10071 plus a read-back on R1) and a zombie reusing its successor's
 identifiers never passes as the successor. A record found under our Msg-Id
 counts as ours only if it records the same thing: a writer token sent again for
 another record (an HTTP worker that lost track of its latest token) is behind,
-not retried. Error 10071 becomes ``Fenced`` here and nowhere else. Tail reads
+not retried. Error 10071 becomes ``Fenced`` here and nowhere else, with the
+tail the writer expected and the one the stream holds (read from the stream:
+nats-server names it only in the error's text). Tail reads
 use the stream leader (the message-get API), not direct gets. A missing
 ``AGENT_JOURNAL`` stream is ``NotProvisioned``, told apart from an empty
 subject here and nowhere else.
@@ -18,14 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
-import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy, RawStreamMsg
 from opentelemetry import trace
@@ -34,6 +38,7 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Fenced, NotProvisioned, RecordTooLarge, Unavailable
 from dagnats.core.settings import env_seconds
+from dagnats.core.subjects import journal_subject, live_stream_subject, run_journal
 from dagnats.journal.limits import HEADER_ROOM, MAX_RECORD_BYTES
 from dagnats.journal.v1 import journal_pb2 as pb
 
@@ -43,13 +48,17 @@ WRONG_LAST_SEQUENCE = 10071
 IN_FLIGHT_ON_SUBJECT = 10164
 RETRY_IN_FLIGHT = 10158
 STREAM_NOT_FOUND = 10059
-_CURRENT = re.compile(r"wrong last sequence: (\d+)")
 # The longest one publish attempt waits for its ack.
 ATTEMPT_TIMEOUT = env_seconds("DAGNATS_NATS_ATTEMPT_TIMEOUT", 5.0)
 
 
-def journal_subject(run_id: str, step_id: str) -> str:
-    return f"journal.{run_id}.{step_id}"
+@dataclass(frozen=True, slots=True)
+class Written:
+    """A record as the engine checks it: the record, and the task delivery of
+    its writer (the ``Dagnats-Delivery`` header; 0 when its claim named none)."""
+
+    record: pb.Record
+    delivery: int
 
 
 class JournalStore:
@@ -106,13 +115,11 @@ class JournalStore:
                 ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
                 if ack.duplicate:  # R3: our Msg-Id landed before; is it this record?
                     landed = await self.get(int(ack.seq))
-                    _same_or_fenced(subject, token.last_seq, landed, record)
+                    _same_or_fenced(token, landed, record)
                 return int(ack.seq)
             except nats.js.errors.APIError as err:
                 if err.err_code == WRONG_LAST_SEQUENCE:
-                    return await self._resolve(
-                        subject, token.last_seq, msg_id, record, err, guessed=guessed
-                    )
+                    return await self._resolve(token, msg_id, record, err, guessed=guessed)
                 in_flight = err.err_code in (IN_FLIGHT_ON_SUBJECT, RETRY_IN_FLIGHT)
                 if not in_flight and not jsx.is_transient(err):
                     raise
@@ -120,16 +127,13 @@ class JournalStore:
                 if not jsx.is_transient(err):
                     raise
             if loop.time() > deadline:
-                return await self._resolve(
-                    subject, token.last_seq, msg_id, record, None, guessed=guessed
-                )
+                return await self._resolve(token, msg_id, record, None, guessed=guessed)
             await asyncio.sleep(delay)  # backoff between retries of the same write
             delay = min(delay * 2, 1.0)
 
     async def _resolve(
         self,
-        subject: str,
-        expected: int,
+        token: pb.WriterToken,
         msg_id: str,
         record: pb.Record,
         err: nats.js.errors.APIError | None,
@@ -137,30 +141,30 @@ class JournalStore:
         guessed: bool = False,
     ) -> int:
         """After a rejected or unanswered write: did our own earlier try land?"""
+        subject, expected = journal_subject(token.run_id, token.step_id), token.last_seq
         try:
             first = await self._get_msg(seq=expected + 1, subject=subject, next=True)
         except nats.js.errors.NotFoundError as missing:
             _unless_stream_missing(missing)
             first = None
         if first is not None and (first.headers or {}).get("Nats-Msg-Id") == msg_id:
-            _same_or_fenced(subject, expected, _decode(first.data, first.seq), record)
+            _same_or_fenced(token, _decode(first.data, first.seq), record)
             return int(first.seq or 0)
         if err is None and first is None:
             raise Unavailable(f"could not append to {subject}; try again")
-        actual = expected
-        if err is not None and (match := _CURRENT.search(err.description or "")):
-            actual = int(match.group(1))
-        elif first is not None:
-            actual = int(first.seq or 0)
+        tail = await self.tail(token.run_id, token.step_id)
+        actual = tail.seq if tail is not None else 0
         span = trace.get_current_span()
         span.add_event(
             "tail guess missed" if guessed else "fenced",
             {"subject": subject, "expected_seq": expected, "actual_seq": actual},
         )
         raise Fenced(
-            f"{subject}: another holder wrote after sequence {expected} (tail is {actual})",
+            token.run_id,
+            token.step_id,
             expected=expected,
             actual=actual,
+            detail=f"{subject}: another holder wrote after sequence {expected} (tail is {actual})",
         )
 
     async def tail(self, run_id: str, step_id: str) -> pb.Record | None:
@@ -172,6 +176,52 @@ class JournalStore:
             _unless_stream_missing(err)
             return None
         return _decode(msg.data, msg.seq)
+
+    async def last_written(self, run_id: str, step_id: str) -> Written | None:
+        """The last record of a step with its writer's delivery, from the
+        stream leader; None for a step without a journal, and without the
+        stream itself (then nothing was journaled)."""
+        subject = journal_subject(run_id, step_id)
+        try:
+            msg = await jsx.retry_transient(
+                functools.partial(self.js.get_last_msg, jsx.JOURNAL, subject), "read the tail"
+            )
+        except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
+            return None
+        return _written(msg)
+
+    async def written_at(self, run_id: str, step_id: str, seq: int) -> Written | None:
+        """The record at ``seq`` with its writer's delivery, if it is on the
+        step's journal; None otherwise."""
+        try:
+            msg = await self._get_msg(seq=seq)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
+            return None
+        if msg.subject != journal_subject(run_id, step_id):
+            return None
+        return _written(msg)
+
+    # ---- the live preview, on core NATS -------------------------------------------
+
+    async def publish_live(self, event: dict[str, Any]) -> None:
+        """Send one preview event; a preview is best-effort, so a lost one is
+        not an error."""
+        data = json.dumps(event, separators=(",", ":")).encode()
+        await self.nc.publish(live_stream_subject(event["run"], event["step"]), data)
+
+    async def watch_live(
+        self, run_id: str, step_id: str, deliver: Callable[[bytes], None]
+    ) -> Callable[[], Awaitable[None]]:
+        """Hand every preview event of a step to ``deliver`` from now on;
+        returns once the subscription is in place on the server, with the call
+        that ends it."""
+
+        async def on_msg(msg: Msg) -> None:
+            deliver(msg.data)
+
+        sub = await self.nc.subscribe(live_stream_subject(run_id, step_id), cb=on_msg)
+        await self.nc.flush()
+        return sub.unsubscribe
 
     async def get(self, seq: int) -> pb.Record | None:
         try:
@@ -217,7 +267,7 @@ class JournalStore:
             await sub.unsubscribe()
 
     async def purge(self, run_id: str) -> None:
-        purge = functools.partial(self.js.purge_stream, jsx.JOURNAL, subject=f"journal.{run_id}.>")
+        purge = functools.partial(self.js.purge_stream, jsx.JOURNAL, subject=run_journal(run_id))
         await jsx.retry_transient(purge, "purge the journal")
 
     async def _get_msg(self, **where: Any) -> RawStreamMsg:
@@ -227,9 +277,7 @@ class JournalStore:
         return await jsx.retry_transient(get, "read the journal")
 
 
-def _same_or_fenced(
-    subject: str, expected: int, landed: pb.Record | None, record: pb.Record
-) -> None:
+def _same_or_fenced(token: pb.WriterToken, landed: pb.Record | None, record: pb.Record) -> None:
     """A record with our Msg-Id landed: it is our earlier try of this write only
     if it records the same thing. A writer token used again for another record
     (a worker that lost track of its latest token) wrote nothing and is behind."""
@@ -239,12 +287,15 @@ def _same_or_fenced(
         and _body(landed) == _body(record)
     ):
         return
+    expected = token.last_seq
     actual = landed.seq if landed is not None else expected
     raise Fenced(
-        f"{subject}: this writer already wrote sequence {actual} with the token it sent; "
-        "that token is behind",
+        token.run_id,
+        token.step_id,
         expected=expected,
         actual=actual,
+        detail=f"{journal_subject(token.run_id, token.step_id)}: this writer already wrote "
+        f"sequence {actual} with the token it sent; that token is behind",
     )
 
 
@@ -268,10 +319,15 @@ def _unless_stream_missing(err: nats.js.errors.NotFoundError) -> None:
         ) from None
 
 
+def _written(msg: RawStreamMsg) -> Written:
+    delivery = str((msg.headers or {}).get("Dagnats-Delivery", "0"))
+    return Written(_decode(msg.data, msg.seq), int(delivery) if delivery.isdigit() else 0)
+
+
 def _decode(data: bytes | None, seq: int | None) -> pb.Record:
     record = pb.Record.FromString(data or b"")
     record.seq = int(seq or 0)
     return record
 
 
-__all__ = ["JournalStore", "journal_subject"]
+__all__ = ["JournalStore", "Written", "journal_subject"]

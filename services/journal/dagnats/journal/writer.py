@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
-from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry import trace
 
 from dagnats.core import errors, tracing
+from dagnats.core.subjects import journal_subject
+from dagnats.core.timestamps import timestamp
 from dagnats.journal import convert
 from dagnats.journal import model as jm
-from dagnats.journal.store import JournalStore, journal_subject
+from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as pb
 
 SNAPSHOTS = 4096
@@ -31,8 +33,9 @@ COMMIT_BYTES = 64 * 1024  # a commit with a larger state is read again instead
 
 
 class JournalWriter:
-    def __init__(self, store: JournalStore) -> None:
+    def __init__(self, store: JournalStore, *, clock: Callable[[], float] = time.time) -> None:
         self.store = store
+        self.clock = clock  # stamps each record's time
         self._snapshots: OrderedDict[tuple[str, str], list[jm.AnyEntry]] = OrderedDict()
         self._commits: OrderedDict[str, pb.Record] = OrderedDict()
 
@@ -58,7 +61,7 @@ class JournalWriter:
         record.writer = token.writer
         record.expected_seq = token.last_seq
         record.base_seq = token.base_seq
-        record.time.CopyFrom(_now())
+        record.time.CopyFrom(timestamp(self.clock()))
         headers: dict[str, str] = {}
         tracing.inject(headers)
         record.trace_context.update(headers)
@@ -123,18 +126,14 @@ def fenced(token: pb.WriterToken, actual: int) -> errors.Fenced:
         "fenced", {"expected_seq": token.last_seq, "actual_seq": actual}
     )
     return errors.Fenced(
-        f"journal.{token.run_id}.{token.step_id}: a successor holds the step "
-        f"(expected tail {token.last_seq}, found {actual})",
+        token.run_id,
+        token.step_id,
         expected=token.last_seq,
         actual=actual,
+        detail=f"{journal_subject(token.run_id, token.step_id)}: a successor holds the step "
+        f"(expected tail {token.last_seq}, found {actual})",
     )
 
 
 def _key(token: pb.WriterToken) -> tuple[str, str]:
     return journal_subject(token.run_id, token.step_id), token.writer
-
-
-def _now() -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(time.time_ns())
-    return ts

@@ -1595,10 +1595,31 @@ class SessionError(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class DetailsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     STATUS_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     CODE_FIELD_NUMBER: _builtins.int
     FIELD_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
     status: _builtins.int
     """The gRPC status code (ABORTED for fenced, ...)."""
     message: _builtins.str
@@ -1607,6 +1628,12 @@ class SessionError(_message.Message):
     """The domain error's code, as in the dagnats-error-code trailer ("fenced", ...)."""
     field: _builtins.str
     """The request field at fault, as in the dagnats-error-field trailer; empty if none."""
+    @_builtins.property
+    def details(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The error's typed fields by name, as in the dagnats-error-<name> trailers: a
+        fenced write's "expected" and "actual" sequences, its "run_id" and "step_id".
+        """
+
     def __init__(
         self,
         *,
@@ -1614,10 +1641,11 @@ class SessionError(_message.Message):
         message: _builtins.str = ...,
         code: _builtins.str = ...,
         field: _builtins.str = ...,
+        details: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "field", b"field", "message", b"message", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details", "field", b"field", "message", b"message", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

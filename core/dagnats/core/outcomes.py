@@ -1,9 +1,11 @@
 """Journal commits and the engine outcomes they stand for, both ways.
 
 A worker settles a journaled task with a commit; the lifecycle event that
-follows carries the same outcome to the engine. The SDK, the HTTP bridge and
-the journal service (which publishes the event of a commit that settles its
-task) convert here, so one commit always means one outcome.
+follows carries the same outcome to the engine. The SDK, the HTTP bridge, the
+journal service (which publishes the event of a commit that settles its task)
+and the engine (which checks a report against the commit it names) convert
+here, so one commit always means one outcome, and a claim answered
+``settled`` is reported the same way by every worker.
 """
 
 from __future__ import annotations
@@ -63,3 +65,23 @@ def outcome_of(commit: jpb.Commit) -> tuple[str, Outcome]:
     permanent = commit.action == jpb.ACTION_FAIL_PERMANENT
     kind = pb.FAILURE_KIND_PERMANENT if permanent else pb.FAILURE_KIND_RETRIABLE
     return "fail", pb.Fail(error=commit.error, kind=kind, reason=commit.reason)
+
+
+def settled_report(
+    settled: jpb.Settled, *, lease: str, run_id: str, step_id: str, iteration: int, attempt: int
+) -> pb.ReportRequest:
+    """What settles a task (``iteration``, ``attempt``) whose claim the journal
+    answered ``settled``: a stale task is acknowledged; a stored commit
+    (committed before a crash, or the restart limit's failure) is reported
+    again, under its own dispatch."""
+    request = pb.ReportRequest(lease=lease, run_id=run_id, step_id=step_id)
+    if settled.reason == "stale":
+        request.iteration, request.attempt = iteration, attempt
+        request.acknowledge.SetInParent()
+        return request
+    commit = settled.commit
+    request.iteration, request.attempt = commit.iteration, commit.attempt
+    request.journal_seq = commit.seq
+    field, outcome = outcome_of(commit.commit)
+    getattr(request, field).CopyFrom(outcome)
+    return request

@@ -1,0 +1,85 @@
+"""Every NATS subject the product uses, and the names tied to them.
+
+A run and step id reach a subject only after ``dagnats.core.ids`` checked them
+(one token each), so no request makes a wildcard. The streams and buckets
+these subjects belong to are configured in ``dagnats.core.jetstream``.
+
+| subject | stream or kind |
+|---|---|
+| ``tasks.<type>.<run>.<step>`` | ``TASKS`` (work queue), one durable consumer per type |
+| ``history.<run>`` | ``HISTORY``: a run's lifecycle events |
+| ``timers.<run>.<step>`` | ``SLEEP_TIMERS`` (work queue) |
+| ``journal.<run>.<step>`` | ``AGENT_JOURNAL``: a step's journal, fenced on this exact subject |
+| ``dead.<subject>`` | ``DEAD_LETTERS``: a message the engine gave up on |
+| ``$KV.<bucket>.<key>`` | a key of a KV bucket |
+| ``dagnats.cancel.<run>`` | core NATS: a run was cancelled (at most once) |
+| ``dagnats.stream.<run>.<step>`` | core NATS: the live token preview of a step |
+| ``api.inputs.{submit,get,withdraw}`` | core NATS request-reply: the inputs endpoints |
+"""
+
+from __future__ import annotations
+
+INPUTS_SUBMIT = "api.inputs.submit"
+INPUTS_GET = "api.inputs.get"
+INPUTS_WITHDRAW = "api.inputs.withdraw"
+LIVE_STREAM = "dagnats.stream"
+
+
+def task_subject(task_type: str, run_id: str, step_id: str) -> str:
+    """The subject of a step's tasks: one per step, so the stream's last
+    message on it says whether a task of the step is in flight."""
+    return f"tasks.{task_type}.{run_id}.{step_id}"
+
+
+def task_filter(task_type: str) -> str:
+    """Every task of one type: the filter of its consumer."""
+    return f"tasks.{task_type}.>"
+
+
+def run_tasks(run_id: str) -> str:
+    """Every task of a run, of any type."""
+    return f"tasks.*.{run_id}.>"
+
+
+def task_consumer(task_type: str) -> str:
+    """The durable consumer of one task type (the lease names it)."""
+    return f"tasks-{task_type}"
+
+
+def history_subject(run_id: str) -> str:
+    return f"history.{run_id}"
+
+
+def timer_subject(run_id: str, step_id: str) -> str:
+    return f"timers.{run_id}.{step_id}"
+
+
+def run_timers(run_id: str) -> str:
+    return f"timers.{run_id}.>"
+
+
+def journal_subject(run_id: str, step_id: str) -> str:
+    """A step's journal: its appends are fenced on this exact subject."""
+    return f"journal.{run_id}.{step_id}"
+
+
+def run_journal(run_id: str) -> str:
+    """Every step's journal of a run."""
+    return f"journal.{run_id}.>"
+
+
+def dead_letter(subject: str) -> str:
+    return f"dead.{subject}"
+
+
+def kv_key(bucket: str, key: str) -> str:
+    """The subject a KV bucket stores ``key`` under."""
+    return f"$KV.{bucket}.{key}"
+
+
+def cancel_subject(run_id: str) -> str:
+    return f"dagnats.cancel.{run_id}"
+
+
+def live_stream_subject(run_id: str, step_id: str) -> str:
+    return f"{LIVE_STREAM}.{run_id}.{step_id}"

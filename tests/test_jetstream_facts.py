@@ -1,0 +1,201 @@
+"""The JetStream facts the design depends on, shown on the pinned nats-server.
+
+Raw nats-py against a real server, one server (R1) and a 3-node loopback
+cluster (R3), no product code: each test is the experiment behind one fact of
+``docs/architecture.md`` ("What JetStream guarantees, and what it does not").
+If a nats-server upgrade changes one, its test fails here before the code that
+relies on it misbehaves. The fsync counts need ``strace`` and are measured by
+``python -m tests.jetstream_fsyncs`` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    KeyValueConfig,
+    RetentionPolicy,
+    StreamConfig,
+)
+
+from tests.helpers import wait_for
+
+WRONG_LAST_SEQUENCE = 10071
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def nc(topology: tuple[str, str, int]) -> AsyncIterator[NATS]:
+    conn = await nats.connect(topology[1].split(",")[0])
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def stream(
+    js: JetStreamContext, replicas: int, *, work_queue: bool = False
+) -> tuple[str, str]:
+    """A fresh stream of its own subjects; its name and subject prefix."""
+    name = f"FACTS_{secrets.token_hex(4).upper()}"
+    prefix = name.lower()
+    retention = RetentionPolicy.WORK_QUEUE if work_queue else RetentionPolicy.LIMITS
+    await js.add_stream(
+        StreamConfig(
+            name=name,
+            subjects=[f"{prefix}.>"],
+            num_replicas=replicas,
+            retention=retention,
+            duplicate_window=120,
+        )
+    )
+    return name, prefix
+
+
+async def append(js: JetStreamContext, subject: str, expect: int, msg_id: str) -> int | str:
+    """A publish fenced on ``subject``'s last sequence: the sequence it got,
+    ``duplicate <seq>`` when the server took it for a repeat, or the error code."""
+    headers = {"Nats-Msg-Id": msg_id, "Nats-Expected-Last-Subject-Sequence": str(expect)}
+    try:
+        ack = await js.publish(subject, msg_id.encode(), headers=headers)
+    except nats.js.errors.APIError as err:
+        return f"error {err.err_code}"
+    return f"duplicate {ack.seq}" if ack.duplicate else int(ack.seq)
+
+
+async def test_an_append_lands_only_on_the_subject_sequence_it_expects(
+    nc: NATS, topology: tuple[str, str, int]
+) -> None:
+    js = nc.jetstream()
+    _, prefix = await stream(js, topology[2])
+    subject = f"{prefix}.run.step"
+    first = await append(js, subject, 0, "a")
+    assert isinstance(first, int)
+    # Another writer that read the subject before the first landed is refused.
+    assert await append(js, subject, 0, "b") == f"error {WRONG_LAST_SEQUENCE}"
+    # Another subject of the stream does not move this subject's sequence.
+    assert isinstance(await append(js, f"{prefix}.run.other", 0, "c"), int)
+    second = await append(js, subject, first, "d")
+    assert isinstance(second, int) and second > first
+    assert await append(js, subject, first, "e") == f"error {WRONG_LAST_SEQUENCE}"
+
+    # Writers racing from one tail: exactly one lands.
+    tail = second
+    raced = await asyncio.gather(*(append(js, subject, tail, f"race-{i}") for i in range(10)))
+    assert sum(isinstance(r, int) for r in raced) == 1, raced
+
+
+async def test_a_retried_append_that_landed_is_a_duplicate_on_r3_and_refused_on_r1(
+    nc: NATS, topology: tuple[str, str, int]
+) -> None:
+    """R3 checks the Msg-Id before the expected sequence, R1 after it."""
+    js = nc.jetstream()
+    name, prefix = await stream(js, topology[2])
+    subject = f"{prefix}.run.step"
+    seq = await append(js, subject, 0, "mine")
+    again = await append(js, subject, 0, "mine")  # the ack of the first was lost
+    if topology[0] == "r3":
+        assert again == f"duplicate {seq}"
+    else:
+        assert again == f"error {WRONG_LAST_SEQUENCE}"
+        # What R1 leaves to the writer: read what follows its expected tail.
+        landed = await js.get_msg(name, seq=1, subject=subject, next=True)
+        assert (landed.seq, (landed.headers or {}).get("Nats-Msg-Id")) == (seq, "mine")
+
+
+async def test_a_msg_id_shared_with_a_successor_passes_the_fence_on_r3(
+    nc: NATS, topology: tuple[str, str, int]
+) -> None:
+    """A zombie and its successor got the same task; a Msg-Id made of the task
+    alone lets the zombie's stale write through on R3 as a "duplicate"."""
+    js = nc.jetstream()
+    _, prefix = await stream(js, topology[2])
+    subject = f"{prefix}.run.step"
+    tail = await append(js, subject, 0, "commit-0")
+    assert isinstance(tail, int)
+    claim = await append(js, subject, tail, "run.step.claim.1")  # the successor
+    assert isinstance(claim, int)
+    assert isinstance(await append(js, subject, claim, "run.step.intent.1"), int)
+    zombie = await append(js, subject, tail, "run.step.claim.1")  # same id, stale tail
+    if topology[0] == "r3":
+        assert zombie == f"duplicate {claim}", "the zombie believes it holds the claim"
+    else:
+        assert zombie == f"error {WRONG_LAST_SEQUENCE}"
+    # A Msg-Id with the writer's own nonce is checked against the tail everywhere.
+    assert await append(js, subject, tail, "run.step.claim.1.zombie-nonce") == (
+        f"error {WRONG_LAST_SEQUENCE}"
+    )
+
+
+async def test_a_purge_resets_the_fence_of_a_subject(
+    nc: NATS, topology: tuple[str, str, int]
+) -> None:
+    js = nc.jetstream()
+    name, prefix = await stream(js, topology[2])
+    subject = f"{prefix}.run.step"
+    assert isinstance(await append(js, subject, 0, "first"), int)
+    assert await append(js, subject, 0, "late") == f"error {WRONG_LAST_SEQUENCE}"
+    await js.purge_stream(name, subject=subject)
+    # With the subject's messages gone, a writer that expects nothing lands.
+    assert isinstance(await append(js, subject, 0, "late-again"), int)
+
+
+async def test_a_late_ack_completes_a_task_delivered_again_and_takes_it_off_a_work_queue(
+    nc: NATS, topology: tuple[str, str, int]
+) -> None:
+    js = nc.jetstream()
+    name, prefix = await stream(js, topology[2], work_queue=True)
+    config = ConsumerConfig(
+        durable_name="workers", ack_policy=AckPolicy.EXPLICIT, ack_wait=1.0, max_deliver=-1
+    )
+    await js.add_consumer(name, config)
+    await js.publish(f"{prefix}.tasks.run.step", b"task")
+    zombie = await js.pull_subscribe_bind("workers", stream=name)
+    successor = await js.pull_subscribe_bind("workers", stream=name)
+    [stalled] = await zombie.fetch(1, timeout=5)
+
+    async def redelivered() -> Msg | None:
+        try:  # the first holder stalls past its ack wait; the task comes back
+            [msg] = await successor.fetch(1, timeout=0.5)
+            return msg
+        except nats.errors.TimeoutError:
+            return None
+
+    current = await wait_for(redelivered, timeout=15, message="the task is delivered again")
+    assert current.metadata.num_delivered == 2
+    await stalled.ack_sync()  # the zombie's late ack, for the first delivery
+    info = await js.consumer_info(name, "workers")
+    assert info.num_ack_pending == 0, "the successor's delivery was completed by the zombie"
+
+    async def removed() -> bool:  # on R3 the removal is applied through the stream's log
+        return (await js.stream_info(name)).state.messages == 0
+
+    await wait_for(removed, timeout=10, message="the zombie's ack takes the task off the queue")
+    await current.nak()  # the successor's attempt fails: nothing comes back
+    with pytest.raises(nats.errors.TimeoutError):
+        await successor.fetch(1, timeout=1.5)
+
+
+async def test_a_kv_create_repeated_after_a_lost_ack_looks_like_losing_the_race(
+    nc: NATS, topology: tuple[str, str, int]
+) -> None:
+    """``create`` has no Msg-Id: the caller's own landed create, sent again,
+    is refused exactly as another caller's would be."""
+    js = nc.jetstream()
+    bucket = f"facts_{secrets.token_hex(4)}"
+    kv = await js.create_key_value(KeyValueConfig(bucket=bucket, replicas=topology[2]))
+    await kv.create("input", b"mine")
+    with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+        await kv.create("input", b"mine")  # the same call, its first ack lost
+    assert (await kv.get("input")).value == b"mine"  # what tells it apart: the value
