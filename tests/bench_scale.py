@@ -357,7 +357,7 @@ async def polls_settled(js: Any, most: int = 1) -> None:
     poll of several task types that one type answers leaves its pull on the
     others waiting out the poll's wait, and the next task there goes to those
     first (see ADR 26); the wakes are measured without them."""
-    from dagnats.engine.store import task_consumer
+    from dagnats.core.subjects import task_consumer
 
     deadline = time.monotonic() + 30
     while (await js.consumer_info("TASKS", task_consumer(WAIT_TASK))).num_waiting > most:
@@ -378,8 +378,8 @@ async def consumers_idle(js: Any, *names: tuple[str, str]) -> bool:
 async def park(client: Any, js: Any, n: int) -> tuple[list[str], float]:
     """Start ``n`` runs that wait for input (64 starts at a time) and return
     their ids once every one waits, with the seconds it took."""
+    from dagnats.core.subjects import task_consumer
     from dagnats.engine.processor import HISTORY_CONSUMER
-    from dagnats.engine.store import task_consumer
 
     gate = asyncio.Semaphore(64)
     started = time.perf_counter()
@@ -427,7 +427,7 @@ async def list_time(target: str) -> float | None:
 
 async def held(js: Any, monitor: str) -> dict[str, Any]:
     """What the waiting task's consumer holds, and the server's consumers."""
-    from dagnats.engine.store import task_consumer
+    from dagnats.core.subjects import task_consumer
 
     info = await js.consumer_info("TASKS", task_consumer(WAIT_TASK))
     jsz = bt.get_json(f"{monitor}/jsz")

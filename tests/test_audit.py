@@ -4,6 +4,7 @@ corruption is reported by exactly the rule it breaks. Pure: no event loop."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from dagnats.journal import convert
 from dagnats.journal.audit import EngineStep, Finding, check_run, check_step
@@ -527,7 +528,7 @@ def merged_turns(*, expected: dict[int, int] | None = None) -> list[AnyEntry]:
     """Two tool turns stored as the SDK stores them: a claim, the response with
     the intent it asks for, the result with the commit; then an answer with
     its commit. ``expected`` overrides a record's expected tail."""
-    bodies = []
+    bodies: list[Any] = []
     for iteration, name in ((0, "search"), (1, "charge")):
         intent_seq = len(bodies) + 2
         bodies += [

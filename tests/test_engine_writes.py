@@ -21,11 +21,13 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import seam
 from dagnats.core.ids import new_run_id
 from dagnats.core.natsserver import NatsServer
+from dagnats.core.subjects import task_subject
 from dagnats.engine import definition, rules
 from dagnats.engine import model as m
-from dagnats.engine.processor import Engine, task_msg_id
+from dagnats.engine.convert import task_msg_id
+from dagnats.engine.processor import Engine
 from dagnats.engine.server import start_engine
-from dagnats.engine.store import EngineStore, task_subject
+from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.sdk import Client, TaskContext, Worker

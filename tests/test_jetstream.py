@@ -12,6 +12,7 @@ import sys
 import textwrap
 import urllib.request
 from collections.abc import AsyncIterator
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -53,8 +54,8 @@ async def test_a_message_read_is_what_nats_py_reads(nc: NATS) -> None:
         {"subject": subject},
         {"seq": first.seq + 1, "subject": subject, "next": True},
     ):
-        ours = await jsx.get_msg(js, STREAM, **where)  # type: ignore[arg-type]
-        theirs = await js.get_msg(STREAM, **where)  # type: ignore[arg-type]
+        ours = await jsx.get_msg(js, STREAM, **where)
+        theirs = await js.get_msg(STREAM, **where)
         assert (ours.subject, ours.seq, ours.data) == (theirs.subject, theirs.seq, theirs.data)
         assert ours.headers == theirs.headers
     assert (await jsx.get_msg(js, STREAM, seq=first.seq)).headers == headers
@@ -97,7 +98,7 @@ async def test_a_call_that_fails_at_first_is_retried_until_it_succeeds(nc: NATS)
         tries += 1
         return (await nc.request(subject, b"ping", timeout=0.5)).data
 
-    async def answer(msg: nats.aio.msg.Msg) -> None:
+    async def answer(msg: Any) -> None:
         await msg.respond(b"pong")
 
     async def serve_later() -> None:

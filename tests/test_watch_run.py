@@ -167,13 +167,13 @@ async def test_a_watch_that_starts_a_run_refuses_bad_input_as_start_run_does(
                 async for _ in stub.WatchRun(pb.WatchRunRequest(start=request)):
                     pass
             assert failed.value.code() == status
-            assert dict(failed.value.trailing_metadata() or ())["dagnats-error-field"] == field
+            assert trailing(failed.value)["dagnats-error-field"] == field
         both = pb.WatchRunRequest(run_id="ab" * 16, start=pb.StartRunRequest(workflow="w"))
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             async for _ in stub.WatchRun(both):
                 pass
         assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert dict(failed.value.trailing_metadata() or ())["dagnats-error-field"] == "run_id"
+        assert trailing(failed.value)["dagnats-error-field"] == "run_id"
 
 
 async def test_run_raises_for_a_failed_run(client: Client, gated: tuple[str, Gates]) -> None:
