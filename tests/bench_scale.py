@@ -12,8 +12,8 @@ In order, on that one server:
 - ``thr``: the agent-turn workload (``BENCH_K`` = 50 iterations a run,
   ``BENCH_C`` = 20 runs at once, ``BENCH_THR_ROUNDS`` = 3 timed rounds after one
   untimed), after the raw JetStream floor; then again with a second engine
-  process (``dagnats serve engine`` on the same nats-server), the worker
-  polling both and runs started on each in turn;
+  process (``dagnats serve all`` on the same nats-server), the worker
+  polling both and runs started on each in turn, and with one again;
 - ``long``: one run of ``BENCH_LONG_K`` (1,000) iterations. An iteration's
   period is from its first journal record to the next iteration's (the
   records' own times); the median over the first ``BENCH_WINDOW`` (50)
@@ -31,7 +31,7 @@ In order, on that one server:
 - ``wake`` again: ``BENCH_WAKES`` of the waiting runs, one at a time.
 
 Then, unless ``BENCH_CLUSTER=0``, on a 3-node loopback cluster (``NatsCluster``)
-with R3 streams (``dagnats serve engine`` with ``DAGNATS_REPLICAS=3``): the
+with R3 streams (``dagnats serve all`` with ``DAGNATS_REPLICAS=3``): the
 floor on an R3 stream, ``thr`` with one engine, then with two.
 
 Every figure is printed beside its baseline from the same run (the floor, one
@@ -459,20 +459,22 @@ async def idle_cpu(procs: Procs, seconds: int) -> dict[str, float]:
 
 
 def serve_engine(nats_url: str, log: Path, replicas: int = 1) -> tuple[subprocess.Popen[str], str]:
-    """``dagnats serve engine`` in its own process on a free port, once it serves."""
+    """The services as ``dagnats dev`` runs them, the engine, the journal and
+    inputs on one port (``dagnats serve all``), in their own process on a
+    free port, once they serve."""
     from dagnats.core.natsserver import free_port
 
-    args = [sys.executable, "-m", "dagnats.cli.main", "serve", "engine", "--nats", nats_url]
+    args = [sys.executable, "-m", "dagnats.cli.main", "serve", "all", "--nats", nats_url]
     args += ["--port", str(free_port())]
     env = {**os.environ, "DAGNATS_REPLICAS": str(replicas)}
     with log.open("a") as err:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith("engine serving on "):
-            return proc, line.split()[3]
+        if " serving on " in line:
+            return proc, line.rpartition(" serving on ")[2].split()[0]
     proc.wait()
-    raise SystemExit(f"dagnats serve engine exited {proc.returncode}: see {log}")
+    raise SystemExit(f"dagnats serve all exited {proc.returncode}: see {log}")
 
 
 def runner(clients: Sequence[Any]) -> Callable[[int], Awaitable[None]]:
