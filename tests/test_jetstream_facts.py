@@ -60,7 +60,17 @@ async def stream(
             duplicate_window=120,
         )
     )
+    if replicas > 1:  # a new R3 stream answers once its replicas have elected a leader
+        await wait_for(lambda: _has_leader(js, name), timeout=30, message=f"{name} has a leader")
     return name, prefix
+
+
+async def _has_leader(js: JetStreamContext, name: str) -> bool:
+    try:
+        info = await js.stream_info(name)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.js.errors.APIError):
+        return False
+    return bool(info.cluster and info.cluster.leader)
 
 
 async def append(js: JetStreamContext, subject: str, expect: int, msg_id: str) -> int | str:
