@@ -210,3 +210,25 @@ async def test_workflow_validate_checks_a_file_offline_with_the_engines_messages
         assert checked.stderr == applied.stderr, (text, checked.stderr, applied.stderr)
     missing = await adagnats("workflow", "validate", str(tmp_path / "none.yaml"), env=offline)
     assert missing.returncode == 1 and "cannot read" in missing.stderr
+
+
+def test_dev_keeps_a_port_that_only_closed_connections_hold() -> None:
+    """A stopped server leaves its side of closed connections in TIME_WAIT on
+    its port; the next ``dagnats dev`` takes that port again, and moves only
+    off a port a server still listens on."""
+    import socket
+
+    from dagnats.cli.dev import _port_or_free
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    assert _port_or_free(port) != port, "a port a server listens on is in use"
+    accepted.close()  # the server's side closes first: it is the one in TIME_WAIT
+    client.close()
+    listener.close()
+    assert _port_or_free(port) == port

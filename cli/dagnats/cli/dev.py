@@ -40,7 +40,11 @@ NO_CREDENTIALS = Credentials()
 
 
 def _port_or_free(port: int) -> int:
+    """``port`` if a server could listen on it now, else a free one. The probe
+    binds as the servers do (``SO_REUSEADDR``), so the connections a stopped
+    ``dagnats dev`` left in TIME_WAIT do not move the next one to another port."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
