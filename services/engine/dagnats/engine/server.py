@@ -268,21 +268,7 @@ async def start_services(
         "TLS" if credentials is not None else "plaintext",
         "credentials required" if guard is not None else "no credentials",
     )
-    if engine is not None and servicer is not None:
-        return EngineServer(
-            engine=engine,
-            watches=servicer.watches,
-            feed=servicer.feed,
-            server=server,
-            nc=nc,
-            host=host,
-            port=bound,
-            services=served,
-            subscriptions=subscriptions,
-            journal=journal,
-            health=served_health,
-        )
-    return ServiceServer(
+    parts = ServiceServer(
         server=server,
         nc=nc,
         host=host,
@@ -292,6 +278,9 @@ async def start_services(
         journal=journal,
         health=served_health,
     )
+    if engine is None or servicer is None:
+        return parts
+    return EngineServer(**vars(parts), engine=engine, watches=servicer.watches, feed=servicer.feed)
 
 
 def _refuse_open(host: str, security: ServerSecurity) -> None:
