@@ -4,7 +4,7 @@ Each record is one event: ``id`` is the record's sequence, ``event`` is
 ``record`` and ``data`` the record's JSON (``dagnats.sdk.views.record_dict``).
 A client that reconnects with ``Last-Event-ID: n`` gets every record after
 ``n`` exactly once, in order, because the cursor is the stream sequence
-itself. While no record arrives, a comment line every ``KEEPALIVE_SECONDS``
+itself. While no record arrives, a comment line every ``sse.KEEPALIVE_SECONDS``
 keeps proxies from closing the connection and lets the gateway notice a
 client that went away.
 
@@ -31,12 +31,12 @@ from fastapi import Request
 
 from dagnats.core.errors import DagnatsError
 from dagnats.engine.v1 import engine_pb2 as epb
+from dagnats.gateway import sse
 from dagnats.gateway.backend import Backend
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk.follow import Ending, follow_step
 from dagnats.sdk.views import enum_name, record_dict
 
-KEEPALIVE_SECONDS = 15.0
 # Records a slow client may fall behind before it is cut off.
 BUFFER = 4096
 
@@ -129,12 +129,11 @@ async def events(
             yield _error(err)
             return
         while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return
-                yield ": keepalive\n\n"
+            item = await sse.next_item(request, queue)
+            if item is None:
+                return
+            if isinstance(item, sse.Quiet):
+                yield sse.KEEPALIVE
                 continue
             if item is _END:
                 return

@@ -40,13 +40,13 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from dagnats.core.errors import DagnatsError
+from dagnats.gateway import sse
 from dagnats.gateway.backend import Backend
 from dagnats.journal.stream import Event
 
 RING = 4096  # events a hub keeps for readers that reconnect
 READER_BUFFER = 4096  # events one reader may fall behind before it is cut off
 LINGER = 60.0  # seconds a hub outlives its last reader
-KEEPALIVE_SECONDS = 15.0
 _CUT = object()
 _CHUNKS = frozenset({"token", "gap"})  # what a committed stream's record stands for
 
@@ -200,12 +200,11 @@ async def events(
         for event in backlog:
             yield event.sse()
         while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return
-                yield ": keepalive\n\n"
+            item = await sse.next_item(request, queue)
+            if item is None:
+                return
+            if isinstance(item, sse.Quiet):
+                yield sse.KEEPALIVE
                 continue
             if item is _CUT:
                 return  # too slow, or the subscription ended: reconnect with Last-Event-ID

@@ -22,8 +22,25 @@ from fastapi import Request
 from dagnats.core.errors import DagnatsError
 
 KEEPALIVE_SECONDS = 15.0
+KEEPALIVE = ": keepalive\n\n"
 
 T = TypeVar("T")
+
+
+class Quiet:
+    """Nothing arrived for ``KEEPALIVE_SECONDS``, and the client is still there."""
+
+
+QUIET = Quiet()
+
+
+async def next_item(request: Request, queue: asyncio.Queue[T]) -> T | Quiet | None:
+    """The queue's next item; ``QUIET`` (send ``KEEPALIVE``) when none came for
+    ``KEEPALIVE_SECONDS``; None once the client has gone away."""
+    try:
+        return await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+    except TimeoutError:
+        return None if await request.is_disconnected() else QUIET
 
 
 async def first(source: AsyncGenerator[T, None]) -> T:
@@ -74,14 +91,11 @@ async def relay(
             yield text
             if last:
                 return
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
-                    break
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    yield ": keepalive\n\n"
+            while isinstance(got := await next_item(request, queue), Quiet):
+                yield KEEPALIVE
+            if got is None:
+                return
+            item = got
     finally:
         streams.dec()
         reader.cancel()
