@@ -323,9 +323,11 @@ GUARDS = (
     ),
     Guard(
         name="a task of an outbox past the duplicate window is not published again",
-        file="services/engine/dagnats/engine/processor.py",
-        guard="            if old and entry.subject.startswith(TASK_SUBJECTS):\n",
-        removed="            if False:\n",
+        file="services/engine/dagnats/engine/rules.py",
+        guard=(
+            "    return not is_task_subject(subject) or outbox_age < dedupe_window - CLOCK_MARGIN\n"
+        ),
+        removed="    return True\n",
         how="an outbox read two minutes on publishes its task again: a second, current delivery",
         tests=(
             "tests/test_engine_writes.py::"

@@ -521,3 +521,14 @@ def replace_step(run: m.Run, step_id: str, **changes: object) -> m.Run:
 
     steps = tuple(replace(s, **changes) if s.step_id == step_id else s for s in run.steps)  # type: ignore[arg-type]
     return replace(run, steps=steps)
+
+
+def test_a_task_is_published_again_only_inside_the_duplicate_window() -> None:
+    window = 120.0
+    task = "tasks.agent.r.s"
+    assert rules.republishable(task, 0.0, window)
+    assert rules.republishable(task, window - rules.CLOCK_MARGIN - 1, window)
+    assert not rules.republishable(task, window - rules.CLOCK_MARGIN, window)
+    assert not rules.republishable(task, 10 * window, window)
+    assert rules.republishable("timers.r.s", 10 * window, window), "only tasks deliver twice"
+    assert rules.republishable("history.r", 10 * window, window)

@@ -31,6 +31,11 @@ def task_subject(task_type: str, run_id: str, step_id: str) -> str:
     return f"tasks.{task_type}.{run_id}.{step_id}"
 
 
+def is_task_subject(subject: str) -> bool:
+    """Whether ``subject`` is a task's (``task_subject``)."""
+    return subject.startswith("tasks.")
+
+
 def task_filter(task_type: str) -> str:
     """Every task of one type: the filter of its consumer."""
     return f"tasks.{task_type}.>"

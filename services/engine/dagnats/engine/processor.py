@@ -16,7 +16,7 @@ make a no-op within JetStream's duplicate window. Two rules keep that true:
 - The reconciler clears an outbox once it is ``outbox_grace`` old (publishing
   it first unless this engine published it), so a run that waits long keeps
   no outbox near the duplicate window's end.
-- A task of an outbox older than ``REPUBLISH_TASKS_WITHIN`` is never published
+- A task of an outbox past the duplicate window (``rules.republishable``) is never published
   again: past the window it would be stored as a second delivery of a
   dispatch that may be current, whose claim fences the live holder. If it was
   never published, the reconciler's stranded-step check dispatches it anew.
@@ -68,14 +68,8 @@ TIMER_CONSUMER = "engine-timers"
 MAX_CAS_RETRIES = 100
 WRITTEN_RUNS = 4096  # runs whose last write the engine keeps, to decide on without a read
 WRITTEN_BYTES = 16 * 1024  # a larger run is read again instead
-# The age of an outbox past which its tasks are not published again: the
-# duplicate window, less a margin for the clocks of two engines (the age is
-# one engine's clock against the stamp of another's).
-REPUBLISH_TASKS_WITHIN = jsx.DEDUPE_WINDOW - 30.0
 
 Decide = Callable[[m.Run, float], m.Decision]
-# The subjects of task messages (``store.task_subject``).
-TASK_SUBJECTS = "tasks."
 # The events that report a step's outcome.
 _REPORTS = frozenset({"continue", "complete", "fail", "pause"})
 
@@ -219,18 +213,17 @@ class Engine:
         return self._written.get(run_id)
 
     async def publish_outbox(self, stored: StoredRun) -> None:
-        """Publish a run's outbox, but for the tasks of one older than
-        ``REPUBLISH_TASKS_WITHIN`` (see the module's docstring)."""
-        since = stored.record.outbox_since.ToNanoseconds() / 1e9
-        old = self.clock() - since >= REPUBLISH_TASKS_WITHIN
+        """Publish a run's outbox, but for the entries ``rules.republishable``
+        keeps back (see the module's docstring)."""
+        age = self.clock() - stored.record.outbox_since.ToNanoseconds() / 1e9
         for entry in stored.record.outbox:
-            if old and entry.subject.startswith(TASK_SUBJECTS):
+            if not rules.republishable(entry.subject, age, jsx.DEDUPE_WINDOW):
                 self.counters["old_task_left"] += 1
                 log.warning(
                     "run %s: a task of an outbox %.0fs old is not published again (%s); "
                     "if it never was, its step is dispatched anew",
                     stored.record.run.run_id,
-                    self.clock() - since,
+                    age,
                     entry.msg_id,
                 )
                 continue

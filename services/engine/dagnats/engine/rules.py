@@ -47,6 +47,7 @@ import hashlib
 import json
 from dataclasses import replace
 
+from dagnats.core.subjects import is_task_subject
 from dagnats.engine.definition import StepDef, StepType, WorkflowDef, backoff_delay
 from dagnats.engine.model import (
     Accepted,
@@ -227,6 +228,22 @@ def task_is_current(
         and current is not None
         and current == task
     )
+
+
+# Seconds taken off JetStream's duplicate window for the clocks of two
+# engines: an outbox's age is one engine's clock against another's stamp.
+CLOCK_MARGIN = 30.0
+
+
+def republishable(subject: str, outbox_age: float, dedupe_window: float) -> bool:
+    """Whether an outbox entry on ``subject`` may be published again, its
+    outbox ``outbox_age`` seconds old. Anything but a task may. A task may
+    while its Msg-Id is inside the stream's duplicate window (less
+    ``CLOCK_MARGIN``), where a second publish is dropped; past it the task
+    would be stored again as a second delivery of a dispatch that may be
+    current, whose claim fences the live holder. A task that never went out
+    is dispatched anew by the reconciler's stranded-step check instead."""
+    return not is_task_subject(subject) or outbox_age < dedupe_window - CLOCK_MARGIN
 
 
 def awaiting_a_task(run: Run) -> list[tuple[Step, str]]:
