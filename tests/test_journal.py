@@ -271,15 +271,20 @@ async def test_crash_after_commit_republishes(client: Client, engine: EngineServ
     # The journal service answers iteration 1's commit and stops before it
     # publishes the event and releases the task; its worker is gone too. The
     # task comes back, the next claim finds the commit, republishes its event
-    # and raises Committed.
+    # and raises Committed. (A commit that keeps its task is answered after its
+    # event: tests/test_held_dispatch.py.)
     task, name = await start(client)
     model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
     handler = agent(model, tools, seen)
     with Crasher("after_commit_stored", skip=1) as crash:
-        async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, sticky_iterations=0
+        ):
             run = await client.start_run(name)
             await wait_for(crash.hit.is_set, timeout=20)
-        async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, sticky_iterations=0
+        ):
             await finish(client, engine, run.run_id)
         # The stopped service goes on: its event is a duplicate, its ack a no-op.
         crash.release.set()

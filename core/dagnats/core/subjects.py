@@ -88,3 +88,14 @@ def cancel_subject(run_id: str) -> str:
 
 def live_stream_subject(run_id: str, step_id: str) -> str:
     return f"{LIVE_STREAM}.{run_id}.{step_id}"
+
+
+def is_inbox(subject: str) -> bool:
+    """Whether ``subject`` is one literal reply inbox: ``_INBOX.`` then tokens,
+    no wildcard, no empty token (a notice goes to nothing broader)."""
+    tokens = subject.split(".")
+    return (
+        len(tokens) >= 2
+        and tokens[0] == "_INBOX"
+        and all(t and t not in ("*", ">") and not any(c.isspace() for c in t) for t in tokens)
+    )

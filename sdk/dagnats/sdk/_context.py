@@ -79,9 +79,12 @@ class TaskContext:
         worker_id: str = "",
         restart_limit: int = 5,
         leased_at: float | None = None,
+        hold: bool = False,
     ) -> None:
         """``leased_at``: event-loop time the poll that leased the task was sent
-        (now, when not given); the lease is counted from there."""
+        (now, when not given); the lease is counted from there. ``hold``: a
+        journaled continue without a wait keeps the task for the next
+        iteration (``next_task``)."""
         self._leased = leased
         self._lease = Lease(self.lease_duration or ASSUMED_LEASE, since=leased_at)
         self._settle_done = False
@@ -96,6 +99,8 @@ class TaskContext:
         self._settled_as: str | None = None
         self._cancelled = False
         self._cancellation = asyncio.Event()
+        self._hold = hold
+        self._next: jpb.NextDispatch | None = None
 
     # The task.
 
@@ -432,6 +437,23 @@ class TaskContext:
             self._mark_cancelled()
         return self._cancelled
 
+    def next_task(self) -> tuple[pb.LeasedTask, float] | None:
+        """The next iteration's task when this one's commit kept the task
+        message for it (ADR 31): the same lease and delivery, the new dispatch;
+        with when the lease was last known extended (event-loop time)."""
+        if self._next is None:
+            return None
+        task = pb.Task()
+        task.CopyFrom(self._task)
+        task.iteration, task.attempt = self._next.iteration, self._next.attempt
+        task.input = self._next.input
+        task.trace_context.clear()
+        task.trace_context.update(self._next.trace_context)
+        leased = pb.LeasedTask()
+        leased.CopyFrom(self._leased)
+        leased.task.CopyFrom(task)
+        return leased, self._lease.expires - self._lease.duration
+
     def _close(self) -> None:
         """Give back the journal's stream, once nothing is left to write (the
         worker calls this after the task is settled)."""
@@ -454,7 +476,12 @@ class TaskContext:
                 # answers once it is stored, then publishes its event and
                 # releases the task (ADR 9).
                 commit = commit_of(outcome, self._state)
-                await self._journal.commit(commit, lease=self._leased.lease)
+                # A continue that does not wait keeps the task for the next
+                # iteration: the worker runs it on this lease (ADR 31).
+                hold = (
+                    self._hold and isinstance(outcome, pb.Continue) and not outcome.HasField("wait")
+                )
+                self._next = await self._journal.commit(commit, lease=self._leased.lease, hold=hold)
             else:
                 request = self._request(pb.ReportRequest())
                 # "continue" is a Python keyword, so the oneof is set by name for all four.

@@ -416,16 +416,20 @@ class Journal:
             return jpb.HoldResponse()
         return await self._rpc.hold(jpb.HoldRequest(token=token))
 
-    async def commit(self, commit: jpb.Commit, *, lease: str) -> None:
+    async def commit(
+        self, commit: jpb.Commit, *, lease: str, hold: bool = False
+    ) -> jpb.NextDispatch | None:
         """Store the dispatch's commit and settle the task with ``lease``: once
         the commit is stored, the journal service answers, then publishes the
-        commit's event and acknowledges the task (ADR 9)."""
+        commit's event and acknowledges the task (ADR 9). ``hold``: keep the
+        task for the next iteration (ADR 31); the dispatch it carries on to
+        when the engine made it, else None."""
 
         def committed(done: jpb.CommitResponse) -> None:
             self._committed = True
 
         await self._end_loose()
-        request = jpb.CommitRequest(commit=commit, lease=lease)
+        request = jpb.CommitRequest(commit=commit, lease=lease, hold=hold)
 
         def send(token: jpb.WriterToken, pending: _Pending | None) -> Awaitable[jpb.CommitResponse]:
             request.token.CopyFrom(token)
@@ -436,7 +440,8 @@ class Journal:
                 request.tool_result.CopyFrom(pending.result)  # one record: result, then commit
             return self._rpc.commit(request)
 
-        await self._carrying(send, lambda _: True, committed)
+        answer = await self._carrying(send, lambda _: True, committed)
+        return answer.next if answer.HasField("next") else None
 
     async def close(self) -> None:
         """Stop storing a pending entry on its own, once the handler is done.

@@ -77,6 +77,12 @@ class Worker:
         journal_target: Address of the journal service when it runs apart
             from the engine (``dagnats serve journal``); by default ``target``.
         inputs_target: Address of the inputs service, likewise.
+        sticky_iterations: Most iterations of an agent loop run one after the
+            other on one task (ADR 31): a journaled ``continue_`` without a
+            wait keeps the task, and the engine hands the next iteration to
+            this worker with the commit's answer, with no trip through the task
+            queue. After this many the task goes back to the queue, so that
+            other runs' tasks get a turn; 0 sends every iteration through it.
 
     Raises:
         InvalidArgument: a task type is not one NATS token, or a number is out of range.
@@ -96,8 +102,15 @@ class Worker:
         credentials: Credentials | None = None,
         journal_target: str | None = None,
         inputs_target: str | None = None,
+        sticky_iterations: int = 64,
     ) -> None:
         _check_options(handlers, concurrency, poll_wait, rpc_timeout, heartbeat_interval)
+        if not 0 <= sticky_iterations <= 1_000_000:
+            raise InvalidArgument(
+                f"sticky_iterations must be 0..1000000, got {sticky_iterations}",
+                field="sticky_iterations",
+            )
+        self._sticky = sticky_iterations
         if not 1 <= restart_limit <= 1000:
             raise InvalidArgument(
                 f"restart_limit must be 1..1000, got {restart_limit}", field="restart_limit"
@@ -255,14 +268,8 @@ class Worker:
     # One task.
 
     def _start(self, leased: pb.LeasedTask, leased_at: float) -> None:
-        tc = TaskContext(
-            leased,
-            self._rpc,
-            worker_id=self._worker_id,
-            restart_limit=self._restart_limit,
-            leased_at=leased_at,
-        )
-        task = asyncio.create_task(self._execute(tc), name=f"task {tc.run_id}/{tc.step_id}")
+        tc = self._context(leased, leased_at, hold=self._sticky > 0)
+        task = asyncio.create_task(self._carry_on(tc), name=f"task {tc.run_id}/{tc.step_id}")
         self._inflight.add(task)
         task.add_done_callback(self._finished_task)
 
@@ -271,6 +278,30 @@ class Worker:
         self._slot_freed.set()
         if not task.cancelled() and (err := task.exception()) is not None:
             log.error("task runner failed", exc_info=err)
+
+    def _context(self, leased: pb.LeasedTask, leased_at: float, *, hold: bool) -> TaskContext:
+        return TaskContext(
+            leased,
+            self._rpc,
+            worker_id=self._worker_id,
+            restart_limit=self._restart_limit,
+            leased_at=leased_at,
+            hold=hold,
+        )
+
+    async def _carry_on(self, tc: TaskContext) -> None:
+        """Run the task, then each next iteration its commit kept the task
+        for (ADR 31), in the same slot on the same lease, up to
+        ``sticky_iterations`` in a row. Once stopping, a kept task is left to
+        its lease: it is delivered again when that runs out."""
+        kept_for = 0
+        while True:
+            await self._execute(tc)
+            kept = tc.next_task()
+            if kept is None or self._stopping.is_set():
+                return
+            kept_for += 1
+            tc = self._context(*kept, hold=kept_for < self._sticky)
 
     async def _execute(self, tc: TaskContext) -> None:
         handler = self._handlers.get(tc.task_type)

@@ -49,6 +49,9 @@ class Step:
     iterations: int = 0
     failures: int = 0
     redispatches: int = 0
+    # The TASKS message that carries the current dispatch, kept by its holder
+    # from the iteration before (ADR 31); 0: the dispatch's own message.
+    held_seq: int = 0
     output: bytes = b""
     error: str = ""
     child_run_id: str = ""
@@ -143,6 +146,9 @@ class StepReport:
     identity: Identity | None
     outcome: StepOutcome
     journal_seq: int = 0
+    # The reporter keeps its task message (this sequence) for the next
+    # iteration, if that is dispatched at once (ADR 31); 0: released.
+    held_seq: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -49,9 +49,7 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
 from dagnats.core.seam import seam
-from dagnats.core.subjects import (
-    task_subject,
-)
+from dagnats.core.subjects import is_inbox, task_subject
 from dagnats.engine import convert, rules
 from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
@@ -325,7 +323,29 @@ class Engine:
         else:
             run_input = convert.event_to_input(event)
             if run_input is not None:
-                await self.apply(event.run_id, run_input)
+                applied = await self.apply(event.run_id, run_input)
+                if event.notify:
+                    await self._tell_holder(event, applied[0] if applied else None)
+
+    async def _tell_holder(self, event: ipb.HistoryEvent, run: m.Run | None) -> None:
+        """Tell the holder of a task message kept across its commit what became
+        of it, now that the run is stored (ADR 31). Nothing when the report
+        left it carrying the reported dispatch: the holder's wait ends, and its
+        lease decides."""
+        if not is_inbox(event.notify):
+            log.warning("run %s: a notice subject that is no inbox: %r", event.run_id, event.notify)
+            return
+        step = run.step(event.step_id) if run is not None and run.has_step(event.step_id) else None
+        reported = m.Identity(iteration=event.iteration, attempt=event.attempt)
+        status = run.status if run is not None else m.RunStatus.FAILED
+        held = rules.held_decision(step, status, event.held_seq, reported)
+        if held is None:
+            return
+        decision = ipb.HeldDecision(done=not held)
+        if held and run is not None and step is not None:
+            task = rules.dispatch_task(run, step)
+            decision.next.CopyFrom(convert.task_to_proto(task, _trace_headers()))
+        await self.store.notify(event.notify, decision.SerializeToString())
 
     async def apply(self, run_id: str, run_input: m.RunInput) -> tuple[m.Run, m.Decision] | None:
         return await self.transition(
@@ -523,7 +543,7 @@ class Engine:
         for step, task_type in rules.awaiting_a_task(run):
             subject = task_subject(task_type, run.run_id, step.step_id)
             prefix = convert.task_msg_id(run.run_id, step.step_id, step.iteration, step.attempt)
-            if not await self.store.task_in_flight(subject, prefix):
+            if not await self.store.task_in_flight(subject, prefix, held_seq=step.held_seq):
                 found.append((run.run_id, step.step_id, step.iteration, step.attempt))
         return found
 

@@ -9,6 +9,7 @@ HISTORY stream drops.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Callable
 
@@ -57,14 +58,19 @@ def outcome_event(
     return event
 
 
-async def publish_outcome(store: EngineStore, lease: str, event: ipb.HistoryEvent) -> None:
-    """Publish ``event`` on its run's history, then acknowledge the task."""
+def outcome_msg_id(event: ipb.HistoryEvent) -> str:
+    """The Msg-Id of an outcome's event: one per dispatch and kind, so a
+    second send of the same outcome is dropped as a duplicate."""
     kind = event.WhichOneof("kind")
     if event.attempt > 0:
-        msg_id = f"{event.run_id}.{event.step_id}.{event.iteration}.{event.attempt}.{kind}"
-    else:  # a legacy report, without a dispatch identity
-        msg_id = f"{event.run_id}.{event.step_id}.legacy.{secrets.token_hex(8)}"
-    await store.publish_event(event, msg_id)
+        return f"{event.run_id}.{event.step_id}.{event.iteration}.{event.attempt}.{kind}"
+    # a legacy report, without a dispatch identity
+    return f"{event.run_id}.{event.step_id}.legacy.{secrets.token_hex(8)}"
+
+
+async def publish_outcome(store: EngineStore, lease: str, event: ipb.HistoryEvent) -> None:
+    """Publish ``event`` on its run's history, then acknowledge the task."""
+    await store.publish_event(event, outcome_msg_id(event))
     # The outcome is durable on the run's history: only now may the task go.
     await store.release(lease)
 
@@ -90,6 +96,38 @@ class TaskSettler:
             now=self._clock(),
         )
         await publish_outcome(self._store, lease, event)
+
+    async def hold(self, lease: str, commit: jpb.Record, *, wait: float) -> pb.Task | None:
+        """Publish the stored continue ``commit``'s event with its task message
+        kept for the next iteration (ADR 31), and wait up to ``wait`` seconds
+        for the engine's decision: the next dispatch the message now carries,
+        or None. None with the message released when it carries no current
+        dispatch; None with the lease left to run out when no decision came
+        (the message is then delivered again, carrying what the run says)."""
+        _, outcome = outcome_of(commit.commit)
+        event = outcome_event(
+            run_id=commit.run_id,
+            step_id=commit.step_id,
+            iteration=commit.iteration,
+            attempt=commit.attempt,
+            journal_seq=commit.seq,
+            outcome=outcome,
+            now=self._clock(),
+        )
+        event.held_seq = lease_position(lease)[1]
+        event.notify, told = await self._store.expect_notice()
+        try:
+            await self._store.publish_event(event, outcome_msg_id(event))
+            data = await asyncio.wait_for(told, wait)
+        except TimeoutError:
+            return None
+        finally:
+            told.cancel()
+        decision = ipb.HeldDecision.FromString(data)
+        if decision.HasField("next"):
+            return decision.next
+        await self._store.release(lease)
+        return None
 
     async def release(self, lease: str) -> None:
         await self._store.release(lease)

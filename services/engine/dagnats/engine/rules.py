@@ -191,7 +191,7 @@ def _on_report(run: Run, report: StepReport, now: float, options: RuleOptions) -
     step_def = run.workflow.step(step.step_id)
     match report.outcome:
         case Continued(output=output, wait=wait):
-            return _on_continue(run, step, step_def, output, wait, now)
+            return _on_continue(run, step, step_def, output, wait, now, report.held_seq)
         case Completed(output=output):
             return _complete_step(run, step, output, now)
         case Failed() as failed:
@@ -216,18 +216,61 @@ def _ends_iteration(outcome: StepOutcome) -> bool:
 
 
 def task_is_current(
-    run: RunStatus, step: StepStatus | None, current: Identity | None, task: Identity
+    run: RunStatus,
+    step: StepStatus | None,
+    current: Identity | None,
+    task: Identity,
+    *,
+    held: bool = False,
 ) -> bool:
     """Whether a task message may be leased: its run and its step are running
     and it carries the step's current dispatch (``current``; ``step`` None
-    when the run has no such step). Any other is a stale duplicate, or its
-    run ended, and is settled without a worker."""
+    when the run has no such step): the dispatch it was published for, or,
+    ``held`` (the step's ``held_seq`` is this message), the dispatch its holder
+    kept it for (ADR 31). Any other is a stale duplicate, or its run ended,
+    and is settled without a worker."""
     return (
         run is RunStatus.RUNNING
         and step is StepStatus.RUNNING
         and current is not None
-        and current == task
+        and (held or current == task)
     )
+
+
+def dispatch_task(run: Run, step: Step) -> DispatchTask:
+    """The task of ``step``'s current dispatch (a step that runs a task)."""
+    step_def = run.workflow.step(step.step_id)
+    assert step_def.task is not None
+    return DispatchTask(
+        run_id=run.run_id,
+        step_id=step.step_id,
+        task_type=step_def.task,
+        workflow=run.workflow.name,
+        iteration=step.iteration,
+        attempt=step.attempt,
+        input=step_input(run, step_def),
+        redispatch=step.redispatches,
+    )
+
+
+def held_decision(
+    step: Step | None, run: RunStatus, task_seq: int, reported: Identity
+) -> bool | None:
+    """What became of task message ``task_seq``, kept by the holder of the
+    dispatch ``reported`` across its commit, once the engine applied the
+    commit's report: True, it carries the step's next dispatch; False, it
+    carries no current dispatch (release it); None, it still carries
+    ``reported`` (the report is not applied yet)."""
+    if run is not RunStatus.RUNNING or step is None or step.status is not StepStatus.RUNNING:
+        return False
+    if step.held_seq == task_seq:
+        return (step.iteration, step.attempt) != (reported.iteration, reported.attempt) or None
+    if step.held_seq == 0 and (step.iteration, step.attempt) == (
+        reported.iteration,
+        reported.attempt,
+    ):
+        return None
+    return False
 
 
 # Seconds taken off JetStream's duplicate window for the clocks of two
@@ -397,7 +440,13 @@ def _describe(outcome: StepOutcome) -> str:
 
 
 def _on_continue(
-    run: Run, step: Step, step_def: StepDef, output: bytes, wait: Wait | None, now: float
+    run: Run,
+    step: Step,
+    step_def: StepDef,
+    output: bytes,
+    wait: Wait | None,
+    now: float,
+    held_seq: int,
 ) -> Decision:
     if step_def.type is not StepType.AGENT_LOOP:
         return Dropped(reason=f"continue on {step_def.type.value} step {step.step_id}")
@@ -416,7 +465,9 @@ def _on_continue(
         return _wait_for(run, step, step_def, iterations, wait, now)
     if bounds.loop_delay > 0:
         return _wait(run, step, iterations, 1, now + bounds.loop_delay, ())
-    return _dispatch(run, step, iterations, 1, now, ())
+    # The next iteration at once: its reporter kept its task message for it
+    # (held_seq), so that message carries it and no task is published.
+    return _dispatch(run, step, iterations, 1, now, (), held_seq=held_seq)
 
 
 def _wait_for(
@@ -553,8 +604,18 @@ def _advance(run: Run, effects: tuple[Effect, ...], now: float) -> Accepted:
 
 
 def _dispatch(
-    run: Run, step: Step, iteration: int, attempt: int, now: float, effects: tuple[Effect, ...]
+    run: Run,
+    step: Step,
+    iteration: int,
+    attempt: int,
+    now: float,
+    effects: tuple[Effect, ...],
+    *,
+    held_seq: int = 0,
 ) -> Accepted:
+    """Run ``step``'s dispatch ``(iteration, attempt)``: a task for a worker,
+    or a child run. ``held_seq``: the task message a holder kept, which
+    carries the dispatch instead of a new task."""
     step_def = run.workflow.step(step.step_id)
     if (iteration, attempt) != (step.iteration, step.attempt):
         step = replace(step, redispatches=0)
@@ -566,6 +627,7 @@ def _dispatch(
         dispatched_at=now,
         wake_at=None,
         waiting_for_input=False,
+        held_seq=held_seq if step_def.task else 0,
     )
     new: list[Effect] = []
     if step_def.type is StepType.SUB_WORKFLOW:
@@ -581,20 +643,8 @@ def _dispatch(
                 parent_step_id=step.step_id,
             )
         )
-    else:
-        assert step_def.task is not None
-        new.append(
-            DispatchTask(
-                run_id=run.run_id,
-                step_id=step.step_id,
-                task_type=step_def.task,
-                workflow=run.workflow.name,
-                iteration=iteration,
-                attempt=attempt,
-                input=step_input(run, step_def),
-                redispatch=step.redispatches,
-            )
-        )
+    elif not step.held_seq:
+        new.append(dispatch_task(run, step))
     if step_def.timeout is not None:
         new.append(_timer(run, step, TimerKind.STEP_TIMEOUT, now + step_def.timeout))
     bounds = step_def.agent_loop

@@ -318,24 +318,25 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # guess that is stale by then leases a stale task, as a read just
         # before the run moved on would; the claim and the report's checks
         # refuse it. Only a read settles a task as stale.
-        current = _is_current(self.engine.last_written(task.run_id), task)
-        if not current:
-            current = _is_current(await self.store.load_run(task.run_id), task)
-        if not current:
+        seq = msg.stream_seq
+        current = _current_task(self.engine.last_written(task.run_id), task, seq)
+        if current is None:
+            current = _current_task(await self.store.load_run(task.run_id), task, seq)
+        if current is None:
             log.info("run %s step %s: task no longer current; settled", task.run_id, task.step_id)
             await msg.ack()
             return None
         log.info(
             "run %s step %s: leased (%d, %d) delivery %d",
-            task.run_id,
-            task.step_id,
-            task.iteration,
-            task.attempt,
+            current.run_id,
+            current.step_id,
+            current.iteration,
+            current.attempt,
             msg.delivered,
         )
         lease_duration = duration(self.engine.config.task_ack_wait)
         return pb.LeasedTask(
-            task=task, lease=msg.lease, delivery=msg.delivered, lease_duration=lease_duration
+            task=current, lease=msg.lease, delivery=msg.delivered, lease_duration=lease_duration
         )
 
     @domain_errors
@@ -411,12 +412,25 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             return  # acknowledged already: the lease extends and releases nothing
         tail = await self._journal_tail(task.run_id, task.step_id)
         identity = m.Identity(iteration=task.iteration, attempt=task.attempt)
+        if tail is not None and tail.dispatch > (identity.iteration, identity.attempt):
+            # Moved past the dispatch it was published for: kept for a later one?
+            identity = await self._leased_dispatch(task, seq)
         # A claim of a run that ended answers stale: its task may go, whoever holds it.
         ended = releasing and not await self.store.run_is_active(task.run_id)
         refused = rules.check_journal_lease(
             identity, delivery, tail, releasing=releasing, run_ended=ended
         )
         self._answer(task.run_id, task.step_id, refused)  # a lease is never refused as stale
+
+    async def _leased_dispatch(self, task: pb.Task, seq: int) -> m.Identity:
+        """The dispatch the task message at ``seq`` carries: the one it was
+        published for, or the one its holder kept it for (ADR 31)."""
+        stored = self.engine.last_written(task.run_id) or await self.store.load_run(task.run_id)
+        record = stored.record.step_records.get(task.step_id) if stored else None
+        if stored is not None and record is not None and record.held_seq == seq:
+            step = next(s for s in stored.record.run.steps if s.step_id == task.step_id)
+            return m.Identity(iteration=step.iteration, attempt=step.attempt)
+        return m.Identity(iteration=task.iteration, attempt=task.attempt)
 
     async def _journal_tail(self, run_id: str, step_id: str) -> m.JournalMark | None:
         tail = await self.journal.last_written(run_id, step_id)
@@ -483,16 +497,30 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return stored.record
 
 
-def _is_current(stored: StoredRun | None, task: pb.Task) -> bool:
-    """Whether ``task`` is the dispatch its step runs now, by ``stored``."""
+def _current_task(stored: StoredRun | None, task: pb.Task, seq: int) -> pb.Task | None:
+    """The task to lease for the message at ``seq`` carrying ``task``, by
+    ``stored``: ``task`` when it is the dispatch its step runs now; the step's
+    current dispatch when its holder kept this message for it (ADR 31); None
+    when the message carries no current dispatch."""
     run = stored.record.run if stored is not None else None
     step = next((s for s in run.steps if s.step_id == task.step_id), None) if run else None
-    return run is not None and rules.task_is_current(
+    if stored is None or run is None:
+        return None
+    record = stored.record.step_records.get(task.step_id)
+    held = step is not None and record is not None and record.held_seq == seq
+    current = rules.task_is_current(
         convert.run_status_from_proto(run.status),
         step_status_from_proto(step.status) if step is not None else None,
         m.Identity(iteration=step.iteration, attempt=step.attempt) if step else None,
         m.Identity(iteration=task.iteration, attempt=task.attempt),
+        held=held,
     )
+    if not current or not held or step is None:
+        return task if current else None
+    carried = pb.Task()
+    carried.CopyFrom(task)
+    carried.iteration, carried.attempt = step.iteration, step.attempt
+    return carried
 
 
 _background: set[asyncio.Task[None]] = set()

@@ -132,6 +132,7 @@ class EngineStore:
         self._run_keys = run_keys
         self._checkpoints = checkpoints
         self._active = active_runs
+        self._notices: _Notices | None = None
 
     @classmethod
     async def open(cls, nc: NATS) -> EngineStore:
@@ -454,13 +455,17 @@ class EngineStore:
                 raise
             raise Unavailable(f"could not publish to {entry.subject}: {err!r}") from err
 
-    async def task_in_flight(self, subject: str, msg_id: str) -> bool:
+    async def task_in_flight(self, subject: str, msg_id: str, *, held_seq: int = 0) -> bool:
         """Whether the task queue still holds the dispatch ``msg_id`` (or a
-        re-dispatch of it), i.e. no worker has acknowledged it."""
+        re-dispatch of it), i.e. no worker has acknowledged it; or, ``held_seq``,
+        the message a holder kept for the dispatch (ADR 31)."""
+        where: dict[str, Any] = {"seq": held_seq} if held_seq else {"subject": subject}
         try:
-            msg = await self._msg(jsx.TASKS, "read a task", subject=subject)
-        except nats.js.errors.NotFoundError:
+            msg = await self._msg(jsx.TASKS, "read a task", **where)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
             return False
+        if held_seq:
+            return msg.subject == subject
         headers = msg.headers or {}
         stored_id = str(headers.get("Nats-Msg-Id", ""))
         return stored_id == msg_id or stored_id.startswith(msg_id + ".r")
@@ -579,6 +584,19 @@ class EngineStore:
             headers=dict(event.trace_context),
         )
 
+    # ---- notices: the engine's word to a holder of a kept task (ADR 31) ------------
+
+    async def expect_notice(self) -> tuple[str, asyncio.Future[bytes]]:
+        """A subject to be told on, and the future its first message resolves.
+        The caller cancels the future when it stops waiting."""
+        if self._notices is None:
+            self._notices = await _Notices.open(self.nc)
+        return self._notices.expect()
+
+    async def notify(self, subject: str, data: bytes) -> None:
+        """Tell ``subject`` (core NATS: at most once, nobody may be listening)."""
+        await self.nc.publish(subject, data)
+
     async def task_at(self, seq: int) -> pb.Task | None:
         """The task message at ``seq`` of the task stream, while it is there."""
         try:
@@ -614,3 +632,32 @@ async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
 
 
 __all__ = ["Delivery", "EngineStore", "StaleRevision", "StoredRun"]
+
+
+class _Notices:
+    """One subscription for every notice a process waits for: a wildcard on
+    its own inbox, each waiter a token under it (as nats-py's request mux)."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._waiting: dict[str, asyncio.Future[bytes]] = {}
+        self._next = 0
+
+    @classmethod
+    async def open(cls, nc: NATS) -> _Notices:
+        notices = cls(nc.new_inbox())
+        await nc.subscribe(f"{notices._prefix}.*", cb=notices._arrived)
+        return notices
+
+    def expect(self) -> tuple[str, asyncio.Future[bytes]]:
+        self._next += 1
+        token = str(self._next)
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._waiting[token] = future
+        future.add_done_callback(lambda _: self._waiting.pop(token, None))
+        return f"{self._prefix}.{token}", future
+
+    async def _arrived(self, msg: Msg) -> None:
+        future = self._waiting.get(msg.subject.rpartition(".")[2])
+        if future is not None and not future.done():
+            future.set_result(msg.data)

@@ -32,6 +32,13 @@ class Tasks(Protocol):
         """Publish the stored ``commit``'s lifecycle event, then release the task."""
         ...
 
+    async def hold(self, lease: str, commit: pb.Record, *, wait: float) -> epb.Task | None:
+        """Publish the stored continue ``commit``'s event keeping the task
+        message for the next iteration; the next dispatch it carries once the
+        engine decided within ``wait`` seconds, else None (the message was
+        released if it carries no current dispatch, or is left to its lease)."""
+        ...
+
     async def release(self, lease: str) -> None:
         """Release the task with nothing to report (a stale delivery)."""
         ...

@@ -49,6 +49,10 @@ MAX_PAGE = 1000
 MAX_HOLDERS = 100_000
 # Seconds a stopping service waits for the settles it owes.
 SETTLE_GRACE = env_seconds("DAGNATS_SETTLE_GRACE", 10.0)
+# Longest a held commit waits for the engine's decision (ADR 31); without one
+# its task message waits out its lease and is delivered carrying what the run
+# then says.
+HOLD_WAIT = env_seconds("DAGNATS_HOLD_WAIT", 3.0)
 _WRITER_HEX = frozenset("0123456789abcdef")
 # Steps whose newest continue commit the engine may not have applied: it is
 # in flight, or a cancel dropped it.
@@ -500,12 +504,48 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 token, record = await self._writer.append(token, record)
         self._writer.forget(token)
         answer = pb.CommitResponse(commit_seq=record.seq, record=record)
-        if lease:
+        if lease and request.hold and _holdable(commit):
+            # The task message carries on to the next iteration if the engine
+            # dispatches it at once: answer once it decided (ADR 31).
+            nxt = await self._settle_held(lease, record)
+            if nxt is not None:
+                answer.next.CopyFrom(nxt)
+            answer.settled = True
+        elif lease:
             # The stored commit is the step's progress: answer now, and settle
             # the task behind the answer (ADR 9).
             self._behind_answer(self._settle(lease, record))
             answer.settled = True
         return answer
+
+    async def _settle_held(self, lease: str, record: pb.Record) -> pb.NextDispatch | None:
+        """Settle the task of a stored continue keeping its message for the
+        next iteration; the dispatch the message carries on to, or None."""
+        try:
+            await seam("after_commit_stored")
+            task = await self._tasks.hold(lease, record, wait=HOLD_WAIT)
+            await seam("after_held_decision")
+        except Exception as err:
+            # As _settle: the task comes back and its next claim republishes
+            # the event (a held dispatch written meanwhile leases it then).
+            log.warning(
+                "%s/%s: commit at seq %d is stored but its event was not published (%s)",
+                record.run_id,
+                record.step_id,
+                record.seq,
+                err,
+            )
+            with contextlib.suppress(Exception):
+                await self._tasks.redeliver(lease)
+            return None
+        if task is None:
+            return None
+        return pb.NextDispatch(
+            iteration=task.iteration,
+            attempt=task.attempt,
+            input=task.input,
+            trace_context=dict(task.trace_context),
+        )
 
     def _behind_answer(self, settle: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(settle)
@@ -627,6 +667,17 @@ class _GuessMissed(Exception):
 
 
 _SESSION_CALLS = session.behaviours(JournalServicer)
+
+
+def _holdable(commit: pb.Commit) -> bool:
+    """Whether a commit may keep its task for the next iteration: a continue
+    that does not wait (a wait frees the worker)."""
+    return (
+        commit.action == pb.ACTION_CONTINUE
+        and not commit.wait_until_input
+        and not commit.HasField("wait_delay")
+        and not commit.HasField("wait_until")
+    )
 
 
 def _intent(request: pb.BeginToolRequest) -> pb.Record:

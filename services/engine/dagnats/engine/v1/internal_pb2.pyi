@@ -225,6 +225,8 @@ class HistoryEvent(_message.Message):
     TIME_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     JOURNAL_SEQ_FIELD_NUMBER: _builtins.int
+    HELD_SEQ_FIELD_NUMBER: _builtins.int
+    NOTIFY_FIELD_NUMBER: _builtins.int
     CONTINUE_FIELD_NUMBER: _builtins.int
     COMPLETE_FIELD_NUMBER: _builtins.int
     FAIL_FIELD_NUMBER: _builtins.int
@@ -244,6 +246,16 @@ class HistoryEvent(_message.Message):
     """Attempt of the dispatch that reported; 0 for an event without identity."""
     journal_seq: _builtins.int
     """Sequence of the journal commit behind a step event; 0 without a journal."""
+    held_seq: _builtins.int
+    """A continue whose reporter holds its task message for the next iteration
+    (ADR 31): that message's sequence in the TASKS stream; 0 when the task
+    was released. The engine makes the next iteration's dispatch this message
+    (no new task) when it dispatches that iteration at once.
+    """
+    notify: _builtins.str
+    """Where the engine tells the holder what it decided, once the run is stored
+    (core NATS, at most once): an inbox subject of the reporter; empty: nowhere.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When the event was published."""
@@ -294,6 +306,8 @@ class HistoryEvent(_message.Message):
         time: _timestamp_pb2.Timestamp | None = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         journal_seq: _builtins.int = ...,
+        held_seq: _builtins.int = ...,
+        notify: _builtins.str = ...,
         complete: _engine_pb2.Complete | None = ...,
         fail: _engine_pb2.Fail | None = ...,
         pause: _engine_pb2.Pause | None = ...,
@@ -305,7 +319,7 @@ class HistoryEvent(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "inputs", b"inputs", "kind", b"kind", "pause", b"pause", "start", b"start", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "inputs", b"inputs", "iteration", b"iteration", "journal_seq", b"journal_seq", "kind", b"kind", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "held_seq", b"held_seq", "input", b"input", "inputs", b"inputs", "iteration", b"iteration", "journal_seq", b"journal_seq", "kind", b"kind", "notify", b"notify", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause", "start", "cancel", "child", "input", "inputs"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
@@ -447,23 +461,59 @@ class StepRecord(_message.Message):
 
     FAILURES_FIELD_NUMBER: _builtins.int
     REDISPATCHES_FIELD_NUMBER: _builtins.int
+    HELD_SEQ_FIELD_NUMBER: _builtins.int
     failures: _builtins.int
     """Failed attempts of the current iteration."""
     redispatches: _builtins.int
     """Re-dispatches of the current attempt after its task vanished."""
+    held_seq: _builtins.int
+    """The TASKS message that carries the current dispatch when its holder kept
+    it from the iteration before (ADR 31); 0: the dispatch's own message.
+    """
     def __init__(
         self,
         *,
         failures: _builtins.int = ...,
         redispatches: _builtins.int = ...,
+        held_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failures", b"failures", "redispatches", b"redispatches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failures", b"failures", "held_seq", b"held_seq", "redispatches", b"redispatches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepRecord: _TypeAlias = StepRecord  # noqa: Y015
+
+@_typing.final
+class HeldDecision(_message.Message):
+    """HeldDecision is what the engine tells the holder of a task message it kept
+    across a commit (HistoryEvent.notify), once the run is stored.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEXT_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    done: _builtins.bool
+    """The message no longer carries a current dispatch: acknowledge it."""
+    @_builtins.property
+    def next(self) -> _engine_pb2.Task:
+        """The message carries the step's next dispatch: run it on the same lease."""
+
+    def __init__(
+        self,
+        *,
+        next: _engine_pb2.Task | None = ...,
+        done: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["next", b"next"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "next", b"next"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldDecision: _TypeAlias = HeldDecision  # noqa: Y015
 
 @_typing.final
 class RunRecord(_message.Message):

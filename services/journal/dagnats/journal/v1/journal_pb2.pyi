@@ -1175,12 +1175,21 @@ class CommitRequest(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     TOOL_RESULT_FIELD_NUMBER: _builtins.int
+    HOLD_FIELD_NUMBER: _builtins.int
     lease: _builtins.str
     """The task's lease (LeasedTask.lease). Set: once the commit is stored, the
     journal service answers and then settles the task as Report would with
     journal_seq (it publishes the commit's lifecycle event, then acknowledges
     the lease), and no Report follows. If that settle fails, the task comes
     back and its next claim republishes the event. Empty: the caller reports.
+    """
+    hold: _builtins.bool
+    """With lease, a continue without a wait: keep the task message for the next
+    iteration (ADR 31). The journal service publishes the commit's event and
+    waits for the engine's decision before it answers: when the engine
+    dispatches the next iteration at once, the answer carries it in next, and
+    the task message and its lease carry on to it; otherwise the service
+    acknowledges the task as without hold.
     """
     @_builtins.property
     def token(self) -> Global___WriterToken:
@@ -1206,16 +1215,73 @@ class CommitRequest(_message.Message):
         lease: _builtins.str = ...,
         model: Global___ModelCall | None = ...,
         tool_result: Global___ToolResult | None = ...,
+        hold: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "leading", b"leading", "model", b"model", "token", b"token", "tool_result", b"tool_result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "leading", b"leading", "lease", b"lease", "model", b"model", "token", b"token", "tool_result", b"tool_result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "hold", b"hold", "leading", b"leading", "lease", b"lease", "model", b"model", "token", b"token", "tool_result", b"tool_result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_leading: _TypeAlias = _typing.Literal["model", "tool_result"]  # noqa: Y015
     _WhichOneofArgType_leading: _TypeAlias = _typing.Literal["leading", b"leading"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_leading) -> _WhichOneofReturnType_leading | None: ...
 
 Global___CommitRequest: _TypeAlias = CommitRequest  # noqa: Y015
+
+@_typing.final
+class NextDispatch(_message.Message):
+    """NextDispatch is the dispatch a held task message carries on to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ITERATION_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    INPUT_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    iteration: _builtins.int
+    """Iteration of the dispatch."""
+    attempt: _builtins.int
+    """Attempt of the dispatch."""
+    input: _builtins.bytes
+    """Input of the step (JSON)."""
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """W3C trace context of the dispatch."""
+
+    def __init__(
+        self,
+        *,
+        iteration: _builtins.int = ...,
+        attempt: _builtins.int = ...,
+        input: _builtins.bytes = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "input", b"input", "iteration", b"iteration", "trace_context", b"trace_context"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NextDispatch: _TypeAlias = NextDispatch  # noqa: Y015
 
 @_typing.final
 class CommitResponse(_message.Message):
@@ -1226,6 +1292,7 @@ class CommitResponse(_message.Message):
     COMMIT_SEQ_FIELD_NUMBER: _builtins.int
     RECORD_FIELD_NUMBER: _builtins.int
     SETTLED_FIELD_NUMBER: _builtins.int
+    NEXT_FIELD_NUMBER: _builtins.int
     commit_seq: _builtins.int
     """The commit's sequence, to carry on the lifecycle event."""
     settled: _builtins.bool
@@ -1236,16 +1303,23 @@ class CommitResponse(_message.Message):
     def record(self) -> Global___Record:
         """The stored record."""
 
+    @_builtins.property
+    def next(self) -> Global___NextDispatch:
+        """CommitRequest.hold, granted: the task message and its lease now carry
+        this dispatch. Claim it with the same lease and delivery count.
+        """
+
     def __init__(
         self,
         *,
         commit_seq: _builtins.int = ...,
         record: Global___Record | None = ...,
         settled: _builtins.bool = ...,
+        next: Global___NextDispatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["next", b"next", "record", b"record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "record", b"record", "settled", b"settled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "next", b"next", "record", b"record", "settled", b"settled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
