@@ -65,6 +65,7 @@ STEPS_PER_ITER = 2
 FLOOR_APPENDS = 5  # the peers' naive journal: model req/res, tool req/res, iteration done
 FLOOR_STREAM = "BENCHFLOOR"
 TASK = "bench-turn"  # the workload's task type and workflow
+QUEUED = "-queued"  # ... and, with this suffix, run with every iteration through the queue
 SYNC_CALLS = ("fsync", "fdatasync", "sync_file_range", "msync", "syncfs", "sync")
 HERE = Path(__file__).resolve().parent
 
@@ -98,6 +99,7 @@ class Params:
     thr_rounds: int = 5
     start_runs: int = 50
     strace: bool = True
+    queued: bool = True  # also the baseline with every iteration through the task queue
     profile: str = ""  # a directory: py-spy samples of the services and the worker under load
 
     @classmethod
@@ -111,6 +113,7 @@ class Params:
             thr_rounds=knob(env, "BENCH_THR_ROUNDS", cls.thr_rounds, 1),
             start_runs=knob(env, "BENCH_START_RUNS", cls.start_runs, 2),
             strace=env.get("BENCH_STRACE", "1") not in ("0", "", "no", "false"),
+            queued=env.get("BENCH_QUEUED", "1") not in ("0", "", "no", "false"),
             profile=env.get("BENCH_PROFILE", ""),
         )
 
@@ -321,16 +324,22 @@ async def serve_worker(
     targets: Sequence[str], handlers: Mapping[str, Callable[[Any], Awaitable[None]]], c: int
 ) -> None:
     """The worker process: a ``Worker`` of concurrency ``c`` on each engine
-    in ``targets``, until SIGTERM."""
+    in ``targets``, until SIGTERM. A task type ending in ``QUEUED`` gets a
+    worker of its own that sends every iteration through the task queue
+    (``sticky_iterations=0``), the way before ADR 31, for a baseline measured
+    in the same run."""
     from dagnats.sdk import Worker
 
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     async with contextlib.AsyncExitStack() as workers:
         for target in targets:
-            await workers.enter_async_context(
-                Worker(target, handlers=handlers, concurrency=c, poll_wait=5.0)
-            )
+            for task_type, handler in handlers.items():
+                sticky = {"sticky_iterations": 0} if task_type.endswith(QUEUED) else {}
+                worker = Worker(
+                    target, handlers={task_type: handler}, concurrency=c, poll_wait=5.0, **sticky
+                )
+                await workers.enter_async_context(worker)
         print("worker ready", flush=True)
         await stop.wait()
 
@@ -704,18 +713,34 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
                     "client(nats-py)": cpu_seconds(os.getpid()),
                 }
 
+            queued_workflow = TASK + QUEUED
+            await client.register_workflow(
+                loop_workflow(queued_workflow, queued_workflow, max_iterations=10_000)
+            )
+
+            async def queued_run(k: int) -> None:
+                out = await client.run(queued_workflow, {"k": k}, timeout=120 + k)
+                if out != tool_output({"n": k - 1}):
+                    raise SystemExit(f"a run of {k} answered {out!r}")
+
             await dagnats_run(1)  # the worker is polling
-            ours, base = Measured(), Measured()
+            ours, base, queued = Measured(), Measured(), Measured()
             for phase in ("seq", "thr", "start"):
                 progress(f"phase {phase}")
                 await phases("floor", p, floor.run, floor_cpu, base, phase)
                 await phases("dagnats", p, dagnats_run, stack.cpu, ours, phase)
+                if p.queued:
+                    await phases("queued", p, queued_run, stack.cpu, queued, phase)
             progress("messages per iteration")
             counted = await messages(stack, dagnats_run, min(p.k, 20))
             if p.strace and shutil.which("strace"):
                 progress("strace")
                 base.strace = await fsyncs(stack.nats_pid, p, floor.run, stack.logs, "floor")
                 ours.strace = await fsyncs(stack.nats_pid, p, dagnats_run, stack.logs, "dagnats")
+                if p.queued:
+                    queued.strace = await fsyncs(
+                        stack.nats_pid, p, queued_run, stack.logs, "queued"
+                    )
             elif p.strace:
                 progress("strace is not installed: no fsync counts")
             profiled = None
@@ -728,7 +753,13 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
         for proc, name in ((stack.worker, "worker"), (stack.dev, "dagnats dev")):
             if proc.poll() is not None:
                 raise SystemExit(f"{name} exited early (logs in {stack.logs})")
-        return {"dagnats": ours, "floor": base, "messages": counted, "profiles": profiled}
+        return {
+            "dagnats": ours,
+            "floor": base,
+            "queued": queued if p.queued else None,
+            "messages": counted,
+            "profiles": profiled,
+        }
     finally:
         stop_stack(stack)
 
@@ -855,7 +886,8 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["worker"]:
         targets, task, concurrency = args[1].split(","), args[2], int(args[3])
-        asyncio.run(serve_worker(targets, {task: turn_handler()}, concurrency))
+        handlers = {task: turn_handler(), task + QUEUED: turn_handler()}
+        asyncio.run(serve_worker(targets, handlers, concurrency))
         return
     if args:
         raise SystemExit(
@@ -898,8 +930,17 @@ def main(argv: list[str] | None = None) -> None:
         f"dagnats {head}; {time.perf_counter() - started:.0f}s"
     )
     print(format_table(rows(ours, floor)))
+    measured = [("dagnats", got["dagnats"].cpu), ("floor", got["floor"].cpu)]
+    if got["queued"] is not None:
+        # The same dagnats with every iteration through the task queue, as
+        # before ADR 31: the baseline of the held dispatch, in the same run.
+        extra = {"strace": got["queued"].strace} if got["queued"].strace else {}
+        queued = record("dagnats", "dev-queued", results_of(got["queued"], p), p, extra)
+        print("\ndagnats keeping its task (ADR 31) against every iteration through the queue:")
+        print(format_table(rows(ours, queued), columns=("kept", "queued")))
+        measured.append(("queued", got["queued"].cpu))
     print("\nCPU ms per step by process (thr):")
-    for name, cpu in (("dagnats", got["dagnats"].cpu), ("floor", got["floor"].cpu)):
+    for name, cpu in measured:
         print(f"  {name:8} " + ", ".join(f"{k} {v:.3f}" for k, v in cpu.items()))
     msgs = got["messages"]
     print(f"\nmessages per iteration (untimed runs of K={msgs['iterations']}):")

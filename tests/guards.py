@@ -381,6 +381,36 @@ GUARDS = (
             "test_a_handler_that_awaits_between_its_calls_stores_each_on_its_own",
         ),
     ),
+    Guard(
+        name="a kept task's lease is checked against the dispatch it was kept for",
+        file="services/engine/dagnats/engine/service.py",
+        guard="            identity = await self._leased_dispatch(task, seq)\n",
+        removed="            pass\n",
+        how="a heartbeat of a kept task is checked against the dispatch it was published for",
+        tests=("tests/test_held_dispatch.py::test_a_kept_task_is_heartbeated_by_its_holder",),
+    ),
+    Guard(
+        name="a kept task delivered again is leased for the dispatch it was kept for",
+        file="services/engine/dagnats/engine/service.py",
+        guard="    held = step is not None and record is not None and record.held_seq == seq\n",
+        removed="    held = False\n",
+        how="a kept task's message delivered again is settled as stale",
+        tests=(
+            "tests/test_held_dispatch.py::"
+            "test_a_kept_task_whose_holder_goes_silent_is_delivered_again_for_its_iteration",
+        ),
+    ),
+    Guard(
+        name="the reconciler finds a kept task by its sequence",
+        file="services/engine/dagnats/engine/processor.py",
+        guard=(
+            "            if not await self.store.task_in_flight("
+            "subject, prefix, held_seq=step.held_seq):\n"
+        ),
+        removed="            if not await self.store.task_in_flight(subject, prefix):\n",
+        how="the reconciler looks for a held dispatch's own task, finds none, dispatches anew",
+        tests=("tests/test_held_dispatch.py::test_the_reconciler_leaves_a_kept_task_in_flight",),
+    ),
 )
 
 

@@ -1,0 +1,219 @@
+"""A journaled loop keeps its task message across iterations (ADR 31): a
+continue without a wait is answered with the next iteration's dispatch, which
+the same message and lease carry, so an agent loop publishes one task, not
+one an iteration. These check what a user of the task queue would see: how
+many tasks a run published, the delivery each iteration ran on, and that a
+kept task is heartbeated, reconciled, cancelled and given back like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import pytest_asyncio
+from nats.js import JetStreamContext
+
+from dagnats.core import jetstream as jsx
+from dagnats.core.natsserver import NatsServer
+from dagnats.engine.server import EngineServer
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk import Client, TaskContext, Worker
+from tests.helpers import wait_for
+from tests.stack import loop_workflow, steps_by_id, unique
+from tests.test_journal import journal_check
+
+K = 6
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def js(nats_server: NatsServer) -> AsyncIterator[JetStreamContext]:
+    nc = await nats.connect(nats_server.url)
+    yield nc.jetstream()
+    await nc.close()
+
+
+async def tasks_published(js: JetStreamContext) -> int:
+    """Messages ever stored in the task queue (a work queue keeps none it gave out)."""
+    info = await js.stream_info(jsx.TASKS)
+    return int(info.state.last_seq)
+
+
+@dataclass
+class Loop:
+    """A journaled loop of ``k`` iterations, one model call each, recording
+    the dispatch and delivery each iteration ran on."""
+
+    k: int = K
+    ran: list[tuple[int, int, int]] = field(default_factory=list)  # iteration, attempt, delivery
+    signals: list[str] = field(default_factory=list)
+    heartbeat: bool = False
+    pause_at: int | None = None  # an iteration that waits for ``go`` before it commits
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def __call__(self, tc: TaskContext) -> None:
+        try:
+            j = await tc.journal()
+            self.ran.append((tc.iteration, tc.attempt, tc.delivery))
+            await j.model(lambda: _answer(tc.iteration))
+            if self.heartbeat:
+                await tc.heartbeat()
+            if tc.iteration == self.pause_at:
+                self.reached.set()
+                await self.go.wait()
+            if tc.iteration + 1 >= self.k:
+                await tc.complete({"iterations": tc.iteration + 1})
+            else:
+                await tc.continue_()
+        except BaseException as signal:
+            self.signals.append(type(signal).__name__)
+            raise
+
+
+async def _answer(iteration: int) -> dict[str, Any]:
+    return {"turn": iteration}
+
+
+async def run_loop(
+    client: Client,
+    engine: EngineServer,
+    loop: Loop,
+    *,
+    during: Callable[[str], Awaitable[None]] | None = None,
+    **worker: Any,
+) -> pb.Run:
+    task, name = unique("held"), unique("heldwf")
+    await client.register_workflow(loop_workflow(name, task))
+    async with Worker(engine.target, handlers={task: loop}, poll_wait=1.0, **worker):
+        run = await client.start_run(name)
+        if during is not None:
+            await during(run.run_id)
+        return await client.wait_for_run(run.run_id, timeout=40)
+
+
+async def completed(engine: EngineServer, run: pb.Run, k: int = K) -> None:
+    assert run.status == pb.RUN_STATUS_COMPLETED, run.error
+    assert steps_by_id(run)["agent"].iterations == k - 1  # continues; the last completes
+    check = await journal_check(engine, run.run_id)
+    assert list(check.violations) == [], check.violations
+
+
+async def test_a_loop_runs_on_the_one_task_its_first_dispatch_published(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    before = await tasks_published(js)
+    loop = Loop()
+    run = await run_loop(client, engine, loop)
+    await completed(engine, run)
+    assert await tasks_published(js) - before == 1
+    # Every iteration ran on the first delivery of that one message.
+    assert loop.ran == [(i, 1, 1) for i in range(K)]
+    assert loop.signals == []
+
+
+async def test_without_sticky_iterations_each_iteration_is_a_task_of_its_own(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    before = await tasks_published(js)
+    loop = Loop()
+    run = await run_loop(client, engine, loop, sticky_iterations=0)
+    await completed(engine, run)
+    assert await tasks_published(js) - before == K
+    assert loop.ran == [(i, 1, 1) for i in range(K)]
+
+
+async def test_a_kept_task_goes_back_to_the_queue_after_sticky_iterations(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    # Kept twice in a row, then given back: three iterations a task, so that
+    # other runs' tasks get a turn between.
+    before = await tasks_published(js)
+    run = await run_loop(client, engine, Loop(), sticky_iterations=2)
+    await completed(engine, run)
+    assert await tasks_published(js) - before == K // 3
+
+
+async def test_a_kept_task_is_heartbeated_by_its_holder(
+    client: Client, engine: EngineServer
+) -> None:
+    # The message was published for iteration 0; from iteration 1 on the
+    # journal is past that, and only the held dispatch in the run says the
+    # holder's lease is current: a heartbeat must not be refused as fenced.
+    loop = Loop(heartbeat=True)
+    run = await run_loop(client, engine, loop)
+    await completed(engine, run)
+    assert loop.signals == []
+
+
+async def test_the_reconciler_leaves_a_kept_task_in_flight(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    loop = Loop(pause_at=3)
+    redispatched = engine.engine.counters["redispatched"]
+    before = await tasks_published(js)
+
+    async def reconcile_while_held(run_id: str) -> None:
+        await wait_for(loop.reached.is_set, timeout=20, message="iteration 3 running")
+        # Two passes: a step is redispatched when two in a row find its task gone.
+        await engine.engine.reconcile()
+        await engine.engine.reconcile()
+        loop.go.set()
+
+    run = await run_loop(client, engine, loop, during=reconcile_while_held)
+    await completed(engine, run)
+    assert engine.engine.counters["redispatched"] == redispatched
+    assert await tasks_published(js) - before == 1
+
+
+async def test_cancelling_a_run_releases_its_kept_task(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    loop = Loop(pause_at=2)
+
+    async def cancel_while_held(run_id: str) -> None:
+        await wait_for(loop.reached.is_set, timeout=20, message="iteration 2 running")
+        await client.cancel_run(run_id)
+        loop.go.set()
+
+    run = await run_loop(client, engine, loop, during=cancel_while_held)
+    assert run.status == pb.RUN_STATUS_CANCELLED
+
+    async def queue_empty() -> bool:
+        info = await js.stream_info(jsx.TASKS)
+        return int(info.state.messages) == 0
+
+    await wait_for(queue_empty, timeout=20, message="the kept task was not released")
+
+
+async def test_a_kept_task_whose_holder_goes_silent_is_delivered_again_for_its_iteration(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    # The holder stops in iteration 2, which its task was kept for, and sends
+    # no heartbeat: the message comes back when its lease runs out, leased as
+    # iteration 2 (not the iteration 0 it was published for), and the next
+    # worker's claim fences the silent one.
+    task, name = unique("held"), unique("heldwf")
+    await client.register_workflow(loop_workflow(name, task))
+    silent, successor = Loop(pause_at=2), Loop()
+    before = await tasks_published(js)
+    # One slot: the silent worker polls for nothing while it holds the task.
+    async with Worker(
+        engine.target,
+        handlers={task: silent},
+        poll_wait=1.0,
+        heartbeat_interval=3600,
+        concurrency=1,
+    ):
+        run = await client.start_run(name)
+        await wait_for(silent.reached.is_set, timeout=20, message="iteration 2 running")
+        async with Worker(engine.target, handlers={task: successor}, poll_wait=1.0):
+            done = await client.wait_for_run(run.run_id, timeout=40)
+        silent.go.set()  # the silent holder wakes: fenced, it writes nothing
+    await completed(engine, done)
+    assert successor.ran[0] == (2, 1, 2)
+    assert silent.ran == [(0, 1, 1), (1, 1, 1), (2, 1, 1)]
+    assert await tasks_published(js) - before == 1
