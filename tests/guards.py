@@ -313,7 +313,10 @@ GUARDS = (
     Guard(
         name="a task is settled as stale on a read only, never on a guess",
         file="services/engine/dagnats/engine/service.py",
-        guard="            current = _is_current(await self.store.load_run(task.run_id), task)\n",
+        guard=(
+            "            current = _current_task("
+            "await self.store.load_run(task.run_id), task, seq)\n"
+        ),
         removed="            pass\n",
         how="a task the engine's last write of the run does not know is acknowledged: lost",
         tests=(

@@ -532,3 +532,76 @@ def test_a_task_is_published_again_only_inside_the_duplicate_window() -> None:
     assert not rules.republishable(task, 10 * window, window)
     assert rules.republishable("timers.r.s", 10 * window, window), "only tasks deliver twice"
     assert rules.republishable("history.r", 10 * window, window)
+
+
+# ---- a task kept across iterations (ADR 31) ------------------------------------------
+
+
+def held_continue(it: int, seq: int, wait: m.Wait | None = None) -> m.StepReport:
+    return m.StepReport(
+        step_id="agent",
+        identity=m.Identity(iteration=it, attempt=1),
+        outcome=m.Continued(wait=wait),
+        held_seq=seq,
+    )
+
+
+def test_a_continue_that_keeps_its_task_dispatches_on_it_without_a_new_task() -> None:
+    run = start().run
+    nxt = accepted(rules.apply(run, held_continue(0, 7), T0 + 1))
+    step = nxt.run.step("agent")
+    assert (step.status, step.iteration, step.attempt, step.held_seq) == (
+        m.StepStatus.RUNNING,
+        1,
+        1,
+        7,
+    )
+    assert dispatches(nxt) == []
+    # The message is current for the dispatch it was kept for, not the one it carried.
+    current = m.Identity(iteration=1, attempt=1)
+    published_for = m.Identity(iteration=0, attempt=1)
+    assert rules.task_is_current(
+        m.RunStatus.RUNNING, step.status, current, published_for, held=True
+    )
+    assert not rules.task_is_current(m.RunStatus.RUNNING, step.status, current, published_for)
+    assert rules.held_decision(step, m.RunStatus.RUNNING, 7, published_for) is True
+    task = rules.dispatch_task(nxt.run, step)
+    assert (task.iteration, task.attempt, task.input) == (1, 1, b'{"q": 1}')
+
+
+def test_a_continue_that_waits_releases_its_task() -> None:
+    run = start().run
+    waits = accepted(rules.apply(run, held_continue(0, 7, m.Wait(until_input=True)), T0 + 1))
+    step = waits.run.step("agent")
+    assert step.status is m.StepStatus.WAITING and step.held_seq == 0
+    assert (
+        rules.held_decision(step, m.RunStatus.RUNNING, 7, m.Identity(iteration=0, attempt=1))
+        is False
+    )
+
+
+def test_a_dispatch_that_is_not_kept_forgets_the_kept_task() -> None:
+    run = accepted(rules.apply(start().run, held_continue(0, 7), T0 + 1)).run
+    # The kept iteration fails; its retry is a task of its own.
+    failed = accepted(rules.apply(run, report("agent", 1, 1, m.Failed(error="boom")), T0 + 2))
+    woken = accepted(
+        rules.apply(
+            failed.run,
+            m.TimerFired(step_id="agent", kind=m.TimerKind.WAKE, iteration=1, attempt=2),
+            T0 + 3,
+        )
+    )
+    step = woken.run.step("agent")
+    assert dispatches(woken) == [("agent", 1, 2)] and step.held_seq == 0
+    assert (
+        rules.held_decision(step, m.RunStatus.RUNNING, 7, m.Identity(iteration=0, attempt=1))
+        is False
+    )
+
+
+def test_a_kept_task_whose_report_is_not_applied_yet_is_left_to_its_lease() -> None:
+    step = start().run.step("agent")
+    reported = m.Identity(iteration=0, attempt=1)
+    assert rules.held_decision(step, m.RunStatus.RUNNING, 7, reported) is None
+    assert rules.held_decision(step, m.RunStatus.CANCELLED, 7, reported) is False
+    assert rules.held_decision(None, m.RunStatus.RUNNING, 7, reported) is False

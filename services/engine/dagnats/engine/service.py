@@ -320,7 +320,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # refuse it. Only a read settles a task as stale.
         seq = msg.stream_seq
         current = _current_task(self.engine.last_written(task.run_id), task, seq)
-        if current is None:
+        if current is None or current is not task:
+            # A kept message is leased on a read only: leased for an older
+            # dispatch than it carries, its claim would find that one committed
+            # and acknowledge the message the current dispatch rides on.
             current = _current_task(await self.store.load_run(task.run_id), task, seq)
         if current is None:
             log.info("run %s step %s: task no longer current; settled", task.run_id, task.step_id)
@@ -425,7 +428,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def _leased_dispatch(self, task: pb.Task, seq: int) -> m.Identity:
         """The dispatch the task message at ``seq`` carries: the one it was
         published for, or the one its holder kept it for (ADR 31)."""
-        stored = self.engine.last_written(task.run_id) or await self.store.load_run(task.run_id)
+        # A read, not this engine's last write: an older guess would name an
+        # older dispatch, and the holder's heartbeat would be refused.
+        stored = await self.store.load_run(task.run_id)
         record = stored.record.step_records.get(task.step_id) if stored else None
         if stored is not None and record is not None and record.held_seq == seq:
             step = next(s for s in stored.record.run.steps if s.step_id == task.step_id)
