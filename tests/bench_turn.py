@@ -335,9 +335,12 @@ async def serve_worker(
     async with contextlib.AsyncExitStack() as workers:
         for target in targets:
             for task_type, handler in handlers.items():
-                sticky = {"sticky_iterations": 0} if task_type.endswith(QUEUED) else {}
                 worker = Worker(
-                    target, handlers={task_type: handler}, concurrency=c, poll_wait=5.0, **sticky
+                    target,
+                    handlers={task_type: handler},
+                    concurrency=c,
+                    poll_wait=5.0,
+                    sticky_iterations=0 if task_type.endswith(QUEUED) else 64,
                 )
                 await workers.enter_async_context(worker)
         print("worker ready", flush=True)
