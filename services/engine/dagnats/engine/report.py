@@ -84,9 +84,10 @@ class TaskSettler:
         self._store = store
         self._clock = clock
 
-    async def settle(self, lease: str, commit: jpb.Record) -> None:
+    def _event(self, commit: jpb.Record) -> ipb.HistoryEvent:
+        """The lifecycle event of a stored commit, stamped by the engine's clock."""
         _, outcome = outcome_of(commit.commit)
-        event = outcome_event(
+        return outcome_event(
             run_id=commit.run_id,
             step_id=commit.step_id,
             iteration=commit.iteration,
@@ -95,7 +96,9 @@ class TaskSettler:
             outcome=outcome,
             now=self._clock(),
         )
-        await publish_outcome(self._store, lease, event)
+
+    async def settle(self, lease: str, commit: jpb.Record) -> None:
+        await publish_outcome(self._store, lease, self._event(commit))
 
     async def hold(self, lease: str, commit: jpb.Record, *, wait: float) -> pb.Task | None:
         """Publish the stored continue ``commit``'s event with its task message
@@ -104,16 +107,7 @@ class TaskSettler:
         or None. None with the message released when it carries no current
         dispatch; None with the lease left to run out when no decision came
         (the message is then delivered again, carrying what the run says)."""
-        _, outcome = outcome_of(commit.commit)
-        event = outcome_event(
-            run_id=commit.run_id,
-            step_id=commit.step_id,
-            iteration=commit.iteration,
-            attempt=commit.attempt,
-            journal_seq=commit.seq,
-            outcome=outcome,
-            now=self._clock(),
-        )
+        event = self._event(commit)
         event.held_seq = lease_position(lease)[1]
         event.notify, told = await self._store.expect_notice()
         try:

@@ -526,17 +526,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             task = await self._tasks.hold(lease, record, wait=HOLD_WAIT)
             await seam("after_held_decision")
         except Exception as err:
-            # As _settle: the task comes back and its next claim republishes
-            # the event (a held dispatch written meanwhile leases it then).
-            log.warning(
-                "%s/%s: commit at seq %d is stored but its event was not published (%s)",
-                record.run_id,
-                record.step_id,
-                record.seq,
-                err,
-            )
-            with contextlib.suppress(Exception):
-                await self._tasks.redeliver(lease)
+            # A held dispatch written meanwhile leases the message when it is back.
+            await self._unsettled(lease, record, err)
             return None
         if task is None:
             return None
@@ -573,16 +564,21 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             await seam("after_commit_stored")
             await self._tasks.settle(lease, record)
         except Exception as err:
-            log.warning(
-                "%s/%s: commit at seq %d is stored but its event was not published (%s); "
-                "the task comes back and its next claim republishes it",
-                record.run_id,
-                record.step_id,
-                record.seq,
-                err,
-            )
-            with contextlib.suppress(Exception):
-                await self._tasks.redeliver(lease)
+            await self._unsettled(lease, record, err)
+
+    async def _unsettled(self, lease: str, record: pb.Record, err: Exception) -> None:
+        """A stored commit whose event may not be published: its task comes
+        back at once, and its next claim republishes the event."""
+        log.warning(
+            "%s/%s: commit at seq %d is stored but its event was not published (%s); "
+            "the task comes back and its next claim republishes it",
+            record.run_id,
+            record.step_id,
+            record.seq,
+            err,
+        )
+        with contextlib.suppress(Exception):
+            await self._tasks.redeliver(lease)
 
     async def close(self) -> None:
         """Wait up to ``SETTLE_GRACE`` seconds for the settles of answered commits;
