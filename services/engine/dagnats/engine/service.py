@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
@@ -274,9 +275,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             self._consumers.add(task_type)
 
     async def _fetch(self, types: list[str], max_tasks: int, wait: float) -> list[Delivery]:
-        """Wait for tasks of any of the types. Tasks that arrive for a type after
-        another type answered are released at once (nak), not held; so are all
-        of them when the caller leaves (the poll is cancelled) first."""
+        """Wait for tasks of any of the types. Once one type answers, the pulls
+        of the others are withdrawn and whatever reached them is released at
+        once (nak), not held; so is everything when the caller leaves (the
+        poll is cancelled) first."""
         fetches = [asyncio.create_task(self.store.pull_tasks(t, max_tasks, wait)) for t in types]
         got: list[Delivery] = []
         pending = set(fetches)
@@ -296,13 +298,23 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await self.store.give_back([*got, *(m for t in finished for m in t.result())])
             raise
         for task in pending:
+            # A pull left open would stay first in its consumer's line for the
+            # rest of the wait and take the next task of its type, only to give
+            # it back: one more delivery per answered poll before a live poll
+            # gets it. Cancelled, it withdraws its pull and gives back what
+            # reached it; one that finished before the cancel took hold returns
+            # its tasks, which the callback gives back.
+            task.cancel()
             task.add_done_callback(self._release_late)
+            _background.add(task)
+            task.add_done_callback(_background.discard)
         for extra in got[max_tasks:]:
             await extra.nak()
         return got[:max_tasks]
 
     def _release_late(self, task: asyncio.Task[list[Delivery]]) -> None:
-        """A fetch that lost the race still delivers; give its tasks back at once."""
+        """A fetch that lost the race and still returned tasks (its cancel came
+        too late): give them back at once."""
         if task.cancelled() or task.exception() is not None:
             return
         giving = asyncio.ensure_future(self.store.give_back(task.result()))
@@ -495,4 +507,5 @@ def _is_current(stored: StoredRun | None, task: pb.Task) -> bool:
     )
 
 
-_background: set[asyncio.Task[None]] = set()
+# Tasks nobody awaits, held until done: the loop keeps only a weak reference.
+_background: set[asyncio.Task[Any]] = set()
