@@ -25,8 +25,8 @@ from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
 from dagnats.engine.processor import Engine
 from dagnats.engine.report import lease_position, outcome_event, publish_outcome
-from dagnats.engine.run_feed import RunFeed
-from dagnats.engine.run_list import DEFAULT_LIMIT, MAX_LIMIT, Filter
+from dagnats.engine.run_feed import RunFeed, listed
+from dagnats.engine.run_list import DEFAULT_LIMIT, MAX_LIMIT, Filter, newest, page_is_whole
 from dagnats.engine.store import Delivery, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -176,16 +176,18 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         limit = request.limit or 100
         if not 0 < limit <= 10_000:
             raise errors.InvalidArgument("limit must be between 1 and 10000", field="limit")
-        runs = []
-        async for stored in self.store.iter_runs():
-            run = stored.record.run
-            if workflow and run.workflow != workflow:
-                continue
-            if request.status and run.status != request.status:
-                continue
-            runs.append(run)
-        runs.sort(key=lambda r: r.created_at.ToNanoseconds(), reverse=True)
-        return pb.ListRunsResponse(runs=runs[:limit])
+        wanted = Filter(workflow=workflow, status=request.status, limit=limit)
+        skew = round(self.engine.config.clock_skew * 1e9)
+        # A page costs the runs written since about its oldest run, not every
+        # stored run: read back from the newest writes, four times further
+        # each time the page could still miss a run (page_is_whole).
+        writes = 2 * limit
+        while True:
+            recent = await self.store.recent_runs(writes)
+            page = newest((listed(s, whole=True) for s in recent.runs), wanted)
+            if page_is_whole(page, wanted, unread_before=recent.unread_before, skew=skew):
+                return pb.ListRunsResponse(runs=[run.view for run in page])
+            writes *= 4
 
     async def WatchRuns(
         self, request: pb.WatchRunsRequest, context: Context
