@@ -7,7 +7,9 @@ usage: python -m tests.bench_runs_feed   (BENCH_FEED_RUNS: runs stored, 2000)
 One process: nats-server, the engine and the client (``LocalStack``). The
 runs are of a workflow no worker takes, so they stay running and nothing but
 the starts writes. The seed of a live list is one consumer's pass over the
-runs bucket; ``ListRuns`` reads the bucket message by message.
+runs bucket; ``ListRuns`` reads back from the bucket's newest writes (ADR
+30), here all of it: the runs are started within a few seconds, inside the
+allowance for an engine's clock (``DAGNATS_CLOCK_SKEW``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """A poll whose worker left takes no task with it: the engine stops the pull
-and gives back at once whatever reached it, so the next poll gets the task."""
+and gives back at once whatever reached it, so the next poll gets the task.
+A poll answered by one of its task types leaves no pull behind on the others,
+so a task of a quieter type goes to a live poll on its first delivery."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from tests.stack import FAST, loop_workflow, unique
 # back only after this, so a test that sees it again sooner saw it given back.
 LEASE = 120.0
 POLL_WAIT = 30.0  # the departed worker's pull would stay open this long
+BUSY_ITERATIONS = 10  # polls answered by the busy type, one an iteration
 
 # A worker process that polls and never finishes a task; the test kills it.
 POLLING_WORKER = """
@@ -118,3 +121,36 @@ async def test_a_killed_workers_poll_does_not_take_the_next_task(
 
 async def _never_runs(tc: TaskContext) -> None:
     raise AssertionError("the departing worker ran a task")
+
+
+async def test_a_task_of_a_quiet_type_is_delivered_once_after_polls_another_type_answered(
+    long_lease_engine: EngineServer,
+) -> None:
+    engine, busy, quiet = long_lease_engine, unique("busy"), unique("quiet")
+    busy_workflow, quiet_workflow = unique("busywf"), unique("quietwf")
+    deliveries: list[int] = []
+
+    async def keep_busy(tc: TaskContext) -> None:
+        if tc.iteration < BUSY_ITERATIONS - 1:
+            await tc.continue_()
+        else:
+            await tc.complete("done")
+
+    async def record(tc: TaskContext) -> None:
+        deliveries.append(tc.delivery)
+        await tc.complete("done")
+
+    handlers = {busy: keep_busy, quiet: record}
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(busy_workflow, busy))
+        await client.register_workflow(loop_workflow(quiet_workflow, quiet))
+        # Every poll names both types and waits far longer than the test runs:
+        # a pull left behind on the quiet type would still be open at its task.
+        async with Worker(engine.target, handlers=handlers, poll_wait=POLL_WAIT):
+            run = await client.start_run(busy_workflow)
+            busy_done = await client.wait_for_run(run.run_id, timeout=30)
+            assert busy_done.status == pb.RUN_STATUS_COMPLETED, busy_done.error
+            run = await client.start_run(quiet_workflow)
+            done = await client.wait_for_run(run.run_id, timeout=30)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    assert deliveries == [1]

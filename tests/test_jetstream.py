@@ -24,6 +24,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import Unavailable
 from dagnats.core.natsserver import NatsServer
+from tests.helpers import wait_for
 from tests.stack import unique
 
 STREAM = "ADAPTER"
@@ -167,6 +168,32 @@ async def test_pulls_of_one_consumer_subscribe_once_and_take_all_pending(
     assert taken == [f"{i}.{j}".encode() for i in range(10) for j in range(i % 3 + 1)]
     assert await jsx.pull_now(nc, STREAM, durable, 8, 0.2) == []  # expired: nothing left
     assert await asyncio.to_thread(subscribed) == made  # the first pull's inbox, kept
+
+
+async def test_a_cancelled_pull_withdraws_its_request(nc: NATS) -> None:
+    js = nc.jetstream()
+    durable = unique("withdrawn")
+    topic = f"adapter.{durable}"
+    await js.add_consumer(
+        STREAM,
+        ConsumerConfig(durable_name=durable, filter_subject=topic, ack_policy=AckPolicy.EXPLICIT),
+    )
+
+    async def waiting(pulls: int) -> bool:
+        return (await js.consumer_info(STREAM, durable)).num_waiting >= pulls
+
+    first = asyncio.create_task(jsx.pull_now(nc, STREAM, durable, 1, 30.0))
+    await wait_for(lambda: waiting(1), timeout=10)
+    second = asyncio.create_task(jsx.pull_now(nc, STREAM, durable, 1, 30.0))
+    await wait_for(lambda: waiting(2), timeout=10)
+    first.cancel()
+    await asyncio.wait([first])
+    await js.publish(topic, b"next")
+    # The server serves the oldest pull first: the message skips the
+    # withdrawn one and reaches the second on its first delivery.
+    (msg,) = await second
+    assert (msg.data, msg.metadata.num_delivered) == (b"next", 1)
+    await msg.ack()
 
 
 UNTRACED = textwrap.dedent(

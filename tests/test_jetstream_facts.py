@@ -209,3 +209,52 @@ async def test_a_kv_create_repeated_after_a_lost_ack_looks_like_losing_the_race(
     with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
         await kv.create("input", b"mine")  # the same call, its first ack lost
     assert (await kv.get("input")).value == b"mine"  # what tells it apart: the value
+
+
+async def test_a_rewritten_key_always_has_a_write_and_stored_times_follow_the_sequence(
+    nc: NATS, topology: tuple[str, str, int]
+) -> None:
+    """In a bucket that keeps one value a key, a rewrite stores the new write
+    before it removes the old one: asked for the key's first write at or
+    after sequence 1 while it is rewritten, the stream always has one. The
+    time a delivery carries is when its message was stored, and it follows
+    the sequence."""
+    js = nc.jetstream()
+    bucket = f"facts_{secrets.token_hex(4)}"
+    kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, replicas=topology[2]))
+    name, subject = f"KV_{bucket}", f"$KV.{bucket}.key"
+    if topology[2] > 1:
+        await wait_for(lambda: _has_leader(js, name), timeout=30, message=f"{name} has a leader")
+    await kv.put("key", b"0")
+    rewrites = 0
+    rewriting = True
+
+    async def rewrite() -> None:
+        nonlocal rewrites
+        while rewriting:
+            await kv.put("key", str(rewrites).encode())
+            rewrites += 1
+
+    writer = asyncio.create_task(rewrite())
+    try:
+        for _ in range(300):
+            await js.get_msg(name, seq=1, subject=subject, next=True)  # never NotFound
+    finally:
+        rewriting = False
+        await writer
+    assert rewrites > 30  # the reads overlapped many rewrites
+
+    for n in range(20):
+        await kv.put(f"other.{n}", b"")
+    arrived: asyncio.Queue[Msg] = asyncio.Queue()
+    sub = await js.subscribe(f"$KV.{bucket}.>", stream=name, cb=arrived.put, ordered_consumer=True)
+    try:
+        delivered = [await asyncio.wait_for(arrived.get(), 10) for _ in range(21)]
+    finally:
+        await sub.unsubscribe()
+    seqs = [m.metadata.sequence.stream for m in delivered]
+    times = [m.metadata.timestamp for m in delivered]
+    assert seqs == sorted(seqs) and times == sorted(times)
+    for seq, at in zip(seqs, times, strict=True):
+        stored = (await js.get_msg(name, seq)).time
+        assert stored is not None and abs((at - stored).total_seconds()) < 1e-3

@@ -40,6 +40,11 @@ class EngineConfig:
         history_batch: most events one fetch takes from the history.
         dead_letter_after: deliveries of an event that keeps failing before it
             is moved to the dead letters.
+        clock_skew: the most an engine's clock may be ahead of nats-server's.
+            ``ListRuns`` orders runs by their creation on an engine's clock
+            and reads the runs bucket back from its newest writes until what
+            is left was stored, by nats-server's clock, this much before the
+            page's oldest run was created.
     """
 
     task_ack_wait: float = 30.0
@@ -51,6 +56,7 @@ class EngineConfig:
     outbox_grace: float = 5.0
     history_batch: int = 64
     dead_letter_after: int = 10
+    clock_skew: float = 5.0
 
     @classmethod
     def from_env(cls, base: EngineConfig | None = None, **overrides: object) -> EngineConfig:
@@ -86,4 +92,5 @@ ENV: dict[str, tuple[str, str]] = {
     "outbox_grace": ("DAGNATS_OUTBOX_GRACE", "seconds"),
     "history_batch": ("DAGNATS_HISTORY_BATCH", "count"),
     "dead_letter_after": ("DAGNATS_DEAD_LETTER_AFTER", "count"),
+    "clock_skew": ("DAGNATS_CLOCK_SKEW", "seconds"),
 }

@@ -41,7 +41,9 @@ def summary(run: pb.Run) -> pb.Run:
     return out
 
 
-def listed(stored: StoredRun) -> Listed[pb.Run]:
+def listed(stored: StoredRun, *, whole: bool = False) -> Listed[pb.Run]:
+    """A stored run as the list rules see it; its view the run without its
+    payloads (:func:`summary`), or as stored with ``whole``."""
     run = stored.record.run
     return Listed(
         run_id=run.run_id,
@@ -49,7 +51,7 @@ def listed(stored: StoredRun) -> Listed[pb.Run]:
         status=run.status,
         created=run.created_at.ToNanoseconds(),
         revision=stored.revision,
-        view=summary(run),
+        view=run if whole else summary(run),
     )
 
 

@@ -1,7 +1,10 @@
-"""The rules of a live list of runs (``WatchRuns``): which runs one watcher
-shows, and what it must be told when a run is stored. Every rule is in this
-file; it does no I/O and knows no protobuf: a run is a :class:`Listed` (what
-the rules look at) carrying an opaque ``view`` (what the watcher is sent).
+"""The rules of the lists of runs: a page of the newest (``ListRuns``: which
+runs it shows, and when the runs read so far settle it, see
+:func:`page_is_whole`), and a live list (``WatchRuns``): which runs one
+watcher shows, and what it must be told when a run is stored. Every rule is
+in this file; it does no I/O and knows no protobuf: a run is a
+:class:`Listed` (what the rules look at) carrying an opaque ``view`` (what
+the caller is sent).
 
 The list is the newest ``limit`` runs matching the watcher's filter, as
 ``ListRuns`` answers: ordered by creation time, newest first (the run id
@@ -30,6 +33,7 @@ the latest state of each run instead of a backlog.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -65,6 +69,48 @@ class Listed(Generic[V]):
         return (self.created, self.run_id)
 
 
+def matches(filter: Filter, run: Listed[V]) -> bool:
+    """Whether ``filter`` shows ``run`` (its limit aside)."""
+    return (not filter.workflow or run.workflow == filter.workflow) and (
+        not filter.status or run.status == filter.status
+    )
+
+
+# ---- a page of the newest runs (ListRuns) --------------------------------------
+#
+# ``ListRuns`` reads the runs bucket back from its newest writes rather than
+# all of it. A run is stored after it is created and each later write moves it
+# to the end, so a run that was not read was last stored, by nats-server's
+# clock, before the oldest write that was; and it was created before that. The
+# creation times are an engine's clock, so the comparison allows that clock a
+# lead (``skew``) over nats-server's; an engine further ahead can see one of its
+# runs left out of a page that newer runs fill.
+
+
+def newest(runs: Iterable[Listed[V]], filter: Filter) -> list[Listed[V]]:
+    """The runs ``filter`` shows, newest first, at most its limit."""
+    shown = [run for run in runs if matches(filter, run)]
+    shown.sort(key=lambda run: run.order, reverse=True)
+    return shown[: filter.limit]
+
+
+def page_is_whole(
+    page: list[Listed[V]], filter: Filter, *, unread_before: int | None, skew: int
+) -> bool:
+    """Whether ``page`` (:func:`newest` of the runs read) is what every stored
+    run would give. ``unread_before``: every run not read was last stored
+    before this time (nanoseconds, nats-server's clock); None when none was
+    left unread. ``skew``: the most an engine's clock is ahead of
+    nats-server's, in nanoseconds.
+
+    A run not read was created before ``unread_before + skew``; it belongs in
+    the page only when the page has room or its oldest run is no newer.
+    """
+    if unread_before is None:
+        return True
+    return len(page) == filter.limit and page[-1].created > unread_before + skew
+
+
 @dataclass(frozen=True, slots=True)
 class Changes(Generic[V]):
     """What a watcher is told at once: ``runs`` changed or entered (newest
@@ -86,10 +132,7 @@ class RunList(Generic[V]):
     _left: set[str] = field(default_factory=set)
 
     def matches(self, run: Listed[V]) -> bool:
-        f = self.filter
-        return (not f.workflow or run.workflow == f.workflow) and (
-            not f.status or run.status == f.status
-        )
+        return matches(self.filter, run)
 
     def seed(self, runs: list[Listed[V]]) -> list[V]:
         """Fill the list from a read of the stored runs; returns the list

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
@@ -24,8 +25,8 @@ from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
 from dagnats.engine.processor import Engine
 from dagnats.engine.report import lease_position, outcome_event, publish_outcome
-from dagnats.engine.run_feed import RunFeed
-from dagnats.engine.run_list import DEFAULT_LIMIT, MAX_LIMIT, Filter
+from dagnats.engine.run_feed import RunFeed, listed
+from dagnats.engine.run_list import DEFAULT_LIMIT, MAX_LIMIT, Filter, newest, page_is_whole
 from dagnats.engine.store import Delivery, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -175,16 +176,18 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         limit = request.limit or 100
         if not 0 < limit <= 10_000:
             raise errors.InvalidArgument("limit must be between 1 and 10000", field="limit")
-        runs = []
-        async for stored in self.store.iter_runs():
-            run = stored.record.run
-            if workflow and run.workflow != workflow:
-                continue
-            if request.status and run.status != request.status:
-                continue
-            runs.append(run)
-        runs.sort(key=lambda r: r.created_at.ToNanoseconds(), reverse=True)
-        return pb.ListRunsResponse(runs=runs[:limit])
+        wanted = Filter(workflow=workflow, status=request.status, limit=limit)
+        skew = round(self.engine.config.clock_skew * 1e9)
+        # A page costs the runs written since about its oldest run, not every
+        # stored run: read back from the newest writes, four times further
+        # each time the page could still miss a run (page_is_whole).
+        writes = 2 * limit
+        while True:
+            recent = await self.store.recent_runs(writes)
+            page = newest((listed(s, whole=True) for s in recent.runs), wanted)
+            if page_is_whole(page, wanted, unread_before=recent.unread_before, skew=skew):
+                return pb.ListRunsResponse(runs=[run.view for run in page])
+            writes *= 4
 
     async def WatchRuns(
         self, request: pb.WatchRunsRequest, context: Context
@@ -274,9 +277,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             self._consumers.add(task_type)
 
     async def _fetch(self, types: list[str], max_tasks: int, wait: float) -> list[Delivery]:
-        """Wait for tasks of any of the types. Tasks that arrive for a type after
-        another type answered are released at once (nak), not held; so are all
-        of them when the caller leaves (the poll is cancelled) first."""
+        """Wait for tasks of any of the types. Once one type answers, the pulls
+        of the others are withdrawn and whatever reached them is released at
+        once (nak), not held; so is everything when the caller leaves (the
+        poll is cancelled) first."""
         fetches = [asyncio.create_task(self.store.pull_tasks(t, max_tasks, wait)) for t in types]
         got: list[Delivery] = []
         pending = set(fetches)
@@ -296,13 +300,23 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await self.store.give_back([*got, *(m for t in finished for m in t.result())])
             raise
         for task in pending:
+            # A pull left open would stay first in its consumer's line for the
+            # rest of the wait and take the next task of its type, only to give
+            # it back: one more delivery per answered poll before a live poll
+            # gets it. Cancelled, it withdraws its pull and gives back what
+            # reached it; one that finished before the cancel took hold returns
+            # its tasks, which the callback gives back.
+            task.cancel()
             task.add_done_callback(self._release_late)
+            _background.add(task)
+            task.add_done_callback(_background.discard)
         for extra in got[max_tasks:]:
             await extra.nak()
         return got[:max_tasks]
 
     def _release_late(self, task: asyncio.Task[list[Delivery]]) -> None:
-        """A fetch that lost the race still delivers; give its tasks back at once."""
+        """A fetch that lost the race and still returned tasks (its cancel came
+        too late): give them back at once."""
         if task.cancelled() or task.exception() is not None:
             return
         giving = asyncio.ensure_future(self.store.give_back(task.result()))
@@ -528,4 +542,5 @@ def _current_task(stored: StoredRun | None, task: pb.Task, seq: int) -> pb.Task 
     return carried
 
 
-_background: set[asyncio.Task[None]] = set()
+# Tasks nobody awaits, held until done: the loop keeps only a weak reference.
+_background: set[asyncio.Task[Any]] = set()

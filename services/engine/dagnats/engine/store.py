@@ -11,6 +11,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,17 @@ INDEX_COMPLETE = "index-complete"
 class StoredRun:
     record: ipb.RunRecord
     revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecentRuns:
+    """The runs :meth:`EngineStore.recent_runs` read: each as stored now, and
+    when (nanoseconds, nats-server's clock) the oldest write read was stored,
+    before which every run not read was last written; None when the read
+    began at the bucket's first write and left no run out."""
+
+    runs: list[StoredRun]
+    unread_before: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +298,86 @@ class EngineStore:
         finally:
             await self._unwatch(sub)
 
+    async def recent_runs(self, writes: int) -> RecentRuns:
+        """The runs last written among about the bucket's ``writes`` newest
+        writes, or later: one ordered consumer from that point of the bucket
+        to its end. A write replaces a run's previous one (the bucket keeps
+        one), so each run is read once, at its last write, and the deleted
+        writes in between are skipped by the server.
+
+        A run rewritten during the read may lose its place ahead of the
+        consumer and take a new one behind the last write the consumer has
+        seen. The read ends when the stream, asked directly, has no write
+        after the last one read, as a walk of the bucket ends: a rewrite
+        stores the new write before it removes the old one, so every run has
+        a write at each instant, and then every run's is one the consumer
+        passed while it was there (or is before where the read began)."""
+        from nats.js.api import DeliverPolicy
+
+        info = await _retry(
+            lambda: self.js.stream_info(f"KV_{jsx.KV_RUNS}"), "read the runs bucket"
+        )
+        state = info.state
+        if not state.messages:
+            return RecentRuns([], None)
+        # The deleted writes are spread over the bucket's sequences: estimate
+        # how far back ``writes`` live ones begin from their overall density.
+        # Past half the bucket, the rest costs less than the read that would
+        # follow if this one fell short: read it all.
+        span = state.last_seq - state.first_seq + 1
+        start = state.last_seq + 1 - math.ceil(writes * span / state.messages)
+        whole = start <= state.first_seq or 2 * writes >= state.messages
+        prefix = kv_key(jsx.KV_RUNS, "")
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def deliver(msg: Msg) -> None:
+            queue.put_nowait(msg)
+
+        if whole:
+            sub = await self._watch_bucket(">", DeliverPolicy.ALL, deliver)
+        else:
+            policy = DeliverPolicy.BY_START_SEQUENCE
+            sub = await self._watch_bucket(">", policy, deliver, start=start)
+        found: dict[str, StoredRun] = {}
+        oldest: int | None = None
+        last = start - 1 if not whole else 0
+        try:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), WATCH_IDLE)
+                except TimeoutError:
+                    # Nothing came: the writes from ``start`` on were removed
+                    # (a purge) before the consumer reached them. Done when
+                    # nothing was written after the last one read.
+                    if not await self._written_after(last):
+                        return _recent(found, whole, oldest)
+                    continue
+                meta = msg.metadata
+                if oldest is None:
+                    oldest = int(meta.timestamp.timestamp() * 1e9)
+                key = (msg.subject or "").removeprefix(prefix)
+                stored = _stored(msg)
+                if stored is None:
+                    found.pop(key, None)
+                else:
+                    found[key] = stored
+                seq = last = int(meta.sequence.stream)
+                # The pending count the consumer sends is no proof of the end:
+                # it can miss a rewrite between its removal and its write.
+                if meta.num_pending == 0 and not await self._written_after(seq):
+                    return _recent(found, whole, oldest)
+        finally:
+            await self._unwatch(sub)
+
+    async def _written_after(self, seq: int) -> bool:
+        """Whether the runs bucket holds a write after ``seq`` now."""
+        where = {"seq": seq + 1, "subject": kv_key(jsx.KV_RUNS, ">"), "next": True}
+        try:
+            await self._msg(f"KV_{jsx.KV_RUNS}", "read the runs bucket", **where)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
+
     async def watch_run(self, run_id: str) -> AsyncIterator[StoredRun | None]:
         """The run as stored now, then after every write, in order; None once it
         is purged. One ordered push consumer on the run's key, with no acks:
@@ -326,16 +418,26 @@ class EngineStore:
         return functools.partial(self._unwatch, sub)
 
     async def _watch_bucket(
-        self, keys: str, policy: DeliverPolicy, cb: Callable[[Msg], Awaitable[None]]
+        self,
+        keys: str,
+        policy: DeliverPolicy,
+        cb: Callable[[Msg], Awaitable[None]],
+        *,
+        start: int = 0,
     ) -> JetStreamContext.PushSubscription:
         """An ordered push consumer on the runs bucket's ``keys``: no acks,
         heartbeats every ``WATCH_HEARTBEAT``, removed by the server
-        ``WATCH_INACTIVE`` after its subscriber left."""
+        ``WATCH_INACTIVE`` after its subscriber left. ``start``: the sequence
+        a ``BY_START_SEQUENCE`` policy starts at."""
+        from nats.js.api import ConsumerConfig
+
         return await _retry(
             lambda: self.js.subscribe(
                 kv_key(jsx.KV_RUNS, keys),
                 stream=f"KV_{jsx.KV_RUNS}",
                 cb=cb,
+                # A new one each try: the client library fills it in.
+                config=ConsumerConfig(opt_start_seq=start) if start else None,
                 ordered_consumer=True,
                 deliver_policy=policy,
                 idle_heartbeat=WATCH_HEARTBEAT,
@@ -631,7 +733,20 @@ async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
         await watcher.stop()  # type: ignore[no-untyped-call]
 
 
-__all__ = ["Delivery", "EngineStore", "StaleRevision", "StoredRun"]
+def _recent(found: dict[str, StoredRun], whole: bool, oldest: int | None) -> RecentRuns:
+    """The end of a read of recent runs: with the time of its oldest write,
+    unless it read the whole bucket. A partial read that found no write at
+    all (they were purged meanwhile) says every earlier run is unread, as of
+    the newest time there is, so its page is never taken as whole."""
+    if whole:
+        return RecentRuns(list(found.values()), None)
+    return RecentRuns(list(found.values()), oldest if oldest is not None else _NEVER)
+
+
+_NEVER = 2**63 - 1  # nanoseconds: later than any write
+
+
+__all__ = ["Delivery", "EngineStore", "RecentRuns", "StaleRevision", "StoredRun"]
 
 
 class _Notices:
