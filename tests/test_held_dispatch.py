@@ -217,3 +217,29 @@ async def test_a_kept_task_whose_holder_goes_silent_is_delivered_again_for_its_i
     assert successor.ran[0] == (2, 1, 2)
     assert silent.ran == [(0, 1, 1), (1, 1, 1), (2, 1, 1)]
     assert await tasks_published(js) - before == 1
+
+
+async def test_a_stopping_worker_releases_its_kept_task_with_its_next_commit(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    # Kept, the task would wait out its lease before the other worker got it;
+    # released, the next iteration goes through the queue at once, as a new
+    # task delivered for the first time.
+    task, name = unique("held"), unique("heldwf")
+    await client.register_workflow(loop_workflow(name, task))
+    stopping, successor = Loop(pause_at=2), Loop()
+    before = await tasks_published(js)
+    first = Worker(engine.target, handlers={task: stopping}, poll_wait=1.0, concurrency=1)
+    async with first:
+        run = await client.start_run(name)
+        await wait_for(stopping.reached.is_set, timeout=20, message="iteration 2 running")
+        async with Worker(engine.target, handlers={task: successor}, poll_wait=1.0):
+            stop = asyncio.create_task(first.stop())
+            await wait_for(lambda: first._stopping.is_set(), timeout=5)
+            stopping.go.set()  # iteration 2 commits while its worker stops
+            await stop
+            done = await client.wait_for_run(run.run_id, timeout=40)
+    await completed(engine, done)
+    assert stopping.ran == [(0, 1, 1), (1, 1, 1), (2, 1, 1)]
+    assert successor.ran[0] == (3, 1, 1)
+    assert await tasks_published(js) - before == 2

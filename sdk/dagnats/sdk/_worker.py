@@ -129,6 +129,7 @@ class Worker:
             inputs_target=inputs_target,
         )
         self._inflight: set[asyncio.Task[None]] = set()
+        self._contexts: set[TaskContext] = set()  # of the handlers running now
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._finished = asyncio.Event()
@@ -196,6 +197,10 @@ class Worker:
         """
         self._grace = grace
         self._stopping.set()
+        for tc in self._contexts:
+            # Their next commits release their tasks: kept, a task would wait
+            # out its lease before another worker got it.
+            tc._hold = False
         if self._started:
             await self._finished.wait()
 
@@ -296,7 +301,12 @@ class Worker:
         its lease: it is delivered again when that runs out."""
         kept_for = 0
         while True:
-            await self._execute(tc)
+            tc._hold = tc._hold and not self._stopping.is_set()
+            self._contexts.add(tc)
+            try:
+                await self._execute(tc)
+            finally:
+                self._contexts.discard(tc)
             kept = tc.next_task()
             if kept is None or self._stopping.is_set():
                 return
