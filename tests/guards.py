@@ -414,6 +414,17 @@ GUARDS = (
         how="the reconciler looks for a held dispatch's own task, finds none, dispatches anew",
         tests=("tests/test_held_dispatch.py::test_the_reconciler_leaves_a_kept_task_in_flight",),
     ),
+    Guard(
+        name="a parked run enters the index again before the write that wakes it",
+        file="services/engine/dagnats/engine/processor.py",
+        guard="                await self.store.enter_active(run_id)\n",
+        removed="                pass\n",
+        how="a wake stores its dispatch with the run out of the index, found by no reconciler",
+        tests=(
+            "tests/test_parked_runs.py::"
+            "test_the_wake_enters_the_index_before_its_write_and_the_reconciler_finishes_it",
+        ),
+    ),
 )
 
 

@@ -605,3 +605,19 @@ def test_a_kept_task_whose_report_is_not_applied_yet_is_left_to_its_lease() -> N
     assert rules.held_decision(step, m.RunStatus.RUNNING, 7, reported) is None
     assert rules.held_decision(step, m.RunStatus.CANCELLED, 7, reported) is False
     assert rules.held_decision(None, m.RunStatus.RUNNING, 7, reported) is False
+
+
+def test_only_a_run_with_nothing_in_motion_and_no_outbox_is_parked() -> None:
+    run = start().run
+    assert not rules.parked(run, outbox=False), "its task is in flight"
+    waits = accepted(
+        rules.apply(run, report("agent", 0, 1, continued(m.Wait(until_input=True))), T0)
+    )
+    assert not rules.parked(waits.run, outbox=True), "its outbox is not cleared"
+    assert rules.parked(waits.run, outbox=False)
+    woken = accepted(rules.apply(waits.run, m.InputArrived(step_id="agent"), T0 + 1))
+    assert not rules.parked(woken.run, outbox=False), "its next dispatch is in flight"
+    cancelled = accepted(rules.apply(waits.run, m.CancelRequested(), T0 + 1))
+    assert not rules.parked(cancelled.run, outbox=False), "it ended"
+    backoff = accepted(rules.apply(run, report("agent", 0, 1, m.Failed(error="x")), T0))
+    assert rules.parked(backoff.run, outbox=False), "a timer it waits for is stored already"

@@ -33,7 +33,9 @@ class EngineConfig:
             outbox left unpublished, a task that vanished, or an event that an
             engine took and did not apply (it died), which the reconciler then
             applies itself, so that a run is not left idle for
-            ``history_ack_wait``.
+            ``history_ack_wait``. It reads only the runs in motion: a run
+            parked for an input or a timer is out of its index (ADR 32),
+            and such an event of it waits out ``history_ack_wait``.
         outbox_grace: how old a run's outbox must be before the reconciler
             publishes it on the writer's behalf (unless this engine did) and
             clears it; the engine's own writes leave it for the next write.

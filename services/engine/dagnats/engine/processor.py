@@ -34,6 +34,17 @@ wait out ``history_ack_wait`` before another engine got it. The reconciler
 applies such events itself once a run's history has stood unacknowledged for
 a whole pass, so the stall is bounded by ``reconcile_interval``; applying an
 event twice is harmless for every event it applies (see ``_recover``).
+
+The reconciler reads only the runs of the active-run index, and a run
+*parked* (``rules.parked``: running, no outbox, no step in motion, one
+waiting for an input or a timer) leaves it (ADR 32, ``_park``): first a
+compare-and-swap write of the run flagged ``unindexed``, then a purge of
+only the index entry read before the run. Every write decided on a flagged
+run enters the run in the index again before it is stored, as a start does,
+so a crash between that write and its publish leaves the run for the
+reconciler. A parked run has nothing for the reconciler but an event an
+engine took and died holding; that one is redelivered after
+``history_ack_wait`` instead.
 """
 
 from __future__ import annotations
@@ -158,6 +169,11 @@ class Engine:
                 log.info("run %s: dropped input: %s", run_id, decision.reason)
                 return run, decision
             record = self._record(decision, dict(stored.record.trace_context))
+            if stored.record.unindexed:
+                # Parked, out of the active-run index: in again before the
+                # write that wakes it is stored, as a start is (ADR 32).
+                await self.store.enter_active(run_id)
+                self.counters["reindexed"] += 1
             try:
                 revision = await self.store.update_run(record, stored.revision)
             except StaleRevision:
@@ -232,16 +248,28 @@ class Engine:
         clear it if nobody changed the run meanwhile."""
         if not published:
             await self.publish_outbox(stored)
-        cleared = ipb.RunRecord()
-        cleared.CopyFrom(stored.record)
-        del cleared.outbox[:]
-        cleared.ClearField("outbox_since")
-        try:
-            revision = await self.store.update_run(cleared, stored.revision)
-        except StaleRevision:
+        cleared = await self._rewrite(stored, clear=True, unindexed=False)
+        if cleared is None:
             latest = await self.store.load_run(stored.record.run.run_id)
             return latest if latest is not None else stored
-        return StoredRun(cleared, revision)
+        return cleared
+
+    async def _rewrite(
+        self, stored: StoredRun, *, clear: bool, unindexed: bool
+    ) -> StoredRun | None:
+        """Write the run as it is, its outbox cleared if ``clear``, flagged
+        ``unindexed`` or not, if nobody changed it since; None if somebody did."""
+        record = ipb.RunRecord()
+        record.CopyFrom(stored.record)
+        if clear:
+            del record.outbox[:]
+            record.ClearField("outbox_since")
+        record.unindexed = unindexed
+        try:
+            revision = await self.store.update_run(record, stored.revision)
+        except StaleRevision:
+            return None
+        return StoredRun(record, revision)
 
     def _record(self, accepted: m.Accepted, trace_context: dict[str, str]) -> ipb.RunRecord:
         now = self.clock()
@@ -439,8 +467,9 @@ class Engine:
         unapplied: dict[str, int] = {}
         recovered: dict[str, int] = {}
         applied = await self.store.history_applied_through(HISTORY_CONSUMER)
-        for run_id in await self.store.active_run_ids():
+        for run_id, entry in (await self.store.active_runs()).items():
             stored = await self.store.load_run(run_id)
+            self.counters["reconcile_reads"] += 1
             if stored is None:
                 # Indexed just before it is stored, or by a start that failed:
                 # missing on two passes in a row, it leaves the index.
@@ -450,6 +479,7 @@ class Engine:
                     missing.add(run_id)
                 continue
             record = stored.record
+            unindexed = False  # written flagged, by this pass, after the index was read
             if record.outbox:
                 since = record.outbox_since.ToNanoseconds() / 1e9
                 if now - since >= self.config.outbox_grace:
@@ -458,7 +488,7 @@ class Engine:
                     mine = self._written.get(run_id)
                     published = mine is not None and mine.revision == stored.revision
                     self.counters["outbox_cleared" if published else "outbox_recovered"] += 1
-                    stored = await self.flush(stored, published=published)
+                    stored, unindexed = await self._clear(stored, published=published)
                     record = stored.record
                     if published and not record.outbox:  # nothing in it left to publish
                         self._remember(stored)
@@ -466,6 +496,10 @@ class Engine:
                 await self.store.leave_active(run_id)
                 continue
             if record.run.status != pb.RUN_STATUS_RUNNING:
+                continue
+            run = convert.record_from_proto(record)
+            if rules.parked(run, outbox=bool(record.outbox)):
+                await self._park(stored, entry, written=unindexed)
                 continue
             last = await self.store.last_history_seq(run_id)
             if last > applied and self._recovered.get(run_id) != last:
@@ -481,7 +515,7 @@ class Engine:
                 continue
             if last > applied:
                 recovered[run_id] = last  # applied here; the floor is held elsewhere
-            for key in await self._stranded(record):
+            for key in await self._stranded(run):
                 seen.add(key)
                 if key in self._suspects:
                     run_id, step_id, iteration, attempt = key
@@ -536,9 +570,47 @@ class Engine:
                 done = False
         return done
 
-    async def _stranded(self, record: ipb.RunRecord) -> list[tuple[str, str, int, int]]:
+    async def _clear(self, stored: StoredRun, *, published: bool) -> tuple[StoredRun, bool]:
+        """Publish a run's outbox (unless ``published``) and clear it, flagged
+        ``unindexed`` if that leaves the run parked: the one write then serves
+        both (see :meth:`_park`). The run as it is now, and whether this
+        wrote it flagged."""
+        if not published:
+            await self.publish_outbox(stored)
+        run = convert.record_from_proto(stored.record)
+        park = rules.parked(run, outbox=False)
+        cleared = await self._rewrite(stored, clear=True, unindexed=park)
+        if cleared is None:
+            latest = await self.store.load_run(stored.record.run.run_id)
+            return (latest if latest is not None else stored), False
+        return cleared, park
+
+    async def _park(self, stored: StoredRun, entry: int, *, written: bool) -> None:
+        """Take a parked run out of the active-run index (ADR 32).
+
+        First a write of the run flagged ``unindexed``, at the revision read
+        (``written``: this pass's clear of its outbox was that write), then
+        the index entry of revision ``entry``, read before the run, is purged,
+        and only that one. A write that wakes the run either lands before the
+        flagged one, which then misses and nothing leaves the index; or it is
+        decided on the flagged run, read after the flagged write and so after
+        the index was read, and enters the run again with a newer entry, which
+        the purge leaves alone. A crash between the two writes leaves the run
+        indexed, and the next pass parks it again.
+        """
+        if not written:
+            flagged = await self._rewrite(stored, clear=False, unindexed=True)
+            if flagged is None:
+                return  # it changed: the next pass looks again
+            stored = flagged
+        run_id = stored.record.run.run_id
+        if (mine := self._written.get(run_id)) is not None and mine.revision != stored.revision:
+            self._written.pop(run_id)  # a guess that would miss
+        await self.store.leave_active(run_id, through=entry)
+        self.counters["parked"] += 1
+
+    async def _stranded(self, run: m.Run) -> list[tuple[str, str, int, int]]:
         """The running steps whose current dispatch has no task in flight."""
-        run = convert.record_from_proto(record)
         found = []
         for step, task_type in rules.awaiting_a_task(run):
             subject = task_subject(task_type, run.run_id, step.step_id)

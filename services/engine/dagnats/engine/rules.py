@@ -39,6 +39,8 @@ Invariants:
   (``task_is_current``); any other is settled at once. A running step whose
   task is a worker's (``awaiting_a_task``) must have that dispatch's task in
   flight, or the reconciler dispatches it again.
+* A running run with nothing in motion (``parked``) may leave the active-run
+  index; the write that wakes it enters it again first.
 """
 
 from __future__ import annotations
@@ -301,6 +303,20 @@ def awaiting_a_task(run: Run) -> list[tuple[Step, str]]:
         if task:
             found.append((step, task))
     return found
+
+
+def parked(run: Run, *, outbox: bool) -> bool:
+    """Whether a run may leave the active-run index (ADR 32): it is running,
+    has no ``outbox`` left to publish or clear, and nothing of it is in
+    motion: no step runs (so no task or child run is in flight for the
+    reconciler to find lost), and at least one waits, for an input or a timer
+    whose message is stored already. Whatever wakes it is a write of the run,
+    which enters the run in the index again before it is stored."""
+    if run.status is not RunStatus.RUNNING or outbox:
+        return False
+    if any(step.status is StepStatus.RUNNING for step in run.steps):
+        return False
+    return any(step.status is StepStatus.WAITING for step in run.steps)
 
 
 # ---- journal steps: what the journal says of a worker's call ----------------------

@@ -467,9 +467,12 @@ class EngineStore:
     #
     # The reconciler reads the runs in this index instead of every stored run.
     # A run enters it before it is stored, and only the reconciler (and a purge)
-    # takes it out, once the run is finished with nothing left to publish: a
-    # finished run never changes again. So every run that may need the
-    # reconciler is in the index, and the index grows with the active runs only.
+    # takes it out: once the run is finished with nothing left to publish (a
+    # finished run never changes again), or once it is parked (ADR 32: running,
+    # nothing in motion, no outbox), after a write of the run flagged
+    # ``unindexed``; the write that wakes a flagged run enters it again before
+    # it is stored. So every run that may need the reconciler is in the index,
+    # and the index grows with the runs in motion only.
 
     @staticmethod
     def needs_reconciler(record: ipb.RunRecord) -> bool:
@@ -486,12 +489,33 @@ class EngineStore:
         Read with a watcher, which may end early while keys change (see
         ``jsx.walk_kv``): a run left out is read on the next pass.
         """
-        return [key async for key, _, _ in _values(self._active) if key != INDEX_COMPLETE]
+        return list(await self.active_runs())
 
-    async def leave_active(self, run_id: str) -> None:
+    async def active_runs(self) -> dict[str, int]:
+        """The runs in the index, each with the revision of its entry (see
+        :meth:`active_run_ids`)."""
+        return {
+            key: revision
+            async for key, _, revision in _values(self._active)
+            if key != INDEX_COMPLETE
+        }
+
+    async def leave_active(self, run_id: str, *, through: int = 0) -> None:
         """Take a run out of the index. A subject purge, not a KV delete: a
-        delete leaves a marker that every later read of the index goes through."""
-        await self.purge_subject(f"KV_{jsx.KV_ACTIVE_RUNS}", kv_key(jsx.KV_ACTIVE_RUNS, run_id))
+        delete leaves a marker that every later read of the index goes through.
+
+        ``through``: only the entry of that revision (or an older one) is
+        taken out, so an entry put again since, by a write that woke the run,
+        stays (0: whatever entry there is)."""
+        subject = kv_key(jsx.KV_ACTIVE_RUNS, run_id)
+        stream = f"KV_{jsx.KV_ACTIVE_RUNS}"
+        if not through:
+            await self.purge_subject(stream, subject)
+            return
+        await _retry(
+            lambda: self.js.purge_stream(stream, subject=subject, seq=through + 1),
+            "leave the index",
+        )
 
     async def index_active_runs(self) -> int:
         """Enter the runs that may need the reconciler, stored before the index

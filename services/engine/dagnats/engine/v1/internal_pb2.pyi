@@ -568,6 +568,12 @@ class RunRecord(_message.Message):
     OUTBOX_FIELD_NUMBER: _builtins.int
     OUTBOX_SINCE_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    UNINDEXED_FIELD_NUMBER: _builtins.int
+    unindexed: _builtins.bool
+    """The reconciler took the run out of the active-run index (ADR 32): it was
+    parked, with no outbox and nothing in motion. The next write of the run
+    enters it again before it is stored, and is stored without this flag.
+    """
     @_builtins.property
     def run(self) -> _engine_pb2.Run:
         """The public view of the run."""
@@ -601,10 +607,11 @@ class RunRecord(_message.Message):
         outbox: _abc.Iterable[Global___OutboxEntry] | None = ...,
         outbox_since: _timestamp_pb2.Timestamp | None = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        unindexed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["outbox_since", b"outbox_since", "run", b"run", "workflow", b"workflow"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["outbox", b"outbox", "outbox_since", b"outbox_since", "run", b"run", "step_records", b"step_records", "trace_context", b"trace_context", "workflow", b"workflow"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outbox", b"outbox", "outbox_since", b"outbox_since", "run", b"run", "step_records", b"step_records", "trace_context", b"trace_context", "unindexed", b"unindexed", "workflow", b"workflow"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
