@@ -4,6 +4,7 @@ still wakes any one of them."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from typing import Any
 
@@ -57,9 +58,17 @@ async def test_thousands_of_waits_hold_no_worker_and_no_task(nats_server: Any) -
                 info = await engine.nc.jetstream().consumer_info("TASKS", f"tasks-{task}")
                 assert (info.num_pending, info.num_ack_pending) == (0, 0), "no task in flight"
                 sample = run_ids[:: max(1, RUNS // 50)]
-                for run_id in sample:
+
+                async def waits(run_id: str) -> bool:
                     step = steps_by_id(await client.get_run(run_id))["agent"]
-                    assert step.status == pb.STEP_STATUS_WAITING and step.waiting_for_input
+                    return step.status == pb.STEP_STATUS_WAITING and step.waiting_for_input
+
+                # A report is answered once its event is stored; the engine
+                # applies it after: each sampled step waits within a deadline.
+                for run_id in sample:
+                    await wait_for(
+                        functools.partial(waits, run_id), timeout=60, message=f"{run_id} waits"
+                    )
                 woken = sample[:5]
                 for run_id in woken:
                     await client.submit_input(run_id, "agent", "ping", {"hi": 1})
