@@ -77,12 +77,13 @@ class Worker:
         journal_target: Address of the journal service when it runs apart
             from the engine (``dagnats serve journal``); by default ``target``.
         inputs_target: Address of the inputs service, likewise.
-        sticky_iterations: Most iterations of an agent loop run one after the
-            other on one task (ADR 31): a journaled ``continue_`` without a
-            wait keeps the task, and the engine hands the next iteration to
+        sticky_iterations: How many times in a row a task is kept for its
+            step's next iteration (ADR 31): a journaled ``continue_`` without
+            a wait keeps the task, and the engine hands the next iteration to
             this worker with the commit's answer, with no trip through the task
-            queue. After this many the task goes back to the queue, so that
-            other runs' tasks get a turn; 0 sends every iteration through it.
+            queue. After this many the next iteration goes back to the queue,
+            so that other runs' tasks get a turn; 0 sends every iteration
+            through it.
 
     Raises:
         InvalidArgument: a task type is not one NATS token, or a number is out of range.
