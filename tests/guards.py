@@ -395,8 +395,8 @@ GUARDS = (
     Guard(
         name="a kept task delivered again is leased for the dispatch it was kept for",
         file="services/engine/dagnats/engine/service.py",
-        guard="    held = step is not None and record is not None and record.held_seq == seq\n",
-        removed="    held = False\n",
+        guard="        held=record is not None and record.held_seq == seq,\n",
+        removed="        held=False,\n",
         how="a kept task's message delivered again is settled as stale",
         tests=(
             "tests/test_held_dispatch.py::"

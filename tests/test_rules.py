@@ -491,12 +491,12 @@ def test_a_commit_of_an_earlier_attempt_counts_only_when_it_ends_the_iteration()
 def test_a_task_is_current_only_for_its_steps_dispatch_while_both_run() -> None:
     dispatch = m.Identity(iteration=2, attempt=1)
     running, step = m.RunStatus.RUNNING, m.StepStatus.RUNNING
-    assert rules.task_is_current(running, step, dispatch, dispatch)
+    assert rules.carried_dispatch(running, step, dispatch, dispatch) == dispatch
     retried = m.Identity(iteration=2, attempt=2)
-    assert not rules.task_is_current(running, step, retried, dispatch), "an earlier attempt"
-    assert not rules.task_is_current(running, m.StepStatus.WAITING, dispatch, dispatch)
-    assert not rules.task_is_current(m.RunStatus.CANCELLED, step, dispatch, dispatch)
-    assert not rules.task_is_current(running, None, None, dispatch), "no such step"
+    assert rules.carried_dispatch(running, step, retried, dispatch) is None, "an earlier attempt"
+    assert rules.carried_dispatch(running, m.StepStatus.WAITING, dispatch, dispatch) is None
+    assert rules.carried_dispatch(m.RunStatus.CANCELLED, step, dispatch, dispatch) is None
+    assert rules.carried_dispatch(running, None, None, dispatch) is None, "no such step"
 
 
 def test_the_steps_awaiting_a_task_are_the_running_ones_a_worker_runs() -> None:
@@ -560,10 +560,11 @@ def test_a_continue_that_keeps_its_task_dispatches_on_it_without_a_new_task() ->
     # The message is current for the dispatch it was kept for, not the one it carried.
     current = m.Identity(iteration=1, attempt=1)
     published_for = m.Identity(iteration=0, attempt=1)
-    assert rules.task_is_current(
+    kept = rules.carried_dispatch(
         m.RunStatus.RUNNING, step.status, current, published_for, held=True
     )
-    assert not rules.task_is_current(m.RunStatus.RUNNING, step.status, current, published_for)
+    assert kept == current
+    assert rules.carried_dispatch(m.RunStatus.RUNNING, step.status, current, published_for) is None
     assert rules.held_decision(step, m.RunStatus.RUNNING, 7, published_for) is True
     task = rules.dispatch_task(nxt.run, step)
     assert (task.iteration, task.attempt, task.input) == (1, 1, b'{"q": 1}')

@@ -476,12 +476,12 @@ class TaskContext:
                 # answers once it is stored, then publishes its event and
                 # releases the task (ADR 9).
                 commit = commit_of(outcome, self._state)
-                # A continue that does not wait keeps the task for the next
-                # iteration: the worker runs it on this lease (ADR 31).
-                hold = (
-                    self._hold and isinstance(outcome, pb.Continue) and not outcome.HasField("wait")
+                # Asks to keep the task for the next iteration, which the
+                # worker then runs on this lease; the journal service grants
+                # it to a continue that does not wait (ADR 31).
+                self._next = await self._journal.commit(
+                    commit, lease=self._leased.lease, hold=self._hold
                 )
-                self._next = await self._journal.commit(commit, lease=self._leased.lease, hold=hold)
             else:
                 request = self._request(pb.ReportRequest())
                 # "continue" is a Python keyword, so the oneof is set by name for all four.

@@ -36,7 +36,7 @@ Invariants:
 * When a step finishes, its queued inputs are closed (they end unanswered).
 * A terminal run never changes again.
 * A task message is leased only for its step's current dispatch
-  (``task_is_current``); any other is settled at once. A running step whose
+  (``carried_dispatch``); any other is settled at once. A running step whose
   task is a worker's (``awaiting_a_task``) must have that dispatch's task in
   flight, or the reconciler dispatches it again.
 * A running run with nothing in motion (``parked``) may leave the active-run
@@ -217,26 +217,24 @@ def _ends_iteration(outcome: StepOutcome) -> bool:
 # ---- tasks: which message is a step's current dispatch ----------------------------
 
 
-def task_is_current(
+def carried_dispatch(
     run: RunStatus,
     step: StepStatus | None,
     current: Identity | None,
     task: Identity,
     *,
     held: bool = False,
-) -> bool:
-    """Whether a task message may be leased: its run and its step are running
-    and it carries the step's current dispatch (``current``; ``step`` None
-    when the run has no such step): the dispatch it was published for, or,
-    ``held`` (the step's ``held_seq`` is this message), the dispatch its holder
-    kept it for (ADR 31). Any other is a stale duplicate, or its run ended,
-    and is settled without a worker."""
-    return (
-        run is RunStatus.RUNNING
-        and step is StepStatus.RUNNING
-        and current is not None
-        and (held or current == task)
-    )
+) -> Identity | None:
+    """The dispatch a task message published for ``task`` carries, if it may
+    be leased: its run and its step are running and it carries the step's
+    current dispatch (``current``; ``step`` None when the run has no such
+    step): the dispatch it was published for, or, ``held`` (the step's
+    ``held_seq`` is this message), the dispatch its holder kept it for
+    (ADR 31). None for any other: a stale duplicate, or its run ended; it is
+    settled without a worker."""
+    if run is not RunStatus.RUNNING or step is not StepStatus.RUNNING or current is None:
+        return None
+    return current if held or current == task else None
 
 
 def dispatch_task(run: Run, step: Step) -> DispatchTask:
@@ -263,16 +261,16 @@ def held_decision(
     commit's report: True, it carries the step's next dispatch; False, it
     carries no current dispatch (release it); None, it still carries
     ``reported`` (the report is not applied yet)."""
-    if run is not RunStatus.RUNNING or step is None or step.status is not StepStatus.RUNNING:
+    carried = carried_dispatch(
+        run,
+        step.status if step is not None else None,
+        Identity(iteration=step.iteration, attempt=step.attempt) if step is not None else None,
+        reported,
+        held=step is not None and step.held_seq == task_seq,
+    )
+    if carried is None:
         return False
-    if step.held_seq == task_seq:
-        return (step.iteration, step.attempt) != (reported.iteration, reported.attempt) or None
-    if step.held_seq == 0 and (step.iteration, step.attempt) == (
-        reported.iteration,
-        reported.attempt,
-    ):
-        return None
-    return False
+    return None if carried == reported else True
 
 
 # Seconds taken off JetStream's duplicate window for the clocks of two

@@ -518,29 +518,28 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
 def _current_task(stored: StoredRun | None, task: pb.Task, seq: int) -> pb.Task | None:
     """The task to lease for the message at ``seq`` carrying ``task``, by
-    ``stored``: ``task`` when it is the dispatch its step runs now; the step's
-    current dispatch when its holder kept this message for it (ADR 31); None
-    when the message carries no current dispatch."""
+    ``stored`` (``rules.carried_dispatch``): ``task`` itself, or the dispatch
+    its holder kept the message for (ADR 31); None when it carries no current
+    dispatch."""
     run = stored.record.run if stored is not None else None
     step = next((s for s in run.steps if s.step_id == task.step_id), None) if run else None
     if stored is None or run is None:
         return None
     record = stored.record.step_records.get(task.step_id)
-    held = step is not None and record is not None and record.held_seq == seq
-    current = rules.task_is_current(
+    published_for = m.Identity(iteration=task.iteration, attempt=task.attempt)
+    carried = rules.carried_dispatch(
         convert.run_status_from_proto(run.status),
         step_status_from_proto(step.status) if step is not None else None,
         m.Identity(iteration=step.iteration, attempt=step.attempt) if step else None,
-        m.Identity(iteration=task.iteration, attempt=task.attempt),
-        held=held,
+        published_for,
+        held=record is not None and record.held_seq == seq,
     )
-    if not current or not held or step is None:
-        return task if current else None
-    carried = pb.Task()
-    carried.CopyFrom(task)
-    carried.iteration, carried.attempt = step.iteration, step.attempt
-    return carried
+    if carried is None or carried == published_for:
+        return task if carried is not None else None
+    kept = pb.Task()
+    kept.CopyFrom(task)
+    kept.iteration, kept.attempt = carried.iteration, carried.attempt
+    return kept
 
 
-# Tasks nobody awaits, held until done: the loop keeps only a weak reference.
 _background: set[asyncio.Task[Any]] = set()
