@@ -4,6 +4,7 @@ finished model or tool call, and an unsafe tool never starts twice."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import nats.errors
@@ -56,6 +57,30 @@ async def finish(client: Client, engine: EngineServer, run_id: str) -> pb.Run:
     return run
 
 
+async def take_over(
+    client: Client,
+    engine: EngineServer,
+    task: str,
+    name: str,
+    handler: Any,
+    stopped: Callable[[], bool],
+    *,
+    at_stop: Callable[[], None] = lambda: None,
+) -> None:
+    """Start a run on a worker that sends no heartbeat; once ``stopped`` says
+    its holder stopped (``at_stop`` checks what it left), a successor worker
+    takes the task over when the lease runs out and finishes the run."""
+    async with Worker(
+        engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+    ) as first:
+        run = await client.start_run(name)
+        await wait_for(stopped, timeout=20)
+        at_stop()
+        async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+            await first.stop(grace=0)
+            await finish(client, engine, run.run_id)
+
+
 async def test_a_crash_free_run(client: Client, engine: EngineServer) -> None:
     task, name = await start(client)
     model, tools = ScriptedModel(SCRIPT), Tools()
@@ -76,16 +101,9 @@ async def test_crash_after_unsafe_intent_records_interrupted(
     handler = agent(model, tools, seen)
     with Crasher("after_intent", skip=1) as crash:  # iteration 1: the unsafe send_email
         tools.block["send_email"] = crash.release
-        async with Worker(
-            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
-        ) as first:
-            run = await client.start_run(name)
-            await wait_for(crash.hit.is_set, timeout=20)
-            # The holder is gone after writing the intent; a successor takes over
-            # once the lease runs out.
-            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
-                await first.stop(grace=0)
-                await finish(client, engine, run.run_id)
+        # The holder is gone after writing the intent; a successor takes over
+        # once the lease runs out.
+        await take_over(client, engine, task, name, handler, crash.hit.is_set)
     assert tools.starts["send_email"] == 0, "the unsafe tool never started"
     interrupted = [r for r in seen.results if r["tool"] == "send_email"]
     assert interrupted == [
@@ -104,14 +122,9 @@ async def test_crash_inside_unsafe_tool_keeps_partial_output(
         import asyncio
 
         tools.block["send_email"] = asyncio.Event()
-        async with Worker(
-            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
-        ) as first:
-            run = await client.start_run(name)
-            await wait_for(lambda: tools.starts["send_email"] == 1, timeout=20)
-            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
-                await first.stop(grace=0)
-                await finish(client, engine, run.run_id)
+        await take_over(
+            client, engine, task, name, handler, lambda: tools.starts["send_email"] == 1
+        )
         crash.release.set()
     assert tools.starts["send_email"] == 1, "started once, never again"
     (result,) = [r for r in seen.results if r["tool"] == "send_email"]
@@ -123,14 +136,7 @@ async def test_crash_after_safe_intent_runs_it_again(client: Client, engine: Eng
     model, tools = ScriptedModel(SCRIPT), Tools()
     handler = agent(model, tools)
     with Crasher("after_intent") as crash:  # iteration 0: the safe search
-        async with Worker(
-            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
-        ) as first:
-            run = await client.start_run(name)
-            await wait_for(crash.hit.is_set, timeout=20)
-            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
-                await first.stop(grace=0)
-                await finish(client, engine, run.run_id)
+        await take_over(client, engine, task, name, handler, crash.hit.is_set)
     assert tools.starts == {"search": 2, "send_email": 1}, "the safe call ran again (once)"
     assert model.calls == 4, "the model response of the crashed turn was reused"
 
@@ -204,15 +210,11 @@ async def test_crash_while_the_response_is_pending_asks_the_model_again(
     model, tools = ConversationModel(), Tools()
     handler = agent(model, tools)
     with Crasher("model_pending", skip=1) as crash:
-        async with Worker(
-            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
-        ) as first:
-            run = await client.start_run(name)
-            await wait_for(crash.hit.is_set, timeout=20)
+
+        def left() -> None:
             assert model.calls == 2
-            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
-                await first.stop(grace=0)
-                await finish(client, engine, run.run_id)
+
+        await take_over(client, engine, task, name, handler, crash.hit.is_set, at_stop=left)
     assert model.calls == 5, "the unstored response was asked for again, once"
     assert model.requests[1] == model.requests[2], "with the same conversation"
     assert tools.starts == {"search": 2, "send_email": 1}
@@ -228,15 +230,11 @@ async def test_crash_while_an_unsafe_result_is_pending_comes_back_interrupted(
     model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
     handler = agent(model, tools, seen)
     with Crasher("result_pending", skip=1) as crash:  # iteration 1: send_email
-        async with Worker(
-            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
-        ) as first:
-            run = await client.start_run(name)
-            await wait_for(crash.hit.is_set, timeout=20)
+
+        def left() -> None:
             assert tools.effects["send_email"] == 1
-            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
-                await first.stop(grace=0)
-                await finish(client, engine, run.run_id)
+
+        await take_over(client, engine, task, name, handler, crash.hit.is_set, at_stop=left)
     assert tools.starts["send_email"] == 1, "never started again"
     assert [r for r in seen.results if r["tool"] == "send_email"] == [
         {
@@ -254,15 +252,11 @@ async def test_crash_after_model_reuses_the_response(client: Client, engine: Eng
     model, tools = ScriptedModel(SCRIPT), Tools()
     handler = agent(model, tools, apart=True)  # so the response has a record of its own
     with Crasher("after_model", skip=1) as crash:
-        async with Worker(
-            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
-        ) as first:
-            run = await client.start_run(name)
-            await wait_for(crash.hit.is_set, timeout=20)
+
+        def left() -> None:
             assert model.calls == 2
-            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
-                await first.stop(grace=0)
-                await finish(client, engine, run.run_id)
+
+        await take_over(client, engine, task, name, handler, crash.hit.is_set, at_stop=left)
     assert model.calls == 4, "reused, not requested again"
     assert tools.starts == {"search": 2, "send_email": 1}
 
