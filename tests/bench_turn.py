@@ -335,12 +335,13 @@ async def serve_worker(
     async with contextlib.AsyncExitStack() as workers:
         for target in targets:
             for task_type, handler in handlers.items():
+                queued: dict[str, Any] = {"sticky_iterations": 0}
                 worker = Worker(
                     target,
                     handlers={task_type: handler},
                     concurrency=c,
                     poll_wait=5.0,
-                    sticky_iterations=0 if task_type.endswith(QUEUED) else 64,
+                    **(queued if task_type.endswith(QUEUED) else {}),
                 )
                 await workers.enter_async_context(worker)
         print("worker ready", flush=True)

@@ -363,10 +363,9 @@ class Engine:
         if not is_inbox(event.notify):
             log.warning("run %s: a notice subject that is no inbox: %r", event.run_id, event.notify)
             return
-        step = run.step(event.step_id) if run is not None and run.has_step(event.step_id) else None
         reported = m.Identity(iteration=event.iteration, attempt=event.attempt)
-        status = run.status if run is not None else m.RunStatus.FAILED
-        held = rules.held_decision(step, status, event.held_seq, reported)
+        step = run.step(event.step_id) if run is not None and run.has_step(event.step_id) else None
+        held = run is not None and rules.held_decision(step, run.status, event.held_seq, reported)
         if held is None:
             return
         decision = ipb.HeldDecision(done=not held)
