@@ -415,6 +415,44 @@ GUARDS = (
         tests=("tests/test_held_dispatch.py::test_the_reconciler_leaves_a_kept_task_in_flight",),
     ),
     Guard(
+        name="a dispatch handed over with a commit stores its claim with its first record",
+        file="services/journal/dagnats/journal/writer.py",
+        guard="            record.leading_claim.CopyFrom(token.claim)\n",
+        removed="            pass\n",
+        how="the handed holder's records are stored without its claim",
+        tests=("tests/test_journal.py::test_a_turn_is_three_records_and_reads_back_whole",),
+    ),
+    Guard(
+        name="a watcher started at a commit shows the handed holder's stream",
+        file="services/journal/dagnats/journal/stream.py",
+        guard=(
+            "            return cls(holder_seq=tail.seq, "
+            "ended_dispatch=(tail.iteration, tail.attempt))\n"
+        ),
+        removed="            return cls(holder=tail.writer, holder_seq=tail.seq)\n",
+        how="a watcher that starts between a commit and the next holder's first record drops it",
+        tests=(
+            "tests/test_live_stream.py::"
+            "test_a_dispatch_handed_over_with_the_commit_streams_to_every_watcher",
+        ),
+    ),
+    Guard(
+        name="a hand-over's marker at the commit's sequence names the holder",
+        file="services/journal/dagnats/journal/stream.py",
+        guard=(
+            '            if event.get("record_seq", 0) and event["record_seq"] < self.holder_seq:\n'
+        ),
+        removed=(
+            '            if event.get("record_seq", 0) and event["record_seq"] '
+            "<= self.holder_seq:\n"
+        ),
+        how="a watcher started at the commit never learns the handed holder, so a zombie shows",
+        tests=(
+            "tests/test_stream_rules.py::"
+            "test_a_watcher_started_at_a_commit_shows_the_next_dispatch_until_a_claim",
+        ),
+    ),
+    Guard(
         name="a parked run enters the index again before the write that wakes it",
         file="services/engine/dagnats/engine/processor.py",
         guard="                await self.store.enter_active(run_id)\n",

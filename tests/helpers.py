@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar, cast, overload
 
 import grpc.aio
@@ -84,6 +84,21 @@ def holds(record: Any, kind: str) -> bool:
 def body(record: Any, kind: str) -> Any:
     """The entry of ``kind`` a journal record holds (see :func:`holds`)."""
     return getattr(record, kind if record.HasField(kind) else f"leading_{kind}")
+
+
+def claims(records: Iterable[Any], iteration: int | None = None) -> list[Any]:
+    """The journal records that hold a claim: a claim record, or the first
+    record of a dispatch handed over with the commit before it (ADR 34);
+    those of ``iteration`` only, if given."""
+    return [
+        r for r in records if holds(r, "claim") and (iteration is None or r.iteration == iteration)
+    ]
+
+
+def claimed_after_redelivery(records: Iterable[Any], iteration: int) -> bool:
+    """Whether a later delivery of the task claimed ``iteration``: a successor
+    holds it, and its first holder is fenced."""
+    return any(body(r, "claim").delivery > 1 for r in claims(records, iteration))
 
 
 def trailing(err: grpc.aio.AioRpcError) -> dict[str, str]:

@@ -524,15 +524,18 @@ def test_a_failed_or_cancelled_step_is_not_compared() -> None:
 # ---- records that hold two entries (ADR 24) ---------------------------------------------
 
 
-def merged_turns(*, expected: dict[int, int] | None = None) -> list[AnyEntry]:
+def merged_turns(*, expected: dict[int, int] | None = None, handed: bool = False) -> list[AnyEntry]:
     """Two tool turns stored as the SDK stores them: a claim, the response with
     the intent it asks for, the result with the commit; then an answer with
-    its commit. ``expected`` overrides a record's expected tail."""
+    its commit. ``expected`` overrides a record's expected tail. ``handed``:
+    iterations 1 and 2 were handed over with the commit before them, their
+    claim stored ahead of their first record (ADR 34)."""
     bodies: list[Any] = []
     for iteration, name in ((0, "search"), (1, "charge")):
-        intent_seq = len(bodies) + 2
+        if not (handed and iteration):
+            bodies.append((iteration, pb.Record(claim=pb.Claim(delivery=1))))
+        intent_seq = len(bodies) + 1
         bodies += [
-            (iteration, pb.Record(claim=pb.Claim(delivery=1))),
             (
                 iteration,
                 pb.Record(
@@ -548,8 +551,9 @@ def merged_turns(*, expected: dict[int, int] | None = None) -> list[AnyEntry]:
                 ),
             ),
         ]
+    if not handed:
+        bodies.append((2, pb.Record(claim=pb.Claim(delivery=1))))
     bodies += [
-        (2, pb.Record(claim=pb.Claim(delivery=1))),
         (
             2,
             pb.Record(
@@ -562,6 +566,8 @@ def merged_turns(*, expected: dict[int, int] | None = None) -> list[AnyEntry]:
     for seq, (iteration, body) in enumerate(bodies, start=1):
         record = pb.Record(iteration=iteration, attempt=1, writer=f"{iteration:016x}")
         record.MergeFrom(body)
+        if handed and iteration and bodies[seq - 2][0] != iteration:
+            record.leading_claim.CopyFrom(pb.Claim(delivery=1))
         record.seq = seq
         record.expected_seq = (expected or {}).get(seq, seq - 1)
         records.append(record)
@@ -574,6 +580,29 @@ def test_records_that_hold_two_entries_are_sound() -> None:
     assert check_step("agent", entries, engine_iterations=2) == []
     # In any order the service hands them over.
     assert check_step("agent", entries[::-1], engine_iterations=2) == []
+
+
+def test_claims_handed_over_with_the_commit_before_are_sound() -> None:
+    entries = merged_turns(handed=True)
+    assert len(entries) == 13, "6 records: 2 with three entries, 3 with two"
+    claims = [e for e in entries if isinstance(e, ClaimEntry)]
+    assert [(c.seq, c.iteration, c.leading) for c in claims] == [
+        (1, 0, False),
+        (4, 1, True),
+        (6, 2, True),
+    ]
+    assert check_step("agent", entries, engine_iterations=2) == []
+    assert check_step("agent", entries[::-1], engine_iterations=2) == []
+
+
+def test_a_handed_over_dispatch_whose_claim_was_not_stored() -> None:
+    entries = [
+        e for e in merged_turns(handed=True) if not (isinstance(e, ClaimEntry) and e.seq == 4)
+    ]
+    findings = check_step("agent", entries, engine_iterations=2)
+    assert {f.rule for f in findings} == {"after_fence"}
+    assert [f.seq for f in findings] == [4, 4, 5, 5], "every entry of the unclaimed writer"
+    assert "never claimed" in findings[0].message
 
 
 def test_a_broken_chain_at_a_record_of_two_entries_is_one_finding() -> None:

@@ -340,14 +340,13 @@ async def test_a_hundred_followers_of_one_step_each_get_every_record(
         records = await page(http, run_id)
         expected = [r["seq"] for r in records]
     assert all(ids == expected for ids in seen)
-    # A claim, then a commit with the model's response, per iteration.
-    assert [(r["kind"], r["leading"]) for r in records] == [
-        ("claim", None),
-        ("commit", "leading_model"),
-    ] * 3
-    assert [r["leading_model"]["response"] for r in records[1::2]] == [
-        {"turn": i} for i in range(3)
+    # A claim, then a commit with the model's response; from the second
+    # iteration on the claim rides the commit (handed over, ADR 34).
+    assert [(r["kind"], r["leading"], "leading_claim" in r) for r in records] == [
+        ("claim", None, False),
+        *[("commit", "leading_model", i > 0) for i in range(3)],
     ]
+    assert [r["leading_model"]["response"] for r in records[1:]] == [{"turn": i} for i in range(3)]
 
 
 # ---- bad input --------------------------------------------------------------------

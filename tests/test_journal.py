@@ -18,7 +18,7 @@ from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, Worker, run_output
 from dagnats.sdk.testing import ScriptedModel
 from dagnats.sdk.views import record_dict
-from tests.helpers import wait_for
+from tests.helpers import claimed_after_redelivery, claims, holds, wait_for
 from tests.journal_agent import SCRIPT, ConversationModel, Crasher, Seen, Tools, agent
 from tests.stack import loop_workflow, steps_by_id, unique
 
@@ -89,8 +89,9 @@ async def test_a_crash_free_run(client: Client, engine: EngineServer) -> None:
         await finish(client, engine, run.run_id)
     assert model.calls == 4
     assert tools.starts == {"search": 2, "send_email": 1}
-    kinds = [r.WhichOneof("kind") for r in await read_journal(engine, run.run_id)]
-    assert kinds.count("commit") == 4 and kinds.count("claim") == 4
+    records = await read_journal(engine, run.run_id)
+    assert sum(holds(r, "commit") for r in records) == 4
+    assert sum(holds(r, "claim") for r in records) == 4
 
 
 async def test_crash_after_unsafe_intent_records_interrupted(
@@ -145,28 +146,35 @@ async def test_a_turn_is_three_records_and_reads_back_whole(
     client: Client, engine: EngineServer
 ) -> None:
     # The model's response rides the intent of the tool it asks for, the
-    # tool's result rides the commit: claim, intent, commit per tool turn.
+    # tool's result rides the commit, and from the second iteration on the
+    # claim rides the first record (the commit before handed the dispatch
+    # over, ADR 34): intent and commit per tool turn.
     task, name = await start(client)
     model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
     async with Worker(engine.target, handlers={task: agent(model, tools, seen)}, poll_wait=1.0):
         run = await client.start_run(name, {"ask": "weather"})
         await finish(client, engine, run.run_id)
     records = await read_journal(engine, run.run_id)
-    shape = [(r.iteration, r.WhichOneof("leading"), r.WhichOneof("kind")) for r in records]
+    shape = [
+        (r.iteration, r.HasField("leading_claim"), r.WhichOneof("leading"), r.WhichOneof("kind"))
+        for r in records
+    ]
     assert shape == [
+        (0, False, None, "claim"),
         *[
-            (i, kind, body)
+            (i, claimed, kind, body)
             for i in range(3)
-            for kind, body in [
-                (None, "claim"),
-                ("leading_model", "tool_intent"),
-                (None, "tool_output"),  # the tool reports "started <name>;"
-                ("leading_tool_result", "commit"),
+            for claimed, kind, body in [
+                (i > 0, "leading_model", "tool_intent"),
+                (False, None, "tool_output"),  # the tool reports "started <name>;"
+                (False, "leading_tool_result", "commit"),
             ]
         ],
-        (3, None, "claim"),
-        (3, "leading_model", "commit"),
+        (3, True, "leading_model", "commit"),
     ]
+    assert {r.leading_claim.delivery for r in records[4:] if r.HasField("leading_claim")} == {
+        records[0].claim.delivery
+    }, "every handed-over claim is the first delivery's"
     intent = records[1]
     assert json.loads(intent.leading_model.response) == SCRIPT[0]
     assert (intent.leading_model.position, intent.tool_intent.position) == (0, 1)
@@ -183,6 +191,13 @@ async def test_a_turn_is_three_records_and_reads_back_whole(
     lines = record_line(commit).splitlines()
     assert [line.split()[2] for line in lines] == ["tool_result", "commit"]
     assert {line.split()[0] for line in lines} == {str(commit.seq)}
+    handed = records[4]
+    assert [line.split()[2] for line in record_line(handed).splitlines()] == [
+        "claim",
+        "model",
+        "tool_intent",
+    ]
+    assert record_dict(handed)["leading_claim"]["delivery"] == records[0].claim.delivery
 
 
 async def test_a_handler_that_awaits_between_its_calls_stores_each_on_its_own(
@@ -328,19 +343,20 @@ async def test_zombie_is_fenced_and_writes_nothing_after_its_successor(
                 records = []
 
                 async def successor_claimed() -> bool:
-                    nonlocal records
                     records = await read_journal(engine, run.run_id)
-                    claims = [r for r in records if r.iteration == 1 and r.HasField("claim")]
-                    return len(claims) == 2
+                    return claimed_after_redelivery(records, 1)
 
                 await wait_for(successor_claimed, timeout=20)
                 stall.release.set()  # the zombie wakes up and tries its next write
                 await wait_for(lambda: "Fenced" in seen.signals, timeout=20)
                 await finish(client, engine, run.run_id)
     records = await read_journal(engine, run.run_id)
-    zombie = next(r.writer for r in records if r.iteration == 1 and r.HasField("claim"))
-    successor_claim = [r for r in records if r.iteration == 1 and r.HasField("claim")][1]
-    assert not [r for r in records if r.writer == zombie and r.seq > successor_claim.seq]
+    # The zombie held iteration 1 as handed over and had stored nothing of it
+    # (its claim rides its first record): its write after the successor's
+    # claim is refused, so every record of the iteration is the successor's.
+    (successor_claim,) = claims(records, 1)
+    assert successor_claim.HasField("claim") and successor_claim.claim.delivery > 1
+    assert {r.writer for r in records if r.iteration == 1} == {successor_claim.writer}
     assert tools.starts["send_email"] == 1
 
 
@@ -352,8 +368,10 @@ async def test_restart_limit_fails_the_attempt_and_the_retry_resumes(
     )
     model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
     handler = agent(model, tools, seen)
-    # Iteration 1 dies after every claim; the fifth claim in a row hits the limit.
-    with Crasher("after_claim", skip=1, times=4):
+    # Iteration 1 dies after every claim: first as handed over with iteration
+    # 0's commit (nothing stored: its claim rides its first record), then
+    # after each claim of a redelivery; the fifth claim in a row hits the limit.
+    with Crasher("after_claim", skip=1, times=5):
         async with Worker(
             engine.target,
             handlers={task: handler},
@@ -369,8 +387,8 @@ async def test_restart_limit_fails_the_attempt_and_the_retry_resumes(
     records = await read_journal(engine, run.run_id)
     failure = [r for r in records if r.HasField("commit") and r.commit.reason == "restart_limit"]
     assert len(failure) == 1 and failure[0].iteration == 1 and failure[0].attempt == 1
-    claims = [r for r in records if r.HasField("claim") and (r.iteration, r.attempt) == (1, 1)]
-    assert len(claims) == 5, "four crashed claims, then the fifth hits the limit"
+    stored = [r for r in claims(records, 1) if r.attempt == 1]
+    assert len(stored) == 5, "four crashed claims, then the fifth hits the limit"
     assert steps_by_id(done)["agent"].iterations == 3
     assert model.calls == 4, "the retry resumed from the journal"
     check = await journal_check(engine, run.run_id)

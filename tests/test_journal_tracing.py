@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from dagnats.engine.server import start_engine
 from dagnats.sdk import Client, Worker
-from tests.helpers import wait_for
+from tests.helpers import claimed_after_redelivery, wait_for
 from tests.journal_agent import ConversationModel, Crasher, Seen, Tools, agent
 from tests.stack import FAST, loop_workflow, unique
 from tests.test_journal import NO_HEARTBEAT, read_journal
@@ -38,9 +38,7 @@ async def test_fenced_write_is_a_span_event_in_the_zombies_trace(
 
                         async def successor_claimed() -> bool:
                             records = await read_journal(engine, run.run_id)
-                            return (
-                                sum(r.iteration == 1 and r.HasField("claim") for r in records) == 2
-                            )
+                            return claimed_after_redelivery(records, 1)
 
                         await wait_for(successor_claimed, timeout=20)
                         stall.release.set()

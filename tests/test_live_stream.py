@@ -25,7 +25,7 @@ from dagnats.journal import stream as live
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, TaskContext, TokenStream, Worker
-from tests.helpers import body, holds, wait_for
+from tests.helpers import body, claims, holds, wait_for
 from tests.stack import FAST, loop_workflow, unique
 from tests.test_journal import NO_HEARTBEAT, journal_check, read_journal
 
@@ -149,8 +149,7 @@ async def test_tokens_in_order_then_committed_with_the_record(
 
 
 async def _successor_claimed(engine: EngineServer, run_id: str) -> bool:
-    records = await read_journal(engine, run_id)
-    return len([r for r in records if r.HasField("claim")]) == 2
+    return len(claims(await read_journal(engine, run_id))) == 2
 
 
 async def test_a_crashed_holder_is_abandoned_and_its_successor_retries(
@@ -332,6 +331,74 @@ async def test_the_stream_needs_the_api_token_like_the_journal(
     finally:
         await server.stop()
         await client.cancel_run(run.run_id, "done")
+
+
+@dataclass
+class LoopStreamer:
+    """A loop whose model streams ``TOKENS`` each iteration, then continues
+    (its task kept, the next dispatch handed over with the commit); the third
+    completes. Iteration 1 waits at ``gate`` after ``TOKENS[:20]``."""
+
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def __call__(self, tc: TaskContext) -> None:
+        j = await tc.journal()
+
+        async def model(stream: TokenStream) -> str:
+            for i, token in enumerate(TOKENS):
+                if tc.iteration == 1 and i == 20:
+                    self.reached.set()
+                    await self.gate.wait()
+                stream.put(token)
+                await asyncio.sleep(0)
+            return "".join(TOKENS)
+
+        text = await j.streamed_model(model)
+        await (tc.complete(text) if tc.iteration == 2 else tc.continue_())
+
+
+async def test_a_dispatch_handed_over_with_the_commit_streams_to_every_watcher(
+    http: httpx.AsyncClient, client: Client, engine: EngineServer
+) -> None:
+    """The next iteration streams before its first record, which stores its
+    claim (ADR 34): a watcher that saw the commit takes the hand-over as the
+    claim it is, and one that starts then, with the commit as the journal's
+    tail, shows the next dispatch's chunks."""
+    task, name = await start_run(client)
+    agent = LoopStreamer()
+    run = await client.start_run(name)
+    async with (
+        grpc.aio.insecure_channel(engine.target) as channel,
+        sse(http, run.run_id) as stream,  # subscribed before the first chunk
+        Worker(engine.target, handlers={task: agent}, poll_wait=1.0),
+    ):
+        await asyncio.wait_for(agent.reached.wait(), 20)
+        tail = (await read_journal(engine, run.run_id))[-1]
+        assert tail.HasField("commit") and tail.iteration == 0, "iteration 1 stored nothing yet"
+        watcher = jgrpc.JournalServiceStub(channel)
+        watch = watcher.WatchStream(jpb.WatchStreamRequest(run_id=run.run_id, step_id="agent"))
+        first = await watch.read()  # subscribed, with the commit as the tail
+        assert isinstance(first, jpb.WatchStreamResponse) and first.id == ""
+        agent.gate.set()
+        late = await _watch_until_committed(watch)
+        watch.cancel()
+        events = await until(stream, lambda e: e.type == "committed" and e.data["iteration"] == 2)
+        done = await client.wait_for_run(run.run_id, timeout=30)
+    assert done.status == epb.RUN_STATUS_COMPLETED
+    records = await read_journal(engine, run.run_id)
+    handed = [r for r in records if r.iteration == 1 and r.HasField("leading_claim")]
+    assert len(handed) == 1, "iteration 1 was handed over, its claim in its first record"
+    for iteration in range(3):
+        tokens = [e for e in events if e.type == "token" and e.data["iteration"] == iteration]
+        assert "".join(e.data["text"] for e in tokens) == "".join(TOKENS), iteration
+        writers = {r.writer for r in records if r.iteration == iteration}
+        assert {e.data["writer"] for e in tokens} == writers, "the holder's own stream"
+    assert not [e for e in events if e.type == "abandoned"]
+    shown = [d for _, d in late if d["type"] == "token"]
+    assert shown and {d["writer"] for d in shown} == {handed[0].writer}
+    assert "".join(d["text"] for d in shown) == "".join(TOKENS[20:])
+    assert late[-1][1]["record_seq"] == handed[0].seq
 
 
 def _claim(run_id: str, attempt: int) -> jpb.ClaimRequest:

@@ -1,7 +1,8 @@
 """The live preview's rules and a watcher's queue, with no server: a watcher
 started from the journal's tail drops another writer's chunks from the first
-one on, a claim published late does not undo that, and a watcher that falls
-behind gets a gap in place of the chunks it lost and keeps every marker."""
+one on, a claim published late does not undo that, a dispatch handed over
+with a commit is its next holder's, and a watcher that falls behind gets a
+gap in place of the chunks it lost and keeps every marker."""
 
 from __future__ import annotations
 
@@ -14,14 +15,19 @@ from dagnats.journal.v1 import journal_pb2 as pb
 ZOMBIE, HOLDER = "a" * 16, "b" * 16
 
 
-def chunk(writer: str, seq: int, position: int = 0) -> dict[str, Any]:
-    head = {"run": "r1", "step": "agent", "iteration": 0, "attempt": 1, "writer": writer}
+def chunk(writer: str, seq: int, position: int = 0, iteration: int = 0) -> dict[str, Any]:
+    head = {"run": "r1", "step": "agent", "iteration": iteration, "attempt": 1, "writer": writer}
     return head | {"position": position, "type": "token", "seq": seq, "text": f"t{seq}"}
 
 
-def claim(writer: str, record_seq: int) -> dict[str, Any]:
-    head = {"run": "r1", "step": "agent", "iteration": 0, "attempt": 2, "writer": writer}
+def claim(writer: str, record_seq: int, iteration: int = 0) -> dict[str, Any]:
+    head = {"run": "r1", "step": "agent", "iteration": iteration, "attempt": 2, "writer": writer}
     return head | {"position": -1, "type": "claim", "record_seq": record_seq}
+
+
+def commit(writer: str, seq: int, iteration: int = 0) -> pb.Record:
+    action = pb.Commit(action=pb.ACTION_CONTINUE)
+    return pb.Record(writer=writer, seq=seq, iteration=iteration, attempt=1, commit=action)
 
 
 def marker(kind: str, writer: str) -> dict[str, Any]:
@@ -45,6 +51,34 @@ def test_a_claim_published_late_does_not_undo_the_tail() -> None:
         ("abandoned", "superseded")
     ]
     assert [e.type for e in rules.apply(chunk(ZOMBIE, 1, position=1))] == ["token"]
+
+
+NEXT = "c" * 16
+
+
+def test_a_hand_over_at_the_commit_names_the_next_holder() -> None:
+    # Watching since iteration 0's claim: its commit (seq 9) hands iteration 1
+    # over, and the hand-over's marker is fenced on that commit (ADR 34).
+    rules = StreamRules.after(pb.Record(writer=HOLDER, seq=7))
+    assert [e.type for e in rules.apply(chunk(HOLDER, 1))] == ["token"]
+    assert [e.type for e in rules.apply(marker("committed", HOLDER))] == ["committed"]
+    assert rules.apply(claim(NEXT, 9, iteration=1)) == []  # nothing open to abandon
+    assert [e.data["writer"] for e in rules.apply(chunk(NEXT, 1, iteration=1))] == [NEXT]
+    assert rules.apply(chunk(HOLDER, 2)) == [], "the committed holder's chunk"
+
+
+def test_a_watcher_started_at_a_commit_shows_the_next_dispatch_until_a_claim() -> None:
+    rules = StreamRules.after(commit(HOLDER, 9))
+    assert rules.apply(chunk(HOLDER, 1)) == [], "a chunk of the committed dispatch"
+    assert rules.apply(chunk(ZOMBIE, 1)) == [], "a chunk of an earlier holder of it"
+    assert [e.data["writer"] for e in rules.apply(chunk(NEXT, 1, iteration=1))] == [NEXT]
+    # The hand-over's own marker, at the commit's sequence, names the holder:
+    # any other writer of the next dispatch is then a fenced one's.
+    rules.apply(claim(NEXT, 9, iteration=1))
+    assert rules.apply(chunk(ZOMBIE, 1, position=1, iteration=1)) == []
+    # A redelivery's claim after the commit supersedes the handed holder.
+    assert [e.type for e in rules.apply(claim(ZOMBIE, 10, iteration=1))] == ["abandoned"]
+    assert [e.data["writer"] for e in rules.apply(chunk(ZOMBIE, 2, iteration=1))] == [ZOMBIE]
 
 
 def put(queue: WatchQueue, event: dict[str, Any]) -> None:

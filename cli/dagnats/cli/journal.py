@@ -130,10 +130,14 @@ async def _follow(
 
 def record_line(record: pb.Record) -> str:
     """``  14  2/1  tool_intent  charge {"amount": 5} unsafe  (writer 3f9a...)``;
-    a record that holds two entries is a line each, with the same sequence."""
+    a record that holds more than one entry is a line each, with the same sequence."""
     kind = record.WhichOneof("kind") or "unknown"
     leading = record.WhichOneof("leading")
-    entries = [(leading.removeprefix("leading_"), getattr(record, leading))] if leading else []
+    entries: list[tuple[str, Any]] = []
+    if record.HasField("leading_claim"):
+        entries.append(("claim", record.leading_claim))
+    if leading:
+        entries.append((leading.removeprefix("leading_"), getattr(record, leading)))
     entries.append((kind, getattr(record, kind) if kind != "unknown" else None))
     return "\n".join(
         f"{record.seq:>6}  {record.iteration}/{record.attempt:<3} {name:<11}  "

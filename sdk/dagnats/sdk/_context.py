@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf.duration_pb2 import Duration
 
@@ -80,11 +80,14 @@ class TaskContext:
         restart_limit: int = 5,
         leased_at: float | None = None,
         hold: bool = False,
+        handed: Handover | None = None,
     ) -> None:
         """``leased_at``: event-loop time the poll that leased the task was sent
         (now, when not given); the lease is counted from there. ``hold``: a
         journaled continue without a wait keeps the task for the next
-        iteration (``next_task``)."""
+        iteration (``next_task``). ``handed``: this dispatch's journal, handed
+        over with the commit before it: :meth:`journal` claims it with its
+        first write instead of a claim of its own."""
         self._leased = leased
         self._lease = Lease(self.lease_duration or ASSUMED_LEASE, since=leased_at)
         self._settle_done = False
@@ -100,7 +103,8 @@ class TaskContext:
         self._cancelled = False
         self._cancellation = asyncio.Event()
         self._hold = hold
-        self._next: jpb.NextDispatch | None = None
+        self._handed = handed
+        self._next: Kept | None = None
 
     # The task.
 
@@ -205,6 +209,16 @@ class TaskContext:
         if self._journal is not None:
             return self._journal
         await seam("before_claim")
+        self._session = self._session or JournalSession(self._rpc, lease=self._lease)
+        if self._handed is not None:
+            # The commit before this dispatch handed it over (ADR 34): the
+            # claim is stored with the first record, fenced on that commit.
+            token = self._handed.token
+            token.claim.worker_id = self._worker_id
+            self._journal = Journal(self._session, token, cancellation=self._cancellation)
+            self._state = self._handed.state
+            await seam("after_claim")
+            return self._journal
         request = jpb.ClaimRequest(
             run_id=self.run_id,
             step_id=self.step_id,
@@ -215,7 +229,6 @@ class TaskContext:
             restart_limit=self._restart_limit,
             lease=self._leased.lease,  # a settled claim is settled by the service
         )
-        self._session = self._session or JournalSession(self._rpc, lease=self._lease)
         # A claim that raises Fenced lost to a concurrent claim of this
         # dispatch (between its read of the tail and its append): the task is
         # that holder's, not ours to report.
@@ -437,22 +450,25 @@ class TaskContext:
             self._mark_cancelled()
         return self._cancelled
 
-    def next_task(self) -> tuple[pb.LeasedTask, float] | None:
+    def next_task(self) -> Kept | None:
         """The next iteration's task when this one's commit kept the task
-        message for it (ADR 31): the same lease and delivery, the new dispatch;
-        with when the lease was last known extended (event-loop time)."""
-        if self._next is None:
-            return None
+        message for it (ADR 31)."""
+        return self._next
+
+    def _kept(self, nxt: jpb.NextDispatch, commit: jpb.Commit) -> Kept:
         task = pb.Task()
         task.CopyFrom(self._task)
-        task.iteration, task.attempt = self._next.iteration, self._next.attempt
-        task.input = self._next.input
+        task.iteration, task.attempt = nxt.iteration, nxt.attempt
+        task.input = nxt.input
         task.trace_context.clear()
-        task.trace_context.update(self._next.trace_context)
+        task.trace_context.update(nxt.trace_context)
         leased = pb.LeasedTask()
         leased.CopyFrom(self._leased)
         leased.task.CopyFrom(task)
-        return leased, self._lease.expires - self._lease.duration
+        handed = None
+        if nxt.HasField("token"):  # else a journal service that predates the hand-over
+            handed = Handover(nxt.token, commit.state if commit.has_state else None)
+        return Kept(leased, self._lease.expires - self._lease.duration, handed)
 
     def _close(self) -> None:
         """Give back the journal's stream, once nothing is left to write (the
@@ -479,9 +495,8 @@ class TaskContext:
                 # Asks to keep the task for the next iteration, which the
                 # worker then runs on this lease; the journal service grants
                 # it to a continue that does not wait (ADR 31).
-                self._next = await self._journal.commit(
-                    commit, lease=self._leased.lease, hold=self._hold
-                )
+                nxt = await self._journal.commit(commit, lease=self._leased.lease, hold=self._hold)
+                self._next = self._kept(nxt, commit) if nxt is not None else None
             else:
                 request = self._request(pb.ReportRequest())
                 # "continue" is a Python keyword, so the oneof is set by name for all four.
@@ -493,6 +508,25 @@ class TaskContext:
             raise
         self._settle_done = True
         await seam("after_event")
+
+
+class Handover(NamedTuple):
+    """A dispatch's journal handed to its holder with the commit before it
+    (ADR 34): the token whose first write stores the claim, and the state
+    that commit saved (None if it saved none)."""
+
+    token: jpb.WriterToken
+    state: bytes | None
+
+
+class Kept(NamedTuple):
+    """The next iteration a commit kept the task message for (ADR 31): the
+    same lease and delivery, the new dispatch; when the lease was last known
+    extended (event-loop time); its journal, if it was handed over."""
+
+    leased: pb.LeasedTask
+    leased_at: float
+    handed: Handover | None
 
 
 def _wait(delay: float | None, until: datetime | None, until_input: bool) -> pb.Wait:

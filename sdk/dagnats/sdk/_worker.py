@@ -38,7 +38,7 @@ from dagnats.core import tracing
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
 from dagnats.core.ids import check_token
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.sdk._context import ASSUMED_LEASE, TaskContext, describe_error
+from dagnats.sdk._context import ASSUMED_LEASE, Handover, TaskContext, describe_error
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import Fenced, JournalSignal, PermanentError, RunCancelled
 from dagnats.sdk._rpc import EngineRpc
@@ -285,7 +285,14 @@ class Worker:
         if not task.cancelled() and (err := task.exception()) is not None:
             log.error("task runner failed", exc_info=err)
 
-    def _context(self, leased: pb.LeasedTask, leased_at: float, *, hold: bool) -> TaskContext:
+    def _context(
+        self,
+        leased: pb.LeasedTask,
+        leased_at: float,
+        *,
+        hold: bool,
+        handed: Handover | None = None,
+    ) -> TaskContext:
         return TaskContext(
             leased,
             self._rpc,
@@ -293,6 +300,7 @@ class Worker:
             restart_limit=self._restart_limit,
             leased_at=leased_at,
             hold=hold,
+            handed=handed,
         )
 
     async def _carry_on(self, tc: TaskContext) -> None:
@@ -312,7 +320,9 @@ class Worker:
             if kept is None or self._stopping.is_set():
                 return
             kept_for += 1
-            tc = self._context(*kept, hold=kept_for < self._sticky)
+            tc = self._context(
+                kept.leased, kept.leased_at, hold=kept_for < self._sticky, handed=kept.handed
+            )
 
     async def _execute(self, tc: TaskContext) -> None:
         handler = self._handlers.get(tc.task_type)

@@ -68,7 +68,8 @@ def input_dict(item: ipb.Input) -> dict[str, Any]:
 def record_dict(record: jpb.Record) -> dict[str, Any]:
     """A journal record; ``kind`` names which of the record's bodies is set.
     A record that also holds the entry stored ahead of it names that one's
-    body in ``leading`` (``leading_model`` or ``leading_tool_result``)."""
+    body in ``leading`` (``leading_model`` or ``leading_tool_result``); one
+    that stores its dispatch's handed-over claim has it in ``leading_claim``."""
     data = _as_dict(record)
     kind = record.WhichOneof("kind")
     data["kind"] = kind

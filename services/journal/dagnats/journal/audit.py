@@ -138,8 +138,9 @@ def check_step(
     Returns:
         The findings, in sequence order; empty when the journal is sound.
     """
-    # Stable on seq, and a record's leading entry ahead of its kind's.
-    records = sorted(entries, key=lambda r: (r.seq, not r.leading))
+    # On seq, and within a record as stored: a handed-over claim, the other
+    # leading entry, then its kind's.
+    records = sorted(entries, key=lambda r: (r.seq, not r.leading, not isinstance(r, ClaimEntry)))
     found = [
         *_chain(records),
         *_fencing(records),

@@ -18,20 +18,26 @@ _ACTION = {
 
 
 def entries(record: pb.Record) -> list[jm.AnyEntry]:
-    """The entries of a stored record, in order: the one stored ahead of its
-    kind (``Record.leading``), if any, then its kind's (``record.seq`` must be
+    """The entries of a stored record, in order: its dispatch's claim, if it
+    was handed over (``Record.leading_claim``); the entry stored ahead of its
+    kind (``Record.leading``), if any; then its kind's (``record.seq`` must be
     set)."""
+    found: list[jm.AnyEntry] = []
+    if record.HasField("leading_claim"):
+        c = record.leading_claim
+        found.append(
+            jm.ClaimEntry(**_head(record), leading=True, delivery=c.delivery, worker_id=c.worker_id)
+        )
     if record.HasField("leading_model"):
         m = record.leading_model
-        model = jm.ModelEntry(
-            **_head(record), leading=True, position=m.position, response=m.response
+        found.append(
+            jm.ModelEntry(**_head(record), leading=True, position=m.position, response=m.response)
         )
-        return [model, entry(record)]
-    if record.HasField("leading_tool_result"):
+    elif record.HasField("leading_tool_result"):
         r = record.leading_tool_result
-        result = jm.ResultEntry(**_head(record), leading=True, **_result_fields(r))
-        return [result, entry(record)]
-    return [entry(record)]
+        found.append(jm.ResultEntry(**_head(record), leading=True, **_result_fields(r)))
+    found.append(entry(record))
+    return found
 
 
 def all_entries(records: Iterable[pb.Record]) -> list[jm.AnyEntry]:

@@ -2,10 +2,12 @@
 (:mod:`dagnats.journal.replay`, :mod:`dagnats.journal.audit`).
 :mod:`dagnats.journal.convert` builds them from the stored protobuf records.
 
-An entry is what the rules read; a stored record holds one entry, or two: a
+An entry is what the rules read; a stored record holds one entry, or more: a
 model response or a tool result stored in the same message as the intent or
-commit after it (``Record.leading``, ADR 24). Both entries of such a record
-have its ``seq``; the first is marked ``leading``, and it comes first."""
+commit after it (``Record.leading``, ADR 24), and the claim of a dispatch
+handed over with the commit before it (``Record.leading_claim``, ADR 34),
+ahead of both. Every entry of such a record has its ``seq``; all but the last
+are marked ``leading``, in the order stored."""
 
 from __future__ import annotations
 

@@ -196,14 +196,12 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         *,
         guessed: bool,
     ) -> pb.ClaimResponse:
-        token = pb.WriterToken(
-            run_id=request.run_id,
-            step_id=request.step_id,
-            iteration=request.iteration,
-            attempt=request.attempt,
-            writer=secrets.token_hex(8),
-            last_seq=tail.seq if tail else 0,
-            base_seq=base,
+        token = _new_writer(
+            request.run_id,
+            request.step_id,
+            (request.iteration, request.attempt),
+            after=tail.seq if tail else 0,
+            base=base,
             delivery=max(request.delivery, 0),
         )
         claim = pb.Record(claim=pb.Claim(delivery=request.delivery, worker_id=request.worker_id))
@@ -215,13 +213,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             raise
         records.append(claim)
         entries.append(convert.entry(claim))
-        key = (token.run_id, token.step_id)
-        self._holders.pop(key, None)
-        self._holders[key] = token.writer  # newest last: the oldest goes first
-        if len(self._holders) > MAX_HOLDERS:
-            del self._holders[next(iter(self._holders))]
-        # The natural place to end the previous holder's open streams.
-        await self.store.publish_live(stream.claim_event(token))
+        await self._now_holding(token)
         if replay.restart_limit_reached(entries, limit):
             failure = pb.Commit(
                 action=pb.ACTION_FAIL,
@@ -253,6 +245,17 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             claimed.has_state = True
         _page(claimed, records)
         return pb.ClaimResponse(claimed=claimed)
+
+    async def _now_holding(self, token: pb.WriterToken) -> None:
+        """``token``'s writer holds its step from ``token.last_seq`` on: its
+        chunks are the ones shown, and the live preview is told, which ends the
+        previous holder's open streams."""
+        key = (token.run_id, token.step_id)
+        self._holders.pop(key, None)
+        self._holders[key] = token.writer  # newest last: the oldest goes first
+        if len(self._holders) > MAX_HOLDERS:
+            del self._holders[next(iter(self._holders))]
+        await self.store.publish_live(stream.claim_event(token))
 
     async def _iteration_records(
         self, run_id: str, step_id: str, iteration: int, base: int, tail: pb.Record | None
@@ -506,9 +509,11 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         answer = pb.CommitResponse(commit_seq=record.seq, record=record)
         if lease and request.hold and _holdable(commit):
             # The task message carries on to the next iteration if the engine
-            # dispatches it at once: answer once it decided (ADR 31).
+            # dispatches it at once: answer once it decided (ADR 31), with the
+            # dispatch's claim handed over (ADR 34).
             nxt = await self._settle_held(lease, record)
             if nxt is not None:
+                nxt.token.CopyFrom(await self._hand_over(token, record, nxt))
                 answer.next.CopyFrom(nxt)
             answer.settled = True
         elif lease:
@@ -537,6 +542,29 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             input=task.input,
             trace_context=dict(task.trace_context),
         )
+
+    async def _hand_over(
+        self, token: pb.WriterToken, commit: pb.Record, nxt: pb.NextDispatch
+    ) -> pb.WriterToken:
+        """The token of the dispatch ``nxt`` that the kept task message carries
+        on to after ``commit``, for the same holder (the same delivery): a new
+        writer, fenced on the commit, whose first record stores the claim
+        (ADR 34). Nothing of ``nxt``'s iteration can be stored yet: the engine
+        dispatched it after this commit, and any claim of it would follow the
+        commit, so the replay snapshot is empty."""
+        handed = _new_writer(
+            token.run_id,
+            token.step_id,
+            (nxt.iteration, nxt.attempt),
+            after=commit.seq,
+            base=replay.base_before(convert.entry(commit), nxt.iteration),
+            delivery=token.delivery,
+        )
+        handed.snapshot_seq = commit.seq
+        handed.claim.delivery = token.delivery
+        self._writer.remember(handed, [])
+        await self._now_holding(handed)
+        return handed
 
     def _behind_answer(self, settle: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(settle)
@@ -656,6 +684,23 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if run is None:
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
         return run
+
+
+def _new_writer(
+    run_id: str, step_id: str, dispatch: tuple[int, int], *, after: int, base: int, delivery: int
+) -> pb.WriterToken:
+    """The token of a new writer of ``dispatch`` (iteration, attempt), with a
+    nonce of its own, appending after the sequence ``after``."""
+    return pb.WriterToken(
+        run_id=run_id,
+        step_id=step_id,
+        iteration=dispatch[0],
+        attempt=dispatch[1],
+        writer=secrets.token_hex(8),
+        last_seq=after,
+        base_seq=base,
+        delivery=delivery,
+    )
 
 
 class _GuessMissed(Exception):

@@ -187,6 +187,9 @@ class StreamRules:
 
     holder: str = ""  # the writer of the last claim seen
     holder_seq: int = 0  # a sequence at or after that claim: older claims are stale
+    # With no holder known: the last dispatch whose commit was seen, whose
+    # chunks (and any before it) are a finished holder's.
+    ended_dispatch: tuple[int, int] = (-1, -1)
     open: dict[str, dict[str, Any]] = field(default_factory=dict)  # stream id -> first event
     ended: set[str] = field(default_factory=set)
     committed: set[str] = field(default_factory=set)
@@ -198,17 +201,24 @@ class StreamRules:
         """The rules of a watcher that starts at the step's ``tail`` record:
         every record after a claim is its writer's (the journal is fenced), so
         the tail's writer holds the step, and chunks of any other are dropped
-        from the first one on."""
+        from the first one on. A commit ends its writer's dispatch: the next
+        holder may already stream, its claim handed over with the commit and
+        not stored yet (ADR 34), so chunks of a later dispatch are shown until
+        a claim names the holder."""
         if tail is None:
             return cls()
+        if tail.HasField("commit"):
+            return cls(holder_seq=tail.seq, ended_dispatch=(tail.iteration, tail.attempt))
         return cls(holder=tail.writer, holder_seq=tail.seq)
 
     def apply(self, event: dict[str, Any]) -> list[Event]:
         """The events readers get for one published ``event``."""
         kind = event.get("type")
         if kind == "claim":
-            if event.get("record_seq", 0) and event["record_seq"] <= self.holder_seq:
+            if event.get("record_seq", 0) and event["record_seq"] < self.holder_seq:
                 return []  # published late: a claim the watcher's start already follows
+            # At the start's own sequence it is that record's claim (nothing
+            # changes) or a hand-over fenced on it, the commit (ADR 34).
             self.holder, self.holder_seq = event["writer"], event.get("record_seq", 0)
             out = []
             for sid, first in list(self.open.items()):
@@ -224,6 +234,8 @@ class StreamRules:
             return [Event(event_id(event), "committed", event | {"stream": sid})]
         if sid in self.ended or (self.holder and writer != self.holder):
             return []  # a finished stream, or a fenced holder's chunk
+        if not self.holder and (event["iteration"], event["attempt"]) <= self.ended_dispatch:
+            return []  # a chunk of a committed dispatch, or one before it
         if kind == "abandoned":
             return [self._abandon(sid, event, event.get("reason", "failed"))]
         if kind not in ("token", "gap"):

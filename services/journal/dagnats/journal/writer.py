@@ -62,6 +62,8 @@ class JournalWriter:
         record.expected_seq = token.last_seq
         record.base_seq = token.base_seq
         record.time.CopyFrom(timestamp(self.clock()))
+        if token.HasField("claim"):  # a dispatch handed over with the last commit
+            record.leading_claim.CopyFrom(token.claim)
         headers: dict[str, str] = {}
         tracing.inject(headers)
         record.trace_context.update(headers)
@@ -73,6 +75,7 @@ class JournalWriter:
         following.CopyFrom(token)
         following.last_seq = seq
         following.written = token.written + 1
+        following.ClearField("claim")  # stored now
         return following, record
 
     async def hold(self, token: pb.WriterToken) -> None:

@@ -2,10 +2,11 @@
 // the live previews of model calls, each replaced by its record once
 // committed, or kept and marked when abandoned.
 //
-// A record may hold two entries (ADR 24): the model response or the tool
-// result stored just before its kind's, named by `leading`. Each entry is
-// shown as a record of its own, with the record's sequence, the leading one
-// first.
+// A record may hold more than one entry: the model response or the tool
+// result stored just before its kind's, named by `leading` (ADR 24), and the
+// claim of a dispatch handed over with the commit before it, `leading_claim`
+// (ADR 34), ahead of both. Each entry is shown as a record of its own, with the
+// record's sequence, in the order stored.
 //
 // What the timeline works out from the records:
 // - which claim fenced which: a claim fences the holder before it when that
@@ -37,6 +38,7 @@ export class Timeline {
       this.iteration = rec.iteration;
       this.list.append(h("li", { class: "iter", "data-iteration": rec.iteration }, `Iteration ${rec.iteration}`));
     }
+    if (rec.leading_claim) this._entry({ ...rec, kind: "claim", claim: rec.leading_claim, leading: null });
     if (rec.leading) {
       const kind = rec.leading.replace(/^leading_/, "");
       this._entry({ ...rec, kind, [kind]: rec[rec.leading], leading: null });

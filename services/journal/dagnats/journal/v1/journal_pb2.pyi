@@ -384,6 +384,7 @@ class Record(_message.Message):
     INPUT_PLACED_FIELD_NUMBER: _builtins.int
     LEADING_MODEL_FIELD_NUMBER: _builtins.int
     LEADING_TOOL_RESULT_FIELD_NUMBER: _builtins.int
+    LEADING_CLAIM_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -444,6 +445,15 @@ class Record(_message.Message):
     def leading_tool_result(self) -> Global___ToolResult:
         """A tool result, before the commit in kind."""
 
+    @_builtins.property
+    def leading_claim(self) -> Global___Claim:
+        """The claim of this record's dispatch, stored in this same message ahead of
+        every other entry: the dispatch was handed to its holder with the commit
+        that ended the iteration before it (CommitResponse.next.token), and the
+        holder's first record of the dispatch stores the claim. Read it as a claim
+        record of its own at this sequence, first.
+        """
+
     def __init__(
         self,
         *,
@@ -466,10 +476,11 @@ class Record(_message.Message):
         input_placed: Global___InputPlaced | None = ...,
         leading_model: Global___ModelCall | None = ...,
         leading_tool_result: Global___ToolResult | None = ...,
+        leading_claim: Global___Claim | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "commit", b"commit", "input_placed", b"input_placed", "kind", b"kind", "leading", b"leading", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "commit", b"commit", "input_placed", b"input_placed", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "leading", b"leading", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["claim", "model", "tool_intent", "tool_output", "tool_result", "commit", "input_placed"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
@@ -501,6 +512,7 @@ class WriterToken(_message.Message):
     SNAPSHOT_SEQ_FIELD_NUMBER: _builtins.int
     HONOURED_FIELD_NUMBER: _builtins.int
     DELIVERY_FIELD_NUMBER: _builtins.int
+    CLAIM_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -529,6 +541,14 @@ class WriterToken(_message.Message):
     def honoured(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Earlier-attempt intents this writer honoured."""
 
+    @_builtins.property
+    def claim(self) -> Global___Claim:
+        """A claim not stored yet: the holder was handed this dispatch with the
+        commit before it (NextDispatch.token), and the next record it appends
+        stores the claim ahead of its own entry (Record.leading_claim). The token
+        that append returns has none.
+        """
+
     def __init__(
         self,
         *,
@@ -543,10 +563,11 @@ class WriterToken(_message.Message):
         snapshot_seq: _builtins.int = ...,
         honoured: _abc.Iterable[_builtins.int] | None = ...,
         delivery: _builtins.int = ...,
+        claim: Global___Claim | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "delivery", b"delivery", "honoured", b"honoured", "iteration", b"iteration", "last_seq", b"last_seq", "run_id", b"run_id", "snapshot_seq", b"snapshot_seq", "step_id", b"step_id", "writer", b"writer", "written", b"written"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "delivery", b"delivery", "honoured", b"honoured", "iteration", b"iteration", "last_seq", b"last_seq", "run_id", b"run_id", "snapshot_seq", b"snapshot_seq", "step_id", b"step_id", "writer", b"writer", "written", b"written"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1257,6 +1278,7 @@ class NextDispatch(_message.Message):
     ATTEMPT_FIELD_NUMBER: _builtins.int
     INPUT_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     iteration: _builtins.int
     """Iteration of the dispatch."""
     attempt: _builtins.int
@@ -1267,6 +1289,15 @@ class NextDispatch(_message.Message):
     def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """W3C trace context of the dispatch."""
 
+    @_builtins.property
+    def token(self) -> Global___WriterToken:
+        """The holder's token for this dispatch, its claim handed over (WriterToken.claim):
+        write with it, without a ClaimRequest. Its first record stores the claim,
+        fenced on the commit this answer is for, so a successor that claimed the
+        step meanwhile fences it as any claim would. Unset from a journal service
+        that predates it: claim as before.
+        """
+
     def __init__(
         self,
         *,
@@ -1274,10 +1305,11 @@ class NextDispatch(_message.Message):
         attempt: _builtins.int = ...,
         input: _builtins.bytes = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        token: Global___WriterToken | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "input", b"input", "iteration", b"iteration", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "input", b"input", "iteration", b"iteration", "token", b"token", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
