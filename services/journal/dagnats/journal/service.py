@@ -138,12 +138,15 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
 
     async def _claim_answer(self, request: pb.ClaimRequest, limit: int) -> pb.ClaimResponse:
         run_id, step_id = request.run_id, request.step_id
-        if request.iteration == 0:  # only then does the rule need the run
-            run = await self._run(run_id)
+        if request.iteration == 0:
+            # Only then does the rule need the run, and no commit can be the
+            # tail's guess: the two reads go at once.
+            run, tail = await asyncio.gather(self._run(run_id), self.store.tail(run_id, step_id))
             status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
             ended = f"run {run_id} is {status}" if run.status != epb.RUN_STATUS_RUNNING else ""
             if (closed := replay.closed_start(request.iteration, run_ended=ended)) is not None:
                 return _settled("stale", detail=closed.detail)
+            return await self._claim_after(request, tail, limit)
         # The commit that ended the last iteration, as this replica stored it, is
         # the likely tail: claim after it without reading first. The claim's
         # fenced append checks the guess, so a right guess decides exactly as a
