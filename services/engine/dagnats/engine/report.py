@@ -19,7 +19,6 @@ import asyncio
 import logging
 import secrets
 from asyncio import FIRST_COMPLETED
-from collections import Counter
 from collections.abc import Callable
 
 from dagnats.core import tracing
@@ -102,9 +101,6 @@ class TaskSettler:
     def __init__(self, store: EngineStore, clock: Callable[[], float]) -> None:
         self._store = store
         self._clock = clock
-        # held_published: held commits whose event went to the history, no
-        # engine having answered directly.
-        self.counters: Counter[str] = Counter()
 
     def _event(self, commit: jpb.Record) -> ipb.HistoryEvent:
         """The lifecycle event of a stored commit, stamped by the engine's clock."""
@@ -145,7 +141,6 @@ class TaskSettler:
         try:
             if not await self._told_directly(event, told, direct):
                 # No engine answered: the event goes where every engine reads.
-                self.counters["held_published"] += 1
                 await self._store.publish_event(event, outcome_msg_id(event))
                 await asyncio.wait_for(asyncio.shield(told), wait - direct)
         except TimeoutError:
