@@ -246,8 +246,13 @@ async def test_service_crash_point(
     if mode == "stall" and inputs:
         outcome = zombie_turn(tmp_path, holder, iteration)
         log = (tmp_path / "worker-w0.log").read_text() + (tmp_path / "worker-w1.log").read_text()
+        # Fenced by its successor's claim; or, when the successor finished the
+        # run first (a held iteration's decision comes in milliseconds, ADR 33),
+        # stopped because its heartbeat found the run no longer active. Either
+        # way it wrote nothing: the journal above is clean, the input placed once.
         fenced = outcome == "Fenced" or (
-            outcome == "CancelledError" and "a successor holds the step" in log
+            outcome == "CancelledError"
+            and ("a successor holds the step" in log or "was cancelled; cancelling step" in log)
         )
-        assert fenced, f"the holder whose service froze must be fenced, got {outcome}"
+        assert fenced, f"the holder whose service froze must be stopped, got {outcome}"
     CASES[stack.where, f"{seam}/{mode}"] += 1
