@@ -453,6 +453,19 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="a held event no engine answered goes to the history",
+        file="services/engine/dagnats/engine/report.py",
+        guard="                await self._store.publish_event(event, outcome_msg_id(event))\n",
+        removed="                pass\n",
+        how="a held commit's event that no engine took directly is stored nowhere",
+        tests=(
+            "tests/test_held_dispatch.py::"
+            "test_with_no_engine_taking_held_events_they_are_stored_on_the_history",
+            "tests/test_held_dispatch.py::"
+            "test_a_held_event_taken_by_an_engine_that_never_answers_is_stored_on_the_history",
+        ),
+    ),
+    Guard(
         name="a parked run enters the index again before the write that wakes it",
         file="services/engine/dagnats/engine/processor.py",
         guard="                await self.store.enter_active(run_id)\n",

@@ -4,6 +4,8 @@ the same message and lease carry, so an agent loop publishes one task, not
 one an iteration. These check what a user of the task queue would see: how
 many tasks a run published, the delivery each iteration ran on, and that a
 kept task is heartbeated, reconciled, cancelled and given back like any other.
+The commit's event goes to the engine over core NATS and is stored on the
+history only when no engine answered (ADR 33).
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ from nats.js import JetStreamContext
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.natsserver import NatsServer
+from dagnats.core.subjects import HELD_EVENTS, HELD_QUEUE, history_subject
+from dagnats.engine.report import TaskSettler, outcome_msg_id
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.sdk import Client, TaskContext, Worker
+from dagnats.engine.v1 import internal_pb2 as ipb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk import Client, JournalClient, TaskContext, Worker, run_output
 from tests.helpers import wait_for
 from tests.stack import loop_workflow, steps_by_id, unique
 from tests.test_journal import journal_check
@@ -34,6 +40,13 @@ async def js(nats_server: NatsServer) -> AsyncIterator[JetStreamContext]:
     nc = await nats.connect(nats_server.url)
     yield nc.jetstream()
     await nc.close()
+
+
+async def history_events(js: JetStreamContext, run_id: str) -> int:
+    """The events stored on a run's history."""
+    subject = history_subject(run_id)
+    info = await js.stream_info(jsx.HISTORY, subjects_filter=subject)
+    return int((info.state.subjects or {}).get(subject, 0))
 
 
 async def tasks_published(js: JetStreamContext) -> int:
@@ -243,3 +256,127 @@ async def test_a_stopping_worker_releases_its_kept_task_with_its_next_commit(
     assert stopping.ran == [(0, 1, 1), (1, 1, 1), (2, 1, 1)]
     assert successor.ran[0] == (3, 1, 1)
     assert await tasks_published(js) - before == 2
+
+
+# ---- the held commit's event goes to the engine directly (ADR 33) -----------------------
+
+
+async def test_a_kept_iteration_stores_no_event_on_the_history(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    # Against the same loop through the queue: one event fewer an iteration
+    # that kept its task (every continue, here), the rest the same.
+    queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
+    await completed(engine, queued)
+    loop = Loop()
+    kept = await run_loop(client, engine, loop)
+    await completed(engine, kept)
+    assert run_output(kept) == {"iterations": K}
+    assert loop.ran == [(i, 1, 1) for i in range(K)]
+    stored, through_queue = (
+        await history_events(js, kept.run_id),
+        await history_events(js, queued.run_id),
+    )
+    assert stored == through_queue - (K - 1), (stored, through_queue)
+
+
+async def test_with_no_engine_taking_held_events_they_are_stored_on_the_history(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    # As with an engine that predates ADR 33: nats-server answers that nobody
+    # subscribes, and the journal service publishes the event at once.
+    queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
+    await engine.engine.stop_serving_held()
+    try:
+        before = await tasks_published(js)
+        loop = Loop()
+        run = await run_loop(client, engine, loop)
+    finally:
+        await engine.engine.serve_held()
+    await completed(engine, run)
+    assert loop.ran == [(i, 1, 1) for i in range(K)]  # none twice, all on one message
+    assert await tasks_published(js) - before == 1
+    assert await history_events(js, run.run_id) == await history_events(js, queued.run_id)
+
+
+async def test_a_held_event_taken_by_an_engine_that_never_answers_is_stored_on_the_history(
+    client: Client, engine: EngineServer, js: JetStreamContext, nats_server: NatsServer
+) -> None:
+    # An engine that takes the event and dies (or is stuck) before it applies
+    # it: no decision comes in the first part of the wait, and the event goes
+    # to the history, whose engine applies it and answers.
+    k = 3
+    queued = await run_loop(client, engine, Loop(k=k), sticky_iterations=0)
+    nc = await nats.connect(nats_server.url)
+    swallowed: list[bytes] = []
+
+    async def swallow(msg: Any) -> None:
+        swallowed.append(msg.data)
+
+    await engine.engine.stop_serving_held()
+    try:
+        await nc.subscribe(HELD_EVENTS, queue=HELD_QUEUE, cb=swallow)
+        await nc.flush()
+        before = await tasks_published(js)
+        loop = Loop(k=k)
+        run = await run_loop(client, engine, loop)
+    finally:
+        await nc.close()
+        await engine.engine.serve_held()
+    await completed(engine, run, k)
+    assert loop.ran == [(i, 1, 1) for i in range(k)]
+    assert len(swallowed) == k - 1
+    assert await tasks_published(js) - before == 1  # each decision came, none waited a lease
+    assert await history_events(js, run.run_id) == await history_events(js, queued.run_id)
+
+
+async def test_a_held_event_delivered_again_changes_nothing_and_tells_the_same(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    # While iteration 2 runs on the kept message, iteration 1's commit event
+    # comes again: twice to the engine directly, once on the history. The run
+    # stays at iteration 2, and each time the holder is told the dispatch the
+    # message already carries.
+    loop = Loop(pause_at=2)
+    store = engine.engine.store
+    told: list[ipb.HeldDecision] = []
+    steps_after: list[tuple[int, int]] = []
+
+    async def again(run_id: str) -> None:
+        await wait_for(loop.reached.is_set, timeout=20, message="iteration 2 running")
+        held_seq = (await store.require_run(run_id)).record.step_records["agent"].held_seq
+        assert held_seq > 0
+        commit = await commit_of(engine, run_id, iteration=1)
+        settler = TaskSettler(store, engine.engine.clock)
+        event = settler._event(commit)
+        event.held_seq = held_seq
+        for direct in (True, True, False):
+            event.notify, notice = await store.expect_notice()
+            if direct:
+                refused = await store.send_held(event)
+                refused.cancel()
+            else:
+                await store.publish_event(event, outcome_msg_id(event))
+            try:
+                told.append(ipb.HeldDecision.FromString(await asyncio.wait_for(notice, 10)))
+            finally:
+                notice.cancel()
+            run = (await store.require_run(run_id)).record.run
+            steps_after.extend((s.iteration, s.attempt) for s in run.steps if s.step_id == "agent")
+        loop.go.set()
+
+    before = await tasks_published(js)
+    run = await run_loop(client, engine, loop, during=again)
+    await completed(engine, run)
+    assert steps_after == [(2, 1)] * 3
+    assert [(d.next.iteration, d.next.attempt, d.done) for d in told] == [(2, 1, False)] * 3
+    assert loop.ran == [(i, 1, 1) for i in range(K)]
+    assert await tasks_published(js) - before == 1
+
+
+async def commit_of(engine: EngineServer, run_id: str, *, iteration: int) -> jpb.Record:
+    """The stored commit of ``iteration`` of the run's agent step."""
+    async with JournalClient(engine.target) as journal:
+        records = [r async for r in journal.read(run_id, "agent")]
+    [commit] = [r for r in records if r.HasField("commit") and r.iteration == iteration]
+    return commit

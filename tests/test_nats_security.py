@@ -29,6 +29,7 @@ from dagnats.core.errors import InvalidArgument
 from dagnats.core.natsauth import NatsSettings
 from dagnats.core.natsconfig import SERVICES_ACCOUNT, NatsUser
 from dagnats.core.natsserver import NatsServer
+from dagnats.core.subjects import HELD_EVENTS
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.sdk import Client, JournalClient, Worker
 from dagnats.sdk.testing import ScriptedModel
@@ -148,6 +149,36 @@ async def test_a_guest_account_cannot_reach_jetstream(secured: NatsServer, certs
             f"$JS.API.STREAM.MSG.GET.{jsx.JOURNAL}", json.dumps({"seq": 1}).encode(), timeout=2
         )
         assert json.loads(raw.data)["error"]["err_code"] == 10039
+    finally:
+        await guest.close()
+        await services.close()
+
+
+async def test_only_the_services_account_reaches_the_engines_held_events(
+    engine: EngineServer, secured: NatsServer, certs: Certs
+) -> None:
+    # The journal service sends a held commit's event to the engines on one
+    # constant subject (ADR 33); a guest's publish there reaches no engine.
+    services = await raw_connect(
+        secured, tls=client_tls(certs), user="dagnats", password=certs.password
+    )
+    guest = await raw_connect(
+        secured, tls=client_tls(certs), user=GUEST_USER, password=certs.guest_password
+    )
+    try:
+        seen: list[bytes] = []
+
+        async def observe(msg: Any) -> None:
+            seen.append(msg.data)
+
+        await services.subscribe(HELD_EVENTS, cb=observe)
+        await services.flush()
+        with pytest.raises(nats.errors.NoRespondersError):
+            await guest.request(HELD_EVENTS, b"from a guest", timeout=2)
+        dropped = engine.engine.counters["held_dropped"]
+        await services.publish(HELD_EVENTS, b"no event")
+        await wait_for(lambda: engine.engine.counters["held_dropped"] > dropped, timeout=10)
+        assert seen == [b"no event"]  # the guest's never reached the services' account
     finally:
         await guest.close()
         await services.close()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -59,6 +60,10 @@ def take(path: Path, content: str) -> bool:
 
 
 def main(args: argparse.Namespace) -> None:
+    # The SDK says at INFO why it stopped a handler that no successor fenced
+    # (its run had ended); the matrix reads that from the worker's log.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger("dagnats.sdk").setLevel(logging.INFO)
     state: Path = args.state
     current = {"iteration": -1}
     seam_name, _, at = args.crash.partition(":")

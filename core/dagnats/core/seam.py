@@ -17,13 +17,15 @@ checked current, the step's inputs not yet listed), ``after_input_claimed``
 (an input is claimed in its bucket, its ``input.placed`` record not yet written) and
 ``after_commit_stored`` (a commit that settles its task stored and
 answered, its event not yet published; a commit that keeps its task for the
-next iteration is not answered yet) and ``after_held_decision`` (such a
-commit's event published and the engine's decision known, the worker not yet
-answered); and in the engine ``after_dispatch_saved`` (a dispatch is
+next iteration is not answered yet), ``after_held_sent`` (such a commit's
+event sent to the engines over core NATS, no decision come, nothing of it on
+the history) and ``after_held_decision`` (the engine's decision known, the
+worker not yet answered); and in the engine ``after_dispatch_saved`` (a dispatch is
 saved, its task not yet published), ``after_dispatch_published`` (its task
 published, the outbox left in the run for the next write to replace) and
 ``before_event_applied`` (an event is
-taken from the history, not yet applied nor acknowledged).
+taken from the history, or a held commit's from core NATS, not yet applied
+nor acknowledged).
 """
 
 from __future__ import annotations

@@ -45,6 +45,16 @@ so a crash between that write and its publish leaves the run for the
 reconciler. A parked run has nothing for the reconciler but an event an
 engine took and died holding; that one is redelivered after
 ``history_ack_wait`` instead.
+
+A held commit's event (ADR 33) comes to one engine of the queue group over
+core NATS, not on the history: it is applied as a history event is, its
+holder told, and nothing is acknowledged. Nothing of it is durable but the
+commit in the journal and the task message its holder still leases, so an
+event lost here (this engine dies, or is slow) costs the journal service its
+first wait, after which it publishes the event on the history. Such events
+race the history's events of the same run; the run's compare-and-swap orders
+them, and a report applied twice is stale the second time (its dispatch has
+moved on) and dropped.
 """
 
 from __future__ import annotations
@@ -113,6 +123,11 @@ class Engine:
         # The runs as this engine last wrote them, their outboxes published by
         # it: a guess at what is stored, checked by the next compare-and-swap.
         self._written: OrderedDict[str, StoredRun] = OrderedDict()
+        # Held commits' events taken from core NATS and being applied: at
+        # most a history fetch's worth at once; more waits in the subscription.
+        self._held: set[asyncio.Task[None]] = set()
+        self._held_slots = asyncio.Semaphore(config.history_batch)
+        self._unserve_held: Callable[[], Awaitable[None]] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -132,9 +147,28 @@ class Engine:
             asyncio.create_task(self._consume(jsx.TIMERS, TIMER_CONSUMER, self._on_timer)),
             asyncio.create_task(self._reconcile_loop()),
         ]
+        await self.serve_held()
+
+    async def serve_held(self) -> None:
+        """Take held commits' events from the journal services (ADR 33)."""
+        if self._unserve_held is None:
+            self._unserve_held = await self.store.serve_held(self._on_held)
+
+    async def stop_serving_held(self) -> None:
+        """Take no more held commits' events; those being applied are cut
+        short (their journal services publish them on the history)."""
+        if self._unserve_held is not None:
+            unserve, self._unserve_held = self._unserve_held, None
+            await unserve()
+        for task in list(self._held):
+            task.cancel()
+        for task in list(self._held):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def stop(self) -> None:
         self._stopping.set()
+        await self.stop_serving_held()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -333,6 +367,11 @@ class Engine:
         except Exception as err:
             await self._dead_letter(msg, err)
             return
+        await self._take_event(event)
+        await msg.ack()
+
+    async def _take_event(self, event: ipb.HistoryEvent) -> None:
+        """Apply an event taken from the history or sent to this engine."""
         await seam("before_event_applied")
         kind = event.WhichOneof("kind") or "unknown"
         parent = tracing.extract(dict(event.trace_context))
@@ -340,7 +379,37 @@ class Engine:
             span.set_attribute("dagnats.run_id", event.run_id)
             span.set_attribute("dagnats.step_id", event.step_id)
             await self._apply_event(event)
-        await msg.ack()
+
+    async def _on_held(self, data: bytes) -> None:
+        """A held commit's event from core NATS (ADR 33), applied in a task
+        of its own; the subscription hands over the next once a slot is free."""
+        await self._held_slots.acquire()
+        task = asyncio.create_task(self._apply_held(data))
+        self._held.add(task)
+        task.add_done_callback(self._held_done)
+
+    def _held_done(self, task: asyncio.Task[None]) -> None:
+        self._held.discard(task)
+        self._held_slots.release()
+
+    async def _apply_held(self, data: bytes) -> None:
+        """Apply a held commit's event as the history's, never raising: its
+        journal service publishes it on the history when no decision comes."""
+        try:
+            event = ipb.HistoryEvent.FromString(data)
+        except Exception as err:
+            self.counters["held_dropped"] += 1
+            log.warning("a held event that does not decode was dropped: %r", err)
+            return
+        if not _held_report(event):
+            self.counters["held_dropped"] += 1
+            log.warning("run %s: a direct event that is no held report was dropped", event.run_id)
+            return
+        self.counters["held_applied"] += 1
+        try:
+            await self._take_event(event)
+        except Exception:
+            log.exception("run %s/%s: a held event was not applied", event.run_id, event.step_id)
 
     async def _apply_event(self, event: ipb.HistoryEvent) -> None:
         kind = event.WhichOneof("kind")
@@ -617,6 +686,14 @@ class Engine:
             if not await self.store.task_in_flight(subject, prefix, held_seq=step.held_seq):
                 found.append((run.run_id, step.step_id, step.iteration, step.attempt))
         return found
+
+
+def _held_report(event: ipb.HistoryEvent) -> bool:
+    """Whether a direct event is what only the journal sends that way: a
+    report with its dispatch identity, of a kept task message, with a notice
+    subject. Anything else must come on the durable history."""
+    kind = event.WhichOneof("kind") or ""
+    return kind in _REPORTS and event.attempt > 0 and event.held_seq > 0 and bool(event.notify)
 
 
 def _trace_headers() -> dict[str, str]:

@@ -5,16 +5,25 @@ The engine's ``Report`` and a journal commit that settles its own task both
 publish here, so one outcome has one Msg-Id whoever sends it, and a second
 send (a retry, a claim that republishes a stored commit) is a duplicate the
 HISTORY stream drops.
+
+A commit that keeps its task message (ADR 31) sends its event to one engine
+over core NATS first, and publishes it on the history only when no engine
+answered within a third of its wait (ADR 33): the stored commit is the
+durable fact, and the task message, still leased, stays in the queue until
+the engine has applied the event or the event is on the history.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
 
 from dagnats.core import tracing
 from dagnats.core.outcomes import outcome_of
+from dagnats.core.seam import seam
 from dagnats.core.timestamps import timestamp
 from dagnats.engine import convert
 from dagnats.engine.store import EngineStore
@@ -22,7 +31,16 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
 
+log = logging.getLogger(__name__)
+
 Outcome = pb.Continue | pb.Complete | pb.Fail | pb.Pause
+
+# The share of a held commit's wait spent on the engine's direct answer before
+# the event goes to the history; the rest waits for the history's engine. A
+# direct answer takes one run write (milliseconds); the history's path takes
+# a publish, a pull and the write, and keeps the larger share. The whole stays
+# within the wait, plus the publish, as before ADR 33.
+DIRECT_SHARE = 1 / 3
 
 
 def lease_position(lease: str) -> tuple[int, int]:
@@ -101,27 +119,56 @@ class TaskSettler:
         await publish_outcome(self._store, lease, self._event(commit))
 
     async def hold(self, lease: str, commit: jpb.Record, *, wait: float) -> pb.Task | None:
-        """Publish the stored continue ``commit``'s event with its task message
-        kept for the next iteration (ADR 31), and wait up to ``wait`` seconds
-        for the engine's decision: the next dispatch the message now carries,
-        or None. None with the message released when it carries no current
-        dispatch; None with the lease left to run out when no decision came
-        (the message is then delivered again, carrying what the run says)."""
+        """Send the stored continue ``commit``'s event, its task message kept
+        for the next iteration (ADR 31), to one engine (ADR 33), and wait for
+        the engine's decision: the next dispatch the message now carries, or
+        None. When none came within ``DIRECT_SHARE`` of ``wait`` (or no engine
+        takes such events), the event is published on the history, and the
+        rest of ``wait`` is waited for the decision of the engine that
+        applies it (or of the first one, late). None with the message
+        released when it carries no current dispatch; None with the lease
+        left to run out when no decision came (the message is then delivered
+        again, carrying what the run says).
+
+        Raises:
+            Exception: the event could not be published on the history (the
+                stored commit's event may be nowhere durable).
+        """
         event = self._event(commit)
         event.held_seq = lease_position(lease)[1]
         event.notify, told = await self._store.expect_notice()
+        direct = wait * DIRECT_SHARE
         try:
-            await self._store.publish_event(event, outcome_msg_id(event))
-            data = await asyncio.wait_for(told, wait)
+            if not await self._told_directly(event, told, direct):
+                # No engine answered: the event goes where every engine reads.
+                await self._store.publish_event(event, outcome_msg_id(event))
+                await asyncio.wait_for(asyncio.shield(told), wait - direct)
         except TimeoutError:
             return None
         finally:
             told.cancel()
-        decision = ipb.HeldDecision.FromString(data)
+        decision = ipb.HeldDecision.FromString(told.result())
         if decision.HasField("next"):
             return decision.next
         await self._store.release(lease)
         return None
+
+    async def _told_directly(
+        self, event: ipb.HistoryEvent, told: asyncio.Future[bytes], wait: float
+    ) -> bool:
+        """Send ``event`` to one engine; whether its decision came within
+        ``wait`` seconds. False at once when no engine subscribes."""
+        try:
+            refused = await self._store.send_held(event)
+        except Exception as err:  # the connection is reconnecting: the history it is
+            log.warning("%s/%s: a held event was not sent: %r", event.run_id, event.step_id, err)
+            return False
+        try:
+            await seam("after_held_sent")
+            await asyncio.wait({told, refused}, timeout=wait, return_when=FIRST_COMPLETED)
+        finally:
+            refused.cancel()
+        return told.done()
 
     async def release(self, lease: str) -> None:
         await self._store.release(lease)

@@ -27,6 +27,8 @@ from nats.js.kv import KeyValue
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import NotFound, Unavailable
 from dagnats.core.subjects import (
+    HELD_EVENTS,
+    HELD_QUEUE,
     dead_letter,
     history_subject,
     kv_key,
@@ -722,6 +724,39 @@ class EngineStore:
     async def notify(self, subject: str, data: bytes) -> None:
         """Tell ``subject`` (core NATS: at most once, nobody may be listening)."""
         await self.nc.publish(subject, data)
+
+    # ---- a held commit's event, sent to one engine (ADR 33) -------------------------
+
+    async def send_held(self, event: ipb.HistoryEvent) -> asyncio.Future[bytes]:
+        """Send a held commit's ``event`` to one engine over core NATS (at
+        most once). The engine's decision comes on ``event.notify``; the
+        future returned resolves if no engine subscribes (nats-server's
+        no-responders status to the request's own reply subject, which no
+        engine answers on). The caller cancels it when it stops waiting."""
+        reply, refused = await self.expect_notice()
+        try:
+            await self.nc.publish(HELD_EVENTS, event.SerializeToString(), reply=reply)
+        except BaseException:
+            refused.cancel()
+            raise
+        return refused
+
+    async def serve_held(
+        self, handle: Callable[[bytes], Awaitable[None]]
+    ) -> Callable[[], Awaitable[None]]:
+        """Take held commits' events, one engine of the queue group each;
+        ``handle`` is awaited for one at a time. Returns the unsubscribe."""
+
+        async def arrived(msg: Msg) -> None:
+            await handle(msg.data)
+
+        sub = await self.nc.subscribe(HELD_EVENTS, queue=HELD_QUEUE, cb=arrived)
+
+        async def stop() -> None:
+            with contextlib.suppress(Exception):  # the connection may be closing
+                await sub.unsubscribe()
+
+        return stop
 
     async def task_at(self, seq: int) -> pb.Task | None:
         """The task message at ``seq`` of the task stream, while it is there."""

@@ -33,9 +33,10 @@ class Tasks(Protocol):
         ...
 
     async def hold(self, lease: str, commit: pb.Record, *, wait: float) -> epb.Task | None:
-        """Publish the stored continue ``commit``'s event keeping the task
-        message for the next iteration; the next dispatch it carries once the
-        engine decided within ``wait`` seconds, else None (the message was
+        """Send the stored continue ``commit``'s event keeping the task
+        message for the next iteration to the engine (on the history when no
+        engine answers it directly, ADR 33); the next dispatch it carries once
+        the engine decided within ``wait`` seconds, else None (the message was
         released if it carries no current dispatch, or is left to its lease)."""
         ...
 
