@@ -453,11 +453,11 @@ GUARDS = (
         ),
     ),
     Guard(
-        name="a held event no engine answered goes to the history",
+        name="a commit's event no engine answered goes to the history",
         file="services/engine/dagnats/engine/report.py",
-        guard="                await self._store.publish_event(event, outcome_msg_id(event))\n",
-        removed="                pass\n",
-        how="a held commit's event that no engine took directly is stored nowhere",
+        guard="        await self._store.publish_event(event, outcome_msg_id(event))\n",
+        removed="",
+        how="a commit's event that no engine took directly is stored nowhere",
         tests=(
             "tests/test_held_dispatch.py::"
             "test_with_no_engine_taking_held_events_they_are_stored_on_the_history",

@@ -5,11 +5,11 @@ left in the run: the next writer of the run finds it and publishes it again,
 which its Msg-Id makes a no-op), and the journal service's ``after_input_claimed`` (an input claimed
 in the inputs bucket, its ``input.placed`` record not yet written) and
 ``after_commit_stored`` (a commit that settles its task stored, its lifecycle
-event not yet published nor the task acknowledged), ``after_held_sent`` (a
-continue that keeps its task for the next iteration: its event sent to the
-engines over core NATS, nothing of it on the history, no decision come yet;
-ADR 33) and ``after_held_decision`` (such a continue's event applied and the
-engine's decision known, the worker not yet answered; ADR 31).
+event not yet published nor the task acknowledged), ``after_report_sent`` (a
+commit's event sent to the engines over core NATS, nothing of it on the
+history, no answer come yet, its task not released; ADR 33) and
+``after_held_decision`` (a continue that keeps its task: its event applied
+and the engine's decision known, the worker not yet answered; ADR 31).
 
 Two engine processes (engine, journal and inputs services each) share the
 history consumer, and a worker dials each. Whichever process reaches the seam
@@ -55,7 +55,7 @@ SEAMS = (
     "after_dispatch_published",
     "after_input_claimed",
     "after_commit_stored",
-    "after_held_sent",
+    "after_report_sent",
     "after_held_decision",
 )
 PLACES = {"one server": 1, "3-node cluster": 3}
@@ -147,7 +147,7 @@ async def test_service_crash_point(
     stack: Stack, tmp_path: Path, seam: str, mode: str, iteration: int
 ) -> None:
     inputs = seam == "after_input_claimed"
-    committing = seam in ("after_commit_stored", "after_held_sent", "after_held_decision")
+    committing = seam in ("after_commit_stored", "after_report_sent", "after_held_decision")
     # Where the run waits while the test arms the seam: before the claim of the
     # iteration that places the input or commits, or of the one whose continue
     # the engine applies into the next dispatch. Iteration 0's dispatch is

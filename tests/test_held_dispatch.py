@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.natsserver import NatsServer
-from dagnats.core.subjects import HELD_EVENTS, HELD_QUEUE, history_subject
+from dagnats.core.subjects import DIRECT_QUEUE, DIRECT_REPORTS, history_subject
 from dagnats.engine.report import TaskSettler, outcome_msg_id
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -261,23 +261,26 @@ async def test_a_stopping_worker_releases_its_kept_task_with_its_next_commit(
 # ---- the held commit's event goes to the engine directly (ADR 33) -----------------------
 
 
-async def test_a_kept_iteration_stores_no_event_on_the_history(
+async def test_a_journal_commit_stores_no_event_on_the_history(
     client: Client, engine: EngineServer, js: JetStreamContext
 ) -> None:
-    # Against the same loop through the queue: one event fewer an iteration
-    # that kept its task (every continue, here), the rest the same.
-    queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
-    await completed(engine, queued)
-    loop = Loop()
-    kept = await run_loop(client, engine, loop)
-    await completed(engine, kept)
-    assert run_output(kept) == {"iterations": K}
-    assert loop.ran == [(i, 1, 1) for i in range(K)]
-    stored, through_queue = (
-        await history_events(js, kept.run_id),
-        await history_events(js, queued.run_id),
-    )
-    assert stored == through_queue - (K - 1), (stored, through_queue)
+    # Against the same loop with no engine taking commits' events directly,
+    # every one of them then on the history: one event fewer a commit, the
+    # rest the same, whether the loop keeps its task or goes through the queue.
+    await engine.engine.stop_serving_reports()
+    try:
+        durable = await run_loop(client, engine, Loop(), sticky_iterations=0)
+    finally:
+        await engine.engine.serve_reports()
+    through_history = await history_events(js, durable.run_id)
+    for sticky in (64, 0):
+        loop = Loop()
+        run = await run_loop(client, engine, loop, sticky_iterations=sticky)
+        await completed(engine, run)
+        assert run_output(run) == {"iterations": K}
+        assert loop.ran == [(i, 1, 1) for i in range(K)]
+        stored = await history_events(js, run.run_id)
+        assert stored == through_history - K, (sticky, stored, through_history)
 
 
 async def test_with_no_engine_taking_held_events_they_are_stored_on_the_history(
@@ -285,14 +288,14 @@ async def test_with_no_engine_taking_held_events_they_are_stored_on_the_history(
 ) -> None:
     # As with an engine that predates ADR 33: nats-server answers that nobody
     # subscribes, and the journal service publishes the event at once.
-    queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
-    await engine.engine.stop_serving_held()
+    await engine.engine.stop_serving_reports()
     try:
+        queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
         before = await tasks_published(js)
         loop = Loop()
         run = await run_loop(client, engine, loop)
     finally:
-        await engine.engine.serve_held()
+        await engine.engine.serve_reports()
     await completed(engine, run)
     assert loop.ran == [(i, 1, 1) for i in range(K)]  # none twice, all on one message
     assert await tasks_published(js) - before == 1
@@ -306,26 +309,26 @@ async def test_a_held_event_taken_by_an_engine_that_never_answers_is_stored_on_t
     # it: no decision comes in the first part of the wait, and the event goes
     # to the history, whose engine applies it and answers.
     k = 3
-    queued = await run_loop(client, engine, Loop(k=k), sticky_iterations=0)
     nc = await nats.connect(nats_server.url)
     swallowed: list[bytes] = []
 
     async def swallow(msg: Any) -> None:
         swallowed.append(msg.data)
 
-    await engine.engine.stop_serving_held()
+    await engine.engine.stop_serving_reports()
     try:
-        await nc.subscribe(HELD_EVENTS, queue=HELD_QUEUE, cb=swallow)
+        queued = await run_loop(client, engine, Loop(k=k), sticky_iterations=0)
+        await nc.subscribe(DIRECT_REPORTS, queue=DIRECT_QUEUE, cb=swallow)
         await nc.flush()
         before = await tasks_published(js)
         loop = Loop(k=k)
         run = await run_loop(client, engine, loop)
     finally:
         await nc.close()
-        await engine.engine.serve_held()
+        await engine.engine.serve_reports()
     await completed(engine, run, k)
     assert loop.ran == [(i, 1, 1) for i in range(k)]
-    assert len(swallowed) == k - 1
+    assert len(swallowed) == k, "each commit's event: k - 1 kept their task, the last released it"
     assert await tasks_published(js) - before == 1  # each decision came, none waited a lease
     assert await history_events(js, run.run_id) == await history_events(js, queued.run_id)
 
@@ -353,7 +356,7 @@ async def test_a_held_event_delivered_again_changes_nothing_and_tells_the_same(
         for direct in (True, True, False):
             event.notify, notice = await store.expect_notice()
             if direct:
-                refused = await store.send_held(event)
+                refused = await store.send_report(event)
                 refused.cancel()
             else:
                 await store.publish_event(event, outcome_msg_id(event))

@@ -14,7 +14,7 @@ these subjects belong to are configured in ``dagnats.core.jetstream``.
 | ``$KV.<bucket>.<key>`` | a key of a KV bucket |
 | ``dagnats.cancel.<run>`` | core NATS: a run was cancelled (at most once) |
 | ``dagnats.stream.<run>.<step>`` | core NATS: the live token preview of a step |
-| ``dagnats.engine.held`` | core NATS, queue group ``engines``: a held commit's event (ADR 33) |
+| ``dagnats.engine.reports`` | core NATS, queue ``engines``: a journal commit's event (ADR 33) |
 | ``api.inputs.{submit,get,withdraw}`` | core NATS request-reply: the inputs endpoints |
 """
 
@@ -24,10 +24,10 @@ INPUTS_SUBMIT = "api.inputs.submit"
 INPUTS_GET = "api.inputs.get"
 INPUTS_WITHDRAW = "api.inputs.withdraw"
 LIVE_STREAM = "dagnats.stream"
-# A commit's event that keeps its task message, sent to one engine over core
+# A journal commit's event, sent to one engine over core
 # NATS (ADR 33); a constant, so nothing of a request reaches the subject.
-HELD_EVENTS = "dagnats.engine.held"
-HELD_QUEUE = "engines"
+DIRECT_REPORTS = "dagnats.engine.reports"
+DIRECT_QUEUE = "engines"
 
 
 def task_subject(task_type: str, run_id: str, step_id: str) -> str:

@@ -46,12 +46,13 @@ reconciler. A parked run has nothing for the reconciler but an event an
 engine took and died holding; that one is redelivered after
 ``history_ack_wait`` instead.
 
-A held commit's event (ADR 33) comes to one engine of the queue group over
-core NATS, not on the history: it is applied as a history event is, its
-holder told, and nothing is acknowledged. Nothing of it is durable but the
-commit in the journal and the task message its holder still leases, so an
-event lost here (this engine dies, or is slow) costs the journal service its
-first wait, after which it publishes the event on the history. Such events
+A journal commit's event (ADR 33) comes to one engine of the queue group
+over core NATS, not on the history: it is applied as a history event is, its
+sender told, and nothing is acknowledged. Nothing of it is durable but the
+commit in the journal and the task message still leased (its sender releases
+it once told), so an event lost here (this engine dies, or is slow) costs the
+journal service its first wait, after which it publishes the event on the
+history. Such events
 race the history's events of the same run; the run's compare-and-swap orders
 them, and a report applied twice is stale the second time (its dispatch has
 moved on) and dropped.
@@ -123,11 +124,11 @@ class Engine:
         # The runs as this engine last wrote them, their outboxes published by
         # it: a guess at what is stored, checked by the next compare-and-swap.
         self._written: OrderedDict[str, StoredRun] = OrderedDict()
-        # Held commits' events taken from core NATS and being applied: at
-        # most a history fetch's worth at once; more waits in the subscription.
-        self._held: set[asyncio.Task[None]] = set()
-        self._held_slots = asyncio.Semaphore(config.history_batch)
-        self._unserve_held: Callable[[], Awaitable[None]] | None = None
+        # Commits' events taken from core NATS and being applied: at most a
+        # history fetch's worth at once; more waits in the subscription.
+        self._reports: set[asyncio.Task[None]] = set()
+        self._report_slots = asyncio.Semaphore(config.history_batch)
+        self._unserve_reports: Callable[[], Awaitable[None]] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -147,28 +148,28 @@ class Engine:
             asyncio.create_task(self._consume(jsx.TIMERS, TIMER_CONSUMER, self._on_timer)),
             asyncio.create_task(self._reconcile_loop()),
         ]
-        await self.serve_held()
+        await self.serve_reports()
 
-    async def serve_held(self) -> None:
-        """Take held commits' events from the journal services (ADR 33)."""
-        if self._unserve_held is None:
-            self._unserve_held = await self.store.serve_held(self._on_held)
+    async def serve_reports(self) -> None:
+        """Take commits' events from the journal services (ADR 33)."""
+        if self._unserve_reports is None:
+            self._unserve_reports = await self.store.serve_reports(self._on_report)
 
-    async def stop_serving_held(self) -> None:
-        """Take no more held commits' events; those being applied are cut
+    async def stop_serving_reports(self) -> None:
+        """Take no more commits' events; those being applied are cut
         short (their journal services publish them on the history)."""
-        if self._unserve_held is not None:
-            unserve, self._unserve_held = self._unserve_held, None
+        if self._unserve_reports is not None:
+            unserve, self._unserve_reports = self._unserve_reports, None
             await unserve()
-        for task in list(self._held):
+        for task in list(self._reports):
             task.cancel()
-        for task in list(self._held):
+        for task in list(self._reports):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
     async def stop(self) -> None:
         self._stopping.set()
-        await self.stop_serving_held()
+        await self.stop_serving_reports()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -380,36 +381,38 @@ class Engine:
             span.set_attribute("dagnats.step_id", event.step_id)
             await self._apply_event(event)
 
-    async def _on_held(self, data: bytes) -> None:
-        """A held commit's event from core NATS (ADR 33), applied in a task
+    async def _on_report(self, data: bytes) -> None:
+        """A commit's event from core NATS (ADR 33), applied in a task
         of its own; the subscription hands over the next once a slot is free."""
-        await self._held_slots.acquire()
-        task = asyncio.create_task(self._apply_held(data))
-        self._held.add(task)
-        task.add_done_callback(self._held_done)
+        await self._report_slots.acquire()
+        task = asyncio.create_task(self._apply_report(data))
+        self._reports.add(task)
+        task.add_done_callback(self._report_done)
 
-    def _held_done(self, task: asyncio.Task[None]) -> None:
-        self._held.discard(task)
-        self._held_slots.release()
+    def _report_done(self, task: asyncio.Task[None]) -> None:
+        self._reports.discard(task)
+        self._report_slots.release()
 
-    async def _apply_held(self, data: bytes) -> None:
-        """Apply a held commit's event as the history's, never raising: its
+    async def _apply_report(self, data: bytes) -> None:
+        """Apply a commit's event as the history's, never raising: its
         journal service publishes it on the history when no decision comes."""
         try:
             event = ipb.HistoryEvent.FromString(data)
         except Exception as err:
-            self.counters["held_dropped"] += 1
-            log.warning("a held event that does not decode was dropped: %r", err)
+            self.counters["direct_dropped"] += 1
+            log.warning("a direct event that does not decode was dropped: %r", err)
             return
-        if not _held_report(event):
-            self.counters["held_dropped"] += 1
-            log.warning("run %s: a direct event that is no held report was dropped", event.run_id)
+        if not _direct_report(event):
+            self.counters["direct_dropped"] += 1
+            log.warning(
+                "run %s: a direct event that is no commit's report was dropped", event.run_id
+            )
             return
-        self.counters["held_applied"] += 1
+        self.counters["direct_applied"] += 1
         try:
             await self._take_event(event)
         except Exception:
-            log.exception("run %s/%s: a held event was not applied", event.run_id, event.step_id)
+            log.exception("run %s/%s: a direct event was not applied", event.run_id, event.step_id)
 
     async def _apply_event(self, event: ipb.HistoryEvent) -> None:
         kind = event.WhichOneof("kind")
@@ -422,16 +425,25 @@ class Engine:
             if run_input is not None:
                 applied = await self.apply(event.run_id, run_input)
                 if event.notify:
-                    await self._tell_holder(event, applied[0] if applied else None)
+                    await self._tell_sender(event, applied[0] if applied else None)
 
-    async def _tell_holder(self, event: ipb.HistoryEvent, run: m.Run | None) -> None:
-        """Tell the holder of a task message kept across its commit what became
-        of it, now that the run is stored (ADR 31). Nothing when the report
-        left it carrying the reported dispatch: the holder's wait ends, and its
-        lease decides."""
+    async def _tell_sender(self, event: ipb.HistoryEvent, run: m.Run | None) -> None:
+        """Tell the journal service that sent a commit's event what became of
+        it, now that the run is stored (ADR 33): of a task message kept across
+        the commit, the dispatch it carries on to, or that it carries none
+        (ADR 31); of any other, that the task may go (``done``)."""
         if not is_inbox(event.notify):
             log.warning("run %s: a notice subject that is no inbox: %r", event.run_id, event.notify)
             return
+        if not event.held_seq:
+            await self.store.notify(event.notify, ipb.HeldDecision(done=True).SerializeToString())
+            return
+        await self._tell_holder(event, run)
+
+    async def _tell_holder(self, event: ipb.HistoryEvent, run: m.Run | None) -> None:
+        """Tell the holder of a task message kept across its commit what became
+        of it (ADR 31). Nothing when the report left it carrying the reported
+        dispatch: the holder's wait ends, and its lease decides."""
         reported = m.Identity(iteration=event.iteration, attempt=event.attempt)
         step = run.step(event.step_id) if run is not None and run.has_step(event.step_id) else None
         held = run is not None and rules.held_decision(step, run.status, event.held_seq, reported)
@@ -688,12 +700,12 @@ class Engine:
         return found
 
 
-def _held_report(event: ipb.HistoryEvent) -> bool:
+def _direct_report(event: ipb.HistoryEvent) -> bool:
     """Whether a direct event is what only the journal sends that way: a
-    report with its dispatch identity, of a kept task message, with a notice
-    subject. Anything else must come on the durable history."""
+    stored commit's report, with its dispatch identity and a notice subject.
+    Anything else must come on the durable history."""
     kind = event.WhichOneof("kind") or ""
-    return kind in _REPORTS and event.attempt > 0 and event.held_seq > 0 and bool(event.notify)
+    return kind in _REPORTS and event.attempt > 0 and bool(event.notify)
 
 
 def _trace_headers() -> dict[str, str]:

@@ -6,11 +6,11 @@ publish here, so one outcome has one Msg-Id whoever sends it, and a second
 send (a retry, a claim that republishes a stored commit) is a duplicate the
 HISTORY stream drops.
 
-A commit that keeps its task message (ADR 31) sends its event to one engine
-over core NATS first, and publishes it on the history only when no engine
-answered within a third of its wait (ADR 33): the stored commit is the
-durable fact, and the task message, still leased, stays in the queue until
-the engine has applied the event or the event is on the history.
+A journal commit sends its event to one engine over core NATS first, and
+publishes it on the history only when no engine answered within a third of
+its wait (ADR 33): the stored commit is the durable fact, and the task
+message, still leased, stays in the queue until the engine has applied the
+event or the event is on the history.
 """
 
 from __future__ import annotations
@@ -115,8 +115,22 @@ class TaskSettler:
             now=self._clock(),
         )
 
-    async def settle(self, lease: str, commit: jpb.Record) -> None:
-        await publish_outcome(self._store, lease, self._event(commit))
+    async def settle(self, lease: str, commit: jpb.Record, *, wait: float) -> None:
+        """Send the stored ``commit``'s event to one engine (ADR 33), and
+        publish it on the history only when none answered within
+        ``DIRECT_SHARE`` of ``wait``; then release the task: its outcome is in
+        the run, or on the history, before the task goes.
+
+        Raises:
+            Exception: the event could not be published on the history.
+        """
+        event = self._event(commit)
+        event.notify, told = await self._store.expect_notice()
+        try:
+            await self._reported(event, told, wait * DIRECT_SHARE)
+        finally:
+            told.cancel()
+        await self._store.release(lease)
 
     async def hold(self, lease: str, commit: jpb.Record, *, wait: float) -> pb.Task | None:
         """Send the stored continue ``commit``'s event, its task message kept
@@ -139,9 +153,7 @@ class TaskSettler:
         event.notify, told = await self._store.expect_notice()
         direct = wait * DIRECT_SHARE
         try:
-            if not await self._told_directly(event, told, direct):
-                # No engine answered: the event goes where every engine reads.
-                await self._store.publish_event(event, outcome_msg_id(event))
+            if not await self._reported(event, told, direct):
                 await asyncio.wait_for(asyncio.shield(told), wait - direct)
         except TimeoutError:
             return None
@@ -153,18 +165,29 @@ class TaskSettler:
         await self._store.release(lease)
         return None
 
+    async def _reported(
+        self, event: ipb.HistoryEvent, told: asyncio.Future[bytes], wait: float
+    ) -> bool:
+        """Send ``event`` to one engine; True when its decision came within
+        ``wait`` seconds. Else the event goes where every engine reads: it is
+        published on the history, and False."""
+        if await self._told_directly(event, told, wait):
+            return True
+        await self._store.publish_event(event, outcome_msg_id(event))
+        return False
+
     async def _told_directly(
         self, event: ipb.HistoryEvent, told: asyncio.Future[bytes], wait: float
     ) -> bool:
         """Send ``event`` to one engine; whether its decision came within
         ``wait`` seconds. False at once when no engine subscribes."""
         try:
-            refused = await self._store.send_held(event)
+            refused = await self._store.send_report(event)
         except Exception as err:  # the connection is reconnecting: the history it is
             log.warning("%s/%s: a held event was not sent: %r", event.run_id, event.step_id, err)
             return False
         try:
-            await seam("after_held_sent")
+            await seam("after_report_sent")
             await asyncio.wait({told, refused}, timeout=wait, return_when=FIRST_COMPLETED)
         finally:
             refused.cancel()

@@ -27,8 +27,8 @@ from nats.js.kv import KeyValue
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import NotFound, Unavailable
 from dagnats.core.subjects import (
-    HELD_EVENTS,
-    HELD_QUEUE,
+    DIRECT_QUEUE,
+    DIRECT_REPORTS,
     dead_letter,
     history_subject,
     kv_key,
@@ -727,7 +727,7 @@ class EngineStore:
 
     # ---- a held commit's event, sent to one engine (ADR 33) -------------------------
 
-    async def send_held(self, event: ipb.HistoryEvent) -> asyncio.Future[bytes]:
+    async def send_report(self, event: ipb.HistoryEvent) -> asyncio.Future[bytes]:
         """Send a held commit's ``event`` to one engine over core NATS (at
         most once). The engine's decision comes on ``event.notify``; the
         future returned resolves if no engine subscribes (nats-server's
@@ -735,13 +735,13 @@ class EngineStore:
         engine answers on). The caller cancels it when it stops waiting."""
         reply, refused = await self.expect_notice()
         try:
-            await self.nc.publish(HELD_EVENTS, event.SerializeToString(), reply=reply)
+            await self.nc.publish(DIRECT_REPORTS, event.SerializeToString(), reply=reply)
         except BaseException:
             refused.cancel()
             raise
         return refused
 
-    async def serve_held(
+    async def serve_reports(
         self, handle: Callable[[bytes], Awaitable[None]]
     ) -> Callable[[], Awaitable[None]]:
         """Take held commits' events, one engine of the queue group each;
@@ -750,7 +750,7 @@ class EngineStore:
         async def arrived(msg: Msg) -> None:
             await handle(msg.data)
 
-        sub = await self.nc.subscribe(HELD_EVENTS, queue=HELD_QUEUE, cb=arrived)
+        sub = await self.nc.subscribe(DIRECT_REPORTS, queue=DIRECT_QUEUE, cb=arrived)
 
         async def stop() -> None:
             with contextlib.suppress(Exception):  # the connection may be closing

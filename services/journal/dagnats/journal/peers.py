@@ -28,8 +28,10 @@ class Runs(Protocol):
 
 
 class Tasks(Protocol):
-    async def settle(self, lease: str, commit: pb.Record) -> None:
-        """Publish the stored ``commit``'s lifecycle event, then release the task."""
+    async def settle(self, lease: str, commit: pb.Record, *, wait: float) -> None:
+        """Send the stored ``commit``'s lifecycle event to the engine (on the
+        history when no engine answers it directly within part of ``wait``
+        seconds, ADR 33), then release the task."""
         ...
 
     async def hold(self, lease: str, commit: pb.Record, *, wait: float) -> epb.Task | None:

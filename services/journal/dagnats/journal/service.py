@@ -593,7 +593,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         back at once rather than when its lease runs out."""
         try:
             await seam("after_commit_stored")
-            await self._tasks.settle(lease, record)
+            await self._tasks.settle(lease, record, wait=HOLD_WAIT)
         except Exception as err:
             await self._unsettled(lease, record, err)
 
