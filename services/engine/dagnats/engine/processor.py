@@ -52,10 +52,9 @@ sender told, and nothing is acknowledged. Nothing of it is durable but the
 commit in the journal and the task message still leased (its sender releases
 it once told), so an event lost here (this engine dies, or is slow) costs the
 journal service its first wait, after which it publishes the event on the
-history. Such events
-race the history's events of the same run; the run's compare-and-swap orders
-them, and a report applied twice is stale the second time (its dispatch has
-moved on) and dropped.
+history. Such events race the history's events of the same run; the run's
+compare-and-swap orders them, and a report applied twice is stale the second
+time (its dispatch has moved on) and dropped.
 """
 
 from __future__ import annotations

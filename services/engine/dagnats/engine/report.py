@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 Outcome = pb.Continue | pb.Complete | pb.Fail | pb.Pause
 
-# The share of a held commit's wait spent on the engine's direct answer before
+# The share of a commit's wait spent on the engine's direct answer before
 # the event goes to the history; the rest waits for the history's engine. A
 # direct answer takes one run write (milliseconds); the history's path takes
 # a publish, a pull and the write, and keeps the larger share. The whole stays
@@ -184,7 +184,9 @@ class TaskSettler:
         try:
             refused = await self._store.send_report(event)
         except Exception as err:  # the connection is reconnecting: the history it is
-            log.warning("%s/%s: a held event was not sent: %r", event.run_id, event.step_id, err)
+            log.warning(
+                "%s/%s: a commit's event was not sent: %r", event.run_id, event.step_id, err
+            )
             return False
         try:
             await seam("after_report_sent")
