@@ -725,10 +725,10 @@ class EngineStore:
         """Tell ``subject`` (core NATS: at most once, nobody may be listening)."""
         await self.nc.publish(subject, data)
 
-    # ---- a held commit's event, sent to one engine (ADR 33) -------------------------
+    # ---- a journal commit's event, sent to one engine (ADR 33) ----------------------
 
     async def send_report(self, event: ipb.HistoryEvent) -> asyncio.Future[bytes]:
-        """Send a held commit's ``event`` to one engine over core NATS (at
+        """Send a journal commit's ``event`` to one engine over core NATS (at
         most once). The engine's decision comes on ``event.notify``; the
         future returned resolves if no engine subscribes (nats-server's
         no-responders status to the request's own reply subject, which no
@@ -744,7 +744,7 @@ class EngineStore:
     async def serve_reports(
         self, handle: Callable[[bytes], Awaitable[None]]
     ) -> Callable[[], Awaitable[None]]:
-        """Take held commits' events, one engine of the queue group each;
+        """Take journal commits' events, one engine of the queue group each;
         ``handle`` is awaited for one at a time. Returns the unsubscribe."""
 
         async def arrived(msg: Msg) -> None:
