@@ -223,21 +223,24 @@ async def two_engines(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sticky", [0, 64], ids=["from the history", "held, sent directly"])
+@pytest.mark.parametrize(
+    "journaled", [False, True], ids=["reported, on the history", "journaled, sent directly"]
+)
 async def test_an_engine_killed_after_taking_a_continue_stalls_the_run_for_a_reconcile_only(
-    two_engines: tuple[EngineProcess, EngineProcess, Path, Path], sticky: int
+    two_engines: tuple[EngineProcess, EngineProcess, Path, Path], journaled: bool
 ) -> None:
-    # Through the queue the continue's event is on the history, and the
-    # reconciler applies it; held, it went to one engine directly (ADR 33),
-    # and the journal service publishes it on the history after a third of
-    # its wait.
+    # Reported without a journal, the continue's event is on the history, and
+    # the reconciler applies it; a journal's commit sent its event to one
+    # engine directly (ADR 33), and the journal service publishes it on the
+    # history after a third of its wait.
     first, second, arm, hit = two_engines
     target = "ipv4:" + ",".join(e.target for e in (first, second))
     loop = asyncio.get_running_loop()
     claimed: dict[int, float] = {}
 
     async def turn(tc: TaskContext) -> None:
-        await tc.journal()
+        if journaled:
+            await tc.journal()
         claimed.setdefault(tc.iteration, loop.time())
         if tc.iteration == 0:
             # The first engine to take the continue's event dies before applying it.
@@ -249,9 +252,7 @@ async def test_an_engine_killed_after_taking_a_continue_stalls_the_run_for_a_rec
     task, name = unique("stall"), unique("stallwf")
     async with Client(target) as client:
         await client.register_workflow(loop_workflow(name, task))
-        async with Worker(
-            target, handlers={task: turn}, poll_wait=0.5, concurrency=1, sticky_iterations=sticky
-        ):
+        async with Worker(target, handlers={task: turn}, poll_wait=0.5, concurrency=1):
             run = await client.start_run(name, {"ask": "go on"})
             await wait_for(hit.exists, timeout=30, message="no engine took the event")
             killed = loop.time()
