@@ -13,6 +13,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from dagnats.core.jetstream import publish
 from dagnats.core.natsserver import (
     NatsCluster,
     NatsServer,
@@ -107,8 +108,10 @@ async def test_cluster_replicates_an_r3_stream(nats_cluster: NatsCluster) -> Non
     async with connected(nats_cluster.urls) as nc:
         js = nc.jetstream()
         info = await js.add_stream(name="R3", subjects=["r3.>"], num_replicas=3)
-        ack = await js.publish("r3.a", b"replicated")
-        msg = await js.get_msg("R3", ack.seq)
+        # A new R3 stream may still be electing its leader: publish as the
+        # services do, retrying by time with the same Msg-Id.
+        seq = await publish(js, "r3.a", b"replicated", msg_id="r3-a")
+        msg = await js.get_msg("R3", seq)
     assert info.cluster is not None and len(info.cluster.replicas or []) == 2
     assert msg.data == b"replicated"
 
@@ -121,8 +124,8 @@ async def test_cluster_member_restarts_after_a_crash(nats_cluster: NatsCluster) 
     async with connected(nats_cluster.servers[follower].url) as nc:
         js = nc.jetstream()
         await js.add_stream(name="AFTER", subjects=["after.>"], num_replicas=3)
-        ack = await js.publish("after.a", b"ok")
-        assert (await js.get_msg("AFTER", ack.seq)).data == b"ok"
+        seq = await publish(js, "after.a", b"ok", msg_id="after-a")
+        assert (await js.get_msg("AFTER", seq)).data == b"ok"
 
 
 async def test_engine_warns_when_the_server_does_not_fsync_every_write(
