@@ -476,6 +476,39 @@ GUARDS = (
             "test_the_wake_enters_the_index_before_its_write_and_the_reconciler_finishes_it",
         ),
     ),
+    Guard(
+        name="a model call's tail check when the holder's last write is not fresh",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard=(
+            "            if position >= self._token.replay_positions and self._tail_is_fresh():\n"
+        ),
+        removed="            if position >= self._token.replay_positions:\n",
+        how="a holder fenced long after its last write still spends a model call",
+        tests=(
+            "tests/test_journal.py::test_a_holder_fenced_before_its_model_call_does_not_spend_it",
+        ),
+    ),
+    Guard(
+        name="BeginModel reads the tail before it clears a model call",
+        file="services/journal/dagnats/journal/service.py",
+        guard=(
+            "        await self._writer.hold(token)"
+            "  # a fenced holder must not spend a model call\n"
+        ),
+        removed="",
+        how="a fenced holder's BeginModel clears its model call",
+        tests=(
+            "tests/test_journal.py::test_a_holder_fenced_before_its_model_call_does_not_spend_it",
+        ),
+    ),
+    Guard(
+        name="a claim names the positions it may replay",
+        file="services/journal/dagnats/journal/service.py",
+        guard="        token.replay_positions = replay.replay_positions(entries)\n",
+        removed="",
+        how="a successor takes a recorded model call as new and asks the model again",
+        tests=("tests/test_journal.py::test_crash_after_model_reuses_the_response",),
+    ),
 )
 
 

@@ -4,10 +4,11 @@ finished model or tool call, and an unsafe tool never starts twice."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
+import pytest
 
 from dagnats.cli.journal import record_line
 from dagnats.core import seam
@@ -15,7 +16,9 @@ from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
+from dagnats.journal.writer import JournalWriter
 from dagnats.sdk import Client, Worker, run_output
+from dagnats.sdk import _journal as sdk_journal
 from dagnats.sdk.testing import ScriptedModel
 from dagnats.sdk.views import record_dict
 from tests.helpers import claimed_after_redelivery, claims, holds, wait_for
@@ -79,6 +82,40 @@ async def take_over(
         async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
             await first.stop(grace=0)
             await finish(client, engine, run.run_id)
+
+
+async def fenced_after_stall(
+    client: Client,
+    engine: EngineServer,
+    task: str,
+    name: str,
+    handler: Any,
+    seen: Seen,
+    stall: Crasher,
+    *,
+    iteration: int,
+    then: Callable[[str], Awaitable[Any]],
+) -> str:
+    """Start a run on a worker that sends no heartbeat; once ``stall`` holds
+    its holder, a successor worker claims ``iteration`` when the lease runs
+    out, and the stalled holder is let go and fenced; then ``then(run_id)``
+    runs while the successor still serves. Returns the run's id."""
+    async with Worker(
+        engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+    ):
+        run = await client.start_run(name)
+        await wait_for(stall.hit.is_set, timeout=20)
+        async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+
+            async def successor_claimed() -> bool:
+                records = await read_journal(engine, run.run_id)
+                return claimed_after_redelivery(records, iteration)
+
+            await wait_for(successor_claimed, timeout=20)
+            stall.release.set()  # the stalled holder wakes up and makes its next call
+            await wait_for(lambda: "Fenced" in seen.signals, timeout=20)
+            await then(run.run_id)
+    return run.run_id
 
 
 async def test_a_crash_free_run(client: Client, engine: EngineServer) -> None:
@@ -334,23 +371,18 @@ async def test_zombie_is_fenced_and_writes_nothing_after_its_successor(
     model, tools, seen = ConversationModel(), Tools(), Seen()  # asked again: same answer
     handler = agent(model, tools, seen)
     with Crasher("model_pending", skip=1) as stall:
-        async with Worker(
-            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
-        ):
-            run = await client.start_run(name)
-            await wait_for(stall.hit.is_set, timeout=20)
-            async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
-                records = []
-
-                async def successor_claimed() -> bool:
-                    records = await read_journal(engine, run.run_id)
-                    return claimed_after_redelivery(records, 1)
-
-                await wait_for(successor_claimed, timeout=20)
-                stall.release.set()  # the zombie wakes up and tries its next write
-                await wait_for(lambda: "Fenced" in seen.signals, timeout=20)
-                await finish(client, engine, run.run_id)
-    records = await read_journal(engine, run.run_id)
+        run_id = await fenced_after_stall(
+            client,
+            engine,
+            task,
+            name,
+            handler,
+            seen,
+            stall,
+            iteration=1,
+            then=lambda run_id: finish(client, engine, run_id),
+        )
+    records = await read_journal(engine, run_id)
     # The zombie held iteration 1 as handed over and had stored nothing of it
     # (its claim rides its first record): its write after the successor's
     # claim is refused, so every record of the iteration is the successor's.
@@ -358,6 +390,63 @@ async def test_zombie_is_fenced_and_writes_nothing_after_its_successor(
     assert successor_claim.HasField("claim") and successor_claim.claim.delivery > 1
     assert {r.writer for r in records if r.iteration == 1} == {successor_claim.writer}
     assert tools.starts["send_email"] == 1
+
+
+async def test_a_holder_fenced_before_its_model_call_does_not_spend_it(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await start(client)
+    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    handler = agent(model, tools, seen)
+    # The first holder stops between its claim of iteration 0 and its model
+    # call, for longer than its claim stands for the tail (FRESH_TAIL): its
+    # model call reads the tail, finds the successor's claim and asks nothing.
+    with Crasher("after_claim") as stall:
+        await fenced_after_stall(
+            client,
+            engine,
+            task,
+            name,
+            handler,
+            seen,
+            stall,
+            iteration=0,
+            then=lambda run_id: finish(client, engine, run_id),
+        )
+    assert model.calls == 4, "the fenced holder asked the model nothing"
+
+
+async def test_a_model_call_reads_the_tail_unless_the_holders_last_write_is_fresh(
+    client: Client, engine: EngineServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks: list[str] = []
+    hold = JournalWriter.hold
+
+    async def counted(writer: JournalWriter, token: jpb.WriterToken) -> None:
+        checks.append(token.run_id)
+        await hold(writer, token)
+
+    monkeypatch.setattr(JournalWriter, "hold", counted)
+
+    async def run_once(fresh: float) -> int:
+        monkeypatch.setattr(sdk_journal, "FRESH_TAIL", fresh)
+        task, name = await start(client)
+        model, tools = ScriptedModel(SCRIPT), Tools()
+        handler = agent(model, tools)
+        async with Worker(
+            engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
+        ):
+            run = await client.start_run(name, {"ask": "weather"})
+            await finish(client, engine, run.run_id)
+        assert model.calls == 4
+        return checks.count(run.run_id)
+
+    # Each model call follows a write of its holder's: the claim of iteration
+    # 0, then the commit that handed the next iteration over. Taken as fresh,
+    # that write is the check and no model call reads the tail; taken as
+    # stale, every model call does.
+    assert await run_once(60.0) == 0
+    assert await run_once(0.0) == 4
 
 
 async def test_restart_limit_fails_the_attempt_and_the_retry_resumes(

@@ -8,11 +8,10 @@ from typing import Any
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from dagnats.engine.server import start_engine
-from dagnats.sdk import Client, Worker
-from tests.helpers import claimed_after_redelivery, wait_for
+from dagnats.sdk import Client
 from tests.journal_agent import ConversationModel, Crasher, Seen, Tools, agent
 from tests.stack import FAST, loop_workflow, unique
-from tests.test_journal import NO_HEARTBEAT, read_journal
+from tests.test_journal import fenced_after_stall
 
 
 async def test_fenced_write_is_a_span_event_in_the_zombies_trace(
@@ -26,24 +25,17 @@ async def test_fenced_write_is_a_span_event_in_the_zombies_trace(
         async with Client(engine.target) as client:
             await client.register_workflow(loop_workflow(name, task))
             with Crasher("model_pending", skip=1) as stall:
-                async with Worker(
-                    engine.target,
-                    handlers={task: handler},
-                    poll_wait=1.0,
-                    heartbeat_interval=NO_HEARTBEAT,
-                ):
-                    run = await client.start_run(name)
-                    await wait_for(stall.hit.is_set, timeout=20)
-                    async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
-
-                        async def successor_claimed() -> bool:
-                            records = await read_journal(engine, run.run_id)
-                            return claimed_after_redelivery(records, 1)
-
-                        await wait_for(successor_claimed, timeout=20)
-                        stall.release.set()
-                        await wait_for(lambda: "Fenced" in seen.signals, timeout=20)
-                        await client.wait_for_run(run.run_id, timeout=30)
+                await fenced_after_stall(
+                    client,
+                    engine,
+                    task,
+                    name,
+                    handler,
+                    seen,
+                    stall,
+                    iteration=1,
+                    then=lambda run_id: client.wait_for_run(run_id, timeout=30),
+                )
     finally:
         await engine.stop()
 

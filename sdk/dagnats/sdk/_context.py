@@ -215,7 +215,12 @@ class TaskContext:
             # claim is stored with the first record, fenced on that commit.
             token = self._handed.token
             token.claim.worker_id = self._worker_id
-            self._journal = Journal(self._session, token, cancellation=self._cancellation)
+            self._journal = Journal(
+                self._session,
+                token,
+                cancellation=self._cancellation,
+                checked_at=self._handed.checked_at,
+            )
             self._state = self._handed.state
             await seam("after_claim")
             return self._journal
@@ -232,11 +237,14 @@ class TaskContext:
         # A claim that raises Fenced lost to a concurrent claim of this
         # dispatch (between its read of the tail and its append): the task is
         # that holder's, not ours to report.
+        sent = asyncio.get_running_loop().time()
         response = await self._session.claim(request)
         if response.HasField("settled"):
             await self._settled_by_journal(response.settled)
         claimed = response.claimed
-        self._journal = Journal(self._session, claimed.token, cancellation=self._cancellation)
+        self._journal = Journal(
+            self._session, claimed.token, cancellation=self._cancellation, checked_at=sent
+        )
         self._state = claimed.state if claimed.has_state else None
         await seam("after_claim")
         return self._journal
@@ -467,7 +475,10 @@ class TaskContext:
         leased.task.CopyFrom(task)
         handed = None
         if nxt.HasField("token"):  # else a journal service that predates the hand-over
-            handed = Handover(nxt.token, commit.state if commit.has_state else None)
+            assert self._journal is not None  # only a journal's commit hands over
+            handed = Handover(
+                nxt.token, commit.state if commit.has_state else None, self._journal.checked_at
+            )
         return Kept(leased, self._lease.expires - self._lease.duration, handed)
 
     def _close(self) -> None:
@@ -512,11 +523,13 @@ class TaskContext:
 
 class Handover(NamedTuple):
     """A dispatch's journal handed to its holder with the commit before it
-    (ADR 34): the token whose first write stores the claim, and the state
-    that commit saved (None if it saved none)."""
+    (ADR 34): the token whose first write stores the claim, the state that
+    commit saved (None if it saved none), and when the commit's call was sent
+    (event-loop time; see ``Journal``'s ``checked_at``)."""
 
     token: jpb.WriterToken
     state: bytes | None
+    checked_at: float | None
 
 
 class Kept(NamedTuple):

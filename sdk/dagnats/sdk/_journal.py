@@ -20,6 +20,11 @@ Invariants:
   has nothing left to check.
 - A tool stopped because its run was cancelled is answered ``interrupted``
   before the worker commits, so every intent the handle wrote has a result.
+- A model call reads the step's tail first (``BeginModel``), so a fenced
+  holder does not spend it, unless the handle's last write was stored from a
+  call sent at most ``FRESH_TAIL`` before and nothing is recorded at the
+  position (``WriterToken.replay_positions``): that write was fenced on the
+  tail, and a read would tell no more (ADR 35).
 - A model response or a tool result is not sent at once: it rides the next
   journal call in that call's record when that call can carry it (a tool
   call's intent after a response, the commit after either), and is stored on
@@ -125,6 +130,13 @@ log = logging.getLogger("dagnats.sdk")
 # smallest record limit, so that a pending entry always fits a record alone.
 PENDING_BYTES = 64 * 1024
 
+# Seconds for which a write stored fenced on the step's tail stands for the
+# tail read before a model call: counted from when the write's call was sent,
+# so the write landed inside it. A successor's claim in that window costs at
+# most one model call whose response is refused, as a claim made while the
+# model answers does (ADR 35).
+FRESH_TAIL = 0.05
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Pending:
@@ -157,9 +169,14 @@ class Journal:
         token: jpb.WriterToken,
         *,
         cancellation: asyncio.Event | None = None,
+        checked_at: float | None = None,
     ) -> None:
+        """``checked_at``: event-loop time at which the call that stored
+        ``token.last_seq`` for this writer was sent (its claim, or the commit
+        that handed it over); None when unknown."""
         self._rpc = rpc
         self._token = token
+        self._checked_at = checked_at
         self._position = 0
         self._busy = False
         self._fenced = False
@@ -177,6 +194,12 @@ class Journal:
     @property
     def fenced(self) -> bool:
         return self._fenced
+
+    @property
+    def checked_at(self) -> float | None:
+        """Event-loop time at which the call that stored this handle's last
+        write was sent: the tail was the handle's at some moment since."""
+        return self._checked_at
 
     @property
     def in_flight(self) -> bool:
@@ -211,10 +234,7 @@ class Journal:
     ) -> Any:
         await self._end_loose()
         with self._turn() as position:
-            begin = await self._send(
-                lambda t: self._rpc.begin_model(jpb.BeginModelRequest(token=t, position=position)),
-                writes=False,
-            )
+            begin = await self._begin_model(position)
             if begin.recorded:
                 return decode(begin.response, field="response")
             live = TokenStream(self._rpc.put_stream, self._token, position) if streamed else None
@@ -235,6 +255,25 @@ class Journal:
                 await self._send(self._record_model(model), self._advance)
                 await seam("after_model")
             return response
+
+    async def _begin_model(self, position: int) -> jpb.BeginModelResponse:
+        """``BeginModel`` at ``position``, or its answer without the call when
+        nothing can be recorded there and the tail is fresh (see the module's
+        invariants); a pending entry is stored first either way."""
+        async with self._sending:
+            await self._store_pending()
+            if position >= self._token.replay_positions and self._tail_is_fresh():
+                if self._fenced:
+                    raise Fenced(self._token.run_id, self._token.step_id)
+                return jpb.BeginModelResponse(recorded=False)
+            return await self._locked(
+                lambda t: self._rpc.begin_model(jpb.BeginModelRequest(token=t, position=position)),
+                writes=False,
+            )
+
+    def _tail_is_fresh(self) -> bool:
+        checked = self._checked_at
+        return checked is not None and asyncio.get_running_loop().time() - checked <= FRESH_TAIL
 
     def _record_model(
         self, model: jpb.ModelCall
@@ -427,6 +466,9 @@ class Journal:
 
         def committed(done: jpb.CommitResponse) -> None:
             self._committed = True
+            self._token = jpb.WriterToken()
+            self._token.CopyFrom(request.token)
+            self._token.last_seq = done.commit_seq  # the writer's last record
 
         await self._end_loose()
         request = jpb.CommitRequest(commit=commit, lease=lease, hold=hold)
@@ -619,6 +661,7 @@ class Journal:
     async def _exchange(
         self, rpc: Callable[[jpb.WriterToken], Awaitable[R]], then: Callable[[R], None] | None
     ) -> R:
+        sent, last = asyncio.get_running_loop().time(), self._token.last_seq
         try:
             answer = await rpc(self._token)
         except Fenced:
@@ -626,6 +669,8 @@ class Journal:
             raise
         if then is not None:
             then(answer)
+        if self._token.last_seq != last:  # stored after the tail this handle held when sent
+            self._checked_at = sent
         return answer
 
 

@@ -35,6 +35,8 @@ place-inputs calls share one position counter):
   current declaration are both safe; otherwise the call gets an
   ``interrupted`` result carrying the partial output the holder wrote.
 * A different call at a recorded position is ``Mismatch``; nothing is written.
+* At or past ``replay_positions`` of the claim's records, nothing is
+  recorded: a model call there is ``CallModel`` whatever the attempt.
 * A new attempt (an engine retry) runs model calls and safe tools fresh, but a
   tool call matching an earlier attempt's *unsafe* intent by name and input
   honours it: the earlier result (or ``interrupted``) is used and the tool is
@@ -216,6 +218,15 @@ class CallModel:
 
 
 ModelDecision = UseResponse | CallModel | Mismatch
+
+
+def replay_positions(records: Iterable[AnyEntry]) -> int:
+    """One past the last position of a call recorded in ``records`` (one
+    iteration, every attempt); 0 when no call is recorded."""
+    positions = [
+        r.position for r in records if isinstance(r, ModelEntry | IntentEntry | InputEntry)
+    ]
+    return max(positions, default=-1) + 1
 
 
 def decide_model(records: Sequence[AnyEntry], *, attempt: int, position: int) -> ModelDecision:

@@ -235,6 +235,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             records.append(closed)
             entries.append(convert.entry(closed))
         token.snapshot_seq = token.last_seq
+        token.replay_positions = replay.replay_positions(entries)
         self._writer.remember(token, entries)
         claimed = pb.Claimed(token=token)
         if not base:

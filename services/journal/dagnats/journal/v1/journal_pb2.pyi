@@ -513,6 +513,7 @@ class WriterToken(_message.Message):
     HONOURED_FIELD_NUMBER: _builtins.int
     DELIVERY_FIELD_NUMBER: _builtins.int
     CLAIM_FIELD_NUMBER: _builtins.int
+    REPLAY_POSITIONS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -536,6 +537,12 @@ class WriterToken(_message.Message):
     Every record this writer appends carries it in the Dagnats-Delivery
     header, so the engine tells the holder's lease from an earlier delivery's
     (a heartbeat or release with a fenced holder's lease is refused).
+    """
+    replay_positions: _builtins.int
+    """One past the last position of a call the claim found recorded in this
+    iteration, of any attempt; 0 when it found none. A model call at this
+    position or later has no response to replay: a worker whose last tail
+    check is fresh may call the model without BeginModel (see BeginModel).
     """
     @_builtins.property
     def honoured(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -564,10 +571,11 @@ class WriterToken(_message.Message):
         honoured: _abc.Iterable[_builtins.int] | None = ...,
         delivery: _builtins.int = ...,
         claim: Global___Claim | None = ...,
+        replay_positions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "delivery", b"delivery", "honoured", b"honoured", "iteration", b"iteration", "last_seq", b"last_seq", "run_id", b"run_id", "snapshot_seq", b"snapshot_seq", "step_id", b"step_id", "writer", b"writer", "written", b"written"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "delivery", b"delivery", "honoured", b"honoured", "iteration", b"iteration", "last_seq", b"last_seq", "replay_positions", b"replay_positions", "run_id", b"run_id", "snapshot_seq", b"snapshot_seq", "step_id", b"step_id", "writer", b"writer", "written", b"written"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -175,7 +175,12 @@ class JournalServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BeginModel(self, request, context):
-        """BeginModel returns the recorded response at a position, or clears the call.
+        """BeginModel returns the recorded response at a position, or clears the call
+        after a read of the step's tail, so a fenced holder does not spend a model
+        call. A worker may skip it at a position at or past
+        WriterToken.replay_positions when a write of its own was stored, fenced
+        on the tail, from a call sent at most 50 ms before: that write's fence is
+        the same check, at most 50 ms older than the read's answer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -65,7 +65,13 @@ class JournalServiceStub:
     Claim: _grpc.UnaryUnaryMultiCallable[_journal_pb2.ClaimRequest, _journal_pb2.ClaimResponse]
     """Claim opens the journal of one dispatch of a step."""
     BeginModel: _grpc.UnaryUnaryMultiCallable[_journal_pb2.BeginModelRequest, _journal_pb2.BeginModelResponse]
-    """BeginModel returns the recorded response at a position, or clears the call."""
+    """BeginModel returns the recorded response at a position, or clears the call
+    after a read of the step's tail, so a fenced holder does not spend a model
+    call. A worker may skip it at a position at or past
+    WriterToken.replay_positions when a write of its own was stored, fenced
+    on the tail, from a call sent at most 50 ms before: that write's fence is
+    the same check, at most 50 ms older than the read's answer.
+    """
     RecordModel: _grpc.UnaryUnaryMultiCallable[_journal_pb2.RecordModelRequest, _journal_pb2.RecordModelResponse]
     """RecordModel stores a model response at a position."""
     BeginTool: _grpc.UnaryUnaryMultiCallable[_journal_pb2.BeginToolRequest, _journal_pb2.BeginToolResponse]
@@ -141,7 +147,13 @@ class JournalServiceAsyncStub(JournalServiceStub):
     Claim: _aio.UnaryUnaryMultiCallable[_journal_pb2.ClaimRequest, _journal_pb2.ClaimResponse]  # type: ignore[assignment]
     """Claim opens the journal of one dispatch of a step."""
     BeginModel: _aio.UnaryUnaryMultiCallable[_journal_pb2.BeginModelRequest, _journal_pb2.BeginModelResponse]  # type: ignore[assignment]
-    """BeginModel returns the recorded response at a position, or clears the call."""
+    """BeginModel returns the recorded response at a position, or clears the call
+    after a read of the step's tail, so a fenced holder does not spend a model
+    call. A worker may skip it at a position at or past
+    WriterToken.replay_positions when a write of its own was stored, fenced
+    on the tail, from a call sent at most 50 ms before: that write's fence is
+    the same check, at most 50 ms older than the read's answer.
+    """
     RecordModel: _aio.UnaryUnaryMultiCallable[_journal_pb2.RecordModelRequest, _journal_pb2.RecordModelResponse]  # type: ignore[assignment]
     """RecordModel stores a model response at a position."""
     BeginTool: _aio.UnaryUnaryMultiCallable[_journal_pb2.BeginToolRequest, _journal_pb2.BeginToolResponse]  # type: ignore[assignment]
@@ -226,7 +238,13 @@ class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _journal_pb2.BeginModelRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_journal_pb2.BeginModelResponse, _abc.Awaitable[_journal_pb2.BeginModelResponse]]:
-        """BeginModel returns the recorded response at a position, or clears the call."""
+        """BeginModel returns the recorded response at a position, or clears the call
+        after a read of the step's tail, so a fenced holder does not spend a model
+        call. A worker may skip it at a position at or past
+        WriterToken.replay_positions when a write of its own was stored, fenced
+        on the tail, from a call sent at most 50 ms before: that write's fence is
+        the same check, at most 50 ms older than the read's answer.
+        """
 
     @_abc_1.abstractmethod
     def RecordModel(
