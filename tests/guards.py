@@ -463,6 +463,8 @@ GUARDS = (
             "test_with_no_engine_taking_held_events_they_are_stored_on_the_history",
             "tests/test_held_dispatch.py::"
             "test_a_held_event_taken_by_an_engine_that_never_answers_is_stored_on_the_history",
+            "tests/test_held_dispatch.py::"
+            "test_a_commit_event_its_own_engine_leaves_unanswered_is_stored_on_the_history",
         ),
     ),
     Guard(

@@ -4,8 +4,9 @@ the same message and lease carry, so an agent loop publishes one task, not
 one an iteration. These check what a user of the task queue would see: how
 many tasks a run published, the delivery each iteration ran on, and that a
 kept task is heartbeated, reconciled, cancelled and given back like any other.
-The commit's event goes to the engine over core NATS and is stored on the
-history only when no engine answered (ADR 33).
+The commit's event goes to the engine over core NATS (or by a call, to the
+engine of the journal service's own process) and is stored on the history
+only when no engine answered (ADRs 33 and 36).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dagnats.core import jetstream as jsx
 from dagnats.core.natsserver import NatsServer
 from dagnats.core.subjects import DIRECT_QUEUE, DIRECT_REPORTS, history_subject
 from dagnats.engine.report import TaskSettler, outcome_msg_id
-from dagnats.engine.server import EngineServer
+from dagnats.engine.server import EngineServer, start_services
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
@@ -281,6 +282,72 @@ async def test_a_journal_commit_stores_no_event_on_the_history(
         assert loop.ran == [(i, 1, 1) for i in range(K)]
         stored = await history_events(js, run.run_id)
         assert stored == through_history - K, (sticky, stored, through_history)
+
+
+async def test_a_commit_event_goes_to_the_engine_of_its_own_process_by_a_call(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    # The fixture serves the engine and the journal service in one process:
+    # each commit's event is handed to that engine without NATS (ADR 36).
+    counters = engine.engine.counters
+    local, direct = counters["local_applied"], counters["direct_applied"]
+    loop = Loop()
+    run = await run_loop(client, engine, loop)
+    await completed(engine, run)
+    assert loop.ran == [(i, 1, 1) for i in range(K)]
+    assert counters["local_applied"] - local == K
+    assert counters["direct_applied"] == direct
+
+
+async def test_a_commit_event_its_own_engine_leaves_unanswered_is_stored_on_the_history(
+    client: Client, engine: EngineServer, js: JetStreamContext, monkeypatch: Any
+) -> None:
+    # The engine of the process takes the event and answers nothing (it was
+    # stopping, or its run write outlasted the wait): the event goes to the
+    # history, whose engine applies it and answers.
+    await engine.engine.stop_serving_reports()
+    try:
+        queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
+    finally:
+        await engine.engine.serve_reports()
+    taken: list[str] = []
+
+    async def unanswered(event: ipb.HistoryEvent, *, wait: float) -> bytes | None:
+        taken.append(event.run_id)
+        return None
+
+    monkeypatch.setattr(engine.engine, "take_report", unanswered)
+    before = await tasks_published(js)
+    loop = Loop()
+    run = await run_loop(client, engine, loop)
+    await completed(engine, run)
+    assert loop.ran == [(i, 1, 1) for i in range(K)]
+    assert taken == [run.run_id] * K
+    assert await tasks_published(js) - before == 1
+    assert await history_events(js, run.run_id) == await history_events(js, queued.run_id)
+
+
+async def test_a_journal_service_apart_sends_its_commits_events_over_nats(
+    client: Client, engine: EngineServer, js: JetStreamContext, nats_server: NatsServer
+) -> None:
+    # A journal service in a process of its own (``dagnats serve journal``)
+    # sends each commit's event to the engine over core NATS, and stores
+    # none on the history: the same events as the engine's own process does.
+    counters = engine.engine.counters
+    here = await run_loop(client, engine, Loop())
+    journal = await start_services(nats_server.url, services=["journal"])
+    try:
+        direct = counters["direct_applied"]
+        before = await tasks_published(js)
+        loop = Loop()
+        run = await run_loop(client, engine, loop, journal_target=journal.target)
+    finally:
+        await journal.stop()
+    await completed(engine, run)
+    assert loop.ran == [(i, 1, 1) for i in range(K)]
+    assert counters["direct_applied"] - direct == K
+    assert await tasks_published(js) - before == 1
+    assert await history_events(js, run.run_id) == await history_events(js, here.run_id)
 
 
 async def test_with_no_engine_taking_held_events_they_are_stored_on_the_history(

@@ -54,7 +54,10 @@ it once told), so an event lost here (this engine dies, or is slow) costs the
 journal service its first wait, after which it publishes the event on the
 history. Such events race the history's events of the same run; the run's
 compare-and-swap orders them, and a report applied twice is stale the second
-time (its dispatch has moved on) and dropped.
+time (its dispatch has moved on) and dropped. A journal service in the same
+process hands such an event to this engine by a call instead
+(``take_report``, ADR 36): the same application, the decision returned
+rather than sent, while this engine serves reports at all.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class Engine:
         self._written: OrderedDict[str, StoredRun] = OrderedDict()
         # Commits' events taken from core NATS and being applied: at most a
         # history fetch's worth at once; more waits in the subscription.
-        self._reports: set[asyncio.Task[None]] = set()
+        self._reports: set[asyncio.Task[bytes | None]] = set()
         self._report_slots = asyncio.Semaphore(config.history_batch)
         self._unserve_reports: Callable[[], Awaitable[None]] | None = None
 
@@ -370,15 +373,48 @@ class Engine:
         await self._take_event(event)
         await msg.ack()
 
-    async def _take_event(self, event: ipb.HistoryEvent) -> None:
-        """Apply an event taken from the history or sent to this engine."""
+    async def _take_event(self, event: ipb.HistoryEvent, *, answer: bool = False) -> bytes | None:
+        """Apply an event taken from the history or sent to this engine; with
+        ``answer``, what its sender is to be told (see ``_apply_event``)."""
         await seam("before_event_applied")
         kind = event.WhichOneof("kind") or "unknown"
         parent = tracing.extract(dict(event.trace_context))
         with tracing.span(f"engine apply {kind}", parent) as span:
             span.set_attribute("dagnats.run_id", event.run_id)
             span.set_attribute("dagnats.step_id", event.step_id)
-            await self._apply_event(event)
+            return await self._apply_event(event, answer=answer)
+
+    @property
+    def takes_reports(self) -> bool:
+        """Whether this engine takes commits' events now (``serve_reports``)."""
+        return self._unserve_reports is not None
+
+    async def take_report(self, event: ipb.HistoryEvent, *, wait: float) -> bytes | None:
+        """Apply a journal commit's event handed over by the journal service
+        of this process, as one sent over core NATS is (ADR 36); the
+        ``HeldDecision`` its sender is told, serialized. None when this engine
+        takes no reports now, the event was not applied within ``wait``
+        seconds, or it leaves nothing to tell: the sender then goes on as if
+        no engine had answered."""
+        if not self.takes_reports:
+            return None
+        self.counters["local_applied"] += 1
+        task = asyncio.create_task(self._take_report(event))
+        self._reports.add(task)  # cut short with the reports sent over NATS
+        task.add_done_callback(self._reports.discard)
+        done, _ = await asyncio.wait({task}, timeout=wait)
+        if not done or task.cancelled():
+            return None
+        return task.result()
+
+    async def _take_report(self, event: ipb.HistoryEvent) -> bytes | None:
+        try:
+            return await self._take_event(event, answer=True)
+        except Exception:
+            log.exception(
+                "run %s/%s: a commit's event was not applied", event.run_id, event.step_id
+            )
+            return None
 
     async def _on_report(self, data: bytes) -> None:
         """A commit's event from core NATS (ADR 33), applied in a task
@@ -413,7 +449,10 @@ class Engine:
         except Exception:
             log.exception("run %s/%s: a direct event was not applied", event.run_id, event.step_id)
 
-    async def _apply_event(self, event: ipb.HistoryEvent) -> None:
+    async def _apply_event(self, event: ipb.HistoryEvent, *, answer: bool = False) -> bytes | None:
+        """Apply ``event``. A journal commit's event that names a notice
+        subject has its sender told there what became of it; with ``answer``,
+        that is returned instead (None: nothing to tell)."""
         kind = event.WhichOneof("kind")
         if kind == "start":
             await self._start_child(event)
@@ -421,38 +460,25 @@ class Engine:
             await self._step_inputs(event)
         else:
             run_input = convert.event_to_input(event)
-            if run_input is not None:
-                applied = await self.apply(event.run_id, run_input)
-                if event.notify:
-                    await self._tell_sender(event, applied[0] if applied else None)
+            if run_input is None:
+                return None
+            applied = await self.apply(event.run_id, run_input)
+            if not (answer or event.notify):
+                return None
+            decision = _decision(event, applied[0] if applied else None)
+            if answer:
+                return decision
+            if decision is not None:
+                await self._tell_sender(event, decision)
+        return None
 
-    async def _tell_sender(self, event: ipb.HistoryEvent, run: m.Run | None) -> None:
-        """Tell the journal service that sent a commit's event what became of
-        it, now that the run is stored (ADR 33): of a task message kept across
-        the commit, the dispatch it carries on to, or that it carries none
-        (ADR 31); of any other, that the task may go (``done``)."""
+    async def _tell_sender(self, event: ipb.HistoryEvent, decision: bytes) -> None:
+        """Tell the journal service that sent a commit's event ``decision``,
+        now that the run is stored (ADR 33)."""
         if not is_inbox(event.notify):
             log.warning("run %s: a notice subject that is no inbox: %r", event.run_id, event.notify)
             return
-        if not event.held_seq:
-            await self.store.notify(event.notify, ipb.HeldDecision(done=True).SerializeToString())
-            return
-        await self._tell_holder(event, run)
-
-    async def _tell_holder(self, event: ipb.HistoryEvent, run: m.Run | None) -> None:
-        """Tell the holder of a task message kept across its commit what became
-        of it (ADR 31). Nothing when the report left it carrying the reported
-        dispatch: the holder's wait ends, and its lease decides."""
-        reported = m.Identity(iteration=event.iteration, attempt=event.attempt)
-        step = run.step(event.step_id) if run is not None and run.has_step(event.step_id) else None
-        held = run is not None and rules.held_decision(step, run.status, event.held_seq, reported)
-        if held is None:
-            return
-        decision = ipb.HeldDecision(done=not held)
-        if held and run is not None and step is not None:
-            task = rules.dispatch_task(run, step)
-            decision.next.CopyFrom(convert.task_to_proto(task, _trace_headers()))
-        await self.store.notify(event.notify, decision.SerializeToString())
+        await self.store.notify(event.notify, decision)
 
     async def apply(self, run_id: str, run_input: m.RunInput) -> tuple[m.Run, m.Decision] | None:
         return await self.transition(
@@ -697,6 +723,27 @@ class Engine:
             if not await self.store.task_in_flight(subject, prefix, held_seq=step.held_seq):
                 found.append((run.run_id, step.step_id, step.iteration, step.attempt))
         return found
+
+
+def _decision(event: ipb.HistoryEvent, run: m.Run | None) -> bytes | None:
+    """What the sender of a journal commit's event is told once ``run`` is
+    stored with it applied (ADR 33): of a task message kept across the commit,
+    the dispatch it carries on to, or that it carries none (ADR 31); of any
+    other, that the task may go (``done``). None for a kept message the
+    report left carrying the reported dispatch: nothing is told, and the
+    holder's lease decides."""
+    if not event.held_seq:
+        return ipb.HeldDecision(done=True).SerializeToString()
+    reported = m.Identity(iteration=event.iteration, attempt=event.attempt)
+    step = run.step(event.step_id) if run is not None and run.has_step(event.step_id) else None
+    held = run is not None and rules.held_decision(step, run.status, event.held_seq, reported)
+    if held is None:
+        return None
+    decision = ipb.HeldDecision(done=not held)
+    if held and run is not None and step is not None:
+        task = rules.dispatch_task(run, step)
+        decision.next.CopyFrom(convert.task_to_proto(task, _trace_headers()))
+    return decision.SerializeToString()
 
 
 def _direct_report(event: ipb.HistoryEvent) -> bool:

@@ -10,7 +10,9 @@ A journal commit sends its event to one engine over core NATS first, and
 publishes it on the history only when no engine answered within a third of
 its wait (ADR 33): the stored commit is the durable fact, and the task
 message, still leased, stays in the queue until the engine has applied the
-event or the event is on the history.
+event or the event is on the history. When an engine serves reports in the
+journal service's own process, that engine is the one: it is handed the
+event by a call, not over NATS (ADR 36).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import secrets
 from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
+from typing import Protocol
 
 from dagnats.core import tracing
 from dagnats.core.outcomes import outcome_of
@@ -93,14 +96,28 @@ async def publish_outcome(store: EngineStore, lease: str, event: ipb.HistoryEven
     await store.release(lease)
 
 
+class LocalEngine(Protocol):
+    """The engine of the journal service's own process, as a taker of
+    commits' events (``dagnats.engine.processor.Engine``)."""
+
+    @property
+    def takes_reports(self) -> bool: ...
+
+    async def take_report(self, event: ipb.HistoryEvent, *, wait: float) -> bytes | None: ...
+
+
 class TaskSettler:
     """Settling the task of a stored journal commit, for the journal service
     (``dagnats.journal.peers.Tasks``): the commit's event, stamped by the
-    engine's clock, then the lease released."""
+    engine's clock, then the lease released. ``local``: the engine of this
+    process, which takes the events while it serves reports (ADR 36)."""
 
-    def __init__(self, store: EngineStore, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, store: EngineStore, clock: Callable[[], float], local: LocalEngine | None = None
+    ) -> None:
         self._store = store
         self._clock = clock
+        self._local = local
 
     def _event(self, commit: jpb.Record) -> ipb.HistoryEvent:
         """The lifecycle event of a stored commit, stamped by the engine's clock."""
@@ -179,8 +196,16 @@ class TaskSettler:
     async def _told_directly(
         self, event: ipb.HistoryEvent, told: asyncio.Future[bytes], wait: float
     ) -> bool:
-        """Send ``event`` to one engine; whether its decision came within
-        ``wait`` seconds. False at once when no engine subscribes."""
+        """Send ``event`` to one engine (this process's, when it takes
+        reports); whether its decision came within ``wait`` seconds. False at
+        once when no engine subscribes."""
+        local = self._local
+        if local is not None and local.takes_reports:
+            await seam("after_report_sent")
+            decision = await local.take_report(event, wait=wait)
+            if decision is not None and not told.done():
+                told.set_result(decision)
+            return told.done()
         try:
             refused = await self._store.send_report(event)
         except Exception as err:  # the connection is reconnecting: the history it is

@@ -239,7 +239,8 @@ async def start_services(
     journal: JournalServicer | None = None
     if "journal" in served:
         # The clock stamps the events of the commits it settles: the engine's when both run.
-        tasks = TaskSettler(engine_store, clock)
+        # Its commits' events go to this process's engine, when it serves one (ADR 36).
+        tasks = TaskSettler(engine_store, clock, local=engine)
         journal = JournalServicer(
             journal_store, engine_store, input_store, tasks=tasks, clock=clock
         )
