@@ -12,7 +12,12 @@ from google.protobuf import duration_pb2
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.engine import definition
-from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
+from dagnats.engine.convert_workflow import (
+    stored_workflow,
+    stored_workflow_proto,
+    workflow_from_proto,
+    workflow_to_proto,
+)
 from dagnats.engine.definition import (
     DEFAULT_AGENT_LOOP,
     DEFAULT_RETRY,
@@ -280,6 +285,21 @@ def test_proto_round_trip_including_the_wire() -> None:
     wire = engine_pb2.Workflow.FromString(msg.SerializeToString())
 
     assert workflow_from_proto(wire) == wf
+
+
+def test_a_stored_definition_is_validated_once_and_converts_as_a_new_one() -> None:
+    wf = parse_document(RESEARCH)
+    wire = engine_pb2.Workflow.FromString(workflow_to_proto(wf).SerializeToString())
+
+    first = stored_workflow(wire)
+    again = stored_workflow(engine_pb2.Workflow.FromString(wire.SerializeToString()))
+
+    assert first == wf and again is first
+    assert stored_workflow_proto(wf) == workflow_to_proto(wf)
+    invalid = engine_pb2.Workflow(name="x")  # no steps
+    for _ in range(2):  # a refusal is never kept as a definition
+        with pytest.raises(InvalidArgument):
+            stored_workflow(invalid)
 
 
 def test_proto_fields_match_the_definition() -> None:

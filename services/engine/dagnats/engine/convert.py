@@ -9,7 +9,10 @@ from dagnats.core.status import step_status_from_proto, step_status_to_proto
 from dagnats.core.subjects import cancel_subject, history_subject, task_subject, timer_subject
 from dagnats.core.timestamps import duration_seconds, seconds, timestamp
 from dagnats.engine import model as m
-from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
+from dagnats.engine.convert_workflow import (
+    stored_workflow,
+    stored_workflow_proto,
+)
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
@@ -107,7 +110,7 @@ def record_to_proto(
 ) -> ipb.RunRecord:
     record = ipb.RunRecord(
         run=run_to_proto(run),
-        workflow=workflow_to_proto(run.workflow),
+        workflow=stored_workflow_proto(run.workflow),
         outbox=outbox,
         trace_context=trace_context,
     )
@@ -129,7 +132,7 @@ def record_from_proto(record: ipb.RunRecord) -> m.Run:
     msg = record.run
     return m.Run(
         run_id=msg.run_id,
-        workflow=workflow_from_proto(record.workflow),
+        workflow=stored_workflow(record.workflow),
         status=_RUN_STATUS_BACK[msg.status],
         input=msg.input,
         output=msg.output,

@@ -20,6 +20,7 @@ the field.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from dagnats.core.timestamps import duration, duration_seconds
@@ -34,7 +35,15 @@ from dagnats.engine.definition import (
 )
 from dagnats.engine.v1 import engine_pb2
 
-__all__ = ["workflow_from_proto", "workflow_to_proto"]
+__all__ = [
+    "stored_workflow",
+    "stored_workflow_proto",
+    "workflow_from_proto",
+    "workflow_to_proto",
+]
+
+# Distinct stored definitions whose validated form is kept (see ``stored_workflow``).
+STORED_WORKFLOWS = 1024
 
 
 _STEP_TYPE_TO_PROTO: dict[StepType, engine_pb2.StepType.ValueType] = {
@@ -94,6 +103,27 @@ def workflow_from_proto(msg: engine_pb2.Workflow) -> WorkflowDef:
             "default_retry": _retry_mapping(msg.default_retry),
         }
     )
+
+
+def stored_workflow(msg: engine_pb2.Workflow) -> WorkflowDef:
+    """:func:`workflow_from_proto` of a definition as stored (a registered
+    workflow, or the one a run record carries), validated once per distinct
+    message: a run's definition does not change while it runs, and every
+    change of the run reads it again. The definition is immutable, so the one
+    kept is shared."""
+    return _validated(msg.SerializeToString())
+
+
+@functools.lru_cache(maxsize=STORED_WORKFLOWS)
+def _validated(data: bytes) -> WorkflowDef:
+    return workflow_from_proto(engine_pb2.Workflow.FromString(data))
+
+
+@functools.lru_cache(maxsize=STORED_WORKFLOWS)
+def stored_workflow_proto(wf: WorkflowDef) -> engine_pb2.Workflow:
+    """:func:`workflow_to_proto` of a run's definition, made once per distinct
+    definition, for every write of the run. Shared: copy it, never change it."""
+    return workflow_to_proto(wf)
 
 
 def _step_to_proto(step: StepDef) -> engine_pb2.Step:

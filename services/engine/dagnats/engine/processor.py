@@ -77,7 +77,7 @@ from dagnats.core.subjects import is_inbox, task_subject
 from dagnats.engine import convert, rules
 from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
-from dagnats.engine.convert_workflow import workflow_from_proto
+from dagnats.engine.convert_workflow import stored_workflow
 from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
@@ -500,7 +500,7 @@ class Engine:
         start = event.start
         if await self.store.load_run(event.run_id) is None:
             try:
-                workflow = workflow_from_proto(await self.store.get_workflow(start.workflow))
+                workflow = stored_workflow(await self.store.get_workflow(start.workflow))
             except Exception as err:
                 await self._child_failed_to_start(event, str(err))
                 return

@@ -22,7 +22,7 @@ from dagnats.core.subjects import (
 from dagnats.core.timestamps import duration
 from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
-from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
+from dagnats.engine.convert_workflow import stored_workflow, workflow_from_proto, workflow_to_proto
 from dagnats.engine.processor import Engine
 from dagnats.engine.report import lease_position, outcome_event, publish_outcome
 from dagnats.engine.run_feed import RunFeed, listed
@@ -119,7 +119,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             )
         run_id = new_run_id()
         if key:
-            workflow = workflow_from_proto(await self.store.get_workflow(name))
+            workflow = stored_workflow(await self.store.get_workflow(name))
             run_id = await self.store.claim_run_key(name, key, run_id)
             existing = await self.store.load_run(run_id)
             if existing is not None:
@@ -134,7 +134,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             found, _ = await asyncio.gather(
                 self.store.get_workflow(name), self.store.enter_active(run_id)
             )
-            workflow = workflow_from_proto(found)
+            workflow = stored_workflow(found)
         accepted = rules.start_run(
             run_id=run_id,
             workflow=workflow,
