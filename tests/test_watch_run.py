@@ -85,6 +85,35 @@ async def test_a_watcher_gets_each_change_in_order_then_the_end(
     assert seen[-1].output == b'{"step":"second"}'
 
 
+async def test_a_watcher_of_the_end_only_gets_the_run_as_it_is_then_its_end(
+    engine: EngineServer, client: Client, gated: tuple[str, Gates]
+) -> None:
+    name, gates = gated
+    run = await client.start_run(name)
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        call = pb_grpc.EngineServiceStub(channel).WatchRun(
+            pb.WatchRunRequest(run_id=run.run_id, ended_only=True)
+        )
+        first = await call.read()
+        # A watcher of every change opens each gate once its step runs.
+        seen = []
+        async for state in client.watch_run(run.run_id):
+            seen.append(statuses(state))
+            steps = {s.step_id: s.status for s in state.steps}
+            for step in ("first", "second"):
+                if steps[step] == RUNNING:
+                    gates.open(step)
+        rest: list[pb.WatchRunResponse] = []
+        while (message := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
+            assert isinstance(message, pb.WatchRunResponse)
+            rest.append(message)
+    assert isinstance(first, pb.WatchRunResponse)
+    assert statuses(first.run)[0] == pb.RUN_STATUS_RUNNING
+    assert len(set(seen)) >= 3, "the run changed between its start and its end"
+    assert [statuses(m.run) for m in rest] == [(pb.RUN_STATUS_COMPLETED, COMPLETED, COMPLETED)]
+    assert rest[0].run.output == b'{"step":"second"}'
+
+
 async def test_wait_for_run_answers_on_the_end_without_polling(
     engine: EngineServer, client: Client, gated: tuple[str, Gates]
 ) -> None:

@@ -247,8 +247,9 @@ class Client:
     # The one public `timeout` parameter (ASYNC109): waiting for a run to finish
     # has its own budget, separate from the deadline of each engine call.
     async def wait_for_run(self, run_id: str, *, timeout: float = 60.0) -> pb.Run:  # noqa: ASYNC109
-        """Wait until the run is completed, failed or cancelled (``watch_run``:
-        the answer comes as the engine stores the run's end).
+        """Wait until the run is completed, failed or cancelled (a ``WatchRun``
+        with ``ended_only``: the answer comes as the engine stores the run's
+        end, and none of the changes before it is sent).
 
         Args:
             run_id: The run.
@@ -261,7 +262,7 @@ class Client:
             DeadlineExceeded: the run had not finished after ``timeout`` seconds.
             NotFound: no run has that id.
         """
-        return await self._wait(pb.WatchRunRequest(run_id=run_id), timeout)
+        return await self._wait(pb.WatchRunRequest(run_id=run_id, ended_only=True), timeout)
 
     async def _wait(self, request: pb.WatchRunRequest, seconds: float) -> pb.Run:
         """The run of a ``WatchRun`` of ``request`` once it has ended, waited
@@ -288,8 +289,9 @@ class Client:
     ) -> Any:
         """Start a run of ``workflow``, wait for it and return its output.
 
-        One ``WatchRun`` call starts the run and is answered as it changes,
-        until it has ended.
+        One ``WatchRun`` call starts the run and is answered twice: with the
+        run as started, and once it has ended (``ended_only``: no message for
+        the changes in between).
 
         Args:
             workflow: Name of a registered workflow.
@@ -313,7 +315,7 @@ class Client:
             input=encode(input, field="input"),
             idempotency_key=idempotency_key,
         )
-        run = await self._wait(pb.WatchRunRequest(start=start), timeout)
+        run = await self._wait(pb.WatchRunRequest(start=start, ended_only=True), timeout)
         if run.status != pb.RUN_STATUS_COMPLETED:
             raise RunFailed(run)
         return run_output(run)

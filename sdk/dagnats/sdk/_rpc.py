@@ -256,7 +256,9 @@ class EngineRpc:
             )
             if response is not None and request.HasField("start"):
                 # Started: from now on the run is watched by its id.
-                request = pb.WatchRunRequest(run_id=response.run.run_id)
+                request = pb.WatchRunRequest(
+                    run_id=response.run.run_id, ended_only=request.ended_only
+                )
                 idempotent = True
             try:
                 while response is not None:

@@ -163,7 +163,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 stored, _ = await self._start(request.start)
             else:
                 stored = await self.store.require_run(check_run_id(request.run_id))
-            async for state in self.watches.follow(stored):
+            async for state in self.watches.follow(stored, ended_only=request.ended_only):
                 yield pb.WatchRunResponse(run=state.record.run, revision=state.revision)
         except Exception as err:
             if (domain := as_domain_error(err)) is None:

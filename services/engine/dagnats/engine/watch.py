@@ -13,7 +13,8 @@ What a watcher sends (the contract of ``WatchRun``):
 - a state only when the run as a client sees it (the ``Run`` message) differs
   from the one sent last: a write that only clears the engine's outbox is
   not a change; a state with a revision at or below one sent is not news;
-- after a state whose status is final, nothing: the watch ends.
+- after a state whose status is final, nothing: the watch ends;
+- with ``ended_only``, no state between the first and a final one.
 
 A watcher holds at most ``BUFFER`` states. One that falls further behind
 drops the oldest: it skips intermediate states, never the latest one.
@@ -38,7 +39,8 @@ FINAL = frozenset({pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_
 class Watcher:
     """One client's view of a hub: the states it has yet to send."""
 
-    def __init__(self, first: StoredRun) -> None:
+    def __init__(self, first: StoredRun, *, ended_only: bool = False) -> None:
+        self._ended_only = ended_only
         self._pending: deque[StoredRun | None] = deque([first], maxlen=BUFFER)
         self._ready = asyncio.Event()
         self._ready.set()
@@ -73,6 +75,8 @@ class Watcher:
                 revision = stored.revision
                 if stored.record.run == last:
                     continue
+                if self._ended_only and last is not None and stored.record.run.status not in FINAL:
+                    continue  # progress, which this watcher does not want
                 last = stored.record.run
                 yield stored
                 if last.status in FINAL:
@@ -125,8 +129,11 @@ class RunWatches:
         self._store = store
         self._hubs: dict[str, RunHub] = {}
 
-    async def follow(self, first: StoredRun) -> AsyncIterator[StoredRun]:
-        """``first``, then the run's later states by the rules above, until it ends."""
+    async def follow(
+        self, first: StoredRun, *, ended_only: bool = False
+    ) -> AsyncIterator[StoredRun]:
+        """``first``, then the run's later states by the rules above, until it
+        ends; with ``ended_only``, only its final state after ``first``."""
         if first.record.run.status in FINAL:
             yield first  # it changes no more: no watch needed
             return
@@ -134,7 +141,7 @@ class RunWatches:
         hub = self._hubs.get(run_id)
         if hub is None:
             hub = self._hubs[run_id] = RunHub(self, self._store, run_id)
-        watcher = Watcher(first)
+        watcher = Watcher(first, ended_only=ended_only)
         if hub.latest is not None:
             # What the hub saw while ``first`` was read (the older is skipped).
             watcher.offer(hub.latest)

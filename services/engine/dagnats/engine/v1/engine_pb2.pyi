@@ -744,8 +744,15 @@ class WatchRunRequest(_message.Message):
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     START_FIELD_NUMBER: _builtins.int
+    ENDED_ONLY_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run id; empty when start is set."""
+    ended_only: _builtins.bool
+    """Send no state between the first message and the final one: two messages
+    in all (one when the run has ended already). For a caller that waits for
+    a run's outcome, not its progress: a loop of many iterations then costs
+    the stream nothing until it ends.
+    """
     @_builtins.property
     def start(self) -> Global___StartRunRequest:
         """Start this run first, with StartRun's rules and errors, then watch it:
@@ -760,10 +767,11 @@ class WatchRunRequest(_message.Message):
         *,
         run_id: _builtins.str = ...,
         start: Global___StartRunRequest | None = ...,
+        ended_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended_only", b"ended_only", "run_id", b"run_id", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

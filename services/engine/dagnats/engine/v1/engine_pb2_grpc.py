@@ -161,6 +161,7 @@ class EngineServiceServicer:
         malformed id. A watcher that falls far behind skips intermediate states,
         never the last one. Given a start instead of a run id, it starts the run
         as StartRun does and watches it: one call from a start to the run's end.
+        With ended_only, only the first message and the final state are sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -53,6 +53,7 @@ class EngineServiceStub:
     malformed id. A watcher that falls far behind skips intermediate states,
     never the last one. Given a start instead of a run id, it starts the run
     as StartRun does and watches it: one call from a start to the run's end.
+    With ended_only, only the first message and the final state are sent.
     """
     ListRuns: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ListRunsRequest, _engine_pb2.ListRunsResponse]
     """ListRuns returns runs, optionally filtered by workflow and status."""
@@ -118,6 +119,7 @@ class EngineServiceAsyncStub(EngineServiceStub):
     malformed id. A watcher that falls far behind skips intermediate states,
     never the last one. Given a start instead of a run id, it starts the run
     as StartRun does and watches it: one call from a start to the run's end.
+    With ended_only, only the first message and the final state are sent.
     """
     ListRuns: _aio.UnaryUnaryMultiCallable[_engine_pb2.ListRunsRequest, _engine_pb2.ListRunsResponse]  # type: ignore[assignment]
     """ListRuns returns runs, optionally filtered by workflow and status."""
@@ -216,6 +218,7 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         malformed id. A watcher that falls far behind skips intermediate states,
         never the last one. Given a start instead of a run id, it starts the run
         as StartRun does and watches it: one call from a start to the run's end.
+        With ended_only, only the first message and the final state are sent.
         """
 
     @_abc_1.abstractmethod
