@@ -10,17 +10,21 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc.aio
 import pytest
+from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core.errors import InvalidArgument, NotFound
 from dagnats.engine import model as m
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.store import StaleRevision
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.sdk import Client, TaskContext, Worker, run_output
 from dagnats.sdk.testing import ScriptedModel
-from tests.helpers import wait_for
+from tests.helpers import trailing, wait_for
 from tests.stack import FAST, loop_workflow, spawn_worker, steps_by_id, unique
 
 
@@ -126,6 +130,41 @@ async def test_duplicate_and_stale_continues_are_dropped(
     assert done.status == pb.RUN_STATUS_COMPLETED
     assert step.iterations == 1, "the duplicates did not advance the loop"
     assert reports == [(0, 1), (1, 1)]
+
+
+async def test_a_report_that_names_no_dispatch_is_refused_and_keeps_the_task(
+    client: Client, engine: EngineServer
+) -> None:
+    # A worker on the raw stubs that leaves iteration and attempt unset: a
+    # duplicate of such a report could advance the loop twice, so it is
+    # refused at the edge, and the task stays the worker's to report again.
+    task, name = unique("noid"), unique("wf")
+    await client.register_workflow(loop_workflow(name, task))
+    run = await client.start_run(name)
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        wait = Duration()
+        wait.FromMilliseconds(500)
+
+        async def leased() -> pb.LeasedTask | None:
+            got = await stub.PollTasks(
+                pb.PollTasksRequest(task_types=[task], max_tasks=1, wait=wait)
+            )
+            return got.tasks[0] if got.tasks else None
+
+        first = await wait_for(leased, timeout=20, message="the first task")
+        bare = pb.ReportRequest(lease=first.lease, run_id=run.run_id, step_id="agent")
+        getattr(bare, "continue").output = b"{}"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Report(bare)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert trailing(refused.value)["dagnats-error-field"] == "attempt"
+        assert "iteration and attempt" in (refused.value.details() or "")
+        bare.iteration, bare.attempt = first.task.iteration, first.task.attempt
+        assert not (await stub.Report(bare)).stale, "the lease was still the worker's"
+        second = await wait_for(leased, timeout=20, message="the next iteration's task")
+    assert (second.task.iteration, second.task.attempt) == (1, 1)
+    await client.cancel_run(run.run_id)
 
 
 async def test_two_engines_run_twenty_loops(

@@ -27,7 +27,9 @@ class EngineConfig:
             before another engine gets it.
         timer_ack_wait: the same for a timer that fired.
         legacy_step_events: accept step reports without a dispatch identity
-            (``DAGNATS_LEGACY_STEP_EVENTS``, default true).
+            (``DAGNATS_LEGACY_STEP_EVENTS``, default false): a duplicate of
+            such a report can advance a loop twice, so only for workers that
+            predate the identity.
         loop_state_max_bytes: largest checkpoint of a non-journal step.
         reconcile_interval: how often the engine looks for stranded work: an
             outbox left unpublished, a task that vanished, or an event that an
@@ -52,7 +54,7 @@ class EngineConfig:
     task_ack_wait: float = 30.0
     history_ack_wait: float = 30.0
     timer_ack_wait: float = 30.0
-    legacy_step_events: bool = True
+    legacy_step_events: bool = False
     loop_state_max_bytes: int = 1 << 20
     reconcile_interval: float = 10.0
     outbox_grace: float = 5.0

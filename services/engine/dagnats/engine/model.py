@@ -325,4 +325,4 @@ Decision = Accepted | Dropped
 class RuleOptions:
     """Engine settings the rules depend on."""
 
-    legacy_step_events: bool = True
+    legacy_step_events: bool = False

@@ -379,6 +379,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await self._check_holder(lease, releasing=True)
             await self.store.release(lease)
             return pb.ReportResponse(cancelled=not await self.store.run_is_active(run_id))
+        if request.iteration < 0 or request.attempt < 0:
+            raise errors.InvalidArgument("iteration and attempt must be >= 0", field="attempt")
+        if request.attempt == 0 and not self.engine.config.legacy_step_events:
+            raise errors.InvalidArgument(
+                "a report names the dispatch it settles: set iteration and attempt to the "
+                "task's (DAGNATS_LEGACY_STEP_EVENTS=true accepts reports without them)",
+                field="attempt",
+            )
         outcome = getattr(request, kind)
         if kind in ("continue", "complete"):
             check_json(outcome.output, field=f"{kind}.output", limit=MAX_INPUT_BYTES)
