@@ -481,10 +481,8 @@ GUARDS = (
     Guard(
         name="a model call's tail check when the holder's last write is not fresh",
         file="sdk/dagnats/sdk/_journal.py",
-        guard=(
-            "            if position >= self._token.replay_positions and self._tail_is_fresh():\n"
-        ),
-        removed="            if position >= self._token.replay_positions:\n",
+        guard="            if position >= token.replay_positions and self._tail_is_fresh():\n",
+        removed="            if position >= token.replay_positions:\n",
         how="a holder fenced long after its last write still spends a model call",
         tests=(
             "tests/test_journal.py::test_a_holder_fenced_before_its_model_call_does_not_spend_it",

@@ -259,17 +259,17 @@ class Journal:
     async def _begin_model(self, position: int) -> jpb.BeginModelResponse:
         """``BeginModel`` at ``position``, or its answer without the call when
         nothing can be recorded there and the tail is fresh (see the module's
-        invariants); a pending entry is stored first either way."""
-        async with self._sending:
-            await self._store_pending()
-            if position >= self._token.replay_positions and self._tail_is_fresh():
-                if self._fenced:
-                    raise Fenced(self._token.run_id, self._token.step_id)
-                return jpb.BeginModelResponse(recorded=False)
-            return await self._locked(
-                lambda t: self._rpc.begin_model(jpb.BeginModelRequest(token=t, position=position)),
-                writes=False,
-            )
+        invariants); decided once a pending entry is stored, as every call is."""
+
+        async def cleared() -> jpb.BeginModelResponse:
+            return jpb.BeginModelResponse(recorded=False)
+
+        def begin(token: jpb.WriterToken) -> Awaitable[jpb.BeginModelResponse]:
+            if position >= token.replay_positions and self._tail_is_fresh():
+                return cleared()  # the holder's last write was the check
+            return self._rpc.begin_model(jpb.BeginModelRequest(token=token, position=position))
+
+        return await self._send(begin, writes=False)
 
     def _tail_is_fresh(self) -> bool:
         checked = self._checked_at
