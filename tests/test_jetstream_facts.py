@@ -60,17 +60,35 @@ async def stream(
             duplicate_window=120,
         )
     )
-    if replicas > 1:  # a new R3 stream answers once its replicas have elected a leader
-        await wait_for(lambda: _has_leader(js, name), timeout=30, message=f"{name} has a leader")
+    if replicas > 1:
+        await takes_writes(js, name, f"{prefix}.probe")
     return name, prefix
 
 
-async def _has_leader(js: JetStreamContext, name: str) -> bool:
-    try:
-        info = await js.stream_info(name)
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.js.errors.APIError):
-        return False
-    return bool(info.cluster and info.cluster.leader)
+async def takes_writes(js: JetStreamContext, name: str, subject: str) -> None:
+    """Wait until a new R3 stream answers a publish to ``subject`` on the
+    server this client is connected to: its replicas have elected a leader,
+    and its interest in the subject has reached this server. Until then a
+    publish finds no responder. The probe is refused by the stream (its
+    expected last sequence is wrong), so it stores nothing."""
+
+    async def answered() -> bool:
+        try:
+            info = await js.stream_info(name)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.js.errors.APIError):
+            return False
+        if not (info.cluster and info.cluster.leader):
+            return False
+        refused = {"Nats-Expected-Last-Subject-Sequence": str(2**40)}
+        try:
+            await js.publish(subject, b"", headers=refused, timeout=2)
+        except nats.js.errors.APIError:
+            return True  # the stream answered, and stored nothing
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            return False
+        raise AssertionError(f"the probe of {name} was stored")
+
+    await wait_for(answered, timeout=30, message=f"{name} takes writes")
 
 
 async def append(js: JetStreamContext, subject: str, expect: int, msg_id: str) -> int | str:
@@ -205,6 +223,8 @@ async def test_a_kv_create_repeated_after_a_lost_ack_looks_like_losing_the_race(
     js = nc.jetstream()
     bucket = f"facts_{secrets.token_hex(4)}"
     kv = await js.create_key_value(KeyValueConfig(bucket=bucket, replicas=topology[2]))
+    if topology[2] > 1:
+        await takes_writes(js, f"KV_{bucket}", f"$KV.{bucket}.probe")
     await kv.create("input", b"mine")
     with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
         await kv.create("input", b"mine")  # the same call, its first ack lost
@@ -224,7 +244,7 @@ async def test_a_rewritten_key_always_has_a_write_and_stored_times_follow_the_se
     kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, replicas=topology[2]))
     name, subject = f"KV_{bucket}", f"$KV.{bucket}.key"
     if topology[2] > 1:
-        await wait_for(lambda: _has_leader(js, name), timeout=30, message=f"{name} has a leader")
+        await takes_writes(js, name, f"$KV.{bucket}.probe")
     await kv.put("key", b"0")
     rewrites = 0
     rewriting = True
