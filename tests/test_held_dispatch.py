@@ -12,6 +12,7 @@ only when no engine answered (ADRs 33 and 36).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -262,17 +263,25 @@ async def test_a_stopping_worker_releases_its_kept_task_with_its_next_commit(
 # ---- the held commit's event goes to the engine directly (ADR 33) -----------------------
 
 
+@contextlib.asynccontextmanager
+async def reports_off(engine: EngineServer) -> AsyncIterator[None]:
+    """Inside, the engine takes no commit's event directly (over NATS or by
+    a call): each goes to the history, as with an engine that predates ADR 33."""
+    await engine.engine.stop_serving_reports()
+    try:
+        yield
+    finally:
+        await engine.engine.serve_reports()
+
+
 async def test_a_journal_commit_stores_no_event_on_the_history(
     client: Client, engine: EngineServer, js: JetStreamContext
 ) -> None:
     # Against the same loop with no engine taking commits' events directly,
     # every one of them then on the history: one event fewer a commit, the
     # rest the same, whether the loop keeps its task or goes through the queue.
-    await engine.engine.stop_serving_reports()
-    try:
+    async with reports_off(engine):
         durable = await run_loop(client, engine, Loop(), sticky_iterations=0)
-    finally:
-        await engine.engine.serve_reports()
     through_history = await history_events(js, durable.run_id)
     for sticky in (64, 0):
         loop = Loop()
@@ -305,11 +314,8 @@ async def test_a_commit_event_its_own_engine_leaves_unanswered_is_stored_on_the_
     # The engine of the process takes the event and answers nothing (it was
     # stopping, or its run write outlasted the wait): the event goes to the
     # history, whose engine applies it and answers.
-    await engine.engine.stop_serving_reports()
-    try:
+    async with reports_off(engine):
         queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
-    finally:
-        await engine.engine.serve_reports()
     taken: list[str] = []
 
     async def unanswered(event: ipb.HistoryEvent, *, wait: float) -> bytes | None:
@@ -355,14 +361,11 @@ async def test_with_no_engine_taking_held_events_they_are_stored_on_the_history(
 ) -> None:
     # As with an engine that predates ADR 33: nats-server answers that nobody
     # subscribes, and the journal service publishes the event at once.
-    await engine.engine.stop_serving_reports()
-    try:
+    async with reports_off(engine):
         queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
         before = await tasks_published(js)
         loop = Loop()
         run = await run_loop(client, engine, loop)
-    finally:
-        await engine.engine.serve_reports()
     await completed(engine, run)
     assert loop.ran == [(i, 1, 1) for i in range(K)]  # none twice, all on one message
     assert await tasks_published(js) - before == 1
@@ -382,17 +385,16 @@ async def test_a_held_event_taken_by_an_engine_that_never_answers_is_stored_on_t
     async def swallow(msg: Any) -> None:
         swallowed.append(msg.data)
 
-    await engine.engine.stop_serving_reports()
     try:
-        queued = await run_loop(client, engine, Loop(k=k), sticky_iterations=0)
-        await nc.subscribe(DIRECT_REPORTS, queue=DIRECT_QUEUE, cb=swallow)
-        await nc.flush()
-        before = await tasks_published(js)
-        loop = Loop(k=k)
-        run = await run_loop(client, engine, loop)
+        async with reports_off(engine):
+            queued = await run_loop(client, engine, Loop(k=k), sticky_iterations=0)
+            await nc.subscribe(DIRECT_REPORTS, queue=DIRECT_QUEUE, cb=swallow)
+            await nc.flush()
+            before = await tasks_published(js)
+            loop = Loop(k=k)
+            run = await run_loop(client, engine, loop)
     finally:
         await nc.close()
-        await engine.engine.serve_reports()
     await completed(engine, run, k)
     assert loop.ran == [(i, 1, 1) for i in range(k)]
     assert len(swallowed) == k, "each commit's event: k - 1 kept their task, the last released it"

@@ -18,8 +18,9 @@ checked current, the step's inputs not yet listed), ``after_input_claimed``
 ``after_commit_stored`` (a commit that settles its task stored and
 answered, its event not yet published; a commit that keeps its task for the
 next iteration is not answered yet), ``after_report_sent`` (a commit's
-event sent to the engines over core NATS, no answer come, nothing of it on
-the history; its task not released) and ``after_held_decision`` (the engine's decision known, the
+event sent to the engines over core NATS, or about to be handed to the engine
+of the same process, no answer come, nothing of it on the history; its task
+not released) and ``after_held_decision`` (the engine's decision known, the
 worker not yet answered); and in the engine ``after_dispatch_saved`` (a dispatch is
 saved, its task not yet published), ``after_dispatch_published`` (its task
 published, the outbox left in the run for the next write to replace) and
