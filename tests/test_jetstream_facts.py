@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import nats
 import nats.errors
@@ -33,6 +34,7 @@ from nats.js.api import (
 from tests.helpers import wait_for
 
 WRONG_LAST_SEQUENCE = 10071
+T = TypeVar("T")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -51,18 +53,31 @@ async def stream(
     name = f"FACTS_{secrets.token_hex(4).upper()}"
     prefix = name.lower()
     retention = RetentionPolicy.WORK_QUEUE if work_queue else RetentionPolicy.LIMITS
-    await js.add_stream(
-        StreamConfig(
-            name=name,
-            subjects=[f"{prefix}.>"],
-            num_replicas=replicas,
-            retention=retention,
-            duplicate_window=120,
-        )
+    config = StreamConfig(
+        name=name,
+        subjects=[f"{prefix}.>"],
+        num_replicas=replicas,
+        retention=retention,
+        duplicate_window=120,
     )
+    await created(lambda: js.add_stream(config), name)
     if replicas > 1:
         await takes_writes(js, name, f"{prefix}.probe")
     return name, prefix
+
+
+async def created(create: Callable[[], Awaitable[T]], name: str) -> T:
+    """``create()``, a stream or bucket, sent again while the server does not
+    answer in time (a cluster still electing its meta leader, or busy): a
+    create with the same configuration is answered as the first was."""
+
+    async def attempt() -> T | None:
+        try:
+            return await create()
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            return None
+
+    return await wait_for(attempt, timeout=60, message=f"{name} created")
 
 
 async def takes_writes(js: JetStreamContext, name: str, subject: str) -> None:
@@ -187,7 +202,7 @@ async def test_a_late_ack_completes_a_task_delivered_again_and_takes_it_off_a_wo
     config = ConsumerConfig(
         durable_name="workers", ack_policy=AckPolicy.EXPLICIT, ack_wait=1.0, max_deliver=-1
     )
-    await js.add_consumer(name, config)
+    await created(lambda: js.add_consumer(name, config), "the consumer")
     await js.publish(f"{prefix}.tasks.run.step", b"task")
     zombie = await js.pull_subscribe_bind("workers", stream=name)
     successor = await js.pull_subscribe_bind("workers", stream=name)
@@ -222,7 +237,9 @@ async def test_a_kv_create_repeated_after_a_lost_ack_looks_like_losing_the_race(
     is refused exactly as another caller's would be."""
     js = nc.jetstream()
     bucket = f"facts_{secrets.token_hex(4)}"
-    kv = await js.create_key_value(KeyValueConfig(bucket=bucket, replicas=topology[2]))
+    kv = await created(
+        lambda: js.create_key_value(KeyValueConfig(bucket=bucket, replicas=topology[2])), bucket
+    )
     if topology[2] > 1:
         await takes_writes(js, f"KV_{bucket}", f"$KV.{bucket}.probe")
     await kv.create("input", b"mine")
@@ -241,7 +258,10 @@ async def test_a_rewritten_key_always_has_a_write_and_stored_times_follow_the_se
     the sequence."""
     js = nc.jetstream()
     bucket = f"facts_{secrets.token_hex(4)}"
-    kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, replicas=topology[2]))
+    kv = await created(
+        lambda: js.create_key_value(KeyValueConfig(bucket=bucket, history=1, replicas=topology[2])),
+        bucket,
+    )
     name, subject = f"KV_{bucket}", f"$KV.{bucket}.key"
     if topology[2] > 1:
         await takes_writes(js, name, f"$KV.{bucket}.probe")
