@@ -315,7 +315,7 @@ GUARDS = (
         file="services/engine/dagnats/engine/service.py",
         guard=(
             "            current = _current_task("
-            "await self.store.load_run(task.run_id), task, seq)\n"
+            "await self.engine.read_run(task.run_id), task, seq)\n"
         ),
         removed="            pass\n",
         how="a task the engine's last write of the run does not know is acknowledged: lost",
@@ -508,6 +508,36 @@ GUARDS = (
         removed="",
         how="a successor takes a recorded model call as new and asks the model again",
         tests=("tests/test_journal.py::test_crash_after_model_reuses_the_response",),
+    ),
+    Guard(
+        name="a kept iteration goes unwritten only while nobody wrote the run since",
+        file="services/engine/dagnats/engine/processor.py",
+        guard="                if read is not None and read.revision == stored.revision:\n",
+        removed="                if read is not None:\n",
+        how="an engine decides on its old write after another engine cancelled the run",
+        tests=(
+            "tests/test_kept_writes.py::"
+            "test_a_cancel_by_another_engine_stops_the_holder_of_unwritten_iterations",
+        ),
+    ),
+    Guard(
+        name="an engine that read the run catches up with the journal before it decides",
+        file="services/engine/dagnats/engine/processor.py",
+        guard="                run = await self.caught_up(as_stored, stored.record)\n",
+        removed="                pass\n",
+        how="a cancel is decided on a run behind the journal; unwritten iterations are lost",
+        tests=(
+            "tests/test_kept_writes.py::"
+            "test_a_cancel_by_another_engine_stops_the_holder_of_unwritten_iterations",
+        ),
+    ),
+    Guard(
+        name="a kept message's dispatch is read caught up with the journal",
+        file="services/engine/dagnats/engine/service.py",
+        guard="        stored = await self.engine.read_run(task.run_id)\n",
+        removed="        stored = await self.store.load_run(task.run_id)\n",
+        how="the holder of unwritten iterations has its heartbeat refused as fenced",
+        tests=("tests/test_kept_writes.py::test_a_run_behind_its_journal_is_read_caught_up",),
     ),
 )
 

@@ -196,6 +196,11 @@ async def test_cancelling_a_run_releases_its_kept_task(
 
     run = await run_loop(client, engine, loop, during=cancel_while_held)
     assert run.status == pb.RUN_STATUS_CANCELLED
+    await released(js)
+
+
+async def released(js: JetStreamContext) -> None:
+    """Wait until the task queue holds no message: the kept task was released."""
 
     async def queue_empty() -> bool:
         info = await js.stream_info(jsx.TASKS)

@@ -23,8 +23,9 @@ of the same process, no answer come, nothing of it on the history; its task
 not released) and ``after_held_decision`` (the engine's decision known, the
 worker not yet answered); and in the engine ``after_dispatch_saved`` (a dispatch is
 saved, its task not yet published), ``after_dispatch_published`` (its task
-published, the outbox left in the run for the next write to replace) and
-``before_event_applied`` (an event is
+published, the outbox left in the run for the next write to replace),
+``after_kept_unwritten`` (a kept iteration decided and not written: the run
+as stored is behind the journal, ADR 37) and ``before_event_applied`` (an event is
 taken from the history, or a held commit's from core NATS, not yet applied
 nor acknowledged).
 """

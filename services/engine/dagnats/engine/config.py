@@ -44,6 +44,14 @@ class EngineConfig:
         history_batch: most events one fetch takes from the history.
         dead_letter_after: deliveries of an event that keeps failing before it
             is moved to the dead letters.
+        kept_write_batch: most iterations of a journaled loop, each carried on
+            by the task its holder kept (ADR 31), decided before the run is
+            written (ADR 37): the journal's commits hold them meanwhile, and a
+            reader of the run catches up from them. 1 writes the run at every
+            iteration.
+        kept_write_delay: how long such decided iterations may wait for the
+            run's write at most: the run as ``GetRun``, ``WatchRun`` and the
+            console show it is at most this far behind the journal.
         clock_skew: the most an engine's clock may be ahead of nats-server's.
             ``ListRuns`` orders runs by their creation on an engine's clock
             and reads the runs bucket back from its newest writes until what
@@ -60,6 +68,8 @@ class EngineConfig:
     outbox_grace: float = 5.0
     history_batch: int = 64
     dead_letter_after: int = 10
+    kept_write_batch: int = 16
+    kept_write_delay: float = 0.2
     clock_skew: float = 5.0
 
     @classmethod
@@ -96,5 +106,7 @@ ENV: dict[str, tuple[str, str]] = {
     "outbox_grace": ("DAGNATS_OUTBOX_GRACE", "seconds"),
     "history_batch": ("DAGNATS_HISTORY_BATCH", "count"),
     "dead_letter_after": ("DAGNATS_DEAD_LETTER_AFTER", "count"),
+    "kept_write_batch": ("DAGNATS_KEPT_WRITE_BATCH", "count"),
+    "kept_write_delay": ("DAGNATS_KEPT_WRITE_DELAY", "seconds"),
     "clock_skew": ("DAGNATS_CLOCK_SKEW", "seconds"),
 }

@@ -72,16 +72,20 @@ from collections.abc import Awaitable, Callable
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
+from dagnats.core.outcomes import outcome_of
 from dagnats.core.seam import seam
 from dagnats.core.subjects import is_inbox, task_subject
 from dagnats.engine import convert, rules
 from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.convert_workflow import stored_workflow
+from dagnats.engine.report import outcome_event
 from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.inputs.store import InputStore, close_step_inputs
+from dagnats.journal.store import JournalStore
+from dagnats.journal.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,7 @@ TIMER_CONSUMER = "engine-timers"
 MAX_CAS_RETRIES = 100
 WRITTEN_RUNS = 4096  # runs whose last write the engine keeps, to decide on without a read
 WRITTEN_BYTES = 16 * 1024  # a larger run is read again instead
+CATCH_UP_MAX = 1024  # kept iterations a reader applies from the journal at most
 
 Decide = Callable[[m.Run, float], m.Decision]
 # The events that report a step's outcome.
@@ -105,10 +110,12 @@ class Engine:
         config: EngineConfig,
         *,
         inputs: InputStore | None = None,
+        journal: JournalStore | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.inputs = inputs
+        self.journal = journal
         self.config = config
         self.clock = clock
         self.options = m.RuleOptions(legacy_step_events=config.legacy_step_events)
@@ -126,6 +133,9 @@ class Engine:
         # The runs as this engine last wrote them, their outboxes published by
         # it: a guess at what is stored, checked by the next compare-and-swap.
         self._written: OrderedDict[str, StoredRun] = OrderedDict()
+        # Runs whose guess holds kept iterations not written yet (ADR 37):
+        # how many, and since when.
+        self._deferred: dict[str, tuple[int, float]] = {}
         # Commits' events taken from core NATS and being applied: at most a
         # history fetch's worth at once; more waits in the subscription.
         self._reports: set[asyncio.Task[bytes | None]] = set()
@@ -149,6 +159,7 @@ class Engine:
             asyncio.create_task(self._consume(jsx.HISTORY, HISTORY_CONSUMER, self._on_event)),
             asyncio.create_task(self._consume(jsx.TIMERS, TIMER_CONSUMER, self._on_timer)),
             asyncio.create_task(self._reconcile_loop()),
+            asyncio.create_task(self._write_deferred_loop()),
         ]
         await self.serve_reports()
 
@@ -172,6 +183,7 @@ class Engine:
     async def stop(self) -> None:
         self._stopping.set()
         await self.stop_serving_reports()
+        await self.write_deferred(older_than=0.0)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -181,31 +193,55 @@ class Engine:
 
     # ---- the one way a run changes ------------------------------------------------
 
-    async def transition(self, run_id: str, decide: Decide) -> tuple[m.Run, m.Decision] | None:
-        """Apply ``decide`` to the run with compare-and-swap; None if no such run."""
+    async def transition(
+        self, run_id: str, decide: Decide, *, kept: tuple[str, int] | None = None
+    ) -> tuple[m.Run, m.Decision] | None:
+        """Apply ``decide`` to the run with compare-and-swap; None if no such run.
+
+        ``kept``: the input is a report of this step whose holder kept task
+        message ``held_seq`` for the next iteration. When the decision only
+        carries the step on with that message, and this engine holds the run
+        as it wrote it, the write may wait (ADR 37, :meth:`_defers`)."""
         guess = self._written.pop(run_id, None)
         published = guess.revision if guess is not None else 0  # its outbox, by us
+        read: StoredRun | None = None
         for _ in range(MAX_CAS_RETRIES):
             if guess is not None:
                 stored, guessed, guess = guess, True, None
             else:
-                read = await self.store.load_run(run_id)
+                read = read or await self.store.load_run(run_id)
                 if read is None:
+                    self._deferred.pop(run_id, None)
                     return None
-                stored, guessed = read, False
+                stored, guessed, read = read, False, None
                 if stored.record.outbox and stored.revision != published:
                     # Maybe never published (its writer died first). Not
                     # cleared: the write below replaces it.
                     await self.publish_outbox(stored)
-            run = convert.record_from_proto(stored.record)
-            decision = decide(run, self.clock())
+            run = as_stored = convert.record_from_proto(stored.record)
+            if not guessed:
+                run = await self.caught_up(as_stored, stored.record)
+            decision = decided = decide(run, self.clock())
             if isinstance(decision, m.Dropped):
                 if guessed:
                     continue  # nothing to swap checks the guess: decide on a read
                 self.counters["dropped"] += 1
                 log.info("run %s: dropped input: %s", run_id, decision.reason)
-                return run, decision
+                if run is as_stored:
+                    return run, decision
+                # Dropped, but the journal was ahead: the run is written caught up.
+                decision = m.Accepted(run=run, effects=())
             record = self._record(decision, dict(stored.record.trace_context))
+            if guessed and kept is not None and self._defers(stored, run, decision, kept):
+                # Nobody wrote the run since this engine did: the decision is
+                # the one a read would have given (ADR 37).
+                read = await self.store.load_run(run_id)
+                if read is not None and read.revision == stored.revision:
+                    self._defer(StoredRun(record, stored.revision))
+                    await seam("after_kept_unwritten")
+                    return decision.run, decision
+                self.counters["guess_missed"] += 1
+                continue
             if stored.record.unindexed:
                 # Parked, out of the active-run index: in again before the
                 # write that wakes it is stored, as a start is (ADR 32).
@@ -217,12 +253,146 @@ class Engine:
                 self.counters["guess_missed" if guessed else "cas_conflicts"] += 1
                 continue
             await self._publish_written(StoredRun(record, revision))
-            return decision.run, decision
+            return decision.run, decided
         raise Unavailable(f"run {run_id} is changing too fast; try again")
+
+    # ---- kept iterations, written later (ADR 37) -------------------------------------
+
+    def _defers(
+        self, stored: StoredRun, run: m.Run, decision: m.Decision, kept: tuple[str, int]
+    ) -> bool:
+        """Whether ``decision``, made on this engine's guess ``stored`` (the
+        run ``run``), may go unwritten for now: it carries step ``kept``'s
+        loop on to the next iteration with the same kept message, publishes
+        nothing, and the run as stored already says that message is held, so
+        a reader knows to look in the journal."""
+        step_id, held_seq = kept
+        if not held_seq or self.config.kept_write_batch <= 1:
+            return False
+        if not isinstance(decision, m.Accepted) or decision.effects or stored.record.outbox:
+            return False
+        if decision.run.status is not m.RunStatus.RUNNING or not run.has_step(step_id):
+            return False
+        before, after = run.step(step_id), decision.run.step(step_id)
+        if not (_carried_on(before, held_seq) and _carried_on(after, held_seq)):
+            return False
+        count, _ = self._deferred.get(stored.record.run.run_id, (0, 0.0))
+        return count + 1 < self.config.kept_write_batch
+
+    def _defer(self, decided: StoredRun) -> None:
+        """Keep ``decided`` as this engine's guess, unwritten; the next write
+        of the run, or :meth:`write_deferred`, stores it."""
+        run_id = decided.record.run.run_id
+        count, since = self._deferred.get(run_id, (0, self.clock()))
+        self._deferred[run_id] = (count + 1, since)
+        self.counters["kept_unwritten"] += 1
+        self._remember(decided)
+
+    async def write_deferred(self, *, older_than: float) -> None:
+        """Write the runs whose first unwritten iteration was decided at
+        least ``older_than`` seconds ago. A run written meanwhile by another
+        engine caught up from the journal (:meth:`caught_up`): the guess is
+        dropped."""
+        now = self.clock()
+        due = [run_id for run_id, (_, since) in self._deferred.items() if now - since >= older_than]
+        for run_id in due:
+            self._deferred.pop(run_id, None)
+            guess = self._written.pop(run_id, None)
+            if guess is None:
+                continue
+            try:
+                revision = await self.store.update_run(guess.record, guess.revision)
+            except StaleRevision:
+                self.counters["kept_write_missed"] += 1
+                continue
+            self.counters["kept_writes"] += 1
+            self._remember(StoredRun(guess.record, revision))
+
+    async def _write_deferred_loop(self) -> None:
+        delay = self.config.kept_write_delay
+        while not self._stopping.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay / 2)
+            try:
+                await self.write_deferred(older_than=delay)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("writing the runs of kept iterations failed")
+
+    async def caught_up(self, run: m.Run, record: ipb.RunRecord) -> m.Run:
+        """``run``, as read, with the kept iterations its journal holds past
+        it applied: those an engine decided without writing the run yet (ADR
+        37). Only a step running on a held message can be behind, and only
+        while the run has no outbox."""
+        if self.journal is None or record.outbox or run.status is not m.RunStatus.RUNNING:
+            return run
+        for step in run.steps:
+            if step.status is m.StepStatus.RUNNING and step.held_seq:
+                run = await self._catch_up(run, step)
+        return run
+
+    async def read_run(self, run_id: str) -> StoredRun | None:
+        """The run as stored, caught up with its journal (:meth:`caught_up`)."""
+        stored = await self.store.load_run(run_id)
+        if stored is None:
+            return None
+        run = convert.record_from_proto(stored.record)
+        caught = await self.caught_up(run, stored.record)
+        if caught is run:
+            return stored
+        record = convert.record_to_proto(caught, [], None, dict(stored.record.trace_context))
+        record.unindexed = stored.record.unindexed
+        return StoredRun(record, stored.revision)
+
+    async def _catch_up(self, run: m.Run, step: m.Step) -> m.Run:
+        """Apply the continue commits of ``step`` that the journal holds past
+        the run's iteration and that an engine decided: each is followed by a
+        record of the iteration after it. The last commit, with nothing after
+        it, is left to its own event (on its way, or sent again by a claim)."""
+        assert self.journal is not None
+        tail = await self.journal.last_written(run.run_id, step.step_id)
+        if tail is None or tail.record.iteration <= step.iteration:
+            return run
+        commits: list[jpb.Record] = []
+        seq, want = tail.record.base_seq, tail.record.iteration - 1
+        while want >= step.iteration:
+            if len(commits) >= CATCH_UP_MAX:
+                log.warning("run %s step %s: too far behind its journal", run.run_id, step.step_id)
+                return run
+            written = await self.journal.written_at(run.run_id, step.step_id, seq)
+            if written is None or not _kept_continue(written.record, want):
+                return run  # not a chain of kept iterations: left to the events
+            commits.append(written.record)
+            seq, want = written.record.base_seq, want - 1
+        now = self.clock()
+        for commit in reversed(commits):
+            _, outcome = outcome_of(commit.commit)
+            event = outcome_event(
+                run_id=run.run_id,
+                step_id=step.step_id,
+                iteration=commit.iteration,
+                attempt=commit.attempt,
+                journal_seq=commit.seq,
+                outcome=outcome,
+                now=now,
+            )
+            event.held_seq = step.held_seq
+            report = convert.event_to_input(event)
+            assert report is not None
+            decision = rules.apply(run, report, now, self.options)
+            if not isinstance(decision, m.Accepted) or decision.effects:
+                break
+            if not _carried_on(decision.run.step(step.step_id), step.held_seq):
+                break
+            run = decision.run
+            self.counters["kept_caught_up"] += 1
+        return run
 
     async def _publish_written(self, written: StoredRun) -> None:
         """Publish the outbox of a run this engine just wrote, and keep the run
         as the guess for its next change: its outbox is then known published."""
+        self._deferred.pop(written.record.run.run_id, None)
         await seam("after_dispatch_saved")
         await self.publish_outbox(written)
         await seam("after_dispatch_published")
@@ -235,11 +405,15 @@ class Engine:
         record = written.record
         if record.run.status != pb.RUN_STATUS_RUNNING or record.ByteSize() > WRITTEN_BYTES:
             self._written.pop(run_id, None)
+            self._deferred.pop(run_id, None)
             return
         self._written[run_id] = written
         self._written.move_to_end(run_id)
         while len(self._written) > WRITTEN_RUNS:
-            self._written.popitem(last=False)
+            # A guess with kept iterations unwritten goes too: a reader of
+            # the run catches up from the journal (ADR 37).
+            forgotten, _ = self._written.popitem(last=False)
+            self._deferred.pop(forgotten, None)
 
     async def create(
         self, accepted: m.Accepted, trace_context: dict[str, str], *, indexed: bool = False
@@ -462,7 +636,8 @@ class Engine:
             run_input = convert.event_to_input(event)
             if run_input is None:
                 return None
-            applied = await self.apply(event.run_id, run_input)
+            kept = (event.step_id, event.held_seq) if event.held_seq else None
+            applied = await self.apply(event.run_id, run_input, kept=kept)
             if not (answer or event.notify):
                 return None
             decision = _decision(event, applied[0] if applied else None)
@@ -480,9 +655,11 @@ class Engine:
             return
         await self.store.notify(event.notify, decision)
 
-    async def apply(self, run_id: str, run_input: m.RunInput) -> tuple[m.Run, m.Decision] | None:
+    async def apply(
+        self, run_id: str, run_input: m.RunInput, *, kept: tuple[str, int] | None = None
+    ) -> tuple[m.Run, m.Decision] | None:
         return await self.transition(
-            run_id, lambda run, now: rules.apply(run, run_input, now, self.options)
+            run_id, lambda run, now: rules.apply(run, run_input, now, self.options), kept=kept
         )
 
     async def _step_inputs(self, event: ipb.HistoryEvent) -> None:
@@ -744,6 +921,21 @@ def _decision(event: ipb.HistoryEvent, run: m.Run | None) -> bytes | None:
         task = rules.dispatch_task(run, step)
         decision.next.CopyFrom(convert.task_to_proto(task, _trace_headers()))
     return decision.SerializeToString()
+
+
+def _carried_on(step: m.Step, held_seq: int) -> bool:
+    """Whether ``step`` runs its dispatch on kept task message ``held_seq``."""
+    return step.status is m.StepStatus.RUNNING and step.held_seq == held_seq
+
+
+def _kept_continue(record: jpb.Record, iteration: int) -> bool:
+    """Whether ``record`` is a continue commit of ``iteration`` that carries
+    the loop straight on (no wait): one a kept task may have carried."""
+    if not record.HasField("commit") or record.iteration != iteration:
+        return False
+    commit = record.commit
+    waits = commit.HasField("wait_delay") or commit.HasField("wait_until")
+    return commit.action == jpb.ACTION_CONTINUE and not waits and not commit.wait_until_input
 
 
 def _direct_report(event: ipb.HistoryEvent) -> bool:

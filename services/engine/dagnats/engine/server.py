@@ -233,7 +233,7 @@ async def start_services(
     engine: Engine | None = None
     clock: Callable[[], float] = time.time
     if "engine" in served:
-        engine = Engine(engine_store, config, inputs=input_store)
+        engine = Engine(engine_store, config, inputs=input_store, journal=journal_store)
         await engine.start()
         clock = engine.clock
     journal: JournalServicer | None = None

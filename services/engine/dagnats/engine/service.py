@@ -148,7 +148,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     @domain_errors
     async def GetRun(self, request: pb.GetRunRequest, context: Context) -> pb.GetRunResponse:
-        stored = await self.store.require_run(check_run_id(request.run_id))
+        run_id = check_run_id(request.run_id)
+        stored = await self.engine.read_run(run_id)  # with kept iterations not written yet
+        if stored is None:
+            raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
         return pb.GetRunResponse(run=stored.record.run)
 
     async def WatchRun(
@@ -338,7 +341,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             # A kept message is leased on a read only: leased for an older
             # dispatch than it carries, its claim would find that one committed
             # and acknowledge the message the current dispatch rides on.
-            current = _current_task(await self.store.load_run(task.run_id), task, seq)
+            current = _current_task(await self.engine.read_run(task.run_id), task, seq)
         if current is None:
             log.info("run %s step %s: task no longer current; settled", task.run_id, task.step_id)
             await msg.ack()
@@ -451,8 +454,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         """The dispatch the task message at ``seq`` carries: the one it was
         published for, or the one its holder kept it for (ADR 31)."""
         # A read, not this engine's last write: an older guess would name an
-        # older dispatch, and the holder's heartbeat would be refused.
-        stored = await self.store.load_run(task.run_id)
+        # older dispatch, and the holder's heartbeat would be refused. Caught
+        # up with the journal: kept iterations may not be written yet (ADR 37).
+        stored = await self.engine.read_run(task.run_id)
         record = stored.record.step_records.get(task.step_id) if stored else None
         if stored is not None and record is not None and record.held_seq == seq:
             step = next(s for s in stored.record.run.steps if s.step_id == task.step_id)

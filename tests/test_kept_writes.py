@@ -1,0 +1,153 @@
+"""A kept iteration's run write waits (ADR 37): while a journaled loop carries
+on with the task its holder kept, the engine decides each next iteration on
+the run as it last wrote it and stores the run later, once for a batch. Its
+commits in the journal hold the iterations meanwhile, and whoever reads the
+run to decide on it (a cancel, a heartbeat, a lease, ``GetRun``) catches up
+from them. These check what a user would see: fewer writes of the run, and
+the same run, journal and handler signals as when every iteration was
+written.
+
+The module's engine keeps its decisions unwritten for a minute, so the run as
+stored stays behind its journal for a whole run and every reader has to
+catch up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import nats
+import pytest_asyncio
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from dagnats.core.natsserver import NatsServer
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk import Client
+from tests.helpers import wait_for
+from tests.stack import FAST, steps_by_id
+from tests.test_held_dispatch import Loop, completed, js, released, run_loop
+from tests.test_journal import journal_check
+
+LAGGING = dataclasses.replace(FAST, kept_write_batch=1000, kept_write_delay=60.0)
+K = 8
+__all__ = ["js"]  # the fixture, shared with the held-dispatch tests
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
+    server = await start_engine(nats_server.url, config=LAGGING)
+    yield server
+    await server.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def run_writes(nats_server: NatsServer) -> AsyncIterator[Counter[str]]:
+    """The writes of each run's key in the runs bucket, as they are stored."""
+    writes: Counter[str] = Counter()
+    nc = await nats.connect(nats_server.url)
+
+    async def count(msg: Msg) -> None:
+        writes[msg.subject.rsplit(".", 1)[1]] += 1
+
+    await nc.subscribe("$KV.RUNS.>", cb=count)
+    await nc.flush()
+    yield writes
+    await nc.close()
+
+
+async def test_kept_iterations_are_written_with_the_runs_next_other_change(
+    client: Client, engine: EngineServer, run_writes: Counter[str]
+) -> None:
+    loop = Loop(k=K)
+    run = await run_loop(client, engine, loop)
+    await completed(engine, run, K)
+    assert loop.ran == [(i, 1, 1) for i in range(K)]
+    # The start, the first kept iteration (it says the message is held), the
+    # end; none of the six iterations kept after the first.
+    assert run_writes[run.run_id] <= 4, run_writes[run.run_id]
+    assert engine.engine.counters["kept_unwritten"] >= K - 2
+
+
+async def test_a_run_behind_its_journal_is_read_caught_up(
+    client: Client, engine: EngineServer, run_writes: Counter[str]
+) -> None:
+    # Paused in iteration 5 after a heartbeat. The run as stored says
+    # iteration 1; the journal has the commits of 0 to 4.
+    loop = Loop(k=K, pause_at=5, heartbeat=True)
+    seen: list[int] = []
+    tails: list[tuple[int, str]] = []
+
+    async def read(run_id: str) -> None:
+        await wait_for(loop.reached.is_set, timeout=20, message="iteration 5 running")
+        stored = await engine.engine.store.require_run(run_id)
+        seen.append(steps_by_id(stored.record.run)["agent"].iteration)
+        got = await client.get_run(run_id)
+        seen.append(steps_by_id(got)["agent"].iteration)
+        assert engine.engine.journal is not None
+        tail = await engine.engine.journal.last_written(run_id, "agent")
+        assert tail is not None
+        tails.append((tail.record.iteration, tail.record.WhichOneof("kind") or ""))
+        loop.go.set()
+
+    run = await run_loop(client, engine, loop, during=read)
+    await completed(engine, run, K)
+    # The holder's model response is the journal's last record: iteration 4's
+    # commit has a record after it, so GetRun gives iteration 5, where the
+    # holder is, as the engine decided it.
+    assert tails == [(5, "model")]
+    assert seen == [1, 5]
+    # The holder's heartbeat, checked against the run caught up, kept its
+    # lease: every iteration ran on the first delivery, nothing was fenced.
+    assert loop.ran == [(i, 1, 1) for i in range(K)]
+    assert loop.signals == []
+
+
+async def test_a_cancel_of_a_run_behind_its_journal_stops_its_holder(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    loop = Loop(k=K, pause_at=5)
+
+    async def cancel(run_id: str) -> None:
+        await wait_for(loop.reached.is_set, timeout=20, message="iteration 5 running")
+        await client.cancel_run(run_id, reason="enough")
+        loop.go.set()
+
+    run = await run_loop(client, engine, loop, during=cancel)
+    assert run.status == pb.RUN_STATUS_CANCELLED
+    # The cancel was decided on the run caught up with the journal: the five
+    # iterations the holder committed before it count, not the one after.
+    assert steps_by_id(run)["agent"].iterations == 5
+    assert [i for i, _, _ in loop.ran] == list(range(6)), "no iteration after the cancel"
+    check = await journal_check(engine, run.run_id)
+    assert list(check.violations) == [], check.violations
+    await released(js)
+
+
+async def test_a_cancel_by_another_engine_stops_the_holder_of_unwritten_iterations(
+    client: Client, engine: EngineServer, nats_server: NatsServer
+) -> None:
+    # Another engine process cancels the run: it reads the run behind the
+    # journal and catches up. The holder's engine decided iterations 2 to 4
+    # on its own last write; its next decision finds the run written since
+    # (the cancel) and is made on it, so nothing runs after the cancel.
+    loop = Loop(k=K, pause_at=5)
+    other = await start_engine(nats_server.url, config=LAGGING, with_journal=False)
+    try:
+        async with Client(other.target) as elsewhere:
+
+            async def cancel(run_id: str) -> None:
+                await wait_for(loop.reached.is_set, timeout=20, message="iteration 5 running")
+                await elsewhere.cancel_run(run_id, reason="enough")
+                loop.go.set()
+
+            run = await run_loop(client, engine, loop, during=cancel)
+    finally:
+        await other.stop()
+    assert run.status == pb.RUN_STATUS_CANCELLED
+    assert steps_by_id(run)["agent"].iterations == 5
+    assert [i for i, _, _ in loop.ran] == list(range(6)), "no iteration after the cancel"
+    assert engine.engine.counters["guess_missed"] >= 1
