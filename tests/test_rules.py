@@ -600,6 +600,42 @@ def test_a_dispatch_that_is_not_kept_forgets_the_kept_task() -> None:
     )
 
 
+def test_only_a_kept_iteration_that_carries_the_loop_on_may_go_unwritten() -> None:
+    # The first kept iteration is written: the run as stored must say the
+    # message is held before a reader can know to look in the journal.
+    first = rules.apply(start().run, held_continue(0, 7), T0 + 1)
+    assert not rules.carries_kept_loop_on(start().run, first, "agent", 7)
+    run = accepted(first).run
+    assert rules.carries_kept_loop_on(
+        run, rules.apply(run, held_continue(1, 7), T0 + 2), "agent", 7
+    )
+    waits = rules.apply(run, held_continue(1, 7, m.Wait(until_input=True)), T0 + 2)
+    assert not rules.carries_kept_loop_on(run, waits, "agent", 7)
+    ends = rules.apply(run, report("agent", 1, 1, m.Completed(output=b"{}")), T0 + 2)
+    assert not rules.carries_kept_loop_on(run, ends, "agent", 7)
+    stale = rules.apply(run, held_continue(0, 7), T0 + 2)
+    assert not rules.carries_kept_loop_on(run, stale, "agent", 7)
+
+
+def test_a_run_catches_up_with_the_kept_iterations_and_stops_at_anything_else() -> None:
+    run = accepted(rules.apply(start().run, held_continue(0, 7), T0 + 1)).run  # as stored
+    caught = rules.catch_up(run, [held_continue(1, 7)], T0 + 2)
+    step = caught.step("agent")
+    assert (step.iteration, step.iterations, step.status, step.held_seq) == (
+        2,
+        2,
+        m.StepStatus.RUNNING,
+        7,
+    )
+    # Iteration 2's continue reaches max_iterations (3): the loop fails, which
+    # no engine decided unwritten; it is left to its event.
+    assert rules.catch_up(run, [held_continue(1, 7), held_continue(2, 7)], T0 + 2) == caught
+    # A commit that waits is left to its event, and so is everything after it.
+    waits = held_continue(1, 7, m.Wait(until_input=True))
+    assert rules.catch_up(run, [waits, held_continue(2, 7)], T0 + 2) == run
+    assert rules.catch_up(run, [held_continue(5, 7)], T0 + 2) == run  # not the run's iteration
+
+
 def test_a_kept_task_whose_report_is_not_applied_yet_is_left_to_its_lease() -> None:
     step = start().run.step("agent")
     reported = m.Identity(iteration=0, attempt=1)

@@ -72,20 +72,18 @@ from collections.abc import Awaitable, Callable
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
-from dagnats.core.outcomes import outcome_of
 from dagnats.core.seam import seam
 from dagnats.core.subjects import is_inbox, task_subject
 from dagnats.engine import convert, rules
 from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.convert_workflow import stored_workflow
-from dagnats.engine.report import outcome_event
+from dagnats.engine.report import commit_event
 from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.inputs.store import InputStore, close_step_inputs
 from dagnats.journal.store import JournalStore
-from dagnats.journal.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
 
@@ -267,14 +265,9 @@ class Engine:
         nothing, and the run as stored already says that message is held, so
         a reader knows to look in the journal."""
         step_id, held_seq = kept
-        if not held_seq or self.config.kept_write_batch <= 1:
+        if self.config.kept_write_batch <= 1 or stored.record.outbox:
             return False
-        if not isinstance(decision, m.Accepted) or decision.effects or stored.record.outbox:
-            return False
-        if decision.run.status is not m.RunStatus.RUNNING or not run.has_step(step_id):
-            return False
-        before, after = run.step(step_id), decision.run.step(step_id)
-        if not (_carried_on(before, held_seq) and _carried_on(after, held_seq)):
+        if not rules.carries_kept_loop_on(run, decision, step_id, held_seq):
             return False
         count, _ = self._deferred.get(stored.record.run.run_id, (0, 0.0))
         return count + 1 < self.config.kept_write_batch
@@ -349,45 +342,33 @@ class Engine:
         """Apply the continue commits of ``step`` that the journal holds past
         the run's iteration and that an engine decided: each is followed by a
         record of the iteration after it. The last commit, with nothing after
-        it, is left to its own event (on its way, or sent again by a claim)."""
+        it, is left to its own event (on its way, or sent again by a claim).
+        The walk back goes from commit to commit (``base_seq``)."""
         assert self.journal is not None
         tail = await self.journal.last_written(run.run_id, step.step_id)
         if tail is None or tail.record.iteration <= step.iteration:
             return run
-        commits: list[jpb.Record] = []
+        now = self.clock()
+        reports: list[m.StepReport] = []
         seq, want = tail.record.base_seq, tail.record.iteration - 1
         while want >= step.iteration:
-            if len(commits) >= CATCH_UP_MAX:
+            if len(reports) >= CATCH_UP_MAX:
                 log.warning("run %s step %s: too far behind its journal", run.run_id, step.step_id)
                 return run
             written = await self.journal.written_at(run.run_id, step.step_id, seq)
-            if written is None or not _kept_continue(written.record, want):
+            commit = written.record if written is not None else None
+            if commit is None or commit.iteration != want or not commit.HasField("commit"):
                 return run  # not a chain of kept iterations: left to the events
-            commits.append(written.record)
-            seq, want = written.record.base_seq, want - 1
-        now = self.clock()
-        for commit in reversed(commits):
-            _, outcome = outcome_of(commit.commit)
-            event = outcome_event(
-                run_id=run.run_id,
-                step_id=step.step_id,
-                iteration=commit.iteration,
-                attempt=commit.attempt,
-                journal_seq=commit.seq,
-                outcome=outcome,
-                now=now,
-            )
+            event = commit_event(commit, now)
             event.held_seq = step.held_seq
             report = convert.event_to_input(event)
-            assert report is not None
-            decision = rules.apply(run, report, now, self.options)
-            if not isinstance(decision, m.Accepted) or decision.effects:
-                break
-            if not _carried_on(decision.run.step(step.step_id), step.held_seq):
-                break
-            run = decision.run
-            self.counters["kept_caught_up"] += 1
-        return run
+            assert isinstance(report, m.StepReport)
+            reports.append(report)
+            seq, want = commit.base_seq, want - 1
+        reports.reverse()
+        caught = rules.catch_up(run, reports, now, self.options)
+        self.counters["kept_caught_up"] += caught.step(step.step_id).iterations - step.iterations
+        return caught
 
     async def _publish_written(self, written: StoredRun) -> None:
         """Publish the outbox of a run this engine just wrote, and keep the run
@@ -921,21 +902,6 @@ def _decision(event: ipb.HistoryEvent, run: m.Run | None) -> bytes | None:
         task = rules.dispatch_task(run, step)
         decision.next.CopyFrom(convert.task_to_proto(task, _trace_headers()))
     return decision.SerializeToString()
-
-
-def _carried_on(step: m.Step, held_seq: int) -> bool:
-    """Whether ``step`` runs its dispatch on kept task message ``held_seq``."""
-    return step.status is m.StepStatus.RUNNING and step.held_seq == held_seq
-
-
-def _kept_continue(record: jpb.Record, iteration: int) -> bool:
-    """Whether ``record`` is a continue commit of ``iteration`` that carries
-    the loop straight on (no wait): one a kept task may have carried."""
-    if not record.HasField("commit") or record.iteration != iteration:
-        return False
-    commit = record.commit
-    waits = commit.HasField("wait_delay") or commit.HasField("wait_until")
-    return commit.action == jpb.ACTION_CONTINUE and not waits and not commit.wait_until_input
 
 
 def _direct_report(event: ipb.HistoryEvent) -> bool:

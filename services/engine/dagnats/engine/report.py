@@ -79,6 +79,20 @@ def outcome_event(
     return event
 
 
+def commit_event(commit: jpb.Record, now: float) -> ipb.HistoryEvent:
+    """The lifecycle event of a stored journal commit (``commit.seq`` set)."""
+    _, outcome = outcome_of(commit.commit)
+    return outcome_event(
+        run_id=commit.run_id,
+        step_id=commit.step_id,
+        iteration=commit.iteration,
+        attempt=commit.attempt,
+        journal_seq=commit.seq,
+        outcome=outcome,
+        now=now,
+    )
+
+
 def outcome_msg_id(event: ipb.HistoryEvent) -> str:
     """The Msg-Id of an outcome's event: one per dispatch and kind, so a
     second send of the same outcome is dropped as a duplicate."""
@@ -121,16 +135,7 @@ class TaskSettler:
 
     def _event(self, commit: jpb.Record) -> ipb.HistoryEvent:
         """The lifecycle event of a stored commit, stamped by the engine's clock."""
-        _, outcome = outcome_of(commit.commit)
-        return outcome_event(
-            run_id=commit.run_id,
-            step_id=commit.step_id,
-            iteration=commit.iteration,
-            attempt=commit.attempt,
-            journal_seq=commit.seq,
-            outcome=outcome,
-            now=self._clock(),
-        )
+        return commit_event(commit, self._clock())
 
     async def settle(self, lease: str, commit: jpb.Record, *, wait: float) -> None:
         """Send the stored ``commit``'s event to one engine (ADR 33), and

@@ -273,6 +273,42 @@ def held_decision(
     return None if carried == reported else True
 
 
+def carried_on(step: Step, held_seq: int) -> bool:
+    """Whether ``step`` runs its dispatch on kept task message ``held_seq``."""
+    return step.status is StepStatus.RUNNING and step.held_seq == held_seq
+
+
+def carries_kept_loop_on(run: Run, decision: Decision, step_id: str, held_seq: int) -> bool:
+    """Whether ``decision`` on ``run`` only carries step ``step_id``'s loop on
+    to its next iteration on kept message ``held_seq``, which ``run`` already
+    says is held: it publishes nothing and leaves the run running. Such a
+    decision may be made before it is written, as long as a reader of the run
+    can take it from the journal (ADR 37)."""
+    if not isinstance(decision, Accepted) or decision.effects or not run.has_step(step_id):
+        return False
+    return (
+        decision.run.status is RunStatus.RUNNING
+        and carried_on(run.step(step_id), held_seq)
+        and carried_on(decision.run.step(step_id), held_seq)
+    )
+
+
+def catch_up(
+    run: Run, reports: list[StepReport], now: float, options: RuleOptions = DEFAULT_OPTIONS
+) -> Run:
+    """``run`` with ``reports`` applied in order: a step's continue commits
+    that an engine decided without writing the run (ADR 37), each kept its
+    message (``held_seq``). It stops at the first that would do anything else
+    than carry the loop on with that message: that one's event decides it."""
+    for report in reports:
+        decision = apply(run, report, now, options)
+        if not carries_kept_loop_on(run, decision, report.step_id, report.held_seq):
+            break  # a wait, an end, a retry: not a decision made unwritten
+        assert isinstance(decision, Accepted)
+        run = decision.run
+    return run
+
+
 # Seconds taken off JetStream's duplicate window for the clocks of two
 # engines: an outbox's age is one engine's clock against another's stamp.
 CLOCK_MARGIN = 30.0
