@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -32,6 +33,9 @@ DEFAULT_ENGINE = "127.0.0.1:7233"
 EXIT_BROKEN_PIPE = 141
 
 RUN_STATUSES = ("running", "completed", "failed", "cancelled")
+# How long `run watch --stream` waits, once the run ended, for the marker that
+# ends a stream it showed (a preview is best-effort: the marker may be lost).
+MARKER_WAIT = 5.0
 # The longest `run start --wait` and `run watch --stream` wait for a run to end.
 WAIT_SECONDS = 3600.0
 
@@ -296,6 +300,10 @@ async def _watch_stream(client: Any, target: str, run_id: str, creds: Credential
 
     run = await client.get_run(run_id)
     waiting = len(run.steps)
+    # Streams shown and not yet ended by a marker: the run's end can arrive
+    # before the marker of the model response that led to it.
+    open_streams: set[tuple[str, str, int]] = set()
+    ended = asyncio.Event()
 
     async def follow(journal: JournalClient, step_id: str) -> None:
         nonlocal waiting
@@ -306,6 +314,14 @@ async def _watch_stream(client: Any, target: str, run_id: str, creds: Credential
                 if not waiting:
                     print(f"watching run {run_id}", file=sys.stderr, flush=True)
                 continue
+            stream = (step_id, str(data.get("writer")), int(data.get("position", -1)))
+            if kind in ("token", "gap"):
+                open_streams.add(stream)
+                ended.clear()
+            elif kind in ("committed", "abandoned"):
+                open_streams.discard(stream)
+                if not open_streams:
+                    ended.set()
             if kind == "token":
                 if data.get("seq") == 1 and "retry_of" in data:
                     print(f"\n[{step_id}: retry of {data['retry_of']}]", flush=True)
@@ -322,6 +338,9 @@ async def _watch_stream(client: Any, target: str, run_id: str, creds: Credential
         tasks = [asyncio.create_task(follow(journal, s.step_id)) for s in run.steps]
         try:
             run = await client.wait_for_run(run_id, timeout=WAIT_SECONDS)
+            if open_streams:  # its last marker is on its way, or was lost
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ended.wait(), MARKER_WAIT)
         finally:
             for task in tasks:
                 task.cancel()
