@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,13 @@ async def test_bad_definition_file_names_the_problem(engine: EngineServer, tmp_p
     assert result.stderr.count("\n") == 1 and "a.b" in result.stderr
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def test_unreachable_engine_is_one_line() -> None:
     result = dagnats("run", "list", env={"DAGNATS_ENGINE": f"127.0.0.1:{free_port()}"}, timeout=60)
     assert result.returncode == 1
@@ -130,8 +138,11 @@ async def test_journal_check_passes_then_catches_a_corrupted_journal(engine: Eng
     assert "commit_count" in corrupt.stdout and "iteration 0" in corrupt.stdout
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_dev_stops_cleanly_on_a_signal(tmp_path: Path, sig: str) -> None:
+@pytest.mark.parametrize(
+    "sigs", [("SIGINT",), ("SIGTERM",), ("SIGINT", "SIGINT")], ids=["int", "term", "int-twice"]
+)
+def test_dev_stops_cleanly_on_a_signal(tmp_path: Path, sigs: tuple[str, ...]) -> None:
+    # A second Ctrl-C while it stops (an impatient user) changes nothing.
     import signal as signals
 
     dev = start_dev(tmp_path, "--no-demo")
@@ -140,7 +151,15 @@ def test_dev_stops_cleanly_on_a_signal(tmp_path: Path, sig: str) -> None:
         # The gateway dev started answers over HTTP, backed by the engine.
         assert httpx.get(f"{dev.gateway}/readyz", timeout=10).status_code == 200
         assert httpx.get(f"{dev.gateway}/runs", timeout=10).json() == {"runs": []}
-        proc.send_signal(getattr(signals, sig))
+        first, *again = sigs
+        proc.send_signal(getattr(signals, first))
+        if again:
+            # Sent while it stops: once the gateway, stopped first, answers no more.
+            deadline = time.monotonic() + 30
+            while _answers(f"{dev.gateway}/readyz") and time.monotonic() < deadline:
+                pass
+            for sig in again:
+                proc.send_signal(getattr(signals, sig))
         code = proc.wait(timeout=30)
     finally:
         proc.kill()

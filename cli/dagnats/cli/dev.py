@@ -55,10 +55,20 @@ def _port_or_free(port: int) -> int:
 async def run_dev(args: argparse.Namespace) -> int:
     # SIGTERM and SIGINT stop everything the same way, even when SIGINT came
     # in ignored (a process started in the background of a script).
+    # A second Ctrl-C while everything stops changes nothing: cancelled again,
+    # the stop would leave the gateway's tasks to be cancelled mid-shutdown.
     main = asyncio.current_task()
     if main is not None:
+        stopping = False
+
+        def stop() -> None:
+            nonlocal stopping
+            if not stopping:
+                stopping = True
+                main.cancel()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, main.cancel)
+            asyncio.get_running_loop().add_signal_handler(sig, stop)
     data = Path(args.dev_data_dir or args.data_dir)
     model = None if args.no_demo else _demo_model()  # a bad DAGNATS_MODEL stops us here
     data.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before anything runs
