@@ -512,13 +512,63 @@ GUARDS = (
     Guard(
         name="a kept iteration goes unwritten only while nobody wrote the run since",
         file="services/engine/dagnats/engine/processor.py",
-        guard="                if read is not None and read.revision == stored.revision:\n",
-        removed="                if read is not None:\n",
+        guard="        return read is not None and read.revision == stored.revision\n",
+        removed="        return read is not None\n",
         how="an engine decides on its old write after another engine cancelled the run",
         tests=(
             "tests/test_kept_writes.py::"
             "test_a_cancel_by_another_engine_stops_the_holder_of_unwritten_iterations",
         ),
+    ),
+    Guard(
+        name="a run another engine wrote since is not taken as quiet",
+        file="services/engine/dagnats/engine/heard.py",
+        guard="        return self._last.get(run_id, 0) <= mark.heard\n",
+        removed="        return True\n",
+        how="an engine decides on its old write of a run another engine cancelled since",
+        tests=(
+            "tests/test_run_writes_heard.py::test_an_engine_hears_another_engines_write_of_a_run",
+            "tests/test_kept_writes.py::"
+            "test_a_cancel_by_another_engine_stops_the_holder_of_unwritten_iterations",
+        ),
+    ),
+    Guard(
+        name="nothing heard before a reconnect is trusted",
+        file="services/engine/dagnats/engine/heard.py",
+        guard="        if mark.reconnects != now.reconnects or mark.heard < self._floor:\n",
+        removed="        if mark.heard < self._floor:\n",
+        how="writes sent while the connection was down are taken as never made",
+        tests=("tests/test_run_writes_heard.py::test_nothing_heard_before_a_reconnect_is_trusted",),
+    ),
+    Guard(
+        name="a publish taken but not heard yet leaves nothing trusted",
+        file="services/engine/dagnats/engine/heard.py",
+        guard="        if now.pending:\n",
+        removed="        if False:\n",
+        how="a write whose publish waits in the queue is taken as never made",
+        tests=(
+            "tests/test_run_writes_heard.py::"
+            "test_a_publish_waiting_or_dropped_leaves_nothing_trusted",
+        ),
+    ),
+    Guard(
+        name="a dropped publish leaves no earlier mark trusted",
+        file="services/engine/dagnats/engine/heard.py",
+        guard="            self._floor = self._heard\n            return None\n",
+        removed="",
+        how="a write whose publish a slow subscription dropped is taken as never made",
+        tests=(
+            "tests/test_run_writes_heard.py::"
+            "test_a_publish_waiting_or_dropped_leaves_nothing_trusted",
+        ),
+    ),
+    Guard(
+        name="nothing heard on a cluster is trusted",
+        file="services/engine/dagnats/engine/store.py",
+        guard="        one_server = info.cluster is None or not info.cluster.name\n",
+        removed="        one_server = True\n",
+        how="an engine trusts what it heard across routes that may drop or reorder it",
+        tests=("tests/test_run_writes_heard.py::test_on_a_cluster_nothing_heard_is_trusted",),
     ),
     Guard(
         name="an engine that read the run catches up with the journal before it decides",

@@ -29,6 +29,13 @@ outbox it replaces is the one this engine published. If it misses, nothing
 was written and the run is read. A decision that writes nothing (a dropped
 input) has no swap to check it, so it is taken on a read only (ADR 21).
 
+A kept iteration of a journaled loop may be decided on the guess and not
+written at all for a while (ADR 37): the journal's commits hold it, and every
+reader of the run catches up from them. Nothing swaps to check that guess, so
+the engine checks it another way: on one server it hears every other
+engine's write of a run (``heard``, ADR 38) and reads the run's revision only
+when it heard one since its own write, or cannot trust what it heard.
+
 An event an engine took from the history and never applied (it died) would
 wait out ``history_ack_wait`` before another engine got it. The reconciler
 applies such events itself once a run's history has stood unacknowledged for
@@ -78,6 +85,7 @@ from dagnats.engine import convert, rules
 from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.convert_workflow import stored_workflow
+from dagnats.engine.heard import Mark, RunWrites
 from dagnats.engine.report import commit_event
 from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -134,6 +142,12 @@ class Engine:
         # Runs whose guess holds kept iterations not written yet (ADR 37):
         # how many, and since when.
         self._deferred: dict[str, tuple[int, float]] = {}
+        # Other engines' writes of runs, heard (ADR 38), and for each guess
+        # the moment its write was sent: nobody wrote the run since, if
+        # nothing was heard after it.
+        self.heard: RunWrites | None = None
+        self._unhear: Callable[[], Awaitable[None]] | None = None
+        self._marks: dict[str, Mark] = {}
         # Commits' events taken from core NATS and being applied: at most a
         # history fetch's worth at once; more waits in the subscription.
         self._reports: set[asyncio.Task[bytes | None]] = set()
@@ -153,6 +167,7 @@ class Engine:
             jsx.HISTORY, HISTORY_CONSUMER, self.config.history_ack_wait
         )
         await self.store.ensure_consumer(jsx.TIMERS, TIMER_CONSUMER, self.config.timer_ack_wait)
+        self.heard, self._unhear = await self.store.hear_run_writes()
         self._tasks = [
             asyncio.create_task(self._consume(jsx.HISTORY, HISTORY_CONSUMER, self._on_event)),
             asyncio.create_task(self._consume(jsx.TIMERS, TIMER_CONSUMER, self._on_timer)),
@@ -188,6 +203,8 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        if self._unhear is not None:
+            await self._unhear()
 
     # ---- the one way a run changes ------------------------------------------------
 
@@ -201,6 +218,7 @@ class Engine:
         carries the step on with that message, and this engine holds the run
         as it wrote it, the write may wait (ADR 37, :meth:`_defers`)."""
         guess = self._written.pop(run_id, None)
+        mark = self._marks.pop(run_id, None)
         published = guess.revision if guess is not None else 0  # its outbox, by us
         read: StoredRun | None = None
         for _ in range(MAX_CAS_RETRIES):
@@ -233,9 +251,8 @@ class Engine:
             if guessed and kept is not None and self._defers(stored, run, decision, kept):
                 # Nobody wrote the run since this engine did: the decision is
                 # the one a read would have given (ADR 37).
-                read = await self.store.load_run(run_id)
-                if read is not None and read.revision == stored.revision:
-                    self._defer(StoredRun(record, stored.revision))
+                if await self._unchanged(stored, mark):
+                    self._defer(StoredRun(record, stored.revision), mark)
                     await seam("after_kept_unwritten")
                     return decision.run, decision
                 self.counters["guess_missed"] += 1
@@ -245,12 +262,13 @@ class Engine:
                 # write that wakes it is stored, as a start is (ADR 32).
                 await self.store.enter_active(run_id)
                 self.counters["reindexed"] += 1
+            mark = self._mark()
             try:
                 revision = await self.store.update_run(record, stored.revision)
             except StaleRevision:
                 self.counters["guess_missed" if guessed else "cas_conflicts"] += 1
                 continue
-            await self._publish_written(StoredRun(record, revision))
+            await self._publish_written(StoredRun(record, revision), mark)
             return decision.run, decided
         raise Unavailable(f"run {run_id} is changing too fast; try again")
 
@@ -272,14 +290,29 @@ class Engine:
         count, _ = self._deferred.get(stored.record.run.run_id, (0, 0.0))
         return count + 1 < self.config.kept_write_batch
 
-    def _defer(self, decided: StoredRun) -> None:
+    async def _unchanged(self, stored: StoredRun, mark: Mark | None) -> bool:
+        """Whether the run is still as this engine wrote it (``stored``):
+        nothing heard of it since the write was sent (``mark``, ADR 38), or
+        else the revision read is still the one written."""
+        run_id = stored.record.run.run_id
+        if self.heard is not None and self.heard.quiet_since(run_id, mark):
+            self.counters["kept_heard_quiet"] += 1
+            return True
+        read = await self.store.load_run(run_id)
+        return read is not None and read.revision == stored.revision
+
+    def _mark(self) -> Mark | None:
+        """Now, in what was heard of other writers: taken before a write is sent."""
+        return self.heard.mark() if self.heard is not None else None
+
+    def _defer(self, decided: StoredRun, mark: Mark | None) -> None:
         """Keep ``decided`` as this engine's guess, unwritten; the next write
         of the run, or :meth:`write_deferred`, stores it."""
         run_id = decided.record.run.run_id
         count, since = self._deferred.get(run_id, (0, self.clock()))
         self._deferred[run_id] = (count + 1, since)
         self.counters["kept_unwritten"] += 1
-        self._remember(decided)
+        self._remember(decided, mark)
 
     async def write_deferred(self, *, older_than: float) -> None:
         """Write the runs whose first unwritten iteration was decided at
@@ -290,16 +323,18 @@ class Engine:
         due = [run_id for run_id, (_, since) in self._deferred.items() if now - since >= older_than]
         for run_id in due:
             self._deferred.pop(run_id, None)
+            self._marks.pop(run_id, None)
             guess = self._written.pop(run_id, None)
             if guess is None:
                 continue
+            mark = self._mark()
             try:
                 revision = await self.store.update_run(guess.record, guess.revision)
             except StaleRevision:
                 self.counters["kept_write_missed"] += 1
                 continue
             self.counters["kept_writes"] += 1
-            self._remember(StoredRun(guess.record, revision))
+            self._remember(StoredRun(guess.record, revision), mark)
 
     async def _write_deferred_loop(self) -> None:
         delay = self.config.kept_write_delay
@@ -370,31 +405,43 @@ class Engine:
         self.counters["kept_caught_up"] += caught.step(step.step_id).iterations - step.iterations
         return caught
 
-    async def _publish_written(self, written: StoredRun) -> None:
+    async def _publish_written(self, written: StoredRun, mark: Mark | None = None) -> None:
         """Publish the outbox of a run this engine just wrote, and keep the run
-        as the guess for its next change: its outbox is then known published."""
+        as the guess for its next change: its outbox is then known published.
+        ``mark``: taken before the write was sent."""
         self._deferred.pop(written.record.run.run_id, None)
         await seam("after_dispatch_saved")
         await self.publish_outbox(written)
         await seam("after_dispatch_published")
-        self._remember(written)
+        self._remember(written, mark)
 
-    def _remember(self, written: StoredRun) -> None:
+    def _remember(self, written: StoredRun, mark: Mark | None = None) -> None:
         """Keep the run as written, its outbox published, if it may change
-        again; a run that ended is not changed by the hot path any more."""
+        again; a run that ended is not changed by the hot path any more.
+        ``mark``: when its write was sent, if anything heard can tell that
+        nobody wrote the run since."""
         run_id = written.record.run.run_id
         record = written.record
         if record.run.status != pb.RUN_STATUS_RUNNING or record.ByteSize() > WRITTEN_BYTES:
-            self._written.pop(run_id, None)
-            self._deferred.pop(run_id, None)
+            self._forget(run_id)
             return
         self._written[run_id] = written
         self._written.move_to_end(run_id)
+        if mark is not None:
+            self._marks[run_id] = mark
+        else:
+            self._marks.pop(run_id, None)
         while len(self._written) > WRITTEN_RUNS:
             # A guess with kept iterations unwritten goes too: a reader of
             # the run catches up from the journal (ADR 37).
             forgotten, _ = self._written.popitem(last=False)
-            self._deferred.pop(forgotten, None)
+            self._forget(forgotten)
+
+    def _forget(self, run_id: str) -> None:
+        """Keep no guess of the run: its next change is decided on a read."""
+        self._written.pop(run_id, None)
+        self._deferred.pop(run_id, None)
+        self._marks.pop(run_id, None)
 
     async def create(
         self, accepted: m.Accepted, trace_context: dict[str, str], *, indexed: bool = False
@@ -403,6 +450,7 @@ class Engine:
         A run that exists already is returned as stored (after finishing its
         outbox). ``indexed``: the caller entered the run in the active-run index."""
         record = self._record(accepted, trace_context)
+        mark = self._mark()
         revision = await self.store.create_run(record, indexed=indexed)
         if revision is None:
             stored = await self.store.require_run(accepted.run.run_id)
@@ -410,7 +458,7 @@ class Engine:
                 stored = await self.flush(stored)
             return stored
         created = StoredRun(record, revision)
-        await self._publish_written(created)
+        await self._publish_written(created, mark)
         return created
 
     def last_written(self, run_id: str) -> StoredRun | None:
@@ -868,7 +916,7 @@ class Engine:
             stored = flagged
         run_id = stored.record.run.run_id
         if (mine := self._written.get(run_id)) is not None and mine.revision != stored.revision:
-            self._written.pop(run_id)  # a guess that would miss
+            self._forget(run_id)  # a guess that would miss
         await self.store.leave_active(run_id, through=entry)
         self.counters["parked"] += 1
 

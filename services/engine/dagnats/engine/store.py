@@ -35,6 +35,7 @@ from dagnats.core.subjects import (
     task_consumer,
     task_filter,
 )
+from dagnats.engine.heard import WRITER, Listening, RunWrites
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 
@@ -48,6 +49,12 @@ log = logging.getLogger(__name__)
 # its leader, a server restarting), within the request's budget: the one rule
 # of ``jsx.retry_transient``.
 _retry = jsx.retry_transient
+
+
+# How a compare-and-swap write of a key says which revision it replaces, and
+# the API errors that say it does not (nats.js.kv does the same).
+_EXPECTED_REVISION = "Nats-Expected-Last-Subject-Sequence"
+_WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
 class StaleRevision(Exception):
@@ -147,6 +154,7 @@ class EngineStore:
         self._checkpoints = checkpoints
         self._active = active_runs
         self._notices: _Notices | None = None
+        self._run_headers: dict[str, str] = {}
 
     @classmethod
     async def open(cls, nc: NATS) -> EngineStore:
@@ -243,20 +251,67 @@ class EngineStore:
         try:
             # A retried create whose first try landed finds the key taken: the
             # caller then reads the run, and finds its own (the id is random).
+            return await _retry(lambda: self._put_run(run_id, data, 0), "store the run")
+        except StaleRevision:
+            pass
+        try:  # taken, or purged: nats.js.kv makes a purged key anew
             return int(await _retry(lambda: self._runs.create(run_id, data), "store the run"))
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
     async def update_run(self, record: ipb.RunRecord, revision: int) -> int:
+        """Store ``record`` if the run is still at ``revision`` (a
+        compare-and-swap); its new revision. Signed by this engine's
+        :class:`RunWrites` when it hears writes."""
         run_id, data = record.run.run_id, record.SerializeToString()
+        # A retried update whose first try landed is a stale revision: the
+        # caller reads the run again and decides on what it finds.
+        return await _retry(lambda: self._put_run(run_id, data, revision), "update the run")
+
+    async def _put_run(self, run_id: str, data: bytes, revision: int) -> int:
+        """Store a run if its key is at ``revision`` (0: no such key), signed
+        by this engine's :class:`RunWrites` when it hears writes."""
+        headers = {_EXPECTED_REVISION: str(revision), **self._run_headers}
         try:
-            # A retried update whose first try landed is a stale revision: the
-            # caller reads the run again and decides on what it finds.
-            return int(
-                await _retry(lambda: self._runs.update(run_id, data, revision), "update the run")
-            )
-        except nats.js.errors.KeyWrongLastSequenceError:
-            raise StaleRevision(record.run.run_id) from None
+            ack = await self.js.publish(kv_key(jsx.KV_RUNS, run_id), data, headers=headers)
+        except nats.js.errors.APIError as err:
+            if err.err_code in _WRONG_LAST_SEQUENCE:
+                raise StaleRevision(run_id) from None
+            raise
+        return int(ack.seq)
+
+    async def hear_run_writes(self) -> tuple[RunWrites, Callable[[], Awaitable[None]]]:
+        """Listen to every publish of a run (ADR 38): what is heard, and the
+        unsubscribe. This store's own writes of runs are signed from now on.
+        On a cluster nothing is listened to, and nothing heard is trusted."""
+        writes = RunWrites()
+        self._run_headers = writes.headers()
+        info = await _retry(
+            lambda: self.js.stream_info(f"KV_{jsx.KV_RUNS}"), "read the runs bucket"
+        )
+        one_server = info.cluster is None or not info.cluster.name
+        if not one_server:
+            return writes, _nothing
+        prefix = kv_key(jsx.KV_RUNS, "")
+
+        async def heard(msg: Msg) -> None:
+            # Awaits nothing: a publish is either in the queue or heard.
+            writes.heard(msg.subject[len(prefix) :], (msg.headers or {}).get(WRITER))
+
+        # No pending limits: a publish dropped here would go unheard.
+        sub = await self.nc.subscribe(
+            f"{prefix}>", cb=heard, pending_msgs_limit=0, pending_bytes_limit=0
+        )
+        writes.listen(
+            lambda: Listening(sub.delivered, sub.pending_msgs, self.nc.stats["reconnects"])
+        )
+
+        async def stop() -> None:
+            writes.listen(None)
+            with contextlib.suppress(Exception):  # the connection may be closing
+                await sub.unsubscribe()
+
+        return writes, stop
 
     async def iter_runs(self) -> AsyncIterator[StoredRun]:
         async for _, value, revision in jsx.walk_kv(self.js, jsx.KV_RUNS):
@@ -769,6 +824,10 @@ class EngineStore:
     async def run_is_active(self, run_id: str) -> bool:
         stored = await self.load_run(run_id)
         return stored is not None and stored.record.run.status == pb.RUN_STATUS_RUNNING
+
+
+async def _nothing() -> None:
+    pass
 
 
 async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
