@@ -571,6 +571,27 @@ GUARDS = (
         tests=("tests/test_run_writes_heard.py::test_on_a_cluster_nothing_heard_is_trusted",),
     ),
     Guard(
+        name="a run's watchers are told each state the engine stores",
+        file="services/engine/dagnats/engine/processor.py",
+        guard='        self._stored(written)\n        await seam("after_dispatch_saved")\n',
+        removed='        await seam("after_dispatch_saved")\n',
+        how="a watch of a run this engine writes waits for its consumer to see a change",
+        tests=(
+            "tests/test_watch_run.py::test_a_run_this_engine_writes_is_watched_without_a_consumer",
+        ),
+    ),
+    Guard(
+        name="another writer's write of a watched run starts its watch",
+        file="services/engine/dagnats/engine/watch.py",
+        guard="            hub.wake()\n",
+        removed="            pass\n",
+        how="a watch misses another engine's writes until WATCH_AFTER has passed",
+        tests=(
+            "tests/test_watch_run.py::"
+            "test_a_watch_starts_at_once_when_another_engine_writes_its_run",
+        ),
+    ),
+    Guard(
         name="an engine that read the run catches up with the journal before it decides",
         file="services/engine/dagnats/engine/processor.py",
         guard="                run = await self.caught_up(as_stored, stored.record)\n",

@@ -17,10 +17,14 @@ from pathlib import Path
 
 import grpc
 import grpc.aio
+import nats
 import pytest
 import pytest_asyncio
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerInfo
 
 from dagnats.core.natsserver import NatsServer
+from dagnats.engine import watch
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.store import StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -60,6 +64,19 @@ def statuses(run: pb.Run) -> tuple[int, ...]:
     return (run.status, *(s.status for s in run.steps))
 
 
+async def watch_opening_gates(client: Client, run_id: str, gates: Gates) -> list[tuple[int, ...]]:
+    """Watch every change of a gated two-step run to its end, opening each
+    step's gate once it runs; the statuses seen."""
+    seen = []
+    async for state in client.watch_run(run_id):
+        seen.append(statuses(state))
+        steps = {s.step_id: s.status for s in state.steps}
+        for step in ("first", "second"):
+            if steps[step] == RUNNING:
+                gates.open(step)
+    return seen
+
+
 async def test_a_watcher_gets_each_change_in_order_then_the_end(
     client: Client, gated: tuple[str, Gates]
 ) -> None:
@@ -95,14 +112,7 @@ async def test_a_watcher_of_the_end_only_gets_the_run_as_it_is_then_its_end(
             pb.WatchRunRequest(run_id=run.run_id, ended_only=True)
         )
         first = await call.read()
-        # A watcher of every change opens each gate once its step runs.
-        seen = []
-        async for state in client.watch_run(run.run_id):
-            seen.append(statuses(state))
-            steps = {s.step_id: s.status for s in state.steps}
-            for step in ("first", "second"):
-                if steps[step] == RUNNING:
-                    gates.open(step)
+        seen = await watch_opening_gates(client, run.run_id, gates)
         rest: list[pb.WatchRunResponse] = []
         while (message := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
             assert isinstance(message, pb.WatchRunResponse)
@@ -141,12 +151,76 @@ async def test_many_watchers_of_a_run_share_one_consumer(
     assert engine.watches is not None
     watches = engine.watches
     await wait_for(lambda: watches.watchers(run.run_id) == 20, message="20 watchers")
-    consumers = await engine.nc.jetstream().consumers_info("KV_RUNS")
-    on_the_run = [c for c in consumers if c.config.filter_subject == f"$KV.RUNS.{run.run_id}"]
-    assert len(on_the_run) == 1
+
+    async def on_the_run() -> list[ConsumerInfo]:
+        consumers = await engine.nc.jetstream().consumers_info("KV_RUNS")
+        return [c for c in consumers if c.config.filter_subject == f"$KV.RUNS.{run.run_id}"]
+
+    # The run is long: its watch starts once WATCH_AFTER has passed.
+    assert len(await wait_for(on_the_run, message="the run's watch")) == 1
     gates.open("first", "second")
     ends = await asyncio.gather(*waits)
     assert {r.status for r in ends} == {pb.RUN_STATUS_COMPLETED}
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def consumers_created(nats_server: NatsServer) -> AsyncIterator[list[bytes]]:
+    """The requests that create a consumer on the runs bucket, as sent."""
+    created: list[bytes] = []
+    nc = await nats.connect(nats_server.url)
+
+    async def seen(msg: Msg) -> None:
+        created.append(msg.data)
+
+    for subject in ("$JS.API.CONSUMER.CREATE.KV_RUNS", "$JS.API.CONSUMER.CREATE.KV_RUNS.>"):
+        await nc.subscribe(subject, cb=seen)
+    await nc.flush()
+    yield created
+    await nc.close()
+
+
+async def test_a_run_this_engine_writes_is_watched_without_a_consumer(
+    client: Client,
+    gated: tuple[str, Gates],
+    consumers_created: list[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The engine hands its watches each state of the run as it stores it
+    # (ADR 39); the watch of the bucket waits, here longer than the run.
+    monkeypatch.setattr(watch, "WATCH_AFTER", 60.0)
+    name, gates = gated
+    run = await client.start_run(name)
+    seen = await watch_opening_gates(client, run.run_id, gates)
+    assert seen[-1] == (pb.RUN_STATUS_COMPLETED, COMPLETED, COMPLETED)
+    assert (pb.RUN_STATUS_RUNNING, COMPLETED, RUNNING) in seen
+    key = f"$KV.RUNS.{run.run_id}".encode()
+    assert [c for c in consumers_created if key in c] == []
+
+
+async def test_a_watch_starts_at_once_when_another_engine_writes_its_run(
+    nats_server: NatsServer,
+    engine: EngineServer,
+    client: Client,
+    gated: tuple[str, Gates],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On one server the engine hears the other engine's write (ADR 38) and
+    # watches the bucket at once, rather than after WATCH_AFTER.
+    monkeypatch.setattr(watch, "WATCH_AFTER", 60.0)
+    name, _ = gated
+    run = await client.start_run(name)
+    waiting = asyncio.create_task(client.wait_for_run(run.run_id, timeout=20))
+    assert engine.watches is not None
+    watches = engine.watches
+    await wait_for(lambda: run.run_id in watches, message="the run is watched")
+    other = await start_engine(nats_server.url, config=FAST, with_journal=False)
+    try:
+        async with Client(other.target) as elsewhere:
+            await elsewhere.cancel_run(run.run_id, reason="from elsewhere")
+        done = await waiting
+    finally:
+        await other.stop()
+    assert done.status == pb.RUN_STATUS_CANCELLED
 
 
 async def test_a_finished_run_is_answered_at_once(client: Client, gated: tuple[str, Gates]) -> None:

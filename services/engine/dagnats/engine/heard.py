@@ -81,6 +81,8 @@ class RunWrites:
         self._floor = 0  # marks below it are doubtful
         self._last: OrderedDict[str, int] = OrderedDict()  # run -> its last foreign write
         self._processed = 0
+        # Told the run of each other writer's publish, as it is heard.
+        self.on_other_write: Callable[[str], None] | None = None
 
     def listen(self, listening: Callable[[], Listening] | None) -> None:
         """Start trusting what is heard, as ``listening`` says the
@@ -99,6 +101,8 @@ class RunWrites:
             self._live = True
             return
         self._heard += 1
+        if self.on_other_write is not None:
+            self.on_other_write(run_id)
         self._last[run_id] = self._heard
         self._last.move_to_end(run_id)
         if len(self._last) > HEARD_RUNS:

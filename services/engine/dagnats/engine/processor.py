@@ -148,6 +148,9 @@ class Engine:
         self.heard: RunWrites | None = None
         self._unhear: Callable[[], Awaitable[None]] | None = None
         self._marks: dict[str, Mark] = {}
+        # Told each state of a run this engine stores, as it is stored (the
+        # run watches of this process, ADR 39).
+        self.on_stored: Callable[[StoredRun], None] | None = None
         # Commits' events taken from core NATS and being applied: at most a
         # history fetch's worth at once; more waits in the subscription.
         self._reports: set[asyncio.Task[bytes | None]] = set()
@@ -334,7 +337,9 @@ class Engine:
                 self.counters["kept_write_missed"] += 1
                 continue
             self.counters["kept_writes"] += 1
-            self._remember(StoredRun(guess.record, revision), mark)
+            written = StoredRun(guess.record, revision)
+            self._stored(written)
+            self._remember(written, mark)
 
     async def _write_deferred_loop(self) -> None:
         delay = self.config.kept_write_delay
@@ -410,10 +415,21 @@ class Engine:
         as the guess for its next change: its outbox is then known published.
         ``mark``: taken before the write was sent."""
         self._deferred.pop(written.record.run.run_id, None)
+        self._stored(written)
         await seam("after_dispatch_saved")
         await self.publish_outbox(written)
         await seam("after_dispatch_published")
         self._remember(written, mark)
+
+    def _stored(self, written: StoredRun) -> None:
+        if self.on_stored is not None:
+            self.on_stored(written)
+
+    def wrote_last(self, stored: StoredRun) -> bool:
+        """Whether ``stored`` is the state of its run this engine stored
+        last, as far as it knows (another engine may have written since)."""
+        mine = self._written.get(stored.record.run.run_id)
+        return mine is not None and mine.revision == stored.revision
 
     def _remember(self, written: StoredRun, mark: Mark | None = None) -> None:
         """Keep the run as written, its outbox published, if it may change

@@ -65,7 +65,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.store = engine.store
         self.journal = journal
         self._consumers: set[str] = set()
-        self.watches = RunWatches(engine.store)
+        self.watches = RunWatches(engine.store, wrote_last=engine.wrote_last)
+        engine.on_stored = self.watches.written
+        if engine.heard is not None:
+            engine.heard.on_other_write = self.watches.heard
         self.feed = RunFeed(engine.store)
 
     # ---- workflows ----------------------------------------------------------------

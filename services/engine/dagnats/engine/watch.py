@@ -5,6 +5,14 @@ A :class:`RunHub` holds one ``EngineStore.watch_run`` (one ordered consumer
 on the run's key) and hands every stored state of the run to each of its
 :class:`Watcher`\\ s. The hub stops its watch when its last watcher leaves.
 
+The engine of this process also hands the hub each state of the run it
+stores, as it stores it (:meth:`RunWatches.written`, ADR 39). When that
+engine wrote the run last, the watch itself waits: until another writer's
+write of the run is heard (:meth:`RunWatches.heard`), or ``WATCH_AFTER``.
+A run that ends within that time, as most short runs do, needs no consumer
+at all; another engine's write is seen at most ``WATCH_AFTER`` late where
+writes cannot be heard (a cluster).
+
 What a watcher sends (the contract of ``WatchRun``):
 
 - first the run as the servicer read it (or as the start it served stored
@@ -25,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from dagnats.core.errors import DagnatsError, NotFound, Unavailable
 from dagnats.core.grpcutil import as_domain_error
@@ -33,6 +41,8 @@ from dagnats.engine.store import EngineStore, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 
 BUFFER = 256
+# Seconds a hub whose run this engine wrote last waits before it watches.
+WATCH_AFTER = 0.05
 FINAL = frozenset({pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED})
 
 
@@ -86,21 +96,41 @@ class Watcher:
 
 
 class RunHub:
-    """One run's watch and the watchers that share it."""
+    """One run's watch and the watchers that share it. ``wait``: seconds
+    before the watch starts, unless :meth:`wake` comes first."""
 
-    def __init__(self, hubs: RunWatches, store: EngineStore, run_id: str) -> None:
+    def __init__(self, hubs: RunWatches, store: EngineStore, run_id: str, wait: float) -> None:
         self._hubs = hubs
         self.run_id = run_id
         self.watchers: set[Watcher] = set()
-        self.latest: StoredRun | None = None  # the last state the watch gave
-        self._task = asyncio.create_task(self._pump(store), name=f"watch-run-{run_id}")
+        self.latest: StoredRun | None = None  # the newest state the hub was given
+        self._woken = asyncio.Event()
+        self._task = asyncio.create_task(self._pump(store, wait), name=f"watch-run-{run_id}")
 
-    async def _pump(self, store: EngineStore) -> None:
+    def offer(self, stored: StoredRun) -> None:
+        """A stored state of the run, from the watch or from the engine that
+        stored it; one no newer than the newest given is not news."""
+        if self.latest is not None and stored.revision <= self.latest.revision:
+            return
+        self.latest = stored
+        for watcher in list(self.watchers):
+            watcher.offer(stored)
+
+    def wake(self) -> None:
+        """Start the watch now: another writer wrote the run."""
+        self._woken.set()
+
+    async def _pump(self, store: EngineStore, wait: float) -> None:
         try:
+            if wait > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._woken.wait(), wait)
             async for stored in store.watch_run(self.run_id):
-                self.latest = stored
+                if stored is not None:
+                    self.offer(stored)
+                    continue
                 for watcher in list(self.watchers):
-                    watcher.offer(stored)
+                    watcher.offer(None)  # purged
         except Exception as err:
             failed = as_domain_error(err)
             if not isinstance(failed, DagnatsError):
@@ -123,10 +153,15 @@ class RunHub:
 
 
 class RunWatches:
-    """The runs this engine watches for clients, one :class:`RunHub` each."""
+    """The runs this engine watches for clients, one :class:`RunHub` each.
+    ``wrote_last``: whether a state is the one this process's engine stored
+    last of its run (its watch may then wait)."""
 
-    def __init__(self, store: EngineStore) -> None:
+    def __init__(
+        self, store: EngineStore, *, wrote_last: Callable[[StoredRun], bool] | None = None
+    ) -> None:
         self._store = store
+        self._wrote_last = wrote_last or (lambda _: False)
         self._hubs: dict[str, RunHub] = {}
 
     async def follow(
@@ -140,7 +175,8 @@ class RunWatches:
         run_id = first.record.run.run_id
         hub = self._hubs.get(run_id)
         if hub is None:
-            hub = self._hubs[run_id] = RunHub(self, self._store, run_id)
+            wait = WATCH_AFTER if self._wrote_last(first) else 0.0
+            hub = self._hubs[run_id] = RunHub(self, self._store, run_id, wait)
         watcher = Watcher(first, ended_only=ended_only)
         if hub.latest is not None:
             # What the hub saw while ``first`` was read (the older is skipped).
@@ -151,6 +187,18 @@ class RunWatches:
                 yield stored
         finally:
             hub.leave(watcher)
+
+    def written(self, stored: StoredRun) -> None:
+        """A state of a run that this process's engine has just stored."""
+        hub = self._hubs.get(stored.record.run.run_id)
+        if hub is not None:
+            hub.offer(stored)
+
+    def heard(self, run_id: str) -> None:
+        """Another writer wrote ``run_id``: its watch starts now."""
+        hub = self._hubs.get(run_id)
+        if hub is not None:
+            hub.wake()
 
     def forget(self, hub: RunHub) -> None:
         if self._hubs.get(hub.run_id) is hub:
