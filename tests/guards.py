@@ -73,6 +73,39 @@ GUARDS = (
             "tests/test_journal.py::test_zombie_is_fenced_and_writes_nothing_after_its_successor",
         ),
     ),
+    *(
+        Guard(
+            name=f"a claim stored with the first record: {what}",
+            file="services/journal/dagnats/journal/replay.py",
+            guard="    return attempt == 1 and delivery == 1 and limit > 1\n",
+            removed=f"    return {kept}\n",
+            how=how,
+            tests=(
+                "tests/test_journal_api.py::"
+                f"test_a_claim_that_may_fence_or_count_is_stored_at_once[{test}]",
+            ),
+        )
+        for what, kept, how, test in (
+            (
+                "the first delivery only",
+                "attempt == 1 and limit > 1",
+                "a redelivery's claim waits for its first record and fences no stalled holder",
+                "redelivery",
+            ),
+            (
+                "the first attempt only",
+                "delivery == 1 and limit > 1",
+                "a retry's claim waits for its first record and fences no earlier attempt",
+                "retry",
+            ),
+            (
+                "not one that alone reaches the restart limit",
+                "attempt == 1 and delivery == 1",
+                "a claim that alone reaches the restart limit is not stored and fails nothing",
+                "limit_1",
+            ),
+        )
+    ),
     Guard(
         name="engine acceptance rule",
         file="services/engine/dagnats/engine/rules.py",

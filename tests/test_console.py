@@ -262,7 +262,6 @@ async def test_the_journal_shows_records_live_tokens_and_an_interrupted_unsafe_t
         await page.goto(f"/ui/#/runs/{run_id}/steps/agent")
         timeline = page.locator("#timeline")
         claims = timeline.locator("li.k-claim")
-        await expect(claims).to_have_count(1, timeout=WAIT)
         await expect(page.locator("#tokens-live")).to_have_attribute("data-state", "live")
         await release(state, run_id, "model")
 
@@ -275,9 +274,12 @@ async def test_the_journal_shows_records_live_tokens_and_an_interrupted_unsafe_t
         await shot(page, tmp_path, "journal-streaming")
         await release(state, run_id, "tokens")
 
-        # The committed record replaces the preview.
+        # The committed record replaces the preview; the first delivery's
+        # claim is stored with it (ADR 40), and shown first.
         model = timeline.locator("li.k-model")
         await expect(model).to_have_count(1, timeout=WAIT)
+        await expect(claims).to_have_count(1)
+        await expect(timeline.locator("li.rec").first).to_have_class(re.compile(r"\bk-claim\b"))
         await expect(model).to_contain_text(REPLY)
         await expect(model).to_have_class("rec k-model from-stream")
         await expect(page.locator("#live li")).to_have_count(0)
@@ -337,7 +339,7 @@ async def test_a_steer_input_goes_queued_placed_done_and_a_withdrawn_one_shows_w
 ) -> None:
     run_id = await start(http, WORKFLOW, "inputs")
     await page.goto(f"/ui/#/runs/{run_id}/steps/agent")
-    await expect(page.locator("#timeline li.k-claim")).to_have_count(1, timeout=WAIT)
+    await expect(page.locator("#tokens-live")).to_have_attribute("data-state", "live")
     await wait_for((state / f"{run_id}.queued").exists, timeout=WAIT / 1000)
 
     await page.fill("#input-content", "turn left")

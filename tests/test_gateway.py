@@ -165,7 +165,8 @@ async def test_the_spec_agent_driven_through_rest_alone(
             follow_up = {"request_id": "f-1", "mode": "follow_up", "content": "tomorrow?"}
             assert (await http.post(inputs, json=follow_up)).status_code == 201
             live = await collect(stream, until=is_commit("continue"))
-        assert [e.data["kind"] for e in live][:2] == ["claim", "input_placed"]
+        # The woken turn's claim rides its first record, the placement (ADR 40).
+        assert live[0].data["kind"] == "input_placed" and "leading_claim" in live[0].data
         assert live[-1].data["commit"]["wait_until_input"] is True
         assert model.scripted.calls == 3 and starts == ["search"]
 
@@ -340,13 +341,13 @@ async def test_a_hundred_followers_of_one_step_each_get_every_record(
         records = await page(http, run_id)
         expected = [r["seq"] for r in records]
     assert all(ids == expected for ids in seen)
-    # A claim, then a commit with the model's response; from the second
-    # iteration on the claim rides the commit (handed over, ADR 34).
+    # A commit with the model's response and the claim, each iteration: the
+    # first delivery's claim fences nothing (ADR 40), and the next ones are
+    # handed over with the commit before (ADR 34).
     assert [(r["kind"], r["leading"], "leading_claim" in r) for r in records] == [
-        ("claim", None, False),
-        *[("commit", "leading_model", i > 0) for i in range(3)],
+        ("commit", "leading_model", True) for _ in range(3)
     ]
-    assert [r["leading_model"]["response"] for r in records[1:]] == [{"turn": i} for i in range(3)]
+    assert [r["leading_model"]["response"] for r in records] == [{"turn": i} for i in range(3)]
 
 
 # ---- bad input --------------------------------------------------------------------

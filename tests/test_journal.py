@@ -183,9 +183,10 @@ async def test_a_turn_is_three_records_and_reads_back_whole(
     client: Client, engine: EngineServer
 ) -> None:
     # The model's response rides the intent of the tool it asks for, the
-    # tool's result rides the commit, and from the second iteration on the
-    # claim rides the first record (the commit before handed the dispatch
-    # over, ADR 34): intent and commit per tool turn.
+    # tool's result rides the commit, and the claim rides the first record:
+    # the first delivery's claim fences nothing (ADR 40), and from the second
+    # iteration on the commit before handed the dispatch over (ADR 34).
+    # Intent and commit per tool turn.
     task, name = await start(client)
     model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
     async with Worker(engine.target, handlers={task: agent(model, tools, seen)}, poll_wait=1.0):
@@ -197,25 +198,25 @@ async def test_a_turn_is_three_records_and_reads_back_whole(
         for r in records
     ]
     assert shape == [
-        (0, False, None, "claim"),
         *[
             (i, claimed, kind, body)
             for i in range(3)
             for claimed, kind, body in [
-                (i > 0, "leading_model", "tool_intent"),
+                (True, "leading_model", "tool_intent"),
                 (False, None, "tool_output"),  # the tool reports "started <name>;"
                 (False, "leading_tool_result", "commit"),
             ]
         ],
         (3, True, "leading_model", "commit"),
     ]
-    assert {r.leading_claim.delivery for r in records[4:] if r.HasField("leading_claim")} == {
-        records[0].claim.delivery
-    }, "every handed-over claim is the first delivery's"
-    intent = records[1]
+    assert {r.leading_claim.delivery for r in records if r.HasField("leading_claim")} == {1}, (
+        "every claim is the first delivery's"
+    )
+    assert records[0].leading_claim.worker_id, "the claim names its worker"
+    intent = records[0]
     assert json.loads(intent.leading_model.response) == SCRIPT[0]
     assert (intent.leading_model.position, intent.tool_intent.position) == (0, 1)
-    commit = records[3]
+    commit = records[2]
     assert commit.leading_tool_result.intent_seq == intent.seq
     assert json.loads(commit.leading_tool_result.output)["tool"] == "search"
     assert commit.commit.action == jpb.ACTION_CONTINUE
@@ -228,13 +229,13 @@ async def test_a_turn_is_three_records_and_reads_back_whole(
     lines = record_line(commit).splitlines()
     assert [line.split()[2] for line in lines] == ["tool_result", "commit"]
     assert {line.split()[0] for line in lines} == {str(commit.seq)}
-    handed = records[4]
-    assert [line.split()[2] for line in record_line(handed).splitlines()] == [
-        "claim",
-        "model",
-        "tool_intent",
-    ]
-    assert record_dict(handed)["leading_claim"]["delivery"] == records[0].claim.delivery
+    for first in (intent, records[3]):  # the first record of the first and the handed dispatch
+        assert [line.split()[2] for line in record_line(first).splitlines()] == [
+            "claim",
+            "model",
+            "tool_intent",
+        ]
+        assert record_dict(first)["leading_claim"]["delivery"] == 1
 
 
 async def test_a_handler_that_awaits_between_its_calls_stores_each_on_its_own(
@@ -250,7 +251,8 @@ async def test_a_handler_that_awaits_between_its_calls_stores_each_on_its_own(
     records = await read_journal(engine, run.run_id)
     assert not [r for r in records if r.WhichOneof("leading")]
     kinds = [r.WhichOneof("kind") for r in records if r.iteration == 0]
-    assert kinds == ["claim", "model", "tool_intent", "tool_output", "tool_result", "commit"]
+    assert kinds == ["model", "tool_intent", "tool_output", "tool_result", "commit"]
+    assert records[0].HasField("leading_claim"), "the claim rides the first record"
 
 
 async def test_crash_while_the_response_is_pending_asks_the_model_again(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc.aio
@@ -40,6 +42,21 @@ async def run_once(engine: EngineServer, handler: Any) -> pb.Run:
         async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
             run = await client.start_run(name)
             return await client.wait_for_run(run.run_id, timeout=30)
+
+
+@asynccontextmanager
+async def as_its_worker(
+    engine: EngineServer, prefix: str
+) -> AsyncIterator[tuple[pb.Run, jgrpc.JournalServiceAsyncStub]]:
+    """A run of a new loop workflow that no worker polls, and a journal stub to
+    be its worker with; the run is cancelled afterwards."""
+    name, task = unique(prefix), unique(prefix)
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+        run = await client.start_run(name)
+        async with grpc.aio.insecure_channel(engine.target) as channel:
+            yield run, jgrpc.JournalServiceStub(channel)
+        await client.cancel_run(run.run_id)
 
 
 async def test_concurrent_use_of_one_handle_raises(engine: EngineServer) -> None:
@@ -126,11 +143,11 @@ async def test_read_pages_and_follows_then_purge_removes_the_journal(engine: Eng
             r.record
             async for r in stub.Read(
                 jpb.ReadRequest(
-                    run_id=run.run_id, step_id="agent", from_seq=records[2].seq, limit=2
+                    run_id=run.run_id, step_id="agent", from_seq=records[1].seq, limit=2
                 )
             )
         ]
-        assert [r.seq for r in page] == [records[2].seq, records[3].seq]
+        assert [r.seq for r in page] == [records[1].seq, records[2].seq]
         followed: list[int] = []
         call = stub.Read(jpb.ReadRequest(run_id=run.run_id, step_id="agent", follow=True))
         async for item in call:
@@ -228,33 +245,24 @@ async def test_an_output_or_result_cannot_answer_an_intent_of_an_earlier_iterati
     # seen, but not of its iteration: answering it would put a second result
     # in the journal for a tool that ran once, in an iteration that never
     # called it.
-    name, task = unique("intentit"), unique("intentit")
-    async with Client(engine.target) as client:
-        await client.register_workflow(loop_workflow(name, task))
-        run = await client.start_run(name)  # no worker: the test is the worker
-        async with grpc.aio.insecure_channel(engine.target) as channel:
-            stub = jgrpc.JournalServiceStub(channel)
-            begun = await begin_unsafe_tool(stub, run.run_id)
-            finished = await stub.FinishTool(
-                jpb.FinishToolRequest(token=begun.token, intent_seq=begun.intent_seq, output=b"1")
-            )
-            await stub.Commit(
-                jpb.CommitRequest(
-                    token=finished.token, commit=jpb.Commit(action=jpb.ACTION_CONTINUE)
-                )
-            )
-            next_claim = await stub.Claim(
-                jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=1, attempt=1)
-            )
-            token = next_claim.claimed.token
-            assert token.base_seq >= begun.intent_seq
-            await assert_intent_seq_refused(stub, token, begun.intent_seq)
-            records = [
-                r.record
-                async for r in stub.Read(jpb.ReadRequest(run_id=run.run_id, step_id="agent"))
-            ]
-            assert [r.WhichOneof("kind") for r in records if r.iteration == 1] == ["claim"]
-        await client.cancel_run(run.run_id)
+    async with as_its_worker(engine, "intentit") as (run, stub):
+        begun = await begin_unsafe_tool(stub, run.run_id)
+        finished = await stub.FinishTool(
+            jpb.FinishToolRequest(token=begun.token, intent_seq=begun.intent_seq, output=b"1")
+        )
+        await stub.Commit(
+            jpb.CommitRequest(token=finished.token, commit=jpb.Commit(action=jpb.ACTION_CONTINUE))
+        )
+        next_claim = await stub.Claim(
+            jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=1, attempt=1)
+        )
+        token = next_claim.claimed.token
+        assert token.base_seq >= begun.intent_seq
+        await assert_intent_seq_refused(stub, token, begun.intent_seq)
+        records = [
+            r.record async for r in stub.Read(jpb.ReadRequest(run_id=run.run_id, step_id="agent"))
+        ]
+        assert [r.WhichOneof("kind") for r in records if r.iteration == 1] == ["claim"]
 
 
 async def test_a_claim_after_its_own_commit_reads_no_tail_and_a_wrong_guess_reads_it(
@@ -348,51 +356,46 @@ async def refused_field(call: Any) -> str:
 async def test_an_entry_that_rides_a_call_is_checked_and_a_refused_call_writes_neither(
     engine: EngineServer,
 ) -> None:
-    name, task = unique("ride"), unique("ride")
-    async with Client(engine.target) as client:
-        await client.register_workflow(loop_workflow(name, task))
-        run = await client.start_run(name)  # no worker: the test is the worker
-        async with grpc.aio.insecure_channel(engine.target) as channel:
-            stub = jgrpc.JournalServiceStub(channel)
-            claimed = await stub.Claim(
-                jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
-            )
-            token = claimed.claimed.token
+    async with as_its_worker(engine, "ride") as (run, stub):
+        claimed = await stub.Claim(
+            jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+        )
+        token = claimed.claimed.token
 
-            def begin(model: jpb.ModelCall, **fields: Any) -> Any:
-                call: dict[str, Any] = {"position": 1, "name": "charge", "input": b"{}"} | fields
-                return stub.BeginTool(jpb.BeginToolRequest(token=token, model=model, **call))
+        def begin(model: jpb.ModelCall, **fields: Any) -> Any:
+            call: dict[str, Any] = {"position": 1, "name": "charge", "input": b"{}"} | fields
+            return stub.BeginTool(jpb.BeginToolRequest(token=token, model=model, **call))
 
-            good = jpb.ModelCall(position=0, response=b'{"tool": "charge"}')
-            assert await refused_field(begin(jpb.ModelCall(position=1, response=b"{}"))) == (
-                "model.position"
-            )
-            assert await refused_field(begin(jpb.ModelCall(position=0, response=b"no"))) == (
-                "model.response"
-            )
-            assert await refused_field(begin(good, name="")) == "name"
-            assert await refused_field(begin(good, input=b"{")) == "input"
-            begun = await begin(good, replay=jpb.REPLAY_UNSAFE)
-            assert begun.run and begun.token.last_seq == token.last_seq + 1, "one record"
-            token = begun.token
+        good = jpb.ModelCall(position=0, response=b'{"tool": "charge"}')
+        assert await refused_field(begin(jpb.ModelCall(position=1, response=b"{}"))) == (
+            "model.position"
+        )
+        assert await refused_field(begin(jpb.ModelCall(position=0, response=b"no"))) == (
+            "model.response"
+        )
+        assert await refused_field(begin(good, name="")) == "name"
+        assert await refused_field(begin(good, input=b"{")) == "input"
+        begun = await begin(good, replay=jpb.REPLAY_UNSAFE)
+        assert begun.run and begun.token.last_seq == token.last_seq + 1, "one record"
+        token = begun.token
 
-            def commit(result: jpb.ToolResult, **fields: Any) -> Any:
-                request = jpb.CommitRequest(token=token, tool_result=result)
-                request.commit.MergeFrom(jpb.Commit(**fields))
-                return stub.Commit(request)
+        def commit(result: jpb.ToolResult, **fields: Any) -> Any:
+            request = jpb.CommitRequest(token=token, tool_result=result)
+            request.commit.MergeFrom(jpb.Commit(**fields))
+            return stub.Commit(request)
 
-            done = jpb.ToolResult(intent_seq=begun.intent_seq, output=b'"charged"')
-            wrong = jpb.ToolResult(intent_seq=begun.intent_seq + 1, output=b"1")
-            assert await refused_field(commit(wrong, action=jpb.ACTION_CONTINUE)) == (
-                "tool_result.intent_seq"
-            )
-            not_json = jpb.ToolResult(intent_seq=begun.intent_seq, output=b"{")
-            assert await refused_field(commit(not_json, action=jpb.ACTION_CONTINUE)) == (
-                "tool_result.output"
-            )
-            assert await refused_field(commit(done)) == "commit.action"
-            stored = await commit(done, action=jpb.ACTION_CONTINUE)
-            assert stored.commit_seq == token.last_seq + 1
+        done = jpb.ToolResult(intent_seq=begun.intent_seq, output=b'"charged"')
+        wrong = jpb.ToolResult(intent_seq=begun.intent_seq + 1, output=b"1")
+        assert await refused_field(commit(wrong, action=jpb.ACTION_CONTINUE)) == (
+            "tool_result.intent_seq"
+        )
+        not_json = jpb.ToolResult(intent_seq=begun.intent_seq, output=b"{")
+        assert await refused_field(commit(not_json, action=jpb.ACTION_CONTINUE)) == (
+            "tool_result.output"
+        )
+        assert await refused_field(commit(done)) == "commit.action"
+        stored = await commit(done, action=jpb.ACTION_CONTINUE)
+        assert stored.commit_seq == token.last_seq + 1
         records = await read_journal(engine, run.run_id)
         assert [(r.WhichOneof("leading"), r.WhichOneof("kind")) for r in records] == [
             (None, "claim"),
@@ -403,7 +406,6 @@ async def test_an_entry_that_rides_a_call_is_checked_and_a_refused_call_writes_n
         assert records[2].leading_tool_result == done
         check = await journal_check(engine, run.run_id)
         assert list(check.violations) == [] and check.records == 3
-        await client.cancel_run(run.run_id)
 
 
 async def test_a_call_refused_whole_stores_the_response_on_its_own_first(
@@ -434,46 +436,40 @@ async def test_a_call_refused_whole_stores_the_response_on_its_own_first(
     assert len(raised) == 1 and getattr(raised[0], "field", None) == "name"
     records = await read_journal(engine, run.run_id)
     assert [(r.WhichOneof("leading"), r.WhichOneof("kind")) for r in records] == [
-        (None, "claim"),
         (None, "model"),
         (None, "model"),
         (None, "tool_intent"),
         ("leading_tool_result", "commit"),
     ]
-    assert [r.model.position for r in records[1:3]] == [0, 2]
-    assert records[3].tool_intent.position == 3
+    assert records[0].HasField("leading_claim"), "the claim rides the first record (ADR 40)"
+    assert [r.model.position for r in records[0:2]] == [0, 2]
+    assert records[2].tool_intent.position == 3
     check = await journal_check(engine, run.run_id)
     assert list(check.violations) == []
 
 
 async def test_a_replay_mismatch_with_a_response_writes_nothing(engine: EngineServer) -> None:
-    name, task = unique("ridemm"), unique("ridemm")
-    async with Client(engine.target) as client:
-        await client.register_workflow(loop_workflow(name, task))
-        run = await client.start_run(name)  # no worker: the test is the worker
-        async with grpc.aio.insecure_channel(engine.target) as channel:
-            stub = jgrpc.JournalServiceStub(channel)
-            claim = jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
-            first = (await stub.Claim(claim)).claimed.token
-            await stub.RecordModel(jpb.RecordModelRequest(token=first, position=1, response=b"1"))
-            claim.delivery = 2
-            token = (await stub.Claim(claim)).claimed.token  # a redelivery
-            request = jpb.BeginToolRequest(
-                token=token,
-                position=1,
-                name="charge",
-                input=b"{}",
-                model=jpb.ModelCall(position=0, response=b"{}"),
-            )
-            try:
-                await stub.BeginTool(request)
-            except grpc.aio.AioRpcError as err:
-                assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
-            else:
-                raise AssertionError("a tool at a model call's position was accepted")
-            records = await read_journal(engine, run.run_id)
-            assert records[-1].seq == token.last_seq, "nothing was written"
-        await client.cancel_run(run.run_id)
+    async with as_its_worker(engine, "ridemm") as (run, stub):
+        claim = jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+        first = (await stub.Claim(claim)).claimed.token
+        await stub.RecordModel(jpb.RecordModelRequest(token=first, position=1, response=b"1"))
+        claim.delivery = 2
+        token = (await stub.Claim(claim)).claimed.token  # a redelivery
+        request = jpb.BeginToolRequest(
+            token=token,
+            position=1,
+            name="charge",
+            input=b"{}",
+            model=jpb.ModelCall(position=0, response=b"{}"),
+        )
+        try:
+            await stub.BeginTool(request)
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+        else:
+            raise AssertionError("a tool at a model call's position was accepted")
+        records = await read_journal(engine, run.run_id)
+        assert records[-1].seq == token.last_seq, "nothing was written"
 
 
 async def test_two_model_calls_in_a_row_keep_both_responses(engine: EngineServer) -> None:
@@ -494,12 +490,91 @@ async def test_two_model_calls_in_a_row_keep_both_responses(engine: EngineServer
     assert run.status == pb.RUN_STATUS_COMPLETED, run.error
     records = await read_journal(engine, run.run_id)
     assert [(r.WhichOneof("leading"), r.WhichOneof("kind")) for r in records] == [
-        (None, "claim"),
         (None, "model"),
         ("leading_model", "commit"),
     ]
-    assert (records[1].model.position, records[1].model.response) == (0, b'{"draft":1}')
-    assert (records[2].leading_model.position, records[2].leading_model.response) == (
+    assert (records[0].model.position, records[0].model.response) == (0, b'{"draft":1}')
+    assert (records[1].leading_model.position, records[1].leading_model.response) == (
         1,
         b'{"final":2}',
     )
+
+
+# ---- the first claim stored with the first record (ADR 40) --------------------------------
+
+
+async def test_a_first_claim_that_fences_nothing_is_stored_with_the_first_record(
+    engine: EngineServer,
+) -> None:
+    async with as_its_worker(engine, "ride1") as (run, stub):
+        first = jpb.ClaimRequest(
+            run_id=run.run_id,
+            step_id="agent",
+            iteration=0,
+            attempt=1,
+            delivery=1,
+            worker_id="w-first",
+            with_first_record=True,
+        )
+        claimed = (await stub.Claim(first)).claimed
+        token = claimed.token
+        assert token.HasField("claim") and token.claim.worker_id == "w-first"
+        assert not claimed.records and token.last_seq == 0
+        assert await read_journal(engine, run.run_id) == [], "nothing stored yet"
+        # A second holder of the same first delivery (a duplicate message)
+        # claims the same way; whichever writes first holds the step.
+        rival = (await stub.Claim(first)).claimed.token
+        begun = await stub.BeginTool(
+            jpb.BeginToolRequest(
+                token=token,
+                model=jpb.ModelCall(position=0, response=b'{"tool": "charge"}'),
+                position=1,
+                name="charge",
+                input=b"{}",
+                replay=jpb.REPLAY_UNSAFE,
+            )
+        )
+        assert begun.run and not begun.token.HasField("claim"), "stored now"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.RecordModel(jpb.RecordModelRequest(token=rival, position=0, response=b"{}"))
+        assert isinstance(error_from_rpc(refused.value), Fenced)
+        await stub.Commit(
+            jpb.CommitRequest(
+                token=begun.token,
+                tool_result=jpb.ToolResult(intent_seq=begun.intent_seq, output=b'"ok"'),
+                commit=jpb.Commit(action=jpb.ACTION_COMPLETE, output=b'"done"'),
+            )
+        )
+        records = await read_journal(engine, run.run_id)
+        assert [r.WhichOneof("kind") for r in records] == ["tool_intent", "commit"]
+        assert records[0].leading_claim == jpb.Claim(delivery=1, worker_id="w-first")
+        assert records[0].writer == token.writer, "nothing of the fenced rival was stored"
+        check = await journal_check(engine, run.run_id)
+        assert list(check.violations) == [] and check.records == 2
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"delivery": 2},  # a redelivery fences the deliveries before it
+        {"attempt": 2},  # a retry fences the attempts before it
+        {"delivery": 0},  # a delivery not known
+        {"restart_limit": 1},  # the claim alone reaches the limit
+        {"with_first_record": False},  # not asked (the bridge, older workers)
+    ],
+    ids=["redelivery", "retry", "unknown_delivery", "limit_1", "not_asked"],
+)
+async def test_a_claim_that_may_fence_or_count_is_stored_at_once(
+    engine: EngineServer, fields: dict[str, Any]
+) -> None:
+    async with as_its_worker(engine, "ride2") as (run, stub):
+        first: dict[str, Any] = {"attempt": 1, "delivery": 1, "with_first_record": True}
+        request = jpb.ClaimRequest(run_id=run.run_id, step_id="agent", **(first | fields))
+        answer = await stub.Claim(request)
+        records = await read_journal(engine, run.run_id)
+        assert records and records[0].WhichOneof("kind") == "claim"
+        if fields == {"restart_limit": 1}:
+            assert answer.settled.reason == "restart_limit"
+        else:
+            assert not answer.claimed.token.HasField("claim")
+            assert answer.claimed.token.last_seq == records[0].seq

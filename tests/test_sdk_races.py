@@ -144,7 +144,11 @@ async def test_a_claim_that_loses_a_race_settles_without_a_report(
     # claim reads the tail, then appends after it, and loses when another
     # claim landed in between. The worker's losing claim must settle without a
     # report; a reported failure would fail this step, which has no retry left.
-    task, name = await register(client, retry={"max_attempts": 1})
+    # The race is run by the second attempt: the first attempt's first
+    # delivery fences nothing, so its claim rides the first record and races
+    # nobody (ADR 40).
+    retry = {"max_attempts": 2, "backoff": "fixed", "initial_delay": "10ms"}
+    task, name = await register(client, retry=retry)
     lost: list[BaseException] = []
 
     async def race(tc: TaskContext) -> None:
@@ -171,6 +175,9 @@ async def test_a_claim_that_loses_a_race_settles_without_a_report(
             raise mine[0]
 
     async def handler(tc: TaskContext) -> None:
+        if tc.attempt == 1:
+            await tc.fail("the first attempt fails before it claims")
+            return
         if tc.delivery == 1:
             await race(tc)
         await tc.journal()
@@ -181,7 +188,7 @@ async def test_a_claim_that_loses_a_race_settles_without_a_report(
             run = await client.start_run(name)
             done = await client.wait_for_run(run.run_id, timeout=30)
             assert done.status == pb.RUN_STATUS_COMPLETED, done.error
-            assert steps_by_id(done)["agent"].attempt == 1, "no retry was asked for"
+            assert steps_by_id(done)["agent"].attempt == 2, "no retry was asked for"
             if lost:
                 break
     assert lost, "the worker's claim never lost a race"

@@ -186,7 +186,10 @@ async def test_a_journaled_run_across_the_three_services_as_separate_processes(
             records = [r async for r in reader.read(run.run_id, "agent")]
             check = await reader.check(run.run_id)
         kinds = [r.WhichOneof("kind") for r in records]
-        assert kinds == ["claim", "model", "commit", "claim", "input_placed", "commit"]
+        assert kinds == ["model", "commit", "input_placed", "commit"]
+        # Each turn's claim rides its first record: the first delivery of the
+        # first attempt fences nothing (ADR 40).
+        assert [r.HasField("leading_claim") for r in records] == [True, False, True, False]
         assert list(check.violations) == []
 
 

@@ -233,6 +233,7 @@ class TaskContext:
             worker_id=self._worker_id,
             restart_limit=self._restart_limit,
             lease=self._leased.lease,  # a settled claim is settled by the service
+            with_first_record=True,  # stored with the first record if it fences nothing
         )
         # A claim that raises Fenced lost to a concurrent claim of this
         # dispatch (between its read of the tail and its append): the task is

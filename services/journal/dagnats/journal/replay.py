@@ -21,6 +21,12 @@ Claim (one dispatch ``(iteration, attempt)`` opening the journal):
   ``interrupted`` result. After the claim, ``restart_limit_reached`` says
   whether the iteration ended in ``limit`` claims in a row; a claim repeated
   for the same delivery (its answer was lost) counts once.
+* A claim that finds nothing of its iteration, for the first delivery of the
+  iteration's first attempt, fences and closes nothing: with no earlier
+  attempt and no earlier delivery, every earlier holder is of an earlier
+  iteration, fenced by the tail already. Asked to, it rides the holder's
+  first record instead of being stored on its own (``claim_rides``), unless
+  it alone would reach the restart limit.
 * The last commit this replica stored on the step is the guessed tail of the
   next iteration's claim (``guess_tail``: only a commit of the iteration just
   before). A decision from a guessed tail stands only if it is ``Proceed``
@@ -144,6 +150,13 @@ def base_before(tail: AnyEntry | None, iteration: int) -> int:
     if tail.iteration < iteration and isinstance(tail, CommitEntry) and tail.ends_iteration:
         return tail.seq
     return tail.base_seq
+
+
+def claim_rides(attempt: int, delivery: int, limit: int) -> bool:
+    """Whether a claim that found no record of its iteration may be stored
+    with the holder's first record: it is the first delivery (not 0, which is
+    unknown) of the first attempt, and it alone does not reach ``limit``."""
+    return attempt == 1 and delivery == 1 and limit > 1
 
 
 def restart_limit_reached(records: Sequence[AnyEntry], limit: int) -> bool:

@@ -138,6 +138,11 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
 
     async def _claim_answer(self, request: pb.ClaimRequest, limit: int) -> pb.ClaimResponse:
         run_id, step_id = request.run_id, request.step_id
+        # May the claim ride the holder's first record, if it finds nothing of
+        # its iteration (ADR 40)?
+        rides = request.with_first_record and replay.claim_rides(
+            request.attempt, request.delivery, limit
+        )
         if request.iteration == 0:
             # Only then does the rule need the run, and no commit can be the
             # tail's guess: the two reads go at once.
@@ -146,22 +151,29 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             ended = f"run {run_id} is {status}" if run.status != epb.RUN_STATUS_RUNNING else ""
             if (closed := replay.closed_start(request.iteration, run_ended=ended)) is not None:
                 return _settled("stale", detail=closed.detail)
-            return await self._claim_after(request, tail, limit)
+            return await self._claim_after(request, tail, limit, rides=rides)
         # The commit that ended the last iteration, as this replica stored it, is
         # the likely tail: claim after it without reading first. The claim's
         # fenced append checks the guess, so a right guess decides exactly as a
-        # read would have; a wrong one wrote nothing, and the tail is read.
-        guess = self._writer.last_commit(run_id, step_id)
+        # read would have; a wrong one wrote nothing, and the tail is read. A
+        # claim that may ride appends nothing to check a guess with: it reads.
+        guess = None if rides else self._writer.last_commit(run_id, step_id)
         if guess is not None and replay.guess_tail(guess.iteration, request.iteration):
             try:
                 return await self._claim_after(request, guess, limit, guessed=True)
             except _GuessMissed:
                 pass
         tail = await self.store.tail(run_id, step_id)
-        return await self._claim_after(request, tail, limit)
+        return await self._claim_after(request, tail, limit, rides=rides)
 
     async def _claim_after(
-        self, request: pb.ClaimRequest, tail: pb.Record | None, limit: int, *, guessed: bool = False
+        self,
+        request: pb.ClaimRequest,
+        tail: pb.Record | None,
+        limit: int,
+        *,
+        guessed: bool = False,
+        rides: bool = False,
     ) -> pb.ClaimResponse:
         """Claim the dispatch, ``tail`` being the step's last record."""
         run_id, step_id = request.run_id, request.step_id
@@ -178,6 +190,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             raise _GuessMissed
         match decision:
             case replay.Proceed(close=close):
+                if rides and not records:
+                    return await self._claim_riding(request, tail, base)
                 return await self._claim(
                     request, tail, base, records, entries, close, limit, guessed=guessed
                 )
@@ -199,14 +213,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         *,
         guessed: bool,
     ) -> pb.ClaimResponse:
-        token = _new_writer(
-            request.run_id,
-            request.step_id,
-            (request.iteration, request.attempt),
-            after=tail.seq if tail else 0,
-            base=base,
-            delivery=max(request.delivery, 0),
-        )
+        token = _claimant(request, tail, base)
         claim = pb.Record(claim=pb.Claim(delivery=request.delivery, worker_id=request.worker_id))
         try:
             token, claim = await self._writer.append(token, claim, guessed=guessed)
@@ -234,6 +241,29 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             token, closed = await self._writer.append(token, pb.Record(tool_result=interrupted))
             records.append(closed)
             entries.append(convert.entry(closed))
+        return await self._claimed(token, tail, base, records, entries)
+
+    async def _claim_riding(
+        self, request: pb.ClaimRequest, tail: pb.Record | None, base: int
+    ) -> pb.ClaimResponse:
+        """Claim the dispatch without a write: nothing of its iteration is
+        stored, and the claim has nothing to fence, close or count, so the
+        holder's first record stores it, fenced on ``tail`` (ADR 40)."""
+        token = _claimant(request, tail, base)
+        token.claim.CopyFrom(pb.Claim(delivery=request.delivery, worker_id=request.worker_id))
+        await self._now_holding(token)
+        return await self._claimed(token, tail, base, [], [])
+
+    async def _claimed(
+        self,
+        token: pb.WriterToken,
+        tail: pb.Record | None,
+        base: int,
+        records: list[pb.Record],
+        entries: list[jm.AnyEntry],
+    ) -> pb.ClaimResponse:
+        """The answer of a claim that proceeds: ``token``'s writer holds the
+        step, and ``records`` (``entries``) are the iteration's so far."""
         token.snapshot_seq = token.last_seq
         token.replay_positions = replay.replay_positions(entries)
         self._writer.remember(token, entries)
@@ -704,6 +734,18 @@ def _new_writer(
         last_seq=after,
         base_seq=base,
         delivery=delivery,
+    )
+
+
+def _claimant(request: pb.ClaimRequest, tail: pb.Record | None, base: int) -> pb.WriterToken:
+    """The token of the writer a claim makes, appending after ``tail``."""
+    return _new_writer(
+        request.run_id,
+        request.step_id,
+        (request.iteration, request.attempt),
+        after=tail.seq if tail else 0,
+        base=base,
+        delivery=max(request.delivery, 0),
     )
 
 

@@ -22,6 +22,7 @@ export class Timeline {
     this.list = records; // <ol> of records (and abandoned previews)
     this.live = live; // <ol> of previews in flight
     this.seen = new Map(); // seq -> element
+    this.models = new Map(); // seq -> the element of the record's model response
     this.intents = new Map(); // intent seq -> { el, name }
     this.holder = null; // the last claim whose writer has not committed: { writer, seq, el }
     this.iteration = null;
@@ -65,6 +66,7 @@ export class Timeline {
       h("div", { class: "rec-body" }, body),
     );
     if (!this.seen.has(rec.seq)) this.seen.set(rec.seq, el);
+    if (rec.kind === "model") this.models.set(rec.seq, el);
     this.list.append(el);
     this[`_after_${rec.kind}`]?.(rec, el);
   }
@@ -241,7 +243,8 @@ export class Timeline {
     if (!p) return;
     this.streams.delete(id);
     p.el.remove();
-    const rec = this.seen.get(seq);
+    // The model entry, which a claim stored with it may precede (ADR 34, 40).
+    const rec = this.models.get(seq) ?? this.seen.get(seq);
     rec.classList.add("from-stream");
     rec.querySelector(".rec-body").prepend(h("p", { class: "hint replaced" }, `Streamed live (${p.text.textContent.length} characters); this record replaced the preview.`));
   }

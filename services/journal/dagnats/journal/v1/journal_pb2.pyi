@@ -551,9 +551,10 @@ class WriterToken(_message.Message):
     @_builtins.property
     def claim(self) -> Global___Claim:
         """A claim not stored yet: the holder was handed this dispatch with the
-        commit before it (NextDispatch.token), and the next record it appends
-        stores the claim ahead of its own entry (Record.leading_claim). The token
-        that append returns has none.
+        commit before it (NextDispatch.token), or claimed it with
+        ClaimRequest.with_first_record, and the next record it appends stores the
+        claim ahead of its own entry (Record.leading_claim). The token that
+        append returns has none.
         """
 
     def __init__(
@@ -595,6 +596,7 @@ class ClaimRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     RESTART_LIMIT_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    WITH_FIRST_RECORD_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -620,6 +622,15 @@ class ClaimRequest(_message.Message):
     commit's lifecycle event, then acknowledges), and Settled.task_settled is
     true: the worker sends no Report. Empty: the caller reports.
     """
+    with_first_record: _builtins.bool
+    """Set: a claim that would store nothing but itself -- the task message's
+    first delivery (delivery 1) of the iteration's first attempt, with nothing
+    of the iteration stored and the restart limit above 1 -- is not stored
+    now. The answer's token carries it (WriterToken.claim) and the holder's
+    first record stores it, fenced on the tail the claim read (ADR 40).
+    Unset: the claim is stored before the answer, as the bridge's readers
+    expect.
+    """
     def __init__(
         self,
         *,
@@ -631,10 +642,11 @@ class ClaimRequest(_message.Message):
         worker_id: _builtins.str = ...,
         restart_limit: _builtins.int = ...,
         lease: _builtins.str = ...,
+        with_first_record: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "delivery", b"delivery", "iteration", b"iteration", "lease", b"lease", "restart_limit", b"restart_limit", "run_id", b"run_id", "step_id", b"step_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "delivery", b"delivery", "iteration", b"iteration", "lease", b"lease", "restart_limit", b"restart_limit", "run_id", b"run_id", "step_id", b"step_id", "with_first_record", b"with_first_record", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
