@@ -578,3 +578,24 @@ async def test_a_claim_that_may_fence_or_count_is_stored_at_once(
         else:
             assert not answer.claimed.token.HasField("claim")
             assert answer.claimed.token.last_seq == records[0].seq
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"iteration": -1}, "iteration"),
+        ({"attempt": 0}, "attempt"),
+        ({"delivery": -1}, "delivery"),
+        ({"restart_limit": 1001}, "restart_limit"),
+        ({"step_id": "a.>"}, "step_id"),
+    ],
+    ids=["iteration", "attempt", "delivery", "restart_limit", "step_id"],
+)
+async def test_a_claim_with_a_bad_number_or_id_is_refused_naming_it(
+    engine: EngineServer, fields: dict[str, Any], named: str
+) -> None:
+    async with as_its_worker(engine, "badclaim") as (run, stub):
+        first: dict[str, Any] = {"step_id": "agent", "attempt": 1, "delivery": 1}
+        request = jpb.ClaimRequest(run_id=run.run_id, with_first_record=True, **(first | fields))
+        assert await refused_field(stub.Claim(request)) == named
+        assert await read_journal(engine, run.run_id) == [], "a refused claim stores nothing"

@@ -188,7 +188,7 @@ async def test_a_claim_that_loses_a_race_settles_without_a_report(
             run = await client.start_run(name)
             done = await client.wait_for_run(run.run_id, timeout=30)
             assert done.status == pb.RUN_STATUS_COMPLETED, done.error
-            assert steps_by_id(done)["agent"].attempt == 2, "no retry was asked for"
+            assert steps_by_id(done)["agent"].attempt == 2, "the last attempt was not retried"
             if lost:
                 break
     assert lost, "the worker's claim never lost a race"

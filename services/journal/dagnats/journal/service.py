@@ -121,8 +121,12 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
     async def Claim(self, request: pb.ClaimRequest, context: Context) -> pb.ClaimResponse:
         check_run_id(request.run_id)
         check_token(request.step_id, field="step_id")
-        if request.iteration < 0 or request.attempt < 1:
-            raise errors.InvalidArgument("iteration must be >= 0 and attempt >= 1", field="attempt")
+        if request.iteration < 0:
+            raise errors.InvalidArgument("iteration must be >= 0", field="iteration")
+        if request.attempt < 1:
+            raise errors.InvalidArgument("attempt must be >= 1", field="attempt")
+        if request.delivery < 0:
+            raise errors.InvalidArgument("delivery must be >= 0 (0: not known)", field="delivery")
         limit = request.restart_limit or replay.DEFAULT_RESTART_LIMIT
         if not 1 <= limit <= MAX_RESTART_LIMIT:
             raise errors.InvalidArgument(
