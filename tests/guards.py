@@ -346,10 +346,7 @@ GUARDS = (
     Guard(
         name="a task is settled as stale on a read only, never on a guess",
         file="services/engine/dagnats/engine/service.py",
-        guard=(
-            "            current = _current_task("
-            "await self.engine.read_run(task.run_id), task, seq)\n"
-        ),
+        guard="            current = _current_task(found, task, seq)\n",
         removed="            pass\n",
         how="a task the engine's last write of the run does not know is acknowledged: lost",
         tests=(
@@ -602,6 +599,17 @@ GUARDS = (
         removed="        one_server = True\n",
         how="an engine trusts what it heard across routes that may drop or reorder it",
         tests=("tests/test_run_writes_heard.py::test_on_a_cluster_nothing_heard_is_trusted",),
+    ),
+    Guard(
+        name="a task whose run is not stored yet waits for it",
+        file="services/engine/dagnats/engine/service.py",
+        guard="            if found is None and (wait := self._run_awaited(msg)) is not None:\n",
+        removed="            if found is None and (wait := None) is not None:\n",
+        how="a run's first task, published with the run's write, is settled when it comes first",
+        tests=(
+            "tests/test_engine_writes.py::"
+            "test_a_task_that_comes_before_its_run_is_stored_waits_for_it",
+        ),
     ),
     Guard(
         name="a run's watchers are told each state the engine stores",

@@ -3,10 +3,13 @@ run for its next write to replace, and never publishes a task again once an
 outbox is older than JetStream's duplicate window, where a second copy would
 be stored and could fence a live holder; the reconciler's stranded-step check
 dispatches such a task anew if it was never published. A task is leased on
-the run as the engine last wrote it, and settled as stale only on a read."""
+the run as the engine last wrote it, and settled as stale only on a read; one
+whose run is not stored yet (its create publishes it with the run's write)
+waits for it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -22,11 +25,12 @@ from dagnats.core import seam
 from dagnats.core.ids import new_run_id
 from dagnats.core.natsserver import NatsServer
 from dagnats.core.subjects import task_subject
-from dagnats.engine import definition, rules
+from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
 from dagnats.engine.convert import task_msg_id
+from dagnats.engine.convert_workflow import stored_workflow
 from dagnats.engine.processor import Engine
-from dagnats.engine.server import start_engine
+from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -160,8 +164,8 @@ async def test_a_task_never_published_from_an_old_outbox_is_dispatched_anew(
     nc = store.nc
 
     async def crash(point: str) -> None:
-        if point == "after_dispatch_saved":
-            raise RuntimeError("the engine died with the dispatch saved, not published")
+        if point == "before_first_tasks":
+            raise RuntimeError("the engine died storing the run, its task not published")
 
     seam.install(crash)
     try:
@@ -194,21 +198,73 @@ async def test_a_task_dispatched_by_another_engine_is_leased_though_this_one_gue
     # The engine that started the run keeps it as it wrote it, and checks a
     # task it leases against that first: a dispatch made since by another
     # engine looks stale there, and only a read may settle a task as stale.
+    async with two_engines(nats_server, "guessed") as (engine, other, task, name):
+        async with Client(engine.target) as client:
+            run = await client.start_run(name)  # no worker: its task waits
+        report = m.StepReport(
+            step_id="agent", identity=m.Identity(iteration=0, attempt=1), outcome=m.Continued()
+        )
+        await other.apply(run.run_id, report)  # iteration 1, dispatched by the other
+        async with grpc.aio.insecure_channel(engine.target) as channel:
+            request = pb.PollTasksRequest(task_types=[task], max_tasks=2)
+            request.wait.FromSeconds(5)
+            polled = await pb_grpc.EngineServiceStub(channel).PollTasks(request)
+    assert 1 in [t.task.iteration for t in polled.tasks], "the current task was settled as stale"
+
+
+@contextlib.asynccontextmanager
+async def two_engines(
+    nats_server: NatsServer, prefix: str
+) -> AsyncIterator[tuple[EngineServer, Engine, str, str]]:
+    """An engine server with a loop workflow of task type ``prefix``
+    registered, and another engine without a server: (server, other engine,
+    task type, workflow)."""
     engine = await start_engine(nats_server.url, config=FAST)
-    task, name = unique("guessed"), unique("guessedwf")
+    task, name = unique(prefix), unique(prefix + "wf")
     try:
         async with Client(engine.target) as client:
             await client.register_workflow(loop_workflow(name, task))
-            run = await client.start_run(name)  # no worker: its task waits
-            other = Engine(await EngineStore.open(engine.nc), FAST)
-            report = m.StepReport(
-                step_id="agent", identity=m.Identity(iteration=0, attempt=1), outcome=m.Continued()
-            )
-            await other.apply(run.run_id, report)  # iteration 1, dispatched by the other
-            async with grpc.aio.insecure_channel(engine.target) as channel:
-                request = pb.PollTasksRequest(task_types=[task], max_tasks=2)
-                request.wait.FromSeconds(5)
-                polled = await pb_grpc.EngineServiceStub(channel).PollTasks(request)
+        yield engine, Engine(await EngineStore.open(engine.nc), FAST), task, name
     finally:
         await engine.stop()
-    assert 1 in [t.task.iteration for t in polled.tasks], "the current task was settled as stale"
+
+
+async def test_a_task_that_comes_before_its_run_is_stored_waits_for_it(
+    nats_server: NatsServer,
+) -> None:
+    # A run's create publishes its first task while it writes the run (ADR 41),
+    # here by another engine whose write has not landed when this one's poll
+    # gets the task: the task is given back, not settled, and leased once the
+    # run is stored.
+    async with two_engines(nats_server, "early") as (engine, other, task, name):
+        workflow = stored_workflow(await engine.engine.store.get_workflow(name))
+        accepted = rules.start_run(
+            run_id=new_run_id(), workflow=workflow, input=b"", now=time.time()
+        )
+        run_id = accepted.run.run_id
+        (first,) = [
+            convert.outbox_entry(e, {}, time.time())
+            for e in accepted.effects
+            if isinstance(e, m.DispatchTask)
+        ]
+        await engine.engine.store.publish(first)  # the other's task, its run not stored yet
+        subject = task_subject(task, run_id, "agent")
+        async with grpc.aio.insecure_channel(engine.target) as channel:
+            stub = pb_grpc.EngineServiceStub(channel)
+            request = pb.PollTasksRequest(task_types=[task])
+            request.wait.FromSeconds(2)
+            early = await stub.PollTasks(request)
+            assert list(early.tasks) == [], "a task was leased for a run that is not stored"
+            assert await tasks_of(engine.nc, subject) == [first.msg_id], "the task was settled"
+            await other.create(accepted, {})  # its run lands; the task is not stored again
+            leased: list[pb.LeasedTask] = []
+
+            async def leased_once() -> bool:
+                leased.extend((await stub.PollTasks(request)).tasks)
+                return bool(leased)
+
+            await wait_for(leased_once, timeout=20, message="the task was not leased")
+        (got,) = leased
+        assert (got.task.run_id, got.task.iteration, got.task.attempt) == (run_id, 0, 1)
+        assert got.delivery >= 2  # given back once at least
+        assert await tasks_of(engine.nc, subject) == [first.msg_id]  # stored once

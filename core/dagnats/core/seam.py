@@ -22,8 +22,11 @@ event sent to the engines over core NATS, or about to be handed to the engine
 of the same process, no answer come, nothing of it on the history; its task
 not released) and ``after_held_decision`` (the engine's decision known, the
 worker not yet answered); and in the engine ``after_dispatch_saved`` (a dispatch is
-saved, its task not yet published), ``after_dispatch_published`` (its task
-published, the outbox left in the run for the next write to replace),
+saved, its task not yet published; a new run's first tasks are published
+while it is written, so there both are stored), ``after_dispatch_published``
+(its task published, the outbox left in the run for the next write to
+replace), ``before_first_tasks`` (a new run's first tasks about to be
+published while the run is written: raising here stores the run alone),
 ``after_kept_unwritten`` (a kept iteration decided and not written: the run
 as stored is behind the journal, ADR 37) and ``before_event_applied`` (an event is
 taken from the history, or a held commit's from core NATS, not yet applied

@@ -29,6 +29,10 @@ outbox it replaces is the one this engine published. If it misses, nothing
 was written and the run is read. A decision that writes nothing (a dropped
 input) has no swap to check it, so it is taken on a read only (ADR 21).
 
+A new run is the one write whose outbox is published while it is written,
+not after (ADR 41, ``create``): its first task may be delivered before the
+run is stored, and a lease waits for it.
+
 A kept iteration of a journaled loop may be decided on the guess and not
 written at all for a while (ADR 37): the journal's commits hold it, and every
 reader of the run catches up from them. Nothing swaps to check that guess, so
@@ -156,6 +160,9 @@ class Engine:
         self._reports: set[asyncio.Task[bytes | None]] = set()
         self._report_slots = asyncio.Semaphore(config.history_batch)
         self._unserve_reports: Callable[[], Awaitable[None]] | None = None
+        # Runs this engine is creating: their first tasks may be delivered
+        # before their write is acknowledged (``create``).
+        self._creating: dict[str, asyncio.Future[None]] = {}
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -410,14 +417,18 @@ class Engine:
         self.counters["kept_caught_up"] += caught.step(step.step_id).iterations - step.iterations
         return caught
 
-    async def _publish_written(self, written: StoredRun, mark: Mark | None = None) -> None:
-        """Publish the outbox of a run this engine just wrote, and keep the run
-        as the guess for its next change: its outbox is then known published.
-        ``mark``: taken before the write was sent."""
+    async def _publish_written(
+        self, written: StoredRun, mark: Mark | None = None, *, published: bool = False
+    ) -> None:
+        """Publish the outbox of a run this engine just wrote (unless
+        ``published``: it was, with the write), and keep the run as the guess
+        for its next change: its outbox is then known published. ``mark``:
+        taken before the write was sent."""
         self._deferred.pop(written.record.run.run_id, None)
         self._stored(written)
         await seam("after_dispatch_saved")
-        await self.publish_outbox(written)
+        if not published:
+            await self.publish_outbox(written)
         await seam("after_dispatch_published")
         self._remember(written, mark)
 
@@ -464,18 +475,53 @@ class Engine:
     ) -> StoredRun:
         """Store a new run and publish its first dispatches; the run as stored.
         A run that exists already is returned as stored (after finishing its
-        outbox). ``indexed``: the caller entered the run in the active-run index."""
+        outbox). ``indexed``: the caller entered the run in the active-run index.
+
+        The first dispatches are published while the run is written, not after
+        (ADR 41): the run's outbox holds them, and the run enters the index
+        before it is stored, so a crash that stores the run without them leaves
+        it to the reconciler, as before; one that stores a task without its
+        run leaves a task that no run claims, which a lease gives back while
+        the run's write may still land (``rules.awaits_its_run``) and settles
+        after. A lease by this engine waits for the write (``creating``)."""
         record = self._record(accepted, trace_context)
+        run_id = accepted.run.run_id
         mark = self._mark()
-        revision = await self.store.create_run(record, indexed=indexed)
-        if revision is None:
-            stored = await self.store.require_run(accepted.run.run_id)
-            if stored.record.outbox:
-                stored = await self.flush(stored)
-            return stored
-        created = StoredRun(record, revision)
-        await self._publish_written(created, mark)
-        return created
+        self._creating[run_id] = creating = asyncio.get_running_loop().create_future()
+        try:
+            written, published = await asyncio.gather(
+                self.store.create_run(record, indexed=indexed),
+                self._publish_first(record),
+                return_exceptions=True,
+            )
+            if isinstance(written, BaseException):
+                raise written
+            if isinstance(published, BaseException):
+                raise published  # the run keeps them in its outbox: the reconciler publishes it
+            if written is None:
+                stored = await self.store.require_run(run_id)
+                if stored.record.outbox:
+                    stored = await self.flush(stored)
+                return stored
+            created = StoredRun(record, written)
+            await self._publish_written(created, mark, published=True)
+            return created
+        finally:
+            if self._creating.get(run_id) is creating:
+                del self._creating[run_id]
+            creating.set_result(None)
+
+    async def _publish_first(self, record: ipb.RunRecord) -> None:
+        await seam("before_first_tasks")
+        await self.publish_outbox(StoredRun(record, 0))
+
+    async def creating(self, run_id: str) -> None:
+        """Return once a create of ``run_id`` by this engine, if one is under
+        way, has stored the run or failed: a lease of its first task, which
+        may come before the write is acknowledged, then reads what it left."""
+        pending = self._creating.get(run_id)
+        if pending is not None:
+            await asyncio.wait([pending])
 
     def last_written(self, run_id: str) -> StoredRun | None:
         """The run as this engine last wrote it, if it keeps it: a guess at

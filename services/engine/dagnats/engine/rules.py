@@ -36,7 +36,8 @@ Invariants:
 * When a step finishes, its queued inputs are closed (they end unanswered).
 * A terminal run never changes again.
 * A task message is leased only for its step's current dispatch
-  (``carried_dispatch``); any other is settled at once. A running step whose
+  (``carried_dispatch``); any other is settled at once, but for one whose run
+  is not stored yet, which waits for it (``awaits_its_run``). A running step whose
   task is a worker's (``awaiting_a_task``) must have that dispatch's task in
   flight, or the reconciler dispatches it again.
 * A running run with nothing in motion (``parked``) may leave the active-run
@@ -323,6 +324,25 @@ def republishable(subject: str, outbox_age: float, dedupe_window: float) -> bool
     current, whose claim fences the live holder. A task that never went out
     is dispatched anew by the reconciler's stranded-step check instead."""
     return not is_task_subject(subject) or outbox_age < dedupe_window - CLOCK_MARGIN
+
+
+# How long a task whose run is not stored yet is given back for: first, and at most.
+RUN_AWAITED_FIRST = 0.02
+RUN_AWAITED_MOST = 1.0
+
+
+def awaits_its_run(task_age: float, delivered: int, horizon: float) -> float | None:
+    """How long to give back a task message whose run is not stored, or None
+    to settle it. A run's create publishes its first tasks while it writes the
+    run (ADR 41), so a task may be delivered before its run is stored: it is
+    given back, at intervals that double from ``RUN_AWAITED_FIRST`` to
+    ``RUN_AWAITED_MOST``, while the write may still land (``horizon`` seconds
+    after the task was stored, ``task_age`` seconds ago), and settled after:
+    its run was never stored, or was purged."""
+    if task_age >= horizon:
+        return None
+    backoff = RUN_AWAITED_FIRST * (1 << min(max(delivered, 1) - 1, 16))
+    return min(backoff, RUN_AWAITED_MOST, horizon - task_age)
 
 
 def awaiting_a_task(run: Run) -> list[tuple[Step, str]]:

@@ -339,12 +339,18 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # before the run moved on would; the claim and the report's checks
         # refuse it. Only a read settles a task as stale.
         seq = msg.stream_seq
+        await self.engine.creating(task.run_id)  # a first task may come before its run
         current = _current_task(self.engine.last_written(task.run_id), task, seq)
         if current is None or current is not task:
             # A kept message is leased on a read only: leased for an older
             # dispatch than it carries, its claim would find that one committed
             # and acknowledge the message the current dispatch rides on.
-            current = _current_task(await self.engine.read_run(task.run_id), task, seq)
+            found = await self.engine.read_run(task.run_id)
+            if found is None and (wait := self._run_awaited(msg)) is not None:
+                log.info("run %s: not stored yet; its task waits %.2fs", task.run_id, wait)
+                await msg.nak(delay=wait)
+                return None
+            current = _current_task(found, task, seq)
         if current is None:
             log.info("run %s step %s: task no longer current; settled", task.run_id, task.step_id)
             await msg.ack()
@@ -361,6 +367,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return pb.LeasedTask(
             task=current, lease=msg.lease, delivery=msg.delivered, lease_duration=lease_duration
         )
+
+    def _run_awaited(self, msg: Delivery) -> float | None:
+        """How long to give back a task whose run is not stored (None: settle
+        it): its run's create may land for up to three tries of a write
+        (index, run, and the create after a lost acknowledgement) after the
+        task was published with it."""
+        config = self.engine.config
+        horizon = 3 * jsx.RETRY_BUDGET + config.clock_skew
+        age = self.engine.clock() - msg.stored_at
+        return rules.awaits_its_run(age, msg.delivered, horizon)
 
     @domain_errors
     async def Heartbeat(

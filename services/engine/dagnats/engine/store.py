@@ -119,6 +119,11 @@ class Delivery:
     def stream_seq(self) -> int:
         return int(self._msg.metadata.sequence.stream)
 
+    @property
+    def stored_at(self) -> float:
+        """When the message was stored, in seconds since the epoch (nats-server's clock)."""
+        return self._msg.metadata.timestamp.timestamp()
+
     async def ack(self) -> None:
         await self._msg.ack()
 
