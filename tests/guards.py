@@ -612,6 +612,19 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="a lease carries only a claim that rides the first record",
+        file="services/journal/dagnats/journal/service.py",
+        guard=(
+            "        if ride_only and not ("
+            "isinstance(decision, replay.Proceed) and rides and not records):\n"
+        ),
+        removed="        if False:\n",
+        how="the engine's lease stores a claim, or settles a dispatch, on its worker's behalf",
+        tests=(
+            "tests/test_journal_api.py::test_a_lease_claims_nothing_for_a_dispatch_with_records",
+        ),
+    ),
+    Guard(
         name="a run's watchers are told each state the engine stores",
         file="services/engine/dagnats/engine/processor.py",
         guard='        self._stored(written)\n        await seam("after_dispatch_saved")\n',

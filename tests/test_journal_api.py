@@ -17,6 +17,7 @@ from dagnats.core.grpcutil import error_from_rpc
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.journal.limits import HEADER_ROOM, MAX_RECORD_BYTES
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
@@ -503,6 +504,19 @@ async def test_two_model_calls_in_a_row_keep_both_responses(engine: EngineServer
 # ---- the first claim stored with the first record (ADR 40) --------------------------------
 
 
+def first_tool_call(token: jpb.WriterToken) -> jpb.BeginToolRequest:
+    """The first journal call of a turn: a model's response and the intent of
+    the unsafe tool it asks for."""
+    return jpb.BeginToolRequest(
+        token=token,
+        model=jpb.ModelCall(position=0, response=b'{"tool": "charge"}'),
+        position=1,
+        name="charge",
+        input=b"{}",
+        replay=jpb.REPLAY_UNSAFE,
+    )
+
+
 async def test_a_first_claim_that_fences_nothing_is_stored_with_the_first_record(
     engine: EngineServer,
 ) -> None:
@@ -524,16 +538,7 @@ async def test_a_first_claim_that_fences_nothing_is_stored_with_the_first_record
         # A second holder of the same first delivery (a duplicate message)
         # claims the same way; whichever writes first holds the step.
         rival = (await stub.Claim(first)).claimed.token
-        begun = await stub.BeginTool(
-            jpb.BeginToolRequest(
-                token=token,
-                model=jpb.ModelCall(position=0, response=b'{"tool": "charge"}'),
-                position=1,
-                name="charge",
-                input=b"{}",
-                replay=jpb.REPLAY_UNSAFE,
-            )
-        )
+        begun = await stub.BeginTool(first_tool_call(token))
         assert begun.run and not begun.token.HasField("claim"), "stored now"
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.RecordModel(jpb.RecordModelRequest(token=rival, position=0, response=b"{}"))
@@ -599,3 +604,88 @@ async def test_a_claim_with_a_bad_number_or_id_is_refused_naming_it(
         request = jpb.ClaimRequest(run_id=run.run_id, with_first_record=True, **(first | fields))
         assert await refused_field(stub.Claim(request)) == named
         assert await read_journal(engine, run.run_id) == [], "a refused claim stores nothing"
+
+
+async def task_of(engine: EngineServer, run: pb.Run) -> str:
+    """The task type of the one step of ``run``'s workflow."""
+    async with Client(engine.target) as client:
+        (step,) = (await client.get_workflow(run.workflow)).steps
+    return step.task
+
+
+async def poll_once(engine: EngineServer, task: str, **fields: Any) -> pb.LeasedTask:
+    """The task of type ``task`` a poll with ``fields`` leases."""
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        request = pb.PollTasksRequest(task_types=[task], **fields)
+        request.wait.FromSeconds(10)
+        (leased,) = (await pb_grpc.EngineServiceStub(channel).PollTasks(request)).tasks
+    return leased
+
+
+async def test_a_first_delivery_is_leased_with_its_journal_claimed(engine: EngineServer) -> None:
+    # ADR 42: the engine's process serves the journal, so the poll that asks
+    # gets the claim that rides the holder's first record, made at the lease.
+    async with as_its_worker(engine, "leaseclaim") as (run, stub):
+        task = await task_of(engine, run)
+        leased = await poll_once(engine, task, claim_journal=True, worker_id="w-polled")
+        assert leased.delivery == 1 and leased.HasField("journal_claim")
+        token = leased.journal_claim.token
+        assert token.claim == jpb.Claim(delivery=1, worker_id="w-polled")
+        assert (token.run_id, token.iteration, token.attempt, token.last_seq) == (
+            run.run_id,
+            0,
+            1,
+            0,
+        )
+        assert await read_journal(engine, run.run_id) == [], "nothing stored by the lease"
+        begun = await stub.BeginTool(first_tool_call(token))
+        assert begun.run
+        (intent,) = await read_journal(engine, run.run_id)
+        assert intent.leading_claim == jpb.Claim(delivery=1, worker_id="w-polled")
+
+
+async def test_a_poll_that_does_not_ask_or_a_redelivery_gets_no_claim(
+    engine: EngineServer,
+) -> None:
+    async with as_its_worker(engine, "noclaim") as (run, _):
+        task = await task_of(engine, run)
+        unasked = await poll_once(engine, task, worker_id="w-old")
+        assert unasked.delivery == 1 and not unasked.HasField("journal_claim")
+        # Its lease runs out (FAST: 2 s) and the task comes again: a
+        # redelivery's claim fences the deliveries before it, so it is stored
+        # by the holder's own Claim, never made with the lease.
+        again = await poll_once(engine, task, claim_journal=True, worker_id="w-new")
+        assert again.delivery == 2 and not again.HasField("journal_claim")
+        assert await read_journal(engine, run.run_id) == []
+
+
+async def test_a_poll_with_a_bad_restart_limit_or_worker_id_is_refused_naming_it(
+    engine: EngineServer,
+) -> None:
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        for fields, named in (
+            ({"restart_limit": -1}, "restart_limit"),
+            ({"restart_limit": 1001}, "restart_limit"),
+            ({"worker_id": "w" * 257}, "worker_id"),
+        ):
+            request = pb.PollTasksRequest(task_types=["any"], claim_journal=True, **fields)
+            assert await refused_field(stub.PollTasks(request)) == named
+
+
+async def test_a_lease_claims_nothing_for_a_dispatch_with_records(engine: EngineServer) -> None:
+    # Another holder of the dispatch stored a claim and an intent before the
+    # task was first delivered to a poll (a task published again, say): the
+    # claim would fence it and close the intent, a write that is the new
+    # holder's own Claim to make, not the lease's.
+    async with as_its_worker(engine, "leasewrites") as (run, stub):
+        task = await task_of(engine, run)
+        other = jpb.ClaimRequest(
+            run_id=run.run_id, step_id="agent", attempt=1, delivery=2, worker_id="w-other"
+        )
+        token = (await stub.Claim(other)).claimed.token
+        await stub.BeginTool(first_tool_call(token))
+        before = await read_journal(engine, run.run_id)
+        leased = await poll_once(engine, task, claim_journal=True, worker_id="w-polled")
+        assert leased.delivery == 1 and not leased.HasField("journal_claim")
+        assert await read_journal(engine, run.run_id) == before, "the lease wrote to the journal"

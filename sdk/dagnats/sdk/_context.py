@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from google.protobuf.duration_pb2 import Duration
 
+from dagnats.core.claims import lease_claim
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
 from dagnats.core.outcomes import Outcome, commit_of, settled_report
 from dagnats.core.payload import decode, encode
@@ -89,7 +90,8 @@ class TaskContext:
         over with the commit before it: :meth:`journal` claims it with its
         first write instead of a claim of its own."""
         self._leased = leased
-        self._lease = Lease(self.lease_duration or ASSUMED_LEASE, since=leased_at)
+        self._leased_at = asyncio.get_running_loop().time() if leased_at is None else leased_at
+        self._lease = Lease(self.lease_duration or ASSUMED_LEASE, since=self._leased_at)
         self._settle_done = False
         self._worker_id = worker_id
         self._restart_limit = restart_limit
@@ -224,16 +226,24 @@ class TaskContext:
             self._state = self._handed.state
             await seam("after_claim")
             return self._journal
-        request = jpb.ClaimRequest(
-            run_id=self.run_id,
-            step_id=self.step_id,
-            iteration=self.iteration,
-            attempt=self.attempt,
-            delivery=self.delivery,
-            worker_id=self._worker_id,
-            restart_limit=self._restart_limit,
-            lease=self._leased.lease,  # a settled claim is settled by the service
-            with_first_record=True,  # stored with the first record if it fences nothing
+        if self._leased.HasField("journal_claim"):
+            # Claimed as the task was leased, to be stored with the first
+            # record (ADR 42): the tail was read after the poll was sent.
+            claimed, sent = self._leased.journal_claim, self._leased_at
+        else:
+            claimed, sent = await self._claim()
+        self._journal = Journal(
+            self._session, claimed.token, cancellation=self._cancellation, checked_at=sent
+        )
+        self._state = claimed.state if claimed.has_state else None
+        await seam("after_claim")
+        return self._journal
+
+    async def _claim(self) -> tuple[jpb.Claimed, float]:
+        """Claim the journal (``Claim``): the answer, and when it was sent."""
+        assert self._session is not None
+        request = lease_claim(
+            self._leased, worker_id=self._worker_id, restart_limit=self._restart_limit
         )
         # A claim that raises Fenced lost to a concurrent claim of this
         # dispatch (between its read of the tail and its append): the task is
@@ -242,13 +252,7 @@ class TaskContext:
         response = await self._session.claim(request)
         if response.HasField("settled"):
             await self._settled_by_journal(response.settled)
-        claimed = response.claimed
-        self._journal = Journal(
-            self._session, claimed.token, cancellation=self._cancellation, checked_at=sent
-        )
-        self._state = claimed.state if claimed.has_state else None
-        await seam("after_claim")
-        return self._journal
+        return response.claimed, sent
 
     async def _settled_by_journal(self, settled: jpb.Settled) -> None:
         self._settled_as = settled.reason
@@ -474,6 +478,7 @@ class TaskContext:
         leased = pb.LeasedTask()
         leased.CopyFrom(self._leased)
         leased.task.CopyFrom(task)
+        leased.ClearField("journal_claim")  # this delivery's claim, not the next dispatch's
         handed = None
         if nxt.HasField("token"):  # else a journal service that predates the hand-over
             assert self._journal is not None  # only a journal's commit hands over

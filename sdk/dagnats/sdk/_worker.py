@@ -242,6 +242,10 @@ class Worker:
             max_tasks=max_tasks,
             wait=wait,
             worker_id=self._worker_id,
+            # A first delivery's journal comes claimed with its lease when the
+            # engine's process serves the journal too (ADR 42).
+            claim_journal=True,
+            restart_limit=self._restart_limit,
         )
         # The engine holds a poll up to poll_wait, so the deadline is on top of that.
         deadline = self._poll_wait + self._rpc.timeout

@@ -252,7 +252,8 @@ async def start_services(
         subscriptions = await serve_nats_api(nc, inputs)
     servicer = None
     if engine is not None:
-        servicer = EngineServicer(engine, journal_store)
+        claims = journal.ride_claim if journal is not None else None  # ADR 42
+        servicer = EngineServicer(engine, journal_store, claims=claims)
         pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
     served_health = await _add_health_and_reflection(server, [_NAMES[s] for s in served])
     address = f"{host}:{port}"

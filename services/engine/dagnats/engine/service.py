@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
+from dagnats.core.claims import lease_claim
 from dagnats.core.grpcutil import Context, abort_with, as_domain_error, domain_errors
 from dagnats.core.ids import check_lease, check_run_id, check_token, new_run_id
 from dagnats.core.payload import check_json
@@ -32,7 +33,9 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.engine.watch import RunWatches
+from dagnats.journal.service import MAX_RESTART_LIMIT
 from dagnats.journal.store import JournalStore
+from dagnats.journal.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ MAX_TASKS = 256
 MAX_POLL_WAIT = 60.0
 DEFAULT_POLL_WAIT = 10.0
 MAX_IDEMPOTENCY_KEY = 256
+MAX_WORKER_ID = 256
 MAX_INPUT_BYTES = 4 << 20
 _TERMINAL = (pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED)
 
@@ -55,15 +59,24 @@ def _runs_filter(request: pb.WatchRunsRequest) -> Filter:
     return Filter(workflow=workflow, status=request.status, limit=limit)
 
 
+# The journal service of this process claiming a first delivery's journal as
+# its task is leased (``JournalServicer.ride_claim``, ADR 42).
+Claims = Callable[[jpb.ClaimRequest], Awaitable[jpb.Claimed | None]]
+
+
 class EngineServicer(pb_grpc.EngineServiceServicer):
     """The engine's gRPC methods. ``journal`` is the journal's store: a report
     and a heartbeat are checked against the step's journal, and a purge
-    removes it."""
+    removes it. ``claims``: the journal service of this process, if it runs
+    one, which claims a first delivery's journal with its lease."""
 
-    def __init__(self, engine: Engine, journal: JournalStore) -> None:
+    def __init__(
+        self, engine: Engine, journal: JournalStore, *, claims: Claims | None = None
+    ) -> None:
         self.engine = engine
         self.store = engine.store
         self.journal = journal
+        self.claims = claims
         self._consumers: set[str] = set()
         self.watches = RunWatches(engine.store, wrote_last=engine.wrote_last)
         engine.on_stored = self.watches.written
@@ -265,13 +278,24 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         max_tasks = request.max_tasks or 1
         if not 0 < max_tasks <= MAX_TASKS:
             raise errors.InvalidArgument(f"max_tasks must be 1..{MAX_TASKS}", field="max_tasks")
+        if not 0 <= request.restart_limit <= MAX_RESTART_LIMIT:
+            raise errors.InvalidArgument(
+                f"restart_limit must be 0..{MAX_RESTART_LIMIT}", field="restart_limit"
+            )
+        if len(request.worker_id) > MAX_WORKER_ID:
+            raise errors.InvalidArgument(
+                f"worker_id is longer than {MAX_WORKER_ID} characters", field="worker_id"
+            )
         wait = request.wait.ToNanoseconds() / 1e9 if request.HasField("wait") else DEFAULT_POLL_WAIT
         wait = min(max(wait, 0.05), MAX_POLL_WAIT)
         for task_type in types:
             await self._ensure_consumer(task_type)
         msgs = await self._fetch(types, max_tasks, wait)
+        claiming = request if request.claim_journal and self.claims is not None else None
         try:
-            leased = [t for t in await asyncio.gather(*(self._lease(msg) for msg in msgs)) if t]
+            leased = [
+                t for t in await asyncio.gather(*(self._lease(m, claiming) for m in msgs)) if t
+            ]
         except asyncio.CancelledError:
             await self.store.give_back(msgs)  # the caller left: no one will read these leases
             raise
@@ -329,9 +353,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         _background.add(giving)
         giving.add_done_callback(_background.discard)
 
-    async def _lease(self, msg: Delivery) -> pb.LeasedTask | None:
+    async def _lease(
+        self, msg: Delivery, claiming: pb.PollTasksRequest | None = None
+    ) -> pb.LeasedTask | None:
         """Turn a task message into a lease, or settle it at once when its run
-        ended or its step moved on (a stale duplicate)."""
+        ended or its step moved on (a stale duplicate). With ``claiming`` (the
+        poll, which asked), a first delivery's journal is claimed with it."""
         task = pb.Task.FromString(msg.data)
         # The run as this engine last wrote it, when it says the task is
         # current: the engine that dispatched the task usually leases it. A
@@ -364,9 +391,29 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             msg.delivered,
         )
         lease_duration = duration(self.engine.config.task_ack_wait)
-        return pb.LeasedTask(
+        leased = pb.LeasedTask(
             task=current, lease=msg.lease, delivery=msg.delivered, lease_duration=lease_duration
         )
+        if claiming is not None and msg.delivered == 1:
+            claimed = await self._ride_claim(leased, claiming)
+            if claimed is not None:
+                leased.journal_claim.CopyFrom(claimed)
+        return leased
+
+    async def _ride_claim(
+        self, leased: pb.LeasedTask, poll: pb.PollTasksRequest
+    ) -> jpb.Claimed | None:
+        """The journal claim of ``leased`` that rides its holder's first record
+        (ADR 42), or None: the worker then claims as usual, so a failure here
+        costs it that call and nothing else."""
+        assert self.claims is not None
+        task = leased.task
+        request = lease_claim(leased, worker_id=poll.worker_id, restart_limit=poll.restart_limit)
+        try:
+            return await self.claims(request)
+        except Exception as err:  # the worker's own claim tries again, and answers
+            log.info("run %s step %s: no claim with the lease: %r", task.run_id, task.step_id, err)
+            return None
 
     def _run_awaited(self, msg: Delivery) -> float | None:
         """How long to give back a task whose run is not stored (None: settle

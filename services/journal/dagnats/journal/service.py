@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from typing import Any, Literal, overload
 
 from dagnats.core import errors
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
@@ -140,7 +140,34 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             response.settled.task_settled = True
         return response
 
-    async def _claim_answer(self, request: pb.ClaimRequest, limit: int) -> pb.ClaimResponse:
+    async def ride_claim(self, request: pb.ClaimRequest) -> pb.Claimed | None:
+        """The claim of a task's first delivery, made as the engine of this
+        process leases it (ADR 42): what ``Claim`` would answer when the claim
+        rides the holder's first record (ADR 40), with nothing written; None
+        when it would be stored or would settle the task, which the holder's
+        own ``Claim`` then does."""
+        limit = request.restart_limit or replay.DEFAULT_RESTART_LIMIT
+        if not replay.claim_rides(request.attempt, request.delivery, limit):
+            return None
+        request.with_first_record = True
+        response = await self._claim_answer(request, limit, ride_only=True)
+        return response.claimed if response is not None else None
+
+    @overload
+    async def _claim_answer(
+        self, request: pb.ClaimRequest, limit: int, *, ride_only: Literal[False] = False
+    ) -> pb.ClaimResponse: ...
+
+    @overload
+    async def _claim_answer(
+        self, request: pb.ClaimRequest, limit: int, *, ride_only: bool
+    ) -> pb.ClaimResponse | None: ...
+
+    async def _claim_answer(
+        self, request: pb.ClaimRequest, limit: int, *, ride_only: bool = False
+    ) -> pb.ClaimResponse | None:
+        """The claim's answer; with ``ride_only``, None instead of any answer
+        but a claim that rides (nothing is then written)."""
         run_id, step_id = request.run_id, request.step_id
         # May the claim ride the holder's first record, if it finds nothing of
         # its iteration (ADR 40)?
@@ -154,8 +181,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
             ended = f"run {run_id} is {status}" if run.status != epb.RUN_STATUS_RUNNING else ""
             if (closed := replay.closed_start(request.iteration, run_ended=ended)) is not None:
-                return _settled("stale", detail=closed.detail)
-            return await self._claim_after(request, tail, limit, rides=rides)
+                return None if ride_only else _settled("stale", detail=closed.detail)
+            return await self._claim_after(request, tail, limit, rides=rides, ride_only=ride_only)
         # The commit that ended the last iteration, as this replica stored it, is
         # the likely tail: claim after it without reading first. The claim's
         # fenced append checks the guess, so a right guess decides exactly as a
@@ -168,7 +195,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             except _GuessMissed:
                 pass
         tail = await self.store.tail(run_id, step_id)
-        return await self._claim_after(request, tail, limit, rides=rides)
+        return await self._claim_after(request, tail, limit, rides=rides, ride_only=ride_only)
 
     async def _claim_after(
         self,
@@ -178,8 +205,10 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         *,
         guessed: bool = False,
         rides: bool = False,
-    ) -> pb.ClaimResponse:
-        """Claim the dispatch, ``tail`` being the step's last record."""
+        ride_only: bool = False,
+    ) -> pb.ClaimResponse | None:
+        """Claim the dispatch, ``tail`` being the step's last record; with
+        ``ride_only``, None unless the claim rides."""
         run_id, step_id = request.run_id, request.step_id
         base = replay.base_before(convert.entry(tail) if tail else None, request.iteration)
         records = await self._iteration_records(run_id, step_id, request.iteration, base, tail)
@@ -192,6 +221,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         )
         if guessed and not replay.stands_on_a_guess(decision):
             raise _GuessMissed
+        if ride_only and not (isinstance(decision, replay.Proceed) and rides and not records):
+            return None
         match decision:
             case replay.Proceed(close=close):
                 if rides and not records:

@@ -4,6 +4,7 @@ isort:skip_file
 """
 
 from collections import abc as _abc
+from dagnats.journal.v1 import journal_pb2 as _journal_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
@@ -1098,10 +1099,20 @@ class PollTasksRequest(_message.Message):
     MAX_TASKS_FIELD_NUMBER: _builtins.int
     WAIT_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
+    CLAIM_JOURNAL_FIELD_NUMBER: _builtins.int
+    RESTART_LIMIT_FIELD_NUMBER: _builtins.int
     max_tasks: _builtins.int
     """Most tasks to return; 0 means 1."""
     worker_id: _builtins.str
     """Identifies the worker in logs."""
+    claim_journal: _builtins.bool
+    """Claim the journal of each task's first delivery with its lease, where
+    the claim is stored with the holder's first record (ADR 42): the task
+    then carries journal_claim, and the worker makes no Claim call. The
+    engine claims only when a journal service runs in its process.
+    """
+    restart_limit: _builtins.int
+    """The restart limit of those claims (JournalService.Claim); 0 means 5."""
     @_builtins.property
     def task_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Task types the worker handles."""
@@ -1117,10 +1128,12 @@ class PollTasksRequest(_message.Message):
         max_tasks: _builtins.int = ...,
         wait: _duration_pb2.Duration | None = ...,
         worker_id: _builtins.str = ...,
+        claim_journal: _builtins.bool = ...,
+        restart_limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_tasks", b"max_tasks", "task_types", b"task_types", "wait", b"wait", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_journal", b"claim_journal", "max_tasks", b"max_tasks", "restart_limit", b"restart_limit", "task_types", b"task_types", "wait", b"wait", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1136,6 +1149,7 @@ class LeasedTask(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     DELIVERY_FIELD_NUMBER: _builtins.int
     LEASE_DURATION_FIELD_NUMBER: _builtins.int
+    JOURNAL_CLAIM_FIELD_NUMBER: _builtins.int
     lease: _builtins.str
     """Opaque token for Heartbeat and Report."""
     delivery: _builtins.int
@@ -1148,6 +1162,13 @@ class LeasedTask(_message.Message):
     def lease_duration(self) -> _duration_pb2.Duration:
         """The lease ends unless a heartbeat arrives within this time."""
 
+    @_builtins.property
+    def journal_claim(self) -> _journal_pb2.Claimed:
+        """The journal claimed for this delivery, when the poll asked and the claim
+        rides the holder's first record (ADR 40, 42): the claim a Claim call
+        would have answered, made when the task was leased.
+        """
+
     def __init__(
         self,
         *,
@@ -1155,10 +1176,11 @@ class LeasedTask(_message.Message):
         lease: _builtins.str = ...,
         delivery: _builtins.int = ...,
         lease_duration: _duration_pb2.Duration | None = ...,
+        journal_claim: _journal_pb2.Claimed | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_duration", b"lease_duration", "task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["journal_claim", b"journal_claim", "lease_duration", b"lease_duration", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery", "lease", b"lease", "lease_duration", b"lease_duration", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery", "journal_claim", b"journal_claim", "lease", b"lease", "lease_duration", b"lease_duration", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
