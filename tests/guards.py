@@ -612,13 +612,22 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="a claim that finds records of its iteration does not ride",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    return may_ride and found == 0 and isinstance(decision, Proceed)\n",
+        removed="    return may_ride and isinstance(decision, Proceed)\n",
+        how="a first delivery whose iteration has records claims without fencing their writer",
+        tests=(
+            "tests/test_replay.py::"
+            "test_a_claim_rides_the_first_record_only_when_it_proceeds_on_nothing_stored",
+            "tests/test_journal_api.py::test_a_lease_claims_nothing_for_a_dispatch_with_records",
+        ),
+    ),
+    Guard(
         name="a lease carries only a claim that rides the first record",
         file="services/journal/dagnats/journal/service.py",
-        guard=(
-            "        if ride_only and not ("
-            "isinstance(decision, replay.Proceed) and rides and not records):\n"
-        ),
-        removed="        if False:\n",
+        guard="        if ride_only:\n            return None\n        match decision:\n",
+        removed="        match decision:\n",
         how="the engine's lease stores a claim, or settles a dispatch, on its worker's behalf",
         tests=(
             "tests/test_journal_api.py::test_a_lease_claims_nothing_for_a_dispatch_with_records",

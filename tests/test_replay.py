@@ -38,12 +38,14 @@ from dagnats.journal.replay import (
     Stale,
     UseResponse,
     UseResult,
+    claim_rides,
     cut_partial,
     decide_claim,
     decide_model,
     decide_tool,
     partial_output,
     restart_limit_reached,
+    rides_first_record,
     stands_on_a_guess,
 )
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -795,3 +797,19 @@ def test_only_the_commit_of_the_iteration_before_is_a_guessed_tail() -> None:
 
     assert guess_tail(4, 5)
     assert not guess_tail(3, 5) and not guess_tail(5, 5) and not guess_tail(None, 0)
+
+
+def test_only_a_first_delivery_of_a_first_attempt_under_the_limit_may_ride() -> None:
+    assert claim_rides(attempt=1, delivery=1, limit=DEFAULT_RESTART_LIMIT)
+    assert not claim_rides(attempt=1, delivery=2, limit=5), "a redelivery fences the ones before"
+    assert not claim_rides(attempt=2, delivery=1, limit=5), "a retry fences the attempts before"
+    assert not claim_rides(attempt=1, delivery=0, limit=5), "a delivery not known"
+    assert not claim_rides(attempt=1, delivery=1, limit=1), "the claim alone reaches the limit"
+
+
+def test_a_claim_rides_the_first_record_only_when_it_proceeds_on_nothing_stored() -> None:
+    proceed = Proceed(close=())
+    assert rides_first_record(proceed, may_ride=True, found=0)
+    assert not rides_first_record(proceed, may_ride=False, found=0)
+    assert not rides_first_record(proceed, may_ride=True, found=1), "records to fence or close"
+    assert not rides_first_record(Stale(detail="later"), may_ride=True, found=0)

@@ -535,14 +535,17 @@ def test_a_task_is_published_again_only_inside_the_duplicate_window() -> None:
 
 
 def test_a_task_whose_run_is_not_stored_waits_for_it_within_the_horizon() -> None:
-    horizon = 95.0
+    def wait(age: float, delivered: int) -> float | None:
+        return rules.awaits_its_run(age, delivered, retry_budget=30.0, clock_skew=5.0)
+
+    horizon = 3 * 30.0 + 5.0  # three writes' retries, and the clocks' skew
     first, most = rules.RUN_AWAITED_FIRST, rules.RUN_AWAITED_MOST
-    assert rules.awaits_its_run(0.0, 1, horizon) == first
-    assert rules.awaits_its_run(0.0, 2, horizon) == 2 * first, "each delivery waits twice as long"
-    assert rules.awaits_its_run(0.0, 10_000, horizon) == most
-    assert rules.awaits_its_run(horizon - 0.25, 10_000, horizon) == 0.25, "never past the horizon"
-    assert rules.awaits_its_run(horizon, 1, horizon) is None, "settled: its run never came"
-    assert rules.awaits_its_run(10 * horizon, 1, horizon) is None
+    assert wait(0.0, 1) == first
+    assert wait(0.0, 2) == 2 * first, "each delivery waits twice as long"
+    assert wait(0.0, 10_000) == most
+    assert wait(horizon - 0.25, 10_000) == 0.25, "never past the horizon"
+    assert wait(horizon, 1) is None, "settled: its run never came"
+    assert wait(10 * horizon, 1) is None
 
 
 # ---- a task kept across iterations (ADR 31) ------------------------------------------

@@ -331,14 +331,19 @@ RUN_AWAITED_FIRST = 0.02
 RUN_AWAITED_MOST = 1.0
 
 
-def awaits_its_run(task_age: float, delivered: int, horizon: float) -> float | None:
+def awaits_its_run(
+    task_age: float, delivered: int, *, retry_budget: float, clock_skew: float
+) -> float | None:
     """How long to give back a task message whose run is not stored, or None
     to settle it. A run's create publishes its first tasks while it writes the
     run (ADR 41), so a task may be delivered before its run is stored: it is
     given back, at intervals that double from ``RUN_AWAITED_FIRST`` to
-    ``RUN_AWAITED_MOST``, while the write may still land (``horizon`` seconds
-    after the task was stored, ``task_age`` seconds ago), and settled after:
-    its run was never stored, or was purged."""
+    ``RUN_AWAITED_MOST``, while the write may still land, and settled after:
+    its run was never stored, or was purged. The write may land for three
+    writes' ``retry_budget`` (the index, the run, the create again after a
+    lost acknowledgement) after the task was stored, ``task_age`` seconds ago
+    by an engine's clock that may lead the stored time by ``clock_skew``."""
+    horizon = 3 * retry_budget + clock_skew
     if task_age >= horizon:
         return None
     backoff = RUN_AWAITED_FIRST * (1 << min(max(delivered, 1) - 1, 16))

@@ -394,7 +394,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         leased = pb.LeasedTask(
             task=current, lease=msg.lease, delivery=msg.delivered, lease_duration=lease_duration
         )
-        if claiming is not None and msg.delivered == 1:
+        if claiming is not None:
             claimed = await self._ride_claim(leased, claiming)
             if claimed is not None:
                 leased.journal_claim.CopyFrom(claimed)
@@ -416,14 +416,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             return None
 
     def _run_awaited(self, msg: Delivery) -> float | None:
-        """How long to give back a task whose run is not stored (None: settle
-        it): its run's create may land for up to three tries of a write
-        (index, run, and the create after a lost acknowledgement) after the
-        task was published with it."""
-        config = self.engine.config
-        horizon = 3 * jsx.RETRY_BUDGET + config.clock_skew
+        """How long to give back a task whose run is not stored (None: settle it)."""
         age = self.engine.clock() - msg.stored_at
-        return rules.awaits_its_run(age, msg.delivered, horizon)
+        return rules.awaits_its_run(
+            age,
+            msg.delivered,
+            retry_budget=jsx.RETRY_BUDGET,
+            clock_skew=self.engine.config.clock_skew,
+        )
 
     @domain_errors
     async def Heartbeat(

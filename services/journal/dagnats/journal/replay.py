@@ -159,6 +159,13 @@ def claim_rides(attempt: int, delivery: int, limit: int) -> bool:
     return attempt == 1 and delivery == 1 and limit > 1
 
 
+def rides_first_record(decision: ClaimDecision, *, may_ride: bool, found: int) -> bool:
+    """Whether a claim is answered without a write, to be stored with the
+    holder's first record (ADR 40): ``claim_rides`` allows it (``may_ride``),
+    it proceeds, and it found no record of its iteration (``found``)."""
+    return may_ride and found == 0 and isinstance(decision, Proceed)
+
+
 def restart_limit_reached(records: Sequence[AnyEntry], limit: int) -> bool:
     """Whether the iteration ends in ``limit`` claims in a row. A claim that
     repeats the one before it (the same attempt, delivery and worker: its

@@ -148,8 +148,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         own ``Claim`` then does."""
         limit = request.restart_limit or replay.DEFAULT_RESTART_LIMIT
         if not replay.claim_rides(request.attempt, request.delivery, limit):
-            return None
-        request.with_first_record = True
+            return None  # a redelivery or a retry: its claim is stored, by its holder
         response = await self._claim_answer(request, limit, ride_only=True)
         return response.claimed if response is not None else None
 
@@ -221,12 +220,12 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         )
         if guessed and not replay.stands_on_a_guess(decision):
             raise _GuessMissed
-        if ride_only and not (isinstance(decision, replay.Proceed) and rides and not records):
+        if replay.rides_first_record(decision, may_ride=rides, found=len(records)):
+            return await self._claim_riding(request, tail, base)
+        if ride_only:
             return None
         match decision:
             case replay.Proceed(close=close):
-                if rides and not records:
-                    return await self._claim_riding(request, tail, base)
                 return await self._claim(
                     request, tail, base, records, entries, close, limit, guessed=guessed
                 )
