@@ -485,8 +485,8 @@ GUARDS = (
     Guard(
         name="a commit's event no engine answered goes to the history",
         file="services/engine/dagnats/engine/report.py",
-        guard="        await self._store.publish_event(event, outcome_msg_id(event))\n",
-        removed="",
+        guard="            await self._store.publish_event(event, outcome_msg_id(event))\n",
+        removed="            pass\n",
         how="a commit's event that no engine took directly is stored nowhere",
         tests=(
             "tests/test_held_dispatch.py::"

@@ -25,7 +25,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from dagnats.core.natsserver import NatsServer
+from dagnats.engine import convert
 from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.store import StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client
 from tests.helpers import wait_for
@@ -125,6 +127,30 @@ async def test_a_run_behind_its_journal_is_read_caught_up(
     # lease: every iteration ran on the first delivery, nothing was fenced.
     assert loop.ran == [(i, 1, 1) for i in range(K)]
     assert loop.signals == []
+
+
+async def test_the_run_kept_with_a_guess_is_the_run_its_record_stores(
+    client: Client, engine: EngineServer
+) -> None:
+    # The engine decides a kept iteration on the run it kept with its last
+    # decision, without decoding the record it wrote or keeps unwritten
+    # (ADR 43): that run must be the one the record stores, field for field.
+    loop = Loop(k=K, pause_at=5)
+    guesses: list[StoredRun | None] = []
+
+    async def look(run_id: str) -> None:
+        await wait_for(loop.reached.is_set, timeout=20, message="iteration 5 running")
+        guesses.append(engine.engine.last_written(run_id))
+        loop.go.set()
+
+    run = await run_loop(client, engine, loop, during=look)
+    await completed(engine, run, K)
+    (guess,) = guesses
+    assert guess is not None and guess.run is not None
+    assert steps_by_id(guess.record.run)["agent"].iteration == 5
+    assert guess.run.step("agent").iteration == 5
+    encoded = convert.record_to_proto(guess.run, [], None, dict(guess.record.trace_context))
+    assert encoded == guess.record
 
 
 async def test_a_cancel_of_a_run_behind_its_journal_stops_its_holder(

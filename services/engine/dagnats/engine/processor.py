@@ -244,7 +244,7 @@ class Engine:
                     # Maybe never published (its writer died first). Not
                     # cleared: the write below replaces it.
                     await self.publish_outbox(stored)
-            run = as_stored = convert.record_from_proto(stored.record)
+            run = as_stored = stored.run or convert.record_from_proto(stored.record)
             if not guessed:
                 run = await self.caught_up(as_stored, stored.record)
             decision = decided = decide(run, self.clock())
@@ -262,7 +262,7 @@ class Engine:
                 # Nobody wrote the run since this engine did: the decision is
                 # the one a read would have given (ADR 37).
                 if await self._unchanged(stored, mark):
-                    self._defer(StoredRun(record, stored.revision), mark)
+                    self._defer(StoredRun(record, stored.revision, decision.run), mark)
                     await seam("after_kept_unwritten")
                     return decision.run, decision
                 self.counters["guess_missed"] += 1
@@ -278,7 +278,7 @@ class Engine:
             except StaleRevision:
                 self.counters["guess_missed" if guessed else "cas_conflicts"] += 1
                 continue
-            await self._publish_written(StoredRun(record, revision), mark)
+            await self._publish_written(StoredRun(record, revision, decision.run), mark)
             return decision.run, decided
         raise Unavailable(f"run {run_id} is changing too fast; try again")
 
@@ -344,7 +344,7 @@ class Engine:
                 self.counters["kept_write_missed"] += 1
                 continue
             self.counters["kept_writes"] += 1
-            written = StoredRun(guess.record, revision)
+            written = StoredRun(guess.record, revision, guess.run)
             self._stored(written)
             self._remember(written, mark)
 

@@ -146,12 +146,8 @@ class TaskSettler:
         Raises:
             Exception: the event could not be published on the history.
         """
-        event = self._event(commit)
-        event.notify, told = await self._store.expect_notice()
-        try:
-            await self._reported(event, told, wait * DIRECT_SHARE)
-        finally:
-            told.cancel()
+        told = await self._reported(self._event(commit), wait * DIRECT_SHARE)
+        told.cancel()
         await self._store.release(lease)
 
     async def hold(self, lease: str, commit: jpb.Record, *, wait: float) -> pb.Task | None:
@@ -172,10 +168,10 @@ class TaskSettler:
         """
         event = self._event(commit)
         event.held_seq = lease_position(lease)[1]
-        event.notify, told = await self._store.expect_notice()
         direct = wait * DIRECT_SHARE
+        told = await self._reported(event, direct)
         try:
-            if not await self._reported(event, told, direct):
+            if not told.done():
                 await asyncio.wait_for(asyncio.shield(told), wait - direct)
         except TimeoutError:
             return None
@@ -187,30 +183,41 @@ class TaskSettler:
         await self._store.release(lease)
         return None
 
-    async def _reported(
-        self, event: ipb.HistoryEvent, told: asyncio.Future[bytes], wait: float
-    ) -> bool:
-        """Send ``event`` to one engine; True when its decision came within
-        ``wait`` seconds. Else the event goes where every engine reads: it is
-        published on the history, and False."""
-        if await self._told_directly(event, told, wait):
-            return True
-        await self._store.publish_event(event, outcome_msg_id(event))
-        return False
+    async def _reported(self, event: ipb.HistoryEvent, wait: float) -> asyncio.Future[bytes]:
+        """Send ``event`` to one engine: this process's, when it takes
+        reports, else one over core NATS. The future of its decision: done
+        when the decision came within ``wait`` seconds. Else the event goes
+        where every engine reads: it is published on the history, naming a
+        notice subject the engine that applies it tells (the future waits on
+        it; the caller cancels it when it stops waiting)."""
+        local = self._local
+        handed = local is not None and local.takes_reports
+        decision = None
+        if local is not None and handed:
+            # Handed over by a call: the decision is its answer, and the
+            # notice subject is needed only if the history takes the event.
+            await seam("after_report_sent")
+            decision = await local.take_report(event, wait=wait)
+        if decision is not None:
+            told: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+            told.set_result(decision)
+            return told
+        event.notify, told = await self._store.expect_notice()
+        try:
+            if not handed and await self._told_directly(event, told, wait):
+                return told
+            await self._store.publish_event(event, outcome_msg_id(event))
+        except BaseException:
+            told.cancel()
+            raise
+        return told
 
     async def _told_directly(
         self, event: ipb.HistoryEvent, told: asyncio.Future[bytes], wait: float
     ) -> bool:
-        """Send ``event`` to one engine (this process's, when it takes
-        reports); whether its decision came within ``wait`` seconds. False at
-        once when no engine subscribes."""
-        local = self._local
-        if local is not None and local.takes_reports:
-            await seam("after_report_sent")
-            decision = await local.take_report(event, wait=wait)
-            if decision is not None and not told.done():
-                told.set_result(decision)
-            return told.done()
+        """Send ``event`` to one engine over core NATS; whether its decision
+        came on ``told`` within ``wait`` seconds. False at once when no engine
+        subscribes."""
         try:
             refused = await self._store.send_report(event)
         except Exception as err:  # the connection is reconnecting: the history it is

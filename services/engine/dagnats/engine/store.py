@@ -13,7 +13,7 @@ import hashlib
 import logging
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import nats.errors
@@ -41,6 +41,8 @@ from dagnats.engine.v1 import internal_pb2 as ipb
 
 if TYPE_CHECKING:
     from nats.js.api import DeliverPolicy
+
+    from dagnats.engine import model as m
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,9 @@ INDEX_COMPLETE = "index-complete"
 class StoredRun:
     record: ipb.RunRecord
     revision: int
+    run: m.Run | None = field(default=None, compare=False)
+    """``record``'s run as the engine that wrote it decided it, when it
+    kept it: its next decision on the guess need not decode the record."""
 
 
 @dataclass(frozen=True, slots=True)
