@@ -593,8 +593,9 @@ async def test_a_claim_that_may_fence_or_count_is_stored_at_once(
         ({"delivery": -1}, "delivery"),
         ({"restart_limit": 1001}, "restart_limit"),
         ({"step_id": "a.>"}, "step_id"),
+        ({"worker_id": "w" * 257}, "worker_id"),
     ],
-    ids=["iteration", "attempt", "delivery", "restart_limit", "step_id"],
+    ids=["iteration", "attempt", "delivery", "restart_limit", "step_id", "worker_id"],
 )
 async def test_a_claim_with_a_bad_number_or_id_is_refused_naming_it(
     engine: EngineServer, fields: dict[str, Any], named: str
@@ -604,6 +605,24 @@ async def test_a_claim_with_a_bad_number_or_id_is_refused_naming_it(
         request = jpb.ClaimRequest(run_id=run.run_id, with_first_record=True, **(first | fields))
         assert await refused_field(stub.Claim(request)) == named
         assert await read_journal(engine, run.run_id) == [], "a refused claim stores nothing"
+
+
+async def test_a_first_record_whose_claim_names_a_too_long_worker_is_refused(
+    engine: EngineServer,
+) -> None:
+    # A claim that rides the first record is stored from the token the
+    # worker sends back with it, worker id included: checked there too.
+    async with as_its_worker(engine, "longworker") as (run, stub):
+        claim = jpb.ClaimRequest(
+            run_id=run.run_id, step_id="agent", attempt=1, delivery=1, with_first_record=True
+        )
+        token = (await stub.Claim(claim)).claimed.token
+        assert token.HasField("claim")
+        token.claim.worker_id = "w" * 257
+        assert await refused_field(stub.BeginTool(first_tool_call(token))) == (
+            "token.claim.worker_id"
+        )
+        assert await read_journal(engine, run.run_id) == [], "a refused call stores nothing"
 
 
 async def task_of(engine: EngineServer, run: pb.Run) -> str:

@@ -463,6 +463,7 @@ async def test_a_watch_whose_engine_is_unavailable_is_opened_again(
         ({"handlers": {"a.b": _noop}}, "handlers"),
         ({"handlers": {"t": _noop}, "concurrency": 0}, "concurrency"),
         ({"handlers": {"t": _noop}, "heartbeat_interval": 0}, "heartbeat_interval"),
+        ({"handlers": {"t": _noop}, "worker_id": "w" * 257}, "worker_id"),
     ],
 )
 def test_worker_rejects_bad_options(options: dict[str, Any], field: str) -> None:

@@ -39,6 +39,9 @@ MAX_REQUEST_ID = 256
 MAX_SEQ = 2**64 - 1
 """The largest JetStream sequence (an unsigned 64-bit number)."""
 
+MAX_WORKER_ID = 256
+"""The longest worker id, in characters: it names a worker in claims and logs."""
+
 
 def check_token(value: str, *, field: str) -> str:
     """Return ``value`` if it is one NATS token of at most 64 safe characters.
@@ -51,6 +54,14 @@ def check_token(value: str, *, field: str) -> str:
             f"{field} must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-', got {value!r}",
             field=field,
         )
+    return value
+
+
+def check_worker_id(value: str, *, field: str = "worker_id") -> str:
+    """Return ``value`` if it is at most ``MAX_WORKER_ID`` characters (empty:
+    the worker gave none). It is only recorded, never part of a subject."""
+    if len(value) > MAX_WORKER_ID:
+        raise InvalidArgument(f"{field} is longer than {MAX_WORKER_ID} characters", field=field)
     return value
 
 

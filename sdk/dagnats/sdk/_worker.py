@@ -36,7 +36,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from dagnats.core import tracing
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
-from dagnats.core.ids import check_token
+from dagnats.core.ids import check_token, check_worker_id
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk._context import ASSUMED_LEASE, Handover, TaskContext, describe_error
 from dagnats.sdk._credentials import Credentials
@@ -70,8 +70,8 @@ class Worker:
         rpc_timeout: Deadline of every other engine call, in seconds.
         heartbeat_interval: Seconds between automatic heartbeats; by default a
             third of the task's lease, at least 0.05.
-        worker_id: Names the worker in the engine's logs; by default
-            ``host-pid-random``.
+        worker_id: Names the worker in the engine's logs and its journal
+            claims, at most 256 characters; by default ``host-pid-random``.
         credentials: Token and TLS files (a worker's token has the worker
             role); by default from the environment (see ``Credentials``).
         journal_target: Address of the journal service when it runs apart
@@ -121,7 +121,7 @@ class Worker:
         self._concurrency = concurrency
         self._poll_wait = poll_wait
         self._heartbeat_interval = heartbeat_interval
-        self._worker_id = worker_id or _default_worker_id()
+        self._worker_id = check_worker_id(worker_id or _default_worker_id())
         self._rpc = EngineRpc(
             target,
             timeout=rpc_timeout,

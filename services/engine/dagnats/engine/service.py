@@ -12,7 +12,7 @@ from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
 from dagnats.core.claims import lease_claim
 from dagnats.core.grpcutil import Context, abort_with, as_domain_error, domain_errors
-from dagnats.core.ids import check_lease, check_run_id, check_token, new_run_id
+from dagnats.core.ids import check_lease, check_run_id, check_token, check_worker_id, new_run_id
 from dagnats.core.payload import check_json
 from dagnats.core.status import step_status_from_proto
 from dagnats.core.subjects import (
@@ -44,7 +44,6 @@ MAX_TASKS = 256
 MAX_POLL_WAIT = 60.0
 DEFAULT_POLL_WAIT = 10.0
 MAX_IDEMPOTENCY_KEY = 256
-MAX_WORKER_ID = 256
 MAX_INPUT_BYTES = 4 << 20
 _TERMINAL = (pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED)
 
@@ -282,10 +281,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             raise errors.InvalidArgument(
                 f"restart_limit must be 0..{MAX_RESTART_LIMIT}", field="restart_limit"
             )
-        if len(request.worker_id) > MAX_WORKER_ID:
-            raise errors.InvalidArgument(
-                f"worker_id is longer than {MAX_WORKER_ID} characters", field="worker_id"
-            )
+        check_worker_id(request.worker_id)
         wait = request.wait.ToNanoseconds() / 1e9 if request.HasField("wait") else DEFAULT_POLL_WAIT
         wait = min(max(wait, 0.05), MAX_POLL_WAIT)
         for task_type in types:

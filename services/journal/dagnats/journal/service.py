@@ -21,7 +21,7 @@ from typing import Any, Literal, overload
 
 from dagnats.core import errors
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
-from dagnats.core.ids import check_lease, check_run_id, check_token
+from dagnats.core.ids import check_lease, check_run_id, check_token, check_worker_id
 from dagnats.core.payload import check_json
 from dagnats.core.seam import seam
 from dagnats.core.settings import env_seconds
@@ -76,6 +76,7 @@ def check_writer_token(token: pb.WriterToken) -> pb.WriterToken:
         raise errors.InvalidArgument("token.writer is not a writer nonce", field="token.writer")
     if token.iteration < 0 or token.attempt < 1:
         raise errors.InvalidArgument("token names no dispatch", field="token")
+    check_worker_id(token.claim.worker_id, field="token.claim.worker_id")
     return token
 
 
@@ -127,6 +128,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             raise errors.InvalidArgument("attempt must be >= 1", field="attempt")
         if request.delivery < 0:
             raise errors.InvalidArgument("delivery must be >= 0 (0: not known)", field="delivery")
+        check_worker_id(request.worker_id)
         limit = request.restart_limit or replay.DEFAULT_RESTART_LIMIT
         if not 1 <= limit <= MAX_RESTART_LIMIT:
             raise errors.InvalidArgument(
