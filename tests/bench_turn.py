@@ -591,11 +591,33 @@ async def phases(
         progress(f"{name} start {p.start_runs} runs")
 
 
+async def stored_nothing_for(monitor: str, still: float, most: float) -> None:
+    """Wait until no stream of the server has stored a message for ``still``
+    seconds (an engine's writes left over from the runs before: kept
+    iterations, outboxes, clean-up), at most ``most`` seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + most
+    url = f"{monitor}/jsz?streams=true"
+    last, since = stream_seqs(get_json(url)), loop.time()
+    while loop.time() < end and loop.time() - since < still:
+        await asyncio.sleep(0.1)
+        seqs = stream_seqs(get_json(url))
+        if seqs != last:
+            last, since = seqs, loop.time()
+
+
 async def fsyncs(
-    pid: int, p: Params, run: Callable[[int], Awaitable[Any]], logs: Path, label: str
+    pid: int,
+    monitor: str,
+    p: Params,
+    run: Callable[[int], Awaitable[Any]],
+    logs: Path,
+    label: str,
 ) -> dict[str, Any]:
-    """fsync-family calls of ``pid`` per step: idle, sequential runs, one round of C."""
+    """fsync-family calls of ``pid`` per step: idle (once the store is
+    still), sequential runs, one round of C."""
     idle_s, seq_runs = 3.0, 4
+    await stored_nothing_for(monitor, still=1.0, most=15.0)
     async with Strace(pid, logs / f"strace-{label}-idle.txt") as idle:
         await asyncio.sleep(idle_s)  # the idle baseline's length
     async with Strace(pid, logs / f"strace-{label}.txt") as seq:
@@ -739,11 +761,15 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
             counted = await messages(stack, dagnats_run, min(p.k, 20))
             if p.strace and shutil.which("strace"):
                 progress("strace")
-                base.strace = await fsyncs(stack.nats_pid, p, floor.run, stack.logs, "floor")
-                ours.strace = await fsyncs(stack.nats_pid, p, dagnats_run, stack.logs, "dagnats")
+                base.strace = await fsyncs(
+                    stack.nats_pid, stack.monitor, p, floor.run, stack.logs, "floor"
+                )
+                ours.strace = await fsyncs(
+                    stack.nats_pid, stack.monitor, p, dagnats_run, stack.logs, "dagnats"
+                )
                 if p.queued:
                     queued.strace = await fsyncs(
-                        stack.nats_pid, p, queued_run, stack.logs, "queued"
+                        stack.nats_pid, stack.monitor, p, queued_run, stack.logs, "queued"
                     )
             elif p.strace:
                 progress("strace is not installed: no fsync counts")
