@@ -31,6 +31,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from dagnats.core import jetstream as jsx
 from tests.helpers import wait_for
 
 WRONG_LAST_SEQUENCE = 10071
@@ -67,15 +68,18 @@ async def stream(
 
 
 async def created(create: Callable[[], Awaitable[T]], name: str) -> T:
-    """``create()``, a stream or bucket, sent again while the server does not
-    answer in time (a cluster still electing its meta leader, or busy): a
+    """``create()``, a stream or bucket, sent again while the cluster is
+    forming or busy (no answer in time, no peer for placement while one is
+    offline: ``jsx.cluster_forming``, as the services' own provisioning): a
     create with the same configuration is answered as the first was."""
 
     async def attempt() -> T | None:
         try:
             return await create()
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-            return None
+        except Exception as err:
+            if jsx.cluster_forming(err):
+                return None
+            raise
 
     return await wait_for(attempt, timeout=60, message=f"{name} created")
 

@@ -250,7 +250,9 @@ def _buckets(topology: Topology) -> list[KeyValueConfig]:
 _CLUSTER_FORMING = frozenset({10005, 10008})
 
 
-def _forming(err: BaseException) -> bool:
+def cluster_forming(err: BaseException) -> bool:
+    """Whether a stream's create may succeed if sent again: the cluster is
+    still forming, a peer is offline for placement, or NATS did not answer."""
     if isinstance(err, nats.js.errors.APIError):
         return err.err_code in _CLUSTER_FORMING
     return isinstance(err, TRANSIENT_NATS_ERRORS)
@@ -263,7 +265,7 @@ async def provision(
     ``deadline`` seconds for a cluster that is still forming."""
     topology = topology or Topology()
     async for attempt in AsyncRetrying(
-        retry=retry_if_exception(_forming),
+        retry=retry_if_exception(cluster_forming),
         wait=wait_random_exponential(multiplier=0.1, max=2.0),
         stop=stop_after_delay(deadline),
         reraise=True,
@@ -277,7 +279,7 @@ async def _provision_once(js: JetStreamContext, topology: Topology) -> None:
         try:
             await js.add_stream(config)
         except nats.js.errors.BadRequestError as err:
-            if _forming(err):
+            if cluster_forming(err):
                 raise
             await js.update_stream(config)  # it exists: bring it to this config
     for bucket in _buckets(topology):
