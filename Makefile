@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup chromium dev test lint breaking fmt proto proto-check bench bench-scale jetstream-facts test-guards test-chaos clean
+.PHONY: help setup chromium dev test lint breaking fmt proto proto-check bench bench-scale bench-pair jetstream-facts test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -93,6 +93,10 @@ bench: setup ## journal overhead and the agent-turn workload against raw JetStre
 # BENCH_WAITERS (10,000), BENCH_WAKES, BENCH_LONG_K, BENCH_CLUSTER=0... scale it down.
 bench-scale: setup ## 10,000 waiting runs, wake latency, iteration 1,000, two engines, R3 cluster
 	$(PY) -m tests.bench_scale
+
+bench-pair: setup ## this checkout beside BASE=<another checkout>, runs alternated (seq, thr, K=1)
+	@test -n "$(BASE)" || { echo 'usage: make bench-pair BASE=<another checkout>'; exit 2; }
+	$(PY) -m tests.bench_pair $(BASE)
 
 jetstream-facts: setup ## the JetStream facts the design depends on (R1 and R3), and fsyncs per operation (strace)
 	$(BIN)/pytest -q tests/test_jetstream_facts.py
