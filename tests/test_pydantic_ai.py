@@ -291,7 +291,9 @@ async def test_streamed_tokens_reach_an_sse_reader_and_equal_the_committed_recor
     task, name = await register(client)
     text = "It is 21 degrees in Lisbon and the sky is clear all afternoon."
     async with (
-        FakeProvider([Reply(text, hold_after=1)]) as provider,
+        # Held before its first token: the run starts before the reader is
+        # subscribed, and a token published before that reaches no one.
+        FakeProvider([Reply(text, hold_after=0)]) as provider,
         openai_client(provider) as api,
     ):
         handler = durable_agent(weather_agent(api, Tools()), stream=True, follow_up_window=None)
