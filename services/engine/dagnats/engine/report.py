@@ -190,10 +190,9 @@ class TaskSettler:
         where every engine reads: it is published on the history, naming a
         notice subject the engine that applies it tells (the future waits on
         it; the caller cancels it when it stops waiting)."""
-        local = self._local
-        handed = local is not None and local.takes_reports
+        local = self._local if self._local is not None and self._local.takes_reports else None
         decision = None
-        if local is not None and handed:
+        if local is not None:
             # Handed over by a call: the decision is its answer, and the
             # notice subject is needed only if the history takes the event.
             await seam("after_report_sent")
@@ -204,7 +203,7 @@ class TaskSettler:
             return told
         event.notify, told = await self._store.expect_notice()
         try:
-            if not handed and await self._told_directly(event, told, wait):
+            if local is None and await self._told_directly(event, told, wait):
                 return told
             await self._store.publish_event(event, outcome_msg_id(event))
         except BaseException:
