@@ -469,16 +469,14 @@ class TaskContext:
         return self._next
 
     def _kept(self, nxt: jpb.NextDispatch, commit: jpb.Commit) -> Kept:
-        task = pb.Task()
-        task.CopyFrom(self._task)
+        leased = pb.LeasedTask()
+        leased.CopyFrom(self._leased)  # the same message, lease and delivery
+        leased.ClearField("journal_claim")  # this delivery's claim, not the next dispatch's
+        task = leased.task
         task.iteration, task.attempt = nxt.iteration, nxt.attempt
         task.input = nxt.input
         task.trace_context.clear()
         task.trace_context.update(nxt.trace_context)
-        leased = pb.LeasedTask()
-        leased.CopyFrom(self._leased)
-        leased.task.CopyFrom(task)
-        leased.ClearField("journal_claim")  # this delivery's claim, not the next dispatch's
         handed = None
         if nxt.HasField("token"):  # else a journal service that predates the hand-over
             assert self._journal is not None  # only a journal's commit hands over
