@@ -103,11 +103,27 @@ async def takes_writes(js: JetStreamContext, name: str, subject: str) -> None:
             await js.publish(subject, b"", headers=refused, timeout=2)
         except nats.js.errors.APIError:
             return True  # the stream answered, and stored nothing
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        except (
+            nats.errors.NoRespondersError,
+            nats.js.errors.NoStreamResponseError,
+            nats.errors.TimeoutError,
+        ):
             return False
         raise AssertionError(f"the probe of {name} was stored")
 
     await wait_for(answered, timeout=30, message=f"{name} takes writes")
+
+
+async def pulled(sub: JetStreamContext.PullSubscription, wait: float) -> Msg | None:
+    """One message fetched by ``sub``, or None when none came in ``wait`` seconds.
+    A new R3 consumer answers pulls once it has a leader and its interest has
+    reached this client's server; until then a pull finds no responder (503)
+    and delivers nothing, so it is asked again."""
+    try:
+        [msg] = await sub.fetch(1, timeout=wait)
+        return msg
+    except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+        return None
 
 
 async def append(js: JetStreamContext, subject: str, expect: int, msg_id: str) -> int | str:
@@ -210,16 +226,11 @@ async def test_a_late_ack_completes_a_task_delivered_again_and_takes_it_off_a_wo
     await js.publish(f"{prefix}.tasks.run.step", b"task")
     zombie = await js.pull_subscribe_bind("workers", stream=name)
     successor = await js.pull_subscribe_bind("workers", stream=name)
-    [stalled] = await zombie.fetch(1, timeout=5)
-
-    async def redelivered() -> Msg | None:
-        try:  # the first holder stalls past its ack wait; the task comes back
-            [msg] = await successor.fetch(1, timeout=0.5)
-            return msg
-        except nats.errors.TimeoutError:
-            return None
-
-    current = await wait_for(redelivered, timeout=15, message="the task is delivered again")
+    stalled = await wait_for(lambda: pulled(zombie, 1), timeout=30, message="the task delivered")
+    # The first holder stalls past its ack wait; the task comes back.
+    current = await wait_for(
+        lambda: pulled(successor, 0.5), timeout=15, message="the task is delivered again"
+    )
     assert current.metadata.num_delivered == 2
     await stalled.ack_sync()  # the zombie's late ack, for the first delivery
     info = await js.consumer_info(name, "workers")
