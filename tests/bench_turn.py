@@ -11,7 +11,9 @@ once: two journaled steps an iteration). Four processes, as deployed:
   the gateway in one process; free ports; a temporary data directory), which
   starts nats-server with ``sync_interval: always`` as its child;
 - a worker process (``python -m tests.bench_turn worker``) running the
-  journaled handler;
+  journaled handler; with ``BENCH_DEPLOY=services`` the handler runs in the
+  ``dagnats dev`` process instead (``--handlers``, ADR 44) and the worker
+  process serves only the queued baseline;
 - this process, the client: ``Client.run`` starts a run and waits for its
   result on the run's ``WatchRun`` push.
 
@@ -65,6 +67,9 @@ STEPS_PER_ITER = 2
 FLOOR_APPENDS = 5  # the peers' naive journal: model req/res, tool req/res, iteration done
 FLOOR_STREAM = "BENCHFLOOR"
 TASK = "bench-turn"  # the workload's task type and workflow
+# BENCH_DEPLOY: where the handler runs.
+WHERE = {"worker": "its own process", "services": "the services' process"}
+DEPLOYMENTS = tuple(WHERE)
 QUEUED = "-queued"  # ... and, with this suffix, run with every iteration through the queue
 SYNC_CALLS = ("fsync", "fdatasync", "sync_file_range", "msync", "syncfs", "sync")
 HERE = Path(__file__).resolve().parent
@@ -101,6 +106,7 @@ class Params:
     strace: bool = True
     queued: bool = True  # also the baseline with every iteration through the task queue
     profile: str = ""  # a directory: py-spy samples of the services and the worker under load
+    deploy: str = "worker"  # where the handler runs: its own process, or "services" (ADR 44)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Params:
@@ -115,7 +121,13 @@ class Params:
             strace=env.get("BENCH_STRACE", "1") not in ("0", "", "no", "false"),
             queued=env.get("BENCH_QUEUED", "1") not in ("0", "", "no", "false"),
             profile=env.get("BENCH_PROFILE", ""),
+            deploy=deployment(env.get("BENCH_DEPLOY", cls.deploy)),
         )
+
+    @property
+    def variant(self) -> str:
+        """The record's variant: ``dev``, or ``dev-handlers-in-services``."""
+        return "dev" if self.deploy == "worker" else "dev-handlers-in-services"
 
     def peers(self) -> dict[str, int]:
         """The ``params`` of a peers' record."""
@@ -293,6 +305,12 @@ def tool_output(call_input: Mapping[str, Any]) -> dict[str, Any]:
     return {"ok": True, "charged": call_input["n"]}
 
 
+def deployment(value: str) -> str:
+    if value not in DEPLOYMENTS:
+        raise SystemExit(f"BENCH_DEPLOY must be one of {', '.join(DEPLOYMENTS)}, got {value!r}")
+    return value
+
+
 def turn_handler() -> Callable[[Any], Awaitable[None]]:
     """The journaled handler: one model and one unsafe tool call an
     iteration, ``k`` iterations (the run's input)."""
@@ -318,6 +336,10 @@ def turn_handler() -> Callable[[Any], Awaitable[None]]:
             await tc.complete(result.output)
 
     return turn
+
+
+# The handlers of ``dagnats dev --handlers tests.bench_turn:HANDLERS``.
+HANDLERS = {TASK: turn_handler()}
 
 
 async def serve_worker(
@@ -678,7 +700,10 @@ def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") 
 
     logs = data / "logs"
     logs.mkdir(parents=True)
-    dev = start_dev(data / "dev", "--no-demo", stderr=logs / "dev.err")
+    flags = ["--no-demo"]
+    if p.deploy == "services":  # the handler in the services' process (ADR 44)
+        flags += ["--handlers", "tests.bench_turn:HANDLERS", "--handler-concurrency", str(p.c)]
+    dev = start_dev(data / "dev", *flags, stderr=logs / "dev.err")
     info = json.loads((data / "dev" / "dev.json").read_text())
     conf = (data / "dev" / "nats" / "nats-server.conf").read_text()
     http = re.search(r'^http: "([^"]+)"', conf, re.M)
@@ -686,7 +711,8 @@ def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") 
     if http is None or len(nats_pids) != 1:
         dev.proc.kill()
         raise SystemExit(f"dagnats dev: no monitor port or nats-server child: {conf}")
-    worker = spawn_worker(worker_module, [info["engine"]], TASK, p.c, logs / "worker.log")
+    tasks = TASK if p.deploy == "worker" else TASK + QUEUED
+    worker = spawn_worker(worker_module, [info["engine"]], tasks, p.c, logs / "worker.log")
     return Stack(
         dev.proc, worker, nats_pids[0], info["engine"], info["nats"], f"http://{http[1]}", logs
     )
@@ -916,7 +942,9 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["worker"]:
         targets, task, concurrency = args[1].split(","), args[2], int(args[3])
-        handlers = {task: turn_handler(), task + QUEUED: turn_handler()}
+        handlers = {task: turn_handler()}
+        if not task.endswith(QUEUED):
+            handlers[task + QUEUED] = turn_handler()
         asyncio.run(serve_worker(targets, handlers, concurrency))
         return
     if args:
@@ -932,7 +960,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"server": "nats-server from dagnats dev, sync_interval: always", "commit": head}
     ours = record(
         "dagnats",
-        "dev",
+        p.variant,
         results_of(got["dagnats"], p),
         p,
         {
@@ -957,7 +985,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"agent turn, K={p.k}, C={p.c}, {p.runs} sequential runs, {p.thr_rounds} rounds, "
         f"{p.start_runs} K=1 runs; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; "
-        f"dagnats {head}; {time.perf_counter() - started:.0f}s"
+        f"dagnats {head}, handler in {WHERE[p.deploy]}; {time.perf_counter() - started:.0f}s"
     )
     print(format_table(rows(ours, floor)))
     measured = [("dagnats", got["dagnats"].cpu), ("floor", got["floor"].cpu)]

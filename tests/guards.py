@@ -31,6 +31,17 @@ class Guard:
 
 GUARDS = (
     Guard(
+        name="a local session copies the request it answers",
+        file="services/journal/dagnats/journal/session.py",
+        guard="        sent.CopyFrom(request)\n",
+        removed="        sent = request\n",
+        how="a handler in the services' process shares its request with the servicer",
+        tests=(
+            "tests/test_handlers_in_services.py::"
+            "test_a_local_session_answers_in_order_and_copies_both_ways",
+        ),
+    ),
+    Guard(
         name="expected-sequence header",
         file="services/journal/dagnats/journal/store.py",
         guard='            "Nats-Expected-Last-Subject-Sequence": str(token.last_seq),\n',

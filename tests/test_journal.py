@@ -10,6 +10,7 @@ from typing import Any
 import nats.errors
 import pytest
 
+from dagnats.cli.handlers import in_process_worker
 from dagnats.cli.journal import record_line
 from dagnats.core import seam
 from dagnats.engine.server import EngineServer
@@ -60,6 +61,19 @@ async def finish(client: Client, engine: EngineServer, run_id: str) -> pb.Run:
     return run
 
 
+def remote(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
+    """A worker of its own, as most deployments run one."""
+    return Worker(engine.target, handlers=handlers, poll_wait=1.0, **options)
+
+
+def hosted(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
+    """A worker in the services' process, its journal calls answered there (ADR 44)."""
+    return in_process_worker(engine, handlers, concurrency=4, poll_wait=1.0, **options)
+
+
+WorkerOf = Callable[..., Worker]  # remote or hosted
+
+
 async def take_over(
     client: Client,
     engine: EngineServer,
@@ -69,17 +83,16 @@ async def take_over(
     stopped: Callable[[], bool],
     *,
     at_stop: Callable[[], None] = lambda: None,
+    worker: WorkerOf = remote,
 ) -> None:
     """Start a run on a worker that sends no heartbeat; once ``stopped`` says
     its holder stopped (``at_stop`` checks what it left), a successor worker
     takes the task over when the lease runs out and finishes the run."""
-    async with Worker(
-        engine.target, handlers={task: handler}, poll_wait=1.0, heartbeat_interval=NO_HEARTBEAT
-    ) as first:
+    async with worker(engine, {task: handler}, heartbeat_interval=NO_HEARTBEAT) as first:
         run = await client.start_run(name)
         await wait_for(stopped, timeout=20)
         at_stop()
-        async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+        async with worker(engine, {task: handler}):
             await first.stop(grace=0)
             await finish(client, engine, run.run_id)
 
@@ -118,10 +131,15 @@ async def fenced_after_stall(
     return run.run_id
 
 
-async def test_a_crash_free_run(client: Client, engine: EngineServer) -> None:
+async def run_without_a_crash(
+    client: Client, engine: EngineServer, worker: WorkerOf = remote
+) -> None:
+    """The scripted agent, run once by ``worker`` with nothing going wrong:
+    every model call and tool starts once, one claim and one commit a
+    dispatch."""
     task, name = await start(client)
     model, tools = ScriptedModel(SCRIPT), Tools()
-    async with Worker(engine.target, handlers={task: agent(model, tools)}, poll_wait=1.0):
+    async with worker(engine, {task: agent(model, tools)}):
         run = await client.start_run(name, {"ask": "weather"})
         await finish(client, engine, run.run_id)
     assert model.calls == 4
@@ -131,8 +149,13 @@ async def test_a_crash_free_run(client: Client, engine: EngineServer) -> None:
     assert sum(holds(r, "claim") for r in records) == 4
 
 
+async def test_a_crash_free_run(client: Client, engine: EngineServer) -> None:
+    await run_without_a_crash(client, engine)
+
+
+@pytest.mark.parametrize("worker", [remote, hosted], ids=["own process", "services' process"])
 async def test_crash_after_unsafe_intent_records_interrupted(
-    client: Client, engine: EngineServer
+    client: Client, engine: EngineServer, worker: WorkerOf
 ) -> None:
     task, name = await start(client)
     model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
@@ -141,7 +164,7 @@ async def test_crash_after_unsafe_intent_records_interrupted(
         tools.block["send_email"] = crash.release
         # The holder is gone after writing the intent; a successor takes over
         # once the lease runs out.
-        await take_over(client, engine, task, name, handler, crash.hit.is_set)
+        await take_over(client, engine, task, name, handler, crash.hit.is_set, worker=worker)
     assert tools.starts["send_email"] == 0, "the unsafe tool never started"
     interrupted = [r for r in seen.results if r["tool"] == "send_email"]
     assert interrupted == [

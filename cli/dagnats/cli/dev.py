@@ -29,6 +29,7 @@ from typing import IO
 
 from dagnats.cli import demo
 from dagnats.cli.common import DEFAULT_DATA_DIR, DEV_FILE, UsageError, print_run
+from dagnats.cli.handlers import handlers_from_flags, in_process_worker
 from dagnats.core.natsserver import free_port
 from dagnats.gateway import GatewayConfig
 from dagnats.sdk import Client, Credentials, Worker
@@ -71,6 +72,7 @@ async def run_dev(args: argparse.Namespace) -> int:
             asyncio.get_running_loop().add_signal_handler(sig, stop)
     data = Path(args.dev_data_dir or args.data_dir)
     model = None if args.no_demo else _demo_model()  # a bad DAGNATS_MODEL stops us here
+    handlers = handlers_from_flags(args.handlers, args.handler_concurrency)
     data.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before anything runs
     lock = _lock(data)  # held until this process ends
     stack = LocalStack(
@@ -78,7 +80,7 @@ async def run_dev(args: argparse.Namespace) -> int:
         nats_port=_port_or_free(args.nats_port),
         engine_port=_port_or_free(args.engine_port),
     )
-    worker: Worker | None = None
+    workers: list[Worker] = []
     try:
         await stack.start()
         config = GatewayConfig.from_env(
@@ -102,9 +104,15 @@ async def run_dev(args: argparse.Namespace) -> int:
         earlier = await client.list_runs(limit=10_000)
         if earlier:
             print(f"found {len(earlier)} earlier run(s); `dagnats run list` shows them")
+        if handlers is not None:
+            hosted = in_process_worker(
+                engine, handlers, concurrency=args.handler_concurrency, credentials=NO_CREDENTIALS
+            )
+            workers.append(await hosted.__aenter__())
+            print(f"handlers     {', '.join(sorted(handlers))}  (in this process)")
         if not args.no_demo:
             worker = stack.worker({demo.TASK_TYPE: demo.make_agent_turn(model or demo.StandIn())})
-            await worker.__aenter__()
+            workers.append(await worker.__aenter__())
             await _demo(client, gateway.url, _cli(data))
         if args.exit_after_demo:
             return 0
@@ -112,7 +120,7 @@ async def run_dev(args: argparse.Namespace) -> int:
         await asyncio.Event().wait()
         return 0
     finally:
-        if worker is not None:
+        for worker in workers:
             with contextlib.suppress(Exception):
                 await worker.stop(grace=2.0)
         await stack.stop()

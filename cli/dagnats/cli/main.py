@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--gateway-port", type=int, default=8080, help="HTTP gateway port")
     dev.add_argument("--no-demo", action="store_true", help="do not run the demo agent")
     dev.add_argument("--exit-after-demo", action="store_true", help="stop after the demo run")
+    _with_handler_options(dev)
 
     serve = sub.add_parser(
         "serve",
@@ -122,11 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for setting, (flag, about) in NATS_FLAGS.items():
         serve.add_argument(flag, default=None, help=f"engine: {about} ({setting})")
+    _with_handler_options(serve)
 
     _workflow_commands(sub.add_parser("workflow", help="register and read workflows"))
     _run_commands(sub.add_parser("run", help="start, read, cancel and watch runs"))
     add_journal_commands(sub)
     return parser
+
+
+def _with_handler_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--handlers",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="run these handlers (a mapping of task type to handler) in this process, "
+        "their journal calls answered without gRPC; trusted code only (ADR 44)",
+    )
+    p.add_argument(
+        "--handler-concurrency",
+        type=int,
+        default=16,
+        help="most --handlers running at once (default 16)",
+    )
 
 
 def _with_client_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -368,6 +386,11 @@ async def _serve(args: argparse.Namespace) -> int:
     from dagnats.engine.server import start_services
 
     services = SERVICES if args.service == "all" else (args.service,)
+    from dagnats.cli.handlers import NEEDS_BOTH, handlers_from_flags, in_process_worker
+
+    if args.handlers is not None and args.service != "all":
+        raise UsageError(NEEDS_BOTH)
+    handlers = handlers_from_flags(args.handlers, args.handler_concurrency)
     replicas = int(os.environ.get("DAGNATS_REPLICAS", "1"))
     server = await start_services(
         args.nats,
@@ -381,7 +404,12 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     print(f"{' and '.join(server.services)} serving on {server.target}", flush=True)
     try:
-        await asyncio.Event().wait()
+        async with contextlib.AsyncExitStack() as hosted:
+            if handlers is not None:
+                worker = in_process_worker(server, handlers, concurrency=args.handler_concurrency)
+                await hosted.enter_async_context(worker)
+                print(f"handlers {', '.join(sorted(handlers))} in this process", flush=True)
+            await asyncio.Event().wait()
     finally:
         await server.stop()
     return 0

@@ -35,7 +35,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -69,7 +69,19 @@ log = logging.getLogger("dagnats.sdk")
 # Session streams kept open between dispatches, so that a journaled dispatch
 # does not pay for opening one; more than a worker's slots are rarely idle.
 MAX_IDLE_SESSIONS = 64
-SessionStream = grpc.aio.StreamStreamCall[jpb.SessionRequest, jpb.SessionResponse]
+
+
+class SessionStream(Protocol):
+    """A journal ``Session`` stream as ``JournalSession`` uses it: a gRPC
+    stream-stream call, or one the services answer in their own process for
+    the handlers they run (ADR 44)."""
+
+    async def write(self, request: jpb.SessionRequest) -> None: ...
+    async def read(self) -> object: ...  # a SessionResponse; anything else: it ended
+    def done(self) -> bool: ...
+    def cancel(self) -> bool: ...
+
+
 FINAL_RUN_STATUSES = frozenset(
     {pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED}
 )
@@ -177,6 +189,8 @@ class EngineRpc:
     running event loop; TLS files are read here, so a missing one fails at
     once. ``credentials`` None reads them from the environment
     (``Credentials.from_env``); the same credentials go to every service.
+    ``sessions`` opens the journal's Session streams instead of the journal
+    service's RPC: the services give their own when they run the handlers.
     """
 
     def __init__(
@@ -188,8 +202,10 @@ class EngineRpc:
         credentials: Credentials | None = None,
         journal_target: str | None = None,
         inputs_target: str | None = None,
+        sessions: Callable[[], SessionStream] | None = None,
     ) -> None:
         self._target = target
+        self._sessions = sessions
         self._journal_target = journal_target or target
         self._inputs_target = inputs_target or target
         self._credentials = credentials if credentials is not None else Credentials.from_env()
@@ -456,11 +472,13 @@ class EngineRpc:
 
     def open_session(self) -> SessionStream:
         """A journal Session stream (see ``JournalSession``): an idle one given
-        back by an earlier dispatch, or a new one."""
+        back by an earlier dispatch, or a new one (from ``sessions`` when given)."""
         while self._idle_sessions:
             stream = self._idle_sessions.pop()
             if not stream.done():
                 return stream
+        if self._sessions is not None:
+            return self._sessions()
         return self._journal().Session(None)  # None: written with write()
 
     def release_session(self, stream: SessionStream) -> None:

@@ -41,7 +41,7 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk._context import ASSUMED_LEASE, Handover, TaskContext, describe_error
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import Fenced, JournalSignal, PermanentError, RunCancelled
-from dagnats.sdk._rpc import EngineRpc
+from dagnats.sdk._rpc import EngineRpc, SessionStream
 
 log = logging.getLogger("dagnats.sdk")
 
@@ -84,6 +84,9 @@ class Worker:
             queue. After this many the next iteration goes back to the queue,
             so that other runs' tasks get a turn; 0 sends every iteration
             through it.
+        journal_sessions: Opens the streams the journal calls go on; by
+            default the journal service's ``Session`` RPC. The services pass
+            their own when they run the handlers in their process (ADR 44).
 
     Raises:
         InvalidArgument: a task type is not one NATS token, or a number is out of range.
@@ -104,6 +107,7 @@ class Worker:
         journal_target: str | None = None,
         inputs_target: str | None = None,
         sticky_iterations: int = 64,
+        journal_sessions: Callable[[], SessionStream] | None = None,
     ) -> None:
         _check_options(handlers, concurrency, poll_wait, rpc_timeout, heartbeat_interval)
         if not 0 <= sticky_iterations <= 1_000_000:
@@ -128,6 +132,7 @@ class Worker:
             credentials=credentials,
             journal_target=journal_target,
             inputs_target=inputs_target,
+            sessions=journal_sessions,
         )
         self._inflight: set[asyncio.Task[None]] = set()
         self._contexts: set[TaskContext] = set()  # of the handlers running now

@@ -686,6 +686,11 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
 
     # ---- one dispatch over one stream --------------------------------------------------
 
+    def local_session(self) -> session.LocalSession:
+        """A Session stream answered in this process, for the handlers the
+        services run (ADR 44)."""
+        return session.LocalSession(self, _SESSION_CALLS)
+
     async def Session(
         self, request_iterator: AsyncIterator[pb.SessionRequest], context: Context
     ) -> AsyncIterator[pb.SessionResponse]:

@@ -17,9 +17,14 @@ its own, so the stores retry transient errors for their own budget (see
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+
+import grpc
+import grpc.aio
 
 from dagnats.core import deadline, errors, tracing
 from dagnats.core.grpcutil import (
@@ -33,7 +38,8 @@ from dagnats.core.grpcutil import (
 from dagnats.core.session_calls import CALLS, SERVICE
 from dagnats.journal.v1 import journal_pb2 as pb
 
-Behaviour = Callable[[Any, Any, Context], Awaitable[Any]]
+Behaviour = Callable[[Any, Any, Context | None], Awaitable[Any]]
+log = logging.getLogger(__name__)
 
 
 def behaviours(servicer_class: type) -> dict[str, Behaviour]:
@@ -52,11 +58,69 @@ async def serve(
         yield await _answer(servicer, methods, request, context)
 
 
+class LocalSession:
+    """A Session stream answered in this process, for the handlers the
+    services run (ADR 44): each request runs the servicer's method for its
+    call in the caller's task, as :func:`serve` runs a request that came over
+    gRPC, so the checks, fences, spans and domain errors are the same code.
+
+    It has the shape of the client's end of a stream (``write``, then
+    ``read`` for the answer; ``done``; ``cancel``). Messages are copied both
+    ways, as the wire would copy them: neither side can change what the other
+    holds. An exception that would end a gRPC stream with UNKNOWN ends this
+    one with the same status, and is logged; a call cancelled in flight ends
+    it, as cancelling a gRPC stream cancels its handler.
+    """
+
+    def __init__(self, servicer: object, methods: dict[str, Behaviour]) -> None:
+        self._servicer = servicer
+        self._methods = methods
+        self._answer: pb.SessionResponse | None = None
+        self._ended = False
+
+    async def write(self, request: pb.SessionRequest) -> None:
+        if self._ended:
+            raise asyncio.InvalidStateError("the session stream ended")
+        sent = pb.SessionRequest()
+        sent.CopyFrom(request)
+        try:
+            answer = await _answer(self._servicer, self._methods, sent, None)
+        except Exception as err:
+            self._ended = True
+            log.exception("a journal call on a session in this process failed")
+            empty = grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNKNOWN,
+                empty,
+                empty,
+                details=f"{type(err).__name__}: {err}",
+                debug_error_string="",
+            ) from err
+        except BaseException:
+            self._ended = True
+            raise
+        self._answer = pb.SessionResponse()
+        self._answer.CopyFrom(answer)
+
+    async def read(self) -> pb.SessionResponse | None:
+        """The answer to the request written last; None when there is none
+        (the client's stream gives EOF there)."""
+        answer, self._answer = self._answer, None
+        return answer
+
+    def done(self) -> bool:
+        return self._ended
+
+    def cancel(self) -> bool:
+        ended, self._ended = self._ended, True
+        return not ended
+
+
 async def _answer(
     servicer: object,
     methods: dict[str, Behaviour],
     request: pb.SessionRequest,
-    context: Context,
+    context: Context | None,
 ) -> pb.SessionResponse:
     kind = request.WhichOneof("call")
     if kind is None:

@@ -1,0 +1,113 @@
+"""``--handlers module:attr``: handlers run in the services' own process.
+
+``dagnats serve all`` and ``dagnats dev`` can run a worker for the handlers
+named by ``module:attr`` (a mapping of task type to handler) in their own
+process (ADR 44). Its journal calls are answered by the journal servicer of
+that process, in the handler's task, with the same checks, fences and errors
+as over gRPC, and no gRPC between them; its engine calls (poll, heartbeat,
+report) go to the process's own port as any worker's do.
+
+The handlers share the services' process, its memory and its event loop, so
+they must be code trusted as much as the services: a handler that blocks the
+loop stalls every journal call of the process (run CPU-bound work in a
+thread). Workers in their own processes stay the default, and the only way
+for code in other languages or code that must not share the process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dagnats.cli.common import UsageError
+from dagnats.engine.server import ServiceServer
+from dagnats.sdk import Credentials, Handler, Worker
+
+MAX_CONCURRENCY = 10_000
+_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+NEEDS_BOTH = "--handlers needs the engine and the journal in this process: dagnats serve all"
+
+
+def handlers_from_flags(spec: str | None, concurrency: int) -> dict[str, Handler] | None:
+    """``--handlers`` and ``--handler-concurrency`` checked before anything
+    starts: the handlers, or None without ``--handlers``.
+
+    Raises:
+        UsageError: either flag is out of range (see :func:`load_handlers`).
+    """
+    if spec is None:
+        return None
+    if not 1 <= concurrency <= MAX_CONCURRENCY:
+        raise UsageError(f"--handler-concurrency must be 1..{MAX_CONCURRENCY}, got {concurrency}")
+    return load_handlers(spec)
+
+
+def load_handlers(spec: str) -> dict[str, Handler]:
+    """The handlers that ``module:attr`` names, imported with the working
+    directory on the import path (as ``python -m`` would have it).
+
+    Raises:
+        UsageError: the spec is malformed, the module does not import, or the
+            attribute is not a mapping of task type to callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"--handlers must be module:attribute, got {spec!r}")
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UsageError(f"--handlers: cannot import {module_name}: {err}") from None
+    found: Any = module
+    for part in attr.split("."):
+        if not hasattr(found, part):
+            raise UsageError(f"--handlers: {module_name} has no {attr}") from None
+        found = getattr(found, part)
+    if not isinstance(found, Mapping) or not found:
+        raise UsageError(
+            f"--handlers: {spec} must be a mapping of task type to handler, "
+            f"got {type(found).__name__}"
+        )
+    for task_type, handler in found.items():
+        if not isinstance(task_type, str) or not callable(handler):
+            raise UsageError(
+                f"--handlers: {spec} maps {task_type!r} to {type(handler).__name__}; "
+                "each task type (a string) needs an async handler"
+            )
+    return dict(found)
+
+
+def in_process_worker(
+    server: ServiceServer,
+    handlers: Mapping[str, Handler],
+    *,
+    concurrency: int,
+    credentials: Credentials | None = None,
+    **options: Any,
+) -> Worker:
+    """A worker of ``server``'s engine whose journal calls are answered by
+    ``server``'s journal servicer in this process; start it with
+    ``async with`` or ``await worker.__aenter__()``, stop it before ``server``.
+    ``options`` go to :class:`~dagnats.sdk.Worker`.
+
+    Raises:
+        UsageError: ``server`` does not serve both the engine and the journal.
+        InvalidArgument: a task type or the concurrency is out of range.
+    """
+    journal = server.journal
+    if journal is None or "engine" not in server.services:
+        raise UsageError(NEEDS_BOTH)
+    host = "127.0.0.1" if server.host in _ANY_HOST else server.host
+    return Worker(
+        f"{host}:{server.port}",
+        handlers=handlers,
+        concurrency=concurrency,
+        credentials=credentials,
+        journal_sessions=journal.local_session,
+        **options,
+    )

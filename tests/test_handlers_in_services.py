@@ -1,0 +1,159 @@
+"""Handlers run in the services' own process (``--handlers``, ADR 44).
+
+Their journal calls are answered by the process's journal servicer without
+gRPC; what a user checks is that nothing else changes: the same records, the
+same errors, and clear refusals of bad flags. The same guarantee across a
+crash: ``tests/test_journal.py`` runs its unsafe-intent crash with a worker of
+its own and with handlers in the services' process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+
+from dagnats.cli.main import main
+from dagnats.engine.server import EngineServer
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.session import LocalSession
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk import Client, run_output
+from tests.stack import loop_workflow, start_dev, unique
+from tests.test_journal import hosted, run_without_a_crash
+
+
+async def test_a_run_of_handlers_in_the_services_process_writes_what_a_worker_writes(
+    client: Client, engine: EngineServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened: list[LocalSession] = []
+    local_session = engine.journal.local_session  # type: ignore[union-attr]
+
+    def counted() -> LocalSession:
+        opened.append(local_session())
+        return opened[-1]
+
+    monkeypatch.setattr(engine.journal, "local_session", counted)
+    await run_without_a_crash(client, engine, hosted)
+    assert opened, "the journal calls went through the process's own servicer"
+
+
+# ---- the stream ----------------------------------------------------------------------
+
+
+class Servicer:
+    """Stands for the journal servicer: its ``hold`` answers or raises."""
+
+    def __init__(self, raises: BaseException | None = None) -> None:
+        self.raises = raises
+        self.seen: list[jpb.HoldRequest] = []
+
+    async def hold(self, request: jpb.HoldRequest, context: object) -> jpb.HoldResponse:
+        self.seen.append(request)
+        if self.raises is not None:
+            raise self.raises
+        return jpb.HoldResponse()
+
+
+def local(servicer: Servicer) -> LocalSession:
+    return LocalSession(servicer, {"hold": type(servicer).hold})
+
+
+def hold_request(n: int = 1) -> jpb.SessionRequest:
+    token = jpb.WriterToken(run_id="r" * 32, step_id="agent", last_seq=7)
+    return jpb.SessionRequest(id=n, hold=jpb.HoldRequest(token=token))
+
+
+async def test_a_local_session_answers_in_order_and_copies_both_ways() -> None:
+    servicer = Servicer()
+    stream = local(servicer)
+    request = hold_request()
+    await stream.write(request)
+    answer = await stream.read()
+    assert isinstance(answer, jpb.SessionResponse) and answer.id == 1
+    assert answer.WhichOneof("result") == "hold"
+    request.hold.token.last_seq = 99  # the caller changes what it holds...
+    assert servicer.seen[0].token.last_seq == 7  # ...and the servicer's copy stays
+    assert await stream.read() is None, "one answer a request"
+    assert not stream.done()
+
+
+async def test_a_domain_error_answers_its_call_and_the_stream_goes_on() -> None:
+    from dagnats.core import errors
+
+    servicer = Servicer(errors.InvalidArgument("no such token", field="token"))
+    stream = local(servicer)
+    await stream.write(hold_request())
+    answer = await stream.read()
+    assert isinstance(answer, jpb.SessionResponse)
+    assert answer.error.field == "token" and "no such token" in answer.error.message
+    assert not stream.done()
+    servicer.raises = None
+    await stream.write(hold_request(2))
+    assert (await stream.read()).id == 2  # type: ignore[union-attr]
+
+
+async def test_an_unexpected_failure_ends_the_stream_as_grpc_would() -> None:
+    stream = local(Servicer(RuntimeError("boom")))
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await stream.write(hold_request())
+    assert failed.value.code() == grpc.StatusCode.UNKNOWN
+    assert "boom" in (failed.value.details() or "")
+    assert stream.done()
+    with pytest.raises(asyncio.InvalidStateError):
+        await stream.write(hold_request(2))
+
+
+# ---- the command line ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["serve", "journal", "--handlers", "tests.handlers_app:HANDLERS"], "serve all"),
+        (["serve", "all", "--handlers", "no-colon"], "module:attribute"),
+        (["serve", "all", "--handlers", "tests.no_such_module:HANDLERS"], "cannot import"),
+        (["serve", "all", "--handlers", "tests.handlers_app:MISSING"], "has no MISSING"),
+        (["serve", "all", "--handlers", "tests.handlers_app:NOT_A_MAPPING"], "mapping"),
+        (
+            ["serve", "all", "--handler-concurrency=0", "--handlers=tests.handlers_app:HANDLERS"],
+            "--handler-concurrency",
+        ),
+    ],
+)
+def test_bad_handlers_flags_are_one_line_before_anything_starts(
+    args: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # No NATS runs here: a refusal that came after connecting would hang.
+    assert main([*args, "--nats", "nats://127.0.0.1:1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
+async def test_dagnats_dev_runs_handlers_in_its_process(tmp_path: Path) -> None:
+    dev = await asyncio.to_thread(
+        start_dev,
+        tmp_path / "dev",
+        "--no-demo",
+        "--handlers",
+        "tests.handlers_app:HANDLERS",
+        stderr=tmp_path / "dev.err",
+    )
+    try:  # no worker runs but the handlers in the dev process
+        name = unique("hosted")
+        async with Client(dev.engine) as client:
+            await client.register_workflow(loop_workflow(name, "hosted-echo"))
+            run = await client.start_run(name, {"say": "hi"})
+            done = await client.wait_for_run(run.run_id, timeout=30)
+        assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+        assert run_output(done) == {"echo": "hi", "iterations": 2}
+    finally:
+        dev.proc.send_signal(signal.SIGINT)
+        code = await asyncio.to_thread(dev.proc.wait, 30)
+        dev.proc.communicate()
+    assert code in (0, 130)
+    assert "Traceback" not in (tmp_path / "dev.err").read_text()
