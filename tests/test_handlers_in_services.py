@@ -115,6 +115,7 @@ async def test_an_unexpected_failure_ends_the_stream_as_grpc_would() -> None:
     ("args", "says"),
     [
         (["serve", "journal", "--handlers", "tests.handlers_app:HANDLERS"], "serve all"),
+        (["serve", "gateway", "--handlers", "tests.handlers_app:HANDLERS"], "serve all"),
         (["serve", "all", "--handlers", "no-colon"], "module:attribute"),
         (["serve", "all", "--handlers", "tests.no_such_module:HANDLERS"], "cannot import"),
         (["serve", "all", "--handlers", "tests.handlers_app:MISSING"], "has no MISSING"),

@@ -379,6 +379,10 @@ def _require_server(command: str) -> None:
 
 async def _serve(args: argparse.Namespace) -> int:
     _require_server(f"dagnats serve {args.service}")
+    from dagnats.cli.handlers import NEEDS_BOTH, handlers_from_flags, in_process_worker
+
+    if args.handlers is not None and args.service != "all":
+        raise UsageError(NEEDS_BOTH)
     if args.service == "gateway":
         return await _serve_gateway(args)
     from dagnats.core.jetstream import Topology
@@ -386,10 +390,6 @@ async def _serve(args: argparse.Namespace) -> int:
     from dagnats.engine.server import start_services
 
     services = SERVICES if args.service == "all" else (args.service,)
-    from dagnats.cli.handlers import NEEDS_BOTH, handlers_from_flags, in_process_worker
-
-    if args.handlers is not None and args.service != "all":
-        raise UsageError(NEEDS_BOTH)
     handlers = handlers_from_flags(args.handlers, args.handler_concurrency)
     replicas = int(os.environ.get("DAGNATS_REPLICAS", "1"))
     server = await start_services(
