@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -18,6 +20,7 @@ import grpc.aio
 import pytest
 
 from dagnats.cli.main import main
+from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.session import LocalSession
@@ -145,16 +148,52 @@ async def test_dagnats_dev_runs_handlers_in_its_process(tmp_path: Path) -> None:
         stderr=tmp_path / "dev.err",
     )
     try:  # no worker runs but the handlers in the dev process
-        name = unique("hosted")
-        async with Client(dev.engine) as client:
-            await client.register_workflow(loop_workflow(name, "hosted-echo"))
-            run = await client.start_run(name, {"say": "hi"})
-            done = await client.wait_for_run(run.run_id, timeout=30)
-        assert done.status == pb.RUN_STATUS_COMPLETED, done.error
-        assert run_output(done) == {"echo": "hi", "iterations": 2}
+        await run_echo(dev.engine)
     finally:
         dev.proc.send_signal(signal.SIGINT)
         code = await asyncio.to_thread(dev.proc.wait, 30)
         dev.proc.communicate()
     assert code in (0, 130)
     assert "Traceback" not in (tmp_path / "dev.err").read_text()
+
+
+async def run_echo(target: str) -> None:
+    """A two-iteration journaled run of ``tests.handlers_app``'s handler,
+    with no worker but the handlers of the process at ``target``."""
+    name = unique("hosted")
+    async with Client(target) as client:
+        await client.register_workflow(loop_workflow(name, "hosted-echo"))
+        run = await client.start_run(name, {"say": "hi"})
+        done = await client.wait_for_run(run.run_id, timeout=30)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    assert run_output(done) == {"echo": "hi", "iterations": 2}
+
+
+def started(args: list[str], err: Path) -> subprocess.Popen[str]:
+    """``args`` from the repository's root, its stdout piped, stderr into ``err``."""
+    with err.open("w") as stderr:  # the child keeps its own copy open
+        return subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=Path(__file__).parent.parent
+        )
+
+
+async def test_serve_all_runs_handlers_and_stops_in_order_on_sigterm(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    args = [sys.executable, "-m", "dagnats.cli.main", "serve", "all", "--nats", nats_server.url]
+    args += ["--port", "0", "--handlers", "tests.handlers_app:HANDLERS"]
+    err = tmp_path / "serve.err"
+    proc = await asyncio.to_thread(started, args, err)
+    assert proc.stdout is not None
+    try:
+        serving = await asyncio.to_thread(proc.stdout.readline)
+        assert " serving on " in serving, serving + err.read_text()
+        assert "hosted-echo" in await asyncio.to_thread(proc.stdout.readline)
+        await run_echo(serving.split(" serving on ")[1].strip())
+        proc.send_signal(signal.SIGTERM)  # as a stopped container is told
+        code = await asyncio.to_thread(proc.wait, 30)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert code in (0, 130), err.read_text()
+    assert "Traceback" not in err.read_text()

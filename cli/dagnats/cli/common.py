@@ -3,7 +3,9 @@ how a run and JSON are printed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 from typing import Any
 
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -39,3 +41,24 @@ def print_run(run: pb.Run, as_json: bool) -> None:
         if step.error:
             line += f"  error: {step.error}"
         print(line)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT cancel the running task once, so that its
+    ``finally`` blocks stop everything in order: SIGINT too when it came in
+    ignored (a process started in the background of a script), SIGTERM too
+    (a container being stopped). A second signal while it stops changes
+    nothing: cancelled again, the stop would be cut short."""
+    main = asyncio.current_task()
+    if main is None:
+        return
+    stopping = False
+
+    def stop() -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            main.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop)

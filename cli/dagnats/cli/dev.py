@@ -23,13 +23,18 @@ import fcntl
 import json
 import os
 import shlex
-import signal
 import socket
 from pathlib import Path
 from typing import IO
 
 from dagnats.cli import demo
-from dagnats.cli.common import DEFAULT_DATA_DIR, DEV_FILE, UsageError, print_run
+from dagnats.cli.common import (
+    DEFAULT_DATA_DIR,
+    DEV_FILE,
+    UsageError,
+    print_run,
+    stop_on_signals,
+)
 from dagnats.cli.handlers import handlers_from_flags, in_process_worker
 from dagnats.core.natsserver import free_port
 from dagnats.gateway import GatewayConfig
@@ -55,22 +60,7 @@ def _port_or_free(port: int) -> int:
 
 
 async def run_dev(args: argparse.Namespace) -> int:
-    # SIGTERM and SIGINT stop everything the same way, even when SIGINT came
-    # in ignored (a process started in the background of a script).
-    # A second Ctrl-C while everything stops changes nothing: cancelled again,
-    # the stop would leave the gateway's tasks to be cancelled mid-shutdown.
-    main = asyncio.current_task()
-    if main is not None:
-        stopping = False
-
-        def stop() -> None:
-            nonlocal stopping
-            if not stopping:
-                stopping = True
-                main.cancel()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop)
+    stop_on_signals()  # a second Ctrl-C would cancel the gateway's tasks mid-shutdown
     data = Path(args.dev_data_dir or args.data_dir)
     model = None if args.no_demo else _demo_model()  # a bad DAGNATS_MODEL stops us here
     handlers = handlers_from_flags(args.handlers, args.handler_concurrency)

@@ -18,7 +18,14 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from dagnats.cli.common import DEFAULT_DATA_DIR, DEV_FILE, UsageError, dumps, print_run
+from dagnats.cli.common import (
+    DEFAULT_DATA_DIR,
+    DEV_FILE,
+    UsageError,
+    dumps,
+    print_run,
+    stop_on_signals,
+)
 from dagnats.cli.journal import RETRY_FOR, add_journal_commands, run_journal
 from dagnats.core.errors import DagnatsError, Unavailable
 from dagnats.core.natsauth import FLAGS as NATS_FLAGS
@@ -379,6 +386,7 @@ def _require_server(command: str) -> None:
 
 async def _serve(args: argparse.Namespace) -> int:
     _require_server(f"dagnats serve {args.service}")
+    stop_on_signals()  # a stopped container's SIGTERM stops the server in order
     from dagnats.cli.handlers import NEEDS_BOTH, handlers_from_flags, in_process_worker
 
     if args.handlers is not None and args.service != "all":
