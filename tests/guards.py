@@ -38,7 +38,7 @@ GUARDS = (
         how="a handler in the services' process shares its request with the servicer",
         tests=(
             "tests/test_handlers_in_services.py::"
-            "test_a_local_session_answers_in_order_and_copies_both_ways",
+            "test_a_local_session_answers_in_order_and_copies_the_request",
         ),
     ),
     Guard(

@@ -71,7 +71,7 @@ def hold_request(n: int = 1) -> jpb.SessionRequest:
     return jpb.SessionRequest(id=n, hold=jpb.HoldRequest(token=token))
 
 
-async def test_a_local_session_answers_in_order_and_copies_both_ways() -> None:
+async def test_a_local_session_answers_in_order_and_copies_the_request() -> None:
     servicer = Servicer()
     stream = local(servicer)
     request = hold_request()

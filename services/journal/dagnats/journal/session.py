@@ -65,11 +65,13 @@ class LocalSession:
     gRPC, so the checks, fences, spans and domain errors are the same code.
 
     It has the shape of the client's end of a stream (``write``, then
-    ``read`` for the answer; ``done``; ``cancel``). Messages are copied both
-    ways, as the wire would copy them: neither side can change what the other
-    holds. An exception that would end a gRPC stream with UNKNOWN ends this
-    one with the same status, and is logged; a call cancelled in flight ends
-    it, as cancelling a gRPC stream cancels its handler.
+    ``read`` for the answer; ``done``; ``cancel``). The request is copied,
+    as the wire would copy it, so the servicer holds nothing the caller may
+    change; the answer is built afresh by ``_answer`` (the servicer's reply
+    copied into it), so the caller holds nothing of the servicer's. An
+    exception that would end a gRPC stream with UNKNOWN ends this one with
+    the same status, and is logged; a call cancelled in flight ends it, as
+    cancelling a gRPC stream cancels its handler.
     """
 
     def __init__(self, servicer: object, methods: dict[str, Behaviour]) -> None:
@@ -99,8 +101,7 @@ class LocalSession:
         except BaseException:
             self._ended = True
             raise
-        self._answer = pb.SessionResponse()
-        self._answer.CopyFrom(answer)
+        self._answer = answer
 
     async def read(self) -> pb.SessionResponse | None:
         """The answer to the request written last; None when there is none
