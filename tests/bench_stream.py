@@ -11,7 +11,10 @@ Three measurements, in one process and one event loop (nats-server aside):
   readers; tokens per second from the first put to the last token a reader
   got, and token-to-reader latency (each token carries its put time);
 - cost per turn: the time of a journaled turn (claim, one model call of 200
-  tokens, commit) with the tokens streamed and without.
+  tokens, commit) with the tokens streamed and without;
+- a run read: ``GET /runs/{id}`` again and again on one kept-alive
+  connection, beside ``GetRun`` over gRPC (a gateway whose socket left Nagle's
+  algorithm on answered each request after a connection's first 40 ms late).
 
 Nothing here asserts on time; the numbers go to stdout and into ADR 15.
 """
@@ -136,6 +139,24 @@ async def _turns(engine_target: str, turns: int, *, streamed: bool) -> list[floa
     return times
 
 
+async def _reads(engine_target: str, http: httpx.AsyncClient, n: int) -> tuple[float, float]:
+    """Median seconds of a run read over HTTP (one kept-alive connection) and over gRPC."""
+    async with Client(engine_target) as client:
+        name = unique("breadwf")
+        await client.register_workflow(loop_workflow(name, unique("bread")))
+        run_id = (await client.start_run(name)).run_id
+        over_http: list[float] = []
+        over_grpc: list[float] = []
+        for _ in range(n):
+            started = time.perf_counter()
+            (await http.get(f"/runs/{run_id}")).raise_for_status()
+            over_http.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            await client.get_run(run_id)
+            over_grpc.append(time.perf_counter() - started)
+    return statistics.median(over_http), statistics.median(over_grpc)
+
+
 def _ms(values: list[float], q: float) -> str:
     ordered = sorted(values)
     return f"{ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000:.1f} ms"
@@ -174,6 +195,12 @@ async def bench(readers: int, tokens: int, turns: int) -> None:
                 for label, rate in (("as fast as it can", 0.0), ("paced at 10,000/s", 10_000.0)):
                     elapsed, got = await _stream_once(engine.target, http, 4, tokens, 50, rate)
                     _throughput(label, tokens, elapsed, got)
+
+                over_http, over_grpc = await _reads(engine.target, http, 200)
+                print("a run read, 200 in a row, median (one kept-alive connection)")
+                print(f"  GET /runs/{{id}}: {over_http * 1000:.2f} ms")
+                print(f"  GetRun (gRPC):  {over_grpc * 1000:.2f} ms")
+                print(f"  HTTP/gRPC:      {over_http / over_grpc:.2f}x")
 
             plain = await _turns(engine.target, turns, streamed=False)
             streamed = await _turns(engine.target, turns, streamed=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import yaml
 from dagnats.core.jetstream import JOURNAL
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer
-from dagnats.gateway import GatewayConfig, start_gateway
+from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
 from dagnats.sdk import TaskContext, Worker
 from dagnats.sdk.testing import ScriptedModel
 from examples.agent_turn.handler import make_agent_turn
@@ -535,6 +536,21 @@ async def test_health_readiness_metrics_and_openapi(http: httpx.AsyncClient) -> 
     spec = (await http.get("/openapi.json")).json()
     assert "/runs/{run_id}/steps/{step_id}/journal" in spec["paths"]
     assert "/runs/{run_id}/steps/{step_id}/inputs/{request_id}" in spec["paths"]
+
+
+async def test_a_kept_alive_connection_gets_each_answer_without_waiting_for_an_ack(
+    gateway: GatewayServer, http: httpx.AsyncClient
+) -> None:
+    """Nagle's algorithm is off on the gateway's connections: a response's body
+    is sent with its headers, not held until the client acknowledges them
+    (a delayed ACK: 40 ms on every request of a kept-alive connection but its
+    first, for every bridge worker, console and API client)."""
+    for _ in range(2):
+        assert (await http.get("/healthz")).status_code == 200
+    connections = gateway._server.server_state.connections
+    sockets = [c.transport.get_extra_info("socket") for c in connections]
+    assert sockets, "the client's connection is not open on the gateway"
+    assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
 
 
 async def test_an_unreachable_engine_is_a_503_within_the_retry_budget() -> None:
