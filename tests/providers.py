@@ -110,7 +110,9 @@ class FakeProvider:
         self._released.set()
 
     async def __aenter__(self) -> FakeProvider:
-        sock = socket.socket()
+        # IPPROTO_TCP, so that asyncio turns Nagle's algorithm off on each
+        # connection as a provider's servers do (see the gateway's _bind).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         app = Starlette(
