@@ -10,6 +10,7 @@ its own and with handlers in the services' process.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -18,14 +19,16 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
+import trustme
 
 from dagnats.cli.main import main
+from dagnats.core import errors
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.session import LocalSession
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk import Client, run_output
+from dagnats.sdk import Client, Credentials, run_output
 from tests.stack import loop_workflow, start_dev, unique
 from tests.test_journal import hosted, run_without_a_crash
 
@@ -157,11 +160,11 @@ async def test_dagnats_dev_runs_handlers_in_its_process(tmp_path: Path) -> None:
     assert "Traceback" not in (tmp_path / "dev.err").read_text()
 
 
-async def run_echo(target: str) -> None:
+async def run_echo(target: str, credentials: Credentials | None = None) -> None:
     """A two-iteration journaled run of ``tests.handlers_app``'s handler,
     with no worker but the handlers of the process at ``target``."""
     name = unique("hosted")
-    async with Client(target) as client:
+    async with Client(target, credentials=credentials) as client:
         await client.register_workflow(loop_workflow(name, "hosted-echo"))
         run = await client.start_run(name, {"say": "hi"})
         done = await client.wait_for_run(run.run_id, timeout=30)
@@ -169,11 +172,16 @@ async def run_echo(target: str) -> None:
     assert run_output(done) == {"echo": "hi", "iterations": 2}
 
 
-def started(args: list[str], err: Path) -> subprocess.Popen[str]:
+def started(args: list[str], err: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """``args`` from the repository's root, its stdout piped, stderr into ``err``."""
     with err.open("w") as stderr:  # the child keeps its own copy open
         return subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=Path(__file__).parent.parent
+            args,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            cwd=Path(__file__).parent.parent,
+            env=env,
         )
 
 
@@ -196,4 +204,44 @@ async def test_serve_all_runs_handlers_and_stops_in_order_on_sigterm(
         proc.kill()
         proc.communicate()
     assert code in (0, 130), err.read_text()
+    assert "Traceback" not in err.read_text()
+
+
+async def test_handlers_of_a_secured_server_need_none_of_the_operators_credentials(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """TLS and tokens on the port, and no ``DAGNATS_TOKEN`` or ``DAGNATS_TLS_*``
+    for the process's own worker: it takes the server's own loopback port
+    with a worker token minted in the process. Callers still need theirs."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    leaf.cert_chain_pems[0].write_to_path(str(tmp_path / "server.pem"))
+    leaf.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    ours = ("DAGNATS_TOKEN", "DAGNATS_TLS", "DAGNATS_GRPC_")  # the suite's NATS settings stay
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
+    env |= {
+        "DAGNATS_GRPC_TLS_CERT": str(tmp_path / "server.pem"),
+        "DAGNATS_GRPC_TLS_KEY": str(tmp_path / "server.key"),
+        "DAGNATS_GRPC_WORKER_TOKENS": "operators-worker-token",
+        "DAGNATS_GRPC_ADMIN_TOKENS": "operators-admin-token",
+    }
+    args = [sys.executable, "-m", "dagnats.cli.main", "serve", "all", "--nats", nats_server.url]
+    args += ["--port", "0", "--handlers", "tests.handlers_app:HANDLERS"]
+    err = tmp_path / "serve.err"
+    proc = await asyncio.to_thread(started, args, err, env)
+    assert proc.stdout is not None
+    try:
+        serving = await asyncio.to_thread(proc.stdout.readline)
+        assert " serving on " in serving, serving + err.read_text()
+        assert "hosted-echo" in await asyncio.to_thread(proc.stdout.readline)
+        target = serving.split(" serving on ")[1].strip()
+        caller = Credentials(token="operators-admin-token", ca=str(tmp_path / "ca.pem"))
+        await run_echo(target, caller)
+        async with Client(target, credentials=Credentials(ca=str(tmp_path / "ca.pem"))) as anon:
+            with pytest.raises(errors.Unauthenticated):
+                await anon.list_workflows()
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.communicate)
     assert "Traceback" not in err.read_text()

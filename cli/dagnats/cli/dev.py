@@ -96,9 +96,7 @@ async def run_dev(args: argparse.Namespace) -> int:
         if earlier:
             print(f"found {len(earlier)} earlier run(s); `dagnats run list` shows them")
         if handlers is not None:
-            hosted = in_process_worker(
-                engine, handlers, concurrency=args.handler_concurrency, credentials=NO_CREDENTIALS
-            )
+            hosted = in_process_worker(engine, handlers, concurrency=args.handler_concurrency)
             workers.append(await hosted.__aenter__())
             print(f"handlers     {', '.join(sorted(handlers))}  (in this process)")
         if not args.no_demo:

@@ -5,7 +5,9 @@ named by ``module:attr`` (a mapping of task type to handler) in their own
 process (ADR 44). Its journal calls are answered by the journal servicer of
 that process, in the handler's task, with the same checks, fences and errors
 as over gRPC, and no gRPC between them; its engine calls (poll, heartbeat,
-report) go to the process's own port as any worker's do.
+report) go to the process's own loopback port (``start_services(own_port=
+True)``) with a worker token minted in the process, so it needs none of the
+operator's certificates or tokens.
 
 The handlers share the services' process, its memory and its event loop, so
 they must be code trusted as much as the services: a handler that blocks the
@@ -27,7 +29,6 @@ from dagnats.engine.server import ServiceServer
 from dagnats.sdk import Credentials, Handler, Worker
 
 MAX_CONCURRENCY = 10_000
-_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
 NEEDS_BOTH = "--handlers needs the engine and the journal in this process: dagnats serve all"
 
 
@@ -87,27 +88,29 @@ def in_process_worker(
     handlers: Mapping[str, Handler],
     *,
     concurrency: int,
-    credentials: Credentials | None = None,
     **options: Any,
 ) -> Worker:
     """A worker of ``server``'s engine whose journal calls are answered by
-    ``server``'s journal servicer in this process; start it with
-    ``async with`` or ``await worker.__aenter__()``, stop it before ``server``.
-    ``options`` go to :class:`~dagnats.sdk.Worker`.
+    ``server``'s journal servicer in this process, and whose other calls go
+    to the server's own port (``start_services(own_port=True)``); start it
+    with ``async with`` or ``await worker.__aenter__()``, stop it before
+    ``server``. ``options`` go to :class:`~dagnats.sdk.Worker`.
 
     Raises:
-        UsageError: ``server`` does not serve both the engine and the journal.
+        UsageError: ``server`` does not serve both the engine and the journal,
+            or needs credentials and was started without ``own_port``.
         InvalidArgument: a task type or the concurrency is out of range.
     """
     journal = server.journal
     if journal is None or "engine" not in server.services:
         raise UsageError(NEEDS_BOTH)
-    host = "127.0.0.1" if server.host in _ANY_HOST else server.host
+    if server.own is None:
+        raise UsageError("a server that needs credentials runs handlers with own_port=True")
     return Worker(
-        f"{host}:{server.port}",
+        server.own.target,
         handlers=handlers,
         concurrency=concurrency,
-        credentials=credentials,
+        credentials=Credentials(token=server.own.token),
         journal_sessions=journal.local_session,
         **options,
     )

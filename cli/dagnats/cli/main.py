@@ -409,6 +409,7 @@ async def _serve(args: argparse.Namespace) -> int:
         monitor_url=args.nats_monitor,
         security=ServerSecurity.from_env(),
         nats_settings=_nats_settings(args),
+        own_port=handlers is not None,
     )
     print(f"{' and '.join(server.services)} serving on {server.target}", flush=True)
     try:

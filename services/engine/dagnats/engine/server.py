@@ -19,7 +19,9 @@ health and reflection, and stops them in order. What each one needs:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ from dagnats.core.errors import InvalidArgument
 from dagnats.core.natsauth import NatsSettings
 from dagnats.core.natsserver import check_sync_always
 from dagnats.core.settings import SERVICES, is_loopback
-from dagnats.engine.access import missing_for_open_host
+from dagnats.engine.access import Role, missing_for_open_host, tokens_of
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.processor import Engine
 from dagnats.engine.report import TaskSettler
@@ -68,6 +70,16 @@ _NAMES = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class OwnPort:
+    """Where this process's own clients (the handlers it runs, ADR 44) dial
+    it, in plaintext on loopback, and the worker token minted for them when
+    the server needs credentials (None when it does not)."""
+
+    target: str
+    token: str | None
+
+
 @dataclass(kw_only=True)
 class ServiceServer:
     """A running server of some of the services; ``target`` is what clients dial."""
@@ -81,6 +93,7 @@ class ServiceServer:
     subscriptions: list[Subscription] = field(default_factory=list)
     journal: JournalServicer | None = None
     health: health_aio.HealthServicer | None = None
+    own: OwnPort | None = None
 
     @property
     def target(self) -> str:
@@ -181,6 +194,7 @@ async def start_services(
     monitor_url: str | None = None,
     security: ServerSecurity | None = None,
     nats_settings: NatsSettings | None = None,
+    own_port: bool = False,
 ) -> ServiceServer:
     """Connect, provision streams and buckets, and serve ``services`` on one port.
 
@@ -197,6 +211,13 @@ async def start_services(
             plaintext to anyone, which only a loopback ``host`` allows.
         nats_settings: NATS credentials and TLS; by default the
             ``DAGNATS_NATS_*`` environment.
+        own_port: where the server needs TLS or credentials, also serve on a
+            loopback port for the process's own clients (``ServiceServer.own``),
+            so that the handlers it runs need no certificate or token of the
+            operator's: the port takes a worker token that exists only in this
+            process's memory, and any other credential the server takes.
+            Loopback only, so plaintext. An open server (loopback, plaintext,
+            no credentials) is its own clients' port as it is.
 
     Returns:
         An :class:`EngineServer` when the engine is among ``services``.
@@ -218,6 +239,10 @@ async def start_services(
     security = security or ServerSecurity()
     security.check()
     _refuse_open(host, security)
+    own_token = secrets.token_urlsafe(32) if own_port and security.authenticated else None
+    if own_token is not None:
+        minted = tokens_of(Role.WORKER, [own_token])
+        security = dataclasses.replace(security, tokens=security.tokens.merged(minted))
     credentials = security.server_credentials()  # files read before anything starts
     guard = security.interceptor()
     config = config or EngineConfig.from_env()
@@ -261,6 +286,12 @@ async def start_services(
         bound = server.add_insecure_port(address)
     else:
         bound = server.add_secure_port(address, credentials)
+    own = None
+    if credentials is None and guard is None:  # open, so on loopback: its port is its own
+        own = OwnPort(target=f"{host}:{bound}", token=None)
+    elif own_port:
+        own_bound = server.add_insecure_port("127.0.0.1:0")
+        own = OwnPort(target=f"127.0.0.1:{own_bound}", token=own_token)
     await server.start()
     log.info(
         "%s serving on %s:%d (%s, %s)",
@@ -279,6 +310,7 @@ async def start_services(
         subscriptions=subscriptions,
         journal=journal,
         health=served_health,
+        own=own,
     )
     if engine is None or servicer is None:
         return parts
