@@ -11,9 +11,11 @@ once: two journaled steps an iteration). Four processes, as deployed:
   the gateway in one process; free ports; a temporary data directory), which
   starts nats-server with ``sync_interval: always`` as its child;
 - a worker process (``python -m tests.bench_turn worker``) running the
-  journaled handler; with ``BENCH_DEPLOY=services`` the handler runs in the
-  ``dagnats dev`` process instead (``--handlers``, ADR 44) and the worker
-  process serves only the queued baseline;
+  journaled handler, its journal calls on gRPC; with ``BENCH_DEPLOY=socket``
+  on the journal's session socket (``DAGNATS_JOURNAL_SOCKET``, ADR 45); with
+  ``BENCH_DEPLOY=services`` the handler runs in the ``dagnats dev`` process
+  instead (``--handlers``, ADR 44) and the worker process serves only the
+  queued baseline;
 - this process, the client: ``Client.run`` starts a run and waits for its
   result on the run's ``WatchRun`` push.
 
@@ -68,7 +70,12 @@ FLOOR_APPENDS = 5  # the peers' naive journal: model req/res, tool req/res, iter
 FLOOR_STREAM = "BENCHFLOOR"
 TASK = "bench-turn"  # the workload's task type and workflow
 # BENCH_DEPLOY: where the handler runs.
-WHERE = {"worker": "its own process", "services": "the services' process"}
+WHERE = {
+    "worker": "its own process",
+    "socket": "its own process, journal calls on the session socket",
+    "services": "the services' process",
+}
+VARIANTS = {"worker": "dev", "socket": "dev-session-socket", "services": "dev-handlers-in-services"}
 DEPLOYMENTS = tuple(WHERE)
 QUEUED = "-queued"  # ... and, with this suffix, run with every iteration through the queue
 SYNC_CALLS = ("fsync", "fdatasync", "sync_file_range", "msync", "syncfs", "sync")
@@ -126,8 +133,8 @@ class Params:
 
     @property
     def variant(self) -> str:
-        """The record's variant: ``dev``, or ``dev-handlers-in-services``."""
-        return "dev" if self.deploy == "worker" else "dev-handlers-in-services"
+        """The record's variant: ``dev``, ``dev-session-socket`` or ``dev-handlers-in-services``."""
+        return VARIANTS[self.deploy]
 
     def peers(self) -> dict[str, int]:
         """The ``params`` of a peers' record."""
@@ -371,12 +378,23 @@ async def serve_worker(
 
 
 def spawn_worker(
-    module: str, targets: Sequence[str], task: str, c: int, log: Path
+    module: str,
+    targets: Sequence[str],
+    task: str,
+    c: int,
+    log: Path,
+    journal_socket: str | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``python -m module worker TARGET[,TARGET] TASK C``, its output into ``log``."""
+    """``python -m module worker TARGET[,TARGET] TASK C``, its output into
+    ``log``; with ``journal_socket``, its journal calls go there."""
     args = [sys.executable, "-m", module, "worker", ",".join(targets), task, str(c)]
+    env = {k: v for k, v in os.environ.items() if k != "DAGNATS_JOURNAL_SOCKET"}
+    if journal_socket is not None:
+        env["DAGNATS_JOURNAL_SOCKET"] = journal_socket
     with log.open("ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent)
+        return subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent, env=env
+        )
 
 
 # ---- the floor --------------------------------------------------------------------------
@@ -711,8 +729,11 @@ def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") 
     if http is None or len(nats_pids) != 1:
         dev.proc.kill()
         raise SystemExit(f"dagnats dev: no monitor port or nats-server child: {conf}")
-    tasks = TASK if p.deploy == "worker" else TASK + QUEUED
-    worker = spawn_worker(worker_module, [info["engine"]], tasks, p.c, logs / "worker.log")
+    tasks = TASK + QUEUED if p.deploy == "services" else TASK
+    socket = info["journal_socket"] if p.deploy == "socket" else None
+    worker = spawn_worker(
+        worker_module, [info["engine"]], tasks, p.c, logs / "worker.log", journal_socket=socket
+    )
     return Stack(
         dev.proc, worker, nats_pids[0], info["engine"], info["nats"], f"http://{http[1]}", logs
     )

@@ -98,10 +98,14 @@ def span_exporter(span_exporter_session: InMemorySpanExporter) -> InMemorySpanEx
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
-    """The engine (with the journal and inputs services) on the module's server."""
-    server = await start_engine(nats_server.url, config=FAST)
-    yield server
-    await server.stop()
+    """The engine (with the journal and inputs services) on the module's
+    server, its journal's session socket in a short temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="dagnats-") as sockets:
+        server = await start_engine(
+            nats_server.url, config=FAST, session_socket=Path(sockets) / "journal.sock"
+        )
+        yield server
+        await server.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

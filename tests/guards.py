@@ -31,6 +31,28 @@ class Guard:
 
 GUARDS = (
     Guard(
+        name="the session socket checks the hello's token",
+        file="services/journal/dagnats/journal/session_socket.py",
+        guard="        refusal = self._sockets.admit(hello.token)\n",
+        removed="        refusal = None\n",
+        how="the session socket lets any connection call the journal",
+        tests=(
+            "tests/test_session_socket.py::"
+            "test_the_socket_takes_a_worker_token_when_the_server_needs_one",
+        ),
+    ),
+    Guard(
+        name="the session socket's file is its owner's alone",
+        file="services/journal/dagnats/journal/session_socket.py",
+        guard="        os.chmod(path, 0o600)\n",
+        removed="",
+        how="the session socket keeps the mode the umask gives it",
+        tests=(
+            "tests/test_session_socket.py::"
+            "test_the_socket_file_is_the_owners_and_a_live_one_is_not_taken",
+        ),
+    ),
+    Guard(
         name="a local session copies the request it answers",
         file="services/journal/dagnats/journal/session.py",
         guard="        sent.CopyFrom(request)\n",

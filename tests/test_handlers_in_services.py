@@ -130,9 +130,12 @@ async def test_an_unexpected_failure_ends_the_stream_as_grpc_would() -> None:
             ["serve", "all", "--handler-concurrency=0", "--handlers=tests.handlers_app:HANDLERS"],
             "--handler-concurrency",
         ),
+        # The journal's session socket (ADR 45, tests/test_session_socket.py).
+        (["serve", "inputs", "--session-socket", "/tmp/x.sock"], "needs the journal"),
+        (["serve", "gateway", "--session-socket", "/tmp/x.sock"], "needs the journal"),
     ],
 )
-def test_bad_handlers_flags_are_one_line_before_anything_starts(
+def test_bad_serve_flags_are_one_line_before_anything_starts(
     args: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # No NATS runs here: a refusal that came after connecting would hang.

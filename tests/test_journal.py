@@ -71,7 +71,19 @@ def hosted(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Wo
     return in_process_worker(engine, handlers, concurrency=4, poll_wait=1.0, **options)
 
 
-WorkerOf = Callable[..., Worker]  # remote or hosted
+def socketed(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
+    """A worker of its own whose journal calls go on the session socket (ADR 45)."""
+    assert engine.session_socket is not None, "the engine fixture has a session socket"
+    socket = str(engine.session_socket.path)
+    return Worker(engine.target, handlers=handlers, poll_wait=1.0, journal_socket=socket, **options)
+
+
+WorkerOf = Callable[..., Worker]  # remote, hosted or socketed
+WORKERS = pytest.mark.parametrize(
+    "worker",
+    [remote, hosted, socketed],
+    ids=["own process", "services' process", "session socket"],
+)
 
 
 async def take_over(
@@ -149,11 +161,12 @@ async def run_without_a_crash(
     assert sum(holds(r, "claim") for r in records) == 4
 
 
-async def test_a_crash_free_run(client: Client, engine: EngineServer) -> None:
-    await run_without_a_crash(client, engine)
+@WORKERS
+async def test_a_crash_free_run(client: Client, engine: EngineServer, worker: WorkerOf) -> None:
+    await run_without_a_crash(client, engine, worker)
 
 
-@pytest.mark.parametrize("worker", [remote, hosted], ids=["own process", "services' process"])
+@WORKERS
 async def test_crash_after_unsafe_intent_records_interrupted(
     client: Client, engine: EngineServer, worker: WorkerOf
 ) -> None:

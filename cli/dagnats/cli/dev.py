@@ -38,12 +38,21 @@ from dagnats.cli.common import (
 from dagnats.cli.handlers import handlers_from_flags, in_process_worker
 from dagnats.core.natsserver import free_port
 from dagnats.gateway import GatewayConfig
+from dagnats.journal.session_socket import MAX_PATH as MAX_SOCKET_PATH
 from dagnats.sdk import Client, Credentials, Worker
 from dagnats.sdk.models import ChatModel
 from dagnats.sdk.testing import LocalStack
 
 # The engine of `dagnats dev` needs none: loopback, plaintext, open.
 NO_CREDENTIALS = Credentials()
+
+
+def _session_socket(data: Path) -> Path | None:
+    """Where the journal takes sessions on a Unix socket: in the data
+    directory, unless its path is too long for a socket address (then the
+    journal calls of workers go on gRPC only)."""
+    path = data.absolute() / "journal.sock"
+    return path if len(os.fsencode(path)) <= MAX_SOCKET_PATH else None
 
 
 def _port_or_free(port: int) -> int:
@@ -66,10 +75,12 @@ async def run_dev(args: argparse.Namespace) -> int:
     handlers = handlers_from_flags(args.handlers, args.handler_concurrency)
     data.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before anything runs
     lock = _lock(data)  # held until this process ends
+    sessions = _session_socket(data)
     stack = LocalStack(
         store_dir=data / "nats",
         nats_port=_port_or_free(args.nats_port),
         engine_port=_port_or_free(args.engine_port),
+        session_socket=sessions,
     )
     workers: list[Worker] = []
     try:
@@ -83,10 +94,14 @@ async def run_dev(args: argparse.Namespace) -> int:
             )
         )
         nats, engine = stack.nats, stack.engine
-        info = json.dumps({"engine": engine.target, "nats": nats.url, "gateway": gateway.url})
-        (data / DEV_FILE).write_text(info)
+        found = {"engine": engine.target, "nats": nats.url, "gateway": gateway.url}
+        if sessions is not None:
+            found["journal_socket"] = str(sessions)
+        (data / DEV_FILE).write_text(json.dumps(found))
         print(f"nats-server  {nats.url}  (data in {data / 'nats'}, sync_interval: always)")
         print(f"engine       {engine.target}  (gRPC)")
+        if sessions is not None:
+            print(f"journal      {sessions}  (sessions for workers on this host: ADR 45)")
         print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")
         print(f"console      {gateway.url}/ui")
         if model is not None:

@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("DAGNATS_NATS_MONITOR"),
         help="nats-server monitoring URL, to check sync_interval at start-up",
     )
+    serve.add_argument(
+        "--session-socket",
+        default=os.environ.get("DAGNATS_SESSION_SOCKET") or None,
+        metavar="PATH",
+        help="journal, all: also take journal sessions on a Unix socket at PATH, for "
+        "workers on this host (DAGNATS_SESSION_SOCKET; ADR 45)",
+    )
     for setting, (flag, about) in NATS_FLAGS.items():
         serve.add_argument(flag, default=None, help=f"engine: {about} ({setting})")
     _with_handler_options(serve)
@@ -391,6 +398,8 @@ async def _serve(args: argparse.Namespace) -> int:
 
     if args.handlers is not None and args.service != "all":
         raise UsageError(NEEDS_BOTH)
+    if args.session_socket is not None and args.service not in ("journal", "all"):
+        raise UsageError("--session-socket needs the journal: dagnats serve journal or all")
     if args.service == "gateway":
         return await _serve_gateway(args)
     from dagnats.core.jetstream import Topology
@@ -410,8 +419,11 @@ async def _serve(args: argparse.Namespace) -> int:
         security=ServerSecurity.from_env(),
         nats_settings=_nats_settings(args),
         own_port=handlers is not None,
+        session_socket=Path(args.session_socket) if args.session_socket else None,
     )
     print(f"{' and '.join(server.services)} serving on {server.target}", flush=True)
+    if server.session_socket is not None:
+        print(f"journal sessions on {server.session_socket.path}", flush=True)
     try:
         async with contextlib.AsyncExitStack() as hosted:
             if handlers is not None:

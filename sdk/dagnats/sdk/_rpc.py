@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -58,6 +59,7 @@ from dagnats.inputs.v1 import inputs_pb2_grpc
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc
 from dagnats.sdk._credentials import Credentials
+from dagnats.sdk._socket_session import SocketSession
 
 if TYPE_CHECKING:
     from dagnats.engine.v1.engine_pb2_grpc import EngineServiceAsyncStub
@@ -189,8 +191,10 @@ class EngineRpc:
     running event loop; TLS files are read here, so a missing one fails at
     once. ``credentials`` None reads them from the environment
     (``Credentials.from_env``); the same credentials go to every service.
-    ``sessions`` opens the journal's Session streams instead of the journal
-    service's RPC: the services give their own when they run the handlers.
+    ``journal_socket`` (by default ``DAGNATS_JOURNAL_SOCKET``) puts the
+    journal's Session streams on the services' session socket (ADR 45), with
+    the credentials' token; ``sessions`` opens them instead of either: the
+    services give their own when they run the handlers.
     """
 
     def __init__(
@@ -202,13 +206,17 @@ class EngineRpc:
         credentials: Credentials | None = None,
         journal_target: str | None = None,
         inputs_target: str | None = None,
+        journal_socket: str | None = None,
         sessions: Callable[[], SessionStream] | None = None,
     ) -> None:
         self._target = target
-        self._sessions = sessions
         self._journal_target = journal_target or target
         self._inputs_target = inputs_target or target
         self._credentials = credentials if credentials is not None else Credentials.from_env()
+        socket = journal_socket or os.environ.get("DAGNATS_JOURNAL_SOCKET") or None
+        if sessions is None and socket is not None:
+            sessions = functools.partial(SocketSession, socket, self._credentials.token)
+        self._sessions = sessions
         self._channel_credentials = self._credentials.channel_credentials()
         self._timeout = timeout
         self._retry = retry or RetryPolicy()

@@ -84,9 +84,14 @@ class Worker:
             queue. After this many the next iteration goes back to the queue,
             so that other runs' tasks get a turn; 0 sends every iteration
             through it.
-        journal_sessions: Opens the streams the journal calls go on; by
-            default the journal service's ``Session`` RPC. The services pass
-            their own when they run the handlers in their process (ADR 44).
+        journal_socket: Path of the services' session socket (ADR 45), for a
+            worker on their host: its journal calls go there, framed on a Unix
+            socket, instead of on gRPC, which costs a call more than its own
+            work; by default ``DAGNATS_JOURNAL_SOCKET``, else gRPC. The
+            engine calls stay on gRPC.
+        journal_sessions: Opens the streams the journal calls go on, in place
+            of the two above. The services pass their own when they run the
+            handlers in their process (ADR 44).
 
     Raises:
         InvalidArgument: a task type is not one NATS token, or a number is out of range.
@@ -107,6 +112,7 @@ class Worker:
         journal_target: str | None = None,
         inputs_target: str | None = None,
         sticky_iterations: int = 64,
+        journal_socket: str | None = None,
         journal_sessions: Callable[[], SessionStream] | None = None,
     ) -> None:
         _check_options(handlers, concurrency, poll_wait, rpc_timeout, heartbeat_interval)
@@ -132,6 +138,7 @@ class Worker:
             credentials=credentials,
             journal_target=journal_target,
             inputs_target=inputs_target,
+            journal_socket=journal_socket,
             sessions=journal_sessions,
         )
         self._inflight: set[asyncio.Task[None]] = set()

@@ -22,7 +22,7 @@ import inspect
 import logging
 import os
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -157,6 +157,15 @@ class ServerSecurity:
             require_client_authentication=self.client_ca is not None,
         )
 
+    def admission(self, method: str) -> Callable[[str], errors.DagnatsError | None]:
+        """The check of a bearer token that arrives without gRPC (a session
+        socket's hello, ADR 45) for a call of ``method``: None admits it, else
+        the refusal. An empty token is none; there is no client certificate."""
+        if not self.authenticated:
+            return lambda token: None
+        tokens = TokenSource.open(self.tokens, self.tokens_file)
+        return lambda token: refusal(method, token or None, tokens, None)[0]
+
     def interceptor(self) -> grpc.aio.ServerInterceptor[Any, Any] | None:
         """The interceptor that checks every call; None when calls need no credential."""
         if not self.authenticated:
@@ -253,29 +262,38 @@ class AuthInterceptor(_Interceptor):
     def _refusal(
         self, method: str, token: str | None, context: Context
     ) -> tuple[errors.DagnatsError | None, frozenset[Role]]:
-        roles: set[Role] = set()
-        if token is not None:
-            by_token = self._tokens.current().roles_of(token)
-            if by_token is None:  # a wrong or revoked token is refused, certificate or not
-                return errors.Unauthenticated("the bearer token is not valid"), frozenset()
-            roles |= by_token
         by_cert = (
             self._identities.roles_of(_peer_names(context)) if self._identities.roles else None
         )
-        roles |= by_cert or set()
-        held = frozenset(roles)
-        decision = decide(method, held or None)
-        if decision is Decision.UNAUTHENTICATED:
-            return errors.Unauthenticated(
-                f"{method_name(method)} needs a credential: a bearer token "
-                "(authorization: Bearer ...) or a client certificate with a role"
-            ), held
-        if decision is Decision.PERMISSION_DENIED:
-            names = ", ".join(sorted(roles))
-            return errors.PermissionDenied(
-                f"{method_name(method)} is not allowed for the role {names}"
-            ), held
-        return None, held
+        return refusal(method, token, self._tokens, by_cert)
+
+
+def refusal(
+    method: str, token: str | None, tokens: TokenSource, by_cert: Iterable[Role] | None
+) -> tuple[errors.DagnatsError | None, frozenset[Role]]:
+    """Whether a call of ``method`` with ``token`` (None: no token) and the
+    roles its client certificate gives (None: none) is refused, and the roles
+    it holds."""
+    roles: set[Role] = set()
+    if token is not None:
+        by_token = tokens.current().roles_of(token)
+        if by_token is None:  # a wrong or revoked token is refused, certificate or not
+            return errors.Unauthenticated("the bearer token is not valid"), frozenset()
+        roles |= by_token
+    roles |= set(by_cert or ())
+    held = frozenset(roles)
+    decision = decide(method, held or None)
+    if decision is Decision.UNAUTHENTICATED:
+        return errors.Unauthenticated(
+            f"{method_name(method)} needs a credential: a bearer token "
+            "(authorization: Bearer ...) or a client certificate with a role"
+        ), held
+    if decision is Decision.PERMISSION_DENIED:
+        names = ", ".join(sorted(roles))
+        return errors.PermissionDenied(
+            f"{method_name(method)} is not allowed for the role {names}"
+        ), held
+    return None, held
 
 
 # What a call's answer becomes for its caller: itself, or without what only a

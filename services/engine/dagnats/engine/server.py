@@ -25,6 +25,7 @@ import secrets
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import nats.errors
@@ -56,13 +57,17 @@ from dagnats.inputs.service import Inputs, InputsServicer
 from dagnats.inputs.store import InputStore
 from dagnats.inputs.v1 import inputs_pb2 as inputs_pb
 from dagnats.inputs.v1 import inputs_pb2_grpc as inputs_grpc
-from dagnats.journal.service import JournalServicer
+from dagnats.journal.service import SESSION_CALLS, JournalServicer
+from dagnats.journal.session_socket import SessionSocket
+from dagnats.journal.session_socket import check_path as check_session_path
 from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as journal_pb
 from dagnats.journal.v1 import journal_pb2_grpc as journal_grpc
 
 log = logging.getLogger(__name__)
 
+_JOURNAL_SERVICE = journal_pb.DESCRIPTOR.services_by_name["JournalService"].full_name
+SESSION_METHOD = f"/{_JOURNAL_SERVICE}/Session"
 _NAMES = {
     "engine": pb.DESCRIPTOR.services_by_name["EngineService"].full_name,
     "journal": journal_pb.DESCRIPTOR.services_by_name["JournalService"].full_name,
@@ -94,6 +99,7 @@ class ServiceServer:
     journal: JournalServicer | None = None
     health: health_aio.HealthServicer | None = None
     own: OwnPort | None = None
+    session_socket: SessionSocket | None = None
 
     @property
     def target(self) -> str:
@@ -103,6 +109,8 @@ class ServiceServer:
         if self.health is not None:
             await self.health.enter_graceful_shutdown()  # probes see NOT_SERVING
         await self.server.stop(grace)
+        if self.session_socket is not None:
+            await self.session_socket.close()
         await self._stop_work()
         if self.journal is not None:
             await self.journal.close()  # the settles of commits it answered
@@ -154,6 +162,7 @@ async def start_engine(
     monitor_url: str | None = None,
     security: ServerSecurity | None = None,
     nats_settings: NatsSettings | None = None,
+    session_socket: Path | None = None,
 ) -> EngineServer:
     """Serve the engine, and by default the journal and inputs services with
     it on the same port (``dagnats serve all``); see :func:`start_services`.
@@ -178,6 +187,7 @@ async def start_engine(
         monitor_url=monitor_url,
         security=security,
         nats_settings=nats_settings,
+        session_socket=session_socket,
     )
     assert isinstance(server, EngineServer)
     return server
@@ -195,6 +205,7 @@ async def start_services(
     security: ServerSecurity | None = None,
     nats_settings: NatsSettings | None = None,
     own_port: bool = False,
+    session_socket: Path | None = None,
 ) -> ServiceServer:
     """Connect, provision streams and buckets, and serve ``services`` on one port.
 
@@ -218,6 +229,8 @@ async def start_services(
             process's memory, and any other credential the server takes.
             Loopback only, so plaintext. An open server (loopback, plaintext,
             no credentials) is its own clients' port as it is.
+        session_socket: with the journal, also take its Sessions on a Unix
+            socket at this path (ADR 45), for workers on this host.
 
     Returns:
         An :class:`EngineServer` when the engine is among ``services``.
@@ -239,6 +252,10 @@ async def start_services(
     security = security or ServerSecurity()
     security.check()
     _refuse_open(host, security)
+    if session_socket is not None:
+        if "journal" not in served:
+            raise InvalidArgument("a session socket needs the journal service", field="services")
+        check_session_path(session_socket)  # before anything starts
     own_token = secrets.token_urlsafe(32) if own_port and security.authenticated else None
     if own_token is not None:
         minted = tokens_of(Role.WORKER, [own_token])
@@ -292,6 +309,10 @@ async def start_services(
     elif own_port:
         own_bound = server.add_insecure_port("127.0.0.1:0")
         own = OwnPort(target=f"127.0.0.1:{own_bound}", token=own_token)
+    sockets = None
+    if session_socket is not None and journal is not None:
+        admit = security.admission(SESSION_METHOD)
+        sockets = await SessionSocket.start(session_socket, journal, SESSION_CALLS, admit)
     await server.start()
     log.info(
         "%s serving on %s:%d (%s, %s)",
@@ -311,6 +332,7 @@ async def start_services(
         journal=journal,
         health=served_health,
         own=own,
+        session_socket=sockets,
     )
     if engine is None or servicer is None:
         return parts

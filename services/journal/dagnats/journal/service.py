@@ -689,14 +689,14 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
     def local_session(self) -> session.LocalSession:
         """A Session stream answered in this process, for the handlers the
         services run (ADR 44)."""
-        return session.LocalSession(self, _SESSION_CALLS)
+        return session.LocalSession(self, SESSION_CALLS)
 
     async def Session(
         self, request_iterator: AsyncIterator[pb.SessionRequest], context: Context
     ) -> AsyncIterator[pb.SessionResponse]:
         # An async generator, not a function returning one: grpc.aio runs any
         # other stream handler in a thread.
-        async for response in session.serve(self, _SESSION_CALLS, request_iterator, context):
+        async for response in session.serve(self, SESSION_CALLS, request_iterator, context):
             yield response
 
     # ---- reading -----------------------------------------------------------------------
@@ -794,7 +794,7 @@ class _GuessMissed(Exception):
     """A claim's guess at the tail was wrong, and it wrote nothing."""
 
 
-_SESSION_CALLS = session.behaviours(JournalServicer)
+SESSION_CALLS = session.behaviours(JournalServicer)
 
 
 def _holdable(commit: pb.Commit) -> bool:

@@ -1632,6 +1632,36 @@ class SessionRequest(_message.Message):
 Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
 
 @_typing.final
+class SessionHello(_message.Message):
+    """SessionHello opens a session socket (ADR 45), a Session without gRPC for
+    workers on the services' host: each frame on it is a 4-byte big-endian
+    length and a message; the worker's first is a SessionHello, then
+    SessionRequests, each answered in order by a SessionResponse. A refusal,
+    or a frame the server cannot read, is a SessionResponse with id 0 and an
+    error, and the socket is closed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """The bearer token a gRPC call would carry; empty when the server takes
+    calls without one.
+    """
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionHello: _TypeAlias = SessionHello  # noqa: Y015
+
+@_typing.final
 class SessionResponse(_message.Message):
     """SessionResponse answers one SessionRequest."""
 

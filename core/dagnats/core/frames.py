@@ -1,0 +1,60 @@
+"""Length-prefixed protobuf frames over a stream transport: the journal's
+session socket (ADR 45) on both of its ends.
+
+A frame is a 4-byte big-endian length and that many bytes, a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any
+
+HEADER = struct.Struct(">I")
+# As gRPC's default limit on a received message.
+MAX_FRAME = 4 * 1024 * 1024
+
+
+class Frames(asyncio.Protocol):
+    """Length-prefixed frames over a stream transport; ``on_frame`` gets each
+    one whole. A length over ``MAX_FRAME`` calls ``on_oversize`` and stops
+    reading."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._stopped = False
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._stopped:
+            return
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= HEADER.size:
+            (length,) = HEADER.unpack_from(buffer)
+            if length > MAX_FRAME:
+                buffer.clear()
+                self._stopped = True
+                self.on_oversize(length)
+                return
+            end = HEADER.size + length
+            if len(buffer) < end:
+                return
+            frame = bytes(buffer[HEADER.size : end])
+            del buffer[:end]
+            self.on_frame(frame)
+
+    def send(self, message: Any) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            data = message.SerializeToString()
+            self.transport.write(HEADER.pack(len(data)) + data)
+
+    def on_frame(self, frame: bytes) -> None:
+        raise NotImplementedError
+
+    def on_oversize(self, length: int) -> None:
+        raise NotImplementedError

@@ -1,0 +1,176 @@
+"""The session socket: journal Sessions without gRPC for workers on this host.
+
+A Unix socket beside the gRPC port (ADR 45). Each connection is one Session:
+the worker's first frame is a ``SessionHello`` with its token, then
+``SessionRequest`` frames, each answered in order by a ``SessionResponse``
+from the same ``_answer`` a gRPC Session request goes through (checks, replay
+rules, fences, spans, domain errors). A frame is a 4-byte big-endian length
+and the message. What a gRPC stream would end with a status ends the
+connection after a ``SessionResponse`` with id 0 and that error: a refusal of
+the hello, a frame too long or unreadable, an unexpected failure (UNKNOWN,
+logged). The worker reads a closed connection as a broken stream and opens
+another, as it does on gRPC.
+
+Who may connect: the file is the services' user's alone (mode 0600), and,
+when the server takes calls only with a credential, the hello's token must
+be one whose role may call ``JournalService/Session``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from dagnats.core import errors
+from dagnats.core.frames import MAX_FRAME, Frames
+from dagnats.core.grpcutil import WireError
+from dagnats.journal.session import Behaviour, _answer, _failed
+from dagnats.journal.v1 import journal_pb2 as pb
+
+# sockaddr_un's sun_path holds 108 bytes with the terminating NUL.
+MAX_PATH = 107
+# The hello's check: None lets the connection in, else the refusal to answer.
+Admit = Callable[[str], WireError | None]
+log = logging.getLogger(__name__)
+
+
+def check_path(path: Path) -> Path:
+    """``path`` if a Unix socket can be bound there.
+
+    Raises:
+        InvalidArgument: the path is too long for a socket address, or names
+            something that is not a socket.
+    """
+    if len(os.fsencode(path)) > MAX_PATH:
+        raise errors.InvalidArgument(
+            f"a socket path must be at most {MAX_PATH} bytes, got {len(os.fsencode(path))}: {path}",
+            field="session_socket",
+        )
+    if path.exists() and not stat.S_ISSOCK(path.stat().st_mode):
+        raise errors.InvalidArgument(
+            f"{path} exists and is not a socket; refusing to replace it", field="session_socket"
+        )
+    return path
+
+
+class _Connection(Frames):
+    """One worker's Session: the hello, then its requests one at a time."""
+
+    def __init__(self, sockets: SessionSocket) -> None:
+        super().__init__()
+        self._sockets = sockets
+        self._frames: asyncio.Queue[bytes] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._task = asyncio.get_running_loop().create_task(self._serve())
+        self._sockets.connections.add(self)
+        self._sockets.accepted += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._sockets.connections.discard(self)
+        if self._task is not None:
+            self._task.cancel()  # as a gRPC stream's end cancels its handler
+
+    def on_frame(self, frame: bytes) -> None:
+        self._frames.put_nowait(frame)
+
+    def on_oversize(self, length: int) -> None:
+        self._end(errors.InvalidArgument(f"a frame of {length} bytes is over {MAX_FRAME}"))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _end(self, err: WireError) -> None:
+        self.send(_failed(0, err))
+        self.close()
+
+    async def _serve(self) -> None:
+        try:
+            hello = pb.SessionHello.FromString(await self._frames.get())
+        except Exception:  # a malformed protobuf: DecodeError, or worse
+            return self._end(errors.InvalidArgument("the first frame is not a SessionHello"))
+        refusal = self._sockets.admit(hello.token)
+        if refusal is not None:
+            return self._end(refusal)
+        while True:
+            frame = await self._frames.get()
+            try:
+                request = pb.SessionRequest.FromString(frame)
+            except Exception:
+                return self._end(errors.InvalidArgument("a frame is not a SessionRequest"))
+            try:
+                answer = await _answer(self._sockets.servicer, self._sockets.methods, request, None)
+            except Exception as err:
+                log.exception("a journal call on a session socket failed")
+                unknown = pb.SessionError(
+                    status=grpc.StatusCode.UNKNOWN.value[0], message=f"{type(err).__name__}: {err}"
+                )
+                self.send(pb.SessionResponse(id=0, error=unknown))  # as a gRPC stream ends
+                return self.close()
+            self.send(answer)
+
+
+class SessionSocket:
+    """A listening session socket; :meth:`close` stops it and its connections."""
+
+    def __init__(
+        self, path: Path, servicer: object, methods: dict[str, Behaviour], admit: Admit
+    ) -> None:
+        self.path = path
+        self.servicer = servicer
+        self.methods = methods
+        self.admit = admit
+        self.connections: set[_Connection] = set()
+        self.accepted = 0  # connections since the start
+        self._server: asyncio.Server | None = None
+
+    @classmethod
+    async def start(
+        cls, path: Path, servicer: object, methods: dict[str, Behaviour], admit: Admit
+    ) -> SessionSocket:
+        """Listen at ``path``, replacing a socket a stopped server left there.
+
+        Raises:
+            InvalidArgument: see :func:`check_path`.
+            Unavailable: the socket cannot be bound (its directory is missing
+                or not writable).
+        """
+        check_path(path)
+        try:
+            _, writer = await asyncio.open_unix_connection(path)
+        except FileNotFoundError:
+            pass
+        except OSError:  # refused: a stopped server's socket, replaced below
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        else:
+            writer.close()
+            raise errors.Unavailable(f"another server listens on {path}")
+        sockets = cls(path, servicer, methods, admit)
+        loop = asyncio.get_running_loop()
+        try:
+            sockets._server = await loop.create_unix_server(lambda: _Connection(sockets), path)
+        except OSError as err:
+            raise errors.Unavailable(f"cannot listen on {path}: {err.strerror}") from None
+        os.chmod(path, 0o600)
+        return sockets
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self.connections):
+            connection.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)

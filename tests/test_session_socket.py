@@ -1,0 +1,200 @@
+"""The journal's session socket (ADR 45): Sessions on a Unix socket for
+workers on the services' host.
+
+What a user checks: a worker given the socket runs on it and writes what a
+gRPC worker writes (``tests/test_journal.py`` runs the crash-free run and the
+unsafe-intent crash with it too); the socket takes only a worker's token
+when the server needs one; a bad frame ends that connection with an error,
+never the server; a restart of the socket costs a worker nothing; the file
+is the services' user's alone, and a live one is never taken over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import struct
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+import pytest_asyncio
+
+from dagnats.core import errors
+from dagnats.core.frames import HEADER, MAX_FRAME
+from dagnats.core.natsserver import NatsServer
+from dagnats.engine.access import Role, tokens_of
+from dagnats.engine.security import ServerSecurity
+from dagnats.engine.server import SESSION_METHOD, EngineServer, start_engine
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.service import SESSION_CALLS
+from dagnats.journal.session_socket import SessionSocket
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk import Client, Worker
+from dagnats.sdk._socket_session import SocketSession
+from dagnats.sdk.testing import ScriptedModel
+from tests.journal_agent import SCRIPT, Tools, agent
+from tests.stack import FAST
+from tests.test_journal import finish, run_without_a_crash, socketed, start
+
+WORKER_TOKEN, CLIENT_TOKEN = "socket-worker-token", "socket-client-token"
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory whose socket paths fit a socket address (107 bytes)."""
+    with tempfile.TemporaryDirectory(prefix="dagnats-") as path:
+        yield Path(path)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def secured(nats_server: NatsServer, short_dir: Path) -> AsyncIterator[EngineServer]:
+    """Services on loopback that take calls only with a token."""
+    tokens = tokens_of(Role.WORKER, [WORKER_TOKEN]).merged(tokens_of(Role.CLIENT, [CLIENT_TOKEN]))
+    server = await start_engine(
+        nats_server.url,
+        config=FAST,
+        security=ServerSecurity(tokens=tokens),
+        session_socket=short_dir / "journal.sock",
+    )
+    yield server
+    await server.stop()
+
+
+async def test_a_worker_given_the_socket_takes_it_for_its_journal_calls(
+    client: Client, engine: EngineServer
+) -> None:
+    assert engine.session_socket is not None
+    before = engine.session_socket.accepted
+    await run_without_a_crash(client, engine, socketed)  # the records a gRPC worker writes
+    assert engine.session_socket.accepted > before
+
+
+async def _call(path: str, token: str | None) -> jpb.SessionResponse:
+    """One request on a new session with ``token``: a request naming no
+    call, which the journal answers with an error of its own when it gets
+    that far."""
+    session = SocketSession(path, token)
+    try:
+        await session.write(jpb.SessionRequest(id=1))
+        return await session.read()
+    finally:
+        session.cancel()
+
+
+async def test_the_socket_takes_a_worker_token_when_the_server_needs_one(
+    secured: EngineServer,
+) -> None:
+    assert secured.session_socket is not None
+    path = str(secured.session_socket.path)
+    for token, status in (
+        (None, grpc.StatusCode.UNAUTHENTICATED),
+        ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
+        (CLIENT_TOKEN, grpc.StatusCode.PERMISSION_DENIED),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _call(path, token)
+        assert refused.value.code() == status, token
+    answer = await _call(path, WORKER_TOKEN)  # reached the journal: its own error
+    assert answer.id == 1 and answer.error.field == "call"
+
+
+async def test_a_bad_frame_ends_its_connection_and_the_socket_serves_on(
+    engine: EngineServer,
+) -> None:
+    assert engine.session_socket is not None
+    path = str(engine.session_socket.path)
+    for sent in (
+        HEADER.pack(3) + b"\xff\xff\xff",  # not a SessionHello
+        HEADER.pack(MAX_FRAME + 1),  # longer than any frame may be
+        _frame(jpb.SessionHello()) + HEADER.pack(2) + b"\xff\xff",  # not a SessionRequest
+    ):
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(sent)
+        answer = jpb.SessionResponse.FromString(await _read_frame(reader))
+        assert answer.id == 0
+        assert answer.error.status == grpc.StatusCode.INVALID_ARGUMENT.value[0], answer
+        assert await reader.read() == b"", "the connection is closed after the error"
+        writer.close()
+    answer = await _call(path, None)  # the socket still serves
+    assert answer.id == 1 and answer.error.field == "call"
+
+
+def _frame(message: jpb.SessionHello | jpb.SessionRequest) -> bytes:
+    data = message.SerializeToString()
+    return HEADER.pack(len(data)) + data
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    (length,) = struct.unpack(">I", await reader.readexactly(4))
+    return await reader.readexactly(length)
+
+
+async def test_a_restarted_socket_costs_a_worker_nothing(
+    client: Client, engine: EngineServer, short_dir: Path
+) -> None:
+    """The socket closes under a worker that keeps idle sessions on it (the
+    services restarting) and comes back: the worker's next run opens new ones."""
+    assert engine.journal is not None
+    path = short_dir / "restart.sock"
+    admit = ServerSecurity().admission(SESSION_METHOD)
+    (first, first_name), (second, second_name) = await start(client), await start(client)
+    handlers = {
+        first: agent(ScriptedModel(SCRIPT), Tools()),
+        second: agent(ScriptedModel(SCRIPT), Tools()),
+    }
+    sockets = await SessionSocket.start(path, engine.journal, SESSION_CALLS, admit)
+    try:
+        async with Worker(
+            engine.target, handlers=handlers, poll_wait=1.0, journal_socket=str(path)
+        ):
+            run = await client.start_run(first_name, {"ask": "weather"})
+            assert (await finish(client, engine, run.run_id)).status == pb.RUN_STATUS_COMPLETED
+            assert sockets.connections, "the worker keeps its idle session open"
+            await sockets.close()
+            assert not path.exists(), "a closed socket leaves no file"
+            sockets = await SessionSocket.start(path, engine.journal, SESSION_CALLS, admit)
+            run = await client.start_run(second_name, {"ask": "weather"})
+            assert (await finish(client, engine, run.run_id)).status == pb.RUN_STATUS_COMPLETED
+            assert sockets.accepted >= 1
+    finally:
+        await sockets.close()
+
+
+async def test_the_socket_file_is_the_owners_and_a_live_one_is_not_taken(
+    engine: EngineServer, short_dir: Path
+) -> None:
+    assert engine.journal is not None and engine.session_socket is not None
+    assert stat.S_IMODE(os.stat(engine.session_socket.path).st_mode) == 0o600
+    admit = ServerSecurity().admission(SESSION_METHOD)
+
+    async def start(path: Path) -> SessionSocket:
+        assert engine.journal is not None
+        return await SessionSocket.start(path, engine.journal, SESSION_CALLS, admit)
+
+    with pytest.raises(errors.Unavailable, match="another server listens"):
+        await start(engine.session_socket.path)
+    not_a_socket = short_dir / "file"
+    not_a_socket.write_text("keep me")
+    with pytest.raises(errors.InvalidArgument, match="not a socket"):
+        await start(not_a_socket)
+    assert not_a_socket.read_text() == "keep me"
+    with pytest.raises(errors.InvalidArgument, match="at most 107 bytes"):
+        await start(short_dir / ("x" * 120))
+    stale = short_dir / "stale.sock"
+    left = await start(stale)
+    await left.close()
+    stale_server = await asyncio.get_running_loop().create_unix_server(asyncio.Protocol, stale)
+    stale_server.close()  # a server that died: its file stays, and nothing answers on it
+    await stale_server.wait_closed()
+    assert stale.exists()
+    replaced = await start(stale)
+    try:
+        answer = await _call(str(stale), None)
+        assert answer.id == 1
+    finally:
+        await replaced.close()
