@@ -31,6 +31,7 @@ from dagnats.engine.access import Role, tokens_of
 from dagnats.engine.security import ServerSecurity
 from dagnats.engine.server import SESSION_METHOD, EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal import session_socket
 from dagnats.journal.service import SESSION_CALLS
 from dagnats.journal.session_socket import SessionSocket
 from dagnats.journal.v1 import journal_pb2 as jpb
@@ -122,6 +123,29 @@ async def test_a_bad_frame_ends_its_connection_and_the_socket_serves_on(
         writer.close()
     answer = await _call(path, None)  # the socket still serves
     assert answer.id == 1 and answer.error.field == "call"
+
+
+async def test_a_silent_connection_is_ended_and_requests_sent_ahead_are_answered_in_order(
+    engine: EngineServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert engine.session_socket is not None
+    path = str(engine.session_socket.path)
+    monkeypatch.setattr(session_socket, "HELLO_SECONDS", 0.2)
+    reader, writer = await asyncio.open_unix_connection(path)
+    answer = jpb.SessionResponse.FromString(await _read_frame(reader))
+    assert answer.id == 0
+    assert answer.error.status == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], answer
+    writer.close()
+    # More requests than the socket reads ahead, sent before reading any answer:
+    # it stops reading, then goes on, and answers every one, in order.
+    sent = 4 * session_socket.READ_AHEAD
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(_frame(jpb.SessionHello()))
+    writer.write(b"".join(_frame(jpb.SessionRequest(id=n)) for n in range(1, sent + 1)))
+    await writer.drain()
+    answers = [jpb.SessionResponse.FromString(await _read_frame(reader)) for _ in range(sent)]
+    assert [a.id for a in answers] == list(range(1, sent + 1))
+    writer.close()
 
 
 def _frame(message: jpb.SessionHello | jpb.SessionRequest) -> bytes:

@@ -36,6 +36,11 @@ from dagnats.journal.v1 import journal_pb2 as pb
 
 # sockaddr_un's sun_path holds 108 bytes with the terminating NUL.
 MAX_PATH = 107
+# Seconds a connection may take to send its hello.
+HELLO_SECONDS = 10.0
+# Requests read ahead of the one being answered; past this the socket is not
+# read until they are (a worker sends one at a time).
+READ_AHEAD = 16
 # The hello's check: None lets the connection in, else the refusal to answer.
 Admit = Callable[[str], WireError | None]
 log = logging.getLogger(__name__)
@@ -82,6 +87,17 @@ class _Connection(Frames):
 
     def on_frame(self, frame: bytes) -> None:
         self._frames.put_nowait(frame)
+        if self._frames.qsize() >= READ_AHEAD and self.transport is not None:
+            self.transport.pause_reading()
+
+    async def _next(self) -> bytes:
+        frame = await self._frames.get()
+        transport = self.transport
+        if transport is None or transport.is_reading() or transport.is_closing():
+            return frame
+        if self._frames.qsize() < READ_AHEAD:
+            transport.resume_reading()
+        return frame
 
     def on_oversize(self, length: int) -> None:
         self._end(errors.InvalidArgument(f"a frame of {length} bytes is over {MAX_FRAME}"))
@@ -96,14 +112,19 @@ class _Connection(Frames):
 
     async def _serve(self) -> None:
         try:
-            hello = pb.SessionHello.FromString(await self._frames.get())
+            async with asyncio.timeout(HELLO_SECONDS):
+                first = await self._next()
+        except TimeoutError:
+            return self._end(errors.DeadlineExceeded(f"no hello in {HELLO_SECONDS:g}s"))
+        try:
+            hello = pb.SessionHello.FromString(first)
         except Exception:  # a malformed protobuf: DecodeError, or worse
             return self._end(errors.InvalidArgument("the first frame is not a SessionHello"))
         refusal = self._sockets.admit(hello.token)
         if refusal is not None:
             return self._end(refusal)
         while True:
-            frame = await self._frames.get()
+            frame = await self._next()
             try:
                 request = pb.SessionRequest.FromString(frame)
             except Exception:
