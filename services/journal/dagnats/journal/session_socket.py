@@ -163,17 +163,19 @@ class SessionSocket:
 
         Raises:
             InvalidArgument: see :func:`check_path`.
-            Unavailable: the socket cannot be bound (its directory is missing
-                or not writable).
+            Unavailable: a server answers at ``path``, or the socket cannot be
+                bound there (its directory is missing or not writable).
         """
         check_path(path)
         try:
             _, writer = await asyncio.open_unix_connection(path)
         except FileNotFoundError:
             pass
-        except OSError:  # refused: a stopped server's socket, replaced below
+        except ConnectionRefusedError:  # a stopped server's socket, replaced below
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        except OSError as err:  # another user's, say: not ours to replace
+            raise errors.Unavailable(f"cannot use {path}: {err.strerror}") from None
         else:
             writer.close()
             raise errors.Unavailable(f"another server listens on {path}")
