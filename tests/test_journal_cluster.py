@@ -3,7 +3,9 @@ checks a Msg-Id before the expected sequence, so fencing must hold there too."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest_asyncio
@@ -28,6 +30,13 @@ __all__ = [
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(nats_cluster: Any) -> AsyncIterator[EngineServer]:
-    server = await start_engine(nats_cluster.url, config=FAST, topology=Topology(replicas=3))
-    yield server
-    await server.stop()
+    """As the suite's engine fixture, with R3 streams: a session socket too."""
+    with tempfile.TemporaryDirectory(prefix="dagnats-") as sockets:
+        server = await start_engine(
+            nats_cluster.url,
+            config=FAST,
+            topology=Topology(replicas=3),
+            session_socket=Path(sockets) / "journal.sock",
+        )
+        yield server
+        await server.stop()
