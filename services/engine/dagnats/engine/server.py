@@ -66,13 +66,12 @@ from dagnats.journal.v1 import journal_pb2_grpc as journal_grpc
 
 log = logging.getLogger(__name__)
 
-_JOURNAL_SERVICE = journal_pb.DESCRIPTOR.services_by_name["JournalService"].full_name
-SESSION_METHOD = f"/{_JOURNAL_SERVICE}/Session"
 _NAMES = {
     "engine": pb.DESCRIPTOR.services_by_name["EngineService"].full_name,
     "journal": journal_pb.DESCRIPTOR.services_by_name["JournalService"].full_name,
     "inputs": inputs_pb.DESCRIPTOR.services_by_name["InputsService"].full_name,
 }
+SESSION_METHOD = f"/{_NAMES['journal']}/Session"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +102,7 @@ class ServiceServer:
 
     @property
     def target(self) -> str:
-        return f"{self.host}:{self.port}"
+        return _address(self.host, self.port)
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.health is not None:
@@ -298,14 +297,14 @@ async def start_services(
         servicer = EngineServicer(engine, journal_store, claims=claims)
         pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
     served_health = await _add_health_and_reflection(server, [_NAMES[s] for s in served])
-    address = f"{host}:{port}"
+    address = _address(host, port)
     if credentials is None:
         bound = server.add_insecure_port(address)
     else:
         bound = server.add_secure_port(address, credentials)
     own = None
     if credentials is None and guard is None:  # open, so on loopback: its port is its own
-        own = OwnPort(target=f"{host}:{bound}", token=None)
+        own = OwnPort(target=_address(host, bound), token=None)
     elif own_port:
         own_bound = server.add_insecure_port("127.0.0.1:0")
         own = OwnPort(target=f"127.0.0.1:{own_bound}", token=own_token)
@@ -337,6 +336,11 @@ async def start_services(
     if engine is None or servicer is None:
         return parts
     return EngineServer(**vars(parts), engine=engine, watches=servicer.watches, feed=servicer.feed)
+
+
+def _address(host: str, port: int) -> str:
+    """``host:port`` as gRPC dials it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def _refuse_open(host: str, security: ServerSecurity) -> None:
