@@ -12,12 +12,14 @@ is the services' user's alone, and a live one is never taken over.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
 import struct
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import grpc.aio
@@ -36,8 +38,10 @@ from dagnats.journal.service import SESSION_CALLS
 from dagnats.journal.session_socket import SessionSocket
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, Worker
+from dagnats.sdk import _rpc as rpc
 from dagnats.sdk._socket_session import SocketSession
 from dagnats.sdk.testing import ScriptedModel
+from tests.helpers import wait_for
 from tests.journal_agent import SCRIPT, Tools, agent
 from tests.stack import FAST
 from tests.test_journal import finish, run_without_a_crash, socketed, start
@@ -222,3 +226,43 @@ async def test_the_socket_file_is_the_owners_and_a_live_one_is_not_taken(
         assert answer.id == 1
     finally:
         await replaced.close()
+
+
+async def test_a_worker_told_of_a_missing_socket_warns_and_its_retries_say_why(
+    engine: EngineServer, short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wrong path would keep journal calls retrying for as long as the
+    heartbeats keep the lease: the worker says so at start, and a call still
+    retrying after LOUD_AFTER seconds is logged as a warning with its reason."""
+    missing = str(short_dir / "missing.sock")
+    caplog.set_level(logging.INFO, logger="dagnats.sdk")
+
+    def warned() -> bool:
+        return any(
+            r.levelno == logging.WARNING and missing in r.getMessage() for r in caplog.records
+        )
+
+    async with Worker(engine.target, handlers={"unused": _never}, journal_socket=missing):
+        await wait_for(warned, timeout=10)
+    assert any(
+        "No such file" in r.getMessage() for r in caplog.records if missing in r.getMessage()
+    )
+
+    failure = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details=f"session socket {missing}: no such file",
+        debug_error_string="",
+    )
+    outcome = SimpleNamespace(exception=lambda: failure)
+    caplog.clear()
+    for since in (0.5, rpc.LOUD_AFTER + 1):
+        state = SimpleNamespace(outcome=outcome, seconds_since_start=since, attempt_number=3)
+        rpc._log_retry("Session", state)  # type: ignore[arg-type]
+    levels = [(r.levelno, missing in r.getMessage()) for r in caplog.records]
+    assert levels == [(logging.INFO, True), (logging.WARNING, True)]
+
+
+async def _never(tc: object) -> None:
+    raise AssertionError("no task of this type is started")

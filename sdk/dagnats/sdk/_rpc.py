@@ -34,6 +34,7 @@ import asyncio
 import functools
 import logging
 import os
+import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -214,8 +215,11 @@ class EngineRpc:
         self._inputs_target = inputs_target or target
         self._credentials = credentials if credentials is not None else Credentials.from_env()
         socket = journal_socket or os.environ.get("DAGNATS_JOURNAL_SOCKET") or None
-        if sessions is None and socket is not None:
-            sessions = functools.partial(SocketSession, socket, self._credentials.token)
+        self._journal_socket = socket if sessions is None else None
+        if self._journal_socket is not None:
+            sessions = functools.partial(
+                SocketSession, self._journal_socket, self._credentials.token
+            )
         self._sessions = sessions
         self._channel_credentials = self._credentials.channel_credentials()
         self._timeout = timeout
@@ -225,6 +229,22 @@ class EngineRpc:
         self._journal_stub: JournalServiceAsyncStub | None = None
         self._inputs_stub: InputsServiceAsyncStub | None = None
         self._idle_sessions: list[SessionStream] = []
+
+    def check_journal_socket(self) -> None:
+        """Warn, once, when the session socket the journal calls go to is not
+        there: a wrong path would keep them retrying for as long as the
+        worker's heartbeats keep its leases. Not an error: the services may
+        not have started yet."""
+        path = self._journal_socket
+        if path is None:
+            return
+        try:
+            is_socket = stat.S_ISSOCK(os.stat(path).st_mode)
+        except OSError as err:
+            log.warning("the journal's session socket %s: %s", path, err.strerror)
+            return
+        if not is_socket:
+            log.warning("the journal's session socket %s is not a socket", path)
 
     @property
     def timeout(self) -> float:
@@ -601,9 +621,25 @@ def _is_transient(err: BaseException, *, idempotent: bool) -> bool:
     return retriable(err.code(), error_code(err), idempotent=idempotent)
 
 
+# Seconds of retrying one call after which each retry is logged as a warning:
+# a service restart is over by then, and what is left (a wrong address, a
+# session socket that is not there) is for someone to look at.
+LOUD_AFTER = 10.0
+
+
 def _log_retry(name: str, state: RetryCallState) -> None:
     err = state.outcome.exception() if state.outcome else None
-    status = err.code().name if isinstance(err, grpc.aio.AioRpcError) else repr(err)
-    log.info(
-        "engine %s attempt %d failed with %s; retrying", name, state.attempt_number + 1, status
+    if isinstance(err, grpc.aio.AioRpcError):
+        status = f"{err.code().name}: {err.details()}"
+    else:
+        status = repr(err)
+    since = state.seconds_since_start or 0.0
+    level = logging.WARNING if since >= LOUD_AFTER else logging.INFO
+    log.log(
+        level,
+        "engine %s attempt %d failed with %s; retrying (for %.0fs so far)",
+        name,
+        state.attempt_number + 1,
+        status,
+        since,
     )

@@ -187,6 +187,7 @@ class Worker:
             raise Conflict("a Worker runs once; create another")
         self._started = True
         log.info("worker %s polling for %s", self._worker_id, sorted(self._handlers))
+        self._rpc.check_journal_socket()
         try:
             await self._poll_loop()
         except asyncio.CancelledError:
