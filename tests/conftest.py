@@ -27,7 +27,7 @@ from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
 from dagnats.sdk import Client, Worker
 from tests.gates import Gates, two_steps
 from tests.secured import install_suite_certs, suite_auth, suite_security
-from tests.stack import FAST, unique
+from tests.stack import FAST, socket_dir, unique
 
 # No test reaches a real model: a model or a key set in the shell that runs the
 # tests would send the demo and the examples (run as processes) to a provider.
@@ -100,9 +100,9 @@ def span_exporter(span_exporter_session: InMemorySpanExporter) -> InMemorySpanEx
 async def engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
     """The engine (with the journal and inputs services) on the module's
     server, its journal's session socket in a short temporary directory."""
-    with tempfile.TemporaryDirectory(prefix="dagnats-") as sockets:
+    with socket_dir() as sockets:
         server = await start_engine(
-            nats_server.url, config=FAST, session_socket=Path(sockets) / "journal.sock"
+            nats_server.url, config=FAST, session_socket=sockets / "journal.sock"
         )
         yield server
         await server.stop()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,14 @@ class DevProcess:
         self.proc = proc
         self.gateway = printed["gateway"]
         self.engine = printed["engine"]
+
+
+@contextlib.contextmanager
+def socket_dir() -> Iterator[Path]:
+    """A temporary directory whose paths fit a Unix socket's address (107
+    bytes), which a test's own temporary directory may not."""
+    with tempfile.TemporaryDirectory(prefix="dagnats-") as path:
+        yield Path(path)
 
 
 def unique(prefix: str) -> str:

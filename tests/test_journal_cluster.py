@@ -3,16 +3,14 @@ checks a Msg-Id before the expected sequence, so fencing must hold there too."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest_asyncio
 
 from dagnats.core.jetstream import Topology
 from dagnats.engine.server import EngineServer, start_engine
-from tests.stack import FAST
+from tests.stack import FAST, socket_dir
 from tests.test_journal import (
     test_crash_after_commit_republishes,
     test_crash_after_unsafe_intent_records_interrupted,
@@ -31,12 +29,12 @@ __all__ = [
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(nats_cluster: Any) -> AsyncIterator[EngineServer]:
     """As the suite's engine fixture, with R3 streams: a session socket too."""
-    with tempfile.TemporaryDirectory(prefix="dagnats-") as sockets:
+    with socket_dir() as sockets:
         server = await start_engine(
             nats_cluster.url,
             config=FAST,
             topology=Topology(replicas=3),
-            session_socket=Path(sockets) / "journal.sock",
+            session_socket=sockets / "journal.sock",
         )
         yield server
         await server.stop()

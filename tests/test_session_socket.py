@@ -16,7 +16,6 @@ import logging
 import os
 import stat
 import struct
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +25,7 @@ import grpc.aio
 import pytest
 import pytest_asyncio
 
+from dagnats.cli import dev
 from dagnats.core import errors
 from dagnats.core.frames import HEADER, MAX_FRAME
 from dagnats.core.natsserver import NatsServer
@@ -43,7 +43,7 @@ from dagnats.sdk._socket_session import SocketSession
 from dagnats.sdk.testing import ScriptedModel
 from tests.helpers import wait_for
 from tests.journal_agent import SCRIPT, Tools, agent
-from tests.stack import FAST
+from tests.stack import FAST, socket_dir
 from tests.test_journal import finish, run_without_a_crash, socketed, start
 
 WORKER_TOKEN, CLIENT_TOKEN = "socket-worker-token", "socket-client-token"
@@ -51,9 +51,8 @@ WORKER_TOKEN, CLIENT_TOKEN = "socket-worker-token", "socket-client-token"
 
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
-    """A directory whose socket paths fit a socket address (107 bytes)."""
-    with tempfile.TemporaryDirectory(prefix="dagnats-") as path:
-        yield Path(path)
+    with socket_dir() as path:
+        yield path
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -266,3 +265,8 @@ async def test_a_worker_told_of_a_missing_socket_warns_and_its_retries_say_why(
 
 async def _never(tc: object) -> None:
     raise AssertionError("no task of this type is started")
+
+
+def test_dev_makes_its_socket_in_the_data_directory_when_the_path_fits(short_dir: Path) -> None:
+    assert dev._session_socket(short_dir) == short_dir / "journal.sock"
+    assert dev._session_socket(short_dir / ("d" * 100)) is None  # gRPC only, and it says so

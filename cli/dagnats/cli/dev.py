@@ -38,7 +38,7 @@ from dagnats.cli.common import (
 from dagnats.cli.handlers import handlers_from_flags, in_process_worker
 from dagnats.core.natsserver import free_port
 from dagnats.gateway import GatewayConfig
-from dagnats.journal.session_socket import MAX_PATH as MAX_SOCKET_PATH
+from dagnats.journal import session_socket
 from dagnats.sdk import Client, Credentials, Worker
 from dagnats.sdk.models import ChatModel
 from dagnats.sdk.testing import LocalStack
@@ -52,7 +52,7 @@ def _session_socket(data: Path) -> Path | None:
     directory, unless its path is too long for a socket address (then the
     journal calls of workers go on gRPC only)."""
     path = data.absolute() / "journal.sock"
-    return path if len(os.fsencode(path)) <= MAX_SOCKET_PATH else None
+    return path if session_socket.fits(path) else None
 
 
 def _port_or_free(port: int) -> int:
@@ -102,6 +102,8 @@ async def run_dev(args: argparse.Namespace) -> int:
         print(f"engine       {engine.target}  (gRPC)")
         if sessions is not None:
             print(f"journal      {sessions}  (sessions for workers on this host: ADR 45)")
+        else:
+            print("journal      no session socket: the data directory's path is too long for one")
         print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")
         print(f"console      {gateway.url}/ui")
         if model is not None:

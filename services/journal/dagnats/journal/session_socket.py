@@ -46,6 +46,11 @@ Admit = Callable[[str], WireError | None]
 log = logging.getLogger(__name__)
 
 
+def fits(path: Path) -> bool:
+    """Whether ``path`` fits a socket address."""
+    return len(os.fsencode(path)) <= MAX_PATH
+
+
 def check_path(path: Path) -> Path:
     """``path`` if a Unix socket can be bound there.
 
@@ -53,7 +58,7 @@ def check_path(path: Path) -> Path:
         InvalidArgument: the path is too long for a socket address, or names
             something that is not a socket.
     """
-    if len(os.fsencode(path)) > MAX_PATH:
+    if not fits(path):
         raise errors.InvalidArgument(
             f"a socket path must be at most {MAX_PATH} bytes, got {len(os.fsencode(path))}: {path}",
             field="session_socket",
