@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dagnats.core.natsserver import NatsServer
-from dagnats.core.settings import SERVICES
+from dagnats.core.settings import SERVICES, host_port
 from dagnats.engine.server import EngineServer, start_services
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -195,3 +195,10 @@ async def test_a_journaled_run_across_the_three_services_as_separate_processes(
 
 async def _answer(text: str) -> str:
     return text
+
+
+def test_a_service_on_an_ipv6_address_is_dialled_in_brackets() -> None:
+    assert host_port("127.0.0.1", 7233) == "127.0.0.1:7233"
+    assert host_port("localhost", 7233) == "localhost:7233"
+    assert host_port("::1", 7233) == "[::1]:7233"
+    assert host_port("[::1]", 7233) == "[::1]:7233"

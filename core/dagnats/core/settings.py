@@ -72,6 +72,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a client dials it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def env_file(name: str, env: Mapping[str, str] | None = None) -> Path | None:
     """A readable file named by ``name``; None when unset (set but empty counts
     as unset)."""

@@ -40,7 +40,7 @@ from dagnats.core import tracing
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.natsauth import NatsSettings
 from dagnats.core.natsserver import check_sync_always
-from dagnats.core.settings import SERVICES, is_loopback
+from dagnats.core.settings import SERVICES, host_port, is_loopback
 from dagnats.engine.access import Role, missing_for_open_host, tokens_of
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.processor import Engine
@@ -102,7 +102,7 @@ class ServiceServer:
 
     @property
     def target(self) -> str:
-        return _address(self.host, self.port)
+        return host_port(self.host, self.port)
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.health is not None:
@@ -297,14 +297,14 @@ async def start_services(
         servicer = EngineServicer(engine, journal_store, claims=claims)
         pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
     served_health = await _add_health_and_reflection(server, [_NAMES[s] for s in served])
-    address = _address(host, port)
+    address = host_port(host, port)
     if credentials is None:
         bound = server.add_insecure_port(address)
     else:
         bound = server.add_secure_port(address, credentials)
     own = None
     if credentials is None and guard is None:  # open, so on loopback: its port is its own
-        own = OwnPort(target=_address(host, bound), token=None)
+        own = OwnPort(target=host_port(host, bound), token=None)
     elif own_port:
         own_bound = server.add_insecure_port("127.0.0.1:0")
         own = OwnPort(target=f"127.0.0.1:{own_bound}", token=own_token)
@@ -336,11 +336,6 @@ async def start_services(
     if engine is None or servicer is None:
         return parts
     return EngineServer(**vars(parts), engine=engine, watches=servicer.watches, feed=servicer.feed)
-
-
-def _address(host: str, port: int) -> str:
-    """``host:port`` as gRPC dials it (an IPv6 address in brackets)."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def _refuse_open(host: str, security: ServerSecurity) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from dagnats.core.errors import InvalidArgument, Unavailable
-from dagnats.core.settings import is_loopback
+from dagnats.core.settings import host_port, is_loopback
 from dagnats.gateway.app import create_app
 from dagnats.gateway.config import GatewayConfig
 
@@ -99,9 +99,8 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
                 await task
             raise Unavailable(f"the gateway did not start on {host}:{port}")
         await asyncio.sleep(0.01)
-    shown = f"[{host}]" if ":" in host else host
     scheme = "https" if config.tls_cert is not None else "http"
-    return GatewayServer(url=f"{scheme}://{shown}:{port}", _server=server, _task=task)
+    return GatewayServer(url=f"{scheme}://{host_port(host, port)}", _server=server, _task=task)
 
 
 def _bind(host: str, port: int) -> socket.socket:
