@@ -62,7 +62,13 @@ async def finish(client: Client, engine: EngineServer, run_id: str) -> pb.Run:
 
 
 def remote(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
-    """A worker of its own, as most deployments run one."""
+    """A worker of its own on another host: its journal calls on gRPC."""
+    return Worker(engine.target, handlers=handlers, poll_wait=1.0, journal_socket="off", **options)
+
+
+def found(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
+    """A worker of its own on the services' host, told nothing: its journal
+    calls go to the session socket its polls' answers name (ADR 46)."""
     return Worker(engine.target, handlers=handlers, poll_wait=1.0, **options)
 
 
@@ -78,11 +84,16 @@ def socketed(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> 
     return Worker(engine.target, handlers=handlers, poll_wait=1.0, journal_socket=socket, **options)
 
 
-WorkerOf = Callable[..., Worker]  # remote, hosted or socketed
+WorkerOf = Callable[..., Worker]  # remote, found, hosted or socketed
 WORKERS = pytest.mark.parametrize(
     "worker",
-    [remote, hosted, socketed],
-    ids=["own process", "services' process", "session socket"],
+    [remote, found, hosted, socketed],
+    ids=[
+        "own process on gRPC",
+        "own process on the socket found",
+        "services' process",
+        "session socket given",
+    ],
 )
 
 

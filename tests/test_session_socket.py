@@ -1,9 +1,10 @@
 """The journal's session socket (ADR 45): Sessions on a Unix socket for
 workers on the services' host.
 
-What a user checks: a worker given the socket runs on it and writes what a
-gRPC worker writes (``tests/test_journal.py`` runs the crash-free run and the
-unsafe-intent crash with it too); the socket takes only a worker's token
+What a user checks: a worker given the socket, or told nothing on the
+services' host (ADR 46), runs on it and writes what a gRPC worker writes
+(``tests/test_journal.py`` runs the crash-free run and the unsafe-intent
+crash with each); the socket takes only a worker's token
 when the server needs one; a bad frame ends that connection with an error,
 never the server; a restart of the socket costs a worker nothing; the file
 is the services' user's alone, and a live one is never taken over.
@@ -39,12 +40,12 @@ from dagnats.journal.session_socket import SessionSocket
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, Worker
 from dagnats.sdk import _rpc as rpc
-from dagnats.sdk._socket_session import SocketSession
+from dagnats.sdk._socket_session import FoundSocket, SocketSession
 from dagnats.sdk.testing import ScriptedModel
 from tests.helpers import wait_for
 from tests.journal_agent import SCRIPT, Tools, agent
 from tests.stack import FAST, socket_dir
-from tests.test_journal import finish, run_without_a_crash, socketed, start
+from tests.test_journal import finish, found, remote, run_without_a_crash, socketed, start
 
 WORKER_TOKEN, CLIENT_TOKEN = "socket-worker-token", "socket-client-token"
 
@@ -76,6 +77,51 @@ async def test_a_worker_given_the_socket_takes_it_for_its_journal_calls(
     before = engine.session_socket.accepted
     await run_without_a_crash(client, engine, socketed)  # the records a gRPC worker writes
     assert engine.session_socket.accepted > before
+
+
+async def test_a_worker_on_the_services_host_finds_their_socket(
+    client: Client, engine: EngineServer
+) -> None:
+    """Told nothing, a worker's journal calls go to the socket its polls'
+    answers name (ADR 46); told "off", they stay on gRPC."""
+    assert engine.session_socket is not None
+    before = engine.session_socket.accepted
+    await run_without_a_crash(client, engine, found)
+    assert engine.session_socket.accepted > before
+    before = engine.session_socket.accepted
+    await run_without_a_crash(client, engine, remote)  # journal_socket="off"
+    assert engine.session_socket.accepted == before
+
+
+async def test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc(
+    client: Client, engine: EngineServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The polls name this server's socket, but the one at the path answers
+    as another server's (a host's path reused, say): its hello is refused,
+    the worker says so, and the run's journal calls go on gRPC."""
+    assert engine.session_socket is not None
+    sockets = engine.session_socket
+    caplog.set_level(logging.INFO, logger="dagnats.sdk")
+    ours, sockets.instance = sockets.instance, "another-server"
+    try:
+        before = sockets.accepted
+        await run_without_a_crash(client, engine, found)
+    finally:
+        sockets.instance = ours
+    assert sockets.accepted == before + 1, "one connection, refused, then none"
+    said = [r.getMessage() for r in caplog.records if "journal calls go" in r.getMessage()]
+    assert said == [
+        f"journal calls go to the session socket {sockets.path}",
+        f"journal calls go on gRPC: {sockets.path} is another server's session socket",
+    ]
+
+
+def test_a_socket_path_that_is_not_a_socket_here_is_not_taken(short_dir: Path) -> None:
+    """A worker on another host gets a path that means nothing there."""
+    sockets = FoundSocket(token=None)
+    for path in (short_dir / "missing.sock", short_dir):
+        assert not sockets.offered(pb.JournalSocket(path=str(path), instance="i"))
+    assert sockets.session() is None
 
 
 async def _call(path: str, token: str | None) -> jpb.SessionResponse:

@@ -60,7 +60,7 @@ from dagnats.inputs.v1 import inputs_pb2_grpc
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc
 from dagnats.sdk._credentials import Credentials
-from dagnats.sdk._socket_session import SocketSession
+from dagnats.sdk._socket_session import OFF, FoundSocket, SocketSession
 
 if TYPE_CHECKING:
     from dagnats.engine.v1.engine_pb2_grpc import EngineServiceAsyncStub
@@ -194,8 +194,10 @@ class EngineRpc:
     (``Credentials.from_env``); the same credentials go to every service.
     ``journal_socket`` (by default ``DAGNATS_JOURNAL_SOCKET``) puts the
     journal's Session streams on the services' session socket (ADR 45), with
-    the credentials' token; ``sessions`` opens them instead of either: the
-    services give their own when they run the handlers.
+    the credentials' token; ``"off"`` keeps them on gRPC; unset, they go to
+    the socket the polls' answers name when it is on this host and the
+    journal is the engine's (ADR 46). ``sessions`` opens them instead of any
+    of these: the services give their own when they run the handlers.
     """
 
     def __init__(
@@ -215,12 +217,17 @@ class EngineRpc:
         self._inputs_target = inputs_target or target
         self._credentials = credentials if credentials is not None else Credentials.from_env()
         socket = journal_socket or os.environ.get("DAGNATS_JOURNAL_SOCKET") or None
-        self._journal_socket = socket if sessions is None else None
-        if self._journal_socket is not None:
-            sessions = functools.partial(
-                SocketSession, self._journal_socket, self._credentials.token
-            )
+        given = socket if sessions is None and socket != OFF else None
+        self._journal_socket = given
+        if given is not None:
+            sessions = functools.partial(SocketSession, given, self._credentials.token)
         self._sessions = sessions
+        # The polls' socket, where nothing above chose (ADR 46).
+        self._found = (
+            FoundSocket(self._credentials.token)
+            if sessions is None and socket is None and self._journal_target == target
+            else None
+        )
         self._channel_credentials = self._credentials.channel_credentials()
         self._timeout = timeout
         self._retry = retry or RetryPolicy()
@@ -256,9 +263,7 @@ class EngineRpc:
         channels, self._channels, self._stub = self._channels, {}, None
         self._journal_stub = None
         self._inputs_stub = None
-        idle, self._idle_sessions = self._idle_sessions, []
-        for stream in idle:
-            stream.cancel()
+        self._drop_idle_sessions()
         for channel in channels.values():
             await channel.close(None)
 
@@ -364,9 +369,12 @@ class EngineRpc:
     async def poll_tasks(
         self, request: pb.PollTasksRequest, *, deadline: float
     ) -> pb.PollTasksResponse:
-        return await self._call(
+        response: pb.PollTasksResponse = await self._call(
             self._connect().PollTasks, request, idempotent=False, deadline=deadline
         )
+        if self._offered(response):
+            self._drop_idle_sessions()  # the next dispatch's calls go to the socket
+        return response
 
     async def heartbeat(
         self, request: pb.HeartbeatRequest, *, lease: Lease | None = None
@@ -507,7 +515,20 @@ class EngineRpc:
                 return stream
         if self._sessions is not None:
             return self._sessions()
+        if self._found is not None and (found := self._found.session()) is not None:
+            return found
         return self._journal().Session(None)  # None: written with write()
+
+    def _offered(self, response: pb.PollTasksResponse) -> bool:
+        """Whether the journal calls go to the socket ``response`` names from now."""
+        if self._found is None or not response.HasField("journal_socket"):
+            return False
+        return self._found.offered(response.journal_socket)
+
+    def _drop_idle_sessions(self) -> None:
+        idle, self._idle_sessions = self._idle_sessions, []
+        for stream in idle:
+            stream.cancel()
 
     def release_session(self, stream: SessionStream) -> None:
         """Keep ``stream`` for the next dispatch; it must have no call pending."""

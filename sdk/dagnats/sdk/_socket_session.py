@@ -15,29 +15,54 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
+import os
+import stat
+from collections.abc import Callable
 
 import grpc
 import grpc.aio
 
 from dagnats.core.frames import Frames
 from dagnats.core.grpcutil import status_code
+from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.v1 import journal_pb2 as jpb
+
+log = logging.getLogger("dagnats.sdk")
+# DAGNATS_JOURNAL_SOCKET's value that keeps the journal calls on gRPC.
+OFF = "off"
 
 
 class SocketSession(Frames):
-    """One Session on the socket at ``path``, connected on its first write."""
+    """One Session on the socket at ``path``, connected on its first write.
 
-    def __init__(self, path: str, token: str | None = None) -> None:
+    With ``instance`` (a socket a poll's answer named, ADR 46) the hello asks
+    for that socket and no other, and ``refused`` is told why when the
+    session ends before its first answer: the socket could not be reached,
+    or its server would not take the hello.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        token: str | None = None,
+        *,
+        instance: str = "",
+        refused: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__()
         self._path = path
         self._token = token or ""
+        self._instance = instance
+        self._refused = refused
+        self._answered = False
         self._frames: collections.deque[bytes] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._ended: grpc.aio.AioRpcError | None = None
 
     async def write(self, request: jpb.SessionRequest) -> None:
         if self._ended is not None:
-            raise self._ended
+            raise self._failure()
         if self.transport is None:
             loop = asyncio.get_running_loop()
             try:
@@ -45,13 +70,13 @@ class SocketSession(Frames):
             except OSError as err:
                 self._end(grpc.StatusCode.UNAVAILABLE, f"session socket {self._path}: {err}")
                 raise self._failure() from None
-            self.send(jpb.SessionHello(token=self._token))
+            self.send(jpb.SessionHello(token=self._token, instance=self._instance))
         self.send(request)
 
     async def read(self) -> jpb.SessionResponse:
         while not self._frames:
             if self._ended is not None:
-                raise self._ended
+                raise self._failure()
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         answer = jpb.SessionResponse.FromString(self._frames.popleft())
@@ -59,6 +84,7 @@ class SocketSession(Frames):
             self._ended = None  # its reason, not the closed connection that followed
             self._end(status_code(answer.error.status), answer.error.message)
             raise self._failure()
+        self._answered = True
         return answer
 
     def done(self) -> bool:
@@ -67,6 +93,7 @@ class SocketSession(Frames):
     def cancel(self) -> bool:
         if self._ended is not None:
             return False
+        self._answered = True  # ended by its caller, not refused
         self._end(grpc.StatusCode.CANCELLED, "the session was closed")
         return True
 
@@ -92,9 +119,64 @@ class SocketSession(Frames):
         self._wake()
 
     def _failure(self) -> grpc.aio.AioRpcError:
+        """What ended the session, as raised to its caller; ``refused`` hears of
+        it when it came before the first answer."""
         assert self._ended is not None
+        if not self._answered and self._refused is not None:
+            self._refused(self._ended.details() or self._ended.code().name)
         return self._ended
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+
+class FoundSocket:
+    """The session socket the worker's polls were answered with (ADR 46).
+
+    A poll's answer names the socket of the process that served it; where
+    that path is a socket on this host too, the journal calls go there. A
+    session on it that ends before its first answer (the path is another
+    host's, or another server's, or not the worker's to open) puts them back
+    on gRPC for as long as that socket lives: it is not taken again.
+    """
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token
+        self._socket: pb.JournalSocket | None = None
+        self._refused: set[tuple[str, str]] = set()
+
+    def offered(self, socket: pb.JournalSocket) -> bool:
+        """A poll's answer named ``socket``: whether the calls go there from now."""
+        key = (socket.path, socket.instance)
+        current = self._socket
+        if key in self._refused or (current is not None and current == socket):
+            return False
+        try:
+            usable = stat.S_ISSOCK(os.stat(socket.path).st_mode)
+        except OSError:
+            usable = False
+        if not usable:  # another host's, most likely: nothing to say
+            self._refused.add(key)
+            return False
+        log.info("journal calls go to the session socket %s", socket.path)
+        self._socket = socket
+        return True
+
+    def session(self) -> SocketSession | None:
+        """A session on the socket, or None while there is none to use."""
+        socket = self._socket
+        if socket is None:
+            return None
+        return SocketSession(
+            socket.path,
+            self._token,
+            instance=socket.instance,
+            refused=lambda reason: self._refuse(socket, reason),
+        )
+
+    def _refuse(self, socket: pb.JournalSocket, reason: str) -> None:
+        self._refused.add((socket.path, socket.instance))
+        if self._socket is not None and self._socket == socket:
+            self._socket = None
+            log.info("journal calls go on gRPC: %s", reason)

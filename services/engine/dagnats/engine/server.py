@@ -59,6 +59,7 @@ from dagnats.inputs.v1 import inputs_pb2 as inputs_pb
 from dagnats.inputs.v1 import inputs_pb2_grpc as inputs_grpc
 from dagnats.journal.service import SESSION_CALLS, JournalServicer
 from dagnats.journal.session_socket import SessionSocket
+from dagnats.journal.session_socket import address as socket_address
 from dagnats.journal.session_socket import check_path as check_session_path
 from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as journal_pb
@@ -229,7 +230,8 @@ async def start_services(
             Loopback only, so plaintext. An open server (loopback, plaintext,
             no credentials) is its own clients' port as it is.
         session_socket: with the journal, also take its Sessions on a Unix
-            socket at this path (ADR 45), for workers on this host.
+            socket at this path (ADR 45), for workers on this host; with the
+            engine too, each poll's answer names it (ADR 46).
 
     Returns:
         An :class:`EngineServer` when the engine is among ``services``.
@@ -312,6 +314,9 @@ async def start_services(
     if session_socket is not None and journal is not None:
         admit = security.admission(SESSION_METHOD)
         sockets = await SessionSocket.start(session_socket, journal, SESSION_CALLS, admit)
+        path = socket_address(session_socket)
+        if servicer is not None and path is not None:  # the polls name it (ADR 46)
+            servicer.journal_socket = pb.JournalSocket(path=path, instance=sockets.instance)
     await server.start()
     log.info(
         "%s serving on %s:%d (%s, %s)",

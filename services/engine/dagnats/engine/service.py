@@ -76,6 +76,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.store = engine.store
         self.journal = journal
         self.claims = claims
+        # The journal's session socket in this process, offered with each
+        # poll's answer to workers on this host (ADR 46).
+        self.journal_socket: pb.JournalSocket | None = None
         self._consumers: set[str] = set()
         self.watches = RunWatches(engine.store, wrote_last=engine.wrote_last)
         engine.on_stored = self.watches.written
@@ -295,7 +298,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         except asyncio.CancelledError:
             await self.store.give_back(msgs)  # the caller left: no one will read these leases
             raise
-        return pb.PollTasksResponse(tasks=leased)
+        return pb.PollTasksResponse(tasks=leased, journal_socket=self.journal_socket)
 
     async def _ensure_consumer(self, task_type: str) -> None:
         if task_type not in self._consumers:

@@ -1,7 +1,8 @@
 """The session socket: journal Sessions without gRPC for workers on this host.
 
 A Unix socket beside the gRPC port (ADR 45). Each connection is one Session:
-the worker's first frame is a ``SessionHello`` with its token, then
+the worker's first frame is a ``SessionHello`` with its token (and, from a
+worker that found the socket in a poll's answer, the instance it expects), then
 ``SessionRequest`` frames, each answered in order by a ``SessionResponse``
 from the same ``_answer`` a gRPC Session request goes through (checks, replay
 rules, fences, spans, domain errors). A frame is a 4-byte big-endian length
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +51,13 @@ log = logging.getLogger(__name__)
 def fits(path: Path) -> bool:
     """Whether ``path`` fits a socket address."""
     return len(os.fsencode(path)) <= MAX_PATH
+
+
+def address(path: Path) -> str | None:
+    """``path`` as a process with another working directory reaches it, or
+    None when that is too long for a socket address."""
+    absolute = os.path.abspath(path)
+    return absolute if fits(Path(absolute)) else None
 
 
 def check_path(path: Path) -> Path:
@@ -128,6 +137,12 @@ class _Connection(Frames):
         refusal = self._sockets.admit(hello.token)
         if refusal is not None:
             return self._end(refusal)
+        if hello.instance and hello.instance != self._sockets.instance:
+            return self._end(
+                errors.Conflict(
+                    f"{self._sockets.path} is another server's session socket", field="instance"
+                )
+            )
         while True:
             frame = await self._next()
             try:
@@ -158,6 +173,8 @@ class SessionSocket:
         self.admit = admit
         self.connections: set[_Connection] = set()
         self.accepted = 0  # connections since the start
+        # Tells this socket from another at the same path (ADR 46).
+        self.instance = secrets.token_hex(8)
         self._server: asyncio.Server | None = None
 
     @classmethod

@@ -1193,22 +1193,59 @@ class PollTasksResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASKS_FIELD_NUMBER: _builtins.int
+    JOURNAL_SOCKET_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeasedTask]:
         """The tasks."""
+
+    @_builtins.property
+    def journal_socket(self) -> Global___JournalSocket:
+        """The journal's session socket (ADR 45), when this process serves the
+        journal on one: a worker on the same host, whose journal calls go to
+        this server, may send them there instead (ADR 46).
+        """
 
     def __init__(
         self,
         *,
         tasks: _abc.Iterable[Global___LeasedTask] | None = ...,
+        journal_socket: Global___JournalSocket | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["journal_socket", b"journal_socket"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["journal_socket", b"journal_socket", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PollTasksResponse: _TypeAlias = PollTasksResponse  # noqa: Y015
+
+@_typing.final
+class JournalSocket(_message.Message):
+    """JournalSocket names the journal's session socket of one services process."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """The socket's absolute path on the services' host."""
+    instance: _builtins.str
+    """Chosen at each start of the socket, so that a worker can tell the socket
+    at the path on its own host is this process's: its hello names it.
+    """
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        instance: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JournalSocket: _TypeAlias = JournalSocket  # noqa: Y015
 
 @_typing.final
 class HeartbeatRequest(_message.Message):

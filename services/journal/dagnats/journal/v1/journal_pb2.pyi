@@ -1644,18 +1644,25 @@ class SessionHello(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     """The bearer token a gRPC call would carry; empty when the server takes
     calls without one.
+    """
+    instance: _builtins.str
+    """The socket's instance, as PollTasksResponse.journal_socket gave it: a
+    socket of any other server refuses the hello (FAILED_PRECONDITION).
+    Empty for a worker given the socket's path by its operator.
     """
     def __init__(
         self,
         *,
         token: _builtins.str = ...,
+        instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
