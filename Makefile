@@ -89,7 +89,7 @@ bench: setup ## journal overhead and the agent-turn workload against raw JetStre
 	$(PY) -m tests.bench_stream
 	$(PY) -m tests.bench_wait
 	$(PY) -m tests.bench_turn
-	BENCH_DEPLOY=socket $(PY) -m tests.bench_turn
+	BENCH_DEPLOY=grpc $(PY) -m tests.bench_turn
 	BENCH_DEPLOY=services $(PY) -m tests.bench_turn
 
 # BENCH_WAITERS (10,000), BENCH_WAKES, BENCH_LONG_K, BENCH_CLUSTER=0... scale it down.

@@ -11,8 +11,10 @@ once: two journaled steps an iteration). Four processes, as deployed:
   the gateway in one process; free ports; a temporary data directory), which
   starts nats-server with ``sync_interval: always`` as its child;
 - a worker process (``python -m tests.bench_turn worker``) running the
-  journaled handler, its journal calls on gRPC; with ``BENCH_DEPLOY=socket``
-  on the journal's session socket (``DAGNATS_JOURNAL_SOCKET``, ADR 45); with
+  journaled handler, told nothing but the engine's address: on the services'
+  host, its journal calls go to the session socket its polls name (ADR 45,
+  46); with ``BENCH_DEPLOY=grpc`` on gRPC, as a worker on another host sends
+  them (``DAGNATS_JOURNAL_SOCKET=off``); with
   ``BENCH_DEPLOY=services`` the handler runs in the ``dagnats dev`` process
   instead (``--handlers``, ADR 44) and the worker process serves only the
   queued baseline;
@@ -72,10 +74,10 @@ TASK = "bench-turn"  # the workload's task type and workflow
 # BENCH_DEPLOY: where the handler runs.
 WHERE = {
     "worker": "its own process",
-    "socket": "its own process, journal calls on the session socket",
+    "grpc": "its own process, journal calls on gRPC",
     "services": "the services' process",
 }
-VARIANTS = {"worker": "dev", "socket": "dev-session-socket", "services": "dev-handlers-in-services"}
+VARIANTS = {"worker": "dev", "grpc": "dev-worker-on-grpc", "services": "dev-handlers-in-services"}
 DEPLOYMENTS = tuple(WHERE)
 QUEUED = "-queued"  # ... and, with this suffix, run with every iteration through the queue
 SYNC_CALLS = ("fsync", "fdatasync", "sync_file_range", "msync", "syncfs", "sync")
@@ -133,7 +135,7 @@ class Params:
 
     @property
     def variant(self) -> str:
-        """The record's variant: ``dev``, ``dev-session-socket`` or ``dev-handlers-in-services``."""
+        """The record's variant: ``dev``, ``dev-worker-on-grpc`` or ``dev-handlers-in-services``."""
         return VARIANTS[self.deploy]
 
     def peers(self) -> dict[str, int]:
@@ -566,6 +568,15 @@ class Stack:
     nats_url: str
     monitor: str
     logs: Path
+    journal_socket: str | None  # the session socket of ``dagnats dev``
+
+    def socket_connections(self) -> int:
+        """Connections open on the session socket now (``/proc/net/unix``
+        names the path on each one the socket accepted too)."""
+        if self.journal_socket is None:
+            return 0
+        lines = Path("/proc/net/unix").read_text().splitlines()
+        return max(sum(line.endswith(" " + self.journal_socket) for line in lines) - 1, 0)
 
     def cpu(self) -> dict[str, float]:
         return {
@@ -730,12 +741,19 @@ def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") 
         dev.proc.kill()
         raise SystemExit(f"dagnats dev: no monitor port or nats-server child: {conf}")
     tasks = TASK + QUEUED if p.deploy == "services" else TASK
-    socket = info["journal_socket"] if p.deploy == "socket" else None
+    socket = "off" if p.deploy == "grpc" else None
     worker = spawn_worker(
         worker_module, [info["engine"]], tasks, p.c, logs / "worker.log", journal_socket=socket
     )
     return Stack(
-        dev.proc, worker, nats_pids[0], info["engine"], info["nats"], f"http://{http[1]}", logs
+        dev.proc,
+        worker,
+        nats_pids[0],
+        info["engine"],
+        info["nats"],
+        f"http://{http[1]}",
+        logs,
+        info.get("journal_socket"),
     )
 
 
@@ -804,6 +822,7 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
                 await phases("dagnats", p, dagnats_run, stack.cpu, ours, phase)
                 if p.queued:
                     await phases("queued", p, queued_run, stack.cpu, queued, phase)
+            on_socket = stack.socket_connections()  # the worker's idle sessions
             progress("messages per iteration")
             counted = await messages(stack, dagnats_run, min(p.k, 20))
             if p.strace and shutil.which("strace"):
@@ -836,6 +855,7 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
             "queued": queued if p.queued else None,
             "messages": counted,
             "profiles": profiled,
+            "on_socket": on_socket,
         }
     finally:
         stop_stack(stack)
@@ -1008,6 +1028,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{p.start_runs} K=1 runs; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; "
         f"dagnats {head}, handler in {WHERE[p.deploy]}; {time.perf_counter() - started:.0f}s"
     )
+    if p.deploy != "services":
+        print(f"the worker's journal sessions open on the session socket: {got['on_socket']}")
     print(format_table(rows(ours, floor)))
     measured = [("dagnats", got["dagnats"].cpu), ("floor", got["floor"].cpu)]
     if got["queued"] is not None:

@@ -215,9 +215,7 @@ class LocalStack:
     def worker(self, handlers: Mapping[str, Handler], **options: Any) -> Worker:
         """A worker of this engine for ``handlers`` (task type -> handler), to
         use as ``async with stack.worker({...}):``; ``options`` go to ``Worker``.
-        Its journal calls take the stack's session socket when it has one."""
-        if self._session_socket is not None:
-            options.setdefault("journal_socket", str(self._session_socket))
+        Its journal calls find the stack's session socket when it has one."""
         return Worker(self.target, handlers=handlers, credentials=OPEN, **options)
 
     async def register(self, workflow: str | Mapping[str, Any]) -> pb.Workflow:
