@@ -42,6 +42,17 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="the session socket refuses a hello for another socket",
+        file="services/journal/dagnats/journal/session_socket.py",
+        guard="        if hello.instance and hello.instance != self._sockets.instance:\n",
+        removed="        if False:\n",
+        how="a worker takes another server's socket at the path for its own",
+        tests=(
+            "tests/test_session_socket.py::"
+            "test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc",
+        ),
+    ),
+    Guard(
         name="the session socket's file is its owner's alone",
         file="services/journal/dagnats/journal/session_socket.py",
         guard="        os.chmod(path, 0o600)\n",
