@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import stat
 import struct
 from collections.abc import AsyncIterator, Iterator
@@ -114,6 +115,34 @@ async def test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc(
         f"journal calls go to the session socket {sockets.path}",
         f"journal calls go on gRPC: {sockets.path} is another server's session socket",
     ]
+
+
+def test_a_worker_keeps_the_socket_it_found_until_it_is_refused(short_dir: Path) -> None:
+    """Polls answered by two services processes name two sockets: the
+    calls stay on the first (both reach the same journal) until a session
+    on it is refused; then the next one named is taken, and the refused one
+    never again."""
+    found = FoundSocket(token=None)
+    first, second = (
+        pb.JournalSocket(path=str(short_dir / name), instance=name) for name in ("a.sock", "b.sock")
+    )
+    listening = []
+    for offer in (first, second):
+        listening.append(socket.socket(socket.AF_UNIX))
+        listening[-1].bind(offer.path)
+    try:
+        assert found.offered(first)
+        assert not found.offered(second) and not found.offered(first)
+        session = found.session()
+        assert session is not None
+        with pytest.raises(grpc.aio.AioRpcError):  # nothing listens: refused before any answer
+            asyncio.run(session.write(jpb.SessionRequest(id=1)))
+        assert found.session() is None, "back on gRPC"
+        assert not found.offered(first), "a refused socket is not taken again"
+        assert found.offered(second)
+    finally:
+        for bound in listening:
+            bound.close()
 
 
 def test_a_socket_path_that_is_not_a_socket_here_is_not_taken(short_dir: Path) -> None:

@@ -135,10 +135,14 @@ class FoundSocket:
     """The session socket the worker's polls were answered with (ADR 46).
 
     A poll's answer names the socket of the process that served it; where
-    that path is a socket on this host too, the journal calls go there. A
-    session on it that ends before its first answer (the path is another
-    host's, or another server's, or not the worker's to open) puts them back
-    on gRPC for as long as that socket lives: it is not taken again.
+    that path is a socket on this host too, the journal calls go there, and
+    stay there while it serves: the polls of a worker whose address leads to
+    several services processes name each one's socket in turn, and every
+    one of them reaches the same journal. A session on it that ends before
+    its first answer (the path is another host's, or another server's, or
+    not the worker's to open; the server stopped) puts them back on gRPC
+    until a poll names a socket not refused before: that one is not taken
+    again.
     """
 
     def __init__(self, token: str | None) -> None:
@@ -149,8 +153,7 @@ class FoundSocket:
     def offered(self, socket: pb.JournalSocket) -> bool:
         """A poll's answer named ``socket``: whether the calls go there from now."""
         key = (socket.path, socket.instance)
-        current = self._socket
-        if key in self._refused or (current is not None and current == socket):
+        if self._socket is not None or key in self._refused:
             return False
         try:
             usable = stat.S_ISSOCK(os.stat(socket.path).st_mode)
