@@ -117,11 +117,14 @@ async def test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc(
     ]
 
 
-def test_a_worker_keeps_the_socket_it_found_until_it_is_refused(short_dir: Path) -> None:
+def test_a_worker_keeps_the_socket_it_found_until_it_is_refused_or_replaced(
+    short_dir: Path,
+) -> None:
     """Polls answered by two services processes name two sockets: the
     calls stay on the first (both reach the same journal) until a session
     on it is refused; then the next one named is taken, and the refused one
-    never again."""
+    never again. A new instance at the path in use (its server restarted)
+    is taken at once."""
     found = FoundSocket(token=None)
     first, second = (
         pb.JournalSocket(path=str(short_dir / name), instance=name) for name in ("a.sock", "b.sock")
@@ -140,6 +143,9 @@ def test_a_worker_keeps_the_socket_it_found_until_it_is_refused(short_dir: Path)
         assert found.session() is None, "back on gRPC"
         assert not found.offered(first), "a refused socket is not taken again"
         assert found.offered(second)
+        restarted = pb.JournalSocket(path=second.path, instance="b-again")
+        assert found.offered(restarted), "a new server at the path is taken at once"
+        assert not found.offered(second)
     finally:
         for bound in listening:
             bound.close()

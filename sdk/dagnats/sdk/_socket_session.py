@@ -138,11 +138,12 @@ class FoundSocket:
     that path is a socket on this host too, the journal calls go there, and
     stay there while it serves: the polls of a worker whose address leads to
     several services processes name each one's socket in turn, and every
-    one of them reaches the same journal. A session on it that ends before
-    its first answer (the path is another host's, or another server's, or
-    not the worker's to open; the server stopped) puts them back on gRPC
-    until a poll names a socket not refused before: that one is not taken
-    again.
+    one of them reaches the same journal; but a new instance at its path is
+    taken at once, as its server replaced the one that listened there. A
+    session on it that ends before its first answer (the path is another
+    host's, or another server's, or not the worker's to open; the server
+    stopped) puts them back on gRPC until a poll names a socket not refused
+    before: that one is not taken again.
     """
 
     def __init__(self, token: str | None) -> None:
@@ -153,8 +154,15 @@ class FoundSocket:
     def offered(self, socket: pb.JournalSocket) -> bool:
         """A poll's answer named ``socket``: whether the calls go there from now."""
         key = (socket.path, socket.instance)
-        if self._socket is not None or key in self._refused:
+        current = self._socket
+        if key in self._refused:
             return False
+        if current is not None:
+            if current.path != socket.path or current.instance == socket.instance:
+                return False
+            # Its path has a new server (a restart): no two listen on one path.
+            self._refused.add((current.path, current.instance))
+            self._socket = None
         try:
             usable = stat.S_ISSOCK(os.stat(socket.path).st_mode)
         except OSError:
