@@ -51,8 +51,8 @@ def _session_socket(data: Path) -> Path | None:
     """Where the journal takes sessions on a Unix socket: in the data
     directory, unless its path is too long for a socket address (then the
     journal calls of workers go on gRPC only)."""
-    path = data.absolute() / "journal.sock"
-    return path if session_socket.fits(path) else None
+    path = session_socket.address(data / "journal.sock")
+    return None if path is None else Path(path)
 
 
 def _port_or_free(port: int) -> int:

@@ -34,7 +34,6 @@ import asyncio
 import functools
 import logging
 import os
-import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -60,7 +59,7 @@ from dagnats.inputs.v1 import inputs_pb2_grpc
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc
 from dagnats.sdk._credentials import Credentials
-from dagnats.sdk._socket_session import OFF, FoundSocket, SocketSession
+from dagnats.sdk._socket_session import OFF, FoundSocket, SocketSession, not_a_socket
 
 if TYPE_CHECKING:
     from dagnats.engine.v1.engine_pb2_grpc import EngineServiceAsyncStub
@@ -243,15 +242,8 @@ class EngineRpc:
         worker's heartbeats keep its leases. Not an error: the services may
         not have started yet."""
         path = self._journal_socket
-        if path is None:
-            return
-        try:
-            is_socket = stat.S_ISSOCK(os.stat(path).st_mode)
-        except OSError as err:
-            log.warning("the journal's session socket %s: %s", path, err.strerror)
-            return
-        if not is_socket:
-            log.warning("the journal's session socket %s is not a socket", path)
+        if path is not None and (problem := not_a_socket(path)) is not None:
+            log.warning("the journal's session socket %s: %s", path, problem)
 
     @property
     def timeout(self) -> float:

@@ -33,6 +33,16 @@ log = logging.getLogger("dagnats.sdk")
 OFF = "off"
 
 
+def not_a_socket(path: str) -> str | None:
+    """Why nothing can connect to a Unix socket at ``path``; None when it is one."""
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            return None
+    except OSError as err:
+        return err.strerror or str(err)
+    return "not a socket"
+
+
 class SocketSession(Frames):
     """One Session on the socket at ``path``, connected on its first write.
 
@@ -163,11 +173,7 @@ class FoundSocket:
             # Its path has a new server (a restart): no two listen on one path.
             self._refused.add((current.path, current.instance))
             self._socket = None
-        try:
-            usable = stat.S_ISSOCK(os.stat(socket.path).st_mode)
-        except OSError:
-            usable = False
-        if not usable:  # another host's, most likely: nothing to say
+        if not_a_socket(socket.path):  # another host's, most likely: nothing to say
             self._refused.add(key)
             return False
         log.info("journal calls go to the session socket %s", socket.path)
