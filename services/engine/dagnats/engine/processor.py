@@ -668,7 +668,10 @@ class Engine:
         self._reports.add(task)  # cut short with the reports sent over NATS
         task.add_done_callback(self._reports.discard)
         done, _ = await asyncio.wait({task}, timeout=wait)
-        if not done or task.cancelled():
+        if not done:
+            self.counters["local_late"] += 1  # its sender goes to the history
+            return None
+        if task.cancelled():
             return None
         return task.result()
 
