@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup chromium dev test lint breaking fmt proto proto-check bench bench-scale bench-pair jetstream-facts test-guards test-chaos clean
+.PHONY: help setup chromium dev test lint breaking fmt proto proto-check bench bench-scale bench-pair bench-peers jetstream-facts test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -99,6 +99,11 @@ bench-scale: setup ## 10,000 waiting runs, wake latency, iteration 1,000, two en
 bench-pair: setup ## this checkout beside BASE=<another checkout>, runs alternated (seq, thr, K=1)
 	@test -n "$(BASE)" || { echo 'usage: make bench-pair BASE=<another checkout>'; exit 2; }
 	$(PY) -m tests.bench_pair $(BASE)
+
+# PASSES (3), SETTLE_LOAD (0.6), BENCH_OUT; the peers' BENCH_* knobs shorten it.
+bench-peers: setup ## the peers and dagnats' three deployments, passes interleaved: PEERS=<the peer benchmarks>
+	@test -n "$(PEERS)" || { echo 'usage: make bench-peers PEERS=<a checkout of the peer benchmarks>'; exit 2; }
+	bash tests/bench_beside_peers.sh $(PEERS)
 
 jetstream-facts: setup ## the JetStream facts the design depends on (R1 and R3), and fsyncs per operation (strace)
 	$(BIN)/pytest -q tests/test_jetstream_facts.py
