@@ -287,9 +287,9 @@ async def test_a_journal_commit_stores_no_event_on_the_history(
     # every one of them then on the history: one event fewer a commit, the
     # rest the same, whether the loop keeps its task or goes through the queue.
     # An engine that does not answer within a third of the hold's wait sends
-    # its event to the history by design (the test after next); a wait long
-    # enough that only a broken engine misses it keeps this count exact when
-    # a loaded machine's disk stalls a run write for a second.
+    # its event to the history by design (..._leaves_unanswered_is_stored_on_the_history
+    # below); a wait long enough that only a broken engine misses it keeps
+    # this count exact when a loaded machine's disk stalls a run write.
     monkeypatch.setattr(journal_service, "HOLD_WAIT", 30.0)
     late = engine.engine.counters["local_late"]
     async with reports_off(engine):
