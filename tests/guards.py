@@ -542,14 +542,27 @@ GUARDS = (
         ),
     ),
     Guard(
-        name="a parked run enters the index again before the write that wakes it",
-        file="services/engine/dagnats/engine/processor.py",
-        guard="                await self.store.enter_active(run_id)\n",
-        removed="                pass\n",
-        how="a wake stores its dispatch with the run out of the index, found by no reconciler",
+        name="a reconciler pass enters the runs written since its mark",
+        file="services/engine/dagnats/engine/store.py",
+        guard="            indexed[run_id] = await self.enter_active(run_id)\n",
+        removed="            pass\n",
+        how="a run stored with its task unpublished is in no index, found by no reconciler",
         tests=(
+            "tests/test_engine_writes.py::"
+            "test_a_task_never_published_from_an_old_outbox_is_dispatched_anew",
             "tests/test_parked_runs.py::"
-            "test_the_wake_enters_the_index_before_its_write_and_the_reconciler_finishes_it",
+            "test_a_wake_stopped_after_its_write_is_entered_and_finished_by_the_reconciler",
+        ),
+    ),
+    Guard(
+        name="a write after a park is entered beside the entry the park purges",
+        file="services/engine/dagnats/engine/store.py",
+        guard="            if indexed.get(run_id, 0) > record.parked_entry:\n",
+        removed="            if run_id in indexed:\n",
+        how="a wake read beside the entry a late park purges leaves its run out of the index",
+        tests=(
+            "tests/test_engine_writes.py::"
+            "test_a_write_after_a_park_is_entered_again_beside_the_entry_the_park_purges",
         ),
     ),
     Guard(

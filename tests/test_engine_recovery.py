@@ -7,7 +7,7 @@ import asyncio
 from dagnats.core import jetstream as jsx
 from dagnats.core import seam
 from dagnats.engine.server import EngineServer
-from dagnats.engine.store import INDEX_COMPLETE
+from dagnats.engine.store import INDEX_THROUGH
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, TaskContext, Worker, run_output
 from tests.helpers import wait_for
@@ -90,7 +90,12 @@ async def test_the_reconciler_reads_running_runs_from_an_index_that_lets_finishe
     async with Client(engine.target) as client:
         await client.register_workflow(loop_workflow(name, task))
         run = await client.start_run(name)  # no worker: it stays running
-        assert run.run_id in await store.active_run_ids()
+
+        async def entered() -> bool:
+            return run.run_id in await store.active_run_ids()
+
+        # Stored without an entry: the reconciler's next pass enters it (ADR 48).
+        await wait_for(entered, timeout=20, message="a running run stays out of the index")
         await client.cancel_run(run.run_id)
 
         async def gone() -> bool:
@@ -100,23 +105,32 @@ async def test_the_reconciler_reads_running_runs_from_an_index_that_lets_finishe
         assert (await client.get_run(run.run_id)).status == pb.RUN_STATUS_CANCELLED
 
 
-async def test_a_run_stored_before_the_index_existed_is_entered_and_recovered(
+async def test_a_run_out_of_an_index_with_no_mark_is_entered_and_recovered(
     engine: EngineServer,
 ) -> None:
-    # A deployment upgraded to the index: its running runs are not in it, until
-    # the first reconcile pass enters them once. Then a vanished task of such a
-    # run is dispatched again, as for any other.
+    # A deployment whose index has no mark yet (new, or upgraded from a
+    # release that indexed each run before storing it): the reconciler's
+    # pass reads the whole runs bucket and enters its running runs. Then a
+    # vanished task of such a run is dispatched again, as for any other.
     store = engine.engine.store
     task, name = unique("older"), unique("olderwf")
     async with Client(engine.target) as client:
         await client.register_workflow(loop_workflow(name, task))
         run = await client.start_run(name)
+
+        async def settled() -> bool:  # indexed, and written for the last time before the mark
+            stored = await store.load_run(run.run_id)
+            indexed = run.run_id in await store.active_run_ids()
+            return indexed and stored is not None and not stored.record.outbox
+
+        await wait_for(settled, timeout=20, message="the run was not indexed")
         await store.leave_active(run.run_id)
-        await store.leave_active(INDEX_COMPLETE)
-        assert run.run_id not in await store.active_run_ids()
-        assert await store.index_active_runs() >= 1
-        assert run.run_id in await store.active_run_ids()
-        assert await store.index_active_runs() == 0, "entered once"
+        await store.leave_active(INDEX_THROUGH)
+
+        async def entered() -> bool:
+            return run.run_id in await store.active_run_ids()
+
+        await wait_for(entered, timeout=20, message="a run stays out of an index with no mark")
         await lose_the_task(engine, task)
         async with Worker(engine.target, handlers={task: counting_loop}, poll_wait=1.0):
             done = await client.wait_for_run(run.run_id, timeout=30)

@@ -34,6 +34,7 @@ from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
+from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.sdk import Client, TaskContext, Worker
 from tests.helpers import wait_for
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
@@ -276,3 +277,64 @@ async def test_a_task_that_comes_before_its_run_is_stored_waits_for_it(
         assert (got.task.run_id, got.task.iteration, got.task.attempt) == (run_id, 0, 1)
         assert got.delivery >= 2  # given back once at least
         assert await tasks_of(engine.nc, subject) == [first.msg_id]  # stored once
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def bare(nats_server: NatsServer) -> AsyncIterator[EngineStore]:
+    """An engine's store on the module's server with no engine running: no
+    reconciler pass but the test's own."""
+    nc = await jsx.connect(nats_server.url, name="test-engine-index")
+    await jsx.provision(nc.jetstream())
+    try:
+        yield await EngineStore.open(nc)
+    finally:
+        await nc.close()
+
+
+async def test_a_run_is_stored_without_an_index_entry_and_the_next_pass_enters_it_once(
+    bare: EngineStore,
+) -> None:
+    store, task, run_id = bare, unique("indexed"), new_run_id()
+    await start_bare(run_id, task, Engine(store, FAST))
+    assert run_id not in await store.active_run_ids()
+    assert run_id in await store.indexed_runs()
+    assert run_id in await store.active_run_ids()
+    # The pass moved the index's mark past the run's write: a later pass
+    # that finds it out of the index (a park's purge) does not enter it again.
+    await store.leave_active(run_id)
+    assert run_id not in await store.indexed_runs()
+    await forget(store, run_id, task_subject(task, run_id, "agent"))
+
+
+def rewritten(record: ipb.RunRecord, *, unindexed: bool, parked_entry: int) -> ipb.RunRecord:
+    copy = ipb.RunRecord()
+    copy.CopyFrom(record)
+    copy.unindexed, copy.parked_entry = unindexed, parked_entry
+    return copy
+
+
+async def test_a_write_after_a_park_is_entered_again_beside_the_entry_the_park_purges(
+    bare: EngineStore,
+) -> None:
+    # A park writes the run flagged, then purges the index entry it read. A
+    # wake written in between clears the flag; a pass that reads the wake and
+    # that entry before the purge must enter the run again, or the late purge
+    # leaves a running run that no pass reads.
+    store, task, run_id = bare, unique("woken"), new_run_id()
+    await start_bare(run_id, task, Engine(store, FAST))
+    entry = await store.enter_active(run_id)
+    stored = await store.require_run(run_id)
+    flagged = rewritten(stored.record, unindexed=True, parked_entry=entry)
+    revision = await store.update_run(flagged, stored.revision)
+    assert await store.indexed_runs() == await store.active_runs()  # a flagged write: nothing
+    woken = rewritten(flagged, unindexed=False, parked_entry=entry)
+    await store.update_run(woken, revision)
+    assert (await store.indexed_runs())[run_id] > entry
+    await store.leave_active(run_id, through=entry)  # the park's purge, late
+    newer = (await store.active_runs()).get(run_id)
+    assert newer is not None, "the woken run was left out of the index"
+    # A write beside an entry newer than its park's is left to that entry.
+    stored = await store.require_run(run_id)
+    await store.update_run(stored.record, stored.revision)
+    assert (await store.indexed_runs())[run_id] == newer
+    await forget(store, run_id, task_subject(task, run_id, "agent"))

@@ -1,5 +1,6 @@
 """A run parked for input leaves the active-run index, so the reconciler's
-pass does not read it; the write that wakes it enters it again first (ADR 32)."""
+pass does not read it (ADR 32); the pass after the write that wakes it enters
+it again (ADR 48)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def finished_by_a_reconciler(engines: tuple[Engine, ...]) -> int:
     return sum(e.counters["outbox_recovered"] + e.counters["history_recovered"] for e in engines)
 
 
-async def test_the_wake_enters_the_index_before_its_write_and_the_reconciler_finishes_it(
+async def test_a_wake_stopped_after_its_write_is_entered_and_finished_by_the_reconciler(
     engine: EngineServer, nats_server: Any
 ) -> None:
     # A second engine shares the history consumer: the one whose wake stops
@@ -76,13 +77,13 @@ async def test_the_wake_enters_the_index_before_its_write_and_the_reconciler_fin
     store = engine.engine.store
     task, name = unique("wake"), unique("wakewf")
     run_id = ""
-    at_seam: list[tuple[bool, StoredRun | None]] = []
+    at_seam: list[StoredRun | None] = []
     stopped, release = asyncio.Event(), asyncio.Event()
 
     async def stop_the_wake(point: str) -> None:
         if point != "after_dispatch_saved" or at_seam:
             return
-        at_seam.append((run_id in await store.active_run_ids(), await store.load_run(run_id)))
+        at_seam.append(await store.load_run(run_id))
         stopped.set()
         await release.wait()
 
@@ -96,16 +97,17 @@ async def test_the_wake_enters_the_index_before_its_write_and_the_reconciler_fin
                 seam.install(stop_the_wake)
                 await client.submit_input(run_id, "agent", "wake", {"hi": 1})
                 await asyncio.wait_for(stopped.wait(), timeout=30)
-                ((indexed, stored),) = at_seam
+                (stored,) = at_seam
+                # Stored with no entry in the index, its task not published.
                 assert stored is not None and not stored.record.unindexed
+                assert stored.record.parked_entry > 0, "the wake's write names no park"
                 assert [e.subject for e in stored.record.outbox if is_task_subject(e.subject)]
-                assert indexed, "the wake's run write was stored before the run was indexed"
                 done = await client.wait_for_run(run_id, timeout=30)
         assert done.status == pb.RUN_STATUS_COMPLETED, done.error
         assert steps_by_id(done)["agent"].iteration == 1
-        # Finished while the wake's engine stays stopped: a reconciler
-        # published the indexed run's outbox, or applied the input event the
-        # stopped engine holds (and published the outbox it found).
+        # Finished while the wake's engine stays stopped: a reconciler pass
+        # entered the run, then published its outbox, or applied the input
+        # event the stopped engine holds (and published the outbox it found).
         assert not release.is_set()
         assert finished_by_a_reconciler(engines) > recovered
     finally:

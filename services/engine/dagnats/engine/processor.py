@@ -46,16 +46,17 @@ applies such events itself once a run's history has stood unacknowledged for
 a whole pass, so the stall is bounded by ``reconcile_interval``; applying an
 event twice is harmless for every event it applies (see ``_recover``).
 
-The reconciler reads only the runs of the active-run index, and a run
+The reconciler reads only the runs of the active-run index. No write of a
+run enters it: each pass first enters the runs written since the last pass
+that may need it (ADR 48, ``EngineStore.index_written_runs``). A run
 *parked* (``rules.parked``: running, no outbox, no step in motion, one
 waiting for an input or a timer) leaves it (ADR 32, ``_park``): first a
 compare-and-swap write of the run flagged ``unindexed``, then a purge of
-only the index entry read before the run. Every write decided on a flagged
-run enters the run in the index again before it is stored, as a start does,
-so a crash between that write and its publish leaves the run for the
-reconciler. A parked run has nothing for the reconciler but an event an
-engine took and died holding; that one is redelivered after
-``history_ack_wait`` instead.
+only the index entry read before the run. A write decided on a flagged run
+clears the flag, so the next pass enters the run again, and a crash between
+that write and its publish leaves the run for the reconciler. A parked run
+has nothing for the reconciler but an event an engine took and died
+holding; that one is redelivered after ``history_ack_wait`` instead.
 
 A journal commit's event (ADR 33) comes to one engine of the queue group
 over core NATS, not on the history: it is applied as a history event is, its
@@ -139,7 +140,6 @@ class Engine:
         # applied itself, through that sequence.
         self._unapplied: dict[str, int] = {}
         self._recovered: dict[str, int] = {}
-        self._indexed = False
         # The runs as this engine last wrote them, their outboxes published by
         # it: a guess at what is stored, checked by the next compare-and-swap.
         self._written: OrderedDict[str, StoredRun] = OrderedDict()
@@ -258,6 +258,7 @@ class Engine:
                 # Dropped, but the journal was ahead: the run is written caught up.
                 decision = m.Accepted(run=run, effects=())
             record = self._record(decision, dict(stored.record.trace_context))
+            record.parked_entry = stored.record.parked_entry
             if guessed and kept is not None and self._defers(stored, run, decision, kept):
                 # Nobody wrote the run since this engine did: the decision is
                 # the one a read would have given (ADR 37).
@@ -267,11 +268,6 @@ class Engine:
                     return decision.run, decision
                 self.counters["guess_missed"] += 1
                 continue
-            if stored.record.unindexed:
-                # Parked, out of the active-run index: in again before the
-                # write that wakes it is stored, as a start is (ADR 32).
-                await self.store.enter_active(run_id)
-                self.counters["reindexed"] += 1
             mark = self._mark()
             try:
                 revision = await self.store.update_run(record, stored.revision)
@@ -383,6 +379,7 @@ class Engine:
             return stored
         record = convert.record_to_proto(caught, [], None, dict(stored.record.trace_context))
         record.unindexed = stored.record.unindexed
+        record.parked_entry = stored.record.parked_entry
         return StoredRun(record, stored.revision)
 
     async def _catch_up(self, run: m.Run, step: m.Step) -> m.Run:
@@ -470,17 +467,15 @@ class Engine:
         self._deferred.pop(run_id, None)
         self._marks.pop(run_id, None)
 
-    async def create(
-        self, accepted: m.Accepted, trace_context: dict[str, str], *, indexed: bool = False
-    ) -> StoredRun:
+    async def create(self, accepted: m.Accepted, trace_context: dict[str, str]) -> StoredRun:
         """Store a new run and publish its first dispatches; the run as stored.
         A run that exists already is returned as stored (after finishing its
-        outbox). ``indexed``: the caller entered the run in the active-run index.
+        outbox).
 
         The first dispatches are published while the run is written, not after
-        (ADR 41): the run's outbox holds them, and the run enters the index
-        before it is stored, so a crash that stores the run without them leaves
-        it to the reconciler, as before; one that stores a task without its
+        (ADR 41): the run's outbox holds them, and the reconciler's next pass
+        finds every run written since its last (ADR 48), so a crash that
+        stores the run without them leaves it to the reconciler; one that stores a task without its
         run leaves a task that no run claims, which a lease gives back while
         the run's write may still land (``rules.awaits_its_run``) and settles
         after. A lease by this engine waits for the write (``creating``)."""
@@ -490,7 +485,7 @@ class Engine:
         self._creating[run_id] = creating = asyncio.get_running_loop().create_future()
         try:
             written, published = await asyncio.gather(
-                self.store.create_run(record, indexed=indexed),
+                self.store.create_run(record),
                 self._publish_first(record),
                 return_exceptions=True,
             )
@@ -550,23 +545,27 @@ class Engine:
         clear it if nobody changed the run meanwhile."""
         if not published:
             await self.publish_outbox(stored)
-        cleared = await self._rewrite(stored, clear=True, unindexed=False)
+        cleared = await self._rewrite(stored, clear=True)
         if cleared is None:
             latest = await self.store.load_run(stored.record.run.run_id)
             return latest if latest is not None else stored
         return cleared
 
     async def _rewrite(
-        self, stored: StoredRun, *, clear: bool, unindexed: bool
+        self, stored: StoredRun, *, clear: bool, parking: int = 0
     ) -> StoredRun | None:
-        """Write the run as it is, its outbox cleared if ``clear``, flagged
-        ``unindexed`` or not, if nobody changed it since; None if somebody did."""
+        """Write the run as it is, its outbox cleared if ``clear``, if nobody
+        changed it since; None if somebody did. ``parking``: flagged
+        ``unindexed``, for a park that purges the index entry of that
+        revision (see :meth:`_park`)."""
         record = ipb.RunRecord()
         record.CopyFrom(stored.record)
         if clear:
             del record.outbox[:]
             record.ClearField("outbox_since")
-        record.unindexed = unindexed
+        record.unindexed = bool(parking)
+        if parking:
+            record.parked_entry = parking
         try:
             revision = await self.store.update_run(record, stored.revision)
         except StaleRevision:
@@ -833,22 +832,19 @@ class Engine:
         It reads the runs of the active-run index (``EngineStore``), not every
         stored run: a pass costs what the running runs cost.
         """
-        if not self._indexed:
-            if entered := await self.store.index_active_runs():
-                log.info("entered %d runs stored before the active-run index", entered)
-            self._indexed = True
         now = self.clock()
         seen: set[tuple[str, str, int, int]] = set()
         missing: set[str] = set()
         unapplied: dict[str, int] = {}
         recovered: dict[str, int] = {}
         applied = await self.store.history_applied_through(HISTORY_CONSUMER)
-        for run_id, entry in (await self.store.active_runs()).items():
+        for run_id, entry in (await self.store.indexed_runs()).items():
             stored = await self.store.load_run(run_id)
             self.counters["reconcile_reads"] += 1
             if stored is None:
-                # Indexed just before it is stored, or by a start that failed:
-                # missing on two passes in a row, it leaves the index.
+                # Purged by a delete that died before taking its entry out, or
+                # indexed by a start of a release before ADR 48 that was not
+                # stored yet: missing on two passes in a row, it leaves the index.
                 if run_id in self._missing:
                     await self.store.leave_active(run_id)
                 else:
@@ -864,7 +860,7 @@ class Engine:
                     mine = self._written.get(run_id)
                     published = mine is not None and mine.revision == stored.revision
                     self.counters["outbox_cleared" if published else "outbox_recovered"] += 1
-                    stored, unindexed = await self._clear(stored, published=published)
+                    stored, unindexed = await self._clear(stored, entry, published=published)
                     record = stored.record
                     if published and not record.outbox:  # nothing in it left to publish
                         self._remember(stored)
@@ -946,7 +942,9 @@ class Engine:
                 done = False
         return done
 
-    async def _clear(self, stored: StoredRun, *, published: bool) -> tuple[StoredRun, bool]:
+    async def _clear(
+        self, stored: StoredRun, entry: int, *, published: bool
+    ) -> tuple[StoredRun, bool]:
         """Publish a run's outbox (unless ``published``) and clear it, flagged
         ``unindexed`` if that leaves the run parked: the one write then serves
         both (see :meth:`_park`). The run as it is now, and whether this
@@ -955,7 +953,7 @@ class Engine:
             await self.publish_outbox(stored)
         run = convert.record_from_proto(stored.record)
         park = rules.parked(run, outbox=False)
-        cleared = await self._rewrite(stored, clear=True, unindexed=park)
+        cleared = await self._rewrite(stored, clear=True, parking=entry if park else 0)
         if cleared is None:
             latest = await self.store.load_run(stored.record.run.run_id)
             return (latest if latest is not None else stored), False
@@ -967,15 +965,17 @@ class Engine:
         First a write of the run flagged ``unindexed``, at the revision read
         (``written``: this pass's clear of its outbox was that write), then
         the index entry of revision ``entry``, read before the run, is purged,
-        and only that one. A write that wakes the run either lands before the
-        flagged one, which then misses and nothing leaves the index; or it is
-        decided on the flagged run, read after the flagged write and so after
-        the index was read, and enters the run again with a newer entry, which
-        the purge leaves alone. A crash between the two writes leaves the run
-        indexed, and the next pass parks it again.
+        and only that one. The flagged write names that entry
+        (``parked_entry``), and so does every later write of the run, each
+        decided on it or on a later one. A write that wakes the run either
+        lands before the flagged one, which then misses and nothing leaves
+        the index; or it clears the flag, and the next reconciler pass that
+        reads it enters the run again, unless the index holds a newer entry
+        (``EngineStore.indexed_runs``, ADR 48). A crash between the write and
+        the purge leaves the run indexed, and the next pass parks it again.
         """
         if not written:
-            flagged = await self._rewrite(stored, clear=False, unindexed=True)
+            flagged = await self._rewrite(stored, clear=False, parking=entry)
             if flagged is None:
                 return  # it changed: the next pass looks again
             stored = flagged

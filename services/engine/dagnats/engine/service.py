@@ -136,23 +136,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 field="idempotency_key",
             )
         run_id = new_run_id()
+        workflow = stored_workflow(await self.store.get_workflow(name))
         if key:
-            workflow = stored_workflow(await self.store.get_workflow(name))
             run_id = await self.store.claim_run_key(name, key, run_id)
             existing = await self.store.load_run(run_id)
             if existing is not None:
                 if existing.record.outbox:
                     existing = await self.engine.flush(existing)
                 return existing, False
-            await self.store.enter_active(run_id)
-        else:
-            # The run enters the active-run index, which must hold it before it
-            # is stored, while its workflow is read. A start that then fails (no
-            # such workflow) leaves an entry the reconciler's second pass removes.
-            found, _ = await asyncio.gather(
-                self.store.get_workflow(name), self.store.enter_active(run_id)
-            )
-            workflow = stored_workflow(found)
         accepted = rules.start_run(
             run_id=run_id,
             workflow=workflow,
@@ -162,7 +153,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         )
         trace_context: dict[str, str] = {}
         tracing.inject(trace_context)
-        return await self.engine.create(accepted, trace_context, indexed=True), True
+        return await self.engine.create(accepted, trace_context), True
 
     @domain_errors
     async def GetRun(self, request: pb.GetRunRequest, context: Context) -> pb.GetRunResponse:

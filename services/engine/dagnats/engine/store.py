@@ -71,8 +71,12 @@ WATCH_HEARTBEAT = 1.0
 # Seconds the server keeps a run watch's consumer after its watcher left (or
 # lost its connection: the watch then starts a new one).
 WATCH_INACTIVE = 5.0
-# The key in the active-run index that says every older run was entered.
-INDEX_COMPLETE = "index-complete"
+# The key in the active-run index that holds the runs bucket's sequence
+# through which a reconciler pass read every write (ADR 48).
+INDEX_THROUGH = "index-through"
+# Keys of the index that name no run; the second was written by releases
+# before ADR 48.
+_INDEX_KEYS = frozenset({INDEX_THROUGH, "index-complete"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,17 @@ class RecentRuns:
 
     runs: list[StoredRun]
     unread_before: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """What :meth:`EngineStore._runs_from` read: each run at its last write,
+    when (nanoseconds) the oldest write read was stored (None: none was), and
+    the sequence of the last write read."""
+
+    runs: dict[str, StoredRun]
+    oldest: int | None
+    last: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,13 +266,11 @@ class EngineStore:
             raise NotFound(f"run {run_id} does not exist", field="run_id")
         return stored
 
-    async def create_run(self, record: ipb.RunRecord, *, indexed: bool = False) -> int | None:
-        """Store a new run; None when a run with that id exists already. The run
-        enters the active-run index first (unless ``indexed``: the caller did),
-        so the reconciler cannot miss it."""
+    async def create_run(self, record: ipb.RunRecord) -> int | None:
+        """Store a new run; None when a run with that id exists already. It
+        enters no index here: the reconciler's next pass finds it among the
+        writes after the index's mark (ADR 48)."""
         run_id, data = record.run.run_id, record.SerializeToString()
-        if not indexed:
-            await self.enter_active(run_id)
         try:
             # A retried create whose first try landed finds the key taken: the
             # caller then reads the run, and finds its own (the id is random).
@@ -296,9 +309,7 @@ class EngineStore:
         On a cluster nothing is listened to, and nothing heard is trusted."""
         writes = RunWrites()
         self._run_headers = writes.headers()
-        info = await _retry(
-            lambda: self.js.stream_info(f"KV_{jsx.KV_RUNS}"), "read the runs bucket"
-        )
+        info = await self._runs_info()
         one_server = info.cluster is None or not info.cluster.name
         if not one_server:
             return writes, _nothing
@@ -336,9 +347,7 @@ class EngineStore:
         stored since may be in it too, newer)."""
         from nats.js.api import DeliverPolicy
 
-        info = await _retry(
-            lambda: self.js.stream_info(f"KV_{jsx.KV_RUNS}"), "read the runs bucket"
-        )
+        info = await self._runs_info()
         last = int(info.state.last_seq or 0)
         if not info.state.messages:
             return []
@@ -367,23 +376,8 @@ class EngineStore:
 
     async def recent_runs(self, writes: int) -> RecentRuns:
         """The runs last written among about the bucket's ``writes`` newest
-        writes, or later: one ordered consumer from that point of the bucket
-        to its end. A write replaces a run's previous one (the bucket keeps
-        one), so each run is read once, at its last write, and the deleted
-        writes in between are skipped by the server.
-
-        A run rewritten during the read may lose its place ahead of the
-        consumer and take a new one behind the last write the consumer has
-        seen. The read ends when the stream, asked directly, has no write
-        after the last one read, as a walk of the bucket ends: a rewrite
-        stores the new write before it removes the old one, so every run has
-        a write at each instant, and then every run's is one the consumer
-        passed while it was there (or is before where the read began)."""
-        from nats.js.api import DeliverPolicy
-
-        info = await _retry(
-            lambda: self.js.stream_info(f"KV_{jsx.KV_RUNS}"), "read the runs bucket"
-        )
+        writes, or later (see :meth:`_runs_from`)."""
+        info = await self._runs_info()
         state = info.state
         if not state.messages:
             return RecentRuns([], None)
@@ -394,20 +388,42 @@ class EngineStore:
         span = state.last_seq - state.first_seq + 1
         start = state.last_seq + 1 - math.ceil(writes * span / state.messages)
         whole = start <= state.first_seq or 2 * writes >= state.messages
+        read = await self._runs_from(0 if whole else start)
+        return _recent(read.runs, whole, read.oldest)
+
+    async def _runs_info(self) -> Any:
+        return await _retry(
+            lambda: self.js.stream_info(f"KV_{jsx.KV_RUNS}"), "read the runs bucket"
+        )
+
+    async def _runs_from(self, start: int) -> _Read:
+        """The runs last written at sequence ``start`` of the bucket or later
+        (0: from its first write), each as stored now: one ordered consumer
+        from that point to the bucket's end. A write replaces a run's
+        previous one (the bucket keeps one), so each run is read once, at its
+        last write, and the deleted writes in between are skipped by the
+        server.
+
+        A run rewritten during the read may lose its place ahead of the
+        consumer and take a new one behind the last write the consumer has
+        seen. The read ends when the stream, asked directly, has no write
+        after the last one read, as a walk of the bucket ends: a rewrite
+        stores the new write before it removes the old one, so every run has
+        a write at each instant, and then every run's is one the consumer
+        passed while it was there (or is before ``start``)."""
+        from nats.js.api import DeliverPolicy
+
         prefix = kv_key(jsx.KV_RUNS, "")
         queue: asyncio.Queue[Msg] = asyncio.Queue()
 
         async def deliver(msg: Msg) -> None:
             queue.put_nowait(msg)
 
-        if whole:
-            sub = await self._watch_bucket(">", DeliverPolicy.ALL, deliver)
-        else:
-            policy = DeliverPolicy.BY_START_SEQUENCE
-            sub = await self._watch_bucket(">", policy, deliver, start=start)
+        policy = DeliverPolicy.BY_START_SEQUENCE if start else DeliverPolicy.ALL
+        sub = await self._watch_bucket(">", policy, deliver, start=start)
         found: dict[str, StoredRun] = {}
         oldest: int | None = None
-        last = start - 1 if not whole else 0
+        last = max(start - 1, 0)
         try:
             while True:
                 try:
@@ -417,7 +433,7 @@ class EngineStore:
                     # (a purge) before the consumer reached them. Done when
                     # nothing was written after the last one read.
                     if not await self._written_after(last):
-                        return _recent(found, whole, oldest)
+                        return _Read(found, oldest, last)
                     continue
                 meta = msg.metadata
                 if oldest is None:
@@ -432,7 +448,7 @@ class EngineStore:
                 # The pending count the consumer sends is no proof of the end:
                 # it can miss a rewrite between its removal and its write.
                 if meta.num_pending == 0 and not await self._written_after(seq):
-                    return _recent(found, whole, oldest)
+                    return _Read(found, oldest, last)
         finally:
             await self._unwatch(sub)
 
@@ -532,13 +548,16 @@ class EngineStore:
 
     # ---- the active-run index -----------------------------------------------------
     #
-    # The reconciler reads the runs in this index instead of every stored run.
-    # A run enters it before it is stored, and only the reconciler (and a purge)
-    # takes it out: once the run is finished with nothing left to publish (a
-    # finished run never changes again), or once it is parked (ADR 32: running,
-    # nothing in motion, no outbox), after a write of the run flagged
-    # ``unindexed``; the write that wakes a flagged run enters it again before
-    # it is stored. So every run that may need the reconciler is in the index,
+    # The reconciler reads the runs in this index instead of every stored run
+    # (ADR 10). A run is stored without an entry (ADR 48): each reconciler
+    # pass first reads the runs bucket's writes after the index's mark
+    # (``INDEX_THROUGH``), enters every run among them that may need the
+    # reconciler, then moves the mark to the last write it read. Only the
+    # reconciler (and a purge) takes a run out: once it is finished with
+    # nothing left to publish (a finished run never changes again), or once
+    # it is parked (ADR 32: running, nothing in motion, no outbox), after a
+    # write of the run flagged ``unindexed``, which a pass skips. So every run
+    # that may need the reconciler is in the index or written after the mark,
     # and the index grows with the runs in motion only.
 
     @staticmethod
@@ -546,9 +565,9 @@ class EngineStore:
         """Whether a run belongs in the index: running, or with an outbox not cleared yet."""
         return record.run.status == pb.RUN_STATUS_RUNNING or bool(record.outbox)
 
-    async def enter_active(self, run_id: str) -> None:
-        """Enter a run in the index; before the run is stored."""
-        await _retry(lambda: self._active.put(run_id, b"1"), "index the run")
+    async def enter_active(self, run_id: str) -> int:
+        """Enter a run in the index; the revision of its entry."""
+        return int(await _retry(lambda: self._active.put(run_id, b"1"), "index the run"))
 
     async def active_run_ids(self) -> list[str]:
         """The runs in the index: running, or finished with an outbox not yet cleared.
@@ -564,7 +583,7 @@ class EngineStore:
         return {
             key: revision
             async for key, _, revision in _values(self._active)
-            if key != INDEX_COMPLETE
+            if key not in _INDEX_KEYS
         }
 
     async def leave_active(self, run_id: str, *, through: int = 0) -> None:
@@ -572,8 +591,8 @@ class EngineStore:
         delete leaves a marker that every later read of the index goes through.
 
         ``through``: only the entry of that revision (or an older one) is
-        taken out, so an entry put again since, by a write that woke the run,
-        stays (0: whatever entry there is)."""
+        taken out, so an entry put again since stays (0: whatever entry
+        there is)."""
         subject = kv_key(jsx.KV_ACTIVE_RUNS, run_id)
         stream = f"KV_{jsx.KV_ACTIVE_RUNS}"
         if not through:
@@ -584,21 +603,39 @@ class EngineStore:
             "leave the index",
         )
 
-    async def index_active_runs(self) -> int:
-        """Enter the runs that may need the reconciler, stored before the index
-        existed; once per deployment (a marker records it). Returns how many."""
+    async def indexed_runs(self) -> dict[str, int]:
+        """The runs of the index, each with the revision of its entry (see
+        :meth:`active_runs`), after entering the runs written after the
+        index's mark that may need the reconciler, but for those flagged
+        ``unindexed``; the mark then moves to the last write read. The first
+        call of a deployment (no mark yet) reads the whole bucket.
+
+        A run the index holds is entered again when its write names a park
+        (``parked_entry``) that purges that entry or a newer one: the park
+        may purge it after this read (``Engine._park``). Any other purge of
+        an entry is of a run that needs the reconciler no more."""
         try:
-            await self._get(jsx.KV_ACTIVE_RUNS, INDEX_COMPLETE, "read the index")
-            return 0
-        except nats.js.errors.KeyNotFoundError:
-            pass
-        entered = 0
-        async for stored in self.iter_runs():
-            if self.needs_reconciler(stored.record):
-                await self._active.put(stored.record.run.run_id, b"1")
-                entered += 1
-        await self._active.put(INDEX_COMPLETE, b"1")
-        return entered
+            entry = await self._get(jsx.KV_ACTIVE_RUNS, INDEX_THROUGH, "read the index's mark")
+            mark = int(entry.value or b"0")
+        except (nats.js.errors.KeyNotFoundError, ValueError):
+            mark = 0
+        last = int((await self._runs_info()).state.last_seq or 0)
+        if last <= mark:
+            return await self.active_runs()
+        read = await self._runs_from(mark + 1 if mark else 0)
+        indexed = await self.active_runs()
+        for run_id, stored in read.runs.items():
+            record = stored.record
+            if record.unindexed or not self.needs_reconciler(record):
+                continue
+            if indexed.get(run_id, 0) > record.parked_entry:
+                continue
+            indexed[run_id] = await self.enter_active(run_id)
+        # Every write up to ``last`` was read, or is gone: the read ended
+        # with no write after the last one it read.
+        through = str(max(last, read.last)).encode()
+        await _retry(lambda: self._active.put(INDEX_THROUGH, through), "mark the index")
+        return indexed
 
     async def claim_run_key(self, workflow: str, key: str, run_id: str) -> str:
         """Bind an idempotency key to ``run_id``; returns the run it is bound to.

@@ -569,10 +569,17 @@ class RunRecord(_message.Message):
     OUTBOX_SINCE_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     UNINDEXED_FIELD_NUMBER: _builtins.int
+    PARKED_ENTRY_FIELD_NUMBER: _builtins.int
     unindexed: _builtins.bool
     """The reconciler took the run out of the active-run index (ADR 32): it was
     parked, with no outbox and nothing in motion. The next write of the run
-    enters it again before it is stored, and is stored without this flag.
+    is stored without this flag, and the next reconciler pass enters the run
+    again (ADR 48).
+    """
+    parked_entry: _builtins.int
+    """The revision of the index entry the run's last park purged (ADR 48):
+    every write after that park carries it, so a reconciler pass that reads
+    such a write beside an entry no newer enters the run again.
     """
     @_builtins.property
     def run(self) -> _engine_pb2.Run:
@@ -608,10 +615,11 @@ class RunRecord(_message.Message):
         outbox_since: _timestamp_pb2.Timestamp | None = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         unindexed: _builtins.bool = ...,
+        parked_entry: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["outbox_since", b"outbox_since", "run", b"run", "workflow", b"workflow"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["outbox", b"outbox", "outbox_since", b"outbox_since", "run", b"run", "step_records", b"step_records", "trace_context", b"trace_context", "unindexed", b"unindexed", "workflow", b"workflow"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outbox", b"outbox", "outbox_since", b"outbox_since", "parked_entry", b"parked_entry", "run", b"run", "step_records", b"step_records", "trace_context", b"trace_context", "unindexed", b"unindexed", "workflow", b"workflow"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
