@@ -48,7 +48,7 @@ event twice is harmless for every event it applies (see ``_recover``).
 
 The reconciler reads only the runs of the active-run index. No write of a
 run enters it: each pass first enters the runs written since the last pass
-that may need it (ADR 48, ``EngineStore.index_written_runs``). A run
+that may need it (ADR 48, ``EngineStore.indexed_runs``). A run
 *parked* (``rules.parked``: running, no outbox, no step in motion, one
 waiting for an input or a timer) leaves it (ADR 32, ``_park``): first a
 compare-and-swap write of the run flagged ``unindexed``, then a purge of
@@ -475,10 +475,11 @@ class Engine:
         The first dispatches are published while the run is written, not after
         (ADR 41): the run's outbox holds them, and the reconciler's next pass
         finds every run written since its last (ADR 48), so a crash that
-        stores the run without them leaves it to the reconciler; one that stores a task without its
-        run leaves a task that no run claims, which a lease gives back while
-        the run's write may still land (``rules.awaits_its_run``) and settles
-        after. A lease by this engine waits for the write (``creating``)."""
+        stores the run without them leaves it to the reconciler; one that
+        stores a task without its run leaves a task that no run claims, which
+        a lease gives back while the run's write may still land
+        (``rules.awaits_its_run``) and settles after. A lease by this engine
+        waits for the write (``creating``)."""
         record = self._record(accepted, trace_context)
         run_id = accepted.run.run_id
         mark = self._mark()

@@ -21,7 +21,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import RawStreamMsg
+from nats.js.api import RawStreamMsg, StreamInfo
 from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
@@ -391,7 +391,8 @@ class EngineStore:
         read = await self._runs_from(0 if whole else start)
         return _recent(read.runs, whole, read.oldest)
 
-    async def _runs_info(self) -> Any:
+    async def _runs_info(self) -> StreamInfo:
+        """The runs bucket's stream: its state (first and last write, how many)."""
         return await _retry(
             lambda: self.js.stream_info(f"KV_{jsx.KV_RUNS}"), "read the runs bucket"
         )
