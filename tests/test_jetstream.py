@@ -139,6 +139,39 @@ async def test_a_call_that_fails_for_good_is_tried_once(nc: NATS) -> None:
     assert tries == 1
 
 
+class StoredInProcess:
+    """A JetStream context whose first publish is stored but answered as a
+    replicated stream answers while a message of its Msg-Id is still being
+    stored (10158); the fault is injected as the chaos soak injects lost acks."""
+
+    def __init__(self, js: Any) -> None:
+        self._js = js
+        self.tries = 0
+
+    async def publish(self, subject: str, payload: bytes, **kwargs: Any) -> Any:
+        self.tries += 1
+        ack = await self._js.publish(subject, payload, **kwargs)
+        if self.tries == 1:
+            raise nats.js.errors.APIError(
+                code=409,
+                err_code=jsx.MSG_ID_IN_PROCESS,
+                description="duplicate message id is in process",
+            )
+        return ack
+
+
+async def test_a_publish_answered_in_process_is_tried_again_and_stored_once(nc: NATS) -> None:
+    js = nc.jetstream()
+    subject, msg_id = f"adapter.{unique('inprocess')}", unique("id")
+    lossy = StoredInProcess(js)
+    seq = await jsx.publish(lossy, subject, b"once", msg_id=msg_id)  # type: ignore[arg-type]
+    assert lossy.tries == 2
+    stored = await jsx.get_msg(js, STREAM, subject=subject)
+    assert (stored.seq, stored.data) == (seq, b"once")  # the retry found the first as a duplicate
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await jsx.get_msg(js, STREAM, seq=seq + 1, subject=subject, next=True)
+
+
 async def test_pulls_of_one_consumer_subscribe_once_and_take_all_pending(
     nc: NATS, nats_server: NatsServer
 ) -> None:

@@ -81,6 +81,9 @@ TRANSIENT_NATS_ERRORS: tuple[type[BaseException], ...] = (
 # JetStream API errors that pass while a stream elects a leader: 10008, "JetStream
 # system temporarily unavailable" (a 503, also in the tuple above).
 _ELECTING = frozenset({10008})
+# "duplicate message id is in process": a replicated stream is storing a
+# message of the same Msg-Id (nats-server's JSStreamDuplicateMessageConflict).
+MSG_ID_IN_PROCESS = 10158
 # Longest a service retries one transient error before it answers Unavailable,
 # when the request it serves does not ask for an answer sooner (see
 # ``dagnats.core.deadline``). A stream-leader election takes a few seconds.
@@ -306,7 +309,11 @@ async def retry_transient(
         raise
 
 
-async def _tried(call: Callable[[], Awaitable[T]], budget: float) -> T:
+async def _tried(
+    call: Callable[[], Awaitable[T]],
+    budget: float,
+    transient: Callable[[BaseException], bool] = is_transient,
+) -> T:
     """``await call()``; after a transient failure, tried again for ``budget``
     seconds from the first try, with ``_BACKOFF`` between tries; the last
     error is raised as is.
@@ -321,12 +328,12 @@ async def _tried(call: Callable[[], Awaitable[T]], budget: float) -> T:
     try:
         return await call()
     except Exception as err:
-        if not is_transient(err):
+        if not transient(err):
             raise
         first = err
     tries = 0
     async for attempt in AsyncRetrying(
-        retry=retry_if_exception(is_transient),
+        retry=retry_if_exception(transient),
         wait=_BACKOFF,
         stop=stop_after_delay(budget - (time.monotonic() - started)),
         reraise=True,
@@ -481,6 +488,9 @@ async def publish(
     """Publish to a stream, retrying transient failures with the same Msg-Id so
     that a retry whose first attempt landed is answered as a duplicate; by the
     budget of :func:`retry_transient`. The last transient error is raised as is.
+    So is a replicated stream's answer that a message of the same Msg-Id is
+    still being stored (a first attempt whose ack was lost): tried again, it
+    is answered as a duplicate once stored.
 
     Returns:
         The stream sequence of the message.
@@ -492,7 +502,13 @@ async def publish(
         ack = await js.publish(subject, data, timeout=timeout, headers=all_headers)
         return int(ack.seq)
 
-    return await _tried(once, retry_budget(deadline))
+    return await _tried(once, retry_budget(deadline), _retried_publish)
+
+
+def _retried_publish(err: BaseException) -> bool:
+    """Whether a publish with a Msg-Id is tried again after ``err``."""
+    code = getattr(err, "err_code", None) if isinstance(err, nats.js.errors.APIError) else None
+    return code == MSG_ID_IN_PROCESS or is_transient(err)
 
 
 @dataclass(slots=True)

@@ -41,7 +41,7 @@ Invariants:
   task is a worker's (``awaiting_a_task``) must have that dispatch's task in
   flight, or the reconciler dispatches it again.
 * A running run with nothing in motion (``parked``) may leave the active-run
-  index; the write that wakes it enters it again first.
+  index; the reconciler's pass after the write that wakes it enters it again.
 """
 
 from __future__ import annotations
@@ -370,7 +370,8 @@ def parked(run: Run, *, outbox: bool) -> bool:
     motion: no step runs (so no task or child run is in flight for the
     reconciler to find lost), and at least one waits, for an input or a timer
     whose message is stored already. Whatever wakes it is a write of the run,
-    which enters the run in the index again before it is stored."""
+    which the reconciler's next pass reads and enters in the index again
+    (ADR 48)."""
     if run.status is not RunStatus.RUNNING or outbox:
         return False
     if any(step.status is StepStatus.RUNNING for step in run.steps):

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 WRONG_LAST_SEQUENCE = 10071
 IN_FLIGHT_ON_SUBJECT = 10164
-RETRY_IN_FLIGHT = 10158
+RETRY_IN_FLIGHT = jsx.MSG_ID_IN_PROCESS
 STREAM_NOT_FOUND = 10059
 # The longest one publish attempt waits for its ack.
 ATTEMPT_TIMEOUT = env_seconds("DAGNATS_NATS_ATTEMPT_TIMEOUT", 5.0)
