@@ -96,9 +96,13 @@ def is_transient(err: BaseException) -> bool:
     answer, found no responder, or the stream is electing its leader."""
     if isinstance(err, TRANSIENT_NATS_ERRORS):
         return True
+    return _api_code(err) in _ELECTING
+
+
+def _api_code(err: BaseException) -> int | None:
+    """A JetStream API error's code; None for any other error."""
     # Not every APIError subclass (KeyNotFoundError, ...) sets err_code.
-    code = getattr(err, "err_code", None) if isinstance(err, nats.js.errors.APIError) else None
-    return code in _ELECTING
+    return getattr(err, "err_code", None) if isinstance(err, nats.js.errors.APIError) else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -507,8 +511,7 @@ async def publish(
 
 def _retried_publish(err: BaseException) -> bool:
     """Whether a publish with a Msg-Id is tried again after ``err``."""
-    code = getattr(err, "err_code", None) if isinstance(err, nats.js.errors.APIError) else None
-    return code == MSG_ID_IN_PROCESS or is_transient(err)
+    return _api_code(err) == MSG_ID_IN_PROCESS or is_transient(err)
 
 
 @dataclass(slots=True)
