@@ -46,8 +46,19 @@ async def js(nats_server: NatsServer) -> AsyncIterator[JetStreamContext]:
 
 
 async def history_events(js: JetStreamContext, run_id: str) -> int:
-    """The events stored on a run's history."""
+    """The events stored on a finished run's history, once the last of them
+    is: the close of its step's inputs, published after the run's final
+    write (which a client may see first)."""
     subject = history_subject(run_id)
+
+    async def closed() -> bool:
+        try:
+            last = await js.get_last_msg(jsx.HISTORY, subject)
+        except nats.js.errors.NotFoundError:
+            return False  # nothing stored on it yet
+        return ipb.HistoryEvent.FromString(last.data or b"").inputs.close
+
+    await wait_for(closed, message=f"the close of run {run_id}'s inputs on its history")
     info = await js.stream_info(jsx.HISTORY, subjects_filter=subject)
     return int((info.state.subjects or {}).get(subject, 0))
 
