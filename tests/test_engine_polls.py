@@ -6,20 +6,23 @@ so a task of a quieter type goes to a live poll on its first delivery."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 import nats.js.errors
 import pytest_asyncio
+from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, TaskContext, Worker
+from dagnats.sdk._socket_session import SocketPolls
 from tests.helpers import wait_for
-from tests.stack import FAST, loop_workflow, unique
+from tests.stack import FAST, loop_workflow, socket_dir, unique
 
 # Far longer than any wait below: a task leased into a poll nobody reads comes
 # back only after this, so a test that sees it again sooner saw it given back.
@@ -44,9 +47,14 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def long_lease_engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
-    server = await start_engine(nats_server.url, config=replace(FAST, task_ack_wait=LEASE))
-    yield server
-    await server.stop()
+    with socket_dir() as sockets:
+        server = await start_engine(
+            nats_server.url,
+            config=replace(FAST, task_ack_wait=LEASE),
+            session_socket=sockets / "journal.sock",
+        )
+        yield server
+        await server.stop()
 
 
 async def waiting_pulls(engine: EngineServer, task: str) -> int:
@@ -96,6 +104,30 @@ async def test_a_stopped_workers_poll_does_not_take_the_next_task(
     # Delivered once, or once more at once if it reached the departing poll
     # before that poll was stopped; never left to wait out its lease.
     assert len(deliveries) == 1 and deliveries[0] <= 2, deliveries
+
+
+async def test_a_poll_left_on_the_session_socket_does_not_take_the_next_task(
+    long_lease_engine: EngineServer,
+) -> None:
+    """A worker's poll on the session socket (ADR 49) ends with its
+    connection: the engine stops the pull as it does a gRPC poll's."""
+    engine, task = long_lease_engine, unique("polls")
+    sockets = engine.session_socket
+    assert sockets is not None
+    refusals: list[str] = []
+    polls = SocketPolls(str(sockets.path), None, instance=sockets.instance, refused=refusals.append)
+    request = pb.PollTasksRequest(task_types=[task], wait=Duration(seconds=int(POLL_WAIT)))
+    poll = asyncio.create_task(polls.poll(request, deadline=2 * POLL_WAIT))
+    await wait_for(lambda: _at_least(engine, task, 1), timeout=20)
+
+    async def leave() -> None:
+        poll.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poll
+
+    deliveries = await run_after_a_poll_left(engine, leave, task)
+    assert len(deliveries) == 1 and deliveries[0] <= 2, deliveries
+    assert refusals == []
 
 
 async def test_a_killed_workers_poll_does_not_take_the_next_task(

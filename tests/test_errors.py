@@ -72,7 +72,7 @@ def test_every_error_comes_back_from_a_status_as_itself(cls: type[WireError]) ->
 def test_every_error_comes_back_from_a_session_error_as_itself(cls: type[WireError]) -> None:
     raised = example(cls)
     status, _, _ = wire_status(raised)
-    sent = session._failed(7, raised)  # what the journal's Session stream answers
+    sent = session.failed(7, raised)  # what the journal's Session stream answers
     error = jpb.SessionResponse.FromString(sent.SerializeToString()).error
     rebuilt = error_from_status(status, error.message, error.code, error.field, error.details)
     same(rebuilt, raised)

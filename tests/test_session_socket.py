@@ -26,6 +26,7 @@ import grpc
 import grpc.aio
 import pytest
 import pytest_asyncio
+from google.protobuf.duration_pb2 import Duration
 
 from dagnats.cli import dev
 from dagnats.core import errors
@@ -41,11 +42,11 @@ from dagnats.journal.session_socket import SessionSocket
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, Worker
 from dagnats.sdk import _rpc as rpc
-from dagnats.sdk._socket_session import FoundSocket, SocketSession
+from dagnats.sdk._socket_session import FoundSocket, SocketPolls, SocketSession
 from dagnats.sdk.testing import ScriptedModel
 from tests.helpers import wait_for
 from tests.journal_agent import SCRIPT, Tools, agent
-from tests.stack import FAST, socket_dir
+from tests.stack import FAST, socket_dir, unique
 from tests.test_journal import finish, found, remote, run_without_a_crash, socketed, start
 
 WORKER_TOKEN, CLIENT_TOKEN = "socket-worker-token", "socket-client-token"
@@ -85,13 +86,15 @@ async def test_a_worker_on_the_services_host_finds_their_socket(
 ) -> None:
     """Told nothing, a worker's journal calls go to the socket its polls'
     answers name (ADR 46); told "off", they stay on gRPC."""
-    assert engine.session_socket is not None
-    before = engine.session_socket.accepted
+    sockets = engine.session_socket
+    assert sockets is not None
+    before, polled = sockets.accepted, sockets.polled
     await run_without_a_crash(client, engine, found)
-    assert engine.session_socket.accepted > before
-    before = engine.session_socket.accepted
+    assert sockets.accepted > before
+    assert sockets.polled > polled, "its polls go there too (ADR 49)"
+    before, polled = sockets.accepted, sockets.polled
     await run_without_a_crash(client, engine, remote)  # journal_socket="off"
-    assert engine.session_socket.accepted == before
+    assert (sockets.accepted, sockets.polled) == (before, polled)
 
 
 async def test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc(
@@ -109,7 +112,9 @@ async def test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc(
         await run_without_a_crash(client, engine, found)
     finally:
         sockets.instance = ours
-    assert sockets.accepted == before + 1, "one connection, refused, then none"
+    # The polls' connection and the journal calls' (ADR 49), or one of them
+    # if its refusal came first: each refused, then none.
+    assert sockets.accepted - before in (1, 2)
     said = [r.getMessage() for r in caplog.records if "journal calls go" in r.getMessage()]
     assert said == [
         f"journal calls go to the session socket {sockets.path}",
@@ -186,6 +191,66 @@ async def test_the_socket_takes_a_worker_token_when_the_server_needs_one(
         assert refused.value.code() == status, token
     answer = await _call(path, WORKER_TOKEN)  # reached the journal: its own error
     assert answer.id == 1 and answer.error.field == "call"
+
+
+def _polls(sockets: SessionSocket, token: str | None = None) -> SocketPolls:
+    """A connection for polls on ``sockets``, as a worker that found it makes."""
+    refusals: list[str] = []
+    return SocketPolls(str(sockets.path), token, instance=sockets.instance, refused=refusals.append)
+
+
+async def test_the_polls_socket_takes_only_a_token_that_may_poll(secured: EngineServer) -> None:
+    assert secured.session_socket is not None
+    for token, status in (
+        (None, grpc.StatusCode.UNAUTHENTICATED),
+        (CLIENT_TOKEN, grpc.StatusCode.PERMISSION_DENIED),
+    ):
+        polls = _polls(secured.session_socket, token)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await polls.poll(pb.PollTasksRequest(task_types=["t"]), deadline=5.0)
+        assert refused.value.code() == status, token
+    polls = _polls(secured.session_socket, WORKER_TOKEN)
+    wait = Duration(nanos=50_000_000)
+    answer = await polls.poll(
+        pb.PollTasksRequest(task_types=[unique("none")], wait=wait), deadline=5.0
+    )
+    assert list(answer.tasks) == []
+    polls.close()
+
+
+async def test_a_poll_refused_on_the_socket_fails_as_on_grpc_and_the_connection_serves_on(
+    engine: EngineServer,
+) -> None:
+    assert engine.session_socket is not None
+    polls = _polls(engine.session_socket)
+    with pytest.raises(errors.InvalidArgument) as refused:
+        await polls.poll(pb.PollTasksRequest(task_types=["not a type"]), deadline=5.0)
+    assert refused.value.field == "task_types[0]"
+    wait = Duration(nanos=50_000_000)
+    answer = await polls.poll(
+        pb.PollTasksRequest(task_types=[unique("none")], wait=wait), deadline=5.0
+    )
+    assert list(answer.tasks) == [] and not polls.done()
+    polls.close()
+
+
+async def test_a_socket_that_serves_no_engine_refuses_a_poll(
+    engine: EngineServer, short_dir: Path
+) -> None:
+    """A journal's socket in a process without the engine: its polls' hello
+    is refused by name, and the worker's polls (told nothing of it) stay on gRPC."""
+    assert engine.journal is not None
+    admit = ServerSecurity().admission(SESSION_METHOD)
+    sockets = await SessionSocket.start(
+        short_dir / "journal.sock", engine.journal, SESSION_CALLS, admit
+    )
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _polls(sockets).poll(pb.PollTasksRequest(task_types=["t"]), deadline=5.0)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "takes no polls" in (refused.value.details() or "")
+    finally:
+        await sockets.close()
 
 
 async def test_a_bad_frame_ends_its_connection_and_the_socket_serves_on(

@@ -59,7 +59,13 @@ from dagnats.inputs.v1 import inputs_pb2_grpc
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc
 from dagnats.sdk._credentials import Credentials
-from dagnats.sdk._socket_session import OFF, FoundSocket, SocketSession, not_a_socket
+from dagnats.sdk._socket_session import (
+    OFF,
+    FoundSocket,
+    SocketPolls,
+    SocketSession,
+    not_a_socket,
+)
 
 if TYPE_CHECKING:
     from dagnats.engine.v1.engine_pb2_grpc import EngineServiceAsyncStub
@@ -235,6 +241,7 @@ class EngineRpc:
         self._journal_stub: JournalServiceAsyncStub | None = None
         self._inputs_stub: InputsServiceAsyncStub | None = None
         self._idle_sessions: list[SessionStream] = []
+        self._polls: SocketPolls | None = None  # idle between polls
 
     def check_journal_socket(self) -> None:
         """Warn, once, when the session socket the journal calls go to is not
@@ -256,6 +263,7 @@ class EngineRpc:
         self._journal_stub = None
         self._inputs_stub = None
         self._drop_idle_sessions()
+        self._drop_polls()
         for channel in channels.values():
             await channel.close(None)
 
@@ -361,12 +369,40 @@ class EngineRpc:
     async def poll_tasks(
         self, request: pb.PollTasksRequest, *, deadline: float
     ) -> pb.PollTasksResponse:
+        polls = self._take_polls()
+        if polls is not None:
+            try:
+                return await polls.poll(request, deadline=deadline)
+            except grpc.aio.AioRpcError as err:  # the socket failed, not the poll
+                log.info("a poll on the session socket failed (%s); on gRPC", err.details())
+            finally:
+                self._give_back_polls(polls)
         response: pb.PollTasksResponse = await self._call(
             self._connect().PollTasks, request, idempotent=False, deadline=deadline
         )
         if self._offered(response):
             self._drop_idle_sessions()  # the next dispatch's calls go to the socket
+            self._drop_polls()  # and so do the polls, where it takes them
         return response
+
+    def _take_polls(self) -> SocketPolls | None:
+        """A connection to the socket for one poll (ADR 49): the idle one, or
+        a new one while another poll holds it; None when the polls go on gRPC."""
+        if self._polls is None or self._polls.done():
+            self._polls = self._found.polls() if self._found is not None else None
+        polls, self._polls = self._polls, None
+        return polls
+
+    def _give_back_polls(self, polls: SocketPolls) -> None:
+        if self._polls is None and not polls.done():
+            self._polls = polls
+        else:
+            polls.close()
+
+    def _drop_polls(self) -> None:
+        polls, self._polls = self._polls, None
+        if polls is not None:
+            polls.close()
 
     async def heartbeat(
         self, request: pb.HeartbeatRequest, *, lease: Lease | None = None

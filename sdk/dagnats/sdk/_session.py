@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import grpc
 import grpc.aio
 from google.protobuf.message import Message
+from opentelemetry.trace import Span
 
 from dagnats.core import tracing
-from dagnats.core.grpcutil import error_from_status, status_code
+from dagnats.core.grpcutil import WireError, error_from_status, status_code
 from dagnats.core.session_calls import CALLS, SERVICE
 from dagnats.journal.v1 import journal_pb2 as jpb
 
@@ -163,12 +164,7 @@ class JournalSession:
                 raise _failure(grpc.StatusCode.UNAVAILABLE, f"{name}: the session stream ended")
             result = answer.WhichOneof("result")
             if result == "error":
-                error = answer.error
-                status = status_code(error.status)
-                tracing.set_status(span, status, error.message, server=False)
-                raise error_from_status(
-                    status, error.message, error.code, error.field, dict(error.details)
-                )
+                raise answered_error(span, answer.error)
             tracing.set_status(span, grpc.StatusCode.OK, "", server=False)
             found = getattr(answer, kind) if result == kind else None
             if not isinstance(found, answer_type):
@@ -180,6 +176,14 @@ class JournalSession:
         stream.cancel()
         if self._stream is stream:
             self._stream = None
+
+
+def answered_error(span: Span, error: jpb.SessionError) -> WireError:
+    """The domain error a call on a session (or a poll on the socket) was
+    answered with, as its own RPC would have raised it; its span says so."""
+    status = status_code(error.status)
+    tracing.set_status(span, status, error.message, server=False)
+    return error_from_status(status, error.message, error.code, error.field, dict(error.details))
 
 
 def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -19,14 +19,17 @@ import logging
 import os
 import stat
 from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import grpc.aio
 
+from dagnats.core import tracing
 from dagnats.core.frames import Frames
 from dagnats.core.grpcutil import status_code
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk._session import answered_error
 
 log = logging.getLogger("dagnats.sdk")
 # DAGNATS_JOURNAL_SOCKET's value that keeps the journal calls on gRPC.
@@ -43,34 +46,37 @@ def not_a_socket(path: str) -> str | None:
     return "not a socket"
 
 
-class SocketSession(Frames):
-    """One Session on the socket at ``path``, connected on its first write.
+A = TypeVar("A", jpb.SessionResponse, pb.SocketPollAnswer)
+
+
+class _Connection(Frames):
+    """A connection to the socket at ``path``, made on its first message:
+    ``hello`` first, then the caller's frames, each answered in order. It
+    ends as a gRPC stream does (``AioRpcError``); a refusal (an answer with
+    id 0 and an error, then the close) carries the server's code and message.
 
     With ``instance`` (a socket a poll's answer named, ADR 46) the hello asks
     for that socket and no other, and ``refused`` is told why when the
-    session ends before its first answer: the socket could not be reached,
-    or its server would not take the hello.
+    connection ends before its first answer: the socket could not be
+    reached, or its server would not take the hello.
     """
 
     def __init__(
-        self,
-        path: str,
-        token: str | None = None,
-        *,
-        instance: str = "",
-        refused: Callable[[str], None] | None = None,
+        self, path: str, hello: jpb.SessionHello, refused: Callable[[str], None] | None
     ) -> None:
         super().__init__()
         self._path = path
-        self._token = token or ""
-        self._instance = instance
+        self._hello = hello
         self._refused = refused
         self._answered = False
         self._frames: collections.deque[bytes] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._ended: grpc.aio.AioRpcError | None = None
 
-    async def write(self, request: jpb.SessionRequest) -> None:
+    def done(self) -> bool:
+        return self._ended is not None
+
+    async def _send(self, message: jpb.SessionRequest | pb.SocketPoll) -> None:
         if self._ended is not None:
             raise self._failure()
         if self.transport is None:
@@ -80,31 +86,30 @@ class SocketSession(Frames):
             except OSError as err:
                 self._end(grpc.StatusCode.UNAVAILABLE, f"session socket {self._path}: {err}")
                 raise self._failure() from None
-            self.send(jpb.SessionHello(token=self._token, instance=self._instance))
-        self.send(request)
+            self.send(self._hello)
+        self.send(message)
 
-    async def read(self) -> jpb.SessionResponse:
+    async def _receive(self, kind: type[A]) -> A:
+        """The next answer; the server's refusal, or the end, raised."""
         while not self._frames:
             if self._ended is not None:
                 raise self._failure()
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        answer = jpb.SessionResponse.FromString(self._frames.popleft())
-        if answer.id == 0 and answer.HasField("error"):  # the server ends the session
+        answer = kind.FromString(self._frames.popleft())
+        if answer.id == 0 and answer.HasField("error"):  # the server ends the connection
             self._ended = None  # its reason, not the closed connection that followed
             self._end(status_code(answer.error.status), answer.error.message)
             raise self._failure()
         self._answered = True
         return answer
 
-    def done(self) -> bool:
-        return self._ended is not None
-
-    def cancel(self) -> bool:
+    def _close(self, why: str) -> bool:
+        """End the connection from this side; False if it had ended."""
         if self._ended is not None:
             return False
-        self._answered = True  # ended by its caller, not refused
-        self._end(grpc.StatusCode.CANCELLED, "the session was closed")
+        self._answered = True  # ended by its owner, not refused
+        self._end(grpc.StatusCode.CANCELLED, why)
         return True
 
     def on_frame(self, frame: bytes) -> None:
@@ -129,8 +134,8 @@ class SocketSession(Frames):
         self._wake()
 
     def _failure(self) -> grpc.aio.AioRpcError:
-        """What ended the session, as raised to its caller; ``refused`` hears of
-        it when it came before the first answer."""
+        """What ended the connection, as raised to its caller; ``refused``
+        hears of it when it came before the first answer."""
         assert self._ended is not None
         if not self._answered and self._refused is not None:
             self._refused(self._ended.details() or self._ended.code().name)
@@ -139,6 +144,82 @@ class SocketSession(Frames):
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+
+class SocketSession(_Connection):
+    """One Session on the socket at ``path``, connected on its first write,
+    in the shape of the client's end of a gRPC stream (``SessionStream``)."""
+
+    def __init__(
+        self,
+        path: str,
+        token: str | None = None,
+        *,
+        instance: str = "",
+        refused: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(path, jpb.SessionHello(token=token or "", instance=instance), refused)
+
+    async def write(self, request: jpb.SessionRequest) -> None:
+        await self._send(request)
+
+    async def read(self) -> jpb.SessionResponse:
+        return await self._receive(jpb.SessionResponse)
+
+    def cancel(self) -> bool:
+        return self._close("the session was closed")
+
+
+# The name of a poll's client span, as gRPC's interceptor names PollTasks.
+POLL_METHOD = f"/{pb.DESCRIPTOR.services_by_name['EngineService'].full_name}/PollTasks"
+
+
+class SocketPolls(_Connection):
+    """The worker's polls on the session socket (ADR 49): a connection of
+    their own (its hello sets ``polls``), one poll at a time, since the
+    server answers in order and a poll is held up to its wait.
+
+    ``poll`` fails as a gRPC call does: ``AioRpcError`` UNAVAILABLE when the
+    socket cannot be reached or the connection ends, DEADLINE_EXCEEDED when
+    no answer comes in time, the server's code when it refuses the hello,
+    and the domain error when the poll itself is refused. A poll that ends
+    without its answer (cancelled, timed out) closes the connection: the
+    server then cancels it, which gives back the tasks it pulled.
+    """
+
+    def __init__(
+        self, path: str, token: str | None, *, instance: str, refused: Callable[[str], None]
+    ) -> None:
+        hello = jpb.SessionHello(token=token or "", instance=instance, polls=True)
+        super().__init__(path, hello, refused)
+        self._sent = 0
+
+    async def poll(self, request: pb.PollTasksRequest, *, deadline: float) -> pb.PollTasksResponse:
+        carrier: dict[str, str] = {}
+        with tracing.client_span(POLL_METHOD, carrier) as span:
+            self._sent += 1
+            try:
+                async with asyncio.timeout(deadline):
+                    await self._send(
+                        pb.SocketPoll(id=self._sent, trace_context=carrier, request=request)
+                    )
+                    answer = await self._receive(pb.SocketPollAnswer)
+            except TimeoutError:
+                self._end(grpc.StatusCode.DEADLINE_EXCEEDED, "PollTasks: no answer")
+                raise self._failure() from None
+            except BaseException:  # cancelled: the answer, if any, is for nobody
+                self._close("the poll was cancelled")
+                raise
+            if answer.id != self._sent:
+                self._end(grpc.StatusCode.UNAVAILABLE, "PollTasks: an answer to another poll")
+                raise self._failure()
+            if answer.HasField("error"):
+                raise answered_error(span, answer.error)
+            tracing.set_status(span, grpc.StatusCode.OK, "", server=False)
+            return answer.tasks
+
+    def close(self) -> None:
+        self._close("the polls' connection was closed")
 
 
 class FoundSocket:
@@ -186,6 +267,19 @@ class FoundSocket:
         if socket is None:
             return None
         return SocketSession(
+            socket.path,
+            self._token,
+            instance=socket.instance,
+            refused=lambda reason: self._refuse(socket, reason),
+        )
+
+    def polls(self) -> SocketPolls | None:
+        """A connection for the polls on the socket, when it takes them
+        (ADR 49); None while there is none to use."""
+        socket = self._socket
+        if socket is None or not socket.polls:
+            return None
+        return SocketPolls(
             socket.path,
             self._token,
             instance=socket.instance,

@@ -259,6 +259,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def PollTasks(
         self, request: pb.PollTasksRequest, context: Context
     ) -> pb.PollTasksResponse:
+        return await self.poll(request)
+
+    async def poll(self, request: pb.PollTasksRequest) -> pb.PollTasksResponse:
+        """PollTasks, as gRPC and the session socket (ADR 49) call it:
+        domain errors are raised."""
         types = list(dict.fromkeys(request.task_types))
         if not types:
             raise errors.InvalidArgument("at least one task type is required", field="task_types")

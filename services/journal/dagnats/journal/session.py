@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -40,6 +40,7 @@ from dagnats.journal.v1 import journal_pb2 as pb
 
 Behaviour = Callable[[Any, Any, Context | None], Awaitable[Any]]
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def behaviours(servicer_class: type) -> dict[str, Behaviour]:
@@ -126,23 +127,40 @@ async def _answer(
     kind = request.WhichOneof("call")
     if kind is None:
         missing = errors.InvalidArgument("the request names no call", field="call")
-        return _failed(request.id, missing)
-    parent = tracing.extract(request.trace_context)
-    with tracing.server_span(SERVICE + CALLS[kind], parent) as span:
+        return failed(request.id, missing)
+    call = methods[kind](servicer, getattr(request, kind), context)
+    answer = await answered(SERVICE + CALLS[kind], request.trace_context, call)
+    if isinstance(answer, WireError):
+        return failed(request.id, answer)
+    response = pb.SessionResponse(id=request.id)
+    getattr(response, kind).CopyFrom(answer)
+    return response
+
+
+async def answered(
+    method: str, trace_context: Mapping[str, str], call: Awaitable[T]
+) -> T | WireError:
+    """``call``'s answer, awaited inside a SERVER span of ``method`` whose
+    parent is ``trace_context``, with no deadline of its own; a domain error
+    (or a retriable failure, ``as_domain_error``) is returned, not raised.
+
+    Raises:
+        Exception: any other failure, a server error.
+    """
+    parent = tracing.extract(trace_context)
+    with tracing.server_span(method, parent) as span:
         try:
             with deadline.serving(None):
-                answer = await methods[kind](servicer, getattr(request, kind), context)
+                return await call
         except (Exception, errors.Fenced) as err:
             if (domain := as_domain_error(err)) is None:
                 raise
             tracing.set_status(span, status_of(domain), domain.message, server=True)
-            return _failed(request.id, domain)
-        response = pb.SessionResponse(id=request.id)
-        getattr(response, kind).CopyFrom(answer)
-        return response
+            return domain
 
 
-def _failed(request_id: int, err: WireError) -> pb.SessionResponse:
+def failed(request_id: int, err: WireError) -> pb.SessionResponse:
+    """The answer of a request that ended with ``err``."""
     status, message, field = wire_status(err)
     error = pb.SessionError(
         status=status.value[0],

@@ -25,7 +25,8 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -33,7 +34,8 @@ import grpc
 from dagnats.core import errors
 from dagnats.core.frames import MAX_FRAME, Frames
 from dagnats.core.grpcutil import WireError
-from dagnats.journal.session import Behaviour, _answer, _failed
+from dagnats.engine.v1 import engine_pb2 as epb
+from dagnats.journal.session import Behaviour, _answer, answered, failed
 from dagnats.journal.v1 import journal_pb2 as pb
 
 # sockaddr_un's sun_path holds 108 bytes with the terminating NUL.
@@ -43,6 +45,8 @@ HELLO_SECONDS = 10.0
 # Requests read ahead of the one being answered; past this the socket is not
 # read until they are (a worker sends one at a time).
 READ_AHEAD = 16
+# The method a poll on the socket is, for its span.
+POLL_METHOD = f"/{epb.DESCRIPTOR.services_by_name['EngineService'].full_name}/PollTasks"
 # The hello's check: None lets the connection in, else the refusal to answer.
 Admit = Callable[[str], WireError | None]
 log = logging.getLogger(__name__)
@@ -121,7 +125,15 @@ class _Connection(Frames):
             self.transport.close()
 
     def _end(self, err: WireError) -> None:
-        self.send(_failed(0, err))
+        self.send(failed(0, err))
+        self.close()
+
+    def _end_unknown(self, err: Exception) -> None:
+        """End the connection as a gRPC stream ends on a server error."""
+        unknown = pb.SessionError(
+            status=grpc.StatusCode.UNKNOWN.value[0], message=f"{type(err).__name__}: {err}"
+        )
+        self.send(pb.SessionResponse(id=0, error=unknown))
         self.close()
 
     async def _serve(self) -> None:
@@ -134,7 +146,12 @@ class _Connection(Frames):
             hello = pb.SessionHello.FromString(first)
         except Exception:  # a malformed protobuf: DecodeError, or worse
             return self._end(errors.InvalidArgument("the first frame is not a SessionHello"))
-        refusal = self._sockets.admit(hello.token)
+        polls = self._sockets.polls if hello.polls else None
+        if hello.polls and polls is None:
+            return self._end(
+                errors.Conflict(f"{self._sockets.path} takes no polls: poll on gRPC", field="polls")
+            )
+        refusal = (polls or self._sockets).admit(hello.token)
         if refusal is not None:
             return self._end(refusal)
         if hello.instance and hello.instance != self._sockets.instance:
@@ -143,6 +160,8 @@ class _Connection(Frames):
                     f"{self._sockets.path} is another server's session socket", field="instance"
                 )
             )
+        if polls is not None:
+            return await self._serve_polls(polls)
         while True:
             frame = await self._next()
             try:
@@ -153,35 +172,75 @@ class _Connection(Frames):
                 answer = await _answer(self._sockets.servicer, self._sockets.methods, request, None)
             except Exception as err:
                 log.exception("a journal call on a session socket failed")
-                unknown = pb.SessionError(
-                    status=grpc.StatusCode.UNKNOWN.value[0], message=f"{type(err).__name__}: {err}"
-                )
-                self.send(pb.SessionResponse(id=0, error=unknown))  # as a gRPC stream ends
-                return self.close()
+                return self._end_unknown(err)
             self.send(answer)
+
+    async def _serve_polls(self, polls: Polls) -> None:
+        """The engine's PollTasks, one at a time (ADR 49); the connection's
+        end cancels the poll under way, which gives back what it pulled."""
+        while True:
+            frame = await self._next()
+            try:
+                poll = epb.SocketPoll.FromString(frame)
+            except Exception:  # a malformed protobuf: DecodeError, or worse
+                return self._end(errors.InvalidArgument("a frame is not a SocketPoll"))
+            self._sockets.polled += 1
+            try:
+                answer = await answered(POLL_METHOD, poll.trace_context, polls.call(poll.request))
+            except Exception as err:
+                log.exception("a poll on a session socket failed")
+                return self._end_unknown(err)
+            if isinstance(answer, WireError):
+                error = failed(poll.id, answer).error
+                self.send(epb.SocketPollAnswer(id=poll.id, error=error))
+            else:
+                self.send(epb.SocketPollAnswer(id=poll.id, tasks=answer))
+
+
+@dataclass(frozen=True, slots=True)
+class Polls:
+    """The engine of this process's PollTasks, served on its session socket
+    too (ADR 49): ``call`` answers a request as the RPC does (raising domain
+    errors), and ``admit`` checks a poll connection's token."""
+
+    call: Callable[[epb.PollTasksRequest], Awaitable[epb.PollTasksResponse]]
+    admit: Admit
 
 
 class SessionSocket:
     """A listening session socket; :meth:`close` stops it and its connections."""
 
     def __init__(
-        self, path: Path, servicer: object, methods: dict[str, Behaviour], admit: Admit
+        self,
+        path: Path,
+        servicer: object,
+        methods: dict[str, Behaviour],
+        admit: Admit,
+        polls: Polls | None = None,
     ) -> None:
         self.path = path
         self.servicer = servicer
         self.methods = methods
         self.admit = admit
+        self.polls = polls
         self.connections: set[_Connection] = set()
         self.accepted = 0  # connections since the start
+        self.polled = 0  # polls taken since the start
         # Tells this socket from another at the same path (ADR 46).
         self.instance = secrets.token_hex(8)
         self._server: asyncio.Server | None = None
 
     @classmethod
     async def start(
-        cls, path: Path, servicer: object, methods: dict[str, Behaviour], admit: Admit
+        cls,
+        path: Path,
+        servicer: object,
+        methods: dict[str, Behaviour],
+        admit: Admit,
+        polls: Polls | None = None,
     ) -> SessionSocket:
-        """Listen at ``path``, replacing a socket a stopped server left there.
+        """Listen at ``path``, replacing a socket a stopped server left there;
+        with ``polls``, connections that ask for it carry the engine's polls.
 
         Raises:
             InvalidArgument: see :func:`check_path`.
@@ -201,7 +260,7 @@ class SessionSocket:
         else:
             writer.close()
             raise errors.Unavailable(f"another server listens on {path}")
-        sockets = cls(path, servicer, methods, admit)
+        sockets = cls(path, servicer, methods, admit, polls)
         loop = asyncio.get_running_loop()
         try:
             sockets._server = await loop.create_unix_server(lambda: _Connection(sockets), path)

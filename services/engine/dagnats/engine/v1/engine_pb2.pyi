@@ -1227,25 +1227,128 @@ class JournalSocket(_message.Message):
 
     PATH_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
+    POLLS_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """The socket's absolute path on the services' host."""
     instance: _builtins.str
     """Chosen at each start of the socket, so that a worker can tell the socket
     at the path on its own host is this process's: its hello names it.
     """
+    polls: _builtins.bool
+    """Whether the socket also takes this engine's PollTasks (ADR 49): a
+    connection whose hello sets SessionHello.polls carries SocketPoll frames,
+    each answered in order by a SocketPollAnswer.
+    """
     def __init__(
         self,
         *,
         path: _builtins.str = ...,
         instance: _builtins.str = ...,
+        polls: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "path", b"path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "path", b"path", "polls", b"polls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JournalSocket: _TypeAlias = JournalSocket  # noqa: Y015
+
+@_typing.final
+class SocketPoll(_message.Message):
+    """SocketPoll is one PollTasks call on a session socket opened for polls
+    (SessionHello.polls, ADR 49). One is answered before the next is read.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the client and echoed in the answer."""
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """W3C trace context (traceparent, tracestate) of the caller's span."""
+
+    @_builtins.property
+    def request(self) -> Global___PollTasksRequest:
+        """The call, as PollTasks takes it."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        request: Global___PollTasksRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "request", b"request", "trace_context", b"trace_context"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SocketPoll: _TypeAlias = SocketPoll  # noqa: Y015
+
+@_typing.final
+class SocketPollAnswer(_message.Message):
+    """SocketPollAnswer answers one SocketPoll. Its fields are numbered as
+    dagnats.journal.v1.SessionResponse's: a refusal of the hello, or a frame
+    the server cannot read, is an answer with id 0 and an error, and the
+    socket is closed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TASKS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The poll's id."""
+    @_builtins.property
+    def tasks(self) -> Global___PollTasksResponse:
+        """As PollTasks answers."""
+
+    @_builtins.property
+    def error(self) -> _journal_pb2.SessionError:
+        """The status PollTasks would have ended with."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        tasks: Global___PollTasksResponse | None = ...,
+        error: _journal_pb2.SessionError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "result", b"result", "tasks", b"tasks"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "id", b"id", "result", b"result", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["tasks", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___SocketPollAnswer: _TypeAlias = SocketPollAnswer  # noqa: Y015
 
 @_typing.final
 class HeartbeatRequest(_message.Message):

@@ -1645,6 +1645,7 @@ class SessionHello(_message.Message):
 
     TOKEN_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
+    POLLS_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     """The bearer token a gRPC call would carry; empty when the server takes
     calls without one.
@@ -1654,15 +1655,21 @@ class SessionHello(_message.Message):
     socket of any other server refuses the hello (FAILED_PRECONDITION).
     Empty for a worker given the socket's path by its operator.
     """
+    polls: _builtins.bool
+    """The connection carries the engine's PollTasks instead of journal calls
+    (dagnats.engine.v1.SocketPoll frames, ADR 49); a socket whose
+    JournalSocket.polls is false refuses it (FAILED_PRECONDITION).
+    """
     def __init__(
         self,
         *,
         token: _builtins.str = ...,
         instance: _builtins.str = ...,
+        polls: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "polls", b"polls", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
