@@ -12,8 +12,8 @@ once: two journaled steps an iteration). Four processes, as deployed:
   starts nats-server with ``sync_interval: always`` as its child;
 - a worker process (``python -m tests.bench_turn worker``) running the
   journaled handler, told nothing but the engine's address: on the services'
-  host, its journal calls go to the session socket its polls name (ADR 45,
-  46); with ``BENCH_DEPLOY=grpc`` on gRPC, as a worker on another host sends
+  host, its journal calls and its polls go to the session socket its polls
+  name (ADR 45, 46, 49); with ``BENCH_DEPLOY=grpc`` on gRPC, as a worker on another host sends
   them (``DAGNATS_JOURNAL_SOCKET=off``); with
   ``BENCH_DEPLOY=services`` the handler runs in the ``dagnats dev`` process
   instead (``--handlers``, ADR 44) and the worker process serves only the
@@ -827,7 +827,7 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
                 await phases("dagnats", p, dagnats_run, stack.cpu, ours, phase)
                 if p.queued:
                     await phases("queued", p, queued_run, stack.cpu, queued, phase)
-            on_socket = stack.socket_connections()  # the worker's idle sessions
+            on_socket = stack.socket_connections()  # the worker's idle sessions and polls
             progress("messages per iteration")
             counted = await messages(stack, dagnats_run, min(p.k, 20))
             if p.strace and shutil.which("strace"):
@@ -1034,7 +1034,7 @@ def main(argv: list[str] | None = None) -> None:
         f"dagnats {head}, handler in {WHERE[p.deploy]}; {time.perf_counter() - started:.0f}s"
     )
     if p.deploy != "services":
-        print(f"the worker's journal sessions open on the session socket: {got['on_socket']}")
+        print(f"the worker's connections open on the session socket: {got['on_socket']}")
     print(format_table(rows(ours, floor)))
     measured = [("dagnats", got["dagnats"].cpu), ("floor", got["floor"].cpu)]
     if got["queued"] is not None:
