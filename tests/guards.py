@@ -33,12 +33,47 @@ GUARDS = (
     Guard(
         name="the session socket checks the hello's token",
         file="services/journal/dagnats/journal/session_socket.py",
-        guard="        refusal = self._sockets.admit(hello.token)\n",
+        guard="        refusal = (polls or self._sockets).admit(hello.token)\n",
         removed="        refusal = None\n",
-        how="the session socket lets any connection call the journal",
+        how="the session socket lets any connection call the journal or poll",
         tests=(
             "tests/test_session_socket.py::"
             "test_the_socket_takes_a_worker_token_when_the_server_needs_one",
+            "tests/test_session_socket.py::test_the_polls_socket_takes_only_a_token_that_may_poll",
+        ),
+    ),
+    Guard(
+        name="a poll on the session socket ends with its connection",
+        file="services/journal/dagnats/journal/session_socket.py",
+        guard="            self._task.cancel()  # as a gRPC stream's end cancels its handler\n",
+        removed="            pass\n",
+        how="a worker gone from the socket leaves its poll pulling; the task it takes waits",
+        tests=(
+            "tests/test_engine_polls.py::"
+            "test_a_poll_left_on_the_session_socket_does_not_take_the_next_task",
+        ),
+    ),
+    Guard(
+        name="a lease claims on its guess only when nobody else wrote the run since",
+        file="services/engine/dagnats/engine/service.py",
+        guard="        known = current is task and self.engine.quiet(task.run_id)\n",
+        removed="        known = current is task\n",
+        how="a handler starts on the claim of a run another engine ended",
+        tests=(
+            "tests/test_journal_api.py::"
+            "test_a_lease_on_a_guess_another_engine_wrote_over_claims_on_a_read",
+        ),
+    ),
+    Guard(
+        name="a dispatch sent again is claimed on a read of its journal",
+        file="services/engine/dagnats/engine/service.py",
+        guard="    again = record is not None and (record.redispatches > 0 or record.held_seq > 0)"
+        "\n",
+        removed="    again = False\n",
+        how="the claim of a vanished task's new message takes its journal as empty",
+        tests=(
+            "tests/test_journal_api.py::"
+            "test_a_lease_of_a_dispatch_sent_again_claims_nothing_over_its_records",
         ),
     ),
     Guard(

@@ -15,7 +15,9 @@ from dagnats.core import jetstream as jsx
 from dagnats.core.errors import Fenced, NotFound
 from dagnats.core.grpcutil import error_from_rpc
 from dagnats.core.natsserver import NatsServer
+from dagnats.engine.model import TaskVanished
 from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.journal.limits import HEADER_ROOM, MAX_RECORD_BYTES
@@ -32,6 +34,7 @@ from dagnats.sdk import (
     Worker,
     run_output,
 )
+from tests.helpers import wait_for
 from tests.stack import FAST, loop_workflow, unique
 from tests.test_journal import journal_check, read_journal
 
@@ -692,18 +695,76 @@ async def test_a_poll_with_a_bad_restart_limit_or_worker_id_is_refused_naming_it
             assert await refused_field(stub.PollTasks(request)) == named
 
 
-async def test_a_lease_claims_nothing_for_a_dispatch_with_records(engine: EngineServer) -> None:
-    # Another holder of the dispatch stored a claim and an intent before the
-    # task was first delivered to a poll (a task published again, say): the
-    # claim would fence it and close the intent, a write that is the new
-    # holder's own Claim to make, not the lease's.
+async def another_holder_writes(
+    stub: jgrpc.JournalServiceAsyncStub, run: pb.Run, *, delivery: int
+) -> None:
+    """A holder of ``run``'s first dispatch, not the next poll's, claims it
+    (stored) and writes its first turn's intent."""
+    other = jpb.ClaimRequest(
+        run_id=run.run_id, step_id="agent", attempt=1, delivery=delivery, worker_id="w-other"
+    )
+    token = (await stub.Claim(other)).claimed.token
+    await stub.BeginTool(first_tool_call(token))
+
+
+async def test_a_first_deliverys_claim_reads_nothing_and_a_record_there_fences_its_holder(
+    engine: EngineServer,
+) -> None:
+    # ADR 50: the engine knows the run running and the task the first
+    # delivery of its step's first dispatch, so the claim made with the lease
+    # reads nothing: no holder came before. Were records there after all
+    # (here another holder's claim and intent, written out of band), the
+    # holder's first record, fenced on the empty tail, is refused: its unsafe
+    # tool is not started, and nothing of it is stored.
     async with as_its_worker(engine, "leasewrites") as (run, stub):
         task = await task_of(engine, run)
-        other = jpb.ClaimRequest(
-            run_id=run.run_id, step_id="agent", attempt=1, delivery=2, worker_id="w-other"
-        )
-        token = (await stub.Claim(other)).claimed.token
-        await stub.BeginTool(first_tool_call(token))
+        await another_holder_writes(stub, run, delivery=2)
+        before = await read_journal(engine, run.run_id)
+        leased = await poll_once(engine, task, claim_journal=True, worker_id="w-polled")
+        assert leased.delivery == 1 and leased.HasField("journal_claim")
+        assert leased.journal_claim.token.last_seq == 0, "the tail was not read"
+        assert await read_journal(engine, run.run_id) == before, "the lease wrote to the journal"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.BeginTool(first_tool_call(leased.journal_claim.token))
+        assert isinstance(error_from_rpc(refused.value), Fenced)
+        assert await read_journal(engine, run.run_id) == before, "a fenced holder stored a record"
+
+
+async def test_a_lease_on_a_guess_another_engine_wrote_over_claims_on_a_read(
+    engine: EngineServer, nats_server: NatsServer
+) -> None:
+    # The engine leases on its own last write of the run; another engine
+    # cancelled the run since, which this one heard (ADR 38): the claim does
+    # not take the guess for the run as stored, reads it, finds it ended and
+    # claims nothing, so no handler starts on a cancelled run's claim.
+    async with as_its_worker(engine, "leaseheard") as (run, _):
+        task = await task_of(engine, run)
+        nc = await jsx.connect(nats_server.url, name="dagnats-test-other-engine")
+        try:
+            other = await EngineStore.open(nc)
+            stored = await other.require_run(run.run_id)
+            stored.record.run.status = pb.RUN_STATUS_CANCELLED
+            await other.update_run(stored.record, stored.revision)
+        finally:
+            await nc.close()
+        await wait_for(lambda: not engine.engine.quiet(run.run_id), message="the write heard")
+        leased = await poll_once(engine, task, claim_journal=True, worker_id="w-polled")
+        assert leased.delivery == 1 and not leased.HasField("journal_claim")
+        assert await read_journal(engine, run.run_id) == []
+
+
+async def test_a_lease_of_a_dispatch_sent_again_claims_nothing_over_its_records(
+    engine: EngineServer,
+) -> None:
+    # The reconciler found the task gone and dispatched it again (a new
+    # message, delivered once); a holder of the first message may have
+    # written: the claim reads, finds its records, and leaves the claim that
+    # fences them to the new holder's own Claim.
+    async with as_its_worker(engine, "leaseagain") as (run, stub):
+        task = await task_of(engine, run)
+        await another_holder_writes(stub, run, delivery=1)
+        vanished = TaskVanished(step_id="agent", iteration=0, attempt=1)
+        assert await engine.engine.apply(run.run_id, vanished) is not None
         before = await read_journal(engine, run.run_id)
         leased = await poll_once(engine, task, claim_journal=True, worker_id="w-polled")
         assert leased.delivery == 1 and not leased.HasField("journal_claim")

@@ -519,6 +519,11 @@ class Engine:
         if pending is not None:
             await asyncio.wait([pending])
 
+    def quiet(self, run_id: str) -> bool:
+        """Whether nobody else wrote the run since this engine's last write of
+        it, as far as hearing can tell (ADR 38); False whenever it cannot."""
+        return self.heard is not None and self.heard.quiet_since(run_id, self._marks.get(run_id))
+
     def last_written(self, run_id: str) -> StoredRun | None:
         """The run as this engine last wrote it, if it keeps it: a guess at
         what is stored (see the module's docstring)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Protocol
 
 from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
@@ -58,9 +58,13 @@ def _runs_filter(request: pb.WatchRunsRequest) -> Filter:
     return Filter(workflow=workflow, status=request.status, limit=limit)
 
 
-# The journal service of this process claiming a first delivery's journal as
-# its task is leased (``JournalServicer.ride_claim``, ADR 42).
-Claims = Callable[[jpb.ClaimRequest], Awaitable[jpb.Claimed | None]]
+class Claims(Protocol):
+    """The journal service of this process claiming a first delivery's
+    journal as its task is leased (``JournalServicer.ride_claim``, ADR 42)."""
+
+    def __call__(
+        self, request: jpb.ClaimRequest, *, first: bool = False
+    ) -> Awaitable[jpb.Claimed | None]: ...
 
 
 class EngineServicer(pb_grpc.EngineServiceServicer):
@@ -362,7 +366,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # refuse it. Only a read settles a task as stale.
         seq = msg.stream_seq
         await self.engine.creating(task.run_id)  # a first task may come before its run
-        current = _current_task(self.engine.last_written(task.run_id), task, seq)
+        stored = self.engine.last_written(task.run_id)
+        current = _current_task(stored, task, seq)
+        # Whether ``stored`` is the run as a read would give it now: a guess
+        # nobody else wrote over since (ADR 38), or a read.
+        known = current is task and self.engine.quiet(task.run_id)
         if current is None or current is not task:
             # A kept message is leased on a read only: leased for an older
             # dispatch than it carries, its claim would find that one committed
@@ -373,6 +381,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 await msg.nak(delay=wait)
                 return None
             current = _current_task(found, task, seq)
+            stored, known = found, True
         if current is None:
             log.info("run %s step %s: task no longer current; settled", task.run_id, task.step_id)
             await msg.ack()
@@ -390,22 +399,25 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             task=current, lease=msg.lease, delivery=msg.delivered, lease_duration=lease_duration
         )
         if claiming is not None:
-            claimed = await self._ride_claim(leased, claiming)
+            first = known and stored is not None and _first_dispatch(stored, current, msg.delivered)
+            claimed = await self._ride_claim(leased, claiming, first=first)
             if claimed is not None:
                 leased.journal_claim.CopyFrom(claimed)
         return leased
 
     async def _ride_claim(
-        self, leased: pb.LeasedTask, poll: pb.PollTasksRequest
+        self, leased: pb.LeasedTask, poll: pb.PollTasksRequest, *, first: bool
     ) -> jpb.Claimed | None:
         """The journal claim of ``leased`` that rides its holder's first record
         (ADR 42), or None: the worker then claims as usual, so a failure here
-        costs it that call and nothing else."""
+        costs it that call and nothing else. ``first``: the run is known
+        running and the task is its step's first dispatch, delivered once
+        (ADR 50)."""
         assert self.claims is not None
         task = leased.task
         request = lease_claim(leased, worker_id=poll.worker_id, restart_limit=poll.restart_limit)
         try:
-            return await self.claims(request)
+            return await self.claims(request, first=first)
         except Exception as err:  # the worker's own claim tries again, and answers
             log.info("run %s step %s: no claim with the lease: %r", task.run_id, task.step_id, err)
             return None
@@ -613,6 +625,18 @@ def _current_task(stored: StoredRun | None, task: pb.Task, seq: int) -> pb.Task 
     kept.CopyFrom(task)
     kept.iteration, kept.attempt = carried.iteration, carried.attempt
     return kept
+
+
+def _first_dispatch(stored: StoredRun, task: pb.Task, delivery: int) -> bool:
+    """Whether ``task``, delivered for the ``delivery``-th time, is the first
+    delivery of its step's first dispatch by the run ``stored``: iteration 0,
+    attempt 1, never dispatched again (a vanished task's new message) nor
+    kept. No holder came before it, so the step's journal holds nothing: a
+    dispatch's message is published again only under its Msg-Id, inside the
+    window that drops a duplicate (``rules.republishable``)."""
+    record = stored.record.step_records.get(task.step_id)
+    again = record is not None and (record.redispatches > 0 or record.held_seq > 0)
+    return (task.iteration, task.attempt, delivery) == (0, 1, 1) and not again
 
 
 _background: set[asyncio.Task[Any]] = set()

@@ -142,15 +142,25 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             response.settled.task_settled = True
         return response
 
-    async def ride_claim(self, request: pb.ClaimRequest) -> pb.Claimed | None:
+    async def ride_claim(
+        self, request: pb.ClaimRequest, *, first: bool = False
+    ) -> pb.Claimed | None:
         """The claim of a task's first delivery, made as the engine of this
         process leases it (ADR 42): what ``Claim`` would answer when the claim
         rides the holder's first record (ADR 40), with nothing written; None
         when it would be stored or would settle the task, which the holder's
-        own ``Claim`` then does."""
+        own ``Claim`` then does.
+
+        ``first``: the engine knows the run running and the task the first
+        delivery of its step's first dispatch, whose journal then holds
+        nothing: the claim reads nothing either (ADR 50). Were a record there
+        after all, the holder's first record, fenced on an empty tail, would
+        be refused."""
         limit = request.restart_limit or replay.DEFAULT_RESTART_LIMIT
         if not replay.claim_rides(request.attempt, request.delivery, limit):
             return None  # a redelivery or a retry: its claim is stored, by its holder
+        if first and request.iteration == 0:
+            return (await self._claim_riding(request, None, 0)).claimed
         response = await self._claim_answer(request, limit, ride_only=True)
         return response.claimed if response is not None else None
 
