@@ -712,7 +712,8 @@ GUARDS = (
         tests=(
             "tests/test_replay.py::"
             "test_a_claim_rides_the_first_record_only_when_it_proceeds_on_nothing_stored",
-            "tests/test_journal_api.py::test_a_lease_claims_nothing_for_a_dispatch_with_records",
+            "tests/test_journal_api.py::"
+            "test_a_lease_of_a_dispatch_sent_again_claims_nothing_over_its_records",
         ),
     ),
     Guard(
@@ -722,7 +723,8 @@ GUARDS = (
         removed="        match decision:\n",
         how="the engine's lease stores a claim, or settles a dispatch, on its worker's behalf",
         tests=(
-            "tests/test_journal_api.py::test_a_lease_claims_nothing_for_a_dispatch_with_records",
+            "tests/test_journal_api.py::"
+            "test_a_lease_of_a_dispatch_sent_again_claims_nothing_over_its_records",
         ),
     ),
     Guard(
