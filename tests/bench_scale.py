@@ -58,6 +58,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dagnats.core.jetstream import KV_ACTIVE_RUNS, KV_RUNS
+from dagnats.engine.store import INDEX_THROUGH
 from dagnats.engine.v1 import engine_pb2 as pb
 from tests import bench_turn as bt
 
@@ -414,17 +416,30 @@ async def park(client: Any, js: Any, n: int) -> tuple[list[str], float]:
 
 
 async def index_drained(js: Any, n: int) -> float:
-    """Seconds until the active-run index holds none of the ``n`` parked runs
-    (ADR 32: the reconciler's passes take them out), so that what is measured
-    next is a wait's steady state, not the pass that parks it."""
+    """Seconds until the reconciler's passes have read every write of the
+    runs bucket (ADR 48: the index's mark has reached its last sequence) and
+    the active-run index holds none of the ``n`` parked runs (ADR 32: a pass
+    enters them, the next parks them and takes them out), so that what is
+    measured next is a wait's steady state, not the passes that park it."""
+    from nats.js.errors import KeyNotFoundError
+
+    index = await js.key_value(KV_ACTIVE_RUNS)
     started = time.perf_counter()
     deadline = time.monotonic() + 300 + n / 20
     while True:
-        info = await js.stream_info("KV_ACTIVE_RUNS")
-        if info.state.messages <= 1:  # the index's own completion mark
+        runs = await js.stream_info(f"KV_{KV_RUNS}")
+        try:
+            mark = int((await index.get(INDEX_THROUGH)).value or b"0")
+        except KeyNotFoundError:
+            mark = 0
+        info = await js.stream_info(f"KV_{KV_ACTIVE_RUNS}")
+        if mark >= runs.state.last_seq and info.state.messages <= 1:  # the mark alone
             return time.perf_counter() - started
         if time.monotonic() > deadline:
-            raise SystemExit(f"{info.state.messages} runs still in the active-run index")
+            raise SystemExit(
+                f"the reconciler did not settle: its mark at {mark} of the runs"
+                f" bucket's {runs.state.last_seq}, {info.state.messages} keys in the index"
+            )
         await asyncio.sleep(1.0)  # a reconcile pass takes seconds
 
 
