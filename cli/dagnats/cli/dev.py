@@ -101,7 +101,7 @@ async def run_dev(args: argparse.Namespace) -> int:
         print(f"nats-server  {nats.url}  (data in {data / 'nats'}, sync_interval: always)")
         print(f"engine       {engine.target}  (gRPC)")
         if sessions is not None:
-            print(f"journal      {sessions}  (workers on this host find it: ADR 45, 46)")
+            print(f"journal      {sessions}  (workers on this host find it; the README says how)")
         else:
             print("journal      no session socket: the data directory's path is too long for one")
         print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")
