@@ -84,8 +84,9 @@ async def page(http: httpx.AsyncClient, run_id: str, step: str = "agent") -> lis
 
 
 async def step_of(http: httpx.AsyncClient, run_id: str) -> dict[str, Any]:
-    run = (await http.get(f"/runs/{run_id}")).json()
-    step: dict[str, Any] = run["steps"][0]
+    got = await http.get(f"/runs/{run_id}")
+    assert got.status_code == 200, got.text
+    step: dict[str, Any] = got.json()["steps"][0]
     return step
 
 
@@ -141,6 +142,7 @@ async def test_the_spec_agent_driven_through_rest_alone(
 
         async def steer_status(wanted: str) -> bool:
             got = await http.get(f"{inputs}/s-1", params={"wait": "2s"})
+            assert got.status_code == 200, got.text
             return bool(got.json()["status"] == wanted)
 
         await wait_for(lambda: steer_status("done"), timeout=30)

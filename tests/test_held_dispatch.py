@@ -79,11 +79,15 @@ class Loop:
     signals: list[str] = field(default_factory=list)
     heartbeat: bool = False
     pause_at: int | None = None  # an iteration that waits for ``go`` before it commits
+    hold_at: int | None = None  # an iteration that waits for ``go`` before it writes
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     go: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def __call__(self, tc: TaskContext) -> None:
         try:
+            if tc.iteration == self.hold_at and not self.go.is_set():
+                self.reached.set()
+                await self.go.wait()
             j = await tc.journal()
             self.ran.append((tc.iteration, tc.attempt, tc.delivery))
             await j.model(lambda: _answer(tc.iteration))

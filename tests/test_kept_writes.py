@@ -24,6 +24,7 @@ import pytest_asyncio
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from dagnats.core import jetstream as jsx
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine import convert
 from dagnats.engine.server import EngineServer, start_engine
@@ -201,3 +202,37 @@ async def test_a_cancel_by_another_engine_stops_the_holder_of_unwritten_iteratio
     assert steps_by_id(run)["agent"].iterations == 5
     assert [i for i, _, _ in loop.ran] == list(range(6)), "no iteration after the cancel"
     assert engine.engine.counters["guess_missed"] >= 1
+
+
+async def test_a_kept_task_lost_between_a_commit_and_the_next_record_runs_the_next_iteration(
+    client: Client, engine: EngineServer, js: JetStreamContext
+) -> None:
+    # The holder committed iteration 1 on its kept message, and the engine
+    # decided iteration 2 without writing it: the run as stored says
+    # iteration 1, and the journal's last record is iteration 1's commit.
+    # The message is then lost (a stale holder's release, an operator's
+    # purge) before the holder writes anything of iteration 2. The
+    # reconciler must take the commit as decided and dispatch iteration 2
+    # again: iteration 1 dispatched again would find the journal past it,
+    # once the holder wrote, and be settled as stale, for ever.
+    loop = Loop(k=K, hold_at=2)
+
+    async def lose_the_message(run_id: str) -> None:
+        await wait_for(loop.reached.is_set, timeout=20, message="iteration 2 began")
+        stored = await engine.engine.store.require_run(run_id)
+        assert steps_by_id(stored.record.run)["agent"].iteration == 1
+        held = stored.record.step_records["agent"].held_seq
+        assert held, "the loop runs on its kept message"
+        await js.delete_msg(jsx.TASKS, held)
+
+        async def rewritten() -> bool:
+            now = await engine.engine.store.require_run(run_id)
+            return now.revision > stored.revision
+
+        await wait_for(rewritten, timeout=20, message="the reconciler wrote the run")
+        loop.go.set()  # the holder writes iteration 2's first record
+
+    # One task at a time: the holder writes before a new message is leased.
+    run = await run_loop(client, engine, loop, during=lose_the_message, concurrency=1)
+    await completed(engine, run, K)
+    assert [i for i, _, _ in loop.ran].count(1) == 1, loop.ran

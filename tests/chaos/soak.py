@@ -309,7 +309,8 @@ class Soak:
         self, client: Client, journal: Any, run_id: str, done: pb.Run | None, inputs: list[str]
     ) -> list[str]:
         if done is None:
-            return [f"not finished after {self.config.run_deadline:g}s"]
+            where = await self._where_stuck(client, journal, run_id)
+            return [f"not finished after {self.config.run_deadline:g}s: {where}"]
         problems = []
         status = pb.RunStatus.Name(done.status)
         if done.status != pb.RUN_STATUS_COMPLETED or run_output(done) != agent.ANSWER:
@@ -326,6 +327,21 @@ class Soak:
             problems.append(f"the unsafe tool started {sends} times")
         problems += await self._check_inputs(client, journal, run_id, inputs)
         return problems
+
+    async def _where_stuck(self, client: Client, journal: Any, run_id: str) -> str:
+        """The unfinished run's step and its journal's last records, to start
+        the search for why it stands."""
+        run = await _retry(lambda: client.get_run(run_id))
+        step = steps_by_id(run)["agent"]
+        request = jpb.ReadRequest(run_id=run_id, step_id="agent")
+        records = await _retry(lambda: _read_all(journal, request))
+        tail = ", ".join(
+            f"{r.seq} {r.WhichOneof('kind')} ({r.iteration}, {r.attempt})" for r in records[-4:]
+        )
+        return (
+            f"step {pb.StepStatus.Name(step.status)} at ({step.iteration}, {step.attempt}), "
+            f"{step.iterations} iterations, {len(records)} records, the last: {tail or 'none'}"
+        )
 
     async def _check_inputs(
         self, client: Client, journal: Any, run_id: str, inputs: list[str]

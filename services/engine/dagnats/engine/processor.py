@@ -96,7 +96,7 @@ from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.inputs.store import InputStore, close_step_inputs
-from dagnats.journal.store import JournalStore
+from dagnats.journal.store import JournalStore, Written
 
 log = logging.getLogger(__name__)
 
@@ -219,14 +219,21 @@ class Engine:
     # ---- the one way a run changes ------------------------------------------------
 
     async def transition(
-        self, run_id: str, decide: Decide, *, kept: tuple[str, int] | None = None
+        self,
+        run_id: str,
+        decide: Decide,
+        *,
+        kept: tuple[str, int] | None = None,
+        through_last: bool = False,
     ) -> tuple[m.Run, m.Decision] | None:
         """Apply ``decide`` to the run with compare-and-swap; None if no such run.
 
         ``kept``: the input is a report of this step whose holder kept task
         message ``held_seq`` for the next iteration. When the decision only
         carries the step on with that message, and this engine holds the run
-        as it wrote it, the write may wait (ADR 37, :meth:`_defers`)."""
+        as it wrote it, the write may wait (ADR 37, :meth:`_defers`).
+        ``through_last``: a run that is read is caught up through its kept
+        step's last commit too (:meth:`caught_up`)."""
         guess = self._written.pop(run_id, None)
         mark = self._marks.pop(run_id, None)
         published = guess.revision if guess is not None else 0  # its outbox, by us
@@ -246,7 +253,7 @@ class Engine:
                     await self.publish_outbox(stored)
             run = as_stored = stored.run or convert.record_from_proto(stored.record)
             if not guessed:
-                run = await self.caught_up(as_stored, stored.record)
+                run = await self.caught_up(as_stored, stored.record, through_last=through_last)
             decision = decided = decide(run, self.clock())
             if isinstance(decision, m.Dropped):
                 if guessed:
@@ -356,16 +363,24 @@ class Engine:
             except Exception:
                 log.exception("writing the runs of kept iterations failed")
 
-    async def caught_up(self, run: m.Run, record: ipb.RunRecord) -> m.Run:
+    async def caught_up(
+        self, run: m.Run, record: ipb.RunRecord, *, through_last: bool = False
+    ) -> m.Run:
         """``run``, as read, with the kept iterations its journal holds past
         it applied: those an engine decided without writing the run yet (ADR
         37). Only a step running on a held message can be behind, and only
-        while the run has no outbox."""
+        while the run has no outbox.
+
+        ``through_last``: the last commit too, which has no record after it
+        to show that it was decided. A decision about the step's task, that
+        it vanished, needs it: the commit's event may have been decided,
+        unwritten, by an engine whose holder then lost the message before it
+        wrote the next iteration's first record (ADR 51)."""
         if self.journal is None or record.outbox or run.status is not m.RunStatus.RUNNING:
             return run
         for step in run.steps:
             if step.status is m.StepStatus.RUNNING and step.held_seq:
-                run = await self._catch_up(run, step)
+                run = await self._catch_up(run, step, through_last=through_last)
         return run
 
     async def read_run(self, run_id: str) -> StoredRun | None:
@@ -382,24 +397,34 @@ class Engine:
         record.parked_entry = stored.record.parked_entry
         return StoredRun(record, stored.revision)
 
-    async def _catch_up(self, run: m.Run, step: m.Step) -> m.Run:
+    async def _catch_up(self, run: m.Run, step: m.Step, *, through_last: bool) -> m.Run:
         """Apply the continue commits of ``step`` that the journal holds past
         the run's iteration and that an engine decided: each is followed by a
         record of the iteration after it. The last commit, with nothing after
-        it, is left to its own event (on its way, or sent again by a claim).
-        The walk back goes from commit to commit (``base_seq``)."""
+        it, is left to its own event (on its way, or sent again by a claim),
+        unless ``through_last``. The walk back goes from commit to commit
+        (``base_seq``)."""
         assert self.journal is not None
         tail = await self.journal.last_written(run.run_id, step.step_id)
-        if tail is None or tail.record.iteration <= step.iteration:
+        if tail is None:
+            return run
+        last = tail.record
+        if through_last and last.HasField("commit"):
+            seq, want = last.seq, last.iteration
+        else:
+            seq, want = last.base_seq, last.iteration - 1
+        if want < step.iteration:
             return run
         now = self.clock()
         reports: list[m.StepReport] = []
-        seq, want = tail.record.base_seq, tail.record.iteration - 1
         while want >= step.iteration:
             if len(reports) >= CATCH_UP_MAX:
                 log.warning("run %s step %s: too far behind its journal", run.run_id, step.step_id)
                 return run
-            written = await self.journal.written_at(run.run_id, step.step_id, seq)
+            if seq == last.seq:
+                written: Written | None = tail
+            else:
+                written = await self.journal.written_at(run.run_id, step.step_id, seq)
             commit = written.record if written is not None else None
             if commit is None or commit.iteration != want or not commit.HasField("commit"):
                 return run  # not a chain of kept iterations: left to the events
@@ -757,8 +782,14 @@ class Engine:
     async def apply(
         self, run_id: str, run_input: m.RunInput, *, kept: tuple[str, int] | None = None
     ) -> tuple[m.Run, m.Decision] | None:
+        # That a task vanished is decided on the run caught up through its
+        # last commit (:meth:`caught_up`).
+        vanished = isinstance(run_input, m.TaskVanished)
         return await self.transition(
-            run_id, lambda run, now: rules.apply(run, run_input, now, self.options), kept=kept
+            run_id,
+            lambda run, now: rules.apply(run, run_input, now, self.options),
+            kept=kept,
+            through_last=vanished,
         )
 
     async def _step_inputs(self, event: ipb.HistoryEvent) -> None:
