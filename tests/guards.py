@@ -751,12 +751,26 @@ GUARDS = (
     Guard(
         name="an engine that read the run catches up with the journal before it decides",
         file="services/engine/dagnats/engine/processor.py",
-        guard="                run = await self.caught_up(as_stored, stored.record)\n",
+        guard=(
+            "                run = await self.caught_up("
+            "as_stored, stored.record, through_last=through_last)\n"
+        ),
         removed="                pass\n",
         how="a cancel is decided on a run behind the journal; unwritten iterations are lost",
         tests=(
             "tests/test_kept_writes.py::"
             "test_a_cancel_by_another_engine_stops_the_holder_of_unwritten_iterations",
+        ),
+    ),
+    Guard(
+        name="a vanished kept task is decided through the step's last commit",
+        file="services/engine/dagnats/engine/processor.py",
+        guard="            through_last=vanished,\n",
+        removed="            through_last=False,\n",
+        how="the committed iteration is dispatched again and settled as stale, for ever",
+        tests=(
+            "tests/test_kept_writes.py::"
+            "test_a_kept_task_lost_between_a_commit_and_the_next_record_runs_the_next_iteration",
         ),
     ),
     Guard(
