@@ -90,6 +90,54 @@ async def test_a_key_read_is_what_the_bucket_reads(nc: NATS) -> None:
             await jsx.kv_get(js, "ADAPTER_KV", bad)
 
 
+async def test_a_followed_key_starts_at_its_value_while_it_is_written(nc: NATS) -> None:
+    # nats-py's watch says "the current value was given" before giving it in
+    # about one start in 600 while the key is written (its consumer's first
+    # message and the reply to its info request cross); read that way, the
+    # inputs service answered a long-polled input as not found.
+    js = nc.jetstream()
+    kv = await js.create_key_value(KeyValueConfig(bucket="ADAPTER_FOLLOW"))
+    await kv.put("k", b"0")
+    stop = asyncio.Event()
+
+    async def write() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            await kv.put("k", str(n).encode())
+            await asyncio.sleep(0.001)
+
+    async def read() -> Any:
+        return await kv.get("k")
+
+    writer = asyncio.create_task(write())
+    try:
+        for _ in range(600):
+            follow = jsx.follow_key(kv, "k", read)
+            first = await anext(follow)
+            assert first is not None and first.value
+            later = await anext(follow)  # the writer's next put, once
+            assert later is not None and int(later.revision or 0) > int(first.revision or 0)
+            await follow.aclose()
+    finally:
+        stop.set()
+        await writer
+    # A key with no value starts at None, and its first put follows.
+    follow = jsx.follow_key(kv, "none", _none)
+    assert await anext(follow) is None
+    revision = await kv.put("none", b"now")
+    got = await anext(follow)
+    assert got is not None and (got.value, got.revision) == (b"now", revision)
+    await kv.delete("none")
+    gone = await anext(follow)
+    assert gone is not None and gone.operation == "DEL"
+    await follow.aclose()
+
+
+async def _none() -> None:
+    return None
+
+
 async def test_a_call_that_fails_at_first_is_retried_until_it_succeeds(nc: NATS) -> None:
     subject = unique("adapter-service")
     tries = 0

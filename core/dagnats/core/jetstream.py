@@ -18,7 +18,7 @@ import logging
 import re
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -477,6 +477,34 @@ async def kv_get(js: JetStreamContext, bucket: str, key: str) -> KeyValue.Entry:
         created=None,
         operation=None,
     )
+
+
+async def follow_key(
+    kv: KeyValue, key: str, read: Callable[[], Awaitable[KeyValue.Entry | None]]
+) -> AsyncGenerator[KeyValue.Entry | None, None]:
+    """The entry of ``key`` as ``read`` gives it now (None when it has none),
+    then every later entry of the key in order, deletes and purges included.
+
+    The watch starts first and ``read`` is called after it, so no change is
+    missed; what the watch delivers at or below the read's revision is
+    skipped. The watch's own marker for "the current value was given" is not
+    used: nats-py sends it before the current value when the consumer's
+    first message and the reply to its info request cross (about one start
+    in 600 while the key is written), and a key that has a value would read
+    as having none."""
+    watcher = await retry_transient(lambda: kv.watch(key), f"watch {key}")
+    try:
+        current = await read()
+        seen = int(current.revision or 0) if current is not None else 0
+        yield current
+        async for entry in watcher:
+            if entry is None or int(entry.revision or 0) <= seen:
+                continue
+            seen = int(entry.revision or 0)
+            yield entry
+    finally:
+        with contextlib.suppress(Exception):  # gone with the connection already
+            await watcher.stop()  # type: ignore[no-untyped-call]
 
 
 async def publish(

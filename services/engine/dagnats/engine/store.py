@@ -237,28 +237,19 @@ class EngineStore:
 
     async def follow_run(self, run_id: str) -> AsyncGenerator[pb.Run | None, None]:
         """The run as stored now (None when there is none), then after every
-        change (None once purged), for the inputs service's waits. A KV watch
-        of the run's key: it gives the current value, then says so, then the
-        changes."""
-        watcher = await _retry(lambda: self._runs.watch(run_id), "watch the run")
-        try:
-            current: pb.Run | None = None
-            started = False
-            async for entry in watcher:
-                if entry is None:  # the current value was given
-                    if not started:
-                        started = True
-                        yield current
-                    continue
-                gone = entry.operation in ("DEL", "PURGE") or not entry.value
-                run = None if gone else ipb.RunRecord.FromString(entry.value).run
-                if started:
-                    yield run
-                else:
-                    current = run
-        finally:
-            with contextlib.suppress(Exception):  # gone with the connection already
-                await watcher.stop()  # type: ignore[no-untyped-call]
+        change (None once purged), for the inputs service's waits
+        (``jsx.follow_key``)."""
+
+        async def read() -> KeyValue.Entry | None:
+            try:
+                return await self._get(jsx.KV_RUNS, run_id, "read the run")
+            except nats.js.errors.KeyNotFoundError:
+                return None
+
+        async for entry in jsx.follow_key(self._runs, run_id, read):
+            deleted = entry is None or entry.operation in ("DEL", "PURGE")
+            value = None if entry is None or deleted else entry.value
+            yield ipb.RunRecord.FromString(value).run if value else None
 
     async def require_run(self, run_id: str) -> StoredRun:
         stored = await self.load_run(run_id)

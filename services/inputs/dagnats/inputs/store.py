@@ -229,9 +229,8 @@ class InputWatch:
         self.input: InputState | None = None
         self.run: epb.Run | None = None
         self._changed = asyncio.Event()
-        self._watchers: list[Any] = []
         self._pumps: list[asyncio.Task[None]] = []
-        self._follows: list[AsyncGenerator[epb.Run | None, None]] = []
+        self._follows: list[AsyncGenerator[Any, None]] = []
 
     async def __aenter__(self) -> Self:
         try:
@@ -265,18 +264,20 @@ class InputWatch:
         return True
 
     async def _follow(self, kv: KeyValue, key: str, apply: Callable[[Any], None]) -> None:
-        watcher = await jsx.retry_transient(lambda: kv.watch(key), f"watch {key}")
-        self._watchers.append(watcher)
-        # A watch delivers the current value (if any), then None, then changes.
+        async def read() -> Any:
+            try:
+                return await jsx.retry_transient(lambda: kv.get(key), f"read {key}")
+            except nats.js.errors.KeyNotFoundError:
+                return None
+
+        follow = jsx.follow_key(kv, key, read)
+        self._follows.append(follow)
         try:
             async with asyncio.timeout(WATCH_START):
-                async for entry in watcher:
-                    if entry is None:
-                        break
-                    apply(entry)
+                apply(await anext(follow))
         except TimeoutError:
             raise Unavailable(f"watching {key} timed out") from None
-        self._pumps.append(asyncio.create_task(self._pump(watcher, apply)))
+        self._pumps.append(asyncio.create_task(self._pump(follow, apply)))
 
     async def _follow_run(self) -> None:
         follow = self._runs.follow_run(self._run_id)
@@ -293,10 +294,8 @@ class InputWatch:
             self.run = run
             self._changed.set()
 
-    async def _pump(self, watcher: Any, apply: Callable[[Any], None]) -> None:
-        async for entry in watcher:
-            if entry is None:
-                continue
+    async def _pump(self, follow: AsyncGenerator[Any, None], apply: Callable[[Any], None]) -> None:
+        async for entry in follow:
             try:
                 apply(entry)
             except Exception:
@@ -305,15 +304,12 @@ class InputWatch:
             self._changed.set()
 
     def _set_input(self, entry: Any) -> None:
-        gone = entry.operation in _DELETED or not entry.value
+        gone = entry is None or entry.operation in _DELETED or not entry.value
         self.input = None if gone else _decode_input(entry.value)
 
     async def _close(self) -> None:
         for pump in self._pumps:
             pump.cancel()
-        for watcher in self._watchers:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
         for pump in self._pumps:
             with contextlib.suppress(asyncio.CancelledError):
                 await pump
