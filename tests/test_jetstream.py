@@ -129,8 +129,12 @@ async def test_a_followed_key_starts_at_its_value_while_it_is_written(nc: NATS) 
     got = await anext(follow)
     assert got is not None and (got.value, got.revision) == (b"now", revision)
     await kv.delete("none")
-    gone = await anext(follow)
-    assert gone is not None and gone.operation == "DEL"
+    assert await anext(follow) is None
+    await kv.put("none", b"again")
+    await kv.purge("none")
+    again = await anext(follow)
+    assert again is not None and again.value == b"again"
+    assert await anext(follow) is None
     await follow.aclose()
 
 

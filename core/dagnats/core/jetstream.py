@@ -482,8 +482,9 @@ async def kv_get(js: JetStreamContext, bucket: str, key: str) -> KeyValue.Entry:
 async def follow_key(
     kv: KeyValue, key: str, read: Callable[[], Awaitable[KeyValue.Entry | None]]
 ) -> AsyncGenerator[KeyValue.Entry | None, None]:
-    """The entry of ``key`` as ``read`` gives it now (None when it has none),
-    then every later entry of the key in order, deletes and purges included.
+    """The entry of ``key`` as ``read`` gives it now, then every later entry
+    of the key in order; None whenever the key has no value (never written,
+    deleted or purged).
 
     The watch starts first and ``read`` is called after it, so no change is
     missed; what the watch delivers at or below the read's revision is
@@ -501,7 +502,7 @@ async def follow_key(
             if entry is None or int(entry.revision or 0) <= seen:
                 continue
             seen = int(entry.revision or 0)
-            yield entry
+            yield None if entry.operation in ("DEL", "PURGE") else entry
     finally:
         with contextlib.suppress(Exception):  # gone with the connection already
             await watcher.stop()  # type: ignore[no-untyped-call]

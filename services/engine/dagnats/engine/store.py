@@ -247,9 +247,7 @@ class EngineStore:
                 return None
 
         async for entry in jsx.follow_key(self._runs, run_id, read):
-            deleted = entry is None or entry.operation in ("DEL", "PURGE")
-            value = None if entry is None or deleted else entry.value
-            yield ipb.RunRecord.FromString(value).run if value else None
+            yield ipb.RunRecord.FromString(entry.value).run if entry and entry.value else None
 
     async def require_run(self, run_id: str) -> StoredRun:
         stored = await self.load_run(run_id)

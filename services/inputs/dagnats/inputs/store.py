@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 RETRY_DEADLINE = 30.0
 # How long the first values of a watch may take before the backend counts as down.
 WATCH_START = 10.0
-_DELETED = frozenset({"DEL", "PURGE"})
 
 
 class StaleRevision(Exception):
@@ -304,8 +303,7 @@ class InputWatch:
             self._changed.set()
 
     def _set_input(self, entry: Any) -> None:
-        gone = entry is None or entry.operation in _DELETED or not entry.value
-        self.input = None if gone else _decode_input(entry.value)
+        self.input = _decode_input(entry.value) if entry and entry.value else None
 
     async def _close(self) -> None:
         for pump in self._pumps:
