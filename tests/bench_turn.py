@@ -19,7 +19,9 @@ once: two journaled steps an iteration). Four processes, as deployed:
   instead (``--handlers``, ADR 44) and the worker process serves only the
   queued baseline;
 - this process, the client: ``Client.run`` starts a run and waits for its
-  result on the run's ``WatchRun`` push.
+  result on the run's ``WatchRun`` push; on the services' host, so after its
+  first run on gRPC it watches on the session socket the first answer named
+  (ADR 52).
 
 Phases, each the floor's and then dagnats', so both see the machine alike:
 
@@ -827,7 +829,8 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
                 await phases("dagnats", p, dagnats_run, stack.cpu, ours, phase)
                 if p.queued:
                     await phases("queued", p, queued_run, stack.cpu, queued, phase)
-            on_socket = stack.socket_connections()  # the worker's idle sessions and polls
+            # The worker's idle sessions and polls, and the client's idle watches.
+            on_socket = stack.socket_connections()
             progress("messages per iteration")
             counted = await messages(stack, dagnats_run, min(p.k, 20))
             if p.strace and shutil.which("strace"):
@@ -1034,7 +1037,10 @@ def main(argv: list[str] | None = None) -> None:
         f"dagnats {head}, handler in {WHERE[p.deploy]}; {time.perf_counter() - started:.0f}s"
     )
     if p.deploy != "services":
-        print(f"the worker's connections open on the session socket: {got['on_socket']}")
+        print(
+            "connections open on the session socket (the worker's, the client's watches): "
+            f"{got['on_socket']}"
+        )
     print(format_table(rows(ours, floor)))
     measured = [("dagnats", got["dagnats"].cpu), ("floor", got["floor"].cpu)]
     if got["queued"] is not None:

@@ -40,13 +40,13 @@ from dagnats.journal import session_socket
 from dagnats.journal.service import SESSION_CALLS
 from dagnats.journal.session_socket import SessionSocket
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk import Client, Worker
+from dagnats.sdk import Client, TaskContext, Worker, run_output
 from dagnats.sdk import _rpc as rpc
-from dagnats.sdk._socket_session import FoundSocket, SocketPolls, SocketSession
+from dagnats.sdk._socket_session import FoundSocket, SocketPolls, SocketSession, SocketWatches
 from dagnats.sdk.testing import ScriptedModel
 from tests.helpers import wait_for
 from tests.journal_agent import SCRIPT, Tools, agent
-from tests.stack import FAST, socket_dir, unique
+from tests.stack import FAST, loop_workflow, socket_dir, unique
 from tests.test_journal import finish, found, remote, run_without_a_crash, socketed, start
 
 WORKER_TOKEN, CLIENT_TOKEN = "socket-worker-token", "socket-client-token"
@@ -115,11 +115,110 @@ async def test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc(
     # The polls' connection and the journal calls' (ADR 49), or one of them
     # if its refusal came first: each refused, then none.
     assert sockets.accepted - before in (1, 2)
-    said = [r.getMessage() for r in caplog.records if "journal calls go" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "calls go" in r.getMessage()]
     assert said == [
-        f"journal calls go to the session socket {sockets.path}",
-        f"journal calls go on gRPC: {sockets.path} is another server's session socket",
+        f"calls go to the session socket {sockets.path}",
+        f"session socket calls go on gRPC: {sockets.path} is another server's session socket",
     ]
+
+
+async def test_a_client_on_the_services_host_watches_its_runs_on_their_socket(
+    engine: EngineServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's first watch goes on gRPC and its answer names the socket
+    (ADR 52); the next ones, a start and wait among them, go there and give
+    what gRPC gives. Told "off", or refused at the socket, a client watches
+    on gRPC."""
+    sockets = engine.session_socket
+    assert sockets is not None
+    caplog.set_level(logging.INFO, logger="dagnats.sdk")
+    task, name = unique("watched"), unique("watched")
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(name, task))
+
+    async def done(tc: TaskContext) -> None:
+        await tc.complete("done")
+
+    async with found(engine, {task: done}):
+        async with Client(engine.target) as own:
+            before = sockets.watched
+            assert await own.run(name, {"ask": "weather"}) == "done"  # on gRPC
+            assert sockets.watched == before
+            assert await own.run(name, {"ask": "weather"}) == "done"  # starts on the socket
+            run = await own.start_run(name, {"ask": "weather"})
+            ended = await own.wait_for_run(run.run_id, timeout=40)
+            assert ended.status == pb.RUN_STATUS_COMPLETED and run_output(ended) == "done"
+            assert sockets.watched == before + 2
+            with pytest.raises(errors.NotFound):  # the engine's error, as on gRPC
+                await own.wait_for_run("0" * 32, timeout=5)
+            assert sockets.watched == before + 3
+        refused = f"{sockets.path} is another server's session socket"
+        ours, sockets.instance = sockets.instance, "another-server"
+        try:
+            async with Client(engine.target) as own:
+                assert await own.run(name, {"ask": "weather"}) == "done"  # names the socket
+                assert await own.run(name, {"ask": "weather"}) == "done"  # refused: gRPC
+        finally:
+            sockets.instance = ours
+        said = [r.getMessage() for r in caplog.records if "calls go on gRPC" in r.getMessage()]
+        assert said == [f"session socket calls go on gRPC: {refused}"]
+        monkeypatch.setenv("DAGNATS_JOURNAL_SOCKET", "off")
+        async with Client(engine.target) as own:
+            for _ in range(2):
+                assert await own.run(name, {"ask": "weather"}) == "done"
+        assert sockets.watched == before + 3
+
+
+def _watches(sockets: SessionSocket, token: str | None = None) -> SocketWatches:
+    """A connection for watches on ``sockets``, as a client that found it makes."""
+    refusals: list[str] = []
+    return SocketWatches(
+        str(sockets.path), token, instance=sockets.instance, refused=refusals.append
+    )
+
+
+async def test_the_watches_socket_takes_only_a_token_that_may_watch(
+    secured: EngineServer,
+) -> None:
+    """A client's token (not a worker's) may watch on the socket; a watch the
+    engine refuses raises its domain error, and the connection serves on."""
+    assert secured.session_socket is not None
+    for token, status in (
+        (None, grpc.StatusCode.UNAUTHENTICATED),
+        (WORKER_TOKEN, grpc.StatusCode.PERMISSION_DENIED),
+    ):
+        watches = _watches(secured.session_socket, token)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await watches.watch(pb.WatchRunRequest(run_id="0" * 32), deadline=5.0)
+        assert refused.value.code() == status, token
+        assert watches.not_sent, "a refused hello: the watch was never read"
+    watches = _watches(secured.session_socket, CLIENT_TOKEN)
+    with pytest.raises(errors.NotFound):
+        await watches.watch(pb.WatchRunRequest(run_id="0" * 32), deadline=5.0)
+    with pytest.raises(errors.InvalidArgument) as bad:
+        await watches.watch(pb.WatchRunRequest(run_id="not an id"), deadline=5.0)
+    assert bad.value.field == "run_id" and watches.idle()
+    watches.close()
+
+
+async def test_a_watch_left_before_its_run_ends_is_cancelled_on_the_server(
+    client: Client, engine: EngineServer
+) -> None:
+    """A client that stops watching a run that goes on (nobody polls its
+    task) closes its connection, and the engine stops watching the run."""
+    sockets = engine.session_socket
+    assert sockets is not None
+    _, name = await start(client)
+    run = await client.start_run(name, {"ask": "weather"})
+    watches = _watches(sockets)
+    watch = await watches.watch(pb.WatchRunRequest(run_id=run.run_id), deadline=5.0)
+    first = await anext(watch)
+    assert first.run.run_id == run.run_id and first.run.status == pb.RUN_STATUS_RUNNING
+    hubs = engine.watches._hubs
+    await wait_for(lambda: run.run_id in hubs, timeout=10)
+    assert watch.cancel() and watches.done()
+    await wait_for(lambda: run.run_id not in hubs, timeout=10)
+    await client.cancel_run(run.run_id)
 
 
 def test_a_worker_keeps_the_socket_it_found_until_it_is_refused_or_replaced(
@@ -249,6 +348,10 @@ async def test_a_socket_that_serves_no_engine_refuses_a_poll(
             await _polls(sockets).poll(pb.PollTasksRequest(task_types=["t"]), deadline=5.0)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "takes no polls" in (refused.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _watches(sockets).watch(pb.WatchRunRequest(run_id="0" * 32), deadline=5.0)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "takes no watches" in (refused.value.details() or "")
     finally:
         await sockets.close()
 

@@ -46,3 +46,9 @@ def step_status_from_proto(status: int) -> StepStatus:
     """The status of a contract's step; an unset one is a step the engine has
     not touched yet (pending)."""
     return _FROM_PROTO.get(pb.StepStatus.ValueType(status), StepStatus.PENDING)
+
+
+# A run's statuses after which nothing changes it: what a watch of it ends on.
+FINAL_RUN_STATUSES = frozenset(
+    {pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED}
+)

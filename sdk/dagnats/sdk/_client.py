@@ -14,16 +14,13 @@ from typing import Any, Self
 
 from dagnats.core.errors import DeadlineExceeded, Unavailable
 from dagnats.core.payload import decode, encode
+from dagnats.core.status import FINAL_RUN_STATUSES
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import RunFailed
 from dagnats.sdk._journal import InputMode
 from dagnats.sdk._rpc import EngineRpc, RetryPolicy
-
-TERMINAL_STATUSES = frozenset(
-    {pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED}
-)
 
 
 def run_output(run: pb.Run) -> Any:
@@ -272,7 +269,7 @@ class Client:
             async with asyncio.timeout(seconds):
                 async for response in self._rpc.watch_run(request):
                     run_id = response.run.run_id
-                    if response.run.status in TERMINAL_STATUSES:
+                    if response.run.status in FINAL_RUN_STATUSES:
                         return response.run
         except TimeoutError:
             what = f"run {run_id}" if run_id else f"the run of {request.start.workflow}"

@@ -34,7 +34,7 @@ import asyncio
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -51,6 +51,7 @@ from tenacity import (
 from dagnats.core.errors import PermissionDenied, Unauthenticated, Unavailable
 from dagnats.core.grpcutil import WireError, error_code, error_from_rpc, retriable
 from dagnats.core.settings import env_seconds
+from dagnats.core.status import FINAL_RUN_STATUSES
 from dagnats.core.tracing import client_interceptors
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc
@@ -64,6 +65,8 @@ from dagnats.sdk._socket_session import (
     FoundSocket,
     SocketPolls,
     SocketSession,
+    SocketWatch,
+    SocketWatches,
     not_a_socket,
 )
 
@@ -79,6 +82,10 @@ log = logging.getLogger("dagnats.sdk")
 MAX_IDLE_SESSIONS = 64
 
 
+# A WatchRun stream: a gRPC call, or a watch on the session socket (ADR 52).
+WatchStream = grpc.aio.UnaryStreamCall[pb.WatchRunRequest, pb.WatchRunResponse] | SocketWatch
+
+
 class SessionStream(Protocol):
     """A journal ``Session`` stream as ``JournalSession`` uses it: a gRPC
     stream-stream call, or one the services answer in their own process for
@@ -90,9 +97,6 @@ class SessionStream(Protocol):
     def cancel(self) -> bool: ...
 
 
-FINAL_RUN_STATUSES = frozenset(
-    {pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED}
-)
 _JOURNAL_METHODS = frozenset(
     m.name for m in jpb.DESCRIPTOR.services_by_name["JournalService"].methods
 )
@@ -242,6 +246,7 @@ class EngineRpc:
         self._inputs_stub: InputsServiceAsyncStub | None = None
         self._idle_sessions: list[SessionStream] = []
         self._polls: SocketPolls | None = None  # idle between polls
+        self._watches: SocketWatches | None = None  # idle between watches
 
     def check_journal_socket(self) -> None:
         """Warn, once, when the session socket the journal calls go to is not
@@ -264,6 +269,7 @@ class EngineRpc:
         self._inputs_stub = None
         self._drop_idle_sessions()
         self._drop_polls()
+        self._drop_watches()
         for channel in channels.values():
             await channel.close(None)
 
@@ -324,6 +330,7 @@ class EngineRpc:
                 log.info("engine WatchRun stream broke with %s; watching again", err.code().name)
             finally:
                 call.cancel()
+                self._watch_ended(call)
 
     async def watch_runs(self, request: pb.WatchRunsRequest) -> AsyncIterator[pb.WatchRunsResponse]:
         """The list of runs and its changes from ``WatchRuns``, for as long as
@@ -348,12 +355,48 @@ class EngineRpc:
 
     async def _open_watch(
         self, request: pb.WatchRunRequest
-    ) -> tuple[
-        grpc.aio.UnaryStreamCall[pb.WatchRunRequest, pb.WatchRunResponse],
-        pb.WatchRunResponse | None,
-    ]:
-        """Open a ``WatchRun`` stream on the channel as it is at this try."""
-        return await _open(self._connect().WatchRun, request)
+    ) -> tuple[WatchStream, pb.WatchRunResponse | None]:
+        """Open a ``WatchRun`` stream at this try: on the session socket when
+        one was found that takes watches (ADR 52), else on the channel."""
+        watches = self._take_watches()
+        if watches is not None:
+            try:
+                watch = await watches.watch(request, deadline=self._timeout)
+            except grpc.aio.AioRpcError as err:
+                if not watches.not_sent:
+                    raise  # the watch may have been taken: the retry rules decide
+                log.info("a watch on the session socket failed (%s); on gRPC", err.details())
+            except BaseException:  # refused (a domain error), or cancelled
+                self._watch_ended(watches)
+                raise
+            else:
+                return watch, await _next(watch)
+        call, response = await _open(self._connect().WatchRun, request)
+        if response is not None and response.HasField("session_socket"):
+            self._offered(response.session_socket)
+        return call, response
+
+    def _take_watches(self) -> SocketWatches | None:
+        """The idle connection for watches on the socket, or a new one; None
+        when the watches go on gRPC."""
+        idle = self._watches
+        self._watches = None
+        if idle is not None and idle.idle():
+            return idle
+        if idle is not None:
+            idle.close()
+        return self._found.watches() if self._found is not None else None
+
+    def _watch_ended(self, call: WatchStream | SocketWatches) -> None:
+        """Keep a socket watch's connection for the next watch, or close it."""
+        if isinstance(call, SocketWatch):
+            call = call.watches
+        if not isinstance(call, SocketWatches):
+            return
+        if call.idle() and self._watches is None:
+            self._watches = call
+        else:
+            call.close()
 
     async def list_runs(self, request: pb.ListRunsRequest) -> pb.ListRunsResponse:
         return await self._call(self._connect().ListRuns, request, idempotent=True)
@@ -380,9 +423,8 @@ class EngineRpc:
         response: pb.PollTasksResponse = await self._call(
             self._connect().PollTasks, request, idempotent=False, deadline=deadline
         )
-        if self._offered(response):
-            self._drop_idle_sessions()  # the next dispatch's calls go to the socket
-            self._drop_polls()  # and so do the polls, where it takes them
+        if response.HasField("journal_socket"):
+            self._offered(response.journal_socket)
         return response
 
     def _take_polls(self) -> SocketPolls | None:
@@ -547,11 +589,19 @@ class EngineRpc:
             return found
         return self._journal().Session(None)  # None: written with write()
 
-    def _offered(self, response: pb.PollTasksResponse) -> bool:
-        """Whether the journal calls go to the socket ``response`` names from now."""
-        if self._found is None or not response.HasField("journal_socket"):
-            return False
-        return self._found.offered(response.journal_socket)
+    def _offered(self, socket: pb.JournalSocket) -> None:
+        """A poll's or a watch's answer named ``socket`` (ADRs 46, 52): when
+        the calls go there from now, the idle ones on gRPC or on another
+        socket are closed, so that the next ones open there."""
+        if self._found is not None and self._found.offered(socket):
+            self._drop_idle_sessions()  # the next dispatch's calls go to the socket
+            self._drop_polls()  # and so do the polls and watches, where it takes them
+            self._drop_watches()
+
+    def _drop_watches(self) -> None:
+        watches, self._watches = self._watches, None
+        if watches is not None:
+            watches.close()
 
     def _drop_idle_sessions(self) -> None:
         idle, self._idle_sessions = self._idle_sessions, []
@@ -656,7 +706,7 @@ async def _open(
         raise
 
 
-async def _next(call: grpc.aio.UnaryStreamCall[Req, Resp]) -> Resp | None:
+async def _next(call: AsyncIterable[Resp]) -> Resp | None:
     """The stream's next message; None once it has ended."""
     try:
         return await anext(aiter(call))

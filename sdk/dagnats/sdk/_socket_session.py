@@ -19,14 +19,16 @@ import logging
 import os
 import stat
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import grpc
 import grpc.aio
+from opentelemetry.trace import Span
 
 from dagnats.core import tracing
 from dagnats.core.frames import Frames
 from dagnats.core.grpcutil import status_code
+from dagnats.core.status import FINAL_RUN_STATUSES
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._session import answered_error
@@ -46,7 +48,7 @@ def not_a_socket(path: str) -> str | None:
     return "not a socket"
 
 
-A = TypeVar("A", jpb.SessionResponse, pb.SocketPollAnswer)
+A = TypeVar("A", jpb.SessionResponse, pb.SocketPollAnswer, pb.SocketWatchAnswer)
 
 
 class _Connection(Frames):
@@ -72,11 +74,12 @@ class _Connection(Frames):
         self._frames: collections.deque[bytes] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._ended: grpc.aio.AioRpcError | None = None
+        self.refused_hello = False  # the server refused the hello: it read nothing else
 
     def done(self) -> bool:
         return self._ended is not None
 
-    async def _send(self, message: jpb.SessionRequest | pb.SocketPoll) -> None:
+    async def _send(self, message: jpb.SessionRequest | pb.SocketPoll | pb.SocketWatch) -> None:
         if self._ended is not None:
             raise self._failure()
         if self.transport is None:
@@ -98,6 +101,7 @@ class _Connection(Frames):
             await self._waiter
         answer = kind.FromString(self._frames.popleft())
         if answer.id == 0 and answer.HasField("error"):  # the server ends the connection
+            self.refused_hello = not self._answered
             self._ended = None  # its reason, not the closed connection that followed
             self._end(status_code(answer.error.status), answer.error.message)
             raise self._failure()
@@ -222,6 +226,110 @@ class SocketPolls(_Connection):
         self._close("the polls' connection was closed")
 
 
+# The name of a watch's client span, as gRPC's interceptor names WatchRun.
+WATCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['EngineService'].full_name}/WatchRun"
+
+
+class SocketWatches(_Connection):
+    """A client's watches on the session socket (ADR 52): a connection of
+    their own (its hello sets ``watches``), one watch at a time to its end,
+    since the server answers a watch to its end before it reads the next.
+
+    :meth:`watch` fails as opening a gRPC ``WatchRun`` does (see
+    :class:`SocketPolls`); ``not_sent`` then says whether the server cannot
+    have taken the watch (the socket was unreachable, or refused the hello),
+    so that the caller may make it on gRPC at once. A watch left before its
+    final state closes the connection, which cancels it on the server.
+    """
+
+    def __init__(
+        self, path: str, token: str | None, *, instance: str, refused: Callable[[str], None]
+    ) -> None:
+        hello = jpb.SessionHello(token=token or "", instance=instance, watches=True)
+        super().__init__(path, hello, refused)
+        self._sent = 0
+        self._open = False  # a watch is under way: the connection is not idle
+        self.not_sent = False
+
+    async def watch(self, request: pb.WatchRunRequest, *, deadline: float) -> SocketWatch:
+        """Send ``request`` and wait up to ``deadline`` seconds for its first state."""
+        carrier: dict[str, str] = {}
+        self._sent += 1
+        self._open = True
+        with tracing.client_span(WATCH_METHOD, carrier) as span:
+            message = pb.SocketWatch(id=self._sent, trace_context=carrier, request=request)
+            try:
+                async with asyncio.timeout(deadline):
+                    await self._send(message)
+                    first = await self._state(span)
+            except TimeoutError:
+                self._end(grpc.StatusCode.DEADLINE_EXCEEDED, "WatchRun: no answer")
+                raise self._failure() from None
+            except grpc.aio.AioRpcError:
+                self.not_sent = self.transport is None or self.refused_hello
+                raise
+            except BaseException:  # cancelled mid-watch, or the watch's own error
+                if self._open:
+                    self.close()  # the server then cancels the watch
+                raise
+            tracing.set_status(span, grpc.StatusCode.OK, "", server=False)
+            return SocketWatch(self, first, span)
+
+    async def _state(self, span: Span) -> pb.WatchRunResponse:
+        """The watch's next state; its error or the connection's end, raised.
+        The final state leaves the connection idle, for the next watch."""
+        answer = await self._receive(pb.SocketWatchAnswer)
+        if answer.id != self._sent:
+            self._end(grpc.StatusCode.UNAVAILABLE, "WatchRun: an answer to another watch")
+            raise self._failure()
+        if answer.HasField("error"):
+            self._open = False
+            raise answered_error(span, answer.error)
+        if answer.state.run.status in FINAL_RUN_STATUSES:
+            self._open = False
+        return answer.state
+
+    def idle(self) -> bool:
+        """Whether the connection may take the next watch."""
+        return not self._open and not self.done()
+
+    def close(self) -> None:
+        self._close("the watches' connection was closed")
+
+
+class SocketWatch:
+    """One watch on :class:`SocketWatches`, in the shape of a gRPC
+    ``WatchRun`` call: its states in order, from the first; ``cancel``
+    leaves it (closing the connection, unless the watch has ended)."""
+
+    def __init__(self, watches: SocketWatches, first: pb.WatchRunResponse, span: Span) -> None:
+        self.watches = watches
+        self._first: pb.WatchRunResponse | None = first
+        self._span = span
+
+    def __aiter__(self) -> SocketWatch:
+        return self
+
+    async def __anext__(self) -> pb.WatchRunResponse:
+        first, self._first = self._first, None
+        if first is not None:
+            return first
+        if self.watches.idle():
+            raise StopAsyncIteration
+        return await self.watches._state(self._span)
+
+    def cancel(self) -> bool:
+        if self.watches.idle():
+            return False
+        self.watches.close()
+        return True
+
+
+class _Checks(TypedDict):
+    instance: str
+    refused: Callable[[str], None]
+
+
 class FoundSocket:
     """The session socket the worker's polls were answered with (ADR 46).
 
@@ -257,7 +365,7 @@ class FoundSocket:
         if not_a_socket(socket.path):  # another host's, most likely: nothing to say
             self._refused.add(key)
             return False
-        log.info("journal calls go to the session socket %s", socket.path)
+        log.info("calls go to the session socket %s", socket.path)
         self._socket = socket
         return True
 
@@ -266,12 +374,7 @@ class FoundSocket:
         socket = self._socket
         if socket is None:
             return None
-        return SocketSession(
-            socket.path,
-            self._token,
-            instance=socket.instance,
-            refused=lambda reason: self._refuse(socket, reason),
-        )
+        return SocketSession(socket.path, self._token, **self._checks(socket))
 
     def polls(self) -> SocketPolls | None:
         """A connection for the polls on the socket, when it takes them
@@ -279,15 +382,22 @@ class FoundSocket:
         socket = self._socket
         if socket is None or not socket.polls:
             return None
-        return SocketPolls(
-            socket.path,
-            self._token,
-            instance=socket.instance,
-            refused=lambda reason: self._refuse(socket, reason),
-        )
+        return SocketPolls(socket.path, self._token, **self._checks(socket))
+
+    def watches(self) -> SocketWatches | None:
+        """A connection for a client's watches on the socket, when it takes
+        them (ADR 52); None while there is none to use."""
+        socket = self._socket
+        if socket is None or not socket.watches:
+            return None
+        return SocketWatches(socket.path, self._token, **self._checks(socket))
+
+    def _checks(self, socket: pb.JournalSocket) -> _Checks:
+        """How a connection to ``socket`` asks for it, and tells of its refusal."""
+        return {"instance": socket.instance, "refused": lambda why: self._refuse(socket, why)}
 
     def _refuse(self, socket: pb.JournalSocket, reason: str) -> None:
         self._refused.add((socket.path, socket.instance))
         if self._socket is not None and self._socket == socket:
             self._socket = None
-            log.info("journal calls go on gRPC: %s", reason)
+            log.info("session socket calls go on gRPC: %s", reason)

@@ -58,7 +58,13 @@ from dagnats.inputs.store import InputStore
 from dagnats.inputs.v1 import inputs_pb2 as inputs_pb
 from dagnats.inputs.v1 import inputs_pb2_grpc as inputs_grpc
 from dagnats.journal.service import SESSION_CALLS, JournalServicer
-from dagnats.journal.session_socket import POLL_METHOD, Polls, SessionSocket
+from dagnats.journal.session_socket import (
+    POLL_METHOD,
+    WATCH_METHOD,
+    Polls,
+    SessionSocket,
+    Watches,
+)
 from dagnats.journal.session_socket import address as socket_address
 from dagnats.journal.session_socket import check_path as check_session_path
 from dagnats.journal.store import JournalStore
@@ -313,14 +319,17 @@ async def start_services(
     sockets = None
     if session_socket is not None and journal is not None:
         admit = security.admission(SESSION_METHOD)
-        polls = None
-        if servicer is not None:  # the engine's polls on it too (ADR 49)
+        polls = watches = None
+        if servicer is not None:  # the engine's polls and watches on it too (ADRs 49, 52)
             polls = Polls(servicer.poll, security.admission(POLL_METHOD))
-        sockets = await SessionSocket.start(session_socket, journal, SESSION_CALLS, admit, polls)
+            watches = Watches(servicer.watch, security.admission(WATCH_METHOD))
+        sockets = await SessionSocket.start(
+            session_socket, journal, SESSION_CALLS, admit, polls, watches
+        )
         path = socket_address(session_socket)
-        if servicer is not None and path is not None:  # the polls name it (ADR 46)
+        if servicer is not None and path is not None:  # polls and watches name it (ADR 46)
             servicer.journal_socket = pb.JournalSocket(
-                path=path, instance=sockets.instance, polls=True
+                path=path, instance=sockets.instance, polls=True, watches=True
             )
     await server.start()
     log.info(

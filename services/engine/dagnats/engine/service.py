@@ -14,7 +14,7 @@ from dagnats.core.claims import lease_claim
 from dagnats.core.grpcutil import Context, abort_with, as_domain_error, domain_errors
 from dagnats.core.ids import check_lease, check_run_id, check_token, check_worker_id, new_run_id
 from dagnats.core.payload import check_json
-from dagnats.core.status import step_status_from_proto
+from dagnats.core.status import FINAL_RUN_STATUSES, step_status_from_proto
 from dagnats.core.subjects import (
     history_subject,
     run_tasks,
@@ -45,7 +45,6 @@ MAX_POLL_WAIT = 60.0
 DEFAULT_POLL_WAIT = 10.0
 MAX_IDEMPOTENCY_KEY = 256
 MAX_INPUT_BYTES = 4 << 20
-_TERMINAL = (pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED)
 
 
 def _runs_filter(request: pb.WatchRunsRequest) -> Filter:
@@ -171,20 +170,28 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.WatchRunRequest, context: Context
     ) -> AsyncIterator[pb.WatchRunResponse]:
         try:
-            if request.HasField("start"):
-                if request.run_id:
-                    raise errors.InvalidArgument(
-                        "give a run id or a start, not both", field="run_id"
-                    )
-                stored, _ = await self._start(request.start)
-            else:
-                stored = await self.store.require_run(check_run_id(request.run_id))
-            async for state in self.watches.follow(stored, ended_only=request.ended_only):
-                yield pb.WatchRunResponse(run=state.record.run, revision=state.revision)
+            first = True
+            async for response in self.watch(request):
+                if first and self.journal_socket is not None and self.journal_socket.watches:
+                    response.session_socket.CopyFrom(self.journal_socket)  # ADR 52
+                first = False
+                yield response
         except Exception as err:
             if (domain := as_domain_error(err)) is None:
                 raise
             await abort_with(context, domain)
+
+    async def watch(self, request: pb.WatchRunRequest) -> AsyncIterator[pb.WatchRunResponse]:
+        """WatchRun's states, as gRPC and the session socket (ADR 52) send
+        them: domain errors are raised."""
+        if request.HasField("start"):
+            if request.run_id:
+                raise errors.InvalidArgument("give a run id or a start, not both", field="run_id")
+            stored, _ = await self._start(request.start)
+        else:
+            stored = await self.store.require_run(check_run_id(request.run_id))
+        async for state in self.watches.follow(stored, ended_only=request.ended_only):
+            yield pb.WatchRunResponse(run=state.record.run, revision=state.revision)
 
     @domain_errors
     async def ListRuns(self, request: pb.ListRunsRequest, context: Context) -> pb.ListRunsResponse:
@@ -245,7 +252,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
             return
         run = stored.record.run
-        if run.status not in _TERMINAL:
+        if run.status not in FINAL_RUN_STATUSES:
             raise errors.Conflict(f"run {run_id} is still running; cancel it before purging")
         for step in run.steps:
             if step.child_run_id:

@@ -37,13 +37,12 @@ from collections.abc import AsyncIterator, Callable
 
 from dagnats.core.errors import DagnatsError, NotFound, Unavailable
 from dagnats.core.grpcutil import as_domain_error
+from dagnats.core.status import FINAL_RUN_STATUSES
 from dagnats.engine.store import EngineStore, StoredRun
-from dagnats.engine.v1 import engine_pb2 as pb
 
 BUFFER = 256
 # Seconds a hub whose run this engine wrote last waits before it watches.
 WATCH_AFTER = 0.05
-FINAL = frozenset({pb.RUN_STATUS_COMPLETED, pb.RUN_STATUS_FAILED, pb.RUN_STATUS_CANCELLED})
 
 
 class Watcher:
@@ -85,11 +84,15 @@ class Watcher:
                 revision = stored.revision
                 if stored.record.run == last:
                     continue
-                if self._ended_only and last is not None and stored.record.run.status not in FINAL:
+                if (
+                    self._ended_only
+                    and last is not None
+                    and stored.record.run.status not in FINAL_RUN_STATUSES
+                ):
                     continue  # progress, which this watcher does not want
                 last = stored.record.run
                 yield stored
-                if last.status in FINAL:
+                if last.status in FINAL_RUN_STATUSES:
                     return
             if self._failed is not None:
                 raise self._failed
@@ -169,7 +172,7 @@ class RunWatches:
     ) -> AsyncIterator[StoredRun]:
         """``first``, then the run's later states by the rules above, until it
         ends; with ``ended_only``, only its final state after ``first``."""
-        if first.record.run.status in FINAL:
+        if first.record.run.status in FINAL_RUN_STATUSES:
             yield first  # it changes no more: no watch needed
             return
         run_id = first.record.run.run_id

@@ -1,5 +1,8 @@
 """The session socket: journal Sessions without gRPC for workers on this host.
 
+(Its connections can also carry the engine's polls, ADR 49, and its
+WatchRun, ADR 52: a hello that asks for them says so.)
+
 A Unix socket beside the gRPC port (ADR 45). Each connection is one Session:
 the worker's first frame is a ``SessionHello`` with its token (and, from a
 worker that found the socket in a poll's answer, the instance it expects), then
@@ -25,15 +28,17 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
 from dagnats.core import errors
 from dagnats.core.frames import MAX_FRAME, Frames
 from dagnats.core.grpcutil import WireError
+from dagnats.core.status import FINAL_RUN_STATUSES
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.journal.session import Behaviour, _answer, answered, failed
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -47,6 +52,9 @@ HELLO_SECONDS = 10.0
 READ_AHEAD = 16
 # The method a poll on the socket is, for its span.
 POLL_METHOD = f"/{epb.DESCRIPTOR.services_by_name['EngineService'].full_name}/PollTasks"
+# The method a watch on the socket is, for its span.
+WATCH_METHOD = f"/{epb.DESCRIPTOR.services_by_name['EngineService'].full_name}/WatchRun"
+M = TypeVar("M", pb.SessionRequest, epb.SocketPoll, epb.SocketWatch)
 # The hello's check: None lets the connection in, else the refusal to answer.
 Admit = Callable[[str], WireError | None]
 log = logging.getLogger(__name__)
@@ -151,7 +159,14 @@ class _Connection(Frames):
             return self._end(
                 errors.Conflict(f"{self._sockets.path} takes no polls: poll on gRPC", field="polls")
             )
-        refusal = (polls or self._sockets).admit(hello.token)
+        watches = self._sockets.watches if hello.watches and not hello.polls else None
+        if hello.watches and watches is None:
+            return self._end(
+                errors.Conflict(
+                    f"{self._sockets.path} takes no watches: watch on gRPC", field="watches"
+                )
+            )
+        refusal = (polls or watches or self._sockets).admit(hello.token)
         if refusal is not None:
             return self._end(refusal)
         if hello.instance and hello.instance != self._sockets.instance:
@@ -162,12 +177,9 @@ class _Connection(Frames):
             )
         if polls is not None:
             return await self._serve_polls(polls)
-        while True:
-            frame = await self._next()
-            try:
-                request = pb.SessionRequest.FromString(frame)
-            except Exception:
-                return self._end(errors.InvalidArgument("a frame is not a SessionRequest"))
+        if watches is not None:
+            return await self._serve_watches(watches)
+        while (request := await self._read(pb.SessionRequest)) is not None:
             try:
                 answer = await _answer(self._sockets.servicer, self._sockets.methods, request, None)
             except Exception as err:
@@ -175,15 +187,20 @@ class _Connection(Frames):
                 return self._end_unknown(err)
             self.send(answer)
 
+    async def _read(self, kind: type[M]) -> M | None:
+        """The next frame as a ``kind``; None when it is not one, and the
+        connection is ended with that error."""
+        frame = await self._next()
+        try:
+            return kind.FromString(frame)
+        except Exception:  # a malformed protobuf: DecodeError, or worse
+            self._end(errors.InvalidArgument(f"a frame is not a {kind.DESCRIPTOR.name}"))
+            return None
+
     async def _serve_polls(self, polls: Polls) -> None:
         """The engine's PollTasks, one at a time (ADR 49); the connection's
         end cancels the poll under way, which gives back what it pulled."""
-        while True:
-            frame = await self._next()
-            try:
-                poll = epb.SocketPoll.FromString(frame)
-            except Exception:  # a malformed protobuf: DecodeError, or worse
-                return self._end(errors.InvalidArgument("a frame is not a SocketPoll"))
+        while (poll := await self._read(epb.SocketPoll)) is not None:
             self._sockets.polled += 1
             try:
                 answer = await answered(POLL_METHOD, poll.trace_context, polls.call(poll.request))
@@ -195,6 +212,44 @@ class _Connection(Frames):
                 self.send(epb.SocketPollAnswer(id=poll.id, error=error))
             else:
                 self.send(epb.SocketPollAnswer(id=poll.id, tasks=answer))
+
+    async def _serve_watches(self, watches: Watches) -> None:
+        """The engine's WatchRun, one watch at a time to its end (ADR 52);
+        the connection's end cancels the watch under way. A watch that ends
+        before its run does (the engine stopping) closes the connection, as
+        its gRPC stream would break, and the client watches again."""
+        while (watch := await self._read(epb.SocketWatch)) is not None:
+            self._sockets.watched += 1
+            try:
+                ended = await answered(
+                    WATCH_METHOD, watch.trace_context, self._watch(watches, watch)
+                )
+            except Exception as err:
+                log.exception("a watch on a session socket failed")
+                return self._end_unknown(err)
+            if isinstance(ended, WireError):
+                error = failed(watch.id, ended).error
+                self.send(epb.SocketWatchAnswer(id=watch.id, error=error))
+            elif not ended:
+                return self.close()
+
+    async def _watch(self, watches: Watches, watch: epb.SocketWatch) -> bool:
+        """Send the watch's states; whether the last one sent was final."""
+        async for state in watches.call(watch.request):
+            self.send(epb.SocketWatchAnswer(id=watch.id, state=state))
+            if state.run.status in FINAL_RUN_STATUSES:
+                return True
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Watches:
+    """The engine of this process's WatchRun, served on its session socket
+    too (ADR 52): ``call`` gives the states the RPC sends (raising domain
+    errors), and ``admit`` checks a watch connection's token."""
+
+    call: Callable[[epb.WatchRunRequest], AsyncIterator[epb.WatchRunResponse]]
+    admit: Admit
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,15 +272,18 @@ class SessionSocket:
         methods: dict[str, Behaviour],
         admit: Admit,
         polls: Polls | None = None,
+        watches: Watches | None = None,
     ) -> None:
         self.path = path
         self.servicer = servicer
         self.methods = methods
         self.admit = admit
         self.polls = polls
+        self.watches = watches
         self.connections: set[_Connection] = set()
         self.accepted = 0  # connections since the start
         self.polled = 0  # polls taken since the start
+        self.watched = 0  # watches taken since the start
         # Tells this socket from another at the same path (ADR 46).
         self.instance = secrets.token_hex(8)
         self._server: asyncio.Server | None = None
@@ -238,9 +296,11 @@ class SessionSocket:
         methods: dict[str, Behaviour],
         admit: Admit,
         polls: Polls | None = None,
+        watches: Watches | None = None,
     ) -> SessionSocket:
         """Listen at ``path``, replacing a socket a stopped server left there;
-        with ``polls``, connections that ask for it carry the engine's polls.
+        with ``polls`` (``watches``), connections that ask for it carry the
+        engine's polls (watches).
 
         Raises:
             InvalidArgument: see :func:`check_path`.
@@ -260,7 +320,7 @@ class SessionSocket:
         else:
             writer.close()
             raise errors.Unavailable(f"another server listens on {path}")
-        sockets = cls(path, servicer, methods, admit, polls)
+        sockets = cls(path, servicer, methods, admit, polls, watches)
         loop = asyncio.get_running_loop()
         try:
             sockets._server = await loop.create_unix_server(lambda: _Connection(sockets), path)

@@ -786,6 +786,7 @@ class WatchRunResponse(_message.Message):
 
     RUN_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    SESSION_SOCKET_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """Stored revision of the run; it grows with every write, so a client that
     watches again after a broken stream can skip what it has seen.
@@ -794,15 +795,23 @@ class WatchRunResponse(_message.Message):
     def run(self) -> Global___Run:
         """The run."""
 
+    @_builtins.property
+    def session_socket(self) -> Global___JournalSocket:
+        """On the first message of a WatchRun made on gRPC, when the services
+        process that answers takes WatchRun on its session socket too (ADR 52):
+        the socket, for a client on the services' host to watch there next.
+        """
+
     def __init__(
         self,
         *,
         run: Global___Run | None = ...,
         revision: _builtins.int = ...,
+        session_socket: Global___JournalSocket | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "session_socket", b"session_socket"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision", "run", b"run", "session_socket", b"session_socket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1228,6 +1237,7 @@ class JournalSocket(_message.Message):
     PATH_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
     POLLS_FIELD_NUMBER: _builtins.int
+    WATCHES_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """The socket's absolute path on the services' host."""
     instance: _builtins.str
@@ -1239,16 +1249,22 @@ class JournalSocket(_message.Message):
     connection whose hello sets SessionHello.polls carries SocketPoll frames,
     each answered in order by a SocketPollAnswer.
     """
+    watches: _builtins.bool
+    """Whether the socket also takes this engine's WatchRun (ADR 52): a
+    connection whose hello sets SessionHello.watches carries SocketWatch
+    frames, each answered by SocketWatchAnswers.
+    """
     def __init__(
         self,
         *,
         path: _builtins.str = ...,
         instance: _builtins.str = ...,
         polls: _builtins.bool = ...,
+        watches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "path", b"path", "polls", b"polls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "path", b"path", "polls", b"polls", "watches", b"watches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1349,6 +1365,106 @@ class SocketPollAnswer(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
 Global___SocketPollAnswer: _TypeAlias = SocketPollAnswer  # noqa: Y015
+
+@_typing.final
+class SocketWatch(_message.Message):
+    """SocketWatch is one WatchRun call on a session socket opened for watches
+    (SessionHello.watches, ADR 52). One watch is answered to its end before
+    the next is read.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the client and echoed in each answer."""
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """W3C trace context (traceparent, tracestate) of the caller's span."""
+
+    @_builtins.property
+    def request(self) -> Global___WatchRunRequest:
+        """The call, as WatchRun takes it."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        request: Global___WatchRunRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "request", b"request", "trace_context", b"trace_context"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SocketWatch: _TypeAlias = SocketWatch  # noqa: Y015
+
+@_typing.final
+class SocketWatchAnswer(_message.Message):
+    """SocketWatchAnswer is one message of a SocketWatch's stream: the states
+    WatchRun would send, the last one a state whose status is final, or the
+    error WatchRun would have ended with. A watch that ends any other way (the
+    engine stopping) closes the connection, as the stream would break. Its
+    fields are numbered as dagnats.journal.v1.SessionResponse's: a refusal of
+    the hello, or a frame the server cannot read, is an answer with id 0 and
+    an error, and the socket is closed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The watch's id."""
+    @_builtins.property
+    def state(self) -> Global___WatchRunResponse:
+        """As WatchRun sends it."""
+
+    @_builtins.property
+    def error(self) -> _journal_pb2.SessionError:
+        """The status WatchRun would have ended with."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        state: Global___WatchRunResponse | None = ...,
+        error: _journal_pb2.SessionError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "result", b"result", "state", b"state"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "id", b"id", "result", b"result", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["state", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___SocketWatchAnswer: _TypeAlias = SocketWatchAnswer  # noqa: Y015
 
 @_typing.final
 class HeartbeatRequest(_message.Message):

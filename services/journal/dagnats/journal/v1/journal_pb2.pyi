@@ -1646,6 +1646,7 @@ class SessionHello(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
     POLLS_FIELD_NUMBER: _builtins.int
+    WATCHES_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     """The bearer token a gRPC call would carry; empty when the server takes
     calls without one.
@@ -1660,16 +1661,22 @@ class SessionHello(_message.Message):
     (dagnats.engine.v1.SocketPoll frames, ADR 49); a socket whose
     JournalSocket.polls is false refuses it (FAILED_PRECONDITION).
     """
+    watches: _builtins.bool
+    """The connection carries the engine's WatchRun instead of journal calls
+    (dagnats.engine.v1.SocketWatch frames, ADR 52); a socket whose
+    JournalSocket.watches is false refuses it (FAILED_PRECONDITION).
+    """
     def __init__(
         self,
         *,
         token: _builtins.str = ...,
         instance: _builtins.str = ...,
         polls: _builtins.bool = ...,
+        watches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "polls", b"polls", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "polls", b"polls", "token", b"token", "watches", b"watches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
