@@ -33,17 +33,19 @@ GUARDS = (
     Guard(
         name="the session socket checks the hello's token",
         file="services/journal/dagnats/journal/session_socket.py",
-        guard="        refusal = (polls or self._sockets).admit(hello.token)\n",
+        guard="        refusal = (polls or watches or self._sockets).admit(hello.token)\n",
         removed="        refusal = None\n",
-        how="the session socket lets any connection call the journal or poll",
+        how="the session socket lets any connection call the journal, poll or watch",
         tests=(
             "tests/test_session_socket.py::"
             "test_the_socket_takes_a_worker_token_when_the_server_needs_one",
             "tests/test_session_socket.py::test_the_polls_socket_takes_only_a_token_that_may_poll",
+            "tests/test_session_socket.py::"
+            "test_the_watches_socket_takes_only_a_token_that_may_watch",
         ),
     ),
     Guard(
-        name="a poll on the session socket ends with its connection",
+        name="a poll or a watch on the session socket ends with its connection",
         file="services/journal/dagnats/journal/session_socket.py",
         guard="            self._task.cancel()  # as a gRPC stream's end cancels its handler\n",
         removed="            pass\n",
@@ -51,6 +53,8 @@ GUARDS = (
         tests=(
             "tests/test_engine_polls.py::"
             "test_a_poll_left_on_the_session_socket_does_not_take_the_next_task",
+            "tests/test_session_socket.py::"
+            "test_a_watch_left_before_its_run_ends_is_cancelled_on_the_server",
         ),
     ),
     Guard(
