@@ -365,6 +365,8 @@ async def test_a_bad_frame_ends_its_connection_and_the_socket_serves_on(
         HEADER.pack(3) + b"\xff\xff\xff",  # not a SessionHello
         HEADER.pack(MAX_FRAME + 1),  # longer than any frame may be
         _frame(jpb.SessionHello()) + HEADER.pack(2) + b"\xff\xff",  # not a SessionRequest
+        _frame(jpb.SessionHello(watches=True)) + HEADER.pack(2) + b"\xff\xff",  # nor a watch
+        _frame(jpb.SessionHello(polls=True, watches=True)),  # one or the other
     ):
         reader, writer = await asyncio.open_unix_connection(path)
         writer.write(sent)

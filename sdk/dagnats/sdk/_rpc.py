@@ -361,7 +361,7 @@ class EngineRpc:
         watches = self._take_watches()
         if watches is not None:
             try:
-                watch = await watches.watch(request, deadline=self._timeout)
+                watch = await watches.watch(request)
             except grpc.aio.AioRpcError as err:
                 if not watches.not_sent:
                     raise  # the watch may have been taken: the retry rules decide

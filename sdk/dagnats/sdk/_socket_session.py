@@ -251,8 +251,12 @@ class SocketWatches(_Connection):
         self._open = False  # a watch is under way: the connection is not idle
         self.not_sent = False
 
-    async def watch(self, request: pb.WatchRunRequest, *, deadline: float) -> SocketWatch:
-        """Send ``request`` and wait up to ``deadline`` seconds for its first state."""
+    async def watch(
+        self, request: pb.WatchRunRequest, *, deadline: float | None = None
+    ) -> SocketWatch:
+        """Send ``request`` and wait for its first state, up to ``deadline``
+        seconds when given (a gRPC ``WatchRun`` has none: a start may take
+        as long as the engine's own retries)."""
         carrier: dict[str, str] = {}
         self._sent += 1
         self._open = True

@@ -154,12 +154,14 @@ class _Connection(Frames):
             hello = pb.SessionHello.FromString(first)
         except Exception:  # a malformed protobuf: DecodeError, or worse
             return self._end(errors.InvalidArgument("the first frame is not a SessionHello"))
+        if hello.polls and hello.watches:
+            return self._end(errors.InvalidArgument("a connection polls or watches, not both"))
         polls = self._sockets.polls if hello.polls else None
         if hello.polls and polls is None:
             return self._end(
                 errors.Conflict(f"{self._sockets.path} takes no polls: poll on gRPC", field="polls")
             )
-        watches = self._sockets.watches if hello.watches and not hello.polls else None
+        watches = self._sockets.watches if hello.watches else None
         if hello.watches and watches is None:
             return self._end(
                 errors.Conflict(
