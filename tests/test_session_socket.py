@@ -46,6 +46,7 @@ from dagnats.sdk._socket_session import FoundSocket, SocketPolls, SocketSession,
 from dagnats.sdk.testing import ScriptedModel
 from tests.helpers import wait_for
 from tests.journal_agent import SCRIPT, Tools, agent
+from tests.matrix import EngineProcess
 from tests.stack import FAST, loop_workflow, socket_dir, unique
 from tests.test_journal import finish, found, remote, run_without_a_crash, socketed, start
 
@@ -167,6 +168,58 @@ async def test_a_client_on_the_services_host_watches_its_runs_on_their_socket(
             for _ in range(2):
                 assert await own.run(name, {"ask": "weather"}) == "done"
         assert sockets.watched == before + 3
+
+
+async def test_a_clients_watch_on_the_socket_rides_out_a_services_restart(
+    nats_server: NatsServer, short_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The services restart while a client waits on the socket for a run:
+    the wait goes on (on gRPC while they are down), ends with the run, and
+    the client's next watches go to the restarted services' socket."""
+    path = short_dir / "restart.sock"
+    env = {"DAGNATS_SESSION_SOCKET": str(path), "DAGNATS_TASK_ACK_WAIT": "20"}
+    engine = EngineProcess(nats_server.url, tmp_path, "engine", env=env)
+    await engine.start()
+    task, name = unique("restarted"), unique("restarted")
+    gate = asyncio.Event()
+
+    async def held(tc: TaskContext) -> None:
+        if tc.input.get("hold"):
+            await gate.wait()
+        await tc.complete("done")
+
+    try:
+        async with (
+            Client(engine.target) as client,
+            Worker(engine.target, handlers={task: held}, poll_wait=0.5),
+        ):
+            await client.register_workflow(loop_workflow(name, task))
+            assert await client.run(name, {}) == "done"  # its answer names the socket
+            found = client._rpc._found
+            assert found is not None and found._socket is not None
+            first = found._socket.instance
+            made: list[SocketWatches] = []  # the watches' connections to the socket
+            connect = found.watches
+
+            def watches() -> SocketWatches | None:
+                if (made_now := connect()) is not None:
+                    made.append(made_now)
+                return made_now
+
+            monkeypatch.setattr(found, "watches", watches)
+            run = await client.start_run(name, {"hold": True})
+            waiting = asyncio.create_task(client.wait_for_run(run.run_id, timeout=60))
+            await wait_for(lambda: bool(made) and made[0].transport is not None, timeout=10)
+            await engine.stop()
+            await engine.start()
+            gate.set()
+            done = await waiting
+            assert done.status == pb.RUN_STATUS_COMPLETED and run_output(done) == "done"
+            assert found._socket is not None and found._socket.instance != first
+            assert await client.run(name, {}) == "done"
+            assert client._rpc._watches is not None, "a watch on the new socket, kept idle"
+    finally:
+        await engine.stop()
 
 
 def _watches(sockets: SessionSocket, token: str | None = None) -> SocketWatches:

@@ -317,10 +317,15 @@ class EngineRpc:
                 idempotent = True
             try:
                 while response is not None:
+                    final = response.run.status in FINAL_RUN_STATUSES
+                    if final:
+                        # Its connection serves the next watch at once: a caller
+                        # that has the end may not close this generator for a while.
+                        self._watch_ended(call)
                     if response.revision > revision:
                         revision = response.revision
                         yield response
-                    if response.run.status in FINAL_RUN_STATUSES:
+                    if final:
                         return
                     response = await _next(call)
                 # Closed before the run ended (an engine stopping): watch again.
@@ -329,8 +334,7 @@ class EngineRpc:
                     raise self._domain_error("WatchRun", err) from None
                 log.info("engine WatchRun stream broke with %s; watching again", err.code().name)
             finally:
-                call.cancel()
-                self._watch_ended(call)
+                call.cancel()  # left before its end: a socket watch's connection closes
 
     async def watch_runs(self, request: pb.WatchRunsRequest) -> AsyncIterator[pb.WatchRunsResponse]:
         """The list of runs and its changes from ``WatchRuns``, for as long as
@@ -388,7 +392,8 @@ class EngineRpc:
         return self._found.watches() if self._found is not None else None
 
     def _watch_ended(self, call: WatchStream | SocketWatches) -> None:
-        """Keep a socket watch's connection for the next watch, or close it."""
+        """Keep the connection of a socket watch that has ended for the next
+        watch, or close it."""
         if isinstance(call, SocketWatch):
             call = call.watches
         if not isinstance(call, SocketWatches):

@@ -310,20 +310,23 @@ class SocketWatch:
         self.watches = watches
         self._first: pb.WatchRunResponse | None = first
         self._span = span
+        self._ended = False  # its final state was read: the connection is another's
 
     def __aiter__(self) -> SocketWatch:
         return self
 
     async def __anext__(self) -> pb.WatchRunResponse:
-        first, self._first = self._first, None
-        if first is not None:
-            return first
-        if self.watches.idle():
+        if self._ended:
             raise StopAsyncIteration
-        return await self.watches._state(self._span)
+        first, self._first = self._first, None
+        state = first if first is not None else await self.watches._state(self._span)
+        self._ended = state.run.status in FINAL_RUN_STATUSES
+        return state
 
     def cancel(self) -> bool:
-        if self.watches.idle():
+        """Leave the watch; False when it had ended (its connection may
+        carry another watch by now)."""
+        if self._ended or self.watches.done():
             return False
         self.watches.close()
         return True
