@@ -107,13 +107,10 @@ async def test_a_followed_key_starts_at_its_value_while_it_is_written(nc: NATS) 
             await kv.put("k", str(n).encode())
             await asyncio.sleep(0.001)
 
-    async def read() -> Any:
-        return await kv.get("k")
-
     writer = asyncio.create_task(write())
     try:
         for _ in range(600):
-            follow = jsx.follow_key(kv, "k", read)
+            follow = jsx.follow_key(kv, "k")
             first = await anext(follow)
             assert first is not None and first.value
             later = await anext(follow)  # the writer's next put, once
@@ -123,7 +120,7 @@ async def test_a_followed_key_starts_at_its_value_while_it_is_written(nc: NATS) 
         stop.set()
         await writer
     # A key with no value starts at None, and its first put follows.
-    follow = jsx.follow_key(kv, "none", _none)
+    follow = jsx.follow_key(kv, "none")
     assert await anext(follow) is None
     revision = await kv.put("none", b"now")
     got = await anext(follow)
@@ -136,10 +133,6 @@ async def test_a_followed_key_starts_at_its_value_while_it_is_written(nc: NATS) 
     assert again is not None and again.value == b"again"
     assert await anext(follow) is None
     await follow.aclose()
-
-
-async def _none() -> None:
-    return None
 
 
 async def test_a_call_that_fails_at_first_is_retried_until_it_succeeds(nc: NATS) -> None:

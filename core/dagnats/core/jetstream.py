@@ -479,14 +479,11 @@ async def kv_get(js: JetStreamContext, bucket: str, key: str) -> KeyValue.Entry:
     )
 
 
-async def follow_key(
-    kv: KeyValue, key: str, read: Callable[[], Awaitable[KeyValue.Entry | None]]
-) -> AsyncGenerator[KeyValue.Entry | None, None]:
-    """The entry of ``key`` as ``read`` gives it now, then every later entry
-    of the key in order; None whenever the key has no value (never written,
-    deleted or purged).
+async def follow_key(kv: KeyValue, key: str) -> AsyncGenerator[KeyValue.Entry | None, None]:
+    """The entry of ``key`` now, then every later entry of the key in order;
+    None whenever the key has no value (never written, deleted or purged).
 
-    The watch starts first and ``read`` is called after it, so no change is
+    The watch starts first and the key is read after it, so no change is
     missed; what the watch delivers at or below the read's revision is
     skipped. The watch's own marker for "the current value was given" is not
     used: nats-py sends it before the current value when the consumer's
@@ -495,7 +492,12 @@ async def follow_key(
     as having none."""
     watcher = await retry_transient(lambda: kv.watch(key), f"watch {key}")
     try:
-        current = await read()
+        try:
+            current: KeyValue.Entry | None = await retry_transient(
+                lambda: kv.get(key), f"read {key}"
+            )
+        except nats.js.errors.KeyNotFoundError:  # deleted and purged ones too
+            current = None
         seen = int(current.revision or 0) if current is not None else 0
         yield current
         async for entry in watcher:

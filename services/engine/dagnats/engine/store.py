@@ -239,14 +239,7 @@ class EngineStore:
         """The run as stored now (None when there is none), then after every
         change (None once purged), for the inputs service's waits
         (``jsx.follow_key``)."""
-
-        async def read() -> KeyValue.Entry | None:
-            try:
-                return await self._get(jsx.KV_RUNS, run_id, "read the run")
-            except nats.js.errors.KeyNotFoundError:
-                return None
-
-        async for entry in jsx.follow_key(self._runs, run_id, read):
+        async for entry in jsx.follow_key(self._runs, run_id):
             yield ipb.RunRecord.FromString(entry.value).run if entry and entry.value else None
 
     async def require_run(self, run_id: str) -> StoredRun:

@@ -263,13 +263,7 @@ class InputWatch:
         return True
 
     async def _follow(self, kv: KeyValue, key: str, apply: Callable[[Any], None]) -> None:
-        async def read() -> Any:
-            try:
-                return await jsx.retry_transient(lambda: kv.get(key), f"read {key}")
-            except nats.js.errors.KeyNotFoundError:
-                return None
-
-        follow = jsx.follow_key(kv, key, read)
+        follow = jsx.follow_key(kv, key)
         self._follows.append(follow)
         try:
             async with asyncio.timeout(WATCH_START):
