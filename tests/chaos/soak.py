@@ -4,7 +4,10 @@ streams.
 
 Two engines (each with the journal and inputs services) run in this process
 and share the history consumer; worker processes (``tests/chaos/worker.py``)
-dial both, each preferring one. Faults:
+dial both, each preferring one. The first engine also serves a session socket,
+as ``dagnats dev`` does: workers whose polls it answers find it and move their
+journal calls and polls there (ADR 45, 46, 49), and the drivers on its client
+start and watch their runs there (ADR 52); the rest stay on gRPC. Faults:
 
 * ``worker-kill``: SIGKILL a worker; a fresh one starts a moment later.
 * ``worker-stall``: SIGSTOP a worker past its leases, then SIGCONT: its
@@ -105,6 +108,7 @@ class Report:
     unacknowledged: Counter[str] = dataclasses.field(default_factory=Counter)
     inputs: Counter[str] = dataclasses.field(default_factory=Counter)
     engine: Counter[str] = dataclasses.field(default_factory=Counter)
+    socket: Counter[str] = dataclasses.field(default_factory=Counter)
     violations: list[str] = dataclasses.field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -114,6 +118,7 @@ class Report:
         engine = ", ".join(f"{k} {v}" for k, v in sorted(self.engine.items())) or "none"
         missed = ", ".join(f"{k} {v}" for k, v in sorted(self.missed.items())) or "none"
         unacked = ", ".join(f"{k} {v}" for k, v in sorted(self.unacknowledged.items())) or "none"
+        socket = ", ".join(f"{k} {v}" for k, v in sorted(self.socket.items())) or "none"
         return [
             f"seed {c.seed}, {c.topology} (R{c.replicas}), {c.seconds:g}s of faults, "
             f"{self.seconds:.0f}s in all",
@@ -124,6 +129,7 @@ class Report:
             f"records stored whose append returned no sequence, by how it ended: {unacked}",
             f"inputs: {inputs}",
             f"engine counters: {engine}",
+            f"the first engine's session socket carried: {socket}",
             f"violations: {len(self.violations)}",
             *(f"  {v}" for v in self.violations[:50]),
         ]
@@ -188,8 +194,12 @@ class Soak:
         clients: list[Client] = []
         self.nc = await jsx.connect(self.nats.url, name="chaos-soak")
         try:
-            for _ in range(2):
-                engines.append(await start_engine(self.nats.url, config=SOAK, topology=topology))
+            for socket in (self.base / "journal.sock", None):
+                engines.append(
+                    await start_engine(
+                        self.nats.url, config=SOAK, topology=topology, session_socket=socket
+                    )
+                )
             lossy = [self._lossy_engine(i, e) for i, e in enumerate(engines)]
             lossy += [self._lossy_inputs(i, e) for i, e in enumerate(engines)]
             self.targets = [e.target for e in engines]
@@ -214,6 +224,7 @@ class Soak:
             await self._scan(tap)
             for engine in engines:
                 self.report.engine.update(engine.engine.counters)
+            self._count_socket(engines[0])
             if self.report.engine["dead_letters"]:
                 self.report.violations.append(
                     f"{self.report.engine['dead_letters']} history event(s) moved to dead letters"
@@ -228,6 +239,21 @@ class Soak:
             for engine in engines:
                 await engine.stop()
             await self.nc.close()
+
+    def _count_socket(self, engine: EngineServer) -> None:
+        """What the first engine's session socket carried: a soak whose socket
+        carried none would test gRPC alone."""
+        sockets = engine.session_socket
+        assert sockets is not None
+        carried = {
+            "connections": sockets.accepted,
+            "polls": sockets.polled,
+            "watches": sockets.watched,
+        }
+        self.report.socket.update(carried)
+        for kind, n in carried.items():
+            if not n:
+                self.report.violations.append(f"the session socket carried no {kind}")
 
     def _lossy_engine(self, index: int, engine: EngineServer) -> LossyPublish:
         rng = random.Random(f"{self.config.seed}/engine-acks/{index}")
@@ -296,13 +322,12 @@ class Soak:
             submitted.append(request_id)
 
     async def _finished(self, client: Client, run_id: str) -> pb.Run | None:
-        async def ended() -> pb.Run | None:
-            run = await _retry(lambda: client.get_run(run_id))
-            return run if run.status != pb.RUN_STATUS_RUNNING else None
-
+        """The run once it has ended, or None after the deadline: a watch, as a
+        user waits (on the first engine's session socket once its client has
+        found it); it rides out what the faults do to its engine and stream."""
         try:
-            return await wait_for(ended, timeout=self.config.run_deadline, interval=0.25)
-        except AssertionError:
+            return await client.wait_for_run(run_id, timeout=self.config.run_deadline)
+        except errors.DeadlineExceeded:
             return None
 
     async def _check(
