@@ -30,7 +30,7 @@ def dev_args(data_dir: Path, *flags: str) -> list[str]:
     """``dagnats dev`` arguments: every port free, the data in ``data_dir``."""
     from dagnats.core.natsserver import free_port
 
-    ports = ("--nats-port", "--engine-port", "--gateway-port")
+    ports = ("--nats-port", "--engine-port", "--gateway-port", "--metrics-port")
     return [
         "dev",
         "--data-dir",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -98,6 +99,18 @@ def test_the_data_dir_names_the_dev_json_to_use(dev: Dev) -> None:
     assert lost.returncode == 1 and lost.stderr.startswith("error: ")
     assert len(lost.stderr.strip().splitlines()) == 1, lost.stderr
     assert "no .dagnats/dev.json" in lost.stderr and "--data-dir" in lost.stderr
+
+
+def test_dev_serves_the_services_counters_for_prometheus(dev: Dev) -> None:
+    # The URL it printed, also in dev.json for tools.
+    metrics = json.loads((dev.data / "dev.json").read_text())["metrics"]
+    scraped = httpx.get(metrics, timeout=30)
+    assert scraped.status_code == 200
+    # The demo's commits went to the engine of the same process (ADR 36).
+    counted = re.search(
+        r'^dagnats_engine_events_total\{event="local_applied"\} (\S+)$', scraped.text, re.M
+    )
+    assert counted is not None and float(counted[1]) >= 1, scraped.text
 
 
 def test_a_second_dev_on_the_same_data_dir_is_refused(dev: Dev) -> None:

@@ -37,6 +37,7 @@ from dagnats.cli.common import (
 )
 from dagnats.cli.handlers import handlers_from_flags, in_process_worker
 from dagnats.core.natsserver import free_port
+from dagnats.engine.metrics import MetricsEndpoint, serve_metrics
 from dagnats.gateway import GatewayConfig
 from dagnats.journal import session_socket
 from dagnats.sdk import Client, Credentials, Worker
@@ -83,6 +84,7 @@ async def run_dev(args: argparse.Namespace) -> int:
         session_socket=sessions,
     )
     workers: list[Worker] = []
+    metrics: MetricsEndpoint | None = None
     try:
         await stack.start()
         config = GatewayConfig.from_env(
@@ -94,7 +96,13 @@ async def run_dev(args: argparse.Namespace) -> int:
             )
         )
         nats, engine = stack.nats, stack.engine
-        found = {"engine": engine.target, "nats": nats.url, "gateway": gateway.url}
+        metrics = serve_metrics(engine, "127.0.0.1", _port_or_free(args.metrics_port))
+        found = {
+            "engine": engine.target,
+            "nats": nats.url,
+            "gateway": gateway.url,
+            "metrics": metrics.url,
+        }
         if sessions is not None:
             found["journal_socket"] = str(sessions)
         (data / DEV_FILE).write_text(json.dumps(found))
@@ -106,6 +114,7 @@ async def run_dev(args: argparse.Namespace) -> int:
             print("journal      no session socket: the data directory's path is too long for one")
         print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")
         print(f"console      {gateway.url}/ui")
+        print(f"metrics      {metrics.url}  (the services' counters, for Prometheus)")
         if model is not None:
             print(f"model        {_describe(model)}")
         client = stack.client
@@ -129,6 +138,8 @@ async def run_dev(args: argparse.Namespace) -> int:
         for worker in workers:
             with contextlib.suppress(Exception):
                 await worker.stop(grace=2.0)
+        if metrics is not None:
+            metrics.stop()
         await stack.stop()
         close = getattr(model, "aclose", None)
         if close is not None:

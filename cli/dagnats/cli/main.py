@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--nats-port", type=int, default=4222, help="NATS port (falls back to free)")
     dev.add_argument("--engine-port", type=int, default=7233, help="engine gRPC port")
     dev.add_argument("--gateway-port", type=int, default=8080, help="HTTP gateway port")
+    dev.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9464,
+        help="the services' counters for Prometheus, at /metrics",
+    )
     dev.add_argument("--no-demo", action="store_true", help="do not run the demo agent")
     dev.add_argument("--exit-after-demo", action="store_true", help="stop after the demo run")
     _with_handler_options(dev)
@@ -134,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="journal, all: also take journal sessions on a Unix socket at PATH, for "
         "workers on this host (DAGNATS_SESSION_SOCKET; ADR 45)",
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=os.environ.get("DAGNATS_METRICS_PORT") or None,
+        metavar="PORT",
+        help="engine, journal, all: serve the services' counters for Prometheus at "
+        "http://HOST:PORT/metrics (DAGNATS_METRICS_PORT; 0: a free port)",
     )
     for setting, (flag, about) in NATS_FLAGS.items():
         serve.add_argument(flag, default=None, help=f"engine: {about} ({setting})")
@@ -400,9 +414,15 @@ async def _serve(args: argparse.Namespace) -> int:
         raise UsageError(NEEDS_BOTH)
     if args.session_socket is not None and args.service not in ("journal", "all"):
         raise UsageError("--session-socket needs the journal: dagnats serve journal or all")
+    if args.metrics_port is not None and args.service not in ("engine", "journal", "all"):
+        raise UsageError(
+            "--metrics-port serves the engine's and the journal's counters: "
+            "dagnats serve engine, journal or all (the gateway has its own /metrics)"
+        )
     if args.service == "gateway":
         return await _serve_gateway(args)
     from dagnats.core.jetstream import Topology
+    from dagnats.engine.metrics import MetricsEndpoint, serve_metrics
     from dagnats.engine.security import ServerSecurity
     from dagnats.engine.server import start_services
 
@@ -424,7 +444,11 @@ async def _serve(args: argparse.Namespace) -> int:
     print(f"{' and '.join(server.services)} serving on {server.target}", flush=True)
     if server.session_socket is not None:
         print(f"journal sessions on {server.session_socket.path}", flush=True)
+    metrics: MetricsEndpoint | None = None
     try:
+        if args.metrics_port is not None:
+            metrics = serve_metrics(server, args.host, args.metrics_port)
+            print(f"metrics on {metrics.url}", flush=True)
         async with contextlib.AsyncExitStack() as hosted:
             if handlers is not None:
                 worker = in_process_worker(server, handlers, concurrency=args.handler_concurrency)
@@ -432,6 +456,8 @@ async def _serve(args: argparse.Namespace) -> int:
                 print(f"handlers {', '.join(sorted(handlers))} in this process", flush=True)
             await asyncio.Event().wait()
     finally:
+        if metrics is not None:
+            metrics.stop()
         await server.stop()
     return 0
 
