@@ -1,10 +1,11 @@
 """``dagnats dev``: the whole product on one machine.
 
 Starts nats-server from the virtualenv (JetStream, ``sync_interval: always``,
-data under ``.dagnats/``), creates the streams and buckets, starts the engine,
-runs the demo agent with a worker (and, with ``--handlers``, your handlers in
-this process: ``dagnats.cli.handlers``), prints what happened, and keeps
-serving until Ctrl-C. Data survives restarts, so a second ``dagnats dev`` finds the
+data under ``.dagnats/``), creates the streams and buckets, starts the engine
+(its counters for Prometheus on ``--metrics-port``), runs the demo agent
+with a worker (and, with ``--handlers``, your handlers in this process:
+``dagnats.cli.handlers``), prints what happened, and keeps serving until
+Ctrl-C. Data survives restarts, so a second ``dagnats dev`` finds the
 runs of the first.
 
 Everything listens on loopback, in plaintext and without credentials, and the
