@@ -1,6 +1,7 @@
 """The services' counters for Prometheus (``dagnats serve --metrics-port``,
 ``dagnats dev``): what an operator's scrape reads, and the refusals of a
-port that cannot serve them. ``tests/test_new_user.py`` scrapes the one
+port that cannot serve them; the CLI's port flags refuse a value out of
+range in one line. ``tests/test_new_user.py`` scrapes the one
 ``dagnats dev`` serves."""
 
 from __future__ import annotations
@@ -84,10 +85,13 @@ def test_a_metrics_port_that_cannot_serve_is_refused_by_name(engine: EngineServe
     ("args", "env", "code", "said"),
     [
         (["serve", "gateway", "--metrics-port", "0"], {}, 1, "the gateway has its own /metrics"),
-        (["serve", "all"], {"DAGNATS_METRICS_PORT": "abc"}, 2, "--metrics-port: invalid int"),
+        (["serve", "all"], {"DAGNATS_METRICS_PORT": "abc"}, 2, "--metrics-port: not a port"),
+        (["serve", "all", "--port", "70000"], {}, 2, "--port: a port is 0-65535, got 70000"),
+        (["dev", "--gateway-port", "-1"], {}, 2, "--gateway-port: a port is 0-65535, got -1"),
+        (["dev", "--metrics-port", "65536"], {}, 2, "--metrics-port: a port is 0-65535"),
     ],
 )
-def test_the_cli_refuses_a_metrics_port_it_cannot_serve_in_one_line(
+def test_the_cli_refuses_a_port_it_cannot_serve_in_one_line(
     args: list[str], env: dict[str, str], code: int, said: str
 ) -> None:
     done = subprocess.run(

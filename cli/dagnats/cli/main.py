@@ -51,6 +51,17 @@ WAIT_SECONDS = 3600.0
 _data_dir = Path(DEFAULT_DATA_DIR)
 
 
+def port(text: str) -> int:
+    """A port flag's value: 0 (a free one) to 65535, or argparse's one-line error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
+    return value
+
+
 def default_target() -> str:
     """``DAGNATS_ENGINE``, else the engine the ``dagnats dev`` of the data
     directory started (its ``dev.json``), else the default."""
@@ -89,12 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument(
         "--data-dir", dest="dev_data_dir", default=None, help="where data lives (as above)"
     )
-    dev.add_argument("--nats-port", type=int, default=4222, help="NATS port (falls back to free)")
-    dev.add_argument("--engine-port", type=int, default=7233, help="engine gRPC port")
-    dev.add_argument("--gateway-port", type=int, default=8080, help="HTTP gateway port")
+    dev.add_argument("--nats-port", type=port, default=4222, help="NATS port (falls back to free)")
+    dev.add_argument("--engine-port", type=port, default=7233, help="engine gRPC port")
+    dev.add_argument("--gateway-port", type=port, default=8080, help="HTTP gateway port")
     dev.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
         default=9464,
         help="the services' counters for Prometheus, at /metrics",
     )
@@ -114,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument(
         "--port",
-        type=int,
+        type=port,
         default=None,
         help="default 7233 (engine, all), 7234 (journal), 7235 (inputs), 8080 (gateway)",
     )
@@ -143,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
         default=os.environ.get("DAGNATS_METRICS_PORT") or None,
         metavar="PORT",
         help="engine, journal, all: serve the services' counters for Prometheus at "
