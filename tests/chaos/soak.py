@@ -66,7 +66,7 @@ from tests.chaos.faults import JournalTap, LossyPublish, instrumented_journal
 from tests.helpers import wait_for
 from tests.matrix import child_env
 from tests.secured import suite_security
-from tests.stack import FAST, loop_workflow, steps_by_id
+from tests.stack import FAST, loop_workflow, socket_dir, steps_by_id
 from tests.workers import agent
 
 T = TypeVar("T")
@@ -177,8 +177,11 @@ class Soak:
         )
         try:
             acks_rng = random.Random(f"{c.seed}/acks")
-            with instrumented_journal(acks_rng, self.faults, c.lost_ack_rate) as tap:
-                await self._soak(tap)
+            with (
+                instrumented_journal(acks_rng, self.faults, c.lost_ack_rate) as tap,
+                socket_dir() as short,  # a socket's path must fit 107 bytes
+            ):
+                await self._soak(tap, short / "journal.sock")
         finally:
             await self.nats.stop()
         self.report.seconds = time.monotonic() - began
@@ -187,14 +190,14 @@ class Soak:
             print(f"chaos soak: {line}", flush=True)
         return self.report
 
-    async def _soak(self, tap: JournalTap) -> None:
+    async def _soak(self, tap: JournalTap, sessions: Path) -> None:
         c = self.config
         topology = jsx.Topology(replicas=c.replicas)
         engines: list[EngineServer] = []
         clients: list[Client] = []
         self.nc = await jsx.connect(self.nats.url, name="chaos-soak")
         try:
-            for socket in (self.base / "journal.sock", None):
+            for socket in (sessions, None):
                 engines.append(
                     await start_engine(
                         self.nats.url, config=SOAK, topology=topology, session_socket=socket
