@@ -24,11 +24,11 @@ from dagnats.sdk import Client
 from tests.test_journal import found, run_without_a_crash
 
 
-async def _scrape(url: str) -> dict[tuple[str, str], float]:
+async def _scrape(url: str, query: str = "") -> dict[tuple[str, str], float]:
     """Every sample of a scrape, by name and its ``event`` label ("" without one)."""
 
     def get() -> str:
-        with urllib.request.urlopen(url, timeout=30) as answer:
+        with urllib.request.urlopen(url + query, timeout=30) as answer:
             assert answer.status == 200
             assert answer.headers["Content-Type"].startswith("text/plain")
             text: str = answer.read().decode()
@@ -52,6 +52,8 @@ async def test_a_scrape_reads_what_the_engine_and_the_session_socket_counted(
         # engine of the same process (ADR 36).
         await run_without_a_crash(client, engine, found)
         after = await _scrape(endpoint.url)
+        # A scrape of named families has those alone.
+        picked = await _scrape(endpoint.url, "?name[]=dagnats_session_socket_polls_total")
     finally:
         endpoint.stop()
 
@@ -62,6 +64,7 @@ async def test_a_scrape_reads_what_the_engine_and_the_session_socket_counted(
     assert grew("dagnats_session_socket_connections_total")
     assert grew("dagnats_session_socket_polls_total")
     assert ("dagnats_session_socket_open", "") in after
+    assert list(picked) == [("dagnats_session_socket_polls_total", "")]
     assert (
         after[("dagnats_engine_events_total", "local_applied")]
         == (engine.engine.counters["local_applied"])

@@ -38,6 +38,10 @@ class ServicesCollector(Collector):
     def __init__(self, server: ServiceServer) -> None:
         self._server = server
 
+    def describe(self) -> Iterator[Metric]:
+        """The families a scrape yields: the names ``/metrics?name[]=...`` selects by."""
+        return self.collect()
+
     def collect(self) -> Iterator[Metric]:
         engine = getattr(self._server, "engine", None)
         if engine is not None:
@@ -93,7 +97,7 @@ def serve_metrics(server: ServiceServer, host: str, port: int) -> MetricsEndpoin
     """
     if not 0 <= port <= 65535:
         raise errors.InvalidArgument(f"the metrics port must be 0-65535, got {port}", field="port")
-    registry = CollectorRegistry(auto_describe=False)
+    registry = CollectorRegistry()
     registry.register(ServicesCollector(server))
     try:
         httpd, thread = start_http_server(port, addr=host, registry=registry)
