@@ -249,14 +249,14 @@ async def test_the_watches_socket_takes_only_a_token_that_may_watch(
     ):
         watches = _watches(secured.session_socket, token)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await watches.watch(pb.WatchRunRequest(run_id="0" * 32), deadline=5.0)
+            await watches.watch(pb.WatchRunRequest(run_id="0" * 32))
         assert refused.value.code() == status, token
         assert watches.not_sent, "a refused hello: the watch was never read"
     watches = _watches(secured.session_socket, CLIENT_TOKEN)
     with pytest.raises(errors.NotFound):
-        await watches.watch(pb.WatchRunRequest(run_id="0" * 32), deadline=5.0)
+        await watches.watch(pb.WatchRunRequest(run_id="0" * 32))
     with pytest.raises(errors.InvalidArgument) as bad:
-        await watches.watch(pb.WatchRunRequest(run_id="not an id"), deadline=5.0)
+        await watches.watch(pb.WatchRunRequest(run_id="not an id"))
     assert bad.value.field == "run_id" and watches.idle()
     watches.close()
 
@@ -271,7 +271,7 @@ async def test_a_watch_left_before_its_run_ends_is_cancelled_on_the_server(
     _, name = await start(client)
     run = await client.start_run(name, {"ask": "weather"})
     watches = _watches(sockets)
-    watch = await watches.watch(pb.WatchRunRequest(run_id=run.run_id), deadline=5.0)
+    watch = await watches.watch(pb.WatchRunRequest(run_id=run.run_id))
     first = await anext(watch)
     assert first.run.run_id == run.run_id and first.run.status == pb.RUN_STATUS_RUNNING
     hubs = engine.watches._hubs
@@ -409,7 +409,7 @@ async def test_a_socket_that_serves_no_engine_refuses_a_poll(
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "takes no polls" in (refused.value.details() or "")
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await _watches(sockets).watch(pb.WatchRunRequest(run_id="0" * 32), deadline=5.0)
+            await _watches(sockets).watch(pb.WatchRunRequest(run_id="0" * 32))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "takes no watches" in (refused.value.details() or "")
     finally:

@@ -251,24 +251,18 @@ class SocketWatches(_Connection):
         self._open = False  # a watch is under way: the connection is not idle
         self.not_sent = False
 
-    async def watch(
-        self, request: pb.WatchRunRequest, *, deadline: float | None = None
-    ) -> SocketWatch:
-        """Send ``request`` and wait for its first state, up to ``deadline``
-        seconds when given (a gRPC ``WatchRun`` has none: a start may take
-        as long as the engine's own retries)."""
+    async def watch(self, request: pb.WatchRunRequest) -> SocketWatch:
+        """Send ``request`` and wait for its first state, with no deadline, as
+        a gRPC ``WatchRun`` has none: a start may take as long as the engine's
+        own retries."""
         carrier: dict[str, str] = {}
         self._sent += 1
         self._open = True
         with tracing.client_span(WATCH_METHOD, carrier) as span:
             message = pb.SocketWatch(id=self._sent, trace_context=carrier, request=request)
             try:
-                async with asyncio.timeout(deadline):
-                    await self._send(message)
-                    first = await self._state(span)
-            except TimeoutError:
-                self._end(grpc.StatusCode.DEADLINE_EXCEEDED, "WatchRun: no answer")
-                raise self._failure() from None
+                await self._send(message)
+                first = await self._state(span)
             except grpc.aio.AioRpcError:
                 self.not_sent = self.transport is None or self.refused_hello
                 raise
