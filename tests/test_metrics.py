@@ -73,15 +73,13 @@ async def test_a_scrape_reads_what_the_engine_and_the_session_socket_counted(
         await _scrape(endpoint.url)
 
 
-def test_a_metrics_port_that_cannot_serve_is_refused_by_name(engine: EngineServer) -> None:
+def test_a_metrics_port_in_use_is_refused_by_name(engine: EngineServer) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(errors.Unavailable, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             serve_metrics(engine, "127.0.0.1", port)
-    with pytest.raises(errors.InvalidArgument, match="0-65535"):
-        serve_metrics(engine, "127.0.0.1", 70000)
 
 
 @pytest.mark.parametrize(

@@ -92,11 +92,8 @@ def serve_metrics(server: ServiceServer, host: str, port: int) -> MetricsEndpoin
     free one, in the returned URL).
 
     Raises:
-        InvalidArgument: ``port`` is not 0-65535.
         Unavailable: the port cannot be bound (in use, say).
     """
-    if not 0 <= port <= 65535:
-        raise errors.InvalidArgument(f"the metrics port must be 0-65535, got {port}", field="port")
     registry = CollectorRegistry()
     registry.register(ServicesCollector(server))
     try:
