@@ -252,11 +252,24 @@ GUARDS = (
     Guard(
         name="restart limit",
         file="services/journal/dagnats/journal/replay.py",
-        guard="    return trailing >= limit\n",
+        guard="    return deliveries_without_progress(records) >= limit\n",
         removed="    return False\n",
         how="the restart limit is never reached",
         tests=(
             "tests/test_journal.py::test_restart_limit_fails_the_attempt_and_the_retry_resumes",
+        ),
+    ),
+    Guard(
+        name="restart limit: a claim that rode and was never stored counts",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="        trailing += 1\n    return trailing\n",
+        removed="    return trailing\n",
+        how="a first delivery's or a handed-over claim whose holder died before its first"
+        " record is not counted: the step fails one delivery later than its limit",
+        tests=(
+            "tests/test_journal_limits.py::test_the_restart_limit_is_reached_at_the_limits_delivery",
+            "tests/test_journal.py::"
+            "test_restart_limit_counts_a_first_deliverys_claim_made_with_its_lease",
         ),
     ),
     Guard(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import grpc
 import grpc.aio
+import pytest
 
 from dagnats.core.errors import RecordTooLarge
 from dagnats.core.grpcutil import CODE_KEY, FIELD_KEY, error_from_rpc
@@ -205,6 +206,44 @@ async def test_claims_repeated_for_one_delivery_are_not_restarts(
         claim.delivery = 2  # the lease ran out and the task came back
         answer = await stub.Claim(claim)
     assert answer.settled.reason == "restart_limit"
+    await client.cancel_run(run_id)
+
+
+@pytest.mark.parametrize("limit", [2, 3])
+@pytest.mark.parametrize(
+    "rides", [True, False], ids=["first claim rides its first record", "every claim stored"]
+)
+async def test_the_restart_limit_is_reached_at_the_limits_delivery(
+    client: Client, engine: EngineServer, limit: int, rides: bool
+) -> None:
+    """Each delivery's holder dies after its claim, before its first record.
+    Whether the first delivery's claim rode that record (and so was never
+    stored) or was stored on its own, the ``limit``-th delivery's claim fails
+    the step: ``limit`` deliveries in a row, not one more."""
+    run_id = await _open_step(client)
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        answers = []
+        for delivery in range(1, limit + 1):
+            claim = jpb.ClaimRequest(
+                run_id=run_id,
+                step_id="agent",
+                iteration=0,
+                attempt=1,
+                delivery=delivery,
+                worker_id=f"w-{delivery}",
+                restart_limit=limit,
+                with_first_record=rides,
+            )
+            answers.append(await stub.Claim(claim))
+    first, *middle, last = answers
+    assert first.claimed.token.HasField("claim") is rides, "the first claim rode or was stored"
+    assert all(a.HasField("claimed") for a in middle)
+    assert last.settled.reason == "restart_limit"
+    assert last.settled.detail == f"restart limit: {limit} deliveries in a row without progress"
+    records = await read_journal(engine, run_id)
+    stored = [r.claim.delivery for r in records if r.HasField("claim")]
+    assert stored == list(range(2 if rides else 1, limit + 1))
     await client.cancel_run(run_id)
 
 
