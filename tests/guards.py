@@ -262,8 +262,8 @@ GUARDS = (
     Guard(
         name="restart limit: a claim that rode and was never stored counts",
         file="services/journal/dagnats/journal/replay.py",
-        guard="        trailing += 1\n    return trailing\n",
-        removed="    return trailing\n",
+        guard="    if after is not None and _followed_an_unstored_claim(after):\n",
+        removed="    if False:\n",
         how="a first delivery's or a handed-over claim whose holder died before its first"
         " record is not counted: the step fails one delivery later than its limit",
         tests=(
