@@ -64,6 +64,41 @@ async def test_an_oversized_record_is_refused_before_it_is_written(
     await client.cancel_run(run_id)
 
 
+async def test_a_refused_record_names_what_makes_it_too_large(
+    client: Client, engine: EngineServer
+) -> None:
+    """A commit whose state alone is over the maximum names the state; one
+    whose state and output each fit but not together names the record and its
+    largest part. Both with the sizes, grouped by thousands."""
+    run_id = await _open_step(client)
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        claim = jpb.ClaimRequest(run_id=run_id, step_id="agent", iteration=0, attempt=1)
+        token = (await stub.Claim(claim)).claimed.token
+        over, part = MAX_RECORD_BYTES + 100, MAX_RECORD_BYTES * 3 // 5
+        messages: list[str] = []
+        for commit in (
+            jpb.Commit(action=jpb.ACTION_CONTINUE, state=_json_of(over), has_state=True),
+            jpb.Commit(
+                action=jpb.ACTION_CONTINUE,
+                state=_json_of(part + 1),
+                has_state=True,
+                output=_json_of(part),
+            ),
+        ):
+            try:
+                await stub.Commit(jpb.CommitRequest(token=token, commit=commit))
+            except grpc.aio.AioRpcError as err:
+                assert isinstance(error_from_rpc(err), RecordTooLarge)
+                messages.append(err.details() or "")
+    assert len(messages) == 2, "both commits were refused"
+    most = f"a journal record is at most {MAX_RECORD_BYTES:,} bytes"
+    assert messages[0] == f"the state is {over:,} bytes; {most}"
+    assert messages[1].startswith("the commit record would be ")
+    assert messages[1].endswith(f"bytes, the state {part + 1:,} of them; {most}")
+    await client.cancel_run(run_id)
+
+
 async def test_a_step_with_records_near_the_limit_is_claimed_by_a_default_client(
     client: Client, engine: EngineServer
 ) -> None:

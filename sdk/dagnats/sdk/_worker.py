@@ -77,6 +77,10 @@ class Worker:
             third of the task's lease, at least 0.05.
         worker_id: Names the worker in the engine's logs and its journal
             claims, at most 256 characters; by default ``host-pid-random``.
+        restart_limit: A journaled iteration whose last this many deliveries
+            (1 to 1000) made no progress -- their holders died before writing
+            anything but their claims -- fails with reason ``restart_limit``
+            (retriable: the step's retry policy applies).
         credentials: Token and TLS files (a worker's token has the worker
             role); by default from the environment (see ``Credentials``).
         journal_target: Address of the journal service when it runs apart
