@@ -327,9 +327,6 @@ def _decode(data: bytes | None, seq: int | None) -> pb.Record:
     return record
 
 
-__all__ = ["JournalStore", "Written", "journal_subject"]
-
-
 def _too_large(kind: str, record: pb.Record, size: int, limit: int) -> str:
     """Why ``record`` (``size`` bytes serialized) is refused: what makes it too
     large, with the numbers."""
@@ -338,3 +335,6 @@ def _too_large(kind: str, record: pb.Record, size: int, limit: int) -> str:
     if part_size > limit:
         return f"{part} is {part_size:,} bytes; {most}"
     return f"the {kind} record would be {size:,} bytes, {part} {part_size:,} of them; {most}"
+
+
+__all__ = ["JournalStore", "Written", "journal_subject"]
