@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from dagnats.core import errors
 from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import error_from_rpc
+from dagnats.engine.runs import Runs
 from dagnats.engine.server import EngineServer
 from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2 as epb
@@ -28,6 +29,7 @@ from dagnats.inputs.rules import InputState
 from dagnats.inputs.store import InputStore, close_step_inputs
 from dagnats.inputs.v1 import inputs_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2_grpc as pb_grpc
+from dagnats.journal.store import JournalStore
 from dagnats.sdk import Client
 from tests.helpers import wait_for
 from tests.stack import loop_workflow, steps_by_id, unique
@@ -51,7 +53,7 @@ async def nc(nats_server: Any) -> AsyncIterator[NATS]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def store(nc: NATS) -> InputStore:
-    return await InputStore.open(nc, await EngineStore.open(nc))
+    return await InputStore.open(nc, Runs(await EngineStore.open(nc), JournalStore(nc)))
 
 
 async def running_step(client: Client) -> str:

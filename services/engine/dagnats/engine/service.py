@@ -83,7 +83,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # poll's answer to workers on this host (ADR 46).
         self.journal_socket: pb.JournalSocket | None = None
         self._consumers: set[str] = set()
-        self.watches = RunWatches(engine.store, wrote_last=engine.wrote_last)
+        self.watches = RunWatches(engine.runs, wrote_last=engine.wrote_last)
         engine.on_stored = self.watches.written
         if engine.heard is not None:
             engine.heard.on_other_write = self.watches.heard
@@ -142,7 +142,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         workflow = stored_workflow(await self.store.get_workflow(name))
         if key:
             run_id = await self.store.claim_run_key(name, key, run_id)
-            existing = await self.store.load_run(run_id)
+            existing = await self.engine.read_run(run_id)  # the run now
             if existing is not None:
                 if existing.record.outbox:
                     existing = await self.engine.flush(existing)

@@ -229,18 +229,15 @@ class EngineStore:
             return None
         return StoredRun(ipb.RunRecord.FromString(entry.value or b""), int(entry.revision or 0))
 
-    async def get_run(self, run_id: str) -> pb.Run | None:
-        """The run as stored, for the other services (``dagnats.journal.peers``,
-        ``dagnats.inputs.store``); None when there is none."""
-        stored = await self.load_run(run_id)
-        return stored.record.run if stored is not None else None
-
-    async def follow_run(self, run_id: str) -> AsyncGenerator[pb.Run | None, None]:
+    async def follow_run(self, run_id: str) -> AsyncGenerator[StoredRun | None, None]:
         """The run as stored now (None when there is none), then after every
-        change (None once purged), for the inputs service's waits
-        (``jsx.follow_key``)."""
+        change (None once purged), as :class:`dagnats.engine.runs.Runs`
+        follows it for the inputs service's waits (``jsx.follow_key``)."""
         async for entry in jsx.follow_key(self._runs, run_id):
-            yield ipb.RunRecord.FromString(entry.value).run if entry and entry.value else None
+            if entry and entry.value:
+                yield StoredRun(ipb.RunRecord.FromString(entry.value), int(entry.revision or 0))
+            else:
+                yield None
 
     async def require_run(self, run_id: str) -> StoredRun:
         stored = await self.load_run(run_id)
