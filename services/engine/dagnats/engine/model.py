@@ -14,6 +14,8 @@ from typing import Literal
 from dagnats.core.status import StepStatus as StepStatus
 from dagnats.engine.definition import WorkflowDef
 
+DEFAULT_RUN_RETENTION = 30 * 24 * 3600.0
+
 
 class RunStatus(enum.Enum):
     RUNNING = "running"
@@ -292,6 +294,16 @@ class StepInputs:
     close: bool
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PurgeLater:
+    """Purge the run that just ended, and everything of it, at ``due``: its
+    retention after its end. A durable timer, so an engine restart in
+    between does not lose it."""
+
+    run_id: str
+    due: float
+
+
 Effect = (
     DispatchTask
     | SetTimer
@@ -300,6 +312,7 @@ Effect = (
     | NotifyParent
     | AnnounceCancel
     | StepInputs
+    | PurgeLater
 )
 
 
@@ -326,3 +339,5 @@ class RuleOptions:
     """Engine settings the rules depend on."""
 
     legacy_step_events: bool = False
+    # How long an ended run is kept after its end (``DAGNATS_RUN_RETENTION``).
+    run_retention: float = DEFAULT_RUN_RETENTION

@@ -91,10 +91,12 @@ from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.convert_workflow import stored_workflow
 from dagnats.engine.heard import Mark, RunWrites
+from dagnats.engine.purge import purge_run
 from dagnats.engine.report import commit_event
 from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
+from dagnats.inputs import convert as inputs_convert
 from dagnats.inputs.store import InputStore, close_step_inputs
 from dagnats.journal.store import JournalStore, Written
 
@@ -129,7 +131,9 @@ class Engine:
         self.journal = journal
         self.config = config
         self.clock = clock
-        self.options = m.RuleOptions(legacy_step_events=config.legacy_step_events)
+        self.options = m.RuleOptions(
+            legacy_step_events=config.legacy_step_events, run_retention=config.run_retention
+        )
         self.counters: Counter[str] = Counter()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
@@ -798,9 +802,15 @@ class Engine:
         if self.inputs is None:
             return
         if event.inputs.close:
-            await close_step_inputs(self.inputs, event.run_id, event.step_id, self.clock())
+            # The step finished, and its end is stored: what the run says of
+            # it decides which inputs were answered (``at_step_end``).
+            stored = await self.store.load_run(event.run_id)
+            step = inputs_convert.progress(stored.record.run if stored else None, event.step_id)
+            if step is not None:
+                now = self.clock()
+                await close_step_inputs(self.inputs, event.run_id, event.step_id, step, now)
             return
-        if await self.inputs.queued(event.run_id, event.step_id):
+        if await self.inputs.queued(event.run_id, event.step_id, self.clock()):
             await self.apply(event.run_id, m.InputArrived(step_id=event.step_id))
 
     async def _start_child(self, event: ipb.HistoryEvent) -> None:
@@ -842,9 +852,21 @@ class Engine:
             await msg.nak(delay=remaining)
             return
         parent = tracing.extract(dict(timer.trace_context))
-        with tracing.span("engine timer", parent):
-            await self.apply(timer.run_id, convert.timer_to_input(timer))
+        if timer.kind == ipb.TIMER_KIND_PURGE:
+            with tracing.span("engine purge", parent):
+                await self.purge(timer.run_id)
+        else:
+            with tracing.span("engine timer", parent):
+                await self.apply(timer.run_id, convert.timer_to_input(timer))
         await msg.ack()
+
+    async def purge(self, run_id: str) -> None:
+        """Purge an ended run whose retention is over (its purge timer fired);
+        a run still running, or gone, is left as it is (``purge_run``)."""
+        self._forget(run_id)
+        if await purge_run(self.store, self.journal, self.inputs, run_id, asked=False):
+            self.counters["runs_purged"] += 1
+            log.info("run %s: purged, its retention after its end is over", run_id)
 
     # ---- reconciler -----------------------------------------------------------------
 
@@ -964,7 +986,7 @@ class Engine:
                 kind = event.WhichOneof("kind")
                 if kind == "input":
                     if self.inputs is None or not await self.inputs.queued(
-                        event.run_id, event.step_id
+                        event.run_id, event.step_id, self.clock()
                     ):
                         continue
                 elif kind in _REPORTS and event.attempt <= 0:

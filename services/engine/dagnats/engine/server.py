@@ -277,7 +277,7 @@ async def start_services(
     interceptors = tracing.server_interceptors() + ([guard] if guard is not None else [])
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     engine_store = await EngineStore.open(nc)  # runs, history, tasks: every service reads them
-    input_store = await InputStore.open(nc, engine_store)
+    input_store = await InputStore.open(nc, engine_store, dedupe_window=config.input_dedupe_window)
     journal_store = JournalStore(nc)
     engine: Engine | None = None
     clock: Callable[[], float] = time.time

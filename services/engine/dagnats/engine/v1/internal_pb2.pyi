@@ -35,6 +35,10 @@ class _TimerKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TimerKind.V
     """Fail the dispatch if it has not reported yet."""
     TIMER_KIND_MAX_DURATION: _TimerKind.ValueType  # 3
     """Fail the agent loop if it is still running."""
+    TIMER_KIND_PURGE: _TimerKind.ValueType  # 4
+    """Purge the ended run and everything of it: its retention is over. Set on
+    the run's own subject (timers.<run>), not a step's.
+    """
 
 class TimerKind(_TimerKind, metaclass=_TimerKindEnumTypeWrapper):
     """TimerKind says what a timer does when it fires."""
@@ -47,6 +51,10 @@ TIMER_KIND_STEP_TIMEOUT: TimerKind.ValueType  # 2
 """Fail the dispatch if it has not reported yet."""
 TIMER_KIND_MAX_DURATION: TimerKind.ValueType  # 3
 """Fail the agent loop if it is still running."""
+TIMER_KIND_PURGE: TimerKind.ValueType  # 4
+"""Purge the ended run and everything of it: its retention is over. Set on
+the run's own subject (timers.<run>), not a step's.
+"""
 Global___TimerKind: _TypeAlias = TimerKind  # noqa: Y015
 
 @_typing.final
