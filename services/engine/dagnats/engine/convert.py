@@ -366,7 +366,11 @@ def outbox_entry(effect: m.Effect, headers: dict[str, str], now: float) -> ipb.O
                 step_id=effect.step_id,
                 iteration=effect.iteration,
                 trace_context=headers,
-                inputs=ipb.StepInputs(close=effect.close),
+                inputs=ipb.StepInputs(
+                    close=effect.close,
+                    status=step_status_to_proto(effect.status),
+                    iterations=effect.iterations,
+                ),
             )
             what = "close" if effect.close else "check"
             msg_id = f"{effect.run_id}.{effect.step_id}.inputs.{what}.{effect.iteration}"

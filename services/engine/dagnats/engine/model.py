@@ -292,6 +292,10 @@ class StepInputs:
     step_id: str
     iteration: int
     close: bool
+    # With ``close``: how the step finished, and its accepted continues,
+    # which decide each input's end without a read of the run.
+    status: StepStatus = StepStatus.PENDING
+    iterations: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

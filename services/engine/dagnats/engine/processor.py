@@ -85,6 +85,7 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
 from dagnats.core.seam import seam
+from dagnats.core.status import step_status_from_proto
 from dagnats.core.subjects import is_inbox, task_subject
 from dagnats.engine import convert, rules
 from dagnats.engine import model as m
@@ -97,6 +98,7 @@ from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.inputs import convert as inputs_convert
+from dagnats.inputs.rules import StepProgress, step_progress
 from dagnats.inputs.store import InputStore, close_step_inputs
 from dagnats.journal.store import JournalStore, Written
 
@@ -802,16 +804,25 @@ class Engine:
         if self.inputs is None:
             return
         if event.inputs.close:
-            # The step finished, and its end is stored: what the run says of
-            # it decides which inputs were answered (``at_step_end``).
-            stored = await self.store.load_run(event.run_id)
-            step = inputs_convert.progress(stored.record.run if stored else None, event.step_id)
+            step = await self._ended_step(event)
             if step is not None:
                 now = self.clock()
                 await close_step_inputs(self.inputs, event.run_id, event.step_id, step, now)
             return
         if await self.inputs.queued(event.run_id, event.step_id, self.clock()):
             await self.apply(event.run_id, m.InputArrived(step_id=event.step_id))
+
+    async def _ended_step(self, event: ipb.HistoryEvent) -> StepProgress | None:
+        """What the close of a finished step's inputs needs of the step: how
+        it finished and which iterations committed (``at_step_end``). The
+        event says so; one of an earlier release does not, and the run, which
+        stores the step's end, is read instead (None: it was purged)."""
+        closed = event.inputs
+        if closed.status:
+            status = step_status_from_proto(closed.status)
+            return step_progress(status, event.iteration, closed.iterations)
+        stored = await self.store.load_run(event.run_id)
+        return inputs_convert.progress(stored.record.run if stored else None, event.step_id)
 
     async def _start_child(self, event: ipb.HistoryEvent) -> None:
         start = event.start

@@ -598,7 +598,12 @@ def _on_input(run: Run, arrived: InputArrived, now: float) -> Decision:
 
 def _inputs(run: Run, step: Step, *, close: bool) -> StepInputs:
     return StepInputs(
-        run_id=run.run_id, step_id=step.step_id, iteration=step.iteration, close=close
+        run_id=run.run_id,
+        step_id=step.step_id,
+        iteration=step.iteration,
+        close=close,
+        status=step.status,
+        iterations=step.iterations,
     )
 
 
@@ -808,7 +813,8 @@ def _finish(
         if step.child_run_id and step.status is StepStatus.RUNNING:
             extra.append(CancelChildRun(child_run_id=step.child_run_id, reason=error))
         if step.status is not StepStatus.PENDING:
-            extra.append(_inputs(run, step, close=True))
+            closed = _inputs(run, step, close=True)
+            extra.append(replace(closed, status=StepStatus.CANCELLED))
         steps.append(
             replace(
                 step,
