@@ -175,9 +175,24 @@ def test_placed_without_a_step_shows_as_stored() -> None:
     assert seen(placed(2), None, 0) is Status.PLACED
 
 
-@pytest.mark.parametrize("status", [Status.QUEUED, Status.WITHDRAWN, Status.UNANSWERED])
-def test_other_statuses_show_as_stored(status: Status) -> None:
+@pytest.mark.parametrize(
+    "status", [Status.WITHDRAWN, Status.UNANSWERED, Status.DROPPED, Status.EXPIRED]
+)
+def test_final_statuses_show_as_stored(status: Status) -> None:
     assert seen(queued(status=status), StepStatus.COMPLETED, 9) is status
+
+
+def test_queued_shows_as_stored_while_the_step_may_place_it() -> None:
+    for status in (StepStatus.PENDING, StepStatus.RUNNING, StepStatus.WAITING):
+        assert seen(queued(), status, 0) is Status.QUEUED
+    assert seen(queued(), None, 0) is Status.QUEUED
+
+
+@pytest.mark.parametrize("status", [StepStatus.COMPLETED, StepStatus.FAILED, StepStatus.CANCELLED])
+def test_queued_on_a_finished_step_reads_unanswered_before_the_close_stores_it(
+    status: StepStatus,
+) -> None:
+    assert seen(queued(), status, 0) is Status.UNANSWERED
 
 
 def test_a_queued_input_older_than_the_dedupe_window_reads_expired() -> None:

@@ -390,13 +390,39 @@ async def test_an_input_placed_by_a_turn_the_cancel_cut_short_ends_dropped(
         await wait_for(lambda: stored_as(engine, run.run_id, "msg", Status.DROPPED), timeout=10)
 
 
-async def stored_as(engine: EngineServer, run_id: str, request_id: str, want: Status) -> bool:
+async def stored_as(
+    engine: EngineServer, run_id: str, request_id: str, want: Status, step_id: str = "agent"
+) -> bool:
     """Whether the input is stored with status ``want`` (read from the
     bucket, not as a client sees it)."""
     inputs = engine.engine.inputs
     assert inputs is not None
-    stored = await inputs.get(run_id, "agent", request_id)
+    stored = await inputs.get(run_id, step_id, request_id)
     return stored is not None and stored[0].status is want
+
+
+async def test_an_input_of_a_step_that_never_started_ends_unanswered_with_its_run(
+    nats_server: NatsServer,
+) -> None:
+    async with engine_with(nats_server) as engine, Client(engine.target) as client:
+        name, task = unique("pendingwf"), unique("nobody")
+        steps = [
+            {"id": "first", "type": "task", "task": task},
+            {"id": "later", "type": "task", "task": task, "depends_on": ["first"]},
+        ]
+        await client.register_workflow({"name": name, "steps": steps})
+        run = await client.start_run(name, "go")
+        queued, _ = await client.submit_input(run.run_id, "later", "early", {"t": 1})
+        assert queued.status == ipb.STATUS_QUEUED
+        await client.cancel_run(run.run_id)
+        ended = await client.get_input(
+            run.run_id, "later", "early", wait=30, if_status=ipb.STATUS_QUEUED
+        )
+        assert ended.status == ipb.STATUS_UNANSWERED
+        await wait_for(
+            lambda: stored_as(engine, run.run_id, "early", Status.UNANSWERED, "later"),
+            timeout=10,
+        )
 
 
 # ---- existing deployments and settings ----------------------------------------------------

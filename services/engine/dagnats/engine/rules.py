@@ -812,9 +812,9 @@ def _finish(
             continue
         if step.child_run_id and step.status is StepStatus.RUNNING:
             extra.append(CancelChildRun(child_run_id=step.child_run_id, reason=error))
-        if step.status is not StepStatus.PENDING:
-            closed = _inputs(run, step, close=True)
-            extra.append(replace(closed, status=StepStatus.CANCELLED))
+        # A pending step takes inputs too: they end with it.
+        closed = _inputs(run, step, close=True)
+        extra.append(replace(closed, status=StepStatus.CANCELLED))
         steps.append(
             replace(
                 step,

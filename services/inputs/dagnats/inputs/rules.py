@@ -336,10 +336,13 @@ def visible(
     """The input as a client sees it: ``placed`` reads as ``done`` once the
     placing iteration committed, and as ``dropped`` once the step finished
     without it committing; ``queued`` reads as ``expired`` past the dedupe
-    window. ``step`` is None when the step is gone. What only reads so is
-    stored so by the engine's close at the step's end, or by the first
-    placement or close that meets it."""
+    window, and as ``unanswered`` once the step finished. ``step`` is None
+    when the step is gone. What only reads so is stored so by the engine's
+    close at the step's end, or by the first placement or close that meets
+    it."""
     if state.status is Status.QUEUED:
+        if step is not None and step.status.finished:
+            return close(state, now=now, window=window) or state
         return expire(state, now=now, window=window) or state
     if state.status is not Status.PLACED or step is None:
         return state
