@@ -14,7 +14,7 @@ from __future__ import annotations
 from dagnats.core import errors
 from dagnats.core import jetstream as jsx
 from dagnats.core.status import FINAL_RUN_STATUSES
-from dagnats.core.subjects import history_subject, run_tasks, run_timers
+from dagnats.core.subjects import history_subject, purge_timer_subject, run_tasks, run_timers
 from dagnats.engine.store import EngineStore
 from dagnats.inputs.store import InputStore
 from dagnats.journal.store import JournalStore
@@ -66,4 +66,7 @@ async def purge_run(
     if run.idempotency_key:
         await store.release_run_key(run.workflow, run.idempotency_key, run_id)
     await store.delete_run(run_id)
+    # Its purge timer last: a purge cut short before here is done again when
+    # the timer comes back. A purge asked for leaves no timer to fire later.
+    await store.purge_subject(jsx.TIMERS, purge_timer_subject(run_id))
     return True
