@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+import httpx
 import pytest
 from nats.js.api import StreamConfig
 
@@ -35,6 +36,7 @@ from dagnats.engine.config import EngineConfig
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as eipb
+from dagnats.gateway import GatewayConfig, start_gateway
 from dagnats.inputs.rules import Status
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.inputs.v1 import inputs_pb2_grpc as ipb_grpc
@@ -387,6 +389,15 @@ async def test_an_input_placed_by_a_turn_the_cancel_cut_short_ends_dropped(
                 ipb.ListRequest(run_id=run.run_id, step_id="agent", status=ipb.STATUS_DROPPED)
             )
         assert [i.request_id for i in listed.inputs] == ["msg"]
+        # The REST API answers the same, with the reason.
+        gateway = await start_gateway(GatewayConfig(engine_target=engine.target, port=0))
+        try:
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=30.0) as http:
+                answer = await http.get(f"/runs/{run.run_id}/steps/agent/inputs/msg")
+        finally:
+            await gateway.stop()
+        assert answer.status_code == 200
+        assert (answer.json()["status"], answer.json()["reason"]) == ("dropped", ended.reason)
         await wait_for(lambda: stored_as(engine, run.run_id, "msg", Status.DROPPED), timeout=10)
 
 
