@@ -182,7 +182,7 @@ async def test_a_wait_past_the_retention_keeps_its_state_and_the_ended_run_is_pu
 async def test_an_ended_run_is_purged_by_the_engine_that_starts_after_a_restart(
     nats_server: NatsServer,
 ) -> None:
-    retention = 5.0
+    retention = 8.0  # long enough for the first engine to stop well before it
     async with (
         engine_with(nats_server, run_retention=retention) as first,
         Client(first.target) as client,
