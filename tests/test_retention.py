@@ -37,7 +37,7 @@ from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.gateway import GatewayConfig, start_gateway
-from dagnats.inputs.rules import Status
+from dagnats.inputs.rules import InputState, Mode, Status
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.inputs.v1 import inputs_pb2_grpc as ipb_grpc
 from dagnats.sdk import Client, InputMode, TaskContext, Worker
@@ -410,6 +410,44 @@ async def stored_as(
     assert inputs is not None
     stored = await inputs.get(run_id, step_id, request_id)
     return stored is not None and stored[0].status is want
+
+
+async def test_a_close_event_of_an_earlier_release_reads_the_run_to_end_its_inputs(
+    nats_server: NatsServer,
+) -> None:
+    """An event stored by a release whose close carried no step status (still
+    on the history at the upgrade) ends the inputs by the run as stored."""
+    async with engine_with(nats_server) as engine, Client(engine.target) as client:
+        name = unique("legacywf")
+        await client.register_workflow(loop_workflow(name, unique("nobody")))
+        run = await client.start_run(name, "go")
+        await client.cancel_run(run.run_id)
+        inputs = engine.engine.inputs
+        assert inputs is not None
+        # Placed into iteration 0, which never committed, and not closed yet.
+        left = InputState(
+            run_id=run.run_id,
+            step_id="agent",
+            request_id="left",
+            mode=Mode.STEER,
+            content=b"{}",
+            status=Status.PLACED,
+            created_at=time.time(),
+            placed_iteration=0,
+            placed_attempt=1,
+            placed_by="w" * 16,
+            created_by="n" * 16,
+        )
+        await inputs.create(left)
+        legacy = eipb.HistoryEvent(
+            run_id=run.run_id, step_id="agent", inputs=eipb.StepInputs(close=True)
+        )
+        await engine.engine.store.publish_event(legacy, unique("legacy-close"))
+        await wait_for(lambda: stored_as(engine, run.run_id, "left", Status.DROPPED), timeout=10)
+        shown = await input_status(client, run.run_id, "left")
+        assert shown.reason == (
+            "placed into iteration 0, which never committed: the step was cancelled first"
+        )
 
 
 async def test_an_input_of_a_step_that_never_started_ends_unanswered_with_its_run(
