@@ -33,7 +33,9 @@ Invariants:
   engine to check for inputs that arrived during the turn.
 * A step's timeout and a loop's ``max_duration`` keep counting while the step
   waits: the timeout of the next dispatch is armed when the wait begins.
-* When a step finishes, its queued inputs are closed (they end unanswered).
+* When a step finishes, or its run ends before it started, its inputs end
+  (``StepInputs`` with ``close``, carrying how the step finished): queued
+  ones unanswered, ones placed into an iteration that never committed dropped.
 * A terminal run never changes again. The decision that ends a run sets its
   purge, ``run_retention`` after its end; nothing sets one earlier.
 * A task message is leased only for its step's current dispatch
