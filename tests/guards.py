@@ -810,6 +810,56 @@ GUARDS = (
         how="the holder of unwritten iterations has its heartbeat refused as fenced",
         tests=("tests/test_kept_writes.py::test_a_run_behind_its_journal_is_read_caught_up",),
     ),
+    Guard(
+        name="only an ended run is purged",
+        file="services/engine/dagnats/engine/purge.py",
+        guard="    if run.status not in FINAL_RUN_STATUSES:\n",
+        removed="    if False:\n",
+        how="a purge timer that reaches a running run purges its journal, resetting its fences",
+        tests=("tests/test_retention.py::test_a_purge_timer_never_purges_a_running_run",),
+    ),
+    Guard(
+        name="a run's purge is set only by the decision that ends it",
+        file="services/engine/dagnats/engine/rules.py",
+        guard="    if not isinstance(decision, Accepted) or not decision.run.status.terminal:\n",
+        removed="    if not isinstance(decision, Accepted):\n",
+        how="every write of a running run sets a purge timer, due a retention after it",
+        tests=("tests/test_rules.py::test_only_the_decision_that_ends_a_run_sets_its_purge",),
+    ),
+    Guard(
+        name="provisioning takes the TTL off an existing bucket",
+        file="core/dagnats/core/jetstream.py",
+        guard="    config.max_age = bucket.ttl or 0.0\n",
+        removed="",
+        how="a deployment from before keeps expiring the inputs and run keys of live runs",
+        tests=(
+            "tests/test_retention.py::"
+            "test_provisioning_removes_the_age_limits_an_earlier_release_set",
+        ),
+    ),
+    Guard(
+        name="a queued input older than the dedupe window is never placed",
+        file="services/inputs/dagnats/inputs/rules.py",
+        guard="        if expired(state, now=now, window=window):\n"
+        "            return expire(state, now=now, window=window)\n",
+        removed="",
+        how="an input queued past the window is placed, though it reads expired",
+        tests=(
+            "tests/test_inputs_rules.py::"
+            "test_claim_for_expires_a_queued_input_older_than_the_dedupe_window",
+            "tests/test_retention.py::test_a_queued_input_older_than_the_dedupe_window_ends_expired",
+        ),
+    ),
+    Guard(
+        name="an input placed into an iteration that never committed is dropped",
+        file="services/inputs/dagnats/inputs/rules.py",
+        guard="        case Status.PLACED if state.placed_iteration >= step.committed:\n",
+        removed="        case Status.PLACED if False:\n",
+        how="an input placed by a turn that failed or was cancelled stays placed forever",
+        tests=(
+            "tests/test_retention.py::test_an_input_placed_into_an_iteration_that_fails_ends_dropped",
+        ),
+    ),
 )
 
 

@@ -25,7 +25,7 @@ from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs import natsapi, rules
-from dagnats.inputs.rules import InputState
+from dagnats.inputs.rules import InputState, StepProgress, StepStatus
 from dagnats.inputs.store import InputStore, close_step_inputs
 from dagnats.inputs.v1 import inputs_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2_grpc as pb_grpc
@@ -312,10 +312,11 @@ async def test_a_finished_step_takes_no_inputs(
     assert err.message == f"step {STEP} of run {run_id} has finished; it takes no more inputs"
     assert [i.request_id for i in await listed(stub, run_id)] == ["early"]
 
-    changed = await close_step_inputs(store, run_id, STEP, time.time())
+    cancelled_step = StepProgress(status=StepStatus.CANCELLED, committed=0)
+    changed = await close_step_inputs(store, run_id, STEP, cancelled_step, time.time())
     assert changed in (0, 1)  # 0 when the engine closed it first
     assert (await get(stub, run_id, "early")).status == pb.STATUS_UNANSWERED
-    assert await close_step_inputs(store, run_id, STEP, time.time()) == 0
+    assert await close_step_inputs(store, run_id, STEP, cancelled_step, time.time()) == 0
     # A retry of the accepted submission still gets the original back.
     repeat = await submit(stub, run_id, "early")
     assert not repeat.created and repeat.input.status == pb.STATUS_UNANSWERED

@@ -25,7 +25,9 @@ TURN = 0.02  # seconds of work in each turn
 
 
 def continues(records: list[jpb.Record]) -> int:
-    return sum(1 for r in records if r.HasField("commit") and r.commit.action == "continue")
+    return sum(
+        1 for r in records if r.HasField("commit") and r.commit.action == jpb.ACTION_CONTINUE
+    )
 
 
 async def turn(tc: TaskContext) -> None:
@@ -46,7 +48,7 @@ async def test_journal_check_polled_through_a_loop_of_fast_turns_finds_nothing(
     await client.register_workflow(loop_workflow(name, task, max_iterations=ITERATIONS + 5))
     async with Worker(engine.target, handlers={task: turn}, poll_wait=1.0):
         run = await client.start_run(name)
-        checks, violations, behind = 0, [], []
+        checks, violations, behind = 0, list[str](), list[tuple[int, int]]()
         status = pb.RUN_STATUS_RUNNING
         while status == pb.RUN_STATUS_RUNNING:
             found = await journal_check(engine, run.run_id)

@@ -85,16 +85,20 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
 from dagnats.core.seam import seam
+from dagnats.core.status import step_status_from_proto
 from dagnats.core.subjects import is_inbox, task_subject
 from dagnats.engine import convert, rules
 from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.convert_workflow import stored_workflow
 from dagnats.engine.heard import Mark, RunWrites
+from dagnats.engine.purge import purge_run
 from dagnats.engine.runs import Runs
 from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
+from dagnats.inputs import convert as inputs_convert
+from dagnats.inputs.rules import StepProgress, step_progress
 from dagnats.inputs.store import InputStore, close_step_inputs
 from dagnats.journal.store import JournalStore
 
@@ -129,7 +133,7 @@ class Engine:
         self.journal = journal
         self.config = config
         self.clock = clock
-        self.options = m.RuleOptions(legacy_step_events=config.legacy_step_events)
+        self.options = config.rule_options()
         # Every read of the run now, caught up with the journal (``runs``: the
         # one the process's other services read too); its counters are ours.
         self.runs = runs or Runs(store, journal, options=self.options, clock=clock)
@@ -736,10 +740,25 @@ class Engine:
         if self.inputs is None:
             return
         if event.inputs.close:
-            await close_step_inputs(self.inputs, event.run_id, event.step_id, self.clock())
+            step = await self._ended_step(event)
+            if step is not None:
+                now = self.clock()
+                await close_step_inputs(self.inputs, event.run_id, event.step_id, step, now)
             return
-        if await self.inputs.queued(event.run_id, event.step_id):
+        if await self.inputs.queued(event.run_id, event.step_id, self.clock()):
             await self.apply(event.run_id, m.InputArrived(step_id=event.step_id))
+
+    async def _ended_step(self, event: ipb.HistoryEvent) -> StepProgress | None:
+        """What the close of a finished step's inputs needs of the step: how
+        it finished and which iterations committed (``at_step_end``). The
+        event says so; one of an earlier release does not, and the run, which
+        stores the step's end, is read instead (None: it was purged)."""
+        closed = event.inputs
+        if closed.status:
+            status = step_status_from_proto(closed.status)
+            return step_progress(status, event.iteration, closed.iterations)
+        stored = await self.store.load_run(event.run_id)
+        return inputs_convert.progress(stored.record.run if stored else None, event.step_id)
 
     async def _start_child(self, event: ipb.HistoryEvent) -> None:
         start = event.start
@@ -780,9 +799,21 @@ class Engine:
             await msg.nak(delay=remaining)
             return
         parent = tracing.extract(dict(timer.trace_context))
-        with tracing.span("engine timer", parent):
-            await self.apply(timer.run_id, convert.timer_to_input(timer))
+        if timer.kind == ipb.TIMER_KIND_PURGE:
+            with tracing.span("engine purge", parent):
+                await self.purge(timer.run_id)
+        else:
+            with tracing.span("engine timer", parent):
+                await self.apply(timer.run_id, convert.timer_to_input(timer))
         await msg.ack()
+
+    async def purge(self, run_id: str) -> None:
+        """Purge an ended run whose retention is over (its purge timer fired);
+        a run still running, or gone, is left as it is (``purge_run``)."""
+        self._forget(run_id)
+        if await purge_run(self.store, self.journal, self.inputs, run_id, asked=False):
+            self.counters["runs_purged"] += 1
+            log.info("run %s: purged, its retention after its end is over", run_id)
 
     # ---- reconciler -----------------------------------------------------------------
 
@@ -902,7 +933,7 @@ class Engine:
                 kind = event.WhichOneof("kind")
                 if kind == "input":
                     if self.inputs is None or not await self.inputs.queued(
-                        event.run_id, event.step_id
+                        event.run_id, event.step_id, self.clock()
                     ):
                         continue
                 elif kind in _REPORTS and event.attempt <= 0:

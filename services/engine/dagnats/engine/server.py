@@ -43,7 +43,6 @@ from dagnats.core.natsserver import check_sync_always
 from dagnats.core.settings import SERVICES, host_port, is_loopback
 from dagnats.engine.access import Role, missing_for_open_host, tokens_of
 from dagnats.engine.config import EngineConfig
-from dagnats.engine.model import RuleOptions
 from dagnats.engine.processor import Engine
 from dagnats.engine.report import TaskSettler
 from dagnats.engine.run_feed import RunFeed
@@ -281,9 +280,8 @@ async def start_services(
     engine_store = await EngineStore.open(nc)  # runs, history, tasks: every service reads them
     journal_store = JournalStore(nc)
     # The run now, caught up with the journal: what every service reads of a run.
-    options = RuleOptions(legacy_step_events=config.legacy_step_events)
-    runs = Runs(engine_store, journal_store, options=options)
-    input_store = await InputStore.open(nc, runs)
+    runs = Runs(engine_store, journal_store, options=config.rule_options())
+    input_store = await InputStore.open(nc, runs, dedupe_window=config.input_dedupe_window)
     engine: Engine | None = None
     clock: Callable[[], float] = time.time
     if "engine" in served:

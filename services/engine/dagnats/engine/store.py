@@ -159,6 +159,11 @@ def _stored(msg: Msg) -> StoredRun | None:
     return StoredRun(ipb.RunRecord.FromString(msg.data), int(msg.metadata.sequence.stream))
 
 
+def _run_key(workflow: str, key: str) -> str:
+    """The key an idempotency key of a workflow is bound under."""
+    return hashlib.sha256(f"{workflow}\0{key}".encode()).hexdigest()[:40]
+
+
 class EngineStore:
     def __init__(
         self,
@@ -623,13 +628,24 @@ class EngineStore:
         The value holds the run id, so a retried create whose ack was lost
         reads back our own id and is recognised as ours.
         """
-        name = hashlib.sha256(f"{workflow}\0{key}".encode()).hexdigest()[:40]
+        name = _run_key(workflow, key)
         try:
             await _retry(lambda: self._run_keys.create(name, run_id.encode()), "bind the key")
             return run_id
         except nats.js.errors.KeyWrongLastSequenceError:
             entry = await self._get(jsx.KV_RUN_KEYS, name, "read the key")
             return (entry.value or b"").decode()
+
+    async def release_run_key(self, workflow: str, key: str, run_id: str) -> None:
+        """Unbind an idempotency key from ``run_id``, which is being purged; a
+        key bound to another run, or to none, is left as it is."""
+        name = _run_key(workflow, key)
+        try:
+            entry = await self._get(jsx.KV_RUN_KEYS, name, "read the key")
+        except nats.js.errors.KeyNotFoundError:
+            return
+        if (entry.value or b"").decode() == run_id:
+            await _retry(lambda: self._run_keys.purge(name), "release the key")
 
     # ---- checkpoints --------------------------------------------------------------
 
