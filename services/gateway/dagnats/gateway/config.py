@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dagnats.core.credentials import check_bearer_token
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.settings import env_file, env_seconds
 from dagnats.sdk import Credentials
@@ -107,7 +108,7 @@ class GatewayConfig:
         tls = Credentials.from_env()
 
         def with_token(var: str) -> Credentials:
-            token = os.environ.get(var) or None
+            token = _token(var)
             return Credentials(token=token, ca=tls.ca, cert=tls.cert, key=tls.key, tls=tls.tls)
 
         return cls(
@@ -116,8 +117,8 @@ class GatewayConfig:
             inputs_target=inputs_target,
             host=host,
             port=port,
-            api_token=os.environ.get("DAGNATS_API_TOKEN") or None,
-            bridge_token=os.environ.get("DAGNATS_BRIDGE_TOKEN") or None,
+            api_token=_token("DAGNATS_API_TOKEN"),
+            bridge_token=_token("DAGNATS_BRIDGE_TOKEN"),
             retry_for=env_seconds("DAGNATS_GATEWAY_RETRY_FOR", DEFAULT_RETRY_FOR),
             keep_alive=env_seconds("DAGNATS_GATEWAY_KEEP_ALIVE", DEFAULT_KEEP_ALIVE),
             client_credentials=with_token("DAGNATS_GATEWAY_CLIENT_TOKEN"),
@@ -135,3 +136,13 @@ class GatewayConfig:
         if self.bridge_token is None:
             parts.append("the worker bridge")
         return parts
+
+
+def _token(var: str) -> str | None:
+    """A bearer token from ``var``; None when unset or empty.
+
+    Raises:
+        InvalidArgument: it is not a token (a newline left in it), naming ``var``.
+    """
+    token = os.environ.get(var) or None
+    return None if token is None else check_bearer_token(token, source=var)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from dagnats.core.credentials import keep_credentials_out_of_logs
 from dagnats.core.errors import InvalidArgument, Unavailable
 from dagnats.core.settings import host_port, is_loopback
 from dagnats.gateway.app import create_app
@@ -87,6 +88,7 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
         InvalidArgument: a non-loopback address without both tokens.
         Unavailable: the gateway did not start.
     """
+    keep_credentials_out_of_logs()
     open_parts = config.open_endpoints
     if open_parts and not is_loopback(config.host):
         raise InvalidArgument(
