@@ -23,7 +23,12 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from dagnats.core.credentials import GRPC_EXTENSION_LOGGER, CredentialFilter
+from dagnats.core.credentials import (
+    GRPC_EXTENSION_LOGGER,
+    CredentialFilter,
+    bearer_token,
+    redact,
+)
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.access import Role, parse_tokens, tokens_of
@@ -42,6 +47,21 @@ METHODS = {
     "inputs": "/dagnats.inputs.v1.InputsService/List",
 }
 OK, UNAUTHENTICATED = b"0", b"16"
+
+
+def test_a_bearer_token_is_taken_as_sent_or_not_at_all() -> None:
+    assert bearer_token("Bearer tok-1") == bearer_token("bearer  tok-1") == "tok-1"
+    for value in ("Bearer tok-1\n", "Bearer tok-1 ", "Bearer tok\t1", "Bearer tök", "Basic tok-1"):
+        assert bearer_token(value) == "", value
+    assert bearer_token("Bearer ") == bearer_token("tok-1") == ""
+
+
+def test_a_credential_in_a_message_is_redacted() -> None:
+    assert redact("metadata (('authorization', 'Bearer tok-1\\n'),)") == (
+        "metadata (('authorization', 'Bearer [redacted]'),)"
+    )
+    assert redact("b'Basic dXNlcjpwYXNz'") == "b'Basic [redacted]'"
+    assert redact("nothing to hide") == "nothing to hide"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
