@@ -11,8 +11,10 @@ from collections import Counter
 from typing import Any
 
 import httpx
+import pytest
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from dagnats.core.errors import InvalidArgument
 from dagnats.engine.server import EngineServer
 from dagnats.gateway import GatewayConfig, GatewayServer, start_gateway
 from dagnats.sdk import Client
@@ -82,3 +84,16 @@ def _hold_the_loop(*, until: float, loop: asyncio.AbstractEventLoop) -> None:
     that handles hundreds of requests does."""
     while loop.time() < until:
         time.sleep(0.001)
+
+
+async def test_the_gateway_says_how_long_it_keeps_an_idle_connection(
+    http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert (await http.get("/healthz")).headers["keep-alive"] == "timeout=120"
+    with pytest.raises(InvalidArgument) as bad:
+        GatewayConfig(engine_target="127.0.0.1:1", keep_alive=0)
+    assert bad.value.field == "keep_alive"
+    monkeypatch.setenv("DAGNATS_GATEWAY_KEEP_ALIVE", "forever")
+    with pytest.raises(InvalidArgument) as bad_variable:
+        GatewayConfig.from_env("127.0.0.1:1", host="127.0.0.1", port=0)
+    assert bad_variable.value.field == "DAGNATS_GATEWAY_KEEP_ALIVE"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,11 @@ class GatewayConfig:
             raise InvalidArgument(
                 "DAGNATS_GATEWAY_TLS_CERT and DAGNATS_GATEWAY_TLS_KEY go together: set both",
                 field=missing,
+            )
+        if not (math.isfinite(self.keep_alive) and self.keep_alive > 0):
+            raise InvalidArgument(
+                f"keep_alive must be a positive number of seconds, got {self.keep_alive}",
+                field="keep_alive",
             )
 
     @classmethod
