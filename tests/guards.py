@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE_ROOTS = ("core", "cli", "sdk", "services/engine", "services/journal", "services/inputs")
+SOURCE_ROOTS = (
+    "core",
+    "cli",
+    "sdk",
+    "services/engine",
+    "services/journal",
+    "services/inputs",
+    "services/gateway",
+)
 
 
 @dataclass(frozen=True)
@@ -858,6 +866,39 @@ GUARDS = (
         how="an input placed by a turn that failed or was cancelled stays placed forever",
         tests=(
             "tests/test_retention.py::test_an_input_placed_into_an_iteration_that_fails_ends_dropped",
+        ),
+    ),
+    Guard(
+        name="a call's bearer token is taken exactly as sent",
+        file="services/engine/dagnats/engine/security.py",
+        guard='            return bearer_token(value) if isinstance(value, str) else ""\n',
+        removed=(
+            '            return value.partition(" ")[2].strip() if isinstance(value, str) else ""\n'
+        ),
+        how="a token with a newline or a space after it passes for the token",
+        tests=("tests/test_secured_edges.py::test_a_token_with_a_control_character_is_refused",),
+    ),
+    Guard(
+        name="grpc's loggers leave credentials out",
+        file="core/dagnats/core/credentials.py",
+        guard="            logger.addFilter(_FILTER)\n",
+        removed="            pass\n",
+        how="a token followed by a byte that is not UTF-8 is written whole into the log",
+        tests=(
+            "tests/test_secured_edges.py::"
+            "test_a_token_with_a_byte_that_is_not_utf8_is_refused_and_not_logged",
+            "tests/test_secured_edges.py::test_no_serving_process_logs_a_token_sent_with_a_bad_byte",
+        ),
+    ),
+    Guard(
+        name="the gateway's keep-alive timer leaves a connection a request has reached",
+        file="services/gateway/dagnats/gateway/server.py",
+        guard="        http=_Http11,\n",
+        removed='        http="h11",\n',
+        how="a request that arrived as the timer fired is reset, unanswered and unlogged",
+        tests=(
+            "tests/test_gateway_keepalive.py::"
+            "test_a_request_that_reached_the_gateway_as_its_keep_alive_ends_is_answered",
         ),
     ),
 )

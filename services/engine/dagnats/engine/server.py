@@ -37,6 +37,7 @@ from nats.aio.subscription import Subscription
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
+from dagnats.core.credentials import keep_credentials_out_of_logs
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.natsauth import NatsSettings
 from dagnats.core.natsserver import check_sync_always
@@ -257,6 +258,7 @@ async def start_services(
             f"services must be some of {', '.join(SERVICES)}; got {sorted(services)}",
             field="services",
         )
+    keep_credentials_out_of_logs()
     security = security or ServerSecurity()
     security.check()
     _refuse_open(host, security)
