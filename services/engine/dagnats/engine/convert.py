@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from dagnats.core.outcomes import outcome_of
 from dagnats.core.status import step_status_from_proto, step_status_to_proto
-from dagnats.core.subjects import cancel_subject, history_subject, task_subject, timer_subject
+from dagnats.core.subjects import (
+    cancel_subject,
+    history_subject,
+    purge_timer_subject,
+    task_subject,
+    timer_subject,
+)
 from dagnats.core.timestamps import duration_seconds, seconds, timestamp
 from dagnats.engine import model as m
 from dagnats.engine.convert_workflow import (
@@ -308,6 +314,17 @@ def outbox_entry(effect: m.Effect, headers: dict[str, str], now: float) -> ipb.O
                 msg_id=msg_id,
                 headers=headers,
             )
+        case m.PurgeLater():
+            purge = ipb.Timer(
+                run_id=effect.run_id, kind=ipb.TIMER_KIND_PURGE, trace_context=headers
+            )
+            purge.due.CopyFrom(timestamp(effect.due))
+            return ipb.OutboxEntry(
+                subject=purge_timer_subject(effect.run_id),
+                data=purge.SerializeToString(),
+                msg_id=f"{effect.run_id}.purge",
+                headers=headers,
+            )
         case m.StartChildRun():
             event = ipb.HistoryEvent(
                 run_id=effect.child_run_id,
@@ -349,7 +366,11 @@ def outbox_entry(effect: m.Effect, headers: dict[str, str], now: float) -> ipb.O
                 step_id=effect.step_id,
                 iteration=effect.iteration,
                 trace_context=headers,
-                inputs=ipb.StepInputs(close=effect.close),
+                inputs=ipb.StepInputs(
+                    close=effect.close,
+                    status=step_status_to_proto(effect.status),
+                    iterations=effect.iterations,
+                ),
             )
             what = "close" if effect.close else "check"
             msg_id = f"{effect.run_id}.{effect.step_id}.inputs.{what}.{effect.iteration}"
