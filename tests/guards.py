@@ -285,11 +285,70 @@ GUARDS = (
     Guard(
         name="restart limit",
         file="services/journal/dagnats/journal/replay.py",
-        guard="    return trailing >= limit\n",
+        guard="    return deliveries_without_progress(records) >= limit\n",
         removed="    return False\n",
         how="the restart limit is never reached",
         tests=(
             "tests/test_journal.py::test_restart_limit_fails_the_attempt_and_the_retry_resumes",
+        ),
+    ),
+    Guard(
+        name="restart limit: a claim that rode and was never stored counts",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    if after is not None and _followed_an_unstored_claim(after):\n",
+        removed="    if False:\n",
+        how="a first delivery's or a handed-over claim whose holder died before its first"
+        " record is not counted: the step fails one delivery later than its limit",
+        tests=(
+            "tests/test_journal_limits.py::test_the_restart_limit_is_reached_at_the_limits_delivery",
+            "tests/test_journal.py::"
+            "test_restart_limit_counts_a_first_deliverys_claim_made_with_its_lease",
+        ),
+    ),
+    Guard(
+        name="a refusal no retry gets past fails the step for good",
+        file="sdk/dagnats/sdk/_worker.py",
+        guard="        elif isinstance(err, REFUSALS):\n",
+        removed="        elif False:\n",
+        how="a record too large, a replay mismatch or an invalid argument fails the attempt"
+        " (retriable): every retry is refused the same way",
+        tests=(
+            "tests/test_refusals.py::test_a_replay_mismatch_fails_the_step_at_once_with_its_message",
+        ),
+    ),
+    Guard(
+        name="a failure refused as too large is committed without the state",
+        file="sdk/dagnats/sdk/_context.py",
+        guard="                    commit = _small_failure(commit)\n",
+        removed="",
+        how="the failure carries the state that was refused and is refused too: nothing is"
+        " committed, and the step waits out its lease and its restart limit",
+        tests=(
+            "tests/test_refusals.py::test_a_state_too_large_for_the_journal_fails_the_step_at_once",
+        ),
+    ),
+    Guard(
+        name="a tool output too large answers its intent and raises",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="            )\n            raise\n        return result\n",
+        removed="            )\n        return result\n",
+        how="the handler goes on as if the tool's error were its result, and the run ends"
+        " without saying why",
+        tests=(
+            "tests/test_refusals.py::"
+            "test_a_tool_output_too_large_for_the_journal_fails_the_step_at_once",
+        ),
+    ),
+    Guard(
+        name="the bridge fails the step on a record too large",
+        file="services/gateway/dagnats/gateway/bridge_ops.py",
+        guard="    except RecordTooLarge as err:\n"
+        "        raise await _failed_for_good(b, t, err, intent_seq or t.intent_seq) from None\n",
+        removed="",
+        how="a bridge worker is told 400 and its step waits out leases, failing later"
+        " with 'restart limit'",
+        tests=(
+            "tests/test_refusals.py::test_a_refusal_through_the_bridge_is_a_4xx_and_fails_the_step",
         ),
     ),
     Guard(

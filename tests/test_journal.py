@@ -508,8 +508,9 @@ async def test_restart_limit_fails_the_attempt_and_the_retry_resumes(
     handler = agent(model, tools, seen)
     # Iteration 1 dies after every claim: first as handed over with iteration
     # 0's commit (nothing stored: its claim rides its first record), then
-    # after each claim of a redelivery; the fifth claim in a row hits the limit.
-    with Crasher("after_claim", skip=1, times=5):
+    # after the claims of deliveries 2, 3 and 4; the fifth delivery's claim
+    # is the fifth delivery in a row without progress, and hits the limit.
+    with Crasher("after_claim", skip=1, times=5) as crasher:
         async with Worker(
             engine.target,
             handlers={task: handler},
@@ -525,12 +526,42 @@ async def test_restart_limit_fails_the_attempt_and_the_retry_resumes(
     records = await read_journal(engine, run.run_id)
     failure = [r for r in records if r.HasField("commit") and r.commit.reason == "restart_limit"]
     assert len(failure) == 1 and failure[0].iteration == 1 and failure[0].attempt == 1
+    assert failure[0].commit.error == "restart limit: 5 deliveries in a row without progress"
     stored = [r for r in claims(records, 1) if r.attempt == 1]
-    assert len(stored) == 5, "four crashed claims, then the fifth hits the limit"
+    assert [r.claim.delivery for r in stored] == [2, 3, 4, 5], (
+        "the handed holder stored nothing; deliveries 2-4 crashed, the fifth hit the limit"
+    )
+    # Five holders died (the handed one, three redeliveries of attempt 1 and
+    # the retry's first claim, once): the limit let no sixth delivery through.
+    assert crasher.hits == 5
     assert steps_by_id(done)["agent"].iterations == 3
     assert model.calls == 4, "the retry resumed from the journal"
     check = await journal_check(engine, run.run_id)
     assert list(check.violations) == []
+
+
+async def test_restart_limit_counts_a_first_deliverys_claim_made_with_its_lease(
+    client: Client, engine: EngineServer
+) -> None:
+    """Iteration 0's first delivery is claimed as the engine leases it, and its
+    claim rides the holder's first record. With a limit of 3, the holders of
+    deliveries 1 and 2 die after their claims: the third delivery fails the
+    step, with the reason in the run's error."""
+    task, name = await start(client, retry={"max_attempts": 1})
+    model, tools = ScriptedModel(SCRIPT), Tools()
+    with Crasher("after_claim", times=3) as crasher:
+        async with remote(
+            engine, {task: agent(model, tools)}, heartbeat_interval=NO_HEARTBEAT, restart_limit=3
+        ) as worker:
+            run = await client.start_run(name)
+            done = await client.wait_for_run(run.run_id, timeout=60)
+            await worker.stop(grace=0)
+    assert done.status == pb.RUN_STATUS_FAILED
+    assert "restart limit: 3 deliveries in a row without progress" in done.error
+    records = await read_journal(engine, run.run_id)
+    assert [r.claim.delivery for r in claims(records, 0)] == [2, 3]
+    assert crasher.hits == 2, "no fourth delivery was let through"
+    assert model.calls == 0
 
 
 async def test_late_redelivery_of_an_older_iteration_is_stale(

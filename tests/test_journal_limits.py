@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import grpc
 import grpc.aio
+import pytest
 
 from dagnats.core.errors import RecordTooLarge
 from dagnats.core.grpcutil import CODE_KEY, FIELD_KEY, error_from_rpc
@@ -60,6 +61,41 @@ async def test_an_oversized_record_is_refused_before_it_is_written(
         assert stored.token.last_seq == token.last_seq + 1
     kinds = [r.WhichOneof("kind") for r in await read_journal(engine, run_id)]
     assert kinds == ["claim", "model"], "the refused record is not in the journal"
+    await client.cancel_run(run_id)
+
+
+async def test_a_refused_record_names_what_makes_it_too_large(
+    client: Client, engine: EngineServer
+) -> None:
+    """A commit whose state alone is over the maximum names the state; one
+    whose state and output each fit but not together names the record and its
+    largest part. Both with the sizes, grouped by thousands."""
+    run_id = await _open_step(client)
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        claim = jpb.ClaimRequest(run_id=run_id, step_id="agent", iteration=0, attempt=1)
+        token = (await stub.Claim(claim)).claimed.token
+        over, part = MAX_RECORD_BYTES + 100, MAX_RECORD_BYTES * 3 // 5
+        messages: list[str] = []
+        for commit in (
+            jpb.Commit(action=jpb.ACTION_CONTINUE, state=_json_of(over), has_state=True),
+            jpb.Commit(
+                action=jpb.ACTION_CONTINUE,
+                state=_json_of(part + 1),
+                has_state=True,
+                output=_json_of(part),
+            ),
+        ):
+            try:
+                await stub.Commit(jpb.CommitRequest(token=token, commit=commit))
+            except grpc.aio.AioRpcError as err:
+                assert isinstance(error_from_rpc(err), RecordTooLarge)
+                messages.append(err.details() or "")
+    assert len(messages) == 2, "both commits were refused"
+    most = f"a journal record is at most {MAX_RECORD_BYTES:,} bytes"
+    assert messages[0] == f"the state is {over:,} bytes; {most}"
+    assert messages[1].startswith("the commit record would be ")
+    assert messages[1].endswith(f"bytes, the state {part + 1:,} of them; {most}")
     await client.cancel_run(run_id)
 
 
@@ -119,6 +155,9 @@ async def test_a_step_with_records_near_the_limit_is_claimed_by_a_default_client
 
 
 async def test_a_tool_result_too_large_to_record_is_the_tools_error(engine: EngineServer) -> None:
+    """The tool ran and its output cannot be stored: its intent is answered
+    with that error, and the call raises ``RecordTooLarge`` (unhandled, it
+    fails the step: ``test_refusals.py``). A handler that catches it goes on."""
     from dagnats.sdk import Replay, TaskContext, ToolCall, ToolRun, run_output
     from tests.test_journal_api import run_once
 
@@ -129,15 +168,17 @@ async def test_a_tool_result_too_large_to_record_is_the_tools_error(engine: Engi
 
     async def handler(tc: TaskContext) -> None:
         j = await tc.journal()
-        result = await j.tool(ToolCall(name="dump", input={}), Replay.UNSAFE, huge)
-        seen["error"] = result.error
+        try:
+            await j.tool(ToolCall(name="dump", input={}), Replay.UNSAFE, huge)
+        except RecordTooLarge as err:
+            seen["error"] = err.message
         await tc.complete("went on")
 
     run = await run_once(engine, handler)
     assert run_output(run) == "went on"
-    assert seen["error"].startswith("tool result not recorded: the tool_result record would be")
+    assert seen["error"].startswith(f"the tool's output is {MAX_RECORD_BYTES + 12:,} bytes")
     results = [r for r in await read_journal(engine, run.run_id) if r.HasField("tool_result")]
-    assert [r.tool_result.error for r in results] == [seen["error"]]
+    assert [r.tool_result.error for r in results] == [f"tool result not recorded: {seen['error']}"]
 
 
 async def test_a_settled_claim_is_settled_by_the_journal_for_a_plain_grpc_client(
@@ -205,6 +246,44 @@ async def test_claims_repeated_for_one_delivery_are_not_restarts(
         claim.delivery = 2  # the lease ran out and the task came back
         answer = await stub.Claim(claim)
     assert answer.settled.reason == "restart_limit"
+    await client.cancel_run(run_id)
+
+
+@pytest.mark.parametrize("limit", [2, 3])
+@pytest.mark.parametrize(
+    "rides", [True, False], ids=["first claim rides its first record", "every claim stored"]
+)
+async def test_the_restart_limit_is_reached_at_the_limits_delivery(
+    client: Client, engine: EngineServer, limit: int, rides: bool
+) -> None:
+    """Each delivery's holder dies after its claim, before its first record.
+    Whether the first delivery's claim rode that record (and so was never
+    stored) or was stored on its own, the ``limit``-th delivery's claim fails
+    the step: ``limit`` deliveries in a row, not one more."""
+    run_id = await _open_step(client)
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        answers = []
+        for delivery in range(1, limit + 1):
+            claim = jpb.ClaimRequest(
+                run_id=run_id,
+                step_id="agent",
+                iteration=0,
+                attempt=1,
+                delivery=delivery,
+                worker_id=f"w-{delivery}",
+                restart_limit=limit,
+                with_first_record=rides,
+            )
+            answers.append(await stub.Claim(claim))
+    first, *middle, last = answers
+    assert first.claimed.token.HasField("claim") is rides, "the first claim rode or was stored"
+    assert all(a.HasField("claimed") for a in middle)
+    assert last.settled.reason == "restart_limit"
+    assert last.settled.detail == f"restart limit: {limit} deliveries in a row without progress"
+    records = await read_journal(engine, run_id)
+    stored = [r.claim.delivery for r in records if r.HasField("claim")]
+    assert stored == list(range(2 if rides else 1, limit + 1))
     await client.cancel_run(run_id)
 
 

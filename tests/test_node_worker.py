@@ -20,6 +20,7 @@ import pytest
 
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.limits import MAX_RECORD_BYTES
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, Worker, run_output
 from tests.helpers import wait_for
@@ -263,3 +264,31 @@ async def test_the_node_worker_streams_its_model_tokens(
     assert [e.data.get("dropped", 0) for e in tokens] == [0] * len(tokens)
     assert [e.data["seq"] for e in tokens] == list(range(1, len(tokens) + 1))
     assert len(tokens) < len(text), "no token waited for the link"
+
+
+async def test_the_node_worker_fails_a_step_at_once_when_a_record_is_too_large(
+    client: Client, engine: EngineServer, node: str, tmp_path: Path, processes: Processes
+) -> None:
+    """An order of 2.1 MB makes the model's reply (it asks to charge that
+    order) larger than a journal record: every delivery would be refused the
+    same way, so the step fails for good at once, saying what is too large."""
+    task, name = unique("node"), unique("nodewf")
+    retry = {"max_attempts": 3, "backoff": "fixed", "initial_delay": "100ms"}
+    await client.register_workflow(loop_workflow(name, task, retry=retry))
+    workers = NodeWorkers(node, engine.target, task, tmp_path, processes)
+    worker = workers.spawn("worker", token_chars=60_000)
+    order = "A-" + "1" * (MAX_RECORD_BYTES + 4096)
+    run = await client.start_run(name, {**INPUT, "order": order})
+
+    async def ended() -> pb.Run | None:
+        workers.alive(worker)
+        got = await client.get_run(run.run_id)
+        return None if got.status == pb.RUN_STATUS_RUNNING else got
+
+    # Far below a lease's expiry and the restart limit's five deliveries.
+    done: pb.Run = await wait_for(ended, timeout=15, interval=0.05, message="the step went on")
+    assert done.status == pb.RUN_STATUS_FAILED, workers.logs()
+    assert "the model's response is" in done.error, done.error
+    assert f"a journal record is at most {MAX_RECORD_BYTES:,} bytes" in done.error
+    assert steps_by_id(done)["agent"].attempt == 1, "no retry: it cannot help"
+    assert lines(workers.starts) == [], "the tool never started"

@@ -43,6 +43,7 @@ from dagnats.journal.replay import (
     decide_claim,
     decide_model,
     decide_tool,
+    deliveries_without_progress,
     partial_output,
     restart_limit_reached,
     rides_first_record,
@@ -74,6 +75,12 @@ class J:
         delivery = self._deliveries.get((it, at), 0) + 1
         self._deliveries[(it, at)] = delivery
         return self._add(ClaimEntry, delivery=delivery, worker_id=f"worker-{delivery}")
+
+    def rode(self, *, it: int = 0, delivery: int = 1) -> J:
+        """Delivery ``delivery`` of ``(it, 1)`` held a claim that was to ride
+        its first record, and died before writing it: nothing is stored."""
+        self._deliveries[(it, 1)] = delivery
+        return self
 
     def model(self, *, p: int, resp: bytes = b'{"text": "hi"}') -> J:
         return self._add(ModelEntry, position=p, response=resp)
@@ -341,6 +348,50 @@ def test_restart_limit_counts_a_claim_repeated_for_one_delivery_once() -> None:
     assert restart_limit_reached(j.of(0), 3) is False
     j.claim()
     assert restart_limit_reached(j.of(0), 3) is True
+
+
+@pytest.mark.parametrize("limit", [2, 3, 5])
+def test_restart_limit_counts_a_first_deliverys_claim_that_rode_and_was_never_stored(
+    limit: int,
+) -> None:
+    """The first delivery's claim rides its holder's first record, and its holder
+    died before writing one: the redeliveries' claims stored after it stand for
+    one delivery more, so the limit is reached at the ``limit``-th delivery."""
+    j = J().rode()
+    for delivery in range(2, limit + 1):
+        j.claim()
+        assert isinstance(j.last, ClaimEntry) and j.last.delivery == delivery
+        assert deliveries_without_progress(j.of(0)) == delivery
+        assert restart_limit_reached(j.of(0), limit) is (delivery == limit)
+
+
+def test_restart_limit_counts_a_handed_over_claim_of_a_kept_message_that_was_never_stored() -> None:
+    """Iteration 1 handed over to delivery 3 of a kept message, whose holder
+    died before its first record; deliveries 4 and 5 claimed: three in a row."""
+    j = J().claim().model(p=0).commit(Action.CONTINUE).rode(it=1, delivery=3)
+    j.claim(it=1).claim(it=1)
+    assert deliveries_without_progress(j.of(1)) == 3
+    assert restart_limit_reached(j.of(1), 3) is True
+
+
+def test_restart_limit_adds_nothing_for_a_claim_stored_with_its_first_record() -> None:
+    """A claim that rode and was stored (``leading``, with its holder's first
+    record) is a delivery the trailing claims do not stand for again, and a
+    first delivery's claim stored on its own had no delivery before it."""
+    j = J().rode(delivery=2).claim()
+    j.entries[-1] = replace(j.entries[-1], leading=True)
+    j.model(p=0)
+    claims(j, 2)
+    assert deliveries_without_progress(j.of(0)) == 2
+    stored_alone = claims(J(), 2)
+    assert deliveries_without_progress(stored_alone.of(0)) == 2
+
+
+def test_restart_limit_adds_nothing_for_a_retrys_first_claim() -> None:
+    """Only the first attempt's claims ride: a retry's first claim is stored
+    before its holder runs, so no unstored claim came before it."""
+    j = claims(J(), 2, at=2)
+    assert deliveries_without_progress(j.of(0)) == 2
 
 
 def test_partial_output_longer_than_a_record_keeps_its_end() -> None:

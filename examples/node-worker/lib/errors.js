@@ -5,7 +5,7 @@
 //   ├── JournalSignal          the task is settled or lost: let it propagate
 //   │   ├── Stale              a late redelivery: a later dispatch exists
 //   │   ├── Committed          this dispatch was committed before a crash
-//   │   ├── RestartLimit       too many claims in a row; the step failed
+//   │   ├── RestartLimit       too many deliveries without progress; the step failed
 //   │   └── Fenced             a successor holds the step; write nothing
 //   ├── DagnatsError           a service refused a call (status + dagnats code)
 //   │   └── Unavailable        the engine could not be reached, after retries

@@ -17,7 +17,7 @@
 //   carries a token an earlier one of ours has already outdated.
 // - After Fenced the handle writes nothing more.
 
-import { ConcurrentJournalUse, Fenced, describe } from './errors.js';
+import { ConcurrentJournalUse, DagnatsError, Fenced, describe } from './errors.js';
 import { decode, encode } from './rpc.js';
 
 // Whether running a tool twice is harmless.
@@ -128,7 +128,17 @@ export class Journal {
         error = `tool output is not JSON: ${err.message}`;
       }
     }
-    await this.#send('finishTool', (token) => ({ token, intent_seq: intentSeq, output, error }));
+    try {
+      await this.#send('finishTool', (token) => ({ token, intent_seq: intentSeq, output, error }));
+    } catch (err) {
+      if (!(err instanceof DagnatsError) || err.code !== 'record_too_large') throw err;
+      // The tool ran and its output cannot be stored: answer its intent with
+      // that error (a retry honours it rather than run an unsafe tool again),
+      // then throw: every delivery would be refused the same way.
+      const refused = `tool result not recorded: ${err.message}`;
+      await this.#send('finishTool', (token) => ({ token, intent_seq: intentSeq, error: refused }));
+      throw err;
+    }
     if (invalid) throw invalid;
     return { output: decode(output), error, interrupted: false, partial: '', replayed: false };
   }

@@ -27,6 +27,10 @@ import {
 import { Journal } from './journal.js';
 import { JournalSession, decode, encode, seconds } from './rpc.js';
 
+// A failure refused as too large for a journal record is committed again with
+// its error cut to this many bytes, and without the state.
+const FAILURE_ERROR_BYTES = 16 * 1024;
+
 export class TaskContext {
   #leased;
   #rpc;
@@ -165,7 +169,7 @@ export class TaskContext {
       if (this.#journal) {
         // The commit carries the lease: once it is stored, the journal service
         // publishes its event and releases the task, so no Report follows.
-        await this.#journal.commit(this.#commitOf(field, outcome), this.#leased.lease);
+        await this.#commit(field, outcome);
       } else {
         const response = await this.#rpc.call('report', this.#request({ [field]: outcome }));
         if (response.cancelled) this.#markCancelled();
@@ -173,6 +177,27 @@ export class TaskContext {
     } catch (err) {
       if (err instanceof DagnatsError) this.#settledAs = null; // nothing was stored
       throw err;
+    }
+  }
+
+  async #commit(field, outcome) {
+    const commit = this.#commitOf(field, outcome);
+    try {
+      await this.#journal.commit(commit, this.#leased.lease);
+    } catch (err) {
+      if (field !== 'fail' || !(err instanceof DagnatsError) || err.code !== 'record_too_large') {
+        throw err;
+      }
+      // A failure must end its attempt whatever it carries. Nothing resumes
+      // from a failure's state (a retry loads the commit that ended the
+      // iteration before), so it goes again without it, its error cut.
+      const error = Buffer.from(commit.error);
+      const cut =
+        error.length > FAILURE_ERROR_BYTES
+          ? `${error.subarray(0, FAILURE_ERROR_BYTES - 64)}... (${error.length} bytes in all)`
+          : commit.error;
+      const small = { ...commit, has_state: false, state: Buffer.alloc(0), error: cut };
+      await this.#journal.commit(small, this.#leased.lease);
     }
   }
 

@@ -21,11 +21,15 @@
 import { randomBytes } from 'node:crypto';
 import { hostname } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { Fenced, JournalSignal, PermanentError } from './errors.js';
+import { DagnatsError, Fenced, JournalSignal, PermanentError } from './errors.js';
 import { EngineRpc, duration } from './rpc.js';
 import { TaskContext } from './task.js';
 
 const NOT_SETTLED = 'handler returned without calling continue, complete or fail';
+// Refusals no retry can get past (a record too large for the journal, another
+// call than the one recorded at a position, an invalid argument): a handler
+// that lets one through fails its step for good, with the refusal's message.
+const REFUSALS = new Set(['invalid_argument', 'record_too_large', 'replay_mismatch']);
 const ASSUMED_LEASE = 30; // seconds, when the engine does not say
 const MIN_HEARTBEAT = 0.05;
 const POLL_BACKOFF = 0.2;
@@ -199,6 +203,9 @@ export class Worker {
       await report(tc.failPermanent(`run ${tc.runId} was cancelled`, { reason: 'cancelled' }));
     } else if (err instanceof PermanentError) {
       await report(tc.failPermanent(err, { reason: err.reason }));
+    } else if (err instanceof DagnatsError && REFUSALS.has(err.code)) {
+      warn(`handler for ${tc.taskType} was refused: ${err.message}`);
+      await report(tc.failPermanent(err, { reason: err.code }));
     } else if (err) {
       warn(`handler for ${tc.taskType} failed: ${err.stack}`);
       await report(tc.fail(err));

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core.claims import lease_claim
-from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
+from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument, RecordTooLarge
 from dagnats.core.outcomes import Outcome, commit_of, settled_report
 from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
@@ -51,6 +51,10 @@ from dagnats.sdk._session import JournalSession
 
 # When the engine does not say how long a lease lasts, assume this (its default).
 ASSUMED_LEASE = 30.0
+
+# A failure refused as too large for a journal record is committed again with
+# its error cut to this many bytes, and without the state.
+FAILURE_ERROR_BYTES = 16 * 1024
 
 _UNSET: Any = object()
 
@@ -510,7 +514,18 @@ class TaskContext:
                 # Asks to keep the task for the next iteration, which the
                 # worker then runs on this lease; the journal service grants
                 # it to a continue that does not wait (ADR 31).
-                nxt = await self._journal.commit(commit, lease=self._leased.lease, hold=self._hold)
+                try:
+                    nxt = await self._journal.commit(
+                        commit, lease=self._leased.lease, hold=self._hold
+                    )
+                except RecordTooLarge:
+                    if field != "fail":
+                        raise  # the handler may save less; unhandled, the step fails
+                    # A failure must end its attempt whatever it carries. Nothing
+                    # resumes from a failure's state (a retry loads the commit
+                    # that ended the iteration before), so it goes without it.
+                    commit = _small_failure(commit)
+                    nxt = await self._journal.commit(commit, lease=self._leased.lease)
                 self._next = self._kept(nxt, commit) if nxt is not None else None
             else:
                 request = self._request(pb.ReportRequest())
@@ -557,6 +572,18 @@ def _wait(delay: float | None, until: datetime | None, until_input: bool) -> pb.
             raise InvalidArgument("until must be timezone-aware", field="until")
         wait.until.FromDatetime(until.astimezone(UTC))
     return wait
+
+
+def _small_failure(commit: jpb.Commit) -> jpb.Commit:
+    """``commit``, a failure refused as too large, without its state and with
+    its error cut to ``FAILURE_ERROR_BYTES``: it fits any record."""
+    error = commit.error.encode()
+    if len(error) > FAILURE_ERROR_BYTES:
+        cut = error[: FAILURE_ERROR_BYTES - 64].decode(errors="ignore")
+        commit.error = f"{cut}... ({len(error):,} bytes in all)"
+    commit.ClearField("state")
+    commit.has_state = False
+    return commit
 
 
 def _failure(error: str | BaseException, reason: str, kind: pb.FailureKind.ValueType) -> pb.Fail:

@@ -11,7 +11,7 @@ SDK user ever sees a ``grpc.RpcError``.
     ├── JournalSignal                 the task is settled or lost; return at once
     │   ├── Stale                     a late redelivery: a later dispatch exists
     │   ├── Committed                 this dispatch was committed before a crash
-    │   ├── RestartLimit              too many claims in a row; the step failed
+    │   ├── RestartLimit              too many deliveries without progress; the step failed
     │   └── Fenced                    a successor holds the step; write nothing
     └── Exception
         ├── DagnatsError              root of everything dagnats raises on purpose
@@ -140,8 +140,9 @@ class Committed(JournalSignal):
 
 
 class RestartLimit(JournalSignal):
-    """The iteration was claimed too many times in a row without progress; the
-    failure was committed and reported, and the retry policy applies."""
+    """The iteration was delivered ``restart_limit`` times in a row without
+    progress; the failure was committed and reported, and the retry policy
+    applies."""
 
 
 class ConcurrentJournalUse(RuntimeError):

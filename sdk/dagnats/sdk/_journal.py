@@ -305,6 +305,9 @@ class Journal:
 
         Raises:
             InvalidArgument: the input or the output is not JSON.
+            RecordTooLarge: the output is larger than a journal record holds;
+                the call's intent is answered with that error. Unless the
+                handler catches it, the step fails for good with its message.
             ReplayMismatch: a different call was recorded at this position.
             Fenced: a successor holds the step.
         """
@@ -395,10 +398,14 @@ class Journal:
             await self._locked(finish(result), then)
         except RecordTooLarge as err:
             # The tool ran and its result cannot be stored: record that as the
-            # tool's error, so the intent has a result and the model sees why.
+            # tool's error, so that its intent has a result (a retry honours it
+            # rather than run an unsafe tool again), then raise: another
+            # delivery or attempt would be refused the same way.
             error = f"tool result not recorded: {err.message}"
-            result = jpb.ToolResult(intent_seq=result.intent_seq, error=error)
-            await self._locked(finish(result), then)
+            await self._locked(
+                finish(jpb.ToolResult(intent_seq=result.intent_seq, error=error)), then
+            )
+            raise
         return result
 
     async def _interrupted(self, intent_seq: int, partial: str) -> None:

@@ -35,7 +35,7 @@ from google.protobuf.duration_pb2 import Duration
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from dagnats.core import tracing
-from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument
+from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument, ReplayMismatch
 from dagnats.core.ids import check_token, check_worker_id
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk._context import ASSUMED_LEASE, Handover, TaskContext, describe_error
@@ -48,6 +48,11 @@ log = logging.getLogger("dagnats.sdk")
 Handler = Callable[[TaskContext], Awaitable[None]]
 
 T = TypeVar("T")
+
+# Errors a handler raises that no retry can get past: an invalid argument (a
+# record too large for the journal among them) and a replay mismatch. The step
+# fails for good with the error's message.
+REFUSALS = (InvalidArgument, ReplayMismatch)
 
 NOT_SETTLED = "handler returned without calling continue_, complete, fail or pause"
 _MIN_HEARTBEAT = 0.05
@@ -72,6 +77,10 @@ class Worker:
             third of the task's lease, at least 0.05.
         worker_id: Names the worker in the engine's logs and its journal
             claims, at most 256 characters; by default ``host-pid-random``.
+        restart_limit: A journaled iteration whose last this many deliveries
+            (1 to 1000) made no progress -- their holders died before writing
+            anything but their claims -- fails with reason ``restart_limit``
+            (retriable: the step's retry policy applies).
         credentials: Token and TLS files (a worker's token has the worker
             role); by default from the environment (see ``Credentials``).
         journal_target: Address of the journal service when it runs apart
@@ -432,6 +441,11 @@ class Worker:
             await _report(tc.fail("handler was cancelled"))
         elif isinstance(err, PermanentError):
             await _report(tc.fail_permanent(err, reason=err.reason))
+        elif isinstance(err, REFUSALS):
+            # Deterministic: every other delivery or attempt would be refused
+            # the same way, so the step fails now, saying why.
+            log.error("handler for %s was refused: %s", tc.task_type, err)
+            await _report(tc.fail_permanent(err, reason=err.code))
         elif err is not None:
             log.error("handler for %s failed", tc.task_type, exc_info=err)
             await _report(tc.fail(err))

@@ -22,6 +22,8 @@ Invariants:
   says why: 409 ``cancelled`` (the run was cancelled), 410 ``committed`` or
   ``stale`` (the dispatch was finished by a successor, or the step moved
   on), else 409 ``fenced`` (a successor holds the step).
+- A record too large for the journal fails the step for good at once, and
+  answers 413 ``record_too_large`` saying so: every delivery would be refused.
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         "`inputs_queued`: place the queued inputs instead of waiting for one"
     },
     410: {"description": "`stale`, `committed` or `restart_limit`: the task is finished"},
-    413: {"description": "the body is too large"},
+    413: {
+        "description": "`too_large`: the body is larger than the gateway takes; "
+        "`record_too_large`: a record larger than the journal stores, and the step failed"
+    },
     503: {"description": "`not_provisioned`: the journal stream is missing; or `unavailable`"},
 }
 

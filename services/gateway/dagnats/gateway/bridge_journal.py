@@ -163,7 +163,7 @@ async def tool_output(b: BackendDep, body: bm.ToolOutputBody) -> bm.TokenResult:
 async def _tool_output(b: Backend, t: BridgeToken, intent_seq: int, chunk: str) -> BridgeToken:
     assert t.writer is not None
     request = jpb.ToolOutputRequest(token=t.writer, intent_seq=intent_seq, chunk=chunk)
-    out = await ops.writing(b, t, b.rpc.tool_output(request))
+    out = await ops.writing(b, t, b.rpc.tool_output(request), intent_seq=intent_seq)
     return replace(t, writer=out.token)
 
 
@@ -197,7 +197,7 @@ def _finished(intent_seq: int, output: object, error: str) -> jpb.FinishToolRequ
 async def _finish_tool(b: Backend, t: BridgeToken, result: jpb.FinishToolRequest) -> BridgeToken:
     assert t.writer is not None
     result.token.CopyFrom(t.writer)
-    finished = await ops.writing(b, t, b.rpc.finish_tool(result))
+    finished = await ops.writing(b, t, b.rpc.finish_tool(result), intent_seq=result.intent_seq)
     return replace(t, writer=finished.token, intent_seq=0)
 
 

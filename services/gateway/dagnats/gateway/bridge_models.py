@@ -85,7 +85,10 @@ class PollBody(_Body):
     wait: Seconds = Field(default=30.0, description="longest time to wait for a task (<= 60s)")
     worker_id: Text = Field(default="", max_length=128, description="names the worker in claims")
     restart_limit: int = Field(
-        default=5, ge=1, le=1000, description="claims of one iteration in a row that fail it"
+        default=5,
+        ge=1,
+        le=1000,
+        description="deliveries of one iteration in a row without progress that fail it",
     )
 
 

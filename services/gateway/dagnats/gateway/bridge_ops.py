@@ -6,6 +6,11 @@ writer's last seen one by the pure rule ``dagnats.journal.replay.why_fenced``:
 410 ``stale`` or ``committed`` when the task is finished, 409 ``fenced`` when a
 successor holds it, and no refusal when the token was only behind a write of
 its own. A cancelled run is 409 ``cancelled`` whatever the journal says.
+
+A record too large for the journal (``RecordTooLarge``) would be refused on
+every delivery: the step fails for good at once, and the answer, 413
+``record_too_large``, says so. A replay mismatch stays a 409 the worker can
+act on (the replay rules are the bridge client's own): it writes nothing.
 """
 
 from __future__ import annotations
@@ -15,12 +20,12 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Literal, TypeVar, cast
 
-from dagnats.core.errors import Fenced
-from dagnats.core.outcomes import settled_report
+from dagnats.core.errors import Fenced, RecordTooLarge
+from dagnats.core.outcomes import commit_of, settled_report
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway.backend import Backend
 from dagnats.gateway.bridge_token import BridgeToken
-from dagnats.gateway.errors import ApiError
+from dagnats.gateway.errors import ApiError, status_of
 from dagnats.journal import convert, replay
 from dagnats.journal.replay import FenceReason
 from dagnats.journal.v1 import journal_pb2 as jpb
@@ -91,8 +96,9 @@ def _settled_answer(settled: jpb.Settled) -> ApiError:
     return ApiError(410, reason, settled.detail or f"the task is settled: {reason}")
 
 
-async def writing(b: Backend, t: BridgeToken, call: Awaitable[T]) -> T:
-    """Await a journal write; a refusal becomes the answer that says why."""
+async def writing(b: Backend, t: BridgeToken, call: Awaitable[T], *, intent_seq: int = 0) -> T:
+    """Await a journal write; a refusal becomes the answer that says why.
+    ``intent_seq``: the intent the write answers, if it is a tool's result."""
     try:
         return await call
     except Fenced as err:
@@ -102,6 +108,39 @@ async def writing(b: Backend, t: BridgeToken, call: Awaitable[T]) -> T:
                 409, "fenced", "the token is behind the journal: send the latest token"
             ) from None
         raise _explained(t, reason, err) from None
+    except RecordTooLarge as err:
+        raise await _failed_for_good(b, t, err, intent_seq or t.intent_seq) from None
+
+
+async def _failed_for_good(
+    b: Backend, t: BridgeToken, err: RecordTooLarge, intent_seq: int
+) -> ApiError:
+    """Fail the step for a record too large for the journal: every delivery
+    and attempt would be refused the same way, so it fails now, with the
+    refusal's message, as the SDK's worker fails it. A running tool's intent
+    is answered first with that error, as the SDK answers it; the failure
+    carries no state, so it fits any record."""
+    assert t.writer is not None  # only a holder writes records
+    t = replace(t, intent_seq=0)
+    message = f"{type(err).__name__}: {err.message}"
+    if intent_seq:
+        error = f"tool result not recorded: {err.message}"
+        finish = jpb.FinishToolRequest(token=t.writer, intent_seq=intent_seq, error=error)
+        t = replace(t, writer=(await writing(b, t, b.rpc.finish_tool(finish))).token)
+    failure = pb.Fail(error=message, kind=pb.FAILURE_KIND_PERMANENT, reason=err.code)
+    commit = jpb.CommitRequest(token=t.writer, commit=commit_of(failure, None))
+    done = await writing(b, t, b.rpc.commit(commit))
+    report = pb.ReportRequest(
+        lease=t.lease,
+        run_id=t.run_id,
+        step_id=t.step_id,
+        iteration=t.iteration,
+        attempt=t.attempt,
+        fail=failure,
+        journal_seq=done.commit_seq,
+    )
+    await refused_as_fenced(b.rpc.report(report))
+    return ApiError(status_of(err), err.code, f"{err.message}; the step failed", field=err.field)
 
 
 async def holding(b: Backend, t: BridgeToken) -> None:

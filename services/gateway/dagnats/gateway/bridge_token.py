@@ -51,7 +51,7 @@ class BridgeToken:
         attempt: Attempt of the dispatch.
         delivery: Delivery count of the task message.
         worker_id: The worker, recorded in the claim.
-        restart_limit: Claims in a row that fail the step.
+        restart_limit: Deliveries in a row without progress that fail the step.
         writer: The journal writer once claimed.
         has_state: The claim found a committed state (carried to the next commit).
         position: Position of the next journaled call.

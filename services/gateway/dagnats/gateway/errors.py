@@ -22,6 +22,7 @@ log = logging.getLogger("dagnats.gateway")
 # Domain error -> HTTP status, looked up through the class hierarchy.
 STATUS_OF: dict[type[errors.DagnatsError], int] = {
     errors.InvalidArgument: 400,
+    errors.RecordTooLarge: 413,
     errors.NotFound: 404,
     errors.Conflict: 409,
     errors.ReplayMismatch: 409,

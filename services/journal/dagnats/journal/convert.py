@@ -135,3 +135,23 @@ def placed_to_proto(entry: jm.InputEntry) -> pb.InputPlaced:
         content=entry.content,
         carried=entry.carried,
     )
+
+
+def largest_part(record: pb.Record) -> tuple[str, int]:
+    """What holds most of ``record``'s bytes, named as a user knows it, and its
+    size: what to tell the writer of a record too large to store."""
+    parts = [
+        ("the state", record.commit.state),
+        ("the step's output", record.commit.output),
+        ("the tool's output", record.tool_result.output),
+        ("the tool's output", record.leading_tool_result.output),
+        ("the tool's error", record.tool_result.error.encode()),
+        ("the model's response", record.model.response),
+        ("the model's response", record.leading_model.response),
+        ("the tool call's input", record.tool_intent.input),
+        ("the failure's error", record.commit.error.encode()),
+        ("the tool's partial output", record.tool_output.chunk.encode()),
+        ("the input's content", record.input_placed.content),
+    ]
+    name, data = max(parts, key=lambda part: len(part[1]))
+    return name, len(data)

@@ -19,8 +19,11 @@ Claim (one dispatch ``(iteration, attempt)`` opening the journal):
 * Otherwise -> ``Proceed``: append a claim, which fences every earlier holder,
   and close every intent of an *earlier attempt* that has no result with an
   ``interrupted`` result. After the claim, ``restart_limit_reached`` says
-  whether the iteration ended in ``limit`` claims in a row; a claim repeated
-  for the same delivery (its answer was lost) counts once.
+  whether the iteration ended in ``limit`` deliveries in a row that made no
+  progress: its trailing claims, a claim repeated for the same delivery (its
+  answer was lost) counted once, and the first delivery's claim that rode and
+  was never stored, when the iteration holds nothing but claims of later
+  deliveries (``deliveries_without_progress``).
 * A claim that finds nothing of its iteration, for the first delivery of the
   iteration's first attempt, fences and closes nothing: with no earlier
   attempt and no earlier delivery, every earlier holder is of an earlier
@@ -167,19 +170,42 @@ def rides_first_record(decision: ClaimDecision, *, may_ride: bool, found: int) -
 
 
 def restart_limit_reached(records: Sequence[AnyEntry], limit: int) -> bool:
-    """Whether the iteration ends in ``limit`` claims in a row. A claim that
-    repeats the one before it (the same attempt, delivery and worker: its
-    answer never reached the worker, which claimed again) is no restart and
-    counts once."""
+    """Whether the iteration ends in ``limit`` deliveries in a row that made no
+    progress (``deliveries_without_progress``)."""
+    return deliveries_without_progress(records) >= limit
+
+
+def deliveries_without_progress(records: Sequence[AnyEntry]) -> int:
+    """How many deliveries in a row the iteration's trailing claims stand for.
+
+    Each claim of another delivery than the claim after it counts one: a claim
+    that repeats the one before it (the same attempt, delivery and worker: its
+    answer never reached the worker, which claimed again) is no restart. And
+    when the iteration holds nothing but claims, and the first was stored on
+    its own by a later delivery of the first attempt than the first, one more
+    delivery came before it whose claim was to ride its holder's first record
+    (a first delivery's claim, or one handed over with the commit before) and
+    was never stored: its holder died before writing anything."""
     trailing = 0
     after: ClaimEntry | None = None
     for record in reversed(records):
         if not isinstance(record, ClaimEntry):
-            break
+            return trailing
         if after is None or not _same_delivery(record, after):
             trailing += 1
         after = record
-    return trailing >= limit
+    if after is not None and _followed_an_unstored_claim(after):
+        trailing += 1
+    return trailing
+
+
+def _followed_an_unstored_claim(first: ClaimEntry) -> bool:
+    """Whether ``first``, the iteration's first record, was stored by a
+    delivery that came after one whose claim rode and was never stored. Only
+    the first attempt's claims ride, and they are stored with their holder's
+    first record (``leading``): a claim of the first attempt stored on its own
+    by a later delivery than the first had one before it that left nothing."""
+    return not first.leading and first.attempt == 1 and first.delivery > 1
 
 
 def _same_delivery(a: ClaimEntry, b: ClaimEntry) -> bool:

@@ -273,7 +273,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if replay.restart_limit_reached(entries, limit):
             failure = pb.Commit(
                 action=pb.ACTION_FAIL,
-                error=f"restart limit: {limit} claims in a row without progress",
+                error=f"restart limit: {limit} deliveries in a row without progress",
                 reason="restart_limit",
             )
             token, commit = await self._writer.append(token, pb.Record(commit=failure))

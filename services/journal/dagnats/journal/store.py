@@ -39,6 +39,7 @@ from dagnats.core import tracing
 from dagnats.core.errors import Fenced, NotProvisioned, RecordTooLarge, Unavailable
 from dagnats.core.settings import env_seconds
 from dagnats.core.subjects import journal_subject, live_stream_subject, run_journal
+from dagnats.journal import convert
 from dagnats.journal.limits import HEADER_ROOM, MAX_RECORD_BYTES
 from dagnats.journal.v1 import journal_pb2 as pb
 
@@ -98,11 +99,7 @@ class JournalStore:
         data = record.SerializeToString()
         limit = min(MAX_RECORD_BYTES, self.nc.max_payload - HEADER_ROOM)
         if len(data) > limit:
-            raise RecordTooLarge(
-                f"the {kind} record would be {len(data)} bytes; a journal record is at most "
-                f"{limit} bytes",
-                field=kind,
-            )
+            raise RecordTooLarge(_too_large(kind, record, len(data), limit), field=kind)
         # Transient errors are retried with the same Msg-Id, by the budget of
         # jsx.retry_transient (here by hand: 10071 and the in-flight errors
         # need answers of their own), then resolved by reading what landed.
@@ -328,6 +325,16 @@ def _decode(data: bytes | None, seq: int | None) -> pb.Record:
     record = pb.Record.FromString(data or b"")
     record.seq = int(seq or 0)
     return record
+
+
+def _too_large(kind: str, record: pb.Record, size: int, limit: int) -> str:
+    """Why ``record`` (``size`` bytes serialized) is refused: what makes it too
+    large, with the numbers."""
+    part, part_size = convert.largest_part(record)
+    most = f"a journal record is at most {limit:,} bytes"
+    if part_size > limit:
+        return f"{part} is {part_size:,} bytes; {most}"
+    return f"the {kind} record would be {size:,} bytes, {part} {part_size:,} of them; {most}"
 
 
 __all__ = ["JournalStore", "Written", "journal_subject"]

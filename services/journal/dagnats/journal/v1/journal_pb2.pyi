@@ -612,8 +612,11 @@ class ClaimRequest(_message.Message):
     worker_id: _builtins.str
     """Worker id, for the record."""
     restart_limit: _builtins.int
-    """Consecutive claims that fail the step; 0 means 5. A claim sent again for
-    the same delivery by the same worker (its answer was lost) counts once.
+    """Deliveries in a row without progress that fail the step; 0 means 5. Each
+    claim of the iteration's trailing claims is one (a claim sent again for
+    the same delivery by the same worker, its answer lost, counts once), and
+    a first claim that rode its holder's first record and was never stored
+    is counted from the next delivery's claim.
     """
     lease: _builtins.str
     """The task's lease (LeasedTask.lease). Set: when the claim answers settled,
