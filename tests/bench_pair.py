@@ -73,7 +73,9 @@ class Paired:
 
 def paired(measure: str, base: Sequence[float], this: Sequence[float], *, lower: bool) -> Paired:
     """Summarize the pairs of ``measure`` (``lower``: less is better)."""
-    ratios = [t / b for b, t in zip(base, this, strict=True)]
+    # A pair in which the base measured nothing (a process idle for the
+    # whole round) has no ratio; the medians still show it.
+    ratios = [t / b for b, t in zip(base, this, strict=True) if b] or [float("nan")]
     better = sum(1 for b, t in zip(base, this, strict=True) if (t < b if lower else t > b))
     return Paired(
         measure,
