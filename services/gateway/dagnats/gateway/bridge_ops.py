@@ -5,7 +5,9 @@ A journal refusal (``Fenced``) is explained from the records that follow the
 writer's last seen one by the pure rule ``dagnats.journal.replay.why_fenced``:
 410 ``stale`` or ``committed`` when the task is finished, 409 ``fenced`` when a
 successor holds it, and no refusal when the token was only behind a write of
-its own. A cancelled run is 409 ``cancelled`` whatever the journal says.
+its own. A cancelled run is 409 ``cancelled`` whatever the journal says, and
+so is a journal call the journal refused because the run was cancelled
+(``RunCancelled``: nothing was written).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Literal, TypeVar, cast
 
-from dagnats.core.errors import Fenced
+from dagnats.core.errors import Fenced, RunCancelled
 from dagnats.core.outcomes import settled_report
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway.backend import Backend
@@ -42,7 +44,8 @@ async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | 
     if t.writer is not None:
         return t, None
     # A claim that loses to a concurrent claim is fenced: 409, like any write.
-    response = await refused_as_fenced(
+    response = await _unless_cancelled(
+        t,
         b.rpc.claim(
             jpb.ClaimRequest(
                 run_id=t.run_id,
@@ -54,7 +57,7 @@ async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | 
                 restart_limit=t.restart_limit,
                 lease=t.lease,
             )
-        )
+        ),
     )
     if response.HasField("settled"):
         raise await _settle(b, t, response.settled)
@@ -95,6 +98,8 @@ async def writing(b: Backend, t: BridgeToken, call: Awaitable[T]) -> T:
     """Await a journal write; a refusal becomes the answer that says why."""
     try:
         return await call
+    except RunCancelled:
+        raise cancelled(t) from None
     except Fenced as err:
         reason = await why_fenced(b, t)
         if reason == "own":
@@ -110,6 +115,8 @@ async def holding(b: Backend, t: BridgeToken) -> None:
     assert t.writer is not None
     try:
         await b.rpc.hold(jpb.HoldRequest(token=t.writer))
+    except RunCancelled:
+        raise cancelled(t) from None
     except Fenced as err:
         reason = await why_fenced(b, t)
         if reason != "own":
@@ -152,6 +159,15 @@ async def refused_as_fenced(call: Awaitable[T]) -> T:
         return await call
     except Fenced as err:
         raise fenced(err) from None
+
+
+async def _unless_cancelled(t: BridgeToken, call: Awaitable[T]) -> T:
+    """Await a journal call; its refusal of a cancelled run is 409 ``cancelled``,
+    a fenced one 409 ``fenced``."""
+    try:
+        return await refused_as_fenced(call)
+    except RunCancelled:
+        raise cancelled(t) from None
 
 
 @asynccontextmanager

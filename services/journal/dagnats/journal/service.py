@@ -35,7 +35,7 @@ from dagnats.journal.placement import MODES, InputPlacement
 from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.journal.v1 import journal_pb2_grpc as pb_grpc
-from dagnats.journal.writer import JournalWriter
+from dagnats.journal.writer import JournalWriter, cancelled
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +221,10 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         """Claim the dispatch, ``tail`` being the step's last record; with
         ``ride_only``, None unless the claim rides."""
         run_id, step_id = request.run_id, request.step_id
+        if (cancel := replay.cancel_of(convert.entries(tail) if tail else [])) is not None:
+            if ride_only:
+                return None
+            raise cancelled(_claimant(request, tail, 0), cancel.reason)
         base = replay.base_before(convert.entry(tail) if tail else None, request.iteration)
         records = await self._iteration_records(run_id, step_id, request.iteration, base, tail)
         entries = convert.all_entries(records)
