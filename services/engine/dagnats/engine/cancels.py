@@ -63,6 +63,10 @@ class CancelWatch:
             if not waiter.done():
                 waiter.set_result(run_id)
 
+    def was_heard(self, run_id: str) -> bool:
+        """Whether the cancel of ``run_id`` was heard, and is still kept."""
+        return run_id in self._heard
+
     async def wait(self, runs: Sequence[str], longest: float) -> list[str]:
         """The runs of ``runs`` that were cancelled: at once those heard
         already, else the first heard within ``longest`` seconds; none after it."""

@@ -184,6 +184,14 @@ async def records_from(
         await cast(AsyncGenerator[jpb.Record, None], stream).aclose()
 
 
+async def let_go(b: Backend, t: BridgeToken) -> None:
+    """Acknowledge the task of a cancelled run, whose journal refused its
+    commit: the run drops any outcome, and the task would wait out its lease."""
+    request = pb.ReportRequest(lease=t.lease, run_id=t.run_id, step_id=t.step_id)
+    request.acknowledge.SetInParent()
+    await refused_as_fenced(b.rpc.report(request))
+
+
 def cancelled(t: BridgeToken) -> ApiError:
     """The answer for a task whose run was cancelled."""
     return ApiError(409, "cancelled", f"run {t.run_id} was cancelled")
