@@ -84,7 +84,7 @@ async def bench(cancels: int) -> dict[str, list[tuple[float, float]]]:
             async with Client(engine.target) as client:
                 workers = {k: await _worker(client, engine, k) for k in kinds}
                 try:
-                    for (name, agent, _), kind in ((workers[k], k) for k in kinds):
+                    for name, agent, _ in workers.values():
                         await one_cancel(client, name, agent)  # warm the path, untimed
                     for _ in range(cancels):
                         for kind in kinds:
@@ -130,7 +130,8 @@ def main() -> None:
     print(f"cancel -> handler cancelled, {args.cancels} cancels each (load average {load})")
     print(f"{'worker':8} {'from':8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'mean ms':>8}")
     for kind, pairs in results.items():
-        for label, values in (("called", [a for a, _ in pairs]), ("returned", [r for _, r in pairs])):
+        called, returned = [a for a, _ in pairs], [r for _, r in pairs]
+        for label, values in (("called", called), ("returned", returned)):
             print(
                 f"{kind:8} {label:8} {_ms(values, 0.5)} {_ms(values, 0.99)} "
                 f"{max(values) * 1000:7.1f} {statistics.mean(values) * 1000:8.1f}"
