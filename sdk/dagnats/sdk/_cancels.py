@@ -49,12 +49,15 @@ class CancelWatch:
         self._cancelled = cancelled
         self._runs: Counter[str] = Counter()
         self._heard: set[str] = set()  # cancelled: not watched again
+        self._named: set[str] = set()  # by the watch in flight
         self._changed = asyncio.Event()
 
     def add(self, run_id: str) -> None:
-        """A handler of ``run_id`` started."""
+        """A handler of ``run_id`` started. (The next iteration of a kept task
+        is a run the watch names already: nothing to wake.)"""
         self._runs[run_id] += 1
-        self._changed.set()
+        if run_id not in self._named:
+            self._changed.set()
 
     def remove(self, run_id: str) -> None:
         """A handler of ``run_id`` ended."""
@@ -77,10 +80,12 @@ class CancelWatch:
                 continue
             self._changed.clear()
             sent = loop.time()
+            self._named = runs
             call = asyncio.ensure_future(self._watch(sorted(runs)))
             try:
                 await self._until_done_or_new(call, runs, sent)
             finally:
+                self._named = set()
                 if not call.done():
                     call.cancel()
                     await asyncio.wait((call,))
