@@ -285,7 +285,8 @@ async def test_a_followed_step_that_finishes_or_is_cancelled_ends_its_stream(
     assert got[-1] == ("end", {"run_status": "completed", "step_status": "completed"})
 
     # A cancel writes no commit but its cancel record, which seals the journal
-    # of the step (its task was never taken); the stream then ends.
+    # of the step (its task was never taken), just after the run's write: the
+    # stream ends once it sees the run ended, with or without that record.
     _task, idle = await start_loop(http)
     following = asyncio.create_task(
         _every_event(http, f"/runs/{idle}/steps/agent/journal?follow=1")
@@ -293,9 +294,8 @@ async def test_a_followed_step_that_finishes_or_is_cancelled_ends_its_stream(
     await wait_for(lambda: gateway_streams(http, at_least=1), timeout=30)
     assert (await http.post(f"/runs/{idle}/cancel")).status_code == 200
     got = await asyncio.wait_for(following, timeout=60)
-    assert [kind for kind, _ in got] == ["record", "end"]
-    assert got[0][1]["kind"] == "cancel" and got[0][1]["writer"] == ""
-    assert got[1][1]["run_status"] == "cancelled"
+    assert [(kind, data.get("kind")) for kind, data in got[:-1]] in ([], [("record", "cancel")])
+    assert got[-1][0] == "end" and got[-1][1]["run_status"] == "cancelled"
 
 
 async def gateway_streams(http: httpx.AsyncClient, *, at_least: int) -> bool:
