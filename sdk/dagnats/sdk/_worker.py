@@ -431,6 +431,9 @@ class Worker:
                 if journal is not None and not (journal.in_flight and tc._lease.live()):
                     await journal.hold()
                 cancelled = await tc._beat()
+            except RunCancelled:  # the journal says so: the run's end sealed it
+                tc._mark_cancelled()
+                cancelled = True
             except Fenced:
                 log.warning("%s/%s: a successor holds the step; stopping", tc.run_id, tc.step_id)
                 running.cancel()
