@@ -291,9 +291,10 @@ class Worker:
         return list(response.cancelled_runs)
 
     def _run_cancelled(self, run_id: str) -> None:
-        """The engine said ``run_id`` was cancelled: stop its handlers now."""
+        """The engine said ``run_id`` was cancelled: stop its handlers now (but
+        one settling its task, whose settle the run drops or the journal refuses)."""
         for tc, running in list(self._running.items()):
-            if tc.run_id == run_id and not tc._settle_done:
+            if tc.run_id == run_id and not tc.settled:
                 log.info("run %s was cancelled; cancelling step %s", run_id, tc.step_id)
                 tc._mark_cancelled()
                 running.cancel()
