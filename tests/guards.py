@@ -2,6 +2,8 @@
 test fails: a guard that no test misses is a guard nobody would notice losing.
 
 Run with ``make test-guards``. Exits 1 when any guard goes unnoticed.
+``python -m tests.guards WORDS...`` checks only the guards whose name holds
+one of the words.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE_ROOTS = ("core", "cli", "sdk", "services/engine", "services/journal", "services/inputs")
+SOURCE_ROOTS = (
+    "core",
+    "cli",
+    "sdk",
+    "services/engine",
+    "services/journal",
+    "services/inputs",
+    "services/gateway",
+)
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,29 @@ class Guard:
 
 
 GUARDS = (
+    Guard(
+        name="the other services read the run now, caught up with its journal",
+        file="services/engine/dagnats/engine/runs.py",
+        guard="        return None if stored is None else await self.caught_up_stored(stored)\n",
+        removed="        return stored\n",
+        how="journal check reports missing iterations on a healthy loop; GetRun lags",
+        tests=(
+            "tests/test_journal_check_live.py::"
+            "test_journal_check_polled_through_a_loop_of_fast_turns_finds_nothing",
+        ),
+    ),
+    Guard(
+        name="the audit reads the run again after the journal",
+        file="services/journal/dagnats/journal/service.py",
+        guard="        after = await self._run(run_id) if run.status == epb.RUN_STATUS_RUNNING "
+        "else run\n",
+        removed="        after = run\n",
+        how="journal check reports the commits of iterations made while it read the journal",
+        tests=(
+            "tests/test_journal_check_live.py::"
+            "test_journal_check_polled_through_a_loop_of_fast_turns_finds_nothing",
+        ),
+    ),
     Guard(
         name="the session socket checks the hello's token",
         file="services/journal/dagnats/journal/session_socket.py",
@@ -786,6 +819,89 @@ GUARDS = (
         tests=("tests/test_kept_writes.py::test_a_run_behind_its_journal_is_read_caught_up",),
     ),
     Guard(
+        name="only an ended run is purged",
+        file="services/engine/dagnats/engine/purge.py",
+        guard="    if run.status not in FINAL_RUN_STATUSES:\n",
+        removed="    if False:\n",
+        how="a purge timer that reaches a running run purges its journal, resetting its fences",
+        tests=("tests/test_retention.py::test_a_purge_timer_never_purges_a_running_run",),
+    ),
+    Guard(
+        name="a run's purge is set only by the decision that ends it",
+        file="services/engine/dagnats/engine/rules.py",
+        guard="    if not isinstance(decision, Accepted) or not decision.run.status.terminal:\n",
+        removed="    if not isinstance(decision, Accepted):\n",
+        how="every write of a running run sets a purge timer, due a retention after it",
+        tests=("tests/test_rules.py::test_only_the_decision_that_ends_a_run_sets_its_purge",),
+    ),
+    Guard(
+        name="provisioning takes the TTL off an existing bucket",
+        file="core/dagnats/core/jetstream.py",
+        guard="    config.max_age = bucket.ttl or 0.0\n",
+        removed="",
+        how="a deployment from before keeps expiring the inputs and run keys of live runs",
+        tests=(
+            "tests/test_retention.py::"
+            "test_provisioning_removes_the_age_limits_an_earlier_release_set",
+        ),
+    ),
+    Guard(
+        name="a queued input older than the dedupe window is never placed",
+        file="services/inputs/dagnats/inputs/rules.py",
+        guard="        if expired(state, now=now, window=window):\n"
+        "            return expire(state, now=now, window=window)\n",
+        removed="",
+        how="an input queued past the window is placed, though it reads expired",
+        tests=(
+            "tests/test_inputs_rules.py::"
+            "test_claim_for_expires_a_queued_input_older_than_the_dedupe_window",
+            "tests/test_retention.py::test_a_queued_input_older_than_the_dedupe_window_ends_expired",
+        ),
+    ),
+    Guard(
+        name="an input placed into an iteration that never committed is dropped",
+        file="services/inputs/dagnats/inputs/rules.py",
+        guard="        case Status.PLACED if state.placed_iteration >= step.committed:\n",
+        removed="        case Status.PLACED if False:\n",
+        how="an input placed by a turn that failed or was cancelled stays placed forever",
+        tests=(
+            "tests/test_retention.py::test_an_input_placed_into_an_iteration_that_fails_ends_dropped",
+        ),
+    ),
+    Guard(
+        name="a call's bearer token is taken exactly as sent",
+        file="services/engine/dagnats/engine/security.py",
+        guard='            return bearer_token(value) if isinstance(value, str) else ""\n',
+        removed=(
+            '            return value.partition(" ")[2].strip() if isinstance(value, str) else ""\n'
+        ),
+        how="a token with a newline or a space after it passes for the token",
+        tests=("tests/test_secured_edges.py::test_a_token_with_a_control_character_is_refused",),
+    ),
+    Guard(
+        name="grpc's loggers leave credentials out",
+        file="core/dagnats/core/credentials.py",
+        guard="            logger.addFilter(_FILTER)\n",
+        removed="            pass\n",
+        how="a token followed by a byte that is not UTF-8 is written whole into the log",
+        tests=(
+            "tests/test_secured_edges.py::"
+            "test_a_token_with_a_byte_that_is_not_utf8_is_refused_and_not_logged",
+            "tests/test_secured_edges.py::test_no_serving_process_logs_a_token_sent_with_a_bad_byte",
+        ),
+    ),
+    Guard(
+        name="the gateway's keep-alive timer leaves a connection a request has reached",
+        file="services/gateway/dagnats/gateway/server.py",
+        guard="        http=_Http11,\n",
+        removed='        http="h11",\n',
+        how="a request that arrived as the timer fired is reset, unanswered and unlogged",
+        tests=(
+            "tests/test_gateway_keepalive.py::"
+            "test_a_request_that_reached_the_gateway_as_its_keep_alive_ends_is_answered",
+        ),
+    ),
+    Guard(
         name="a run's end seals each stopped step's journal",
         file="services/engine/dagnats/engine/rules.py",
         guard="        elif step.status is not StepStatus.PENDING:\n",
@@ -893,15 +1009,19 @@ def run_without(guard: Guard | None, tests: tuple[str, ...]) -> tuple[int, float
         shutil.rmtree(copy, ignore_errors=True)
 
 
-def main() -> int:
-    every_test = tuple(dict.fromkeys(t for g in GUARDS for t in g.tests))
+def main(words: list[str]) -> int:
+    guards = [g for g in GUARDS if not words or any(w in g.name for w in words)]
+    if not guards:
+        print(f"no guard's name holds any of {words}")
+        return 2
+    every_test = tuple(dict.fromkeys(t for g in guards for t in g.tests))
     code, seconds = run_without(None, every_test)
     if code != 0:
         print(f"the guard tests fail with every guard in place (exit {code}); fix them first")
         return 1
     print(f"baseline: the {len(every_test)} guard tests pass with every guard ({seconds:.0f}s)")
     missed = []
-    for guard in GUARDS:
+    for guard in guards:
         code, seconds = run_without(guard, guard.tests)
         caught = code == 1  # a test failed; not a crash of pytest itself
         verdict = "caught" if caught else "MISSED"
@@ -910,9 +1030,9 @@ def main() -> int:
         print(f"        by: {', '.join(guard.tests)}", flush=True)
         if not caught:
             missed.append(guard.name)
-    print(f"\n{len(GUARDS) - len(missed)} of {len(GUARDS)} guards caught")
+    print(f"\n{len(guards) - len(missed)} of {len(guards)} guards caught")
     return 1 if missed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

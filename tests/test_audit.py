@@ -407,6 +407,32 @@ def test_a_running_or_cancelled_step_may_lag_its_newest_continue_by_one() -> Non
         assert rules(found) == ["iteration_count"], (engine, settling)
 
 
+def test_a_loop_that_moves_on_while_audited_is_sound_between_its_two_counts() -> None:
+    j = Journal()
+    for iteration in range(3):
+        j.claim("w1", iteration)
+        j.commit("continue")
+    j.claim("w1", 3)
+    # Counted 1 before the journal was read and 3 after: the journal's 3 lie between.
+    assert check_step("agent", j.entries, engine_iterations=1, engine_iterations_after=3) == []
+    # Counted 2 after, the 3rd in flight: sound only while the step runs.
+    assert (
+        check_step(
+            "agent", j.entries, engine_iterations=1, engine_iterations_after=2, settling=True
+        )
+        == []
+    )
+    for before, after in ((4, 4), (1, 2), (0, 1)):
+        found = check_step(
+            "agent", j.entries, engine_iterations=before, engine_iterations_after=after
+        )
+        assert rules(found) == ["iteration_count"], (before, after)
+    found = check_step("agent", j.entries, engine_iterations=4, engine_iterations_after=5)
+    assert only(found, "iteration_count").message.startswith("the engine counts 4 iterations")
+    found = check_step("agent", j.entries, engine_iterations=0, engine_iterations_after=1)
+    assert only(found, "iteration_count").message.startswith("the engine counts 1 iteration ")
+
+
 def test_a_lagging_count_is_sound_only_when_the_newest_commit_is_a_continue() -> None:
     j = Journal()
     j.claim("w1", 0)

@@ -196,6 +196,51 @@ def test_make_certs_writes_every_file_the_compose_file_mounts(deploy: tuple[Path
             assert (here / source.removeprefix("./deploy/")).is_file(), (name, file, source)
 
 
+def test_make_certs_writes_keys_and_the_seed_for_their_owner_only(
+    deploy: tuple[Path, str],
+) -> None:
+    """Keys and the nkey seed 0600, the CAs' and the secrets' folders 0700;
+    only certificates are readable by others. The compose containers run as
+    root (no `user:`, and neither image sets one), so they read them all."""
+    here, _ = deploy
+    modes = {
+        str(p.relative_to(here)): p.stat().st_mode & 0o777
+        for p in here.rglob("*")
+        if p.name != "make-certs.sh"
+    }
+    secret = [n for n in modes if n.endswith(".key") or n.startswith(("secrets/", "certs/ca/"))]
+    assert len([n for n in secret if n.endswith(".key")]) == 7, sorted(modes)
+    assert "secrets/nats-user.nk" in secret
+    for name in secret:
+        assert modes[name] == 0o600, (name, oct(modes[name]))
+    assert modes["certs/ca"] == modes["secrets"] == 0o700
+    readable = {n for n, mode in modes.items() if mode & 0o077}
+    assert all(n.endswith(".pem") or (here / n).is_dir() for n in readable), sorted(readable)
+    for service in SERVICES.values():
+        assert "user" not in service, "a container user other than root needs keys 0640"
+
+
+def test_make_certs_without_nkeys_writes_nothing_and_says_what_it_needs(
+    tmp_path: Path,
+) -> None:
+    shutil.copy(ROOT / "deploy" / "make-certs.sh", tmp_path / "make-certs.sh")
+    # A Python without site-packages: it has no nkeys.
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    bare.chmod(0o755)
+    result = subprocess.run(
+        ["bash", str(tmp_path / "make-certs.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": str(bare)},
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "needs Python with the nkeys package" in result.stderr, result.stderr
+    assert "make setup" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare-python", "make-certs.sh"]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Nodes:
     urls: list[str]

@@ -19,15 +19,17 @@ from nats.aio.client import Client as NATS
 from dagnats.core import errors
 from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import WireError, error_from_rpc
+from dagnats.engine.runs import Runs
 from dagnats.engine.server import EngineServer
 from dagnats.engine.store import EngineStore
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.engine.v1 import internal_pb2 as eipb
 from dagnats.inputs import natsapi, rules
-from dagnats.inputs.rules import InputState
+from dagnats.inputs.rules import InputState, StepProgress, StepStatus
 from dagnats.inputs.store import InputStore, close_step_inputs
 from dagnats.inputs.v1 import inputs_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2_grpc as pb_grpc
+from dagnats.journal.store import JournalStore
 from dagnats.sdk import Client
 from tests.helpers import wait_for
 from tests.stack import loop_workflow, steps_by_id, unique
@@ -51,7 +53,7 @@ async def nc(nats_server: Any) -> AsyncIterator[NATS]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def store(nc: NATS) -> InputStore:
-    return await InputStore.open(nc, await EngineStore.open(nc))
+    return await InputStore.open(nc, Runs(await EngineStore.open(nc), JournalStore(nc)))
 
 
 async def running_step(client: Client) -> str:
@@ -310,10 +312,11 @@ async def test_a_finished_step_takes_no_inputs(
     assert err.message == f"step {STEP} of run {run_id} has finished; it takes no more inputs"
     assert [i.request_id for i in await listed(stub, run_id)] == ["early"]
 
-    changed = await close_step_inputs(store, run_id, STEP, time.time())
+    cancelled_step = StepProgress(status=StepStatus.CANCELLED, committed=0)
+    changed = await close_step_inputs(store, run_id, STEP, cancelled_step, time.time())
     assert changed in (0, 1)  # 0 when the engine closed it first
     assert (await get(stub, run_id, "early")).status == pb.STATUS_UNANSWERED
-    assert await close_step_inputs(store, run_id, STEP, time.time()) == 0
+    assert await close_step_inputs(store, run_id, STEP, cancelled_step, time.time()) == 0
     # A retry of the accepted submission still gets the original back.
     repeat = await submit(stub, run_id, "early")
     assert not repeat.created and repeat.input.status == pb.STATUS_UNANSWERED

@@ -9,9 +9,10 @@ import pytest
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.inputs import rules
-from dagnats.inputs.rules import InputState, Mode, Refusal, Status, StepStatus
+from dagnats.inputs.rules import InputState, Mode, Refusal, Status, StepProgress, StepStatus
 
 RUN = "0123456789abcdef0123456789abcdef"
+WINDOW = 100.0  # the dedupe window; queued() is created at 1.0
 
 
 def queued(**fields: object) -> InputState:
@@ -38,21 +39,25 @@ def placed(iteration: int = 2) -> InputState:
 
 
 def test_withdraw_a_queued_input() -> None:
-    assert rules.withdraw(queued(), 5.0) == queued(status=Status.WITHDRAWN, updated_at=5.0)
+    assert rules.withdraw(queued(), now=5.0, window=WINDOW) == queued(
+        status=Status.WITHDRAWN, updated_at=5.0
+    )
 
 
 def test_withdraw_twice_changes_nothing() -> None:
     withdrawn = queued(status=Status.WITHDRAWN, updated_at=5.0)
-    assert rules.withdraw(withdrawn, 9.0) == withdrawn
+    assert rules.withdraw(withdrawn, now=9.0, window=WINDOW) == withdrawn
 
 
 def test_a_placed_input_cannot_be_withdrawn() -> None:
-    refused = rules.withdraw(placed(iteration=3), 5.0)
+    refused = rules.withdraw(placed(iteration=3), now=5.0, window=WINDOW)
     assert refused == Refusal("input was placed into iteration 3; it cannot be withdrawn")
 
 
 def test_an_unanswered_input_cannot_be_withdrawn() -> None:
-    assert isinstance(rules.withdraw(queued(status=Status.UNANSWERED), 5.0), Refusal)
+    assert isinstance(
+        rules.withdraw(queued(status=Status.UNANSWERED), now=5.0, window=WINDOW), Refusal
+    )
 
 
 # ---- place and reclaim ----------------------------------------------------------
@@ -112,40 +117,119 @@ def test_release_leaves_a_recorded_or_another_claim(
 
 
 def test_close_turns_queued_into_unanswered() -> None:
-    assert rules.close(queued(), 6.0) == queued(status=Status.UNANSWERED, updated_at=6.0)
+    assert rules.close(queued(), now=6.0, window=WINDOW) == queued(
+        status=Status.UNANSWERED, updated_at=6.0
+    )
 
 
 @pytest.mark.parametrize("status", [Status.PLACED, Status.WITHDRAWN, Status.UNANSWERED])
 def test_close_leaves_everything_else(status: Status) -> None:
-    assert rules.close(queued(status=status), 6.0) is None
+    assert rules.close(queued(status=status), now=6.0, window=WINDOW) is None
 
 
 # ---- visible status ---------------------------------------------------------------
 
 
+def seen(state: InputState, status: StepStatus | None, committed: int, now: float = 5.0) -> Status:
+    step = None if status is None else StepProgress(status=status, committed=committed)
+    return rules.visible(state, step, now=now, window=WINDOW).status
+
+
 def test_placed_stays_placed_while_its_iteration_runs() -> None:
-    assert rules.visible_status(placed(2), StepStatus.RUNNING, 2) is Status.PLACED
+    assert seen(placed(2), StepStatus.RUNNING, 2) is Status.PLACED
+
+
+def test_placed_stays_placed_while_its_iteration_waits_for_a_retry() -> None:
+    # A retry or a redelivery of the same iteration carries it.
+    assert seen(placed(2), StepStatus.WAITING, 2) is Status.PLACED
 
 
 def test_placed_is_done_once_the_step_moved_on() -> None:
-    assert rules.visible_status(placed(2), StepStatus.RUNNING, 3) is Status.DONE
+    assert seen(placed(2), StepStatus.RUNNING, 3) is Status.DONE
 
 
 def test_placed_is_done_when_the_step_completed() -> None:
-    assert rules.visible_status(placed(2), StepStatus.COMPLETED, 2) is Status.DONE
+    progress = rules.step_progress(StepStatus.COMPLETED, iteration=2, iterations=2)
+    assert rules.visible(placed(2), progress, now=5.0, window=WINDOW).status is Status.DONE
 
 
-def test_placed_is_not_done_when_the_step_failed_in_that_iteration() -> None:
-    assert rules.visible_status(placed(2), StepStatus.FAILED, 2) is Status.PLACED
+def test_placed_is_done_when_its_iteration_committed_and_the_loop_failed_at_its_bound() -> None:
+    # max_iterations: the continue of iteration 2 was accepted, then the loop failed.
+    progress = rules.step_progress(StepStatus.FAILED, iteration=2, iterations=3)
+    assert rules.visible(placed(2), progress, now=5.0, window=WINDOW).status is Status.DONE
+
+
+@pytest.mark.parametrize(
+    ("status", "ended"), [(StepStatus.FAILED, "failed"), (StepStatus.CANCELLED, "was cancelled")]
+)
+def test_placed_is_dropped_when_the_step_ended_in_that_iteration(
+    status: StepStatus, ended: str
+) -> None:
+    progress = rules.step_progress(status, iteration=2, iterations=2)
+    shown = rules.visible(placed(2), progress, now=5.0, window=WINDOW)
+    assert shown.status is Status.DROPPED
+    assert shown.reason == f"placed into iteration 2, which never committed: the step {ended} first"
 
 
 def test_placed_without_a_step_shows_as_stored() -> None:
-    assert rules.visible_status(placed(2), None, 0) is Status.PLACED
+    assert seen(placed(2), None, 0) is Status.PLACED
 
 
-@pytest.mark.parametrize("status", [Status.QUEUED, Status.WITHDRAWN, Status.UNANSWERED])
-def test_other_statuses_show_as_stored(status: Status) -> None:
-    assert rules.visible_status(queued(status=status), StepStatus.COMPLETED, 9) is status
+@pytest.mark.parametrize(
+    "status", [Status.WITHDRAWN, Status.UNANSWERED, Status.DROPPED, Status.EXPIRED]
+)
+def test_final_statuses_show_as_stored(status: Status) -> None:
+    assert seen(queued(status=status), StepStatus.COMPLETED, 9) is status
+
+
+def test_queued_shows_as_stored_while_the_step_may_place_it() -> None:
+    for status in (StepStatus.PENDING, StepStatus.RUNNING, StepStatus.WAITING):
+        assert seen(queued(), status, 0) is Status.QUEUED
+    assert seen(queued(), None, 0) is Status.QUEUED
+
+
+@pytest.mark.parametrize("status", [StepStatus.COMPLETED, StepStatus.FAILED, StepStatus.CANCELLED])
+def test_queued_on_a_finished_step_reads_unanswered_before_the_close_stores_it(
+    status: StepStatus,
+) -> None:
+    assert seen(queued(), status, 0) is Status.UNANSWERED
+
+
+def test_a_queued_input_older_than_the_dedupe_window_reads_expired() -> None:
+    assert seen(queued(), StepStatus.WAITING, 0, now=1.0 + WINDOW) is Status.QUEUED
+    shown = rules.visible(queued(), None, now=1.0 + WINDOW + 0.5, window=WINDOW)
+    assert shown.status is Status.EXPIRED
+    assert shown.reason == ("queued for longer than the dedupe window (100 s) without being placed")
+
+
+# ---- the step's end -----------------------------------------------------------------
+
+
+def test_at_step_end_every_input_ends_in_a_final_status() -> None:
+    failed = StepProgress(status=StepStatus.FAILED, committed=2)
+    ended = {
+        "queued": rules.at_step_end(queued(), failed, now=6.0, window=WINDOW),
+        "placed here": rules.at_step_end(placed(2), failed, now=6.0, window=WINDOW),
+        "old queued": rules.at_step_end(queued(), failed, now=500.0, window=WINDOW),
+    }
+    assert {k: v.status if v else None for k, v in ended.items()} == {
+        "queued": Status.UNANSWERED,
+        "placed here": Status.DROPPED,
+        "old queued": Status.EXPIRED,
+    }
+    # Placed into a committed iteration: done, nothing to store.
+    assert rules.at_step_end(placed(1), failed, now=6.0, window=WINDOW) is None
+    for status in (Status.WITHDRAWN, Status.UNANSWERED, Status.DROPPED, Status.EXPIRED):
+        assert status.final
+        assert rules.at_step_end(queued(status=status), failed, now=6.0, window=WINDOW) is None
+
+
+def test_a_dropped_or_expired_input_cannot_be_withdrawn() -> None:
+    dropped = queued(status=Status.DROPPED, reason="placed into iteration 0, which never committed")
+    refused = rules.withdraw(dropped, now=6.0, window=WINDOW)
+    assert isinstance(refused, Refusal) and "dropped" in refused.message
+    refused = rules.withdraw(queued(), now=500.0, window=WINDOW)
+    assert isinstance(refused, Refusal) and "expired" in refused.message
 
 
 def test_a_finished_step_takes_no_inputs() -> None:
@@ -233,6 +317,7 @@ def claim(state: InputState, **overrides: object) -> InputState | None:
         "writer": "b" * 16,
         "recorded": (),
         "now": 9.0,
+        "window": WINDOW,
     }
     args.update(overrides)
     return rules.claim_for(state, **args)  # type: ignore[arg-type]
@@ -253,3 +338,8 @@ def test_claim_for_takes_over_a_placement_that_never_reached_the_journal() -> No
     assert own is not None, "our own earlier try claimed it and never recorded it"
     assert claim(left, writer=left.placed_by, recorded=(left.request_id,)) is None
     assert claim(left, iteration=3) is None, "another iteration's placement"
+
+
+def test_claim_for_expires_a_queued_input_older_than_the_dedupe_window() -> None:
+    taken = claim(queued(), now=1.0 + WINDOW + 1)
+    assert taken is not None and taken.status is Status.EXPIRED and not taken.placed_by

@@ -32,6 +32,7 @@ from nats.js.api import (
 )
 
 from dagnats.core import jetstream as jsx
+from dagnats.core.natsserver import NatsServer
 from tests.helpers import wait_for
 
 WRONG_LAST_SEQUENCE = 10071
@@ -313,3 +314,55 @@ async def test_a_rewritten_key_always_has_a_write_and_stored_times_follow_the_se
     for seq, at in zip(seqs, times, strict=True):
         stored = (await js.get_msg(name, seq)).time
         assert stored is not None and abs((at - stored).total_seconds()) < 1e-3
+
+
+async def test_a_core_subscriber_hears_a_stored_publish_before_what_follows_its_ack(
+    nats_server: NatsServer,
+) -> None:
+    """On one server, nats-server hands a publish to the core subscribers of
+    its subject as it takes the publish in, before the stream stores it and
+    acknowledges it, and writes to one connection in the order it handed
+    messages to it. So a connection subscribed to a stream's subjects hears
+    each write before any message that its writer, or a third party told by
+    the writer, sends it after the write's ack."""
+    hearer = await nats.connect(nats_server.url)
+    writer = await nats.connect(nats_server.url)
+    relay = await nats.connect(nats_server.url)
+    try:
+        js = writer.jetstream()
+        _, prefix = await stream(js, 1)
+        inbox = f"facts.after.{secrets.token_hex(4)}"
+        heard: list[str] = []
+        done = asyncio.Event()
+        writes = 400
+
+        async def hear(msg: Msg) -> None:
+            heard.append(("write " if msg.subject.startswith(prefix) else "") + msg.data.decode())
+            if msg.data == f"relayed {writes - 1}".encode():
+                done.set()
+
+        await hearer.subscribe(f"{prefix}.>", cb=hear)
+        await hearer.subscribe(inbox, cb=hear)
+
+        async def pass_on(msg: Msg) -> None:
+            await relay.publish(inbox, msg.data)
+
+        await relay.subscribe(f"{inbox}.relay", cb=pass_on)
+        await hearer.flush()
+        await relay.flush()
+        for n in range(writes):
+            await js.publish(f"{prefix}.run", f"{n}".encode())
+            await writer.publish(inbox, f"after {n}".encode())  # the writer itself
+            await writer.publish(f"{inbox}.relay", f"relayed {n}".encode())  # another process
+        await asyncio.wait_for(done.wait(), 30)
+    finally:
+        for conn in (hearer, writer, relay):
+            await conn.close()
+    position = {what: at for at, what in enumerate(heard)}
+    late = [
+        n
+        for n in range(writes)
+        if not position[f"write {n}"] < min(position[f"after {n}"], position[f"relayed {n}"])
+    ]
+    assert len(position) == 3 * writes
+    assert late == [], f"{len(late)} writes heard after what followed them: {late[:5]}"

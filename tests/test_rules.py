@@ -692,3 +692,26 @@ def test_a_cancel_seals_the_journal_of_each_step_a_handler_may_hold() -> None:
     ]
     announce = next(i for i, e in enumerate(cancelled.effects) if isinstance(e, m.AnnounceCancel))
     assert cancelled.effects.index(sealed[0]) < announce, "sealed before it is announced"
+
+
+# ---- retention ------------------------------------------------------------------
+
+
+def purges(decision: m.Decision) -> list[m.PurgeLater]:
+    return [e for e in accepted(decision).effects if isinstance(e, m.PurgeLater)]
+
+
+def test_only_the_decision_that_ends_a_run_sets_its_purge() -> None:
+    options = m.RuleOptions(run_retention=60.0)
+    run = start().run
+    assert purges(start()) == []
+    moved = rules.apply(run, report("agent", 0, 1, m.Continued()), T0 + 1, options)
+    assert purges(moved) == []
+    retried = rules.apply(run, report("agent", 0, 1, m.Failed(error="x")), T0 + 1, options)
+    assert purges(retried) == [], "a retry keeps the run running"
+    purge = [m.PurgeLater(run_id=run.run_id, due=T0 + 5 + 60.0)]
+    assert purges(rules.apply(run, m.CancelRequested(), T0 + 5, options)) == purge
+    done = rules.apply(run, report("agent", 0, 1, m.Completed(output=b"1")), T0 + 5, options)
+    assert purges(done) == purge
+    failed = m.Failed(error="x", kind=m.FailureKind.PERMANENT)
+    assert purges(rules.apply(run, report("agent", 0, 1, failed), T0 + 5, options)) == purge

@@ -67,7 +67,6 @@ KV_RUN_KEYS = "RUN_KEYS"
 KV_CHECKPOINTS = "CHECKPOINTS"
 KV_INPUTS = "INPUTS"
 KV_ACTIVE_RUNS = "ACTIVE_RUNS"
-INPUT_RETENTION = 7 * DAY
 
 # Errors after which the same publish (same Msg-Id) may simply be sent again.
 TRANSIENT_NATS_ERRORS: tuple[type[BaseException], ...] = (
@@ -197,11 +196,13 @@ def _streams(topology: Topology) -> list[StreamConfig]:
             retention=RetentionPolicy.WORK_QUEUE,
             **common,
         ),
+        # No MaxAge here nor on the journal: nothing of a live run expires,
+        # however long it waits. The engine purges a run's subjects once its
+        # retention after its end is over (a purge timer on SLEEP_TIMERS).
         StreamConfig(
             name=HISTORY,
             subjects=["history.>"],
             retention=RetentionPolicy.LIMITS,
-            max_age=30 * DAY,
             **common,
         ),
         StreamConfig(
@@ -211,13 +212,12 @@ def _streams(topology: Topology) -> list[StreamConfig]:
             **common,
         ),
         # The fence of a step is the last record on its subject, so nothing may
-        # remove records early: no TTL, no deletes, no discard; MaxAge bounds the
-        # life of a run (docs/architecture.md, F4). Purged only with its terminal run.
+        # remove records early: no MaxAge, no TTL, no deletes, no discard
+        # (docs/architecture.md, F4). Purged only with its ended run.
         StreamConfig(
             name=JOURNAL,
             subjects=["journal.>"],
             retention=RetentionPolicy.LIMITS,
-            max_age=30 * DAY,
             deny_delete=True,
             discard=DiscardPolicy.NEW,
             **common,
@@ -238,17 +238,16 @@ def _buckets(topology: Topology) -> list[KeyValueConfig]:
     return [
         KeyValueConfig(bucket=KV_WORKFLOWS, history=5, replicas=r, storage=StorageType.FILE),
         KeyValueConfig(bucket=KV_RUNS, history=1, replicas=r, storage=StorageType.FILE),
-        KeyValueConfig(
-            bucket=KV_RUN_KEYS, history=1, replicas=r, storage=StorageType.FILE, ttl=30 * DAY
-        ),
+        # No TTL on any bucket that holds a run's state: a key of a live run
+        # never expires; the engine deletes a run's keys with the run.
+        KeyValueConfig(bucket=KV_RUN_KEYS, history=1, replicas=r, storage=StorageType.FILE),
         KeyValueConfig(bucket=KV_CHECKPOINTS, history=1, replicas=r, storage=StorageType.FILE),
         # The runs the reconciler looks at: running, or with an outbox not cleared yet.
         KeyValueConfig(bucket=KV_ACTIVE_RUNS, history=1, replicas=r, storage=StorageType.FILE),
-        # A request_id is recognised for seven days; the journal's input.placed
+        # An input is kept as long as its run (a queued one past the dedupe
+        # window ends expired, never vanishes); the journal's input.placed
         # record, not this bucket, is the truth about placement.
-        KeyValueConfig(
-            bucket=KV_INPUTS, history=1, replicas=r, storage=StorageType.FILE, ttl=INPUT_RETENTION
-        ),
+        KeyValueConfig(bucket=KV_INPUTS, history=1, replicas=r, storage=StorageType.FILE),
     ]
 
 
@@ -290,7 +289,24 @@ async def _provision_once(js: JetStreamContext, topology: Topology) -> None:
                 raise
             await js.update_stream(config)  # it exists: bring it to this config
     for bucket in _buckets(topology):
-        await js.create_key_value(bucket)
+        try:
+            await js.create_key_value(bucket)
+        except nats.js.errors.BadRequestError as err:
+            if cluster_forming(err):
+                raise
+            await _update_bucket(js, bucket)  # it exists: bring it to this config
+
+
+async def _update_bucket(js: JetStreamContext, bucket: KeyValueConfig) -> None:
+    """Bring an existing bucket's stream to ``bucket``'s TTL and history: a
+    deployment made by an earlier release had a TTL on buckets that now keep
+    their keys for a run's whole life."""
+    info = await js.stream_info(f"KV_{bucket.bucket}")
+    config = info.config
+    config.max_age = bucket.ttl or 0.0
+    config.max_msgs_per_subject = bucket.history
+    config.duplicate_window = DEDUPE_WINDOW
+    await js.update_stream(config)
 
 
 async def retry_transient(

@@ -9,6 +9,7 @@ these subjects belong to are configured in ``dagnats.core.jetstream``.
 | ``tasks.<type>.<run>.<step>`` | ``TASKS`` (work queue), one durable consumer per type |
 | ``history.<run>`` | ``HISTORY``: a run's lifecycle events |
 | ``timers.<run>.<step>`` | ``SLEEP_TIMERS`` (work queue) |
+| ``timers.<run>`` | ``SLEEP_TIMERS``: an ended run's purge, its retention after its end |
 | ``journal.<run>.<step>`` | ``AGENT_JOURNAL``: a step's journal, fenced on this exact subject |
 | ``dead.<subject>`` | ``DEAD_LETTERS``: a message the engine gave up on |
 | ``$KV.<bucket>.<key>`` | a key of a KV bucket |
@@ -65,7 +66,14 @@ def timer_subject(run_id: str, step_id: str) -> str:
 
 
 def run_timers(run_id: str) -> str:
+    """Every step's timers of a run (not its purge: ``purge_timer_subject``)."""
     return f"timers.{run_id}.>"
+
+
+def purge_timer_subject(run_id: str) -> str:
+    """An ended run's purge timer: one token shorter than a step's timers, so
+    no step id can name it and purging the run's step timers leaves it."""
+    return f"timers.{run_id}"
 
 
 def journal_subject(run_id: str, step_id: str) -> str:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 import grpc.aio
 
+from dagnats.core.credentials import check_bearer_token
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.grpcutil import with_metadata
 from dagnats.core.settings import env_bool
@@ -100,9 +101,16 @@ class Credentials:
         )
 
     def interceptors(self) -> list[grpc.aio.ClientInterceptor]:
-        """Interceptors that put the token on every kind of call; none without one."""
+        """Interceptors that put the token on every kind of call; none without one.
+
+        Raises:
+            InvalidArgument: a token with a space, a control character (a
+                newline read with it) or a character that is not ASCII: the
+                engine compares tokens exactly and would refuse it.
+        """
         if not self.token:
             return []
+        check_bearer_token(self.token, source="token (DAGNATS_TOKEN)")
         header = ("authorization", f"Bearer {self.token}")
         # One object per kind: grpc.aio files an interceptor under the first
         # kind it implements only (see dagnats.core.tracing).

@@ -32,6 +32,7 @@ import hmac
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from dagnats.core.credentials import check_bearer_token
 from dagnats.core.errors import InvalidArgument
 
 
@@ -186,9 +187,16 @@ class TokenTable:
         return TokenTable(self.entries + other.entries)
 
 
-def tokens_of(role: Role, values: Iterable[str]) -> TokenTable:
-    """A table of ``values`` (empty ones ignored), all of ``role``."""
-    return TokenTable(tuple((v.encode(), role) for v in (x.strip() for x in values) if v))
+def tokens_of(role: Role, values: Iterable[str], *, source: str = "tokens") -> TokenTable:
+    """A table of ``values`` (empty ones ignored, spaces around one taken
+    off), all of ``role``.
+
+    Raises:
+        InvalidArgument: a value that is not a bearer token (a control
+            character in it), naming ``source``.
+    """
+    tokens = [check_bearer_token(t, source=source) for t in (x.strip(" ") for x in values) if t]
+    return TokenTable(tuple((t.encode(), role) for t in tokens))
 
 
 def parse_tokens(text: str, *, source: str) -> TokenTable:
@@ -210,6 +218,7 @@ def parse_tokens(text: str, *, source: str) -> TokenTable:
             raise InvalidArgument(
                 f"{source}:{number}: expected '<worker|client|admin> <token>'", field=source
             )
+        check_bearer_token(token, source=f"{source}:{number}")
         entries.append((token.encode(), Role(role_name)))
     return TokenTable(tuple(entries))
 

@@ -12,8 +12,11 @@ import logging
 from dataclasses import dataclass
 
 from dagnats.core.settings import env_bool, env_int, env_seconds
+from dagnats.engine.model import RuleOptions
 
 log = logging.getLogger(__name__)
+
+DAY = 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +60,13 @@ class EngineConfig:
             and reads the runs bucket back from its newest writes until what
             is left was stored, by nats-server's clock, this much before the
             page's oldest run was created.
+        run_retention: how long an ended run is kept after its end: then
+            the engine purges it and everything of it (its journal, inputs,
+            history, checkpoints, idempotency key), by a durable timer set
+            when it ends. Nothing of a live run expires, however long it waits.
+        input_dedupe_window: how long a repeat of an input's request_id is
+            promised the original, and how long an input may wait queued: one
+            queued longer is never placed and ends ``expired``.
     """
 
     task_ack_wait: float = 30.0
@@ -71,6 +81,8 @@ class EngineConfig:
     kept_write_batch: int = 16
     kept_write_delay: float = 0.2
     clock_skew: float = 5.0
+    run_retention: float = 30 * DAY
+    input_dedupe_window: float = 7 * DAY
 
     @classmethod
     def from_env(cls, base: EngineConfig | None = None, **overrides: object) -> EngineConfig:
@@ -93,6 +105,12 @@ class EngineConfig:
         values.update(overrides)
         return dataclasses.replace(base, **values)  # type: ignore[arg-type]
 
+    def rule_options(self) -> RuleOptions:
+        """The settings the engine's rules depend on."""
+        return RuleOptions(
+            legacy_step_events=self.legacy_step_events, run_retention=self.run_retention
+        )
+
 
 # Each setting's variable, and how it is read: seconds (a positive number),
 # count (an integer >= 1) or flag.
@@ -109,4 +127,6 @@ ENV: dict[str, tuple[str, str]] = {
     "kept_write_batch": ("DAGNATS_KEPT_WRITE_BATCH", "count"),
     "kept_write_delay": ("DAGNATS_KEPT_WRITE_DELAY", "seconds"),
     "clock_skew": ("DAGNATS_CLOCK_SKEW", "seconds"),
+    "run_retention": ("DAGNATS_RUN_RETENTION", "seconds"),
+    "input_dedupe_window": ("DAGNATS_INPUT_DEDUPE_WINDOW", "seconds"),
 }

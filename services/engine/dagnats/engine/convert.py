@@ -10,6 +10,7 @@ from dagnats.core.subjects import (
     cancel_subject,
     history_subject,
     journal_subject,
+    purge_timer_subject,
     task_subject,
     timer_subject,
 )
@@ -314,6 +315,17 @@ def outbox_entry(effect: m.Effect, headers: dict[str, str], now: float) -> ipb.O
                 msg_id=msg_id,
                 headers=headers,
             )
+        case m.PurgeLater():
+            purge = ipb.Timer(
+                run_id=effect.run_id, kind=ipb.TIMER_KIND_PURGE, trace_context=headers
+            )
+            purge.due.CopyFrom(timestamp(effect.due))
+            return ipb.OutboxEntry(
+                subject=purge_timer_subject(effect.run_id),
+                data=purge.SerializeToString(),
+                msg_id=f"{effect.run_id}.purge",
+                headers=headers,
+            )
         case m.StartChildRun():
             event = ipb.HistoryEvent(
                 run_id=effect.child_run_id,
@@ -357,7 +369,11 @@ def outbox_entry(effect: m.Effect, headers: dict[str, str], now: float) -> ipb.O
                 step_id=effect.step_id,
                 iteration=effect.iteration,
                 trace_context=headers,
-                inputs=ipb.StepInputs(close=effect.close),
+                inputs=ipb.StepInputs(
+                    close=effect.close,
+                    status=step_status_to_proto(effect.status),
+                    iterations=effect.iterations,
+                ),
             )
             what = "close" if effect.close else "check"
             msg_id = f"{effect.run_id}.{effect.step_id}.inputs.{what}.{effect.iteration}"

@@ -14,6 +14,8 @@ from typing import Literal
 from dagnats.core.status import StepStatus as StepStatus
 from dagnats.engine.definition import WorkflowDef
 
+DEFAULT_RUN_RETENTION = 30 * 24 * 3600.0
+
 
 class RunStatus(enum.Enum):
     RUNNING = "running"
@@ -303,6 +305,20 @@ class StepInputs:
     step_id: str
     iteration: int
     close: bool
+    # With ``close``: how the step finished, and its accepted continues,
+    # which decide each input's end without a read of the run.
+    status: StepStatus = StepStatus.PENDING
+    iterations: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PurgeLater:
+    """Purge the run that just ended, and everything of it, at ``due``: its
+    retention after its end. A durable timer, so an engine restart in
+    between does not lose it."""
+
+    run_id: str
+    due: float
 
 
 Effect = (
@@ -314,6 +330,7 @@ Effect = (
     | AnnounceCancel
     | StoreCancel
     | StepInputs
+    | PurgeLater
 )
 
 
@@ -340,3 +357,5 @@ class RuleOptions:
     """Engine settings the rules depend on."""
 
     legacy_step_events: bool = False
+    # How long an ended run is kept after its end (``DAGNATS_RUN_RETENTION``).
+    run_retention: float = DEFAULT_RUN_RETENTION

@@ -85,18 +85,22 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
 from dagnats.core.seam import seam
+from dagnats.core.status import step_status_from_proto
 from dagnats.core.subjects import is_inbox, task_subject
 from dagnats.engine import convert, rules
 from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.convert_workflow import stored_workflow
 from dagnats.engine.heard import Mark, RunWrites
-from dagnats.engine.report import commit_event
+from dagnats.engine.purge import purge_run
+from dagnats.engine.runs import Runs
 from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
+from dagnats.inputs import convert as inputs_convert
+from dagnats.inputs.rules import StepProgress, step_progress
 from dagnats.inputs.store import InputStore, close_step_inputs
-from dagnats.journal.store import JournalStore, Written
+from dagnats.journal.store import JournalStore
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +109,6 @@ TIMER_CONSUMER = "engine-timers"
 MAX_CAS_RETRIES = 100
 WRITTEN_RUNS = 4096  # runs whose last write the engine keeps, to decide on without a read
 WRITTEN_BYTES = 16 * 1024  # a larger run is read again instead
-CATCH_UP_MAX = 1024  # kept iterations a reader applies from the journal at most
 
 Decide = Callable[[m.Run, float], m.Decision]
 # The events that report a step's outcome.
@@ -123,14 +126,18 @@ class Engine:
         inputs: InputStore | None = None,
         journal: JournalStore | None = None,
         clock: Callable[[], float] = time.time,
+        runs: Runs | None = None,
     ) -> None:
         self.store = store
         self.inputs = inputs
         self.journal = journal
         self.config = config
         self.clock = clock
-        self.options = m.RuleOptions(legacy_step_events=config.legacy_step_events)
-        self.counters: Counter[str] = Counter()
+        self.options = config.rule_options()
+        # Every read of the run now, caught up with the journal (``runs``: the
+        # one the process's other services read too); its counters are ours.
+        self.runs = runs or Runs(store, journal, options=self.options, clock=clock)
+        self.counters: Counter[str] = self.runs.counters
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._suspects: set[tuple[str, str, int, int]] = set()
@@ -367,77 +374,12 @@ class Engine:
         self, run: m.Run, record: ipb.RunRecord, *, through_last: bool = False
     ) -> m.Run:
         """``run``, as read, with the kept iterations its journal holds past
-        it applied: those an engine decided without writing the run yet (ADR
-        37). Only a step running on a held message can be behind, and only
-        while the run has no outbox.
-
-        ``through_last``: the last commit too, which has no record after it
-        to show that it was decided. A decision about the step's task, that
-        it vanished, needs it: the commit's event may have been decided,
-        unwritten, by an engine whose holder then lost the message before it
-        wrote the next iteration's first record (ADR 51)."""
-        if self.journal is None or record.outbox or run.status is not m.RunStatus.RUNNING:
-            return run
-        for step in run.steps:
-            if step.status is m.StepStatus.RUNNING and step.held_seq:
-                run = await self._catch_up(run, step, through_last=through_last)
-        return run
+        it applied (:meth:`dagnats.engine.runs.Runs.caught_up`)."""
+        return await self.runs.caught_up(run, record, through_last=through_last)
 
     async def read_run(self, run_id: str) -> StoredRun | None:
-        """The run as stored, caught up with its journal (:meth:`caught_up`)."""
-        stored = await self.store.load_run(run_id)
-        if stored is None:
-            return None
-        run = convert.record_from_proto(stored.record)
-        caught = await self.caught_up(run, stored.record)
-        if caught is run:
-            return stored
-        record = convert.record_to_proto(caught, [], None, dict(stored.record.trace_context))
-        record.unindexed = stored.record.unindexed
-        record.parked_entry = stored.record.parked_entry
-        return StoredRun(record, stored.revision)
-
-    async def _catch_up(self, run: m.Run, step: m.Step, *, through_last: bool) -> m.Run:
-        """Apply the continue commits of ``step`` that the journal holds past
-        the run's iteration and that an engine decided: each is followed by a
-        record of the iteration after it. The last commit, with nothing after
-        it, is left to its own event (on its way, or sent again by a claim),
-        unless ``through_last``. The walk back goes from commit to commit
-        (``base_seq``)."""
-        assert self.journal is not None
-        tail = await self.journal.last_written(run.run_id, step.step_id)
-        if tail is None:
-            return run
-        last = tail.record
-        if through_last and last.HasField("commit"):
-            seq, want = last.seq, last.iteration
-        else:
-            seq, want = last.base_seq, last.iteration - 1
-        if want < step.iteration:
-            return run
-        now = self.clock()
-        reports: list[m.StepReport] = []
-        while want >= step.iteration:
-            if len(reports) >= CATCH_UP_MAX:
-                log.warning("run %s step %s: too far behind its journal", run.run_id, step.step_id)
-                return run
-            if seq == last.seq:
-                written: Written | None = tail
-            else:
-                written = await self.journal.written_at(run.run_id, step.step_id, seq)
-            commit = written.record if written is not None else None
-            if commit is None or commit.iteration != want or not commit.HasField("commit"):
-                return run  # not a chain of kept iterations: left to the events
-            event = commit_event(commit, now)
-            event.held_seq = step.held_seq
-            report = convert.event_to_input(event)
-            assert isinstance(report, m.StepReport)
-            reports.append(report)
-            seq, want = commit.base_seq, want - 1
-        reports.reverse()
-        caught = rules.catch_up(run, reports, now, self.options)
-        self.counters["kept_caught_up"] += caught.step(step.step_id).iterations - step.iterations
-        return caught
+        """The run now: as stored, caught up with its journal (:class:`Runs`)."""
+        return await self.runs.read(run_id)
 
     async def _publish_written(
         self, written: StoredRun, mark: Mark | None = None, *, published: bool = False
@@ -798,10 +740,25 @@ class Engine:
         if self.inputs is None:
             return
         if event.inputs.close:
-            await close_step_inputs(self.inputs, event.run_id, event.step_id, self.clock())
+            step = await self._ended_step(event)
+            if step is not None:
+                now = self.clock()
+                await close_step_inputs(self.inputs, event.run_id, event.step_id, step, now)
             return
-        if await self.inputs.queued(event.run_id, event.step_id):
+        if await self.inputs.queued(event.run_id, event.step_id, self.clock()):
             await self.apply(event.run_id, m.InputArrived(step_id=event.step_id))
+
+    async def _ended_step(self, event: ipb.HistoryEvent) -> StepProgress | None:
+        """What the close of a finished step's inputs needs of the step: how
+        it finished and which iterations committed (``at_step_end``). The
+        event says so; one of an earlier release does not, and the run, which
+        stores the step's end, is read instead (None: it was purged)."""
+        closed = event.inputs
+        if closed.status:
+            status = step_status_from_proto(closed.status)
+            return step_progress(status, event.iteration, closed.iterations)
+        stored = await self.store.load_run(event.run_id)
+        return inputs_convert.progress(stored.record.run if stored else None, event.step_id)
 
     async def _start_child(self, event: ipb.HistoryEvent) -> None:
         start = event.start
@@ -842,9 +799,21 @@ class Engine:
             await msg.nak(delay=remaining)
             return
         parent = tracing.extract(dict(timer.trace_context))
-        with tracing.span("engine timer", parent):
-            await self.apply(timer.run_id, convert.timer_to_input(timer))
+        if timer.kind == ipb.TIMER_KIND_PURGE:
+            with tracing.span("engine purge", parent):
+                await self.purge(timer.run_id)
+        else:
+            with tracing.span("engine timer", parent):
+                await self.apply(timer.run_id, convert.timer_to_input(timer))
         await msg.ack()
+
+    async def purge(self, run_id: str) -> None:
+        """Purge an ended run whose retention is over (its purge timer fired);
+        a run still running, or gone, is left as it is (``purge_run``)."""
+        self._forget(run_id)
+        if await purge_run(self.store, self.journal, self.inputs, run_id, asked=False):
+            self.counters["runs_purged"] += 1
+            log.info("run %s: purged, its retention after its end is over", run_id)
 
     # ---- reconciler -----------------------------------------------------------------
 
@@ -964,7 +933,7 @@ class Engine:
                 kind = event.WhichOneof("kind")
                 if kind == "input":
                     if self.inputs is None or not await self.inputs.queued(
-                        event.run_id, event.step_id
+                        event.run_id, event.step_id, self.clock()
                     ):
                         continue
                 elif kind in _REPORTS and event.attempt <= 0:

@@ -33,8 +33,11 @@ Invariants:
   engine to check for inputs that arrived during the turn.
 * A step's timeout and a loop's ``max_duration`` keep counting while the step
   waits: the timeout of the next dispatch is armed when the wait begins.
-* When a step finishes, its queued inputs are closed (they end unanswered).
-* A terminal run never changes again.
+* When a step finishes, or its run ends before it started, its inputs end
+  (``StepInputs`` with ``close``, carrying how the step finished): queued
+  ones unanswered, ones placed into an iteration that never committed dropped.
+* A terminal run never changes again. The decision that ends a run sets its
+  purge, ``run_retention`` after its end; nothing sets one earlier.
 * A task message is leased only for its step's current dispatch
   (``carried_dispatch``); any other is settled at once, but for one whose run
   is not stored yet, which waits for it (``awaits_its_run``). A running step whose
@@ -71,6 +74,7 @@ from dagnats.engine.model import (
     JournalMark,
     NotifyParent,
     Paused,
+    PurgeLater,
     Refused,
     RuleOptions,
     Run,
@@ -124,6 +128,10 @@ def apply(
     """Apply one input to a run."""
     if run.status.terminal:
         return Dropped(reason=f"run is {run.status.value}")
+    return _purged_after_end(_apply(run, event, now, options), now, options)
+
+
+def _apply(run: Run, event: RunInput, now: float, options: RuleOptions) -> Decision:
     match event:
         case CancelRequested(reason=reason):
             return _cancel(run, reason or "cancelled", now)
@@ -137,6 +145,17 @@ def apply(
             return _on_input(run, event, now)
         case TaskVanished():
             return _on_vanished(run, event, now)
+
+
+def _purged_after_end(decision: Decision, now: float, options: RuleOptions) -> Decision:
+    """A decision that ends the run also sets its purge, the retention after
+    its end (``PurgeLater``); the write that ends the run carries it in its
+    outbox. Nothing of a running run is ever purged: no purge is set before
+    the run ends, and a purge finds the run ended (see the engine's purge)."""
+    if not isinstance(decision, Accepted) or not decision.run.status.terminal:
+        return decision
+    purge = PurgeLater(run_id=decision.run.run_id, due=now + options.run_retention)
+    return replace(decision, effects=(*decision.effects, purge))
 
 
 def child_run_id(run_id: str, step_id: str, iteration: int, attempt: int) -> str:
@@ -582,7 +601,12 @@ def _on_input(run: Run, arrived: InputArrived, now: float) -> Decision:
 
 def _inputs(run: Run, step: Step, *, close: bool) -> StepInputs:
     return StepInputs(
-        run_id=run.run_id, step_id=step.step_id, iteration=step.iteration, close=close
+        run_id=run.run_id,
+        step_id=step.step_id,
+        iteration=step.iteration,
+        close=close,
+        status=step.status,
+        iterations=step.iterations,
     )
 
 
@@ -802,8 +826,9 @@ def _finish(
                     reason=error,
                 )
             )
-        if step.status is not StepStatus.PENDING:
-            extra.append(_inputs(run, step, close=True))
+        # A pending step takes inputs too: they end with it.
+        closed = _inputs(run, step, close=True)
+        extra.append(replace(closed, status=StepStatus.CANCELLED))
         steps.append(
             replace(
                 step,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from dagnats.core import errors
+from dagnats.core.credentials import bearer_token
 from dagnats.core.grpcutil import abort_with
 from dagnats.engine.access import (
     HEALTH_PREFIX,
@@ -109,7 +110,8 @@ class ServerSecurity:
         """
         tokens = TokenTable()
         for role, var in _ROLE_TOKEN_VARS.items():
-            tokens = tokens.merged(tokens_of(role, os.environ.get(var, "").split(",")))
+            values = os.environ.get(var, "").split(",")
+            tokens = tokens.merged(tokens_of(role, values, source=var))
         roles = os.environ.get("DAGNATS_GRPC_CERT_ROLES", "")
         security = cls(
             tls_cert=_path("DAGNATS_GRPC_TLS_CERT"),
@@ -352,12 +354,12 @@ def _wrap(behaviour: Any, check: Check) -> Any:
 
 
 def _bearer(metadata: Any) -> str | None:
+    """The call's bearer token exactly as sent; ``""`` for a credential that
+    is not a valid one (another scheme, a control character anywhere, a value
+    that is not UTF-8); None without an ``authorization`` entry."""
     for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str):
-            scheme, _, token = value.partition(" ")
-            if scheme.lower() == "bearer":
-                return token.strip()
-            return ""  # another scheme: a credential, and not a valid one
+        if key == "authorization":
+            return bearer_token(value) if isinstance(value, str) else ""
     return None
 
 

@@ -37,6 +37,7 @@ from nats.aio.subscription import Subscription
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
+from dagnats.core.credentials import keep_credentials_out_of_logs
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.natsauth import NatsSettings
 from dagnats.core.natsserver import check_sync_always
@@ -47,6 +48,7 @@ from dagnats.engine.config import EngineConfig
 from dagnats.engine.processor import Engine
 from dagnats.engine.report import TaskSettler
 from dagnats.engine.run_feed import RunFeed
+from dagnats.engine.runs import Runs
 from dagnats.engine.security import ServerSecurity
 from dagnats.engine.service import EngineServicer
 from dagnats.engine.store import EngineStore
@@ -259,6 +261,7 @@ async def start_services(
             f"services must be some of {', '.join(SERVICES)}; got {sorted(services)}",
             field="services",
         )
+    keep_credentials_out_of_logs()
     security = security or ServerSecurity()
     security.check()
     _refuse_open(host, security)
@@ -280,12 +283,14 @@ async def start_services(
     interceptors = tracing.server_interceptors() + ([guard] if guard is not None else [])
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     engine_store = await EngineStore.open(nc)  # runs, history, tasks: every service reads them
-    input_store = await InputStore.open(nc, engine_store)
     journal_store = JournalStore(nc)
+    # The run now, caught up with the journal: what every service reads of a run.
+    runs = Runs(engine_store, journal_store, options=config.rule_options())
+    input_store = await InputStore.open(nc, runs, dedupe_window=config.input_dedupe_window)
     engine: Engine | None = None
     clock: Callable[[], float] = time.time
     if "engine" in served:
-        engine = Engine(engine_store, config, inputs=input_store, journal=journal_store)
+        engine = Engine(engine_store, config, inputs=input_store, journal=journal_store, runs=runs)
         await engine.start()
         clock = engine.clock
     journal: JournalServicer | None = None
@@ -293,9 +298,7 @@ async def start_services(
         # The clock stamps the events of the commits it settles: the engine's when both run.
         # Its commits' events go to this process's engine, when it serves one (ADR 36).
         tasks = TaskSettler(engine_store, clock, local=engine)
-        journal = JournalServicer(
-            journal_store, engine_store, input_store, tasks=tasks, clock=clock
-        )
+        journal = JournalServicer(journal_store, runs, input_store, tasks=tasks, clock=clock)
         journal_grpc.add_JournalServiceServicer_to_server(journal, server)
     subscriptions: list[Subscription] = []
     if "inputs" in served:

@@ -14,18 +14,14 @@ from dagnats.core.claims import lease_claim
 from dagnats.core.grpcutil import Context, abort_with, as_domain_error, domain_errors
 from dagnats.core.ids import check_lease, check_run_id, check_token, check_worker_id, new_run_id
 from dagnats.core.payload import check_json
-from dagnats.core.status import FINAL_RUN_STATUSES, step_status_from_proto
-from dagnats.core.subjects import (
-    history_subject,
-    run_tasks,
-    run_timers,
-)
+from dagnats.core.status import step_status_from_proto
 from dagnats.core.timestamps import duration
 from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
 from dagnats.engine.cancels import CancelWatch
 from dagnats.engine.convert_workflow import stored_workflow, workflow_from_proto, workflow_to_proto
 from dagnats.engine.processor import Engine
+from dagnats.engine.purge import purge_run
 from dagnats.engine.report import lease_position, outcome_event, publish_outcome
 from dagnats.engine.run_feed import RunFeed, listed
 from dagnats.engine.run_list import DEFAULT_LIMIT, MAX_LIMIT, Filter, newest, page_is_whole
@@ -96,7 +92,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # poll's answer to workers on this host (ADR 46).
         self.journal_socket: pb.JournalSocket | None = None
         self._consumers: set[str] = set()
-        self.watches = RunWatches(engine.store, wrote_last=engine.wrote_last)
+        self.watches = RunWatches(engine.runs, wrote_last=engine.wrote_last)
         engine.on_stored = self.watches.written
         if engine.heard is not None:
             engine.heard.on_other_write = self.watches.heard
@@ -156,7 +152,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         workflow = stored_workflow(await self.store.get_workflow(name))
         if key:
             run_id = await self.store.claim_run_key(name, key, run_id)
-            existing = await self.store.load_run(run_id)
+            existing = await self.engine.read_run(run_id)  # the run now
             if existing is not None:
                 if existing.record.outbox:
                     existing = await self.engine.flush(existing)
@@ -267,27 +263,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     @domain_errors
     async def PurgeRun(self, request: pb.PurgeRunRequest, context: Context) -> pb.PurgeRunResponse:
-        await self._purge(check_run_id(request.run_id), top=True)
+        run_id = check_run_id(request.run_id)
+        await purge_run(self.store, self.journal, self.engine.inputs, run_id, asked=True)
         return pb.PurgeRunResponse()
-
-    async def _purge(self, run_id: str, *, top: bool) -> None:
-        stored = await self.store.load_run(run_id)
-        if stored is None:
-            if top:
-                raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
-            return
-        run = stored.record.run
-        if run.status not in FINAL_RUN_STATUSES:
-            raise errors.Conflict(f"run {run_id} is still running; cancel it before purging")
-        for step in run.steps:
-            if step.child_run_id:
-                await self._purge(step.child_run_id, top=False)
-            await self.store.delete_checkpoint(run_id, step.step_id)
-        await self.store.purge_subject(jsx.HISTORY, history_subject(run_id))
-        await self.store.purge_subject(jsx.TIMERS, run_timers(run_id))
-        await self.store.purge_subject(jsx.TASKS, run_tasks(run_id))
-        await self.journal.purge(run_id)
-        await self.store.delete_run(run_id)
 
     # ---- tasks --------------------------------------------------------------------
 

@@ -161,6 +161,11 @@ def _stored(msg: Msg) -> StoredRun | None:
     return StoredRun(ipb.RunRecord.FromString(msg.data), int(msg.metadata.sequence.stream))
 
 
+def _run_key(workflow: str, key: str) -> str:
+    """The key an idempotency key of a workflow is bound under."""
+    return hashlib.sha256(f"{workflow}\0{key}".encode()).hexdigest()[:40]
+
+
 class EngineStore:
     def __init__(
         self,
@@ -231,18 +236,15 @@ class EngineStore:
             return None
         return StoredRun(ipb.RunRecord.FromString(entry.value or b""), int(entry.revision or 0))
 
-    async def get_run(self, run_id: str) -> pb.Run | None:
-        """The run as stored, for the other services (``dagnats.journal.peers``,
-        ``dagnats.inputs.store``); None when there is none."""
-        stored = await self.load_run(run_id)
-        return stored.record.run if stored is not None else None
-
-    async def follow_run(self, run_id: str) -> AsyncGenerator[pb.Run | None, None]:
+    async def follow_run(self, run_id: str) -> AsyncGenerator[StoredRun | None, None]:
         """The run as stored now (None when there is none), then after every
-        change (None once purged), for the inputs service's waits
-        (``jsx.follow_key``)."""
+        change (None once purged), as :class:`dagnats.engine.runs.Runs`
+        follows it for the inputs service's waits (``jsx.follow_key``)."""
         async for entry in jsx.follow_key(self._runs, run_id):
-            yield ipb.RunRecord.FromString(entry.value).run if entry and entry.value else None
+            if entry and entry.value:
+                yield StoredRun(ipb.RunRecord.FromString(entry.value), int(entry.revision or 0))
+            else:
+                yield None
 
     async def require_run(self, run_id: str) -> StoredRun:
         stored = await self.load_run(run_id)
@@ -628,13 +630,24 @@ class EngineStore:
         The value holds the run id, so a retried create whose ack was lost
         reads back our own id and is recognised as ours.
         """
-        name = hashlib.sha256(f"{workflow}\0{key}".encode()).hexdigest()[:40]
+        name = _run_key(workflow, key)
         try:
             await _retry(lambda: self._run_keys.create(name, run_id.encode()), "bind the key")
             return run_id
         except nats.js.errors.KeyWrongLastSequenceError:
             entry = await self._get(jsx.KV_RUN_KEYS, name, "read the key")
             return (entry.value or b"").decode()
+
+    async def release_run_key(self, workflow: str, key: str, run_id: str) -> None:
+        """Unbind an idempotency key from ``run_id``, which is being purged; a
+        key bound to another run, or to none, is left as it is."""
+        name = _run_key(workflow, key)
+        try:
+            entry = await self._get(jsx.KV_RUN_KEYS, name, "read the key")
+        except nats.js.errors.KeyNotFoundError:
+            return
+        if (entry.value or b"").decode() == run_id:
+            await _retry(lambda: self._run_keys.purge(name), "release the key")
 
     # ---- checkpoints --------------------------------------------------------------
 

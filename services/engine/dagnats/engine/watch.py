@@ -2,7 +2,8 @@
 however many clients watch it.
 
 A :class:`RunHub` holds one ``EngineStore.watch_run`` (one ordered consumer
-on the run's key) and hands every stored state of the run to each of its
+on the run's key) and hands every stored state of the run, caught up with
+its journal (the run now, ``dagnats.engine.runs``), to each of its
 :class:`Watcher`\\ s. The hub stops its watch when its last watcher leaves.
 
 The engine of this process also hands the hub each state of the run it
@@ -38,7 +39,8 @@ from collections.abc import AsyncIterator, Callable
 from dagnats.core.errors import DagnatsError, NotFound, Unavailable
 from dagnats.core.grpcutil import as_domain_error
 from dagnats.core.status import FINAL_RUN_STATUSES
-from dagnats.engine.store import EngineStore, StoredRun
+from dagnats.engine.runs import Runs
+from dagnats.engine.store import StoredRun
 
 BUFFER = 256
 # Seconds a hub whose run this engine wrote last waits before it watches.
@@ -102,13 +104,13 @@ class RunHub:
     """One run's watch and the watchers that share it. ``wait``: seconds
     before the watch starts, unless :meth:`wake` comes first."""
 
-    def __init__(self, hubs: RunWatches, store: EngineStore, run_id: str, wait: float) -> None:
+    def __init__(self, hubs: RunWatches, runs: Runs, run_id: str, wait: float) -> None:
         self._hubs = hubs
         self.run_id = run_id
         self.watchers: set[Watcher] = set()
         self.latest: StoredRun | None = None  # the newest state the hub was given
         self._woken = asyncio.Event()
-        self._task = asyncio.create_task(self._pump(store, wait), name=f"watch-run-{run_id}")
+        self._task = asyncio.create_task(self._pump(runs, wait), name=f"watch-run-{run_id}")
 
     def offer(self, stored: StoredRun) -> None:
         """A stored state of the run, from the watch or from the engine that
@@ -123,14 +125,14 @@ class RunHub:
         """Start the watch now: another writer wrote the run."""
         self._woken.set()
 
-    async def _pump(self, store: EngineStore, wait: float) -> None:
+    async def _pump(self, runs: Runs, wait: float) -> None:
         try:
             if wait > 0:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._woken.wait(), wait)
-            async for stored in store.watch_run(self.run_id):
+            async for stored in runs.store.watch_run(self.run_id):
                 if stored is not None:
-                    self.offer(stored)
+                    self.offer(await runs.caught_up_stored(stored))  # the run now
                     continue
                 for watcher in list(self.watchers):
                     watcher.offer(None)  # purged
@@ -161,9 +163,9 @@ class RunWatches:
     last of its run (its watch may then wait)."""
 
     def __init__(
-        self, store: EngineStore, *, wrote_last: Callable[[StoredRun], bool] | None = None
+        self, runs: Runs, *, wrote_last: Callable[[StoredRun], bool] | None = None
     ) -> None:
-        self._store = store
+        self._runs = runs
         self._wrote_last = wrote_last or (lambda _: False)
         self._hubs: dict[str, RunHub] = {}
 
@@ -179,7 +181,7 @@ class RunWatches:
         hub = self._hubs.get(run_id)
         if hub is None:
             wait = WATCH_AFTER if self._wrote_last(first) else 0.0
-            hub = self._hubs[run_id] = RunHub(self, self._store, run_id, wait)
+            hub = self._hubs[run_id] = RunHub(self, self._runs, run_id, wait)
         watcher = Watcher(first, ended_only=ended_only)
         if hub.latest is not None:
             # What the hub saw while ``first`` was read (the older is skipped).

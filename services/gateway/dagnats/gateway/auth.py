@@ -18,6 +18,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from dagnats.core.credentials import bearer_token
 from dagnats.gateway.errors import ApiError
 
 _API = HTTPBearer(
@@ -32,28 +33,32 @@ _BRIDGE = HTTPBearer(
 )
 
 
-def check_bearer(given: HTTPAuthorizationCredentials | None, token: str | None) -> None:
-    """Pass when ``token`` is None or ``given`` is it.
+def check_bearer(request: Request, token: str | None) -> None:
+    """Pass when ``token`` is None or the request's bearer token is exactly it.
+
+    The token is read from the ``authorization`` header itself, as sent:
+    the security scheme's parsing takes whitespace off it.
 
     Raises:
         ApiError: 401 ``unauthenticated`` for a missing or wrong token.
     """
     if token is None:
         return
-    presented = given.credentials.strip() if given is not None else ""
+    presented = bearer_token(request.headers.get("authorization", ""))
     if not hmac.compare_digest(presented.encode(), token.encode()):
         raise ApiError(401, "unauthenticated", "a valid bearer token is required")
 
 
+# The schemes are dependencies so that the OpenAPI document declares them.
 def api_auth(
-    request: Request, given: Annotated[HTTPAuthorizationCredentials | None, Depends(_API)]
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_API)]
 ) -> None:
     """FastAPI dependency of every API route."""
-    check_bearer(given, request.app.state.config.api_token)
+    check_bearer(request, request.app.state.config.api_token)
 
 
 def bridge_auth(
-    request: Request, given: Annotated[HTTPAuthorizationCredentials | None, Depends(_BRIDGE)]
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_BRIDGE)]
 ) -> None:
     """FastAPI dependency of every bridge route."""
-    check_bearer(given, request.app.state.config.bridge_token)
+    check_bearer(request, request.app.state.config.bridge_token)

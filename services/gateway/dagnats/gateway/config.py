@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dagnats.core.credentials import check_bearer_token
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.settings import env_file, env_seconds
 from dagnats.sdk import Credentials
@@ -20,6 +22,12 @@ DEFAULT_MAX_BODY = 1 << 20
 # election) before it answers 503: shorter than an HTTP client's patience,
 # longer than a restart.
 DEFAULT_RETRY_FOR = 10.0
+# How long an idle kept-alive connection stays open. Longer than the time
+# clients keep an idle connection for reuse (httpx 5 s, Node's fetch 4 s,
+# aiohttp 15 s, Go 90 s, curl 118 s), so the client gives a connection up
+# before the gateway closes it: a request sent as the gateway closes would be
+# lost.
+DEFAULT_KEEP_ALIVE = 120.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +50,8 @@ class GatewayConfig:
         rpc_timeout: Deadline of one backend call, in seconds.
         retry_for: Seconds a request keeps retrying a backend it cannot reach
             before it answers 503 (``DAGNATS_GATEWAY_RETRY_FOR``).
+        keep_alive: Seconds an idle kept-alive connection stays open
+            (``DAGNATS_GATEWAY_KEEP_ALIVE``): longer than clients keep one.
         client_credentials: How the REST API reaches the engine: a token with
             the client role (admin, to register workflows and purge runs
             through it) and TLS files. The worker bridge reads journals with
@@ -63,6 +73,7 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY
     rpc_timeout: float = 10.0
     retry_for: float = DEFAULT_RETRY_FOR
+    keep_alive: float = DEFAULT_KEEP_ALIVE
     client_credentials: Credentials = field(default_factory=Credentials)
     worker_credentials: Credentials = field(default_factory=Credentials)
     tls_cert: Path | None = None
@@ -77,6 +88,11 @@ class GatewayConfig:
                 "DAGNATS_GATEWAY_TLS_CERT and DAGNATS_GATEWAY_TLS_KEY go together: set both",
                 field=missing,
             )
+        if not (math.isfinite(self.keep_alive) and self.keep_alive > 0):
+            raise InvalidArgument(
+                f"keep_alive must be a positive number of seconds, got {self.keep_alive}",
+                field="keep_alive",
+            )
 
     @classmethod
     def from_env(
@@ -89,7 +105,8 @@ class GatewayConfig:
         inputs_target: str | None = None,
     ) -> GatewayConfig:
         """Tokens from ``DAGNATS_API_TOKEN`` and ``DAGNATS_BRIDGE_TOKEN`` (empty is
-        unset), the retry budget from ``DAGNATS_GATEWAY_RETRY_FOR``; towards the
+        unset), the retry budget from ``DAGNATS_GATEWAY_RETRY_FOR``, the idle
+        connections' life from ``DAGNATS_GATEWAY_KEEP_ALIVE``; towards the
         engine, TLS from ``DAGNATS_TLS_*`` and the tokens
         ``DAGNATS_GATEWAY_CLIENT_TOKEN`` (REST API) and
         ``DAGNATS_GATEWAY_WORKER_TOKEN`` (worker bridge); HTTPS from
@@ -97,7 +114,7 @@ class GatewayConfig:
         tls = Credentials.from_env()
 
         def with_token(var: str) -> Credentials:
-            token = os.environ.get(var) or None
+            token = _token(var)
             return Credentials(token=token, ca=tls.ca, cert=tls.cert, key=tls.key, tls=tls.tls)
 
         return cls(
@@ -106,9 +123,10 @@ class GatewayConfig:
             inputs_target=inputs_target,
             host=host,
             port=port,
-            api_token=os.environ.get("DAGNATS_API_TOKEN") or None,
-            bridge_token=os.environ.get("DAGNATS_BRIDGE_TOKEN") or None,
+            api_token=_token("DAGNATS_API_TOKEN"),
+            bridge_token=_token("DAGNATS_BRIDGE_TOKEN"),
             retry_for=env_seconds("DAGNATS_GATEWAY_RETRY_FOR", DEFAULT_RETRY_FOR),
+            keep_alive=env_seconds("DAGNATS_GATEWAY_KEEP_ALIVE", DEFAULT_KEEP_ALIVE),
             client_credentials=with_token("DAGNATS_GATEWAY_CLIENT_TOKEN"),
             worker_credentials=with_token("DAGNATS_GATEWAY_WORKER_TOKEN"),
             tls_cert=env_file("DAGNATS_GATEWAY_TLS_CERT"),
@@ -124,3 +142,13 @@ class GatewayConfig:
         if self.bridge_token is None:
             parts.append("the worker bridge")
         return parts
+
+
+def _token(var: str) -> str | None:
+    """A bearer token from ``var``; None when unset or empty.
+
+    Raises:
+        InvalidArgument: it is not a token (a newline left in it), naming ``var``.
+    """
+    token = os.environ.get(var) or None
+    return None if token is None else check_bearer_token(token, source=var)

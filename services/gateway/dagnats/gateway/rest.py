@@ -106,7 +106,7 @@ ValidStep = Annotated[str, Depends(_step_id)]
 ValidRequest = Annotated[str, Depends(_request_id)]
 
 RunStatusName = Literal["running", "completed", "failed", "cancelled"]
-InputStatus = Literal["queued", "placed", "done", "unanswered", "withdrawn"]
+InputStatus = Literal["queued", "placed", "done", "unanswered", "withdrawn", "dropped", "expired"]
 
 
 # ---- workflows --------------------------------------------------------------------

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import select
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from dagnats.core.credentials import keep_credentials_out_of_logs
 from dagnats.core.errors import InvalidArgument, Unavailable
 from dagnats.core.settings import host_port, is_loopback
 from dagnats.gateway.app import create_app
@@ -22,6 +26,37 @@ log = logging.getLogger("dagnats.gateway")
 # cancelling them.
 GRACE_SECONDS = 1
 STARTUP_SECONDS = 10.0
+
+
+class _Http11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, whose keep-alive timer does not close a
+    connection that a request has reached.
+
+    The timer runs after the poll of its loop iteration; on a loop busy with
+    many requests a request can arrive between that poll and the timer.
+    Closing a socket with unread bytes resets the connection: the client loses
+    its request with no answer (``httpx.ReadError``) and nothing is logged.
+    With bytes waiting the connection stays, its request is read in the next
+    iteration, and the timer is armed again in case they were only the
+    client's end of the connection.
+    """
+
+    def timeout_keep_alive_handler(self) -> None:
+        if _bytes_waiting(self.transport):
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            return
+        super().timeout_keep_alive_handler()
+
+
+def _bytes_waiting(transport: asyncio.Transport) -> bool:
+    sock = transport.get_extra_info("socket")
+    if sock is None or transport.is_closing():
+        return False
+    poll = select.poll()  # not select(): descriptors above 1023 are common here
+    poll.register(sock.fileno(), select.POLLIN)
+    return bool(poll.poll(0))
 
 
 class _Server(uvicorn.Server):
@@ -53,6 +88,7 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
         InvalidArgument: a non-loopback address without both tokens.
         Unavailable: the gateway did not start.
     """
+    keep_credentials_out_of_logs()
     open_parts = config.open_endpoints
     if open_parts and not is_loopback(config.host):
         raise InvalidArgument(
@@ -73,11 +109,16 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
         )
     sock = _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
+    keep_alive = math.ceil(config.keep_alive)
     uv_config = uvicorn.Config(
         create_app(config),
         log_level="warning",
         lifespan="on",
         timeout_graceful_shutdown=GRACE_SECONDS,
+        http=_Http11,
+        timeout_keep_alive=keep_alive,
+        # Clients that read it (Node's fetch) give a connection up before then.
+        headers=[("keep-alive", f"timeout={keep_alive}")],
         ssl_certfile=config.tls_cert,
         ssl_keyfile=config.tls_key,
     )

@@ -17,6 +17,8 @@ _STATUS = {
     pb.STATUS_DONE: Status.DONE,
     pb.STATUS_UNANSWERED: Status.UNANSWERED,
     pb.STATUS_WITHDRAWN: Status.WITHDRAWN,
+    pb.STATUS_DROPPED: Status.DROPPED,
+    pb.STATUS_EXPIRED: Status.EXPIRED,
 }
 STATUS_TO_PROTO = {v: k for k, v in _STATUS.items()}
 
@@ -35,21 +37,22 @@ def find_step(run: epb.Run, step_id: str) -> epb.StepState | None:
     return next((s for s in run.steps if s.step_id == step_id), None)
 
 
-def to_proto(state: InputState, status: Status | None = None) -> pb.Input:
-    """The wire form of ``state``; ``status`` overrides the stored one (the visible status)."""
+def to_proto(state: InputState) -> pb.Input:
+    """The wire form of ``state`` (as stored, or as seen: :func:`visible`)."""
     return pb.Input(
         run_id=state.run_id,
         step_id=state.step_id,
         request_id=state.request_id,
         mode=MODE_TO_PROTO[state.mode],
         content=state.content,
-        status=STATUS_TO_PROTO[status or state.status],
+        status=STATUS_TO_PROTO[state.status],
         created_at=timestamp(state.created_at),
         updated_at=timestamp(state.updated_at),
         placed_iteration=state.placed_iteration,
         placed_attempt=state.placed_attempt,
         placed_by=state.placed_by,
         created_by=state.created_by,
+        reason=state.reason,
     )
 
 
@@ -68,12 +71,20 @@ def from_proto(message: pb.Input) -> InputState:
         placed_attempt=message.placed_attempt,
         placed_by=message.placed_by,
         created_by=message.created_by,
+        reason=message.reason,
     )
 
 
-def visible(state: InputState, run: epb.Run | None) -> Status:
-    """What a client sees of ``state`` given its run (None when the run is gone)."""
-    step = find_step(run, state.step_id) if run is not None else None
+def progress(run: epb.Run | None, step_id: str) -> rules.StepProgress | None:
+    """What the inputs of ``step_id`` depend on of it (None when the run or
+    the step is gone)."""
+    step = find_step(run, step_id) if run is not None else None
     if step is None:
-        return rules.visible_status(state, None, 0)
-    return rules.visible_status(state, step_status_from_proto(step.status), step.iteration)
+        return None
+    status = step_status_from_proto(step.status)
+    return rules.step_progress(status, step.iteration, step.iterations)
+
+
+def visible(state: InputState, run: epb.Run | None, *, now: float, window: float) -> InputState:
+    """What a client sees of ``state`` given its run (None when the run is gone)."""
+    return rules.visible(state, progress(run, state.step_id), now=now, window=window)

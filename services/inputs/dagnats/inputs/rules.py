@@ -1,27 +1,40 @@
 """Every rule of the inputs state machine, in one place.
 
 Pure functions over :class:`InputState` values: no I/O, no ``async``, no
-``nats``, no ``grpc``. The clock is passed in (``now``). The service reads a
-record, asks these functions what it becomes, and writes the answer with a
-compare-and-swap on the record's revision, so two writers never both win.
+``nats``, no ``grpc``. The clock is passed in (``now``), and so is the dedupe
+window (``window``). The service reads a record, asks these functions what it
+becomes, and writes the answer with a compare-and-swap on the record's
+revision, so two writers never both win.
 
 Stored states and the only transitions between them::
 
     queued ──withdraw──> withdrawn      (withdraw again: unchanged)
     queued ──place─────> placed         (by one dispatch: iteration, attempt, writer)
     queued ──close─────> unanswered     (the step finished first)
+    queued ──expire────> expired        (queued longer than the dedupe window)
     placed ──reclaim───> placed         (same iteration, another writer)
+    placed ──release───> queued         (a fenced writer's claim never recorded)
+    placed ──drop──────> dropped        (the step ended; the placing iteration
+                                         never committed)
 
 Invariants:
 
-* A record is created ``queued`` and never goes back to ``queued``.
-* ``withdrawn`` and ``unanswered`` are final; ``placed`` changes only by a
-  reclaim within the iteration that placed it. So a withdrawal that won is
-  never followed by a placement, and a placed input is never withdrawn.
-* ``done`` is never stored. A client sees ``done`` once the placing iteration
-  committed: the step moved to a later iteration, or completed
-  (:func:`visible_status`). The journal's ``input.placed`` record, not this
-  record, is the truth about placement.
+* A record is created ``queued``; it goes back to ``queued`` only by a
+  release of a claim that never reached the journal.
+* ``withdrawn``, ``unanswered``, ``expired`` and ``dropped`` are final;
+  ``placed`` changes only by a reclaim within the iteration that placed it,
+  a release, or a drop once the step ended. So a withdrawal that won is never
+  followed by a placement, and a placed input is never withdrawn.
+* Every input ends in a status a client sees as final: ``done``,
+  ``unanswered``, ``withdrawn``, ``expired`` or ``dropped``
+  (:func:`at_step_end` decides it when the step ends). While the step may
+  still retry the iteration that placed an input, the input stays
+  ``placed``: a retry or a redelivery carries it (the journal's record).
+* A queued input older than the dedupe window is never placed: it reads as
+  ``expired`` (:func:`visible`) and is stored so by whoever meets it first.
+* ``done`` is never stored. A client sees ``done`` once the placing
+  iteration committed (:func:`visible`). The journal's ``input.placed``
+  record, not this record, is the truth about placement.
 * A refused transition changes nothing and says why (:class:`Refusal`).
 * Every key is ``{run}.{step}.{base64url(request_id)}``: the caller's
   request id never reaches a key or subject raw, whatever characters it has.
@@ -42,6 +55,9 @@ from dagnats.core.status import StepStatus as StepStatus
 MAX_CONTENT_BYTES = 64 * 1024
 MAX_WAIT = 60.0
 """The longest a get may wait for a status change, in seconds."""
+DEDUPE_WINDOW = 7 * 24 * 3600.0
+"""How long a repeat of a request_id is promised the original, and an input
+may wait queued, in seconds, unless set otherwise (``DAGNATS_INPUT_DEDUPE_WINDOW``)."""
 
 
 class Mode(enum.Enum):
@@ -59,6 +75,13 @@ class Status(enum.Enum):
     DONE = "done"
     UNANSWERED = "unanswered"
     WITHDRAWN = "withdrawn"
+    DROPPED = "dropped"
+    EXPIRED = "expired"
+
+    @property
+    def final(self) -> bool:
+        """Whether nothing more happens to an input of this status."""
+        return self not in (Status.QUEUED, Status.PLACED)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +100,26 @@ class InputState:
     placed_attempt: int = 0
     placed_by: str = ""
     created_by: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepProgress:
+    """What the inputs of a step depend on of it: its status, and how many of
+    its iterations committed (an input placed into an earlier one is done)."""
+
+    status: StepStatus
+    committed: int
+
+
+def step_progress(status: StepStatus, iteration: int, iterations: int) -> StepProgress:
+    """A step's progress from its run's view: ``iterations`` continues were
+    accepted (the last one may have failed the loop at its bound without a
+    next iteration), and a completed step's own iteration committed too."""
+    committed = max(iterations, iteration)
+    if status is StepStatus.COMPLETED:
+        committed = max(committed, iteration + 1)
+    return StepProgress(status=status, committed=committed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +158,10 @@ def new_input(submission: Submission, *, created_by: str, now: float) -> InputSt
     )
 
 
-def withdraw(state: InputState, now: float) -> InputState | Refusal:
+def withdraw(state: InputState, *, now: float, window: float) -> InputState | Refusal:
     """Queued -> withdrawn; withdrawn stays as it is (a repeat is fine)."""
+    if expired(state, now=now, window=window):
+        return Refusal(f"input expired: {_expired_reason(window)}; it cannot be withdrawn")
     match state.status:
         case Status.QUEUED:
             return replace(state, status=Status.WITHDRAWN, updated_at=now)
@@ -128,12 +173,15 @@ def withdraw(state: InputState, now: float) -> InputState | Refusal:
             )
         case Status.UNANSWERED:
             return Refusal("the step finished before the input was placed; it cannot be withdrawn")
+        case Status.DROPPED | Status.EXPIRED:
+            return Refusal(f"input {state.status.value}: {state.reason}; it cannot be withdrawn")
 
 
 def place(
     state: InputState, *, iteration: int, attempt: int, writer: str, now: float
 ) -> InputState | Refusal:
-    """Queued -> placed by the dispatch ``(iteration, attempt)`` of ``writer``."""
+    """Queued -> placed by the dispatch ``(iteration, attempt)`` of ``writer``.
+    The caller has checked that it has not expired (:func:`claim_for`)."""
     if state.status is not Status.QUEUED:
         return Refusal(f"input is {state.status.value}; only a queued input can be placed")
     return _placed(state, iteration=iteration, attempt=attempt, writer=writer, now=now)
@@ -163,19 +211,24 @@ def claim_for(
     writer: str,
     recorded: Collection[str],
     now: float,
+    window: float,
 ) -> InputState | None:
-    """The claim a dispatch placing ``mode`` inputs makes on ``state``, if any.
+    """What a dispatch placing ``mode`` inputs does to ``state``, if anything.
 
-    A queued input is placed. An input placed into this same iteration whose
-    ``input.placed`` record is not in the journal (``recorded`` lists the
-    request ids that are, this writer's own records included) was left by a
-    holder that was fenced or crashed between its claim and its record -- an
-    earlier try of this writer's own call included: it is reclaimed.
-    Everything else is not this dispatch's to take.
+    A queued input is placed, unless it waited longer than the dedupe window:
+    then it is expired instead, and the caller records nothing of it (it
+    comes back with another status than ``placed``). An input placed into
+    this same iteration whose ``input.placed`` record is not in the journal
+    (``recorded`` lists the request ids that are, this writer's own records
+    included) was left by a holder that was fenced or crashed between its
+    claim and its record -- an earlier try of this writer's own call
+    included: it is reclaimed. Everything else is not this dispatch's to take.
     """
     if state.mode is not mode:
         return None
     if state.status is Status.QUEUED:
+        if expired(state, now=now, window=window):
+            return expire(state, now=now, window=window)
         moved = place(state, iteration=iteration, attempt=attempt, writer=writer, now=now)
     elif state.request_id not in recorded:
         moved = reclaim(state, iteration=iteration, attempt=attempt, writer=writer, now=now)
@@ -225,25 +278,79 @@ def _placed(
     )
 
 
-def close(state: InputState, now: float) -> InputState | None:
-    """Queued -> unanswered, because the step finished; None when nothing changes."""
+def expired(state: InputState, *, now: float, window: float) -> bool:
+    """Whether ``state`` is a queued input that waited longer than the dedupe
+    window: it is never placed, and ends ``expired``."""
+    return state.status is Status.QUEUED and now - state.created_at > window
+
+
+def expire(state: InputState, *, now: float, window: float) -> InputState | None:
+    """Queued -> expired, once it waited longer than the dedupe window; None
+    when nothing changes."""
+    if not expired(state, now=now, window=window):
+        return None
+    return replace(state, status=Status.EXPIRED, reason=_expired_reason(window), updated_at=now)
+
+
+def _expired_reason(window: float) -> str:
+    return f"queued for longer than the dedupe window ({window:g} s) without being placed"
+
+
+def close(state: InputState, *, now: float, window: float) -> InputState | None:
+    """Queued -> unanswered, because the step finished (expired, if it
+    waited longer than the dedupe window); None when nothing changes."""
     if state.status is not Status.QUEUED:
         return None
-    return replace(state, status=Status.UNANSWERED, updated_at=now)
+    return expire(state, now=now, window=window) or replace(
+        state, status=Status.UNANSWERED, updated_at=now
+    )
 
 
-def visible_status(
-    state: InputState, step_status: StepStatus | None, step_iteration: int
-) -> Status:
-    """The status a client sees: ``placed`` reads as ``done`` once the placing
-    iteration committed. ``step_status`` is None when the step is gone."""
-    if state.status is not Status.PLACED or step_status is None:
-        return state.status
-    if step_iteration > state.placed_iteration:
-        return Status.DONE
-    if step_status is StepStatus.COMPLETED and state.placed_iteration <= step_iteration:
-        return Status.DONE
-    return state.status
+def _dropped_reason(state: InputState, step: StepProgress) -> str:
+    ended = "was cancelled" if step.status is StepStatus.CANCELLED else "failed"
+    return (
+        f"placed into iteration {state.placed_iteration}, which never committed: "
+        f"the step {ended} first"
+    )
+
+
+def at_step_end(
+    state: InputState, step: StepProgress, *, now: float, window: float
+) -> InputState | None:
+    """What an input becomes once its step finished (``step``): queued, it is
+    closed (:func:`close`); placed into an iteration that never committed,
+    it is dropped, with the reason. None when nothing changes: placed into a
+    committed iteration (done), or final already."""
+    match state.status:
+        case Status.QUEUED:
+            return close(state, now=now, window=window)
+        case Status.PLACED if state.placed_iteration >= step.committed:
+            reason = _dropped_reason(state, step)
+            return replace(state, status=Status.DROPPED, reason=reason, updated_at=now)
+    return None
+
+
+def visible(
+    state: InputState, step: StepProgress | None, *, now: float, window: float
+) -> InputState:
+    """The input as a client sees it: ``placed`` reads as ``done`` once the
+    placing iteration committed, and as ``dropped`` once the step finished
+    without it committing; ``queued`` reads as ``expired`` past the dedupe
+    window, and as ``unanswered`` once the step finished. ``step`` is None
+    when the step is gone. What only reads so is stored so by the engine's
+    close at the step's end, or by the first placement or close that meets
+    it."""
+    if state.status is Status.QUEUED:
+        if step is not None and step.status.finished:
+            return close(state, now=now, window=window) or state
+        return expire(state, now=now, window=window) or state
+    if state.status is not Status.PLACED or step is None:
+        return state
+    if state.placed_iteration < step.committed:
+        return replace(state, status=Status.DONE)
+    if step.status.finished:
+        return at_step_end(state, step, now=now, window=window) or state
+    return state
 
 
 def accepts_inputs(run_running: bool, step_status: StepStatus) -> bool:

@@ -115,7 +115,7 @@ class Inputs:
         run: epb.Run | None = await self._require_step(run_id, step_id)
         if not _accepts_inputs(run, step_id):
             # A retry of an input accepted before the step finished still
-            # gets the original back: a request id is good for seven days.
+            # gets the original back: its record lives as long as its run.
             existing = await self.store.get(run_id, step_id, submission.request_id)
             if existing is None:
                 raise _finished(run_id, step_id)
@@ -154,11 +154,23 @@ class Inputs:
                 return current
         raise _finished(state.run_id, state.step_id)
 
-    @staticmethod
-    def _submitted(state: InputState, run: epb.Run | None, *, created: bool) -> pb.SubmitResponse:
-        return pb.SubmitResponse(
-            input=convert.to_proto(state, convert.visible(state, run)), created=created
-        )
+    def _submitted(
+        self, state: InputState, run: epb.Run | None, *, created: bool
+    ) -> pb.SubmitResponse:
+        return pb.SubmitResponse(input=convert.to_proto(self._seen(state, run)), created=created)
+
+    def _seen(self, state: InputState, run: epb.Run | None) -> InputState:
+        """The input as a client sees it now (``rules.visible``)."""
+        window = self.store.dedupe_window
+        return convert.visible(state, run, now=self._clock(), window=window)
+
+    def _until_expiry(self, state: InputState, left: float) -> float:
+        """Seconds a wait on ``state`` may last: ``left``, or less when it is
+        queued and expires sooner."""
+        if state.status is not Status.QUEUED:
+            return left
+        expiry = state.created_at + self.store.dedupe_window - self._clock()
+        return min(left, max(expiry, 0.0) + 0.001)
 
     async def get(self, request: pb.GetRequest) -> pb.GetResponse:
         """The input with the status a client sees, waiting up to ``wait`` for
@@ -176,22 +188,23 @@ class Inputs:
             if stored is None:
                 raise _no_input(request.request_id)
             run = await self.store.load_run(request.run_id)
-            return pb.GetResponse(
-                input=convert.to_proto(stored[0], convert.visible(stored[0], run))
-            )
+            return pb.GetResponse(input=convert.to_proto(self._seen(stored[0], run)))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         async with self.store.watch(request.run_id, request.step_id, request.request_id) as watch:
             if watch.input is None:
                 raise _no_input(request.request_id)
-            seen = if_status or convert.visible(watch.input, watch.run)
-            while convert.visible(watch.input, watch.run) is seen:
-                if not await watch.next(deadline - loop.time()):
+            seen = if_status or self._seen(watch.input, watch.run).status
+            while self._seen(watch.input, watch.run).status is seen:
+                left = deadline - loop.time()
+                if left <= 0:
                     break
+                # A queued input expires by the clock, with no write to wake
+                # the watch: it is looked at again at its expiry at the latest.
+                await watch.next(self._until_expiry(watch.input, left))
                 if watch.input is None:
                     raise _no_input(request.request_id)
-            state = watch.input
-            return pb.GetResponse(input=convert.to_proto(state, convert.visible(state, watch.run)))
+            return pb.GetResponse(input=convert.to_proto(self._seen(watch.input, watch.run)))
 
     async def withdraw(self, request: pb.WithdrawRequest) -> pb.WithdrawResponse:
         """Withdraw a queued input; a repeat returns the withdrawn input.
@@ -206,7 +219,8 @@ class Inputs:
             if stored is None:
                 raise _no_input(request.request_id)
             state, revision = stored
-            match rules.withdraw(state, self._clock()):
+            now, window = self._clock(), self.store.dedupe_window
+            match rules.withdraw(state, now=now, window=window):
                 case Refusal(message=message):
                     raise errors.Conflict(message)
                 case InputState() as withdrawn:
@@ -230,9 +244,9 @@ class Inputs:
         run = await self._require_step(request.run_id, request.step_id)
         found = []
         for state, _ in await self.store.list(request.run_id, request.step_id):
-            seen = convert.visible(state, run)
-            if (status is None or seen is status) and (mode is None or state.mode is mode):
-                found.append(convert.to_proto(state, seen))
+            seen = self._seen(state, run)
+            if (status is None or seen.status is status) and (mode is None or state.mode is mode):
+                found.append(convert.to_proto(seen))
         return pb.ListResponse(inputs=found)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
@@ -65,17 +66,30 @@ def _decode_input(value: bytes | None) -> InputState:
 class InputStore:
     """Inputs in the ``INPUTS`` bucket, keyed by :func:`dagnats.inputs.rules.key`."""
 
-    def __init__(self, inputs: KeyValue, js: JetStreamContext, runs: Runs) -> None:
+    def __init__(
+        self,
+        inputs: KeyValue,
+        js: JetStreamContext,
+        runs: Runs,
+        *,
+        dedupe_window: float = rules.DEDUPE_WINDOW,
+    ) -> None:
         self._inputs = inputs
         self._js = js
         self._runs = runs
+        # How long a request_id is promised the original, and an input may
+        # wait queued (``rules.expired``): every reader of this store decides
+        # with the same window.
+        self.dedupe_window = dedupe_window
 
     @classmethod
-    async def open(cls, nc: NATS, runs: Runs) -> InputStore:
+    async def open(
+        cls, nc: NATS, runs: Runs, *, dedupe_window: float = rules.DEDUPE_WINDOW
+    ) -> InputStore:
         """The store over the bucket ``jsx.provision`` created; ``runs`` is the
         engine's (see :mod:`dagnats.inputs.peers`)."""
         js = nc.jetstream()
-        return cls(await js.key_value(jsx.KV_INPUTS), js, runs)
+        return cls(await js.key_value(jsx.KV_INPUTS), js, runs, dedupe_window=dedupe_window)
 
     # ---- inputs -------------------------------------------------------------------
 
@@ -158,10 +172,23 @@ class InputStore:
         ]
         return sorted(found, key=lambda pair: (pair[0].created_at, pair[0].request_id))
 
-    async def queued(self, run_id: str, step_id: str) -> builtins.list[InputState]:
-        """The queued inputs of a step, oldest first."""
+    async def queued(self, run_id: str, step_id: str, now: float) -> builtins.list[InputState]:
+        """The queued inputs of a step that may still be placed, oldest first:
+        one queued longer than the dedupe window is not (``rules.expired``)."""
         listed = await self.list(run_id, step_id)
-        return [state for state, _ in listed if state.status is Status.QUEUED]
+        return [
+            state
+            for state, _ in listed
+            if state.status is Status.QUEUED
+            and not rules.expired(state, now=now, window=self.dedupe_window)
+        ]
+
+    async def purge_run(self, run_id: str) -> None:
+        """Remove every input of a run, which is being purged."""
+        purge = functools.partial(
+            self._js.purge_stream, f"KV_{jsx.KV_INPUTS}", subject=f"$KV.{jsx.KV_INPUTS}.{run_id}.>"
+        )
+        await jsx.retry_transient(purge, "purge the inputs")
 
     def watch(self, run_id: str, step_id: str, request_id: str) -> InputWatch:
         """Follow one input and its run (``async with store.watch(...) as w``)."""
@@ -310,30 +337,56 @@ class InputWatch:
                 await follow.aclose()
 
 
-async def close_step_inputs(store: InputStore, run_id: str, step_id: str, now: float) -> int:
-    """Mark every queued input of a finished step ``unanswered``.
+async def close_step_inputs(
+    store: InputStore, run_id: str, step_id: str, step: rules.StepProgress, now: float
+) -> int:
+    """End every input of a finished step that has not ended yet
+    (``rules.at_step_end``): a queued one ``unanswered`` (or ``expired``), one
+    placed into an iteration that never committed ``dropped``.
 
     Returns:
         How many inputs this call changed.
     """
     changed = 0
+    window = store.dedupe_window
     for state, revision in await store.list(run_id, step_id):
-        _, closed = await close_input(store, state, revision, now)
-        changed += closed
+        _, ended = await change(
+            store, state, revision, lambda s: rules.at_step_end(s, step, now=now, window=window)
+        )
+        changed += ended
     return changed
 
 
 async def close_input(
     store: InputStore, state: InputState, revision: int, now: float
 ) -> tuple[InputState | None, bool]:
-    """Mark one input ``unanswered`` if it is still queued (see :func:`change`):
-    one placed or withdrawn meanwhile keeps that status.
+    """Mark one input ``unanswered`` (or ``expired``) if it is still queued
+    (see :func:`change`): one placed or withdrawn meanwhile keeps that status.
 
     Returns:
         The input as stored afterwards (None when it is gone) and whether this
         call changed it.
     """
-    return await change(store, state, revision, lambda current: rules.close(current, now))
+    window = store.dedupe_window
+    return await change(
+        store, state, revision, lambda current: rules.close(current, now=now, window=window)
+    )
+
+
+async def expire_input(
+    store: InputStore, state: InputState, revision: int, now: float
+) -> tuple[InputState | None, bool]:
+    """Mark one input ``expired`` if it is still queued and older than the
+    dedupe window (see :func:`change`).
+
+    Returns:
+        The input as stored afterwards (None when it is gone) and whether this
+        call changed it.
+    """
+    window = store.dedupe_window
+    return await change(
+        store, state, revision, lambda current: rules.expire(current, now=now, window=window)
+    )
 
 
 async def change(
@@ -384,5 +437,6 @@ __all__ = [
     "change",
     "close_input",
     "close_step_inputs",
+    "expire_input",
     "submitted_msg_id",
 ]

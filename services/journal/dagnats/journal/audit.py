@@ -39,6 +39,10 @@ Invariants, named by the rule a violation reports:
   number of continue commits. When the step is still running or was
   cancelled, the newest commit may be a continue whose event the engine has
   not applied (yet, or ever: a cancel drops it), so one fewer is sound then.
+  A running loop moves on while it is audited: the run is read before the
+  journal and again after it, and the journal's count must lie between the
+  two (it holds at least every continue counted before, and at most those
+  counted after, and the one in flight).
 * ``outcome``: the engine's step agrees with the last commit, the state of
   record. A completed step completed with the last commit that ends an
   iteration: a ``complete`` of the step's iteration, with the step's output.
@@ -126,6 +130,7 @@ def check_step(
     entries: Sequence[AnyEntry],
     *,
     engine_iterations: int | None = None,
+    engine_iterations_after: int | None = None,
     settling: bool = False,
     engine_step: EngineStep | None = None,
 ) -> list[Finding]:
@@ -135,7 +140,10 @@ def check_step(
         step_id: The step, for the findings.
         entries: Every record on the step's subject (sorted by ``seq`` here).
         engine_iterations: The engine's iteration count of the step (continues
-            it accepted); ``None`` skips the ``iteration_count`` rule.
+            it accepted), read before the journal; ``None`` skips the
+            ``iteration_count`` rule.
+        engine_iterations_after: The same count read after the journal (a
+            running loop may have moved on); ``None``: ``engine_iterations``.
         settling: The step is running or was cancelled, so the engine may not
             have applied its newest continue commit.
         engine_step: The engine's status, iteration and output of the step;
@@ -157,7 +165,8 @@ def check_step(
         *_placements(records),
     ]
     if engine_iterations is not None:
-        found.extend(_iteration_count(records, engine_iterations, settling=settling))
+        after = engine_iterations if engine_iterations_after is None else engine_iterations_after
+        found.extend(_iteration_count(records, engine_iterations, after, settling=settling))
     if engine_step is not None:
         found.extend(_outcome(records, engine_step))
     found.sort(key=lambda f: (f[0] == 0, f[0]))
@@ -169,6 +178,7 @@ def check_run(
     engine_iterations: Mapping[str, int],
     settling: Collection[str] = (),
     engine_steps: Mapping[str, EngineStep] | None = None,
+    iterations_after: Mapping[str, int] | None = None,
 ) -> list[Finding]:
     """Audit the journals of a run, step by step (in step id order).
 
@@ -180,6 +190,8 @@ def check_run(
         settling: Steps that are running or were cancelled (see ``check_step``).
         engine_steps: The engine's view of each step (see ``check_step``); a
             step missing here skips ``outcome``.
+        iterations_after: The iteration counts read again after the journals
+            (see ``check_step``); a step missing here: its count before.
 
     Returns:
         Every step's findings.
@@ -192,6 +204,7 @@ def check_run(
             step_id,
             steps[step_id],
             engine_iterations=engine_iterations.get(step_id),
+            engine_iterations_after=(iterations_after or {}).get(step_id),
             settling=step_id in settling,
             engine_step=engine_steps.get(step_id),
         )
@@ -377,19 +390,21 @@ def _may_still_be_answered(records: Sequence[AnyEntry]) -> set[int]:
 
 
 def _iteration_count(
-    records: Sequence[AnyEntry], engine: int, *, settling: bool
+    records: Sequence[AnyEntry], before: int, after: int, *, settling: bool
 ) -> Iterator[_Found]:
     commits = [r for r in records if isinstance(r, CommitEntry)]
     continues = [r for r in commits if r.action is Action.CONTINUE]
-    unapplied = settling and commits and commits[-1].action is Action.CONTINUE
-    if len(continues) != engine and not (unapplied and len(continues) == engine + 1):
-        where = f" ({_seqs(continues)})" if continues else ""
-        yield (
-            0,
-            "iteration_count",
-            f"the engine counts {_plural(engine, 'iteration')} of this step, but the journal "
-            f"has {_plural(len(continues), 'continue commit')}{where}",
-        )
+    unapplied = settling and bool(commits) and commits[-1].action is Action.CONTINUE
+    if before <= len(continues) <= max(after, before) + unapplied:
+        return
+    engine = before if len(continues) < before else after
+    where = f" ({_seqs(continues)})" if continues else ""
+    yield (
+        0,
+        "iteration_count",
+        f"the engine counts {_plural(engine, 'iteration')} of this step, but the journal "
+        f"has {_plural(len(continues), 'continue commit')}{where}",
+    )
 
 
 def _outcome(records: Sequence[AnyEntry], step: EngineStep) -> Iterator[_Found]:

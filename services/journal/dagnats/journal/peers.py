@@ -8,7 +8,7 @@ behind the answer: the commit's lifecycle event on the run's history, then
 the lease released (or handed back at once when that failed).
 
 The runs bucket and the history and task streams are the engine's; the engine
-implements these (``dagnats.engine.store.EngineStore`` and
+implements these (``dagnats.engine.runs.Runs`` and
 ``dagnats.engine.report.TaskSettler``) and the server process wires them in,
 so the journal's package never imports the engine's.
 """
@@ -23,7 +23,8 @@ from dagnats.journal.v1 import journal_pb2 as pb
 
 class Runs(Protocol):
     async def get_run(self, run_id: str) -> epb.Run | None:
-        """The run as stored; None when there is none."""
+        """The run now: as stored, caught up with the kept iterations its
+        journal holds (``dagnats.engine.runs``); None when there is none."""
         ...
 
 

@@ -164,6 +164,7 @@ class InputPlacement:
         now = self._writer.clock()
         mode = input_rules.Mode[MODES[request.mode]]
         iteration, attempt, writer = token.iteration, token.attempt, token.writer
+        window = self._inputs.dedupe_window
 
         def claim(current: input_rules.InputState) -> input_rules.InputState | None:
             if not queued and current.status is input_rules.Status.QUEUED:
@@ -176,6 +177,7 @@ class InputPlacement:
                 writer=writer,
                 recorded=recorded,
                 now=now,
+                window=window,
             )
 
         for state, revision in await self._inputs.list(token.run_id, token.step_id):
@@ -184,9 +186,9 @@ class InputPlacement:
             # An input changed since the listing is decided again as it is now:
             # withdrawn meanwhile, it is not ours; claimed by our own update
             # whose answer was lost, it is ours to record.
-            _, claimed = await change(self._inputs, state, revision, claim)
-            if not claimed:
-                continue
+            claimed, changed = await change(self._inputs, state, revision, claim)
+            if not changed or claimed is None or claimed.status is not input_rules.Status.PLACED:
+                continue  # not ours, or expired (queued past the dedupe window)
             await seam("after_input_claimed")
             record = pb.InputPlaced(
                 position=request.position,

@@ -737,6 +737,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
     @domain_errors
     async def Check(self, request: pb.CheckRequest, context: Context) -> pb.CheckResponse:
         run_id = check_run_id(request.run_id)
+        # A running loop moves on while it is audited: the run now, read
+        # before the journals and again after them, brackets their count.
         run = await self._run(run_id)
         steps: dict[str, list[jm.AnyEntry]] = {}
         stored = 0
@@ -745,8 +747,10 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             if records:
                 steps[step.step_id] = convert.all_entries(records)
                 stored += len(records)
+        after = await self._run(run_id) if run.status == epb.RUN_STATUS_RUNNING else run
         iterations = {s.step_id: s.iterations for s in run.steps if s.step_id in steps}
-        settling = {s.step_id for s in run.steps if s.status in _SETTLING}
+        iterations_after = {s.step_id: s.iterations for s in after.steps if s.step_id in steps}
+        settling = {s.step_id for r in (run, after) for s in r.steps if s.status in _SETTLING}
         engine_steps = {
             s.step_id: audit.EngineStep(
                 status=epb.StepStatus.Name(s.status).removeprefix("STEP_STATUS_").lower(),
@@ -756,7 +760,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             for s in run.steps
             if s.step_id in steps
         }
-        findings = audit.check_run(steps, iterations, settling, engine_steps)
+        findings = audit.check_run(steps, iterations, settling, engine_steps, iterations_after)
         return pb.CheckResponse(
             violations=[
                 pb.Violation(step_id=f.step_id, seq=f.seq, rule=f.rule, message=f.message)

@@ -35,6 +35,10 @@ class _TimerKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TimerKind.V
     """Fail the dispatch if it has not reported yet."""
     TIMER_KIND_MAX_DURATION: _TimerKind.ValueType  # 3
     """Fail the agent loop if it is still running."""
+    TIMER_KIND_PURGE: _TimerKind.ValueType  # 4
+    """Purge the ended run and everything of it: its retention is over. Set on
+    the run's own subject (timers.<run>), not a step's.
+    """
 
 class TimerKind(_TimerKind, metaclass=_TimerKindEnumTypeWrapper):
     """TimerKind says what a timer does when it fires."""
@@ -47,6 +51,10 @@ TIMER_KIND_STEP_TIMEOUT: TimerKind.ValueType  # 2
 """Fail the dispatch if it has not reported yet."""
 TIMER_KIND_MAX_DURATION: TimerKind.ValueType  # 3
 """Fail the agent loop if it is still running."""
+TIMER_KIND_PURGE: TimerKind.ValueType  # 4
+"""Purge the ended run and everything of it: its retention is over. Set on
+the run's own subject (timers.<run>), not a step's.
+"""
 Global___TimerKind: _TypeAlias = TimerKind  # noqa: Y015
 
 @_typing.final
@@ -177,16 +185,29 @@ class StepInputs(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CLOSE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    ITERATIONS_FIELD_NUMBER: _builtins.int
     close: _builtins.bool
-    """True: the step finished; queued inputs become unanswered."""
+    """True: the step finished; each input that has not ended ends (queued:
+    unanswered or expired; placed into an iteration that never committed:
+    dropped).
+    """
+    status: _engine_pb2.StepStatus.ValueType
+    """The step's status (with close: how it finished); unset in an event of an
+    earlier release, when the run is read instead.
+    """
+    iterations: _builtins.int
+    """The step's accepted continues (with close: when it finished)."""
     def __init__(
         self,
         *,
         close: _builtins.bool = ...,
+        status: _engine_pb2.StepStatus.ValueType = ...,
+        iterations: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "iterations", b"iterations", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

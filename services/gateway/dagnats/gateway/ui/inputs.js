@@ -5,7 +5,7 @@
 import { ApiError, call, del, get, path } from "./api.js";
 import { badge, h, jsonBlock, say } from "./dom.js";
 
-const FINAL = new Set(["done", "unanswered", "withdrawn"]);
+const FINAL = new Set(["done", "unanswered", "withdrawn", "dropped", "expired"]);
 
 export function inputsPanel(runId, stepId) {
   const base = `${path("runs", runId, "steps", stepId)}/inputs`;
@@ -43,6 +43,7 @@ export function inputsPanel(runId, stepId) {
         h("span", { class: "history" }, history.join(" → ")),
         item.placed_by ? ` · placed by iteration ${item.placed_iteration}, attempt ${item.placed_attempt}` : "",
       ),
+      item.reason ? h("p", { class: "hint reason" }, item.reason) : null,
     );
     if (entry.row) entry.row.replaceWith(card);
     else rows.prepend(card);

@@ -26,35 +26,35 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x61gnats/inputs/v1/inputs.proto\x12\x11\x64\x61gnats.inputs.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd8\x02\n\x05Input\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12%\n\x04mode\x18\x04 \x01(\x0e\x32\x17.dagnats.inputs.v1.Mode\x12\x0f\n\x07\x63ontent\x18\x05 \x01(\x0c\x12)\n\x06status\x18\x06 \x01(\x0e\x32\x19.dagnats.inputs.v1.Status\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10placed_iteration\x18\t \x01(\x05\x12\x16\n\x0eplaced_attempt\x18\n \x01(\x05\x12\x11\n\tplaced_by\x18\x0b \x01(\t\x12\x12\n\ncreated_by\x18\x0c \x01(\t\"|\n\rSubmitRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12%\n\x04mode\x18\x04 \x01(\x0e\x32\x17.dagnats.inputs.v1.Mode\x12\x0f\n\x07\x63ontent\x18\x05 \x01(\x0c\"J\n\x0eSubmitResponse\x12\'\n\x05input\x18\x01 \x01(\x0b\x32\x18.dagnats.inputs.v1.Input\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\x98\x01\n\nGetRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\'\n\x04wait\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\tif_status\x18\x05 \x01(\x0e\x32\x19.dagnats.inputs.v1.Status\"6\n\x0bGetResponse\x12\'\n\x05input\x18\x01 \x01(\x0b\x32\x18.dagnats.inputs.v1.Input\"F\n\x0fWithdrawRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\";\n\x10WithdrawResponse\x12\'\n\x05input\x18\x01 \x01(\x0b\x32\x18.dagnats.inputs.v1.Input\"\x80\x01\n\x0bListRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.dagnats.inputs.v1.Status\x12%\n\x04mode\x18\x04 \x01(\x0e\x32\x17.dagnats.inputs.v1.Mode\"8\n\x0cListResponse\x12(\n\x06inputs\x18\x01 \x03(\x0b\x32\x18.dagnats.inputs.v1.Input*@\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0e\n\nMODE_STEER\x10\x01\x12\x12\n\x0eMODE_FOLLOW_UP\x10\x02*\x84\x01\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x11\n\rSTATUS_QUEUED\x10\x01\x12\x11\n\rSTATUS_PLACED\x10\x02\x12\x0f\n\x0bSTATUS_DONE\x10\x03\x12\x15\n\x11STATUS_UNANSWERED\x10\x04\x12\x14\n\x10STATUS_WITHDRAWN\x10\x05\x32\xc2\x02\n\rInputsService\x12M\n\x06Submit\x12 .dagnats.inputs.v1.SubmitRequest\x1a!.dagnats.inputs.v1.SubmitResponse\x12\x44\n\x03Get\x12\x1d.dagnats.inputs.v1.GetRequest\x1a\x1e.dagnats.inputs.v1.GetResponse\x12S\n\x08Withdraw\x12\".dagnats.inputs.v1.WithdrawRequest\x1a#.dagnats.inputs.v1.WithdrawResponse\x12G\n\x04List\x12\x1e.dagnats.inputs.v1.ListRequest\x1a\x1f.dagnats.inputs.v1.ListResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x61gnats/inputs/v1/inputs.proto\x12\x11\x64\x61gnats.inputs.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe8\x02\n\x05Input\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12%\n\x04mode\x18\x04 \x01(\x0e\x32\x17.dagnats.inputs.v1.Mode\x12\x0f\n\x07\x63ontent\x18\x05 \x01(\x0c\x12)\n\x06status\x18\x06 \x01(\x0e\x32\x19.dagnats.inputs.v1.Status\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10placed_iteration\x18\t \x01(\x05\x12\x16\n\x0eplaced_attempt\x18\n \x01(\x05\x12\x11\n\tplaced_by\x18\x0b \x01(\t\x12\x12\n\ncreated_by\x18\x0c \x01(\t\x12\x0e\n\x06reason\x18\r \x01(\t\"|\n\rSubmitRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12%\n\x04mode\x18\x04 \x01(\x0e\x32\x17.dagnats.inputs.v1.Mode\x12\x0f\n\x07\x63ontent\x18\x05 \x01(\x0c\"J\n\x0eSubmitResponse\x12\'\n\x05input\x18\x01 \x01(\x0b\x32\x18.dagnats.inputs.v1.Input\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\x98\x01\n\nGetRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\'\n\x04wait\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\tif_status\x18\x05 \x01(\x0e\x32\x19.dagnats.inputs.v1.Status\"6\n\x0bGetResponse\x12\'\n\x05input\x18\x01 \x01(\x0b\x32\x18.dagnats.inputs.v1.Input\"F\n\x0fWithdrawRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\";\n\x10WithdrawResponse\x12\'\n\x05input\x18\x01 \x01(\x0b\x32\x18.dagnats.inputs.v1.Input\"\x80\x01\n\x0bListRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.dagnats.inputs.v1.Status\x12%\n\x04mode\x18\x04 \x01(\x0e\x32\x17.dagnats.inputs.v1.Mode\"8\n\x0cListResponse\x12(\n\x06inputs\x18\x01 \x03(\x0b\x32\x18.dagnats.inputs.v1.Input*@\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0e\n\nMODE_STEER\x10\x01\x12\x12\n\x0eMODE_FOLLOW_UP\x10\x02*\xac\x01\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x11\n\rSTATUS_QUEUED\x10\x01\x12\x11\n\rSTATUS_PLACED\x10\x02\x12\x0f\n\x0bSTATUS_DONE\x10\x03\x12\x15\n\x11STATUS_UNANSWERED\x10\x04\x12\x14\n\x10STATUS_WITHDRAWN\x10\x05\x12\x12\n\x0eSTATUS_DROPPED\x10\x06\x12\x12\n\x0eSTATUS_EXPIRED\x10\x07\x32\xc2\x02\n\rInputsService\x12M\n\x06Submit\x12 .dagnats.inputs.v1.SubmitRequest\x1a!.dagnats.inputs.v1.SubmitResponse\x12\x44\n\x03Get\x12\x1d.dagnats.inputs.v1.GetRequest\x1a\x1e.dagnats.inputs.v1.GetResponse\x12S\n\x08Withdraw\x12\".dagnats.inputs.v1.WithdrawRequest\x1a#.dagnats.inputs.v1.WithdrawResponse\x12G\n\x04List\x12\x1e.dagnats.inputs.v1.ListRequest\x1a\x1f.dagnats.inputs.v1.ListResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dagnats.inputs.v1.inputs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=1200
-  _globals['_MODE']._serialized_end=1264
-  _globals['_STATUS']._serialized_start=1267
-  _globals['_STATUS']._serialized_end=1399
+  _globals['_MODE']._serialized_start=1216
+  _globals['_MODE']._serialized_end=1280
+  _globals['_STATUS']._serialized_start=1283
+  _globals['_STATUS']._serialized_end=1455
   _globals['_INPUT']._serialized_start=119
-  _globals['_INPUT']._serialized_end=463
-  _globals['_SUBMITREQUEST']._serialized_start=465
-  _globals['_SUBMITREQUEST']._serialized_end=589
-  _globals['_SUBMITRESPONSE']._serialized_start=591
-  _globals['_SUBMITRESPONSE']._serialized_end=665
-  _globals['_GETREQUEST']._serialized_start=668
-  _globals['_GETREQUEST']._serialized_end=820
-  _globals['_GETRESPONSE']._serialized_start=822
-  _globals['_GETRESPONSE']._serialized_end=876
-  _globals['_WITHDRAWREQUEST']._serialized_start=878
-  _globals['_WITHDRAWREQUEST']._serialized_end=948
-  _globals['_WITHDRAWRESPONSE']._serialized_start=950
-  _globals['_WITHDRAWRESPONSE']._serialized_end=1009
-  _globals['_LISTREQUEST']._serialized_start=1012
-  _globals['_LISTREQUEST']._serialized_end=1140
-  _globals['_LISTRESPONSE']._serialized_start=1142
-  _globals['_LISTRESPONSE']._serialized_end=1198
-  _globals['_INPUTSSERVICE']._serialized_start=1402
-  _globals['_INPUTSSERVICE']._serialized_end=1724
+  _globals['_INPUT']._serialized_end=479
+  _globals['_SUBMITREQUEST']._serialized_start=481
+  _globals['_SUBMITREQUEST']._serialized_end=605
+  _globals['_SUBMITRESPONSE']._serialized_start=607
+  _globals['_SUBMITRESPONSE']._serialized_end=681
+  _globals['_GETREQUEST']._serialized_start=684
+  _globals['_GETREQUEST']._serialized_end=836
+  _globals['_GETRESPONSE']._serialized_start=838
+  _globals['_GETRESPONSE']._serialized_end=892
+  _globals['_WITHDRAWREQUEST']._serialized_start=894
+  _globals['_WITHDRAWREQUEST']._serialized_end=964
+  _globals['_WITHDRAWRESPONSE']._serialized_start=966
+  _globals['_WITHDRAWRESPONSE']._serialized_end=1025
+  _globals['_LISTREQUEST']._serialized_start=1028
+  _globals['_LISTREQUEST']._serialized_end=1156
+  _globals['_LISTRESPONSE']._serialized_start=1158
+  _globals['_LISTRESPONSE']._serialized_end=1214
+  _globals['_INPUTSSERVICE']._serialized_start=1458
+  _globals['_INPUTSSERVICE']._serialized_end=1780
 # @@protoc_insertion_point(module_scope)

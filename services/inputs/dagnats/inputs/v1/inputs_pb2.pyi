@@ -63,6 +63,14 @@ class _StatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Status.ValueTy
     """The step finished before the input was placed."""
     STATUS_WITHDRAWN: _Status.ValueType  # 5
     """Withdrawn before it was placed."""
+    STATUS_DROPPED: _Status.ValueType  # 6
+    """Placed into an iteration that never committed: the step failed or was
+    cancelled first. The reason says which.
+    """
+    STATUS_EXPIRED: _Status.ValueType  # 7
+    """Queued longer than the dedupe window without being placed; never placed
+    after that. The reason says how long.
+    """
 
 class Status(_Status, metaclass=_StatusEnumTypeWrapper):
     """Status is where an input is in its life."""
@@ -79,6 +87,14 @@ STATUS_UNANSWERED: Status.ValueType  # 4
 """The step finished before the input was placed."""
 STATUS_WITHDRAWN: Status.ValueType  # 5
 """Withdrawn before it was placed."""
+STATUS_DROPPED: Status.ValueType  # 6
+"""Placed into an iteration that never committed: the step failed or was
+cancelled first. The reason says which.
+"""
+STATUS_EXPIRED: Status.ValueType  # 7
+"""Queued longer than the dedupe window without being placed; never placed
+after that. The reason says how long.
+"""
 Global___Status: _TypeAlias = Status  # noqa: Y015
 
 @_typing.final
@@ -99,6 +115,7 @@ class Input(_message.Message):
     PLACED_ATTEMPT_FIELD_NUMBER: _builtins.int
     PLACED_BY_FIELD_NUMBER: _builtins.int
     CREATED_BY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -119,6 +136,8 @@ class Input(_message.Message):
     """Writer nonce of the journal holder that placed it."""
     created_by: _builtins.str
     """Nonce of the service call that created it (recognises a retried create)."""
+    reason: _builtins.str
+    """Why it ended dropped or expired; empty for any other status."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When it was accepted."""
@@ -142,10 +161,11 @@ class Input(_message.Message):
         placed_attempt: _builtins.int = ...,
         placed_by: _builtins.str = ...,
         created_by: _builtins.str = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "created_at", b"created_at", "created_by", b"created_by", "mode", b"mode", "placed_attempt", b"placed_attempt", "placed_by", b"placed_by", "placed_iteration", b"placed_iteration", "request_id", b"request_id", "run_id", b"run_id", "status", b"status", "step_id", b"step_id", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "created_at", b"created_at", "created_by", b"created_by", "mode", b"mode", "placed_attempt", b"placed_attempt", "placed_by", b"placed_by", "placed_iteration", b"placed_iteration", "reason", b"reason", "request_id", b"request_id", "run_id", b"run_id", "status", b"status", "step_id", b"step_id", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
