@@ -84,10 +84,11 @@ proto-check: proto ## fail when the generated code is stale
 	@git diff --exit-code --stat -- '*_pb2.py' '*_pb2.pyi' '*_pb2_grpc.py' '*_pb2_grpc.pyi' \
 	  || { echo "generated code is stale: run 'make proto' and commit" >&2; exit 1; }
 
-bench: setup ## journal overhead and the agent-turn workload against raw JetStream; streams; waits
+bench: setup ## journal overhead and the agent-turn workload against raw JetStream; streams; waits; cancels
 	$(PY) -m tests.bench
 	$(PY) -m tests.bench_stream
 	$(PY) -m tests.bench_wait
+	$(PY) -m tests.bench_cancel
 	$(PY) -m tests.bench_turn
 	BENCH_DEPLOY=grpc $(PY) -m tests.bench_turn
 	BENCH_DEPLOY=services $(PY) -m tests.bench_turn

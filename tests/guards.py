@@ -259,7 +259,7 @@ GUARDS = (
         name="engine report check against the journal",
         file="services/engine/dagnats/engine/service.py",
         guard=(
-            "        if await self._refused(event):\n"
+            "        if not cancelled and await self._refused(event):\n"
             "            return pb.ReportResponse(stale=True)\n"
         ),
         removed="",
@@ -958,6 +958,67 @@ GUARDS = (
         tests=(
             "tests/test_gateway_keepalive.py::"
             "test_a_request_that_reached_the_gateway_as_its_keep_alive_ends_is_answered",
+        ),
+    ),
+    Guard(
+        name="a run's end seals each stopped step's journal",
+        file="services/engine/dagnats/engine/rules.py",
+        guard="        elif step.status is not StepStatus.PENDING:\n",
+        removed="        elif False:\n",
+        how="a cancelled run's holder goes on writing intents, model calls and claims",
+        tests=(
+            "tests/test_cancel.py::"
+            "test_the_journal_refuses_every_new_call_of_a_cancelled_run_and_writes_nothing",
+            "tests/test_cancel.py::"
+            "test_a_bridge_worker_is_refused_new_calls_once_the_cancel_returns",
+        ),
+    ),
+    Guard(
+        name="a claim on a sealed journal is refused",
+        file="services/journal/dagnats/journal/service.py",
+        guard=(
+            "    if (cancel := replay.cancel_of(convert.entries(tail) if tail else [])) is None:\n"
+        ),
+        removed="    if (cancel := None) is None:\n",
+        how="a claim after the cancel lands after the cancel record and opens the journal again",
+        tests=(
+            "tests/test_cancel.py::"
+            "test_the_journal_refuses_every_new_call_of_a_cancelled_run_and_writes_nothing",
+        ),
+    ),
+    Guard(
+        name="only a result of an intent written before the cancel is kept after it",
+        file="services/journal/dagnats/journal/replay.py",
+        guard=(
+            "    if not result_for or not (isinstance(first, CancelEntry) and first.by_engine):\n"
+        ),
+        removed="    if not result_for:\n",
+        how="a fenced holder's result is stored after the cancel, past its successor's claim",
+        tests=(
+            "tests/test_replay.py::"
+            "test_a_result_of_a_writer_a_successor_fenced_before_the_cancel_is_refused",
+        ),
+    ),
+    Guard(
+        name="a worker watches its handlers' runs for their cancel",
+        file="sdk/dagnats/sdk/_worker.py",
+        guard="            self._cancels.add(tc.run_id)\n",
+        removed="",
+        how="a handler hears of its run's cancel only from a heartbeat, a third of a lease later",
+        tests=(
+            "tests/test_cancel.py::test_a_cancelled_run_starts_no_tool_after_the_cancel_returns",
+            "tests/test_cancel.py::test_a_handler_without_a_journal_hears_the_cancel",
+        ),
+    ),
+    Guard(
+        name="a watch hears a cancel announced before it",
+        file="services/engine/dagnats/engine/cancels.py",
+        guard="        cancelled = [r for r in runs if r in self._heard]\n",
+        removed="        cancelled: list[str] = []\n",
+        how="a handler started just before its run's cancel waits for a heartbeat to hear it",
+        tests=(
+            "tests/test_cancel.py::"
+            "test_a_watch_sent_after_the_cancel_hears_it_at_once_and_bad_ones_are_refused",
         ),
     ),
 )

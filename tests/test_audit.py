@@ -11,6 +11,7 @@ from dagnats.journal.audit import EngineStep, Finding, check_run, check_step
 from dagnats.journal.model import (
     Action,
     AnyEntry,
+    CancelEntry,
     ClaimEntry,
     CommitEntry,
     InputEntry,
@@ -648,3 +649,61 @@ def test_a_result_stored_with_a_commit_must_answer_an_intent() -> None:
     assert rules(findings) == ["unanswered_intent", "orphan_result"]
     assert findings[0].seq == 2 and "'search' at seq 2" in findings[0].message
     assert findings[1].seq == 3 and "answers seq 1, which is a claim" in findings[1].message
+
+
+# ---- a cancelled run ------------------------------------------------------------------
+
+
+def cancelled_journal() -> tuple[Journal, int]:
+    """A holder's tool runs when the engine appends the cancel (whatever the
+    tail); its result is stored after it, ahead of a copy of the cancel."""
+    j = Journal()
+    j.claim("a", 0)
+    intent = j.intent("charge")
+    j.output(intent)
+    j.entries.append(CancelEntry(seq=j.tail + 1, iteration=0, attempt=1, writer="", reason="stop"))
+    engine = j.tail
+    j.entries.append(
+        ResultEntry(
+            seq=engine + 1,
+            iteration=0,
+            attempt=1,
+            writer="a",
+            expected_seq=engine,
+            intent_seq=intent,
+            interrupted=True,
+            leading=True,
+        )
+    )
+    j.entries.append(
+        CancelEntry(
+            seq=engine + 1, iteration=0, attempt=1, writer="a", expected_seq=engine, reason="stop"
+        )
+    )
+    return j, engine
+
+
+def test_a_cancelled_journal_with_the_running_tools_result_after_the_cancel_is_sound() -> None:
+    j, _ = cancelled_journal()
+    assert check_step("agent", j.entries, engine_iterations=0, settling=True) == []
+
+
+def test_a_journal_that_holds_only_the_cancel_is_not_checked() -> None:
+    only = [CancelEntry(seq=7, iteration=3, attempt=1, writer="", reason="stop")]
+    assert check_step("plain", only, engine_iterations=3) == []
+
+
+def test_a_cancel_after_a_commit_of_its_iteration_is_no_late_record() -> None:
+    j = Journal()
+    j.claim("a", 0)
+    j.commit("continue")
+    j.entries.append(CancelEntry(seq=j.tail + 1, iteration=0, attempt=1, writer="", reason="x"))
+    assert check_step("agent", j.entries, engine_iterations=0, settling=True) == []
+
+
+def test_a_record_after_the_cancel_that_is_no_cancel_breaks_the_chain_or_the_fence() -> None:
+    j, engine = cancelled_journal()
+    j.entries.append(
+        ClaimEntry(seq=j.tail + 1, iteration=0, attempt=2, writer="b", expected_seq=engine)
+    )
+    assert "chain" in rules(check_step("agent", j.entries))

@@ -40,6 +40,8 @@ from tests.test_journal_session import claim_of, queued_run
 def example(cls: type[WireError]) -> WireError:
     if cls is errors.Fenced:
         return errors.Fenced("run1", "agent", expected=7, actual=9, detail="a successor wrote")
+    if cls is errors.RunCancelled:
+        return errors.RunCancelled("run1", "run run1 was cancelled: ü", step_id="agent")
     assert issubclass(cls, errors.DagnatsError)
     return cls(f"a {cls.__name__} happened: ü", field="token.writer")
 
@@ -52,6 +54,9 @@ def same(rebuilt: WireError, raised: WireError) -> None:
         assert isinstance(rebuilt, errors.Fenced)
         assert (rebuilt.run_id, rebuilt.step_id) == (raised.run_id, raised.step_id)
         assert (rebuilt.expected, rebuilt.actual) == (raised.expected, raised.actual)
+    if isinstance(raised, errors.RunCancelled):
+        assert isinstance(rebuilt, errors.RunCancelled)
+        assert (rebuilt.run_id, rebuilt.step_id) == (raised.run_id, raised.step_id)
 
 
 @pytest.mark.parametrize("cls", list(STATUS_OF), ids=lambda c: c.__name__)

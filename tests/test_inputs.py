@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 
 from dagnats.core import errors
 from dagnats.core import jetstream as jsx
-from dagnats.core.grpcutil import error_from_rpc
+from dagnats.core.grpcutil import WireError, error_from_rpc
 from dagnats.engine.runs import Runs
 from dagnats.engine.server import EngineServer
 from dagnats.engine.store import EngineStore
@@ -101,7 +101,7 @@ async def listed(stub: Any, run_id: str, **kw: Any) -> list[pb.Input]:
     return list(response.inputs)
 
 
-async def refused(call: Any) -> errors.DagnatsError | errors.Fenced:
+async def refused(call: Any) -> WireError:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await call
     return error_from_rpc(caught.value)

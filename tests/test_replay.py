@@ -16,6 +16,7 @@ from dagnats.journal.limits import MAX_PARTIAL_BYTES
 from dagnats.journal.model import (
     Action,
     AnyEntry,
+    CancelEntry,
     ClaimEntry,
     CommitEntry,
     IntentEntry,
@@ -28,7 +29,9 @@ from dagnats.journal.replay import (
     DEFAULT_RESTART_LIMIT,
     AlreadyCommitted,
     CallModel,
+    Cancelled,
     ClaimDecision,
+    FencedWrite,
     Honour,
     Interrupt,
     Mismatch,
@@ -36,8 +39,11 @@ from dagnats.journal.replay import (
     RunAgain,
     RunNew,
     Stale,
+    StoreAfterCancel,
+    StoredAfterCancel,
     UseResponse,
     UseResult,
+    cancel_of,
     claim_rides,
     cut_partial,
     decide_claim,
@@ -45,6 +51,7 @@ from dagnats.journal.replay import (
     decide_tool,
     deliveries_without_progress,
     partial_output,
+    refused_write,
     restart_limit_reached,
     rides_first_record,
     stands_on_a_guess,
@@ -864,3 +871,58 @@ def test_a_claim_rides_the_first_record_only_when_it_proceeds_on_nothing_stored(
     assert not rides_first_record(proceed, may_ride=False, found=0)
     assert not rides_first_record(proceed, may_ride=True, found=1), "records to fence or close"
     assert not rides_first_record(Stale(detail="later"), may_ride=True, found=0)
+
+
+# ---- a cancelled run's journal --------------------------------------------------------
+
+
+def engine_cancel(seq: int, reason: str = "stop") -> CancelEntry:
+    return CancelEntry(seq=seq, iteration=0, attempt=1, writer="", reason=reason)
+
+
+def test_only_a_tail_that_is_a_cancel_cancels() -> None:
+    j = J().claim().intent(p=0, name="charge")
+    assert cancel_of([j.last]) is None
+    assert cancel_of([]) is None
+    assert cancel_of([engine_cancel(3, "operator stop")]) == Cancelled(reason="operator stop")
+
+
+def test_a_write_refused_by_a_cancel_stores_nothing_but_a_result_of_a_seen_intent() -> None:
+    j = J().claim().intent(p=0, name="charge")
+    writer, intent = j.last.writer, j.last.seq
+    cancel = engine_cancel(intent + 1)
+    # A new intent, a model response, a commit: refused.
+    assert refused_write(tail=[cancel], first=cancel, writer=writer, result_for=0) == Cancelled(
+        reason="stop"
+    )
+    # The result of the tool that was running: stored after the cancel.
+    assert refused_write(
+        tail=[cancel], first=cancel, writer=writer, result_for=intent
+    ) == StoreAfterCancel(after=cancel.seq, cancel=cancel)
+    # Sent again once stored: the one stored answers it.
+    kept: list[AnyEntry] = [
+        ResultEntry(seq=cancel.seq + 1, iteration=0, attempt=1, writer=writer, intent_seq=intent),
+        CancelEntry(seq=cancel.seq + 1, iteration=0, attempt=1, writer=writer, reason="stop"),
+    ]
+    assert refused_write(
+        tail=kept, first=cancel, writer=writer, result_for=intent
+    ) == StoredAfterCancel(seq=cancel.seq + 1)
+
+
+def test_a_result_of_a_writer_a_successor_fenced_before_the_cancel_is_refused() -> None:
+    j = J().claim().intent(p=0, name="charge")
+    writer, intent = j.last.writer, j.last.seq
+    j.claim()  # a successor, before the cancel
+    successor = j.last
+    cancel = engine_cancel(successor.seq + 1)
+    decision = refused_write(tail=[cancel], first=successor, writer=writer, result_for=intent)
+    assert decision == Cancelled(reason="stop")
+
+
+def test_a_write_refused_without_a_cancel_is_fenced_as_before() -> None:
+    j = J().claim().intent(p=0, name="charge")
+    writer, intent = j.last.writer, j.last.seq
+    j.claim()
+    assert refused_write(tail=[j.last], first=j.last, writer=writer, result_for=intent) == (
+        FencedWrite()
+    )

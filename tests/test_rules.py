@@ -674,6 +674,26 @@ def test_only_a_run_with_nothing_in_motion_and_no_outbox_is_parked() -> None:
     assert rules.parked(backoff.run, outbox=False), "a timer it waits for is stored already"
 
 
+def test_a_cancel_seals_the_journal_of_each_step_a_handler_may_hold() -> None:
+    both = wf(
+        [
+            {"id": "agent", "type": "agent_loop", "task": "t"},
+            {"id": "child", "type": "sub_workflow", "workflow": "other"},
+            {"id": "after", "type": "task", "task": "t", "depends_on": ["agent"]},
+        ]
+    )
+    first = start(both)
+    cancelled = accepted(rules.apply(first.run, m.CancelRequested(reason="stop"), T0))
+    sealed = [e for e in cancelled.effects if isinstance(e, m.StoreCancel)]
+    # The running agent's journal, at its dispatch; not the child run's step
+    # (its run is cancelled) nor a step never dispatched.
+    assert sealed == [
+        m.StoreCancel(run_id="r" * 32, step_id="agent", iteration=0, attempt=1, reason="stop")
+    ]
+    announce = next(i for i, e in enumerate(cancelled.effects) if isinstance(e, m.AnnounceCancel))
+    assert cancelled.effects.index(sealed[0]) < announce, "sealed before it is announced"
+
+
 # ---- retention ------------------------------------------------------------------
 
 

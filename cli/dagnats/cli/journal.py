@@ -162,6 +162,8 @@ def _summary(kind: str, body: Any) -> str:
             return _result_summary(body)
         case "commit":
             return _commit_summary(body)
+        case "cancel":
+            return _shorten(json.dumps(body.reason))
     return "-"
 
 

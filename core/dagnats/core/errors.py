@@ -8,6 +8,7 @@ sees a ``grpc.RpcError`` and a client gets the fields the service raised
 (a fenced write's expected and actual sequences).
 
     BaseException
+    ├── RunCancelled                  the run was cancelled (or ended): stop, write nothing
     ├── JournalSignal                 the journal decided the task's fate (the SDK's
     │   │                             Stale, Committed and RestartLimit too)
     │   └── Fenced                    a successor holds the step; write nothing more
@@ -28,7 +29,8 @@ sees a ``grpc.RpcError`` and a client gets the fields the service raised
 ``Fenced`` is a ``BaseException``, as the other journal signals are, so that an
 ``except Exception:`` in a handler cannot swallow it: a fenced holder must stop
 (its acknowledgement would take the task from its successor). Services raise
-and answer it like any domain error.
+and answer it like any domain error. So is ``RunCancelled``: the journal
+refuses a cancelled run's writes with it, and a handler must stop.
 """
 
 from __future__ import annotations
@@ -182,6 +184,34 @@ class Fenced(JournalSignal):
             actual=_number(details.get("actual")),
             detail=message,
         )
+
+
+class RunCancelled(BaseException):
+    """The run was cancelled (or ended), so the handler must stop. The journal
+    refuses the run's new model calls, tool intents and claims with it and
+    stores nothing; the SDK also raises it from ``TaskContext.heartbeat``.
+
+    Attributes:
+        run_id: The cancelled run.
+        step_id: The step whose journal refused the write (empty when the
+            engine said it).
+    """
+
+    code: ClassVar[str] = "cancelled"
+    field: str | None = None
+
+    def __init__(self, run_id: str, message: str = "", *, step_id: str = "") -> None:
+        self.run_id = run_id
+        self.step_id = step_id
+        self.message = message or f"run {run_id} was cancelled"
+        super().__init__(self.message)
+
+    def details(self) -> dict[str, str]:
+        return {"run_id": self.run_id, "step_id": self.step_id}
+
+    @classmethod
+    def from_wire(cls, message: str, field: str | None, details: Mapping[str, str]) -> RunCancelled:
+        return cls(details.get("run_id", ""), message, step_id=details.get("step_id", ""))
 
 
 def _number(text: str | None) -> int:

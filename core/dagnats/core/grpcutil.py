@@ -25,8 +25,11 @@ from dagnats.core import deadline, errors
 
 log = logging.getLogger(__name__)
 
+# What a status carries: a domain error, a fenced write, or a cancelled run's.
+WireError = errors.DagnatsError | errors.Fenced | errors.RunCancelled
+
 # Domain error -> status code, both ways.
-STATUS_OF: dict[type[errors.DagnatsError | errors.Fenced], grpc.StatusCode] = {
+STATUS_OF: dict[type[WireError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.RecordTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
@@ -39,12 +42,11 @@ STATUS_OF: dict[type[errors.DagnatsError | errors.Fenced], grpc.StatusCode] = {
     errors.ReplayMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     # Not UNAVAILABLE: clients retry that, and no retry creates a stream.
     errors.NotProvisioned: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.RunCancelled: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 # The error code carried in trailing metadata -> class, for the way back.
-_CLASS_OF_CODE: dict[str, type[errors.DagnatsError | errors.Fenced]] = {
-    c.code: c for c in STATUS_OF
-}
+_CLASS_OF_CODE: dict[str, type[WireError]] = {c.code: c for c in STATUS_OF}
 # Status codes that mean "the transport failed, try again". RESOURCE_EXHAUSTED
 # is not one: a message over a size limit is as large on every try.
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -84,8 +86,6 @@ def status_of(err: WireError) -> grpc.StatusCode:
 
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
-# What a status carries: a domain error, or a fenced write.
-WireError = errors.DagnatsError | errors.Fenced
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -98,7 +98,7 @@ def domain_errors(method: F) -> F:
         try:
             with deadline.serving(context.time_remaining()):
                 return await method(self, request, context)
-        except (Exception, errors.Fenced) as err:
+        except (Exception, errors.Fenced, errors.RunCancelled) as err:
             if (domain := as_domain_error(err)) is None:
                 raise
             await abort_with(context, domain)
@@ -115,7 +115,7 @@ def as_domain_error(err: BaseException) -> WireError | None:
     Used by unary methods (:func:`domain_errors`) and by the journal's Session
     stream, so both answer the same failure with the same status.
     """
-    if isinstance(err, errors.DagnatsError | errors.Fenced):
+    if isinstance(err, errors.DagnatsError | errors.Fenced | errors.RunCancelled):
         return err
     return transient_nats(err) if isinstance(err, Exception) else None
 

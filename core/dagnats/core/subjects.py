@@ -99,6 +99,14 @@ def cancel_subject(run_id: str) -> str:
     return f"dagnats.cancel.{run_id}"
 
 
+ALL_CANCELS = cancel_subject("*")
+
+
+def cancelled_run(subject: str) -> str:
+    """The run a ``dagnats.cancel.<run>`` subject announces."""
+    return subject.removeprefix(cancel_subject(""))
+
+
 def live_stream_subject(run_id: str, step_id: str) -> str:
     return f"{LIVE_STREAM}.{run_id}.{step_id}"
 

@@ -158,6 +158,18 @@ export class TaskContext {
     await this.#settle('fail', { error: describe(error), kind: 'FAILURE_KIND_RETRIABLE', reason });
   }
 
+  // Lets go of the task of a cancelled run, which drops any outcome. A journaled
+  // dispatch cannot commit (the journal refuses a cancelled run's writes, code
+  // "cancelled"): its task is acknowledged instead.
+  async giveUpCancelled() {
+    if (!this.#journal) {
+      await this.failPermanent(`run ${this.runId} was cancelled`, { reason: 'cancelled' });
+      return;
+    }
+    this.#settledAs = 'acknowledge';
+    await this.#rpc.call('report', this.#request({ acknowledge: {} }));
+  }
+
   async failPermanent(error, { reason = '' } = {}) {
     await this.#settle('fail', { error: describe(error), kind: 'FAILURE_KIND_PERMANENT', reason });
   }

@@ -199,8 +199,8 @@ export class Worker {
       return;
     }
     if (tc.cancelled) {
-      // The engine drops this report (the run is cancelled) and releases the task.
-      await report(tc.failPermanent(`run ${tc.runId} was cancelled`, { reason: 'cancelled' }));
+      // The engine drops any outcome of a cancelled run: the task is let go.
+      await report(tc.giveUpCancelled());
     } else if (err instanceof PermanentError) {
       await report(tc.failPermanent(err, { reason: err.reason }));
     } else if (err instanceof DagnatsError && REFUSALS.has(err.code)) {

@@ -499,6 +499,19 @@ class TaskContext:
         self._cancelled = True
         self._cancellation.set()
 
+    async def _give_up_cancelled(self) -> None:
+        """Let go of the task of a cancelled run, which drops its outcome. A
+        journaled dispatch cannot commit any more (the journal refuses the
+        run's writes): its task is acknowledged instead."""
+        if self._journal is None:
+            if self._settled_as is None:
+                await self.fail_permanent(f"run {self.run_id} was cancelled", reason="cancelled")
+            return
+        request = self._request(pb.ReportRequest())
+        request.acknowledge.SetInParent()
+        await self._rpc.report(request, lease=self._lease)
+        self._settle_done = True
+
     async def _settle(self, field: str, outcome: Outcome) -> None:
         if self._settled_as is not None:
             raise TaskAlreadySettled(
@@ -535,6 +548,9 @@ class TaskContext:
                     self._mark_cancelled()
         except (DagnatsError, Fenced):
             self._settled_as = None
+            raise
+        except RunCancelled:  # the journal refused the commit: nothing was stored
+            self._mark_cancelled()
             raise
         self._settle_done = True
         await seam("after_event")

@@ -8,6 +8,7 @@ SDK user ever sees a ``grpc.RpcError``.
 
     BaseException
     ├── RunCancelled                  the run was cancelled; the handler must stop
+    │                                 (the journal refuses its writes with it)
     ├── JournalSignal                 the task is settled or lost; return at once
     │   ├── Stale                     a late redelivery: a later dispatch exists
     │   ├── Committed                 this dispatch was committed before a crash
@@ -47,6 +48,7 @@ from dagnats.core.errors import (
     NotFound,
     PermissionDenied,
     ReplayMismatch,
+    RunCancelled,
     Unauthenticated,
     Unavailable,
 )
@@ -74,23 +76,6 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
 ]
-
-
-class RunCancelled(BaseException):
-    """The run of the current task was cancelled; the handler should stop.
-
-    Raised into a handler by :meth:`TaskContext.heartbeat` when the engine
-    answers that the run was cancelled. The worker reports the task as failed
-    for good, and the engine drops that report because the run is cancelled.
-
-    Attributes:
-        run_id: The cancelled run.
-    """
-
-    def __init__(self, run_id: str, message: str = "") -> None:
-        self.run_id = run_id
-        self.message = message or f"run {run_id} was cancelled"
-        super().__init__(self.message)
 
 
 class PermanentError(Exception):

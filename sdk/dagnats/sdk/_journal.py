@@ -19,7 +19,9 @@ Invariants:
 - After ``Fenced`` the handle writes nothing more; after its commit, ``hold``
   has nothing left to check.
 - A tool stopped because its run was cancelled is answered ``interrupted``
-  before the worker commits, so every intent the handle wrote has a result.
+  (the journal takes a result of an intent written before the cancel), so
+  every intent the handle wrote has a result. Once the run is known cancelled
+  no call starts (``RunCancelled``); the journal refuses the rest itself.
 - A model call reads the step's tail first (``BeginModel``), so a fenced
   holder does not spend it, unless the handle's last write was stored from a
   call sent at most ``FRESH_TAIL`` before and nothing is recorded at the
@@ -355,8 +357,10 @@ class Journal:
             output = await fn(ToolRun(call=call, _report=report))
         except Exception as err:  # the tool's own error is part of its result
             error = f"{type(err).__name__}: {err}"
-        except (asyncio.CancelledError, RunCancelled):
-            if self._cancellation.is_set():
+        except (asyncio.CancelledError, RunCancelled) as stop:
+            # Stopped by its run's cancel (heard, or the journal's refusal of
+            # its output), not by a worker that gives up: answer the intent.
+            if self._cancellation.is_set() or isinstance(stop, RunCancelled):
                 await self._interrupted(intent_seq, "".join(reported))
             raise
         else:
@@ -421,7 +425,7 @@ class Journal:
                     )
                 )
             )
-        except (DagnatsError, Fenced) as err:
+        except (DagnatsError, Fenced, RunCancelled) as err:
             log.warning(
                 "%s/%s: could not record the cancelled tool call at seq %d as interrupted: %s",
                 self._token.run_id,
@@ -521,7 +525,7 @@ class Journal:
             async with self._sending:
                 if not self._fenced:
                     await self._store_pending()
-        except (DagnatsError, Fenced) as err:
+        except (DagnatsError, Fenced, RunCancelled) as err:
             # Still pending (or fenced): the next call tries again and raises.
             log.debug(
                 "%s/%s: a pending journal entry was not stored yet: %s",
@@ -593,6 +597,10 @@ class Journal:
             return await self._locked(lambda t: rpc(t, None), then)
 
     def _turn(self) -> _Turn:
+        if self._cancellation.is_set():
+            # Heard from the engine: no model call or tool starts, whatever
+            # the freshness of this holder's last write.
+            raise RunCancelled(self._token.run_id, step_id=self._token.step_id)
         if self._busy:
             raise ConcurrentJournalUse(
                 "two asyncio tasks used one journal handle at once; make journaled calls "

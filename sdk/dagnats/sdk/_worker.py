@@ -15,6 +15,9 @@ Invariants:
 - The lease is kept alive until the task is settled, the settle included: a
   call retried while the engine restarts keeps its lease when the engine is
   back. Only a holder extends it (see ``_keep_alive``).
+- A cancelled run's handlers are cancelled as soon as the engine answers
+  the worker's watch for it (``_cancels``, a poll naming the runs its
+  handlers run), or else its heartbeat says so.
 - Stopping cancels the poll in flight. Tasks that poll had already leased are
   not lost: their leases expire and the engine delivers them again.
 """
@@ -27,7 +30,7 @@ import os
 import random
 import secrets
 import socket
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -38,6 +41,7 @@ from dagnats.core import tracing
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument, ReplayMismatch
 from dagnats.core.ids import check_token, check_worker_id
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk._cancels import CancelWatch
 from dagnats.sdk._context import ASSUMED_LEASE, Handover, TaskContext, describe_error
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import Fenced, JournalSignal, PermanentError, RunCancelled
@@ -155,6 +159,8 @@ class Worker:
         )
         self._inflight: set[asyncio.Task[None]] = set()
         self._contexts: set[TaskContext] = set()  # of the handlers running now
+        self._running: dict[TaskContext, asyncio.Task[None]] = {}  # their handlers' tasks
+        self._cancels = CancelWatch(self._watch_cancels, self._run_cancelled)
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._finished = asyncio.Event()
@@ -200,6 +206,7 @@ class Worker:
         self._started = True
         log.info("worker %s polling for %s", self._worker_id, sorted(self._handlers))
         self._rpc.check_journal_socket()
+        watching = asyncio.create_task(self._cancels.run(), name="cancel watch")
         try:
             await self._poll_loop()
         except asyncio.CancelledError:
@@ -209,6 +216,8 @@ class Worker:
             try:
                 await self._drain()
             finally:
+                watching.cancel()
+                await asyncio.wait((watching,))
                 await self._rpc.close()
                 self._finished.set()
                 log.info("worker %s stopped", self._worker_id)
@@ -276,6 +285,28 @@ class Worker:
         deadline = self._poll_wait + self._rpc.timeout
         response = await self._rpc.poll_tasks(request, deadline=deadline)
         return list(response.tasks)
+
+    async def _watch_cancels(self, runs: Sequence[str]) -> Sequence[str]:
+        """One watch for the cancel of ``runs``: a poll that leases nothing."""
+        wait = Duration()
+        wait.FromNanoseconds(round(self._poll_wait * 1e9))
+        request = pb.PollTasksRequest(
+            task_types=list(self._handlers),
+            wait=wait,
+            worker_id=self._worker_id,
+            cancel_watch=runs,
+        )
+        response = await self._rpc.poll_tasks(request, deadline=self._poll_wait + self._rpc.timeout)
+        return list(response.cancelled_runs)
+
+    def _run_cancelled(self, run_id: str) -> None:
+        """The engine said ``run_id`` was cancelled: stop its handlers now (but
+        one settling its task, whose settle the run drops or the journal refuses)."""
+        for tc, running in list(self._running.items()):
+            if tc.run_id == run_id and not tc.settled:
+                log.info("run %s was cancelled; cancelling step %s", run_id, tc.step_id)
+                tc._mark_cancelled()
+                running.cancel()
 
     async def _unless_stopping(self, work: Coroutine[Any, Any, T]) -> T | None:
         """Await ``work`` unless stop() comes first; then cancel it and return None."""
@@ -374,11 +405,15 @@ class Worker:
             # RPCs) without cancelling the code that reports the outcome.
             running = asyncio.create_task(_invoke(handler, tc))
             beats = asyncio.create_task(self._keep_alive(tc, running))
+            self._running[tc] = running
+            self._cancels.add(tc.run_id)
             try:
                 await asyncio.wait((running,))
                 # The lease stays alive while the outcome is reported.
                 await self._conclude(tc, running, span)
             finally:
+                del self._running[tc]
+                self._cancels.remove(tc.run_id)
                 beats.cancel()
                 if not running.done():  # stop() gave up on this task
                     running.cancel()
@@ -406,6 +441,9 @@ class Worker:
                 if journal is not None and not (journal.in_flight and tc._lease.live()):
                     await journal.hold()
                 cancelled = await tc._beat()
+            except RunCancelled:  # the journal says so: the run's end sealed it
+                tc._mark_cancelled()
+                cancelled = True
             except Fenced:
                 log.warning("%s/%s: a successor holds the step; stopping", tc.run_id, tc.step_id)
                 running.cancel()
@@ -430,14 +468,15 @@ class Worker:
             # acknowledge (it would take the task from its successor).
             span.set_status(Status(StatusCode.OK))
             return
+        if tc.cancelled and not tc._settle_done:
+            # The engine drops any outcome of a cancelled run: the task is let go.
+            await _report(tc._give_up_cancelled())
+            return
         if tc.settled:
             if err is not None and not isinstance(err, RunCancelled):
                 log.warning("handler for %s raised after settling its task", tc.task_type)
             return
-        if tc.cancelled:
-            # The engine drops this report (the run is cancelled) and releases the task.
-            await _report(tc.fail_permanent(f"run {tc.run_id} was cancelled", reason="cancelled"))
-        elif running.cancelled():
+        if running.cancelled():
             await _report(tc.fail("handler was cancelled"))
         elif isinstance(err, PermanentError):
             await _report(tc.fail_permanent(err, reason=err.reason))
@@ -461,7 +500,7 @@ async def _invoke(handler: Handler, tc: TaskContext) -> None:
 async def _report(settle: Awaitable[None]) -> None:
     try:
         await settle
-    except (DagnatsError, Fenced) as err:
+    except (DagnatsError, Fenced, RunCancelled) as err:
         log.warning(
             "could not report a task (%s); its lease will expire and the engine "
             "will deliver it again",

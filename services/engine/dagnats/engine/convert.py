@@ -9,6 +9,7 @@ from dagnats.core.status import step_status_from_proto, step_status_to_proto
 from dagnats.core.subjects import (
     cancel_subject,
     history_subject,
+    journal_subject,
     purge_timer_subject,
     task_subject,
     timer_subject,
@@ -360,6 +361,8 @@ def outbox_entry(effect: m.Effect, headers: dict[str, str], now: float) -> ipb.O
             return _event_entry(event, now, msg_id, headers)
         case m.AnnounceCancel():
             return ipb.OutboxEntry(subject=cancel_subject(effect.run_id), data=b"")
+        case m.StoreCancel():
+            return cancel_record_entry(effect, now)
         case m.StepInputs():
             event = ipb.HistoryEvent(
                 run_id=effect.run_id,
@@ -375,6 +378,26 @@ def outbox_entry(effect: m.Effect, headers: dict[str, str], now: float) -> ipb.O
             what = "close" if effect.close else "check"
             msg_id = f"{effect.run_id}.{effect.step_id}.inputs.{what}.{effect.iteration}"
             return _event_entry(event, now, msg_id, headers)
+
+
+def cancel_record_entry(effect: m.StoreCancel, now: float) -> ipb.OutboxEntry:
+    """The cancel record of a step's journal, as an outbox entry: published
+    with no expected sequence, so it lands whatever the tail (and fences the
+    holder), once per step (its Msg-Id). It names no writer: the engine's."""
+    record = jpb.Record(
+        run_id=effect.run_id,
+        step_id=effect.step_id,
+        iteration=effect.iteration,
+        attempt=effect.attempt,
+        cancel=jpb.Cancel(reason=effect.reason),
+    )
+    record.time.CopyFrom(timestamp(now))
+    return ipb.OutboxEntry(
+        subject=journal_subject(effect.run_id, effect.step_id),
+        data=record.SerializeToString(),
+        msg_id=f"{effect.run_id}.{effect.step_id}.cancel",
+        headers={"Dagnats-Kind": "cancel"},
+    )
 
 
 def _event_entry(

@@ -284,6 +284,19 @@ class AnnounceCancel:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StoreCancel:
+    """Append a cancel record to the journal of a step the run's end stopped,
+    whatever its tail: the holder's next write is refused by the fence, and
+    the journal answers it ``RunCancelled``."""
+
+    run_id: str
+    step_id: str
+    iteration: int
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepInputs:
     """Close a finished step's queued inputs, or check a step that began to wait
     for input for inputs that arrived during its turn."""
@@ -315,6 +328,7 @@ Effect = (
     | CancelChildRun
     | NotifyParent
     | AnnounceCancel
+    | StoreCancel
     | StepInputs
     | PurgeLater
 )

@@ -87,6 +87,7 @@ from dagnats.engine.model import (
     StepOutcome,
     StepReport,
     StepStatus,
+    StoreCancel,
     TaskVanished,
     TimerFired,
     TimerKind,
@@ -804,8 +805,9 @@ def _cancel(run: Run, reason: str, now: float) -> Accepted:
 def _finish(
     run: Run, status: RunStatus, error: str, now: float, effects: tuple[Effect, ...]
 ) -> Accepted:
-    """End the run: stop every unfinished step, cancel live children, tell the
-    parent, and announce the end so running handlers stop."""
+    """End the run: stop every unfinished step, cancel live children, seal the
+    journal of each step a handler may hold (a cancel record: its next write
+    is refused), tell the parent, and announce the end so running handlers stop."""
     steps = []
     extra: list[Effect] = []
     for step in run.steps:
@@ -814,6 +816,16 @@ def _finish(
             continue
         if step.child_run_id and step.status is StepStatus.RUNNING:
             extra.append(CancelChildRun(child_run_id=step.child_run_id, reason=error))
+        elif step.status is not StepStatus.PENDING:
+            extra.append(
+                StoreCancel(
+                    run_id=run.run_id,
+                    step_id=step.step_id,
+                    iteration=step.iteration,
+                    attempt=step.attempt,
+                    reason=error,
+                )
+            )
         # A pending step takes inputs too: they end with it.
         closed = _inputs(run, step, close=True)
         extra.append(replace(closed, status=StepStatus.CANCELLED))

@@ -43,6 +43,7 @@ from dagnats.core.natsauth import NatsSettings
 from dagnats.core.natsserver import check_sync_always
 from dagnats.core.settings import SERVICES, host_port, is_loopback
 from dagnats.engine.access import Role, missing_for_open_host, tokens_of
+from dagnats.engine.cancels import CancelWatch
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.processor import Engine
 from dagnats.engine.report import TaskSettler
@@ -138,8 +139,10 @@ class EngineServer(ServiceServer):
     engine: Engine
     watches: RunWatches
     feed: RunFeed
+    cancels: CancelWatch
 
     async def _stop_work(self) -> None:
+        await self.cancels.close()  # the cancels that polls watch for
         await self.watches.close()  # the run watches of WatchRun calls
         await self.feed.close()  # the runs watch of WatchRuns calls
         await self.engine.stop()
@@ -306,6 +309,7 @@ async def start_services(
     if engine is not None:
         claims = journal.ride_claim if journal is not None else None  # ADR 42
         servicer = EngineServicer(engine, journal_store, claims=claims)
+        await servicer.cancels.start()  # the cancels its workers' polls watch for
         pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
     served_health = await _add_health_and_reflection(server, [_NAMES[s] for s in served])
     address = host_port(host, port)
@@ -357,7 +361,13 @@ async def start_services(
     )
     if engine is None or servicer is None:
         return parts
-    return EngineServer(**vars(parts), engine=engine, watches=servicer.watches, feed=servicer.feed)
+    return EngineServer(
+        **vars(parts),
+        engine=engine,
+        watches=servicer.watches,
+        feed=servicer.feed,
+        cancels=servicer.cancels,
+    )
 
 
 def _refuse_open(host: str, security: ServerSecurity) -> None:

@@ -18,6 +18,7 @@ from dagnats.core.status import step_status_from_proto
 from dagnats.core.timestamps import duration
 from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
+from dagnats.engine.cancels import CancelWatch
 from dagnats.engine.convert_workflow import stored_workflow, workflow_from_proto, workflow_to_proto
 from dagnats.engine.processor import Engine
 from dagnats.engine.purge import purge_run
@@ -41,6 +42,18 @@ MAX_POLL_WAIT = 60.0
 DEFAULT_POLL_WAIT = 10.0
 MAX_IDEMPOTENCY_KEY = 256
 MAX_INPUT_BYTES = 4 << 20
+MAX_CANCEL_WATCH = 1024
+
+
+def _cancel_watch(request: pb.PollTasksRequest) -> list[str]:
+    runs = list(dict.fromkeys(request.cancel_watch))
+    if len(runs) > MAX_CANCEL_WATCH:
+        raise errors.InvalidArgument(
+            f"cancel_watch names at most {MAX_CANCEL_WATCH} runs", field="cancel_watch"
+        )
+    for i, run_id in enumerate(runs):
+        check_run_id(run_id, field=f"cancel_watch[{i}]")
+    return runs
 
 
 def _runs_filter(request: pb.WatchRunsRequest) -> Filter:
@@ -84,6 +97,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if engine.heard is not None:
             engine.heard.on_other_write = self.watches.heard
         self.feed = RunFeed(engine.store)
+        self.cancels = CancelWatch(engine.store)
 
     # ---- workflows ----------------------------------------------------------------
 
@@ -228,13 +242,24 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     ) -> pb.CancelRunResponse:
         run_id = check_run_id(request.run_id)
         reason = request.reason or "cancelled by request"
-        result = await self.engine.apply(run_id, m.CancelRequested(reason=reason))
+        result = await self._cancel(run_id, reason)
         if result is None:
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
         run, decision = result
         if isinstance(decision, m.Dropped) and run.status is not m.RunStatus.CANCELLED:
             raise errors.Conflict(f"run {run_id} is {run.status.value}; it cannot be cancelled")
         return pb.CancelRunResponse(run=convert.run_to_proto(run))
+
+    async def _cancel(self, run_id: str, reason: str) -> tuple[m.Run, m.Decision] | None:
+        """Cancel the run, then its live child runs, and theirs, before the
+        answer: the cancel stored each stopped step's cancel record, so once
+        CancelRun answers, no journal of the tree takes a new call. (The child
+        runs' cancel events on the history come after, and are dropped.)"""
+        result = await self.engine.apply(run_id, m.CancelRequested(reason=reason))
+        if result is not None and isinstance(decision := result[1], m.Accepted):
+            children = [e for e in decision.effects if isinstance(e, m.CancelChildRun)]
+            await asyncio.gather(*(self._cancel(c.child_run_id, c.reason) for c in children))
+        return result
 
     @domain_errors
     async def PurgeRun(self, request: pb.PurgeRunRequest, context: Context) -> pb.PurgeRunResponse:
@@ -272,6 +297,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         check_worker_id(request.worker_id)
         wait = request.wait.ToNanoseconds() / 1e9 if request.HasField("wait") else DEFAULT_POLL_WAIT
         wait = min(max(wait, 0.05), MAX_POLL_WAIT)
+        if request.cancel_watch:
+            runs = _cancel_watch(request)
+            return pb.PollTasksResponse(cancelled_runs=await self.cancels.wait(runs, wait))
         for task_type in types:
             await self._ensure_consumer(task_type)
         msgs = await self._fetch(types, max_tasks, wait)
@@ -457,6 +485,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if stored is None:
             await self.store.release(lease)
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
+        cancelled = stored.record.run.status == pb.RUN_STATUS_CANCELLED
         event = outcome_event(
             run_id=run_id,
             step_id=step_id,
@@ -466,10 +495,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             outcome=outcome,
             now=self.engine.clock(),
         )
-        if await self._refused(event):
+        # A cancelled run drops the event: nothing to check it against (the
+        # step's journal ends in a cancel record, which no report names).
+        if not cancelled and await self._refused(event):
             return pb.ReportResponse(stale=True)
         await publish_outcome(self.store, lease, event)
-        cancelled = stored.record.run.status == pb.RUN_STATUS_CANCELLED
         return pb.ReportResponse(
             cancelled=cancelled, stale=not cancelled and self._stale(stored, event)
         )

@@ -27,8 +27,10 @@ from nats.js.kv import KeyValue
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import NotFound, Unavailable
 from dagnats.core.subjects import (
+    ALL_CANCELS,
     DIRECT_QUEUE,
     DIRECT_REPORTS,
+    cancelled_run,
     dead_letter,
     history_subject,
     kv_key,
@@ -809,6 +811,20 @@ class EngineStore:
             msg_id=msg_id,
             headers=dict(event.trace_context),
         )
+
+    # ---- cancellations ---------------------------------------------------------------
+
+    async def hear_cancels(self, deliver: Callable[[str], None]) -> Callable[[], Awaitable[None]]:
+        """Hand the run of every cancel announced from now on to ``deliver``
+        (core NATS: at most once); returns once the subscription is in place,
+        with the call that ends it."""
+
+        async def on_msg(msg: Msg) -> None:
+            deliver(cancelled_run(msg.subject))
+
+        sub = await self.nc.subscribe(ALL_CANCELS, cb=on_msg)
+        await self.nc.flush()
+        return sub.unsubscribe
 
     # ---- notices: the engine's word to a holder of a kept task (ADR 31) ------------
 

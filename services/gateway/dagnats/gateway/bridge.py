@@ -152,9 +152,14 @@ async def resolve(b: BackendDep, body: bm.ResolveBody) -> bm.ResolveResult:
         given = "state" in body.model_fields_set
         state = encode(body.state, field="state") if given else await ops.state_of(b, t)
         commit = commit_of(outcome, state)
-        done = await ops.writing(
-            b, t, b.rpc.commit(jpb.CommitRequest(token=t.writer, commit=commit))
-        )
+        try:
+            done = await ops.writing(
+                b, t, b.rpc.commit(jpb.CommitRequest(token=t.writer, commit=commit))
+            )
+        except ApiError as refused:
+            if refused.code == "cancelled":  # the journal stored nothing: let the task go
+                await ops.let_go(b, t)
+            raise
         request.journal_seq = done.commit_seq
     response = await ops.refused_as_fenced(b.rpc.report(request))
     if response.cancelled:

@@ -5,7 +5,9 @@ A journal refusal (``Fenced``) is explained from the records that follow the
 writer's last seen one by the pure rule ``dagnats.journal.replay.why_fenced``:
 410 ``stale`` or ``committed`` when the task is finished, 409 ``fenced`` when a
 successor holds it, and no refusal when the token was only behind a write of
-its own. A cancelled run is 409 ``cancelled`` whatever the journal says.
+its own. A cancelled run is 409 ``cancelled`` whatever the journal says, and
+so is a journal call the journal refused because the run was cancelled
+(``RunCancelled``: nothing was written).
 
 A record too large for the journal (``RecordTooLarge``) would be refused on
 every delivery: the step fails for good at once, and the answer, 413
@@ -20,7 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Literal, TypeVar, cast
 
-from dagnats.core.errors import Fenced, RecordTooLarge
+from dagnats.core.errors import Fenced, RecordTooLarge, RunCancelled
 from dagnats.core.outcomes import commit_of, settled_report
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway.backend import Backend
@@ -47,7 +49,8 @@ async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | 
     if t.writer is not None:
         return t, None
     # A claim that loses to a concurrent claim is fenced: 409, like any write.
-    response = await refused_as_fenced(
+    response = await _unless_cancelled(
+        t,
         b.rpc.claim(
             jpb.ClaimRequest(
                 run_id=t.run_id,
@@ -59,7 +62,7 @@ async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | 
                 restart_limit=t.restart_limit,
                 lease=t.lease,
             )
-        )
+        ),
     )
     if response.HasField("settled"):
         raise await _settle(b, t, response.settled)
@@ -101,6 +104,8 @@ async def writing(b: Backend, t: BridgeToken, call: Awaitable[T], *, intent_seq:
     ``intent_seq``: the intent the write answers, if it is a tool's result."""
     try:
         return await call
+    except RunCancelled:
+        raise cancelled(t) from None
     except Fenced as err:
         reason = await why_fenced(b, t)
         if reason == "own":
@@ -149,6 +154,8 @@ async def holding(b: Backend, t: BridgeToken) -> None:
     assert t.writer is not None
     try:
         await b.rpc.hold(jpb.HoldRequest(token=t.writer))
+    except RunCancelled:
+        raise cancelled(t) from None
     except Fenced as err:
         reason = await why_fenced(b, t)
         if reason != "own":
@@ -193,6 +200,15 @@ async def refused_as_fenced(call: Awaitable[T]) -> T:
         raise fenced(err) from None
 
 
+async def _unless_cancelled(t: BridgeToken, call: Awaitable[T]) -> T:
+    """Await a journal call; its refusal of a cancelled run is 409 ``cancelled``,
+    a fenced one 409 ``fenced``."""
+    try:
+        return await refused_as_fenced(call)
+    except RunCancelled:
+        raise cancelled(t) from None
+
+
 @asynccontextmanager
 async def records_from(
     b: Backend, t: BridgeToken, from_seq: int, *, limit: int = 0
@@ -205,6 +221,14 @@ async def records_from(
     finally:
         # JournalClient.read is an async generator: closing it cancels the RPC.
         await cast(AsyncGenerator[jpb.Record, None], stream).aclose()
+
+
+async def let_go(b: Backend, t: BridgeToken) -> None:
+    """Acknowledge the task of a cancelled run, whose journal refused its
+    commit: the run drops any outcome, and the task would wait out its lease."""
+    request = pb.ReportRequest(lease=t.lease, run_id=t.run_id, step_id=t.step_id)
+    request.acknowledge.SetInParent()
+    await refused_as_fenced(b.rpc.report(request))
 
 
 def cancelled(t: BridgeToken) -> ApiError:

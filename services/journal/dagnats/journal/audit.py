@@ -13,6 +13,11 @@ Invariants, named by the rule a violation reports:
   its writer saw. A record that holds two entries (a model response or a
   tool result ahead of an intent or a commit) is one link of the chain; every
   other rule reads its entries as records of their own, in their order.
+* A cancel record is the engine's, appended whatever the tail when the run
+  ended: it is no link of the chain (the record after it expects it), no
+  record of a dispatch, and fences nothing by itself; what follows it is the
+  holder's copy of it carrying a tool result (``journal.replay``). A step
+  whose journal holds nothing else never journaled, and is not checked.
 * ``after_fence``: a claim fences every writer that claimed before it, and no
   record by a fenced writer comes after that claim. A record whose writer
   never claimed is fenced by any claim before it.
@@ -60,6 +65,7 @@ from typing import Literal, TypeVar, assert_never
 from dagnats.journal.model import (
     Action,
     AnyEntry,
+    CancelEntry,
     ClaimEntry,
     CommitEntry,
     InputEntry,
@@ -146,6 +152,8 @@ def check_step(
     Returns:
         The findings, in sequence order; empty when the journal is sound.
     """
+    if all(isinstance(r, CancelEntry) and r.by_engine for r in entries):
+        return []  # only the run's end: the step never journaled
     # On seq, and within a record as stored: a handed-over claim, the other
     # leading entry, then its kind's.
     records = sorted(entries, key=lambda r: (r.seq, not r.leading, not isinstance(r, ClaimEntry)))
@@ -211,6 +219,9 @@ def _chain(records: Sequence[AnyEntry]) -> Iterator[_Found]:
     for r in records:
         if r.leading:
             continue  # its record's link is checked once, on the entry after it
+        if isinstance(r, CancelEntry) and r.by_engine:
+            previous = r.seq  # appended whatever the tail
+            continue
         if r.expected_seq != previous:
             if previous == 0:
                 why = f"is the first record but expected the tail at seq {r.expected_seq}"
@@ -233,6 +244,8 @@ def _fencing(records: Sequence[AnyEntry]) -> Iterator[_Found]:
     fenced_by: dict[str, ClaimEntry] = {}
     last_claim: ClaimEntry | None = None
     for r in records:
+        if isinstance(r, CancelEntry) and r.by_engine:
+            continue
         if r.writer in fenced_by:
             fence = fenced_by[r.writer]
             yield (
@@ -281,6 +294,8 @@ def _commits(records: Sequence[AnyEntry]) -> Iterator[_Found]:
                 f"iteration {iteration} has {len(group)} commits that end it ({_seqs(group)})",
             )
     for r in records:
+        if isinstance(r, CancelEntry):
+            continue  # the run's end, no record of a dispatch
         closing = _closing_commit(commits, r)
         if closing is not None and r.seq not in reported:
             yield r.seq, "commit_count", _after_commit_message(r, closing)
@@ -487,6 +502,8 @@ def _kind(r: AnyEntry) -> str:
             return f"commit {action.value}"
         case InputEntry(request_id=request_id):
             return f"input {request_id!r} placed"
+        case CancelEntry():
+            return "cancel"
         case _:
             assert_never(r)
 

@@ -114,6 +114,8 @@ def entry(record: pb.Record) -> jm.AnyEntry:
             content=p.content,
             carried=p.carried,
         )
+    if kind == "cancel":
+        return jm.CancelEntry(**head, reason=record.cancel.reason)
     raise ValueError(f"record {record.seq} has no kind")
 
 

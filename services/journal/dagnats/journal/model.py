@@ -106,8 +106,28 @@ class InputEntry(Entry):
     carried: bool = False
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CancelEntry(Entry):
+    """The run was cancelled (or ended). The engine's own has no writer, and
+    was appended whatever the tail; a holder's (its writer's) carries, ahead
+    of it, the result of a tool call the holder started before the cancel."""
+
+    reason: str = ""
+
+    @property
+    def by_engine(self) -> bool:
+        return not self.writer
+
+
 AnyEntry = (
-    ClaimEntry | ModelEntry | IntentEntry | OutputEntry | ResultEntry | CommitEntry | InputEntry
+    ClaimEntry
+    | ModelEntry
+    | IntentEntry
+    | OutputEntry
+    | ResultEntry
+    | CommitEntry
+    | InputEntry
+    | CancelEntry
 )
 
 

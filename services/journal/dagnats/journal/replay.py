@@ -51,6 +51,20 @@ place-inputs calls share one position counter):
   honours it: the earlier result (or ``interrupted``) is used and the tool is
   not started. Each earlier intent is honoured at most once.
 
+Cancellation (``cancel_of``, ``refused_write``): the engine appends a
+cancel record to the journal of each step its run's end stopped, whatever the
+tail, before the cancel is answered; from then on the tail is always a cancel:
+
+* A claim whose tail is a cancel -> ``Cancelled``, before anything is read.
+* A write refused by the fence (its writer's tail moved on) whose tail is a
+  cancel -> ``Cancelled``, and nothing is written; but for a tool result (on
+  its own, or ahead of a commit) that answers an intent its writer saw, when
+  the first record after the writer's tail is the engine's cancel (no
+  successor wrote in between): it is stored after the tail, ahead of a copy
+  of the cancel (``StoreAfterCancel``), once (``StoredAfterCancel``). A tool
+  already running when the cancel came thus keeps its result.
+* A refused write whose tail is no cancel -> ``Fenced``, as before.
+
 Why a writer was fenced (``why_fenced``), from the records after its last
 seen sequence: a record of a later dispatch -> ``stale``; a commit that ends
 the writer's dispatch -> ``committed``; another writer's record -> ``fenced``;
@@ -66,6 +80,7 @@ from typing import Literal
 from dagnats.journal.limits import MAX_PARTIAL_BYTES
 from dagnats.journal.model import (
     AnyEntry,
+    CancelEntry,
     ClaimEntry,
     CommitEntry,
     InputEntry,
@@ -442,6 +457,80 @@ def _honourable(
         ):
             return r
     return None
+
+
+# ---- cancellation -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cancelled:
+    """The run was cancelled: refuse the call, write nothing."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FencedWrite:
+    """No cancel: the writer was fenced by a successor (or its own write)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreAfterCancel:
+    """Store the write's tool result after ``after`` (the tail), ahead of a
+    copy of the cancel; then refuse the rest of the write, if it has more."""
+
+    after: int
+    cancel: CancelEntry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoredAfterCancel:
+    """The write's tool result is stored after the cancel already, at ``seq``."""
+
+    seq: int
+
+
+RefusedWrite = Cancelled | FencedWrite | StoreAfterCancel | StoredAfterCancel
+
+
+def cancel_of(tail: Sequence[AnyEntry]) -> Cancelled | None:
+    """``Cancelled`` when the step's tail record (its entries, in order) is a
+    cancel; None otherwise."""
+    if tail and isinstance(last := tail[-1], CancelEntry):
+        return Cancelled(reason=last.reason)
+    return None
+
+
+def refused_write(
+    *,
+    tail: Sequence[AnyEntry],
+    first: AnyEntry | None,
+    writer: str,
+    result_for: int,
+) -> RefusedWrite:
+    """What a write the fence refused must do.
+
+    Args:
+        tail: The entries of the step's tail record.
+        first: The first record after the writer's last seen sequence (its
+            kind's entry); None when there is none.
+        writer: The writer's nonce.
+        result_for: The intent a tool result the write carries answers; 0
+            when it carries none. The service checked that the writer saw it.
+    """
+    cancelled = cancel_of(tail)
+    if cancelled is None:
+        return FencedWrite()
+    if not result_for or not (isinstance(first, CancelEntry) and first.by_engine):
+        return cancelled  # no result, or a successor wrote before the cancel
+    for entry in tail:
+        if isinstance(entry, ResultEntry) and entry.intent_seq == result_for:
+            if entry.writer != writer:
+                return cancelled
+            return StoredAfterCancel(seq=entry.seq)
+    cancel = tail[-1]
+    assert isinstance(cancel, CancelEntry)
+    return StoreAfterCancel(after=cancel.seq, cancel=cancel)
 
 
 FenceReason = Literal["own", "stale", "committed", "fenced"]

@@ -35,7 +35,7 @@ from dagnats.journal.placement import MODES, InputPlacement
 from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.journal.v1 import journal_pb2_grpc as pb_grpc
-from dagnats.journal.writer import JournalWriter
+from dagnats.journal.writer import JournalWriter, cancelled
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             # Only then does the rule need the run, and no commit can be the
             # tail's guess: the two reads go at once.
             run, tail = await asyncio.gather(self._run(run_id), self.store.tail(run_id, step_id))
+            if _sealed(request, tail, ride_only=ride_only):
+                return None
             status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
             ended = f"run {run_id} is {status}" if run.status != epb.RUN_STATUS_RUNNING else ""
             if (closed := replay.closed_start(request.iteration, run_ended=ended)) is not None:
@@ -221,6 +223,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         """Claim the dispatch, ``tail`` being the step's last record; with
         ``ride_only``, None unless the claim rides."""
         run_id, step_id = request.run_id, request.step_id
+        if _sealed(request, tail, ride_only=ride_only):
+            return None
         base = replay.base_before(convert.entry(tail) if tail else None, request.iteration)
         records = await self._iteration_records(run_id, step_id, request.iteration, base, tail)
         entries = convert.all_entries(records)
@@ -802,6 +806,17 @@ def _claimant(request: pb.ClaimRequest, tail: pb.Record | None, base: int) -> pb
         base=base,
         delivery=max(request.delivery, 0),
     )
+
+
+def _sealed(request: pb.ClaimRequest, tail: pb.Record | None, *, ride_only: bool) -> bool:
+    """Whether ``tail`` is a cancel (the run's end sealed the journal): then
+    a claim is refused with ``RunCancelled``, and one asked only whether it
+    rides (``ride_only``) has no answer (True)."""
+    if (cancel := replay.cancel_of(convert.entries(tail) if tail else [])) is None:
+        return False
+    if ride_only:
+        return True
+    raise cancelled(_claimant(request, tail, 0), cancel.reason)
 
 
 class _GuessMissed(Exception):

@@ -152,7 +152,7 @@ async def answered(
         try:
             with deadline.serving(None):
                 return await call
-        except (Exception, errors.Fenced) as err:
+        except (Exception, errors.Fenced, errors.RunCancelled) as err:
             if (domain := as_domain_error(err)) is None:
                 raise
             tracing.set_status(span, status_of(domain), domain.message, server=True)

@@ -22,7 +22,7 @@ from opentelemetry import trace
 from dagnats.core import errors, tracing
 from dagnats.core.subjects import journal_subject
 from dagnats.core.timestamps import timestamp
-from dagnats.journal import convert
+from dagnats.journal import convert, replay
 from dagnats.journal import model as jm
 from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -53,7 +53,31 @@ class JournalWriter:
 
         Raises:
             Fenced: another writer's record follows ``token.last_seq``.
+            RunCancelled: the run was cancelled; nothing was written, but for
+                a tool result the record carries (see ``replay.refused_write``).
         """
+        self._stamp(token, record)
+        following = pb.WriterToken()
+        following.CopyFrom(token)
+        try:
+            seq = await self.store.append(token, record, guessed=guessed)
+        except errors.Fenced as refused:
+            if guessed:
+                raise  # the claim reads the tail, which tells a cancel
+            # A result stored after a cancel leaves the writer's tail where
+            # it was: its next write is refused by the fence, and decided again.
+            seq = await self._refused(token, record, refused)
+        else:
+            following.last_seq = seq
+        record.seq = seq
+        if record.HasField("commit"):
+            self._remember_commit(record)
+        following.written = token.written + 1
+        following.ClearField("claim")  # stored now
+        return following, record
+
+    def _stamp(self, token: pb.WriterToken, record: pb.Record) -> None:
+        """Mark ``record`` with its writer's dispatch and view of the tail."""
         record.run_id = token.run_id
         record.step_id = token.step_id
         record.iteration = token.iteration
@@ -67,22 +91,58 @@ class JournalWriter:
         headers: dict[str, str] = {}
         tracing.inject(headers)
         record.trace_context.update(headers)
-        seq = await self.store.append(token, record, guessed=guessed)
-        record.seq = seq
-        if record.HasField("commit"):
-            self._remember_commit(record)
-        following = pb.WriterToken()
-        following.CopyFrom(token)
-        following.last_seq = seq
-        following.written = token.written + 1
-        following.ClearField("claim")  # stored now
-        return following, record
+
+    async def _refused(
+        self, token: pb.WriterToken, record: pb.Record, refused: errors.Fenced
+    ) -> int:
+        """The fence refused ``record``: raise ``Fenced`` as it did, or
+        ``RunCancelled`` when the step's tail is a cancel; a tool result the
+        record carries is stored after the cancel (its sequence is returned
+        when the record was that result alone). Only a refused write reads."""
+        run_id, step_id = token.run_id, token.step_id
+        tail = await self.store.tail(run_id, step_id)
+        tail_entries = convert.entries(tail) if tail is not None else []
+        if replay.cancel_of(tail_entries) is None:
+            raise refused
+        after = await self.store.read(run_id, step_id, after=token.last_seq, limit=1)
+        result = None if token.HasField("claim") else _carried_result(record)
+        decision = replay.refused_write(
+            tail=tail_entries,
+            first=convert.entry(after[0]) if after else None,
+            writer=token.writer,
+            result_for=result.intent_seq if result is not None else 0,
+        )
+        match decision:
+            case replay.FencedWrite():
+                raise refused
+            case replay.Cancelled(reason=reason):
+                raise cancelled(token, reason)
+            case replay.StoredAfterCancel(seq=seq):
+                stored = seq
+            case replay.StoreAfterCancel(after=tail_seq, cancel=cancel):
+                assert result is not None
+                kept = pb.Record(cancel=pb.Cancel(reason=cancel.reason))
+                kept.leading_tool_result.CopyFrom(result)
+                behind = pb.WriterToken()
+                behind.CopyFrom(token)
+                behind.last_seq = tail_seq
+                self._stamp(behind, kept)
+                try:
+                    stored = await self.store.append(behind, kept)
+                except errors.Fenced:
+                    raise cancelled(token, cancel.reason) from None
+        if not record.HasField("tool_result"):
+            raise cancelled(token, reason_of(tail_entries))  # its result kept, the rest refused
+        return stored
 
     async def hold(self, token: pb.WriterToken) -> None:
-        """Raise ``Fenced`` unless the step's tail is still the writer's last record."""
+        """Raise ``Fenced`` unless the step's tail is still the writer's last
+        record; ``RunCancelled`` when it is a cancel."""
         tail = await self.store.tail(token.run_id, token.step_id)
         actual = tail.seq if tail else 0
         if actual != token.last_seq:
+            if (cancel := replay.cancel_of(convert.entries(tail) if tail else [])) is not None:
+                raise cancelled(token, cancel.reason)
             raise fenced(token, actual)
 
     def remember(self, token: pb.WriterToken, entries: list[jm.AnyEntry]) -> None:
@@ -136,6 +196,33 @@ def fenced(token: pb.WriterToken, actual: int) -> errors.Fenced:
         detail=f"{journal_subject(token.run_id, token.step_id)}: a successor holds the step "
         f"(expected tail {token.last_seq}, found {actual})",
     )
+
+
+def cancelled(token: pb.WriterToken, reason: str) -> errors.RunCancelled:
+    """The error of a write refused because the run was cancelled."""
+    trace.get_current_span().add_event("cancelled", {"expected_seq": token.last_seq})
+    why = f": {reason}" if reason else ""
+    return errors.RunCancelled(
+        token.run_id,
+        f"run {token.run_id} was cancelled{why}; the journal of step {token.step_id} "
+        "takes no new call",
+        step_id=token.step_id,
+    )
+
+
+def reason_of(tail: list[jm.AnyEntry]) -> str:
+    """The cancel's reason, from the entries of a tail that is a cancel."""
+    cancelled = replay.cancel_of(tail)
+    return cancelled.reason if cancelled is not None else ""
+
+
+def _carried_result(record: pb.Record) -> pb.ToolResult | None:
+    """The tool result ``record`` carries: its kind's, or the one ahead of it."""
+    if record.HasField("tool_result"):
+        return record.tool_result
+    if record.HasField("leading_tool_result"):
+        return record.leading_tool_result
+    return None
 
 
 def _key(token: pb.WriterToken) -> tuple[str, str]:

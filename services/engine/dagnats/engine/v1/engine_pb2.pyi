@@ -1110,6 +1110,7 @@ class PollTasksRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     CLAIM_JOURNAL_FIELD_NUMBER: _builtins.int
     RESTART_LIMIT_FIELD_NUMBER: _builtins.int
+    CANCEL_WATCH_FIELD_NUMBER: _builtins.int
     max_tasks: _builtins.int
     """Most tasks to return; 0 means 1."""
     worker_id: _builtins.str
@@ -1130,6 +1131,14 @@ class PollTasksRequest(_message.Message):
     def wait(self) -> _duration_pb2.Duration:
         """Longest time to wait for a task; 0 means 10 seconds."""
 
+    @_builtins.property
+    def cancel_watch(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Runs whose handlers the worker runs now, at most 1024. A poll that names
+        any leases no task: it answers, with cancelled_runs, as soon as one of
+        them is cancelled (or ended; at once for one that was lately), or after
+        wait with none. The worker's way to hear a cancel without NATS.
+        """
+
     def __init__(
         self,
         *,
@@ -1139,10 +1148,11 @@ class PollTasksRequest(_message.Message):
         worker_id: _builtins.str = ...,
         claim_journal: _builtins.bool = ...,
         restart_limit: _builtins.int = ...,
+        cancel_watch: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_journal", b"claim_journal", "max_tasks", b"max_tasks", "restart_limit", b"restart_limit", "task_types", b"task_types", "wait", b"wait", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_watch", b"cancel_watch", "claim_journal", b"claim_journal", "max_tasks", b"max_tasks", "restart_limit", b"restart_limit", "task_types", b"task_types", "wait", b"wait", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1203,6 +1213,7 @@ class PollTasksResponse(_message.Message):
 
     TASKS_FIELD_NUMBER: _builtins.int
     JOURNAL_SOCKET_FIELD_NUMBER: _builtins.int
+    CANCELLED_RUNS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeasedTask]:
         """The tasks."""
@@ -1214,15 +1225,22 @@ class PollTasksResponse(_message.Message):
         this server, may send them there instead (ADR 46).
         """
 
+    @_builtins.property
+    def cancelled_runs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Of the runs the request's cancel_watch named, those that are cancelled
+        (or ended).
+        """
+
     def __init__(
         self,
         *,
         tasks: _abc.Iterable[Global___LeasedTask] | None = ...,
         journal_socket: Global___JournalSocket | None = ...,
+        cancelled_runs: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["journal_socket", b"journal_socket"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["journal_socket", b"journal_socket", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled_runs", b"cancelled_runs", "journal_socket", b"journal_socket", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

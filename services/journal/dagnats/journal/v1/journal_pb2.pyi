@@ -108,6 +108,28 @@ class Claim(_message.Message):
 Global___Claim: _TypeAlias = Claim  # noqa: Y015
 
 @_typing.final
+class Cancel(_message.Message):
+    """Cancel marks a step's journal as ended by its run's cancellation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """The run's error: the cancel's reason, or why the run ended."""
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Cancel: _TypeAlias = Cancel  # noqa: Y015
+
+@_typing.final
 class ModelCall(_message.Message):
     """ModelCall is a model response."""
 
@@ -382,6 +404,7 @@ class Record(_message.Message):
     TOOL_RESULT_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     INPUT_PLACED_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
     LEADING_MODEL_FIELD_NUMBER: _builtins.int
     LEADING_TOOL_RESULT_FIELD_NUMBER: _builtins.int
     LEADING_CLAIM_FIELD_NUMBER: _builtins.int
@@ -438,12 +461,24 @@ class Record(_message.Message):
         """An input entered the conversation."""
 
     @_builtins.property
+    def cancel(self) -> Global___Cancel:
+        """The run was cancelled (or ended): the engine stores one on the journal of
+        each step the run's end stopped, before the cancel is answered, appended
+        whatever the tail. From then on the step's tail is always a cancel: the
+        holder's next append is refused, and the journal answers it
+        RunCancelled, but for the result of a tool call whose intent the holder
+        wrote before the cancel, which is stored after it as leading_tool_result
+        of a copy of the cancel. A claim finding a cancel on the tail answers
+        RunCancelled.
+        """
+
+    @_builtins.property
     def leading_model(self) -> Global___ModelCall:
         """A model response, at a position before kind's."""
 
     @_builtins.property
     def leading_tool_result(self) -> Global___ToolResult:
-        """A tool result, before the commit in kind."""
+        """A tool result, before the commit or the cancel in kind."""
 
     @_builtins.property
     def leading_claim(self) -> Global___Claim:
@@ -474,15 +509,16 @@ class Record(_message.Message):
         tool_result: Global___ToolResult | None = ...,
         commit: Global___Commit | None = ...,
         input_placed: Global___InputPlaced | None = ...,
+        cancel: Global___Cancel | None = ...,
         leading_model: Global___ModelCall | None = ...,
         leading_tool_result: Global___ToolResult | None = ...,
         leading_claim: Global___Claim | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "commit", b"commit", "input_placed", b"input_placed", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "claim", b"claim", "commit", b"commit", "input_placed", b"input_placed", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "cancel", b"cancel", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["claim", "model", "tool_intent", "tool_output", "tool_result", "commit", "input_placed"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["claim", "model", "tool_intent", "tool_output", "tool_result", "commit", "input_placed", "cancel"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     _WhichOneofReturnType_leading: _TypeAlias = _typing.Literal["leading_model", "leading_tool_result"]  # noqa: Y015
     _WhichOneofArgType_leading: _TypeAlias = _typing.Literal["leading", b"leading"]  # noqa: Y015

@@ -45,10 +45,14 @@ class JournalServiceStub:
     - After ABORTED (error code "fenced") from any call, Hold included, a
     successor holds the step: send no Heartbeat and no Report (either would
     take the task from the successor) and write nothing more.
-    - When the run is cancelled (Heartbeat answers cancelled), answer a running
-    tool with FinishTool(interrupted, partial), then Commit ACTION_FAIL_PERMANENT
-    with reason "cancelled" and the lease: the engine drops it and the task is
-    released, and the journal says what became of the call.
+    - Once a run is cancelled (or ended), every call of its journals but a
+    FinishTool of an intent written before the cancel is refused with
+    FAILED_PRECONDITION and error code "cancelled", and writes nothing (the
+    engine stored a cancel record, Record.cancel, on each step it stopped).
+    Hear the cancel from a poll with PollTasksRequest.cancel_watch (or a
+    Heartbeat that answers cancelled, or that refusal); then answer a running
+    tool with FinishTool(interrupted, partial) and acknowledge the task
+    (ReportRequest.acknowledge): the journal says what became of the call.
     - A record is at most 2 MiB (2,097,152 bytes) serialized, and at most the NATS
     server's max_payload less 8 KiB: a model response, tool output or result,
     commit (state and output) or placed input over it is refused before it is
@@ -155,10 +159,14 @@ class JournalServiceServicer:
     - After ABORTED (error code "fenced") from any call, Hold included, a
     successor holds the step: send no Heartbeat and no Report (either would
     take the task from the successor) and write nothing more.
-    - When the run is cancelled (Heartbeat answers cancelled), answer a running
-    tool with FinishTool(interrupted, partial), then Commit ACTION_FAIL_PERMANENT
-    with reason "cancelled" and the lease: the engine drops it and the task is
-    released, and the journal says what became of the call.
+    - Once a run is cancelled (or ended), every call of its journals but a
+    FinishTool of an intent written before the cancel is refused with
+    FAILED_PRECONDITION and error code "cancelled", and writes nothing (the
+    engine stored a cancel record, Record.cancel, on each step it stopped).
+    Hear the cancel from a poll with PollTasksRequest.cancel_watch (or a
+    Heartbeat that answers cancelled, or that refusal); then answer a running
+    tool with FinishTool(interrupted, partial) and acknowledge the task
+    (ReportRequest.acknowledge): the journal says what became of the call.
     - A record is at most 2 MiB (2,097,152 bytes) serialized, and at most the NATS
     server's max_payload less 8 KiB: a model response, tool output or result,
     commit (state and output) or placed input over it is refused before it is
@@ -381,10 +389,14 @@ class JournalService:
     - After ABORTED (error code "fenced") from any call, Hold included, a
     successor holds the step: send no Heartbeat and no Report (either would
     take the task from the successor) and write nothing more.
-    - When the run is cancelled (Heartbeat answers cancelled), answer a running
-    tool with FinishTool(interrupted, partial), then Commit ACTION_FAIL_PERMANENT
-    with reason "cancelled" and the lease: the engine drops it and the task is
-    released, and the journal says what became of the call.
+    - Once a run is cancelled (or ended), every call of its journals but a
+    FinishTool of an intent written before the cancel is refused with
+    FAILED_PRECONDITION and error code "cancelled", and writes nothing (the
+    engine stored a cancel record, Record.cancel, on each step it stopped).
+    Hear the cancel from a poll with PollTasksRequest.cancel_watch (or a
+    Heartbeat that answers cancelled, or that refusal); then answer a running
+    tool with FinishTool(interrupted, partial) and acknowledge the task
+    (ReportRequest.acknowledge): the journal says what became of the call.
     - A record is at most 2 MiB (2,097,152 bytes) serialized, and at most the NATS
     server's max_payload less 8 KiB: a model response, tool output or result,
     commit (state and output) or placed input over it is refused before it is
