@@ -3,7 +3,8 @@ however many clients watch it.
 
 A :class:`RunHub` holds one ``EngineStore.watch_run`` (one ordered consumer
 on the run's key) and hands every stored state of the run, caught up with
-its journal (the run now, ``dagnats.engine.runs``), to each of its
+its journal (the run now, ``dagnats.engine.runs``) when a watcher is shown
+its progress, to each of its
 :class:`Watcher`\\ s. The hub stops its watch when its last watcher leaves.
 
 The engine of this process also hands the hub each state of the run it
@@ -51,7 +52,7 @@ class Watcher:
     """One client's view of a hub: the states it has yet to send."""
 
     def __init__(self, first: StoredRun, *, ended_only: bool = False) -> None:
-        self._ended_only = ended_only
+        self.ended_only = ended_only
         self._pending: deque[StoredRun | None] = deque([first], maxlen=BUFFER)
         self._ready = asyncio.Event()
         self._ready.set()
@@ -87,7 +88,7 @@ class Watcher:
                 if stored.record.run == last:
                     continue
                 if (
-                    self._ended_only
+                    self.ended_only
                     and last is not None
                     and stored.record.run.status not in FINAL_RUN_STATUSES
                 ):
@@ -132,7 +133,11 @@ class RunHub:
                     await asyncio.wait_for(self._woken.wait(), wait)
             async for stored in runs.store.watch_run(self.run_id):
                 if stored is not None:
-                    self.offer(await runs.caught_up_stored(stored))  # the run now
+                    if any(not w.ended_only for w in self.watchers):
+                        # The run now, for watchers shown its progress; a final
+                        # state, all the others are sent, needs no catching up.
+                        stored = await runs.caught_up_stored(stored)
+                    self.offer(stored)
                     continue
                 for watcher in list(self.watchers):
                     watcher.offer(None)  # purged
