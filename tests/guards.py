@@ -732,10 +732,11 @@ GUARDS = (
         file="services/engine/dagnats/engine/processor.py",
         guard="        return read is not None and read.revision == stored.revision\n",
         removed="        return read is not None\n",
-        how="an engine decides on its old write after another engine cancelled the run",
+        how="an engine decides a kept iteration on its old write after another engine wrote "
+        "the run",
         tests=(
-            "tests/test_kept_writes.py::"
-            "test_a_cancel_by_another_engine_stops_the_holder_of_unwritten_iterations",
+            "tests/test_run_writes_heard.py::"
+            "test_a_kept_iteration_is_deferred_only_on_a_run_nobody_wrote_since",
         ),
     ),
     Guard(

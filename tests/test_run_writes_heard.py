@@ -16,8 +16,10 @@ import pytest_asyncio
 from dagnats.core import jetstream as jsx
 from dagnats.core.ids import new_run_id
 from dagnats.core.natsserver import NatsCluster, NatsServer
+from dagnats.engine.config import EngineConfig
 from dagnats.engine.heard import HEARD_RUNS, Listening, RunWrites
-from dagnats.engine.store import EngineStore
+from dagnats.engine.processor import Engine
+from dagnats.engine.store import EngineStore, StoredRun
 from dagnats.engine.v1 import internal_pb2 as ipb
 from tests.helpers import wait_for
 
@@ -175,3 +177,25 @@ def test_runs_heard_long_ago_make_earlier_marks_doubtful() -> None:
     later = writes.mark()
     assert writes.quiet_since("mine", later)
     assert writes.quiet_since("run0", later)
+
+
+async def test_a_kept_iteration_is_deferred_only_on_a_run_nobody_wrote_since(
+    writers: tuple[Writer, Writer],
+) -> None:
+    # The engine may leave a kept iteration unwritten only while its last
+    # write of the run is still the run as stored: nothing heard of another
+    # writer since, or else the revision read is still its own.
+    one, other = writers
+    engine = Engine(one.store, EngineConfig())
+    engine.heard = one.heard
+    run_id, revision = await one.create()
+    await one.settled()
+    mark = one.heard.mark()
+    guess = StoredRun((await one.store.require_run(run_id)).record, revision)
+    assert await engine._unchanged(guess, mark)
+    await other.update(run_id, revision)  # another engine writes the run
+    await wait_for(lambda: not one.heard.quiet_since(run_id, mark), message="the write heard")
+    assert not await engine._unchanged(guess, mark)
+    # Where nothing heard is trusted (a cluster), the read alone decides.
+    engine.heard = None
+    assert not await engine._unchanged(guess, None)
