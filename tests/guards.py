@@ -41,6 +41,17 @@ class Guard:
 
 GUARDS = (
     Guard(
+        name="the session socket's file is created its owner's alone",
+        file="services/journal/dagnats/journal/session_socket.py",
+        guard="    mask = os.umask(0o177)\n",
+        removed="    mask = os.umask(0o022)\n",
+        how="any user of the host may connect to the session socket",
+        tests=(
+            "tests/test_session_socket.py::"
+            "test_the_socket_file_is_the_owners_and_a_live_one_is_not_taken",
+        ),
+    ),
+    Guard(
         name="the other services read the run now, caught up with its journal",
         file="services/engine/dagnats/engine/runs.py",
         guard="        return None if stored is None else await self.caught_up_stored(stored)\n",

@@ -47,14 +47,14 @@ class EngineConfig:
         history_batch: most events one fetch takes from the history.
         dead_letter_after: deliveries of an event that keeps failing before it
             is moved to the dead letters.
-        kept_write_batch: most iterations of a journaled loop, each carried on
-            by the task its holder kept (ADR 31), decided before the run is
-            written (ADR 37): the journal's commits hold them meanwhile, and a
-            reader of the run catches up from them. 1 writes the run at every
-            iteration.
+        kept_write_batch: the run of a journaled loop whose task its holder
+            keeps (ADR 31) is written at least once every this many
+            iterations (at most one fewer go unwritten, ADR 37): the journal's
+            commits hold them meanwhile, and every reader of the run now
+            catches up from them (ADR 58). 1 writes the run at every iteration.
         kept_write_delay: how long such decided iterations may wait for the
-            run's write at most: the run as ``GetRun``, ``WatchRun`` and the
-            console show it is at most this far behind the journal.
+            run's write at most: the runs bucket, which ``ListRuns`` and the
+            console's list show, is at most this far behind the journal.
         clock_skew: the most an engine's clock may be ahead of nats-server's.
             ``ListRuns`` orders runs by their creation on an engine's clock
             and reads the runs bucket back from its newest writes until what

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -264,6 +265,21 @@ class Polls:
     admit: Admit
 
 
+def _bound_private(path: str | Path) -> socket.socket:
+    """A Unix socket bound at ``path`` whose file is created mode 0600: no
+    other user can connect to it, not even for the moment after the bind."""
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mask = os.umask(0o177)
+    try:
+        listening.bind(str(path))
+    except OSError:
+        listening.close()
+        raise
+    finally:
+        os.umask(mask)
+    return listening
+
+
 class SessionSocket:
     """A listening session socket; :meth:`close` stops it and its connections."""
 
@@ -325,10 +341,12 @@ class SessionSocket:
         sockets = cls(path, servicer, methods, admit, polls, watches)
         loop = asyncio.get_running_loop()
         try:
-            sockets._server = await loop.create_unix_server(lambda: _Connection(sockets), path)
+            listening = _bound_private(path)
+            sockets._server = await loop.create_unix_server(
+                lambda: _Connection(sockets), sock=listening
+            )
         except OSError as err:
             raise errors.Unavailable(f"cannot listen on {path}: {err.strerror}") from None
-        os.chmod(path, 0o600)
         return sockets
 
     async def close(self) -> None:
