@@ -136,17 +136,6 @@ GUARDS = (
         ),
     ),
     Guard(
-        name="the session socket's file is its owner's alone",
-        file="services/journal/dagnats/journal/session_socket.py",
-        guard="        os.chmod(path, 0o600)\n",
-        removed="",
-        how="the session socket keeps the mode the umask gives it",
-        tests=(
-            "tests/test_session_socket.py::"
-            "test_the_socket_file_is_the_owners_and_a_live_one_is_not_taken",
-        ),
-    ),
-    Guard(
         name="a local session copies the request it answers",
         file="services/journal/dagnats/journal/session.py",
         guard="        sent.CopyFrom(request)\n",
