@@ -30,7 +30,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core.claims import lease_claim
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument, RecordTooLarge
-from dagnats.core.outcomes import Outcome, commit_of, settled_report
+from dagnats.core.outcomes import Outcome, commit_of
 from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -259,20 +259,10 @@ class TaskContext:
         return response.claimed, sent
 
     async def _settled_by_journal(self, settled: jpb.Settled) -> None:
+        # The claim carried the lease: the journal service settles the task
+        # behind its answer, and no report follows.
         self._settled_as = settled.reason
-        if not settled.task_settled:  # a journal service that predates ClaimRequest.lease
-            await self._rpc.report(
-                settled_report(
-                    settled,
-                    lease=self._leased.lease,
-                    run_id=self.run_id,
-                    step_id=self.step_id,
-                    iteration=self.iteration,
-                    attempt=self.attempt,
-                ),
-                lease=self._lease,
-            )
-        self._settle_done = True  # the journal service settles it behind its answer
+        self._settle_done = True
         if settled.reason == "stale":
             raise Stale(self.run_id, self.step_id, settled.detail)
         signal = RestartLimit if settled.reason == "restart_limit" else Committed
@@ -481,12 +471,10 @@ class TaskContext:
         task.input = nxt.input
         task.trace_context.clear()
         task.trace_context.update(nxt.trace_context)
-        handed = None
-        if nxt.HasField("token"):  # else a journal service that predates the hand-over
-            assert self._journal is not None  # only a journal's commit hands over
-            handed = Handover(
-                nxt.token, commit.state if commit.has_state else None, self._journal.checked_at
-            )
+        assert self._journal is not None  # only a journal's commit hands over
+        handed = Handover(
+            nxt.token, commit.state if commit.has_state else None, self._journal.checked_at
+        )
         return Kept(leased, self._lease.expires - self._lease.duration, handed)
 
     def _close(self) -> None:

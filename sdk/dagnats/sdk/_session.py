@@ -145,7 +145,7 @@ class JournalSession:
             except grpc.aio.AioRpcError as err:
                 self._drop(stream)
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    raise  # a journal service that predates Session streams
+                    raise  # no journal service there: no retry gets past it
                 # Domain errors answer their request; a status ends the stream
                 # itself (a server shutting down, a stream idle too long in a
                 # proxy), and the call is tried again on a new one.

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Literal, TypeVar, cast
 
 from dagnats.core.errors import Fenced, RecordTooLarge, RunCancelled
-from dagnats.core.outcomes import commit_of, settled_report
+from dagnats.core.outcomes import commit_of
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway.backend import Backend
 from dagnats.gateway.bridge_token import BridgeToken
@@ -72,25 +72,9 @@ async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | 
 
 async def _settle(b: Backend, t: BridgeToken, settled: jpb.Settled) -> ApiError:
     # The claim carried the lease: the journal service settles the task.
-    if settled.task_settled:
-        run = (await b.rpc.get_run(pb.GetRunRequest(run_id=t.run_id))).run
-        if run.status == pb.RUN_STATUS_CANCELLED:
-            return cancelled(t)
-        return _settled_answer(settled)
-    # A journal service that predates ClaimRequest.lease: release a stale task;
-    # report a stored commit again (committed before a crash, or the restart
-    # limit's failure).
-    request = settled_report(
-        settled,
-        lease=t.lease,
-        run_id=t.run_id,
-        step_id=t.step_id,
-        iteration=t.iteration,
-        attempt=t.attempt,
-    )
-    response = await refused_as_fenced(b.rpc.report(request))
-    if response.cancelled:
-        return await ended(b, t)
+    run = (await b.rpc.get_run(pb.GetRunRequest(run_id=t.run_id))).run
+    if run.status == pb.RUN_STATUS_CANCELLED:
+        return cancelled(t)
     return _settled_answer(settled)
 
 
