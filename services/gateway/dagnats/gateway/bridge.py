@@ -35,7 +35,7 @@ from fastapi import APIRouter, Depends
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import check_token
-from dagnats.core.outcomes import Outcome, commit_of
+from dagnats.core.outcomes import Outcome
 from dagnats.core.payload import encode
 from dagnats.core.timestamps import duration
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -47,7 +47,6 @@ from dagnats.gateway.backend import Backend, BackendDep
 from dagnats.gateway.bridge_token import BridgeToken
 from dagnats.gateway.errors import ApiError
 from dagnats.inputs.v1 import inputs_pb2 as ipb
-from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk.views import decode_payload
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -140,33 +139,16 @@ async def resolve(b: BackendDep, body: bm.ResolveBody) -> bm.ResolveResult:
         raise ApiError(
             409, "inputs_queued", "inputs are queued for the step: place them and run a turn"
         )
-    request = pb.ReportRequest(
-        lease=t.lease,
-        run_id=t.run_id,
-        step_id=t.step_id,
-        iteration=t.iteration,
-        attempt=t.attempt,
-    )
-    getattr(request, field).CopyFrom(outcome)
+    state = None
     if t.writer is not None:
         given = "state" in body.model_fields_set
         state = encode(body.state, field="state") if given else await ops.state_of(b, t)
-        commit = commit_of(outcome, state)
-        try:
-            done = await ops.writing(
-                b, t, b.rpc.commit(jpb.CommitRequest(token=t.writer, commit=commit))
-            )
-        except ApiError as refused:
-            if refused.code == "cancelled":  # the journal stored nothing: let the task go
-                await ops.let_go(b, t)
-            raise
-        request.journal_seq = done.commit_seq
-    response = await ops.refused_as_fenced(b.rpc.report(request))
+    response, journal_seq = await ops.settle(b, t, field, outcome, state)
     if response.cancelled:
         raise ops.cancelled(t)
     if response.stale:
         raise ApiError(410, "stale", "the task is finished: the step has moved on")
-    return bm.ResolveResult(outcome=body.outcome, journal_seq=request.journal_seq)
+    return bm.ResolveResult(outcome=body.outcome, journal_seq=journal_seq)
 
 
 def _outcome(body: bm.ResolveBody) -> tuple[str, Outcome]:

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Literal, TypeVar, cast
 
 from dagnats.core.errors import Fenced, RecordTooLarge, RunCancelled
-from dagnats.core.outcomes import commit_of
+from dagnats.core.outcomes import Outcome, commit_of
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway.backend import Backend
 from dagnats.gateway.bridge_token import BridgeToken
@@ -117,19 +117,36 @@ async def _failed_for_good(
         finish = jpb.FinishToolRequest(token=t.writer, intent_seq=intent_seq, error=error)
         t = replace(t, writer=(await writing(b, t, b.rpc.finish_tool(finish))).token)
     failure = pb.Fail(error=message, kind=pb.FAILURE_KIND_PERMANENT, reason=err.code)
-    commit = jpb.CommitRequest(token=t.writer, commit=commit_of(failure, None))
-    done = await writing(b, t, b.rpc.commit(commit))
-    report = pb.ReportRequest(
+    await settle(b, t, "fail", failure, None)
+    return ApiError(status_of(err), err.code, f"{err.message}; the step failed", field=err.field)
+
+
+async def settle(
+    b: Backend, t: BridgeToken, field: str, outcome: Outcome, state: bytes | None
+) -> tuple[pb.ReportResponse, int]:
+    """Report ``outcome`` (the ``ReportRequest`` field ``field``) of ``t``'s
+    dispatch. A holder commits it first, with ``state``, and the report
+    names the commit; a commit the journal refused because the run was
+    cancelled stored nothing, and the task is let go. Returns the engine's
+    answer and the commit's sequence (0 without a journal)."""
+    request = pb.ReportRequest(
         lease=t.lease,
         run_id=t.run_id,
         step_id=t.step_id,
         iteration=t.iteration,
         attempt=t.attempt,
-        fail=failure,
-        journal_seq=done.commit_seq,
     )
-    await refused_as_fenced(b.rpc.report(report))
-    return ApiError(status_of(err), err.code, f"{err.message}; the step failed", field=err.field)
+    getattr(request, field).CopyFrom(outcome)
+    if t.writer is not None:
+        commit = jpb.CommitRequest(token=t.writer, commit=commit_of(outcome, state))
+        try:
+            done = await writing(b, t, b.rpc.commit(commit))
+        except ApiError as refused:
+            if refused.code == "cancelled":
+                await let_go(b, t)
+            raise
+        request.journal_seq = done.commit_seq
+    return await refused_as_fenced(b.rpc.report(request)), request.journal_seq
 
 
 async def holding(b: Backend, t: BridgeToken) -> None:
