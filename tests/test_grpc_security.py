@@ -454,8 +454,8 @@ async def test_a_journaled_run_through_the_sdk_over_tls_with_tokens(
         assert run.status == pb.RUN_STATUS_COMPLETED, run.error
         assert run_output(run) == "done 1"
         check = await journal.check(run.run_id)
-        # The commit stored with the model's response (ADR 24) and the claim
-        # (ADR 40).
+        # The commit stored with the model's response (a leading entry) and the
+        # claim (the riding claim).
         assert list(check.violations) == [] and check.records == 1
 
 

@@ -281,13 +281,13 @@ async def test_a_stopping_worker_releases_its_kept_task_with_its_next_commit(
     assert await tasks_published(js) - before == 2
 
 
-# ---- the held commit's event goes to the engine directly (ADR 33) -----------------------
+# ---- the kept task's commit event goes to the engine directly (ADR 33) ------------------
 
 
 @contextlib.asynccontextmanager
 async def reports_off(engine: EngineServer) -> AsyncIterator[None]:
     """Inside, the engine takes no commit's event directly (over NATS or by
-    a call): each goes to the history, as with an engine that predates ADR 33."""
+    a call): each goes to the history, as with an engine that serves none."""
     await engine.engine.stop_serving_reports()
     try:
         yield
@@ -325,7 +325,7 @@ async def test_a_commit_event_goes_to_the_engine_of_its_own_process_by_a_call(
     client: Client, engine: EngineServer, js: JetStreamContext
 ) -> None:
     # The fixture serves the engine and the journal service in one process:
-    # each commit's event is handed to that engine without NATS (ADR 36).
+    # each commit's event is handed to that engine without NATS, by a call.
     counters = engine.engine.counters
     local, direct = counters["local_applied"], counters["direct_applied"]
     loop = Loop()
@@ -387,7 +387,7 @@ async def test_a_journal_service_apart_sends_its_commits_events_over_nats(
 async def test_with_no_engine_taking_held_events_they_are_stored_on_the_history(
     client: Client, engine: EngineServer, js: JetStreamContext
 ) -> None:
-    # As with an engine that predates ADR 33: nats-server answers that nobody
+    # As with an engine that takes no direct events: nats-server answers that nobody
     # subscribes, and the journal service publishes the event at once.
     async with reports_off(engine):
         queued = await run_loop(client, engine, Loop(), sticky_iterations=0)

@@ -68,17 +68,17 @@ def remote(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Wo
 
 def found(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
     """A worker of its own on the services' host, told nothing: its journal
-    calls go to the session socket its polls' answers name (ADR 46)."""
+    calls go to the session socket its polls' answers name."""
     return Worker(engine.target, handlers=handlers, poll_wait=1.0, **options)
 
 
 def hosted(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
-    """A worker in the services' process, its journal calls answered there (ADR 44)."""
+    """A worker in the services' process, its journal calls answered there."""
     return in_process_worker(engine, handlers, concurrency=4, poll_wait=1.0, **options)
 
 
 def socketed(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
-    """A worker of its own whose journal calls go on the session socket (ADR 45)."""
+    """A worker of its own whose journal calls go on the session socket."""
     assert engine.session_socket is not None, "the engine fixture has a session socket"
     socket = str(engine.session_socket.path)
     return Worker(engine.target, handlers=handlers, poll_wait=1.0, journal_socket=socket, **options)
@@ -231,8 +231,8 @@ async def test_a_turn_is_three_records_and_reads_back_whole(
 ) -> None:
     # The model's response rides the intent of the tool it asks for, the
     # tool's result rides the commit, and the claim rides the first record:
-    # the first delivery's claim fences nothing (ADR 40), and from the second
-    # iteration on the commit before handed the dispatch over (ADR 34).
+    # the first delivery's claim fences nothing (the riding claim), and from the second
+    # iteration on the commit before handed the dispatch over (the hand-over).
     # Intent and commit per tool turn.
     task, name = await start(client)
     model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()

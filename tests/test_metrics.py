@@ -49,7 +49,7 @@ async def test_a_scrape_reads_what_the_engine_and_the_session_socket_counted(
     try:
         before = await _scrape(endpoint.url)
         # A worker that finds the socket; each commit's event goes to the
-        # engine of the same process (ADR 36).
+        # engine of the same process, by a call.
         await run_without_a_crash(client, engine, found)
         after = await _scrape(endpoint.url)
         # A scrape of named families has those alone.

@@ -548,7 +548,7 @@ def test_a_task_whose_run_is_not_stored_waits_for_it_within_the_horizon() -> Non
     assert wait(10 * horizon, 1) is None
 
 
-# ---- a task kept across iterations (ADR 31) ------------------------------------------
+# ---- the kept task: a task kept across iterations (ADR 31) ---------------------------
 
 
 def held_continue(it: int, seq: int, wait: m.Wait | None = None) -> m.StepReport:

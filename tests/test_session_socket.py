@@ -1,8 +1,8 @@
-"""The journal's session socket (ADR 45): Sessions on a Unix socket for
+"""The session socket (ADR 45): Sessions on a Unix socket for
 workers on the services' host.
 
 What a user checks: a worker given the socket, or told nothing on the
-services' host (ADR 46), runs on it and writes what a gRPC worker writes
+services' host (found in its polls' answers), runs on it and writes what a gRPC worker writes
 (``tests/test_journal.py`` runs the crash-free run and the unsafe-intent
 crash with each); the socket takes only a worker's token
 when the server needs one; a bad frame ends that connection with an error,
@@ -86,13 +86,13 @@ async def test_a_worker_on_the_services_host_finds_their_socket(
     client: Client, engine: EngineServer
 ) -> None:
     """Told nothing, a worker's journal calls go to the socket its polls'
-    answers name (ADR 46); told "off", they stay on gRPC."""
+    answers name; told "off", they stay on gRPC."""
     sockets = engine.session_socket
     assert sockets is not None
     before, polled = sockets.accepted, sockets.polled
     await run_without_a_crash(client, engine, found)
     assert sockets.accepted > before
-    assert sockets.polled > polled, "its polls go there too (ADR 49)"
+    assert sockets.polled > polled, "its polls go there too"
     before, polled = sockets.accepted, sockets.polled
     await run_without_a_crash(client, engine, remote)  # journal_socket="off"
     assert (sockets.accepted, sockets.polled) == (before, polled)
@@ -119,7 +119,7 @@ async def test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc(
         sockets.instance = ours
         await client.close()
     # The polls' connection, the watch's for the runs' cancel (a poll of its
-    # own while a poll is out) and the journal calls' (ADR 49), or fewer if a
+    # own while a poll is out) and the journal calls', or fewer if a
     # refusal came first: each refused, then none.
     assert sockets.accepted - before in (1, 2, 3)
     said = [r.getMessage() for r in caplog.records if "calls go" in r.getMessage()]
@@ -132,8 +132,8 @@ async def test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc(
 async def test_a_client_on_the_services_host_watches_its_runs_on_their_socket(
     engine: EngineServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A client's first watch goes on gRPC and its answer names the socket
-    (ADR 52); the next ones, a start and wait among them, go there and give
+    """A client's first watch goes on gRPC and its answer names the socket;
+    the next ones, a start and wait among them, go there and give
     what gRPC gives. Told "off", or refused at the socket, a client watches
     on gRPC."""
     sockets = engine.session_socket

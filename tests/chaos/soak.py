@@ -6,8 +6,8 @@ Two engines (each with the journal and inputs services) run in this process
 and share the history consumer; worker processes (``tests/chaos/worker.py``)
 dial both, each preferring one. The first engine also serves a session socket,
 as ``dagnats dev`` does: workers whose polls it answers find it and move their
-journal calls and polls there (ADR 45, 46, 49), and the drivers on its client
-start and watch their runs there (ADR 52); the rest stay on gRPC. Faults:
+journal calls and polls there, and the drivers on its client
+start and watch their runs there; the rest stay on gRPC. Faults:
 
 * ``worker-kill``: SIGKILL a worker; a fresh one starts a moment later.
 * ``worker-stall``: SIGSTOP a worker past its leases, then SIGCONT: its

@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("DAGNATS_SESSION_SOCKET") or None,
         metavar="PATH",
         help="journal, all: also take journal sessions on a Unix socket at PATH, for "
-        "workers on this host (DAGNATS_SESSION_SOCKET; ADR 45)",
+        "workers on this host: the session socket (DAGNATS_SESSION_SOCKET)",
     )
     serve.add_argument(
         "--metrics-port",
@@ -176,7 +176,7 @@ def _with_handler_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="MODULE:ATTR",
         help="run these handlers (a mapping of task type to handler) in this process, "
-        "their journal calls answered without gRPC; trusted code only (ADR 44)",
+        "their journal calls answered without gRPC; trusted code only",
     )
     p.add_argument(
         "--handler-concurrency",

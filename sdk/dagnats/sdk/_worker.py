@@ -91,23 +91,23 @@ class Worker:
             from the engine (``dagnats serve journal``); by default ``target``.
         inputs_target: Address of the inputs service, likewise.
         sticky_iterations: How many times in a row a task is kept for its
-            step's next iteration (ADR 31): a journaled ``continue_`` without
+            step's next iteration (the kept task): a journaled ``continue_`` without
             a wait keeps the task, and the engine hands the next iteration to
             this worker with the commit's answer, with no trip through the task
             queue. After this many the next iteration goes back to the queue,
             so that other runs' tasks get a turn; 0 sends every iteration
             through it.
-        journal_socket: Path of the services' session socket (ADR 45), for a
+        journal_socket: Path of the services' session socket, for a
             worker on their host: its journal calls go there, framed on a Unix
             socket, instead of on gRPC, which costs a call more than its own
             work; by default ``DAGNATS_JOURNAL_SOCKET``. ``"off"`` keeps them
             on gRPC. Unset, they go to the socket the engine's polls name
             when that path is a socket on this host, the journal's calls go
             to the engine's address, and the socket takes the worker's hello
-            (ADR 46); else on gRPC. The engine calls stay on gRPC.
+            (the socket found in the polls' answers); else on gRPC. The engine calls stay on gRPC.
         journal_sessions: Opens the streams the journal calls go on, in place
             of the two above. The services pass their own when they run the
-            handlers in their process (ADR 44).
+            handlers in their process.
 
     Raises:
         InvalidArgument: a task type is not one NATS token, or a number is out of range.
@@ -277,7 +277,7 @@ class Worker:
             wait=wait,
             worker_id=self._worker_id,
             # A first delivery's journal comes claimed with its lease when the
-            # engine's process serves the journal too (ADR 42).
+            # engine's process serves the journal too (the claim with the lease).
             claim_journal=True,
             restart_limit=self._restart_limit,
         )
@@ -365,7 +365,7 @@ class Worker:
 
     async def _carry_on(self, tc: TaskContext) -> None:
         """Run the task, then each next iteration its commit kept the task
-        for (ADR 31), in the same slot on the same lease, up to
+        for (the kept task), in the same slot on the same lease, up to
         ``sticky_iterations`` in a row. Once stopping, a kept task is left to
         its lease: it is delivered again when that runs out."""
         kept_for = 0

@@ -1265,7 +1265,7 @@ class CommitRequest(_message.Message):
     """
     hold: _builtins.bool
     """With lease, a continue without a wait: keep the task message for the next
-    iteration (ADR 31). The journal service publishes the commit's event and
+    iteration: the kept task. The journal service publishes the commit's event and
     waits for the engine's decision before it answers: when the engine
     dispatches the next iteration at once, the answer carries it in next, and
     the task message and its lease carry on to it; otherwise the service
