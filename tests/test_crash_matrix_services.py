@@ -60,7 +60,7 @@ SEAMS = (
     "after_kept_unwritten",
 )
 # The iterations a seam is reached on: a kept iteration goes unwritten from the
-# second on (the first kept one writes that its message is held: the deferred write).
+# second on (the first kept one writes that its message is kept: the deferred write).
 ITERATIONS = {"after_kept_unwritten": (2,)}
 PLACES = {"one server": 1, "3-node cluster": 3}
 REQUEST = "steer-1"

@@ -172,7 +172,7 @@ async def test_a_kept_task_is_heartbeated_by_its_holder(
     client: Client, engine: EngineServer
 ) -> None:
     # The message was published for iteration 0; from iteration 1 on the
-    # journal is past that, and only the held dispatch in the run says the
+    # journal is past that, and only the kept dispatch in the run says the
     # holder's lease is current: a heartbeat must not be refused as fenced.
     loop = Loop(heartbeat=True)
     run = await run_loop(client, engine, loop)

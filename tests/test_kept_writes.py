@@ -38,7 +38,7 @@ from tests.test_journal import NO_HEARTBEAT, journal_check
 
 LAGGING = dataclasses.replace(FAST, kept_write_batch=1000, kept_write_delay=60.0)
 K = 8
-__all__ = ["js"]  # the fixture, shared with the held-dispatch tests
+__all__ = ["js"]  # the fixture, shared with the kept-task tests
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -89,7 +89,7 @@ async def test_kept_iterations_are_written_with_the_runs_next_other_change(
     run = await run_loop(client, engine, loop, heartbeat_interval=NO_HEARTBEAT)
     await completed(engine, run, K)
     assert loop.ran == [(i, 1, 1) for i in range(K)]
-    # The start, the first kept iteration (it says the message is held), the
+    # The start, the first kept iteration (it says the message is kept), the
     # end; none of the six iterations kept after the first.
     assert runs_bucket.writes[run.run_id] <= 4, runs_bucket.writes[run.run_id]
     assert engine.engine.counters["kept_unwritten"] >= K - 2

@@ -616,7 +616,7 @@ def test_a_dispatch_that_is_not_kept_forgets_the_kept_task() -> None:
 
 def test_only_a_kept_iteration_that_carries_the_loop_on_may_go_unwritten() -> None:
     # The first kept iteration is written: the run as stored must say the
-    # message is held before a reader can know to look in the journal.
+    # message is kept before a reader can know to look in the journal.
     first = rules.apply(start().run, held_continue(0, 7), T0 + 1)
     assert not rules.carries_kept_loop_on(start().run, first, "agent", 7)
     run = accepted(first).run

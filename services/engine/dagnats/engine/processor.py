@@ -258,7 +258,7 @@ class Engine:
         """Whether ``decision``, made on this engine's guess ``stored`` (the
         run ``run``), may go unwritten for now: it carries step ``kept``'s
         loop on to the next iteration with the same kept message, publishes
-        nothing, and the run as stored already says that message is held, so
+        nothing, and the run as stored already says that message is kept, so
         a reader knows to look in the journal."""
         step_id, held_seq = kept
         if self.config.kept_write_batch <= 1 or stored.record.outbox:

@@ -302,7 +302,7 @@ def carried_on(step: Step, held_seq: int) -> bool:
 def carries_kept_loop_on(run: Run, decision: Decision, step_id: str, held_seq: int) -> bool:
     """Whether ``decision`` on ``run`` only carries step ``step_id``'s loop on
     to its next iteration on kept message ``held_seq``, which ``run`` already
-    says is held: it publishes nothing and leaves the run running. Such a
+    says is kept: it publishes nothing and leaves the run running. Such a
     decision may be made before it is written, as long as a reader of the run
     can take it from the journal (the deferred write)."""
     if not isinstance(decision, Accepted) or decision.effects or not run.has_step(step_id):
