@@ -109,7 +109,7 @@ async def test_a_stopped_workers_poll_does_not_take_the_next_task(
 async def test_a_poll_left_on_the_session_socket_does_not_take_the_next_task(
     long_lease_engine: EngineServer,
 ) -> None:
-    """A worker's poll on the session socket ends with its
+    """A worker's poll on the session socket (ADR 49) ends with its
     connection: the engine stops the pull as it does a gRPC poll's."""
     engine, task = long_lease_engine, unique("polls")
     sockets = engine.session_socket

@@ -130,7 +130,7 @@ async def test_an_unexpected_failure_ends_the_stream_as_grpc_would() -> None:
             ["serve", "all", "--handler-concurrency=0", "--handlers=tests.handlers_app:HANDLERS"],
             "--handler-concurrency",
         ),
-        # The session socket (tests/test_session_socket.py).
+        # The journal's session socket (ADR 45, tests/test_session_socket.py).
         (["serve", "inputs", "--session-socket", "/tmp/x.sock"], "needs the journal"),
         (["serve", "gateway", "--session-socket", "/tmp/x.sock"], "needs the journal"),
     ],

@@ -287,7 +287,7 @@ async def test_a_stopping_worker_releases_its_kept_task_with_its_next_commit(
 @contextlib.asynccontextmanager
 async def reports_off(engine: EngineServer) -> AsyncIterator[None]:
     """Inside, the engine takes no commit's event directly (over NATS or by
-    a call): each goes to the history, as with an engine that serves none."""
+    a call): each goes to the history, as with an engine that predates ADR 33."""
     await engine.engine.stop_serving_reports()
     try:
         yield

@@ -68,7 +68,7 @@ def remote(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Wo
 
 def found(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
     """A worker of its own on the services' host, told nothing: its journal
-    calls go to the session socket its polls' answers name."""
+    calls go to the session socket its polls' answers name (ADR 46)."""
     return Worker(engine.target, handlers=handlers, poll_wait=1.0, **options)
 
 
@@ -78,7 +78,7 @@ def hosted(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Wo
 
 
 def socketed(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
-    """A worker of its own whose journal calls go on the session socket."""
+    """A worker of its own whose journal calls go on the session socket (ADR 45)."""
     assert engine.session_socket is not None, "the engine fixture has a session socket"
     socket = str(engine.session_socket.path)
     return Worker(engine.target, handlers=handlers, poll_wait=1.0, journal_socket=socket, **options)

@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("DAGNATS_SESSION_SOCKET") or None,
         metavar="PATH",
         help="journal, all: also take journal sessions on a Unix socket at PATH, for "
-        "workers on this host: the session socket (DAGNATS_SESSION_SOCKET)",
+        "workers on this host (DAGNATS_SESSION_SOCKET; ADR 45)",
     )
     serve.add_argument(
         "--metrics-port",

@@ -1,5 +1,5 @@
 """Length-prefixed protobuf frames over a stream transport: the journal's
-session socket on both of its ends.
+session socket (ADR 45) on both of its ends.
 
 A frame is a 4-byte big-endian length and that many bytes, a message.
 """

@@ -97,17 +97,17 @@ class Worker:
             queue. After this many the next iteration goes back to the queue,
             so that other runs' tasks get a turn; 0 sends every iteration
             through it.
-        journal_socket: Path of the services' session socket, for a
+        journal_socket: Path of the services' session socket (ADR 45), for a
             worker on their host: its journal calls go there, framed on a Unix
             socket, instead of on gRPC, which costs a call more than its own
             work; by default ``DAGNATS_JOURNAL_SOCKET``. ``"off"`` keeps them
             on gRPC. Unset, they go to the socket the engine's polls name
             when that path is a socket on this host, the journal's calls go
             to the engine's address, and the socket takes the worker's hello
-            (the socket found in the polls' answers); else on gRPC. The engine calls stay on gRPC.
+            (ADR 46); else on gRPC. The engine calls stay on gRPC.
         journal_sessions: Opens the streams the journal calls go on, in place
             of the two above. The services pass their own when they run the
-            handlers in their process.
+            handlers in their process (ADR 44).
 
     Raises:
         InvalidArgument: a task type is not one NATS token, or a number is out of range.

@@ -60,7 +60,7 @@ class LocalStack:
         gateway_port: The gateway's HTTP port; 0 picks a free one.
         engine_config: The engine's settings; by default from the environment.
         session_socket: Also take journal sessions on a Unix socket at this
-            path (the session socket); :meth:`worker` puts its workers' journal calls there.
+            path (ADR 45); :meth:`worker` puts its workers' journal calls there.
 
     Raises:
         MissingExtra: (an ``ImportError``, on entering) the ``server`` extra

@@ -18,16 +18,27 @@ read only. What the loops add to that path:
 - the deferred write: a kept iteration decided on the guessed run and not
   written until the run's next other change, checked by heard writes
   (:mod:`dagnats.engine.heard`) instead of a swap;
-- the commit's event: one a journal service sends to one engine over core
-  NATS, or hands to the engine of its own process by a call, applied as a
-  history event is, its sender told the decision;
 - the reconciler: each pass enters the runs written since the last, takes
   parked runs out of the active-run index, republishes outboxes and applies
-  events an engine took and never applied.
+  events an engine took and never applied;
+- the commit's event, below.
 
 Each is one step of ``docs/architecture.md``, "The life of an iteration",
 which names the setting that turns it on or off; the reasons, and the crash
 windows each leaves, are in the ADRs its shortcuts table cites.
+
+A journal commit's event (ADR 33) comes to one engine of the queue group
+over core NATS, not on the history: it is applied as a history event is, its
+sender told, and nothing is acknowledged. Nothing of it is durable but the
+commit in the journal and the task message still leased (its sender releases
+it once told), so an event lost here (this engine dies, or is slow) costs the
+journal service its first wait, after which it publishes the event on the
+history. Such events race the history's events of the same run; the run's
+compare-and-swap orders them, and a report applied twice is stale the second
+time (its dispatch has moved on) and dropped. A journal service in the same
+process hands such an event to this engine by a call instead
+(``take_report``, ADR 36): the same application, the decision returned
+rather than sent, while this engine serves reports at all.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def _runs_filter(request: pb.WatchRunsRequest) -> Filter:
 
 class Claims(Protocol):
     """The journal service of this process claiming a first delivery's
-    journal as its task is leased (``JournalServicer.ride_claim``): the claim with the lease."""
+    journal as its task is leased (``JournalServicer.ride_claim``, ADR 42)."""
 
     def __call__(
         self, request: jpb.ClaimRequest, *, first: bool = False
@@ -89,7 +89,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.journal = journal
         self.claims = claims
         # The journal's session socket in this process, offered with each
-        # poll's answer to workers on this host, which find it there.
+        # poll's answer to workers on this host (ADR 46).
         self.journal_socket: pb.JournalSocket | None = None
         self._consumers: set[str] = set()
         self.watches = RunWatches(engine.runs, wrote_last=engine.wrote_last)
@@ -183,7 +183,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             first = True
             async for response in self.watch(request):
                 if first and self.journal_socket is not None and self.journal_socket.watches:
-                    response.session_socket.CopyFrom(self.journal_socket)  # watch there next
+                    response.session_socket.CopyFrom(self.journal_socket)  # ADR 52
                 first = False
                 yield response
         except Exception as err:
@@ -192,7 +192,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await abort_with(context, domain)
 
     async def watch(self, request: pb.WatchRunRequest) -> AsyncIterator[pb.WatchRunResponse]:
-        """WatchRun's states, as gRPC and the session socket send
+        """WatchRun's states, as gRPC and the session socket (ADR 52) send
         them: domain errors are raised."""
         if request.HasField("start"):
             if request.run_id:
@@ -276,7 +276,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return await self.poll(request)
 
     async def poll(self, request: pb.PollTasksRequest) -> pb.PollTasksResponse:
-        """PollTasks, as gRPC and the session socket call it:
+        """PollTasks, as gRPC and the session socket (ADR 49) call it:
         domain errors are raised."""
         types = list(dict.fromkeys(request.task_types))
         if not types:
