@@ -1116,8 +1116,8 @@ class PollTasksRequest(_message.Message):
     worker_id: _builtins.str
     """Identifies the worker in logs."""
     claim_journal: _builtins.bool
-    """Claim the journal of each task's first delivery with its lease, where
-    the claim is stored with the holder's first record (ADR 42): the task
+    """Claim the journal of each task's first delivery with its lease (the
+    claim with the lease), stored with the holder's first record: the task
     then carries journal_claim, and the worker makes no Claim call. The
     engine claims only when a journal service runs in its process.
     """
@@ -1184,7 +1184,7 @@ class LeasedTask(_message.Message):
     @_builtins.property
     def journal_claim(self) -> _journal_pb2.Claimed:
         """The journal claimed for this delivery, when the poll asked and the claim
-        rides the holder's first record (ADR 40, 42): the claim a Claim call
+        rides the holder's first record (the riding claim): the claim a Claim call
         would have answered, made when the task was leased.
         """
 
