@@ -146,4 +146,4 @@ async def test_a_handle_fenced_by_its_successor_tells_the_handler_both_tails(
     told(fenced.value, zombie, successor)
     assert journal.fenced
     with pytest.raises(Fenced):  # and it writes nothing more
-        await journal.hold()
+        await journal.check_tail()
