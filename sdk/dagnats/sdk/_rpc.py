@@ -326,7 +326,9 @@ class EngineRpc:
                     if final:
                         return
                     response = await _next(call)
-                # Closed before the run ended (an engine stopping): watch again.
+                # Closed before the run ended (an engine stopping): watch again;
+                # a socket watch's connection, read to the stream's end, may.
+                self._watch_ended(call)
             except (grpc.aio.AioRpcError, TransportError) as err:
                 if not _is_transient(err, idempotent=True):
                     raise self._domain_error("WatchRun", err) from None
@@ -769,7 +771,7 @@ def _status_name(err: BaseException) -> str:
 
 # Seconds of retrying one call after which each retry is logged as a warning:
 # a service restart is over by then, and what is left (a wrong address, a
-# session socket that is not there) is for someone to look at.
+# local socket that is not there) is for someone to look at.
 LOUD_AFTER = 10.0
 
 

@@ -78,7 +78,7 @@ _NAMES = {
 
 @dataclass(frozen=True, slots=True)
 class OwnPort:
-    """Where this process's own clients (the handlers it runs, ADR 44) dial
+    """Where this process's own clients (the handlers it runs in the process) dial
     it, in plaintext on loopback, and the worker token minted for them when
     the server needs credentials (None when it does not)."""
 
@@ -297,7 +297,8 @@ async def start_services(
     journal: JournalServicer | None = None
     if "journal" in served:
         # The clock stamps the events of the commits it settles: the engine's when both run.
-        # Its commits' events go to this process's engine, when it serves one (ADR 36).
+        # Its commits' events go to this process's engine, when it serves one:
+        # the event by a call (ADR 36).
         tasks = TaskSettler(engine_store, clock, local=engine)
         journal = JournalServicer(journal_store, runs, input_store, tasks=tasks, clock=clock)
         journal_grpc.add_JournalServiceServicer_to_server(journal, server)
@@ -308,7 +309,8 @@ async def start_services(
         subscriptions = await serve_nats_api(nc, inputs)
     servicer = None
     if engine is not None:
-        claims = journal.ride_claim if journal is not None else None  # ADR 42
+        # The claim with the lease (ADR 42).
+        claims = journal.ride_claim if journal is not None else None
         servicer = EngineServicer(engine, journal_store, claims=claims)
         await servicer.cancels.start()  # the cancels its workers' polls watch for
         pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
