@@ -13,6 +13,10 @@ with the same status, code and field; any other exception ends the stream with
 UNKNOWN, as it would end a unary call. A call on the stream has no deadline of
 its own, so the stores retry transient errors for their own budget (see
 ``dagnats.core.deadline``).
+
+The local transport (``dagnats.engine.local_transport``) answers the same
+calls off gRPC, on the local socket and in the services' process, through
+:func:`answered` and :func:`session_error` here.
 """
 
 from __future__ import annotations
