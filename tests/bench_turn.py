@@ -12,15 +12,15 @@ once: two journaled steps an iteration). Four processes, as deployed:
   starts nats-server with ``sync_interval: always`` as its child;
 - a worker process (``python -m tests.bench_turn worker``) running the
   journaled handler, told nothing but the engine's address: on the services'
-  host, its journal calls and its polls go to the session socket its polls
+  host, its journal calls and its polls go to the local socket its polls
   name (ADR 45, 46, 49); with ``BENCH_DEPLOY=grpc`` on gRPC, as a worker on another host sends
-  them (``DAGNATS_JOURNAL_SOCKET=off``); with
+  them (``DAGNATS_LOCAL_SOCKET=off``); with
   ``BENCH_DEPLOY=services`` the handler runs in the ``dagnats dev`` process
   instead (``--handlers``, ADR 44) and the worker process serves only the
   queued baseline;
 - this process, the client: ``Client.run`` starts a run and waits for its
   result on the run's ``WatchRun`` push; on the services' host, so after its
-  first run on gRPC it watches on the session socket the first answer named
+  first run on gRPC it watches on the local socket the first answer named
   (ADR 52).
 
 Phases, each the floor's and then dagnats', so both see the machine alike:
@@ -389,14 +389,14 @@ def spawn_worker(
     task: str,
     c: int,
     log: Path,
-    journal_socket: str | None = None,
+    local_socket: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """``python -m module worker TARGET[,TARGET] TASK C``, its output into
-    ``log``; with ``journal_socket``, its journal calls go there."""
+    ``log``; with ``local_socket``, its journal calls go there."""
     args = [sys.executable, "-m", module, "worker", ",".join(targets), task, str(c)]
-    env = {k: v for k, v in os.environ.items() if k != "DAGNATS_JOURNAL_SOCKET"}
-    if journal_socket is not None:
-        env["DAGNATS_JOURNAL_SOCKET"] = journal_socket
+    env = {k: v for k, v in os.environ.items() if k != "DAGNATS_LOCAL_SOCKET"}
+    if local_socket is not None:
+        env["DAGNATS_LOCAL_SOCKET"] = local_socket
     with log.open("ab") as out:
         return subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent, env=env
@@ -572,15 +572,15 @@ class Stack:
     nats_url: str
     monitor: str
     logs: Path
-    journal_socket: str | None  # the session socket of ``dagnats dev``
+    local_socket: str | None  # the local socket of ``dagnats dev``
 
     def socket_connections(self) -> int:
-        """Connections open on the session socket now (``/proc/net/unix``
+        """Connections open on the local socket now (``/proc/net/unix``
         names the path on each one the socket accepted too)."""
-        if self.journal_socket is None:
+        if self.local_socket is None:
             return 0
         lines = Path("/proc/net/unix").read_text().splitlines()
-        return max(sum(line.endswith(" " + self.journal_socket) for line in lines) - 1, 0)
+        return max(sum(line.endswith(" " + self.local_socket) for line in lines) - 1, 0)
 
     def cpu(self) -> dict[str, float]:
         return {
@@ -750,7 +750,7 @@ def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") 
     tasks = TASK + QUEUED if p.deploy == "services" else TASK
     socket = "off" if p.deploy == "grpc" else None
     worker = spawn_worker(
-        worker_module, [info["engine"]], tasks, p.c, logs / "worker.log", journal_socket=socket
+        worker_module, [info["engine"]], tasks, p.c, logs / "worker.log", local_socket=socket
     )
     return Stack(
         dev.proc,
@@ -760,7 +760,7 @@ def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") 
         info["nats"],
         f"http://{http[1]}",
         logs,
-        info.get("journal_socket"),
+        info.get("local_socket"),
     )
 
 
@@ -1038,7 +1038,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if p.deploy != "services":
         print(
-            "connections open on the session socket (the worker's, the client's watches): "
+            "connections open on the local socket (the worker's, the client's watches): "
             f"{got['on_socket']}"
         )
     print(format_table(rows(ours, floor)))

@@ -306,8 +306,8 @@ async def test_a_client_token_cannot_poll_tasks_or_write_the_journal(
             await rpc.commit(jpb.CommitRequest())
         session = rpc.open_session()  # a stream is checked too
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await session.write(jpb.SessionRequest(id=1))
-            await session.read()
+            check_tail = "/dagnats.journal.v1.JournalService/CheckTail"
+            await session.call(check_tail, jpb.CheckTailRequest(), jpb.CheckTailResponse, {})
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         await rpc.close()

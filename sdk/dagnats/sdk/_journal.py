@@ -452,19 +452,19 @@ class Journal:
                 for p in placed.inputs
             ]
 
-    async def hold(self) -> None:
+    async def check_tail(self) -> None:
         """Raise ``Fenced`` unless this holder still owns the step.
 
         Waits for a write in flight and checks with the token it returns.
         """
-        await self._send(self._hold, writes=False, pending_first=False)
+        await self._send(self._check_tail, writes=False, pending_first=False)
 
-    async def _hold(self, token: jpb.WriterToken) -> jpb.HoldResponse:
+    async def _check_tail(self, token: jpb.WriterToken) -> jpb.CheckTailResponse:
         if self._committed:
             # The dispatch is over and only its report is left: no successor
             # claims a committed dispatch, and the commit moved the tail.
-            return jpb.HoldResponse()
-        return await self._rpc.hold(jpb.HoldRequest(token=token))
+            return jpb.CheckTailResponse()
+        return await self._rpc.check_tail(jpb.CheckTailRequest(token=token))
 
     async def commit(
         self, commit: jpb.Commit, *, lease: str, hold: bool = False
