@@ -422,10 +422,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, leased: pb.LeasedTask, poll: pb.PollTasksRequest, *, first: bool
     ) -> jpb.Claimed | None:
         """The journal claim of ``leased`` that rides its holder's first record
-        (the claim with the lease), or None: the worker then claims as usual, so a failure here
+        (ADR 42), or None: the worker then claims as usual, so a failure here
         costs it that call and nothing else. ``first``: the run is known
-        running and the task is its step's first dispatch, delivered once:
-        its claim reads nothing."""
+        running and the task is its step's first dispatch, delivered once
+        (ADR 50)."""
         assert self.claims is not None
         task = leased.task
         request = lease_claim(leased, worker_id=poll.worker_id, restart_limit=poll.restart_limit)
