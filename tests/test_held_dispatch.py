@@ -439,7 +439,7 @@ async def test_a_held_event_delivered_again_changes_nothing_and_tells_the_same(
     # message already carries.
     loop = Loop(pause_at=2)
     store = engine.engine.store
-    told: list[ipb.HeldDecision] = []
+    told: list[ipb.EventDecision] = []
     steps_after: list[tuple[int, int]] = []
 
     async def again(run_id: str) -> None:
@@ -458,7 +458,7 @@ async def test_a_held_event_delivered_again_changes_nothing_and_tells_the_same(
             else:
                 await store.publish_event(event, outcome_msg_id(event))
             try:
-                told.append(ipb.HeldDecision.FromString(await asyncio.wait_for(notice, 10)))
+                told.append(ipb.EventDecision.FromString(await asyncio.wait_for(notice, 10)))
             finally:
                 notice.cancel()
             run = (await store.require_run(run_id)).record.run

@@ -534,7 +534,7 @@ async def test_a_first_claim_that_fences_nothing_is_stored_with_the_first_record
             attempt=1,
             delivery=1,
             worker_id="w-first",
-            with_first_record=True,
+            may_ride=True,
         )
         claimed = (await stub.Claim(first)).claimed
         token = claimed.token
@@ -571,7 +571,7 @@ async def test_a_first_claim_that_fences_nothing_is_stored_with_the_first_record
         {"attempt": 2},  # a retry fences the attempts before it
         {"delivery": 0},  # a delivery not known
         {"restart_limit": 1},  # the claim alone reaches the limit
-        {"with_first_record": False},  # not asked (the bridge, older workers)
+        {"may_ride": False},  # not asked (the bridge, older workers)
     ],
     ids=["redelivery", "retry", "unknown_delivery", "limit_1", "not_asked"],
 )
@@ -579,7 +579,7 @@ async def test_a_claim_that_may_fence_or_count_is_stored_at_once(
     engine: EngineServer, fields: dict[str, Any]
 ) -> None:
     async with as_its_worker(engine, "ride2") as (run, stub):
-        first: dict[str, Any] = {"attempt": 1, "delivery": 1, "with_first_record": True}
+        first: dict[str, Any] = {"attempt": 1, "delivery": 1, "may_ride": True}
         request = jpb.ClaimRequest(run_id=run.run_id, step_id="agent", **(first | fields))
         answer = await stub.Claim(request)
         records = await read_journal(engine, run.run_id)
@@ -608,7 +608,7 @@ async def test_a_claim_with_a_bad_number_or_id_is_refused_naming_it(
 ) -> None:
     async with as_its_worker(engine, "badclaim") as (run, stub):
         first: dict[str, Any] = {"step_id": "agent", "attempt": 1, "delivery": 1}
-        request = jpb.ClaimRequest(run_id=run.run_id, with_first_record=True, **(first | fields))
+        request = jpb.ClaimRequest(run_id=run.run_id, may_ride=True, **(first | fields))
         assert await refused_field(stub.Claim(request)) == named
         assert await read_journal(engine, run.run_id) == [], "a refused claim stores nothing"
 
@@ -620,7 +620,7 @@ async def test_a_first_record_whose_claim_names_a_too_long_worker_is_refused(
     # worker sends back with it, worker id included: checked there too.
     async with as_its_worker(engine, "longworker") as (run, stub):
         claim = jpb.ClaimRequest(
-            run_id=run.run_id, step_id="agent", attempt=1, delivery=1, with_first_record=True
+            run_id=run.run_id, step_id="agent", attempt=1, delivery=1, may_ride=True
         )
         token = (await stub.Claim(claim)).claimed.token
         assert token.HasField("claim")

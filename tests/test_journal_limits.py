@@ -273,7 +273,7 @@ async def test_the_restart_limit_is_reached_at_the_limits_delivery(
                 delivery=delivery,
                 worker_id=f"w-{delivery}",
                 restart_limit=limit,
-                with_first_record=rides,
+                may_ride=rides,
             )
             answers.append(await stub.Claim(claim))
     first, *middle, last = answers

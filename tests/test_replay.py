@@ -30,21 +30,31 @@ from dagnats.journal.replay import (
     AlreadyCommitted,
     CallModel,
     Cancelled,
+    ClaimAsked,
     ClaimDecision,
+    ClaimSeen,
     FencedWrite,
     Honour,
     Interrupt,
     Mismatch,
+    NoClaim,
     Proceed,
+    ReadRecords,
+    ReadTail,
+    RestartLimit,
+    RideFirstRecord,
     RunAgain,
     RunNew,
     Stale,
     StoreAfterCancel,
+    StoreClaim,
     StoredAfterCancel,
+    UseGuessedTail,
     UseResponse,
     UseResult,
     cancel_of,
-    claim_rides,
+    claim_may_ride,
+    claim_step,
     cut_partial,
     decide_claim,
     decide_model,
@@ -53,8 +63,6 @@ from dagnats.journal.replay import (
     partial_output,
     refused_write,
     restart_limit_reached,
-    rides_first_record,
-    stands_on_a_guess,
 )
 from dagnats.journal.v1 import journal_pb2 as pb
 
@@ -275,28 +283,59 @@ def test_claim_redelivering_a_retry_does_not_close_its_own_intents_again() -> No
 # ---- claim from a guessed tail ------------------------------------------------------
 
 
+def asked(**fields: object) -> ClaimAsked:
+    """A worker's claim of the first delivery of (0, 1), unless told otherwise."""
+    base: dict[str, object] = {
+        "iteration": 0,
+        "attempt": 1,
+        "delivery": 1,
+        "worker_id": "worker-1",
+        "limit": DEFAULT_RESTART_LIMIT,
+        "may_ride": False,
+    }
+    return ClaimAsked(**(base | fields))  # type: ignore[arg-type]
+
+
+def seen(j: J | None, *, iteration: int, **fields: object) -> ClaimSeen:
+    """What a claim of ``iteration`` found: ``j``'s tail and the iteration's
+    records (None: an empty journal)."""
+    if j is None:
+        return ClaimSeen(tail=(), records=(), **fields)  # type: ignore[arg-type]
+    return ClaimSeen(tail=(j.last,), records=tuple(j.of(iteration)), **fields)  # type: ignore[arg-type]
+
+
 def test_a_claim_from_a_guessed_tail_proceeds_and_its_fenced_claim_checks_the_guess() -> None:
-    # The guess: the commit this replica stored for iteration 0. A claim of
-    # iteration 1 decided from it proceeds; its claim's fenced append tells a
-    # wrong guess, so the decision may stand.
+    # The guessed tail: the commit this replica stored for iteration 0. A
+    # claim of iteration 1 decided from it stores its claim, whose fenced
+    # append tells a wrong guessed tail, so the decision may stand.
     j = J().claim(it=0).model(p=0).commit(Action.CONTINUE)
     guess = j.last_commit
-    decision = decide_claim(tail=guess, records=[], iteration=1, attempt=1)
-    assert decision == Proceed(close=())
-    assert stands_on_a_guess(decision) is True
+    assert decide_claim(tail=guess, records=[], iteration=1, attempt=1) == Proceed(close=())
+    step = claim_step(asked(iteration=1), ClaimSeen(tail=(guess,), guessed=True))
+    assert step == StoreClaim(base=guess.seq, close=(), guessed=True)
 
 
 def test_a_claim_answer_that_writes_nothing_never_stands_on_a_guessed_tail() -> None:
     # Stale and already-committed settle the task and write nothing, so nothing
-    # would check a guess they were decided from: they need the tail read.
+    # would check a guessed tail they were decided from: they need the tail read.
     j = J().claim(it=0).model(p=0).commit(Action.CONTINUE).claim(it=1)
     stale = claim(j, iteration=0, attempt=1)
     assert isinstance(stale, Stale)
-    assert stands_on_a_guess(stale) is False
+    on_guess = ClaimSeen(tail=(j.last,), guessed=True, records=tuple(j.of(0)))
+    assert claim_step(asked(iteration=0), on_guess) == ReadTail(with_run=False)
     j.model(p=0).commit(Action.CONTINUE)
     committed = claim(j, iteration=1, attempt=1)
     assert isinstance(committed, AlreadyCommitted)
-    assert stands_on_a_guess(committed) is False
+    on_guess = ClaimSeen(tail=(j.last,), guessed=True, records=tuple(j.of(1)))
+    assert claim_step(asked(iteration=1), on_guess) == ReadTail(with_run=False)
+    # Read, the same tail decides.
+    assert claim_step(asked(iteration=1), seen(j, iteration=1)) == committed
+
+
+def test_a_claim_whose_append_on_the_guessed_tail_was_refused_reads_the_tail() -> None:
+    guess = J().claim(it=0).model(p=0).commit(Action.CONTINUE).last_commit
+    missed = ClaimSeen(tail=(guess,), guessed=True, guess_missed=True)
+    assert claim_step(asked(iteration=1), missed) == ReadTail(with_run=False)
 
 
 # ---- restart limit --------------------------------------------------------------
@@ -842,35 +881,119 @@ def test_a_result_stored_with_its_commit_answers_its_intent() -> None:
     )
 
 
-def test_a_claim_of_iteration_zero_of_an_ended_run_is_stale_before_any_read() -> None:
-    from dagnats.journal.replay import Stale, closed_start
-
-    assert closed_start(0, run_ended="run r is completed") == Stale(detail="run r is completed")
-    assert closed_start(0, run_ended="") is None
-    assert closed_start(3, run_ended="run r is cancelled") is None, "it follows a commit"
+def test_a_claim_of_iteration_zero_of_an_ended_run_is_stale_before_its_records_are_read() -> None:
+    j = J().claim(it=0).model(p=0)
+    ended = ClaimSeen(tail=(j.last,), run_ended="run r is completed")
+    assert claim_step(asked(), ended) == Stale(detail="run r is completed")
+    assert claim_step(asked(), ClaimSeen(tail=(j.last,))) == ReadRecords(base=0, through=2)
+    # A later iteration follows a commit: the run's end is never read for it.
+    assert claim_step(asked(iteration=3), ClaimSeen()) == ReadTail(with_run=False)
+    assert claim_step(asked(), ClaimSeen()) == ReadTail(with_run=True)
 
 
 def test_only_the_commit_of_the_iteration_before_is_a_guessed_tail() -> None:
-    from dagnats.journal.replay import guess_tail
-
-    assert guess_tail(4, 5)
-    assert not guess_tail(3, 5) and not guess_tail(5, 5) and not guess_tail(None, 0)
+    assert claim_step(asked(iteration=5, guessed_tail=4), ClaimSeen()) == UseGuessedTail()
+    for guessed_tail in (3, 5, None):
+        step = claim_step(asked(iteration=5, guessed_tail=guessed_tail), ClaimSeen())
+        assert step == ReadTail(with_run=False), guessed_tail
+    # A claim that may ride appends nothing that would check a guessed tail.
+    step = claim_step(asked(iteration=5, guessed_tail=4, may_ride=True), ClaimSeen())
+    assert step == ReadTail(with_run=False)
 
 
 def test_only_a_first_delivery_of_a_first_attempt_under_the_limit_may_ride() -> None:
-    assert claim_rides(attempt=1, delivery=1, limit=DEFAULT_RESTART_LIMIT)
-    assert not claim_rides(attempt=1, delivery=2, limit=5), "a redelivery fences the ones before"
-    assert not claim_rides(attempt=2, delivery=1, limit=5), "a retry fences the attempts before"
-    assert not claim_rides(attempt=1, delivery=0, limit=5), "a delivery not known"
-    assert not claim_rides(attempt=1, delivery=1, limit=1), "the claim alone reaches the limit"
+    assert claim_may_ride(attempt=1, delivery=1, limit=DEFAULT_RESTART_LIMIT)
+    assert not claim_may_ride(attempt=1, delivery=2, limit=5), "a redelivery fences the ones before"
+    assert not claim_may_ride(attempt=2, delivery=1, limit=5), "a retry fences the attempts before"
+    assert not claim_may_ride(attempt=1, delivery=0, limit=5), "a delivery not known"
+    assert not claim_may_ride(attempt=1, delivery=1, limit=1), "the claim alone reaches the limit"
 
 
 def test_a_claim_rides_the_first_record_only_when_it_proceeds_on_nothing_stored() -> None:
-    proceed = Proceed(close=())
-    assert rides_first_record(proceed, may_ride=True, found=0)
-    assert not rides_first_record(proceed, may_ride=False, found=0)
-    assert not rides_first_record(proceed, may_ride=True, found=1), "records to fence or close"
-    assert not rides_first_record(Stale(detail="later"), may_ride=True, found=0)
+    j = J().claim(it=0).model(p=0).commit(Action.CONTINUE)
+    nothing = seen(j, iteration=1)
+    assert claim_step(asked(iteration=1, may_ride=True), nothing) == RideFirstRecord(base=3)
+    assert claim_step(asked(iteration=1), nothing) == StoreClaim(base=3, close=(), guessed=False)
+    j.claim(it=1).model(p=0)
+    found = seen(j, iteration=1)
+    step = claim_step(asked(iteration=1, may_ride=True), found)
+    assert step == StoreClaim(base=3, close=(), guessed=False), "records to fence or close"
+    j.commit(Action.CONTINUE).claim(it=2)
+    later = seen(j, iteration=1)
+    assert isinstance(claim_step(asked(iteration=1, may_ride=True), later), Stale)
+
+
+# ---- the claim, step by step: each step and the inputs that give it -----------------
+
+
+def test_a_claim_with_the_lease_that_could_not_ride_leaves_the_claim_to_its_holder() -> None:
+    for fields in ({"delivery": 2}, {"attempt": 2}, {"limit": 1}):
+        step = claim_step(asked(with_lease=True, may_ride=True, **fields), ClaimSeen())
+        assert step == NoClaim(), fields
+
+
+def test_a_claim_with_the_lease_of_a_first_dispatch_rides_on_nothing_read() -> None:
+    first = asked(with_lease=True, may_ride=True, first_dispatch=True)
+    assert claim_step(first, ClaimSeen()) == RideFirstRecord(base=0)
+    # Without the engine's word that it is the first dispatch, it reads.
+    plain = asked(with_lease=True, may_ride=True)
+    assert claim_step(plain, ClaimSeen()) == ReadTail(with_run=True)
+
+
+def test_a_claim_with_the_lease_answers_only_when_it_rides() -> None:
+    lease = asked(iteration=1, with_lease=True, may_ride=True)
+    j = J().claim(it=0).model(p=0).commit(Action.CONTINUE)
+    assert claim_step(lease, seen(j, iteration=1)) == RideFirstRecord(base=3)
+    j.claim(it=1)
+    assert claim_step(lease, seen(j, iteration=1)) == NoClaim(), "a record to fence"
+    j.commit(Action.CONTINUE)
+    assert claim_step(lease, seen(j, iteration=1)) == NoClaim(), "committed: the holder settles"
+    ended = ClaimSeen(tail=(), run_ended="run r is cancelled")
+    assert claim_step(replace(lease, iteration=0), ended) == NoClaim(), "stale: the holder settles"
+    sealed = ClaimSeen(tail=(engine_cancel(4),))
+    assert claim_step(lease, sealed) == NoClaim(), "cancelled: the holder is refused"
+
+
+def test_a_claim_on_a_sealed_journal_is_cancelled_before_its_records_are_read() -> None:
+    # The cancel is of iteration 0: the claim would read its records otherwise.
+    sealed = ClaimSeen(tail=(engine_cancel(3, reason="stopped"),))
+    assert claim_step(asked(), sealed) == Cancelled(reason="stopped")
+    assert claim_step(asked(), ClaimSeen(tail=(J().claim(it=0).last,))) == ReadRecords(
+        base=0, through=1
+    )
+
+
+def test_a_claim_that_reaches_the_restart_limit_is_stored_then_fails() -> None:
+    j = claims(J(), 4)
+    assert claim_step(asked(delivery=5), seen(j, iteration=0)) == RestartLimit(
+        base=0, guessed=False
+    )
+    assert claim_step(asked(delivery=5, limit=6), seen(j, iteration=0)) == StoreClaim(
+        base=0, close=(), guessed=False
+    )
+    guess = J().claim(it=0).commit(Action.CONTINUE).last_commit
+    on_guess = ClaimSeen(tail=(guess,), guessed=True)
+    assert claim_step(asked(iteration=1, limit=1), on_guess) == RestartLimit(base=2, guessed=True)
+
+
+def test_a_claim_reads_its_iterations_records_only_when_the_tail_is_of_it() -> None:
+    j = J().claim(it=0).model(p=0).commit(Action.CONTINUE)
+    assert claim_step(asked(iteration=1), ClaimSeen(tail=(j.last,))) == StoreClaim(
+        base=3, close=(), guessed=False
+    )
+    j.claim(it=1).intent(p=0, name="send")
+    assert claim_step(asked(iteration=1), ClaimSeen(tail=(j.last,))) == ReadRecords(
+        base=3, through=5
+    )
+
+
+def test_a_claim_of_a_retry_closes_what_the_records_leave_open() -> None:
+    j = J().claim(it=0, at=1)
+    send = j.intent(p=0, name="send").last_intent
+    j.commit(Action.FAIL)
+    assert claim_step(asked(attempt=2), seen(j, iteration=0)) == StoreClaim(
+        base=0, close=(send,), guessed=False
+    )
 
 
 # ---- a cancelled run's journal --------------------------------------------------------

@@ -22,5 +22,5 @@ def lease_claim(leased: epb.LeasedTask, *, worker_id: str, restart_limit: int) -
         worker_id=worker_id,
         restart_limit=restart_limit,
         lease=leased.lease,
-        with_first_record=True,
+        may_ride=True,
     )

@@ -598,7 +598,7 @@ class Engine:
     async def take_report(self, event: ipb.HistoryEvent, *, wait: float) -> bytes | None:
         """Apply a journal commit's event handed over by the journal service
         of this process, as one sent over core NATS is (ADR 36); the
-        ``HeldDecision`` its sender is told, serialized. None when this engine
+        ``EventDecision`` its sender is told, serialized. None when this engine
         takes no reports now, the event was not applied within ``wait``
         seconds, or it leaves nothing to tell: the sender then goes on as if
         no engine had answered."""
@@ -979,13 +979,13 @@ def _decision(event: ipb.HistoryEvent, run: m.Run | None) -> bytes | None:
     report left carrying the reported dispatch: nothing is told, and the
     holder's lease decides."""
     if not event.held_seq:
-        return ipb.HeldDecision(done=True).SerializeToString()
+        return ipb.EventDecision(done=True).SerializeToString()
     reported = m.Identity(iteration=event.iteration, attempt=event.attempt)
     step = run.step(event.step_id) if run is not None and run.has_step(event.step_id) else None
     held = run is not None and rules.held_decision(step, run.status, event.held_seq, reported)
     if held is None:
         return None
-    decision = ipb.HeldDecision(done=not held)
+    decision = ipb.EventDecision(done=not held)
     if held and run is not None and step is not None:
         task = rules.dispatch_task(run, step)
         decision.next.CopyFrom(convert.task_to_proto(task, _trace_headers()))

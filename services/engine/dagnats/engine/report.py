@@ -177,7 +177,7 @@ class TaskSettler:
             return None
         finally:
             told.cancel()
-        decision = ipb.HeldDecision.FromString(told.result())
+        decision = ipb.EventDecision.FromString(told.result())
         if decision.HasField("next"):
             return decision.next
         await self._store.release(lease)

@@ -310,7 +310,7 @@ async def start_services(
     servicer = None
     if engine is not None:
         # The claim with the lease (ADR 42).
-        claims = journal.ride_claim if journal is not None else None
+        claims = journal.claim_with_lease if journal is not None else None
         servicer = EngineServicer(engine, journal_store, claims=claims)
         await servicer.cancels.start()  # the cancels its workers' polls watch for
         pb_grpc.add_EngineServiceServicer_to_server(servicer, server)

@@ -68,7 +68,7 @@ def _runs_filter(request: pb.WatchRunsRequest) -> Filter:
 
 class Claims(Protocol):
     """The journal service of this process claiming a first delivery's
-    journal as its task is leased (``JournalServicer.ride_claim``, ADR 42)."""
+    journal as its task is leased (``JournalServicer.claim_with_lease``, ADR 42)."""
 
     def __call__(
         self, request: jpb.ClaimRequest, *, first: bool = False
@@ -413,12 +413,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         )
         if claiming is not None:
             first = known and stored is not None and _first_dispatch(stored, current, msg.delivered)
-            claimed = await self._ride_claim(leased, claiming, first=first)
+            claimed = await self._claim_with_lease(leased, claiming, first=first)
             if claimed is not None:
                 leased.journal_claim.CopyFrom(claimed)
         return leased
 
-    async def _ride_claim(
+    async def _claim_with_lease(
         self, leased: pb.LeasedTask, poll: pb.PollTasksRequest, *, first: bool
     ) -> jpb.Claimed | None:
         """The journal claim of ``leased`` that rides its holder's first record

@@ -5,35 +5,47 @@ sequence order). No I/O: the journal service reads the records, asks these
 functions what to do, and writes what they say. The same answers serve the
 Python SDK, stub-based workers in other languages and the HTTP bridge.
 
-Claim (one dispatch ``(iteration, attempt)`` opening the journal):
+Claim (one dispatch ``(iteration, attempt)`` opening the journal), one step
+at a time: ``claim_step`` takes what the claim asked (``ClaimAsked``) and
+what it found so far (``ClaimSeen``) and says what it does next, a read or
+its answer; the service does it, adds what it found, and asks again.
 
-* Iteration 0 of a run that has ended -> ``Stale`` before anything is read
-  (``closed_start``): a purge resets a step's fence (docs/architecture.md,
-  F4), so a journal is never opened afresh for an ended run. A later
-  iteration follows a commit on the subject, which a purge would have removed.
-* The tail (last record on the step's subject) belongs to a later dispatch
-  -> ``Stale``: a late redelivery; settle the task without running.
-* The iteration has a commit that ends it, or this attempt has a commit
-  -> ``AlreadyCommitted``: the holder crashed between commit and event;
-  republish the commit's event and settle.
-* Otherwise -> ``Proceed``: append a claim, which fences every earlier holder,
-  and close every intent of an *earlier attempt* that has no result with an
-  ``interrupted`` result. After the claim, ``restart_limit_reached`` says
-  whether the iteration ended in ``limit`` deliveries in a row that made no
-  progress: its trailing claims, a claim repeated for the same delivery (its
-  answer was lost) counted once, and the first delivery's claim that rode and
-  was never stored, when the iteration holds nothing but claims of later
-  deliveries (``deliveries_without_progress``).
-* A claim that finds nothing of its iteration, for the first delivery of the
-  iteration's first attempt, fences and closes nothing: with no earlier
-  attempt and no earlier delivery, every earlier holder is of an earlier
-  iteration, fenced by the tail already. Asked to, it rides the holder's
-  first record instead of being stored on its own (``claim_rides``), unless
-  it alone would reach the restart limit.
-* The last commit this replica stored on the step is the guessed tail of the
-  next iteration's claim (``guess_tail``: only a commit of the iteration just
-  before). A decision from a guessed tail stands only if it is ``Proceed``
-  (``stands_on_a_guess``); any other answer needs the tail read.
+* Where it starts. A claim with the lease (the engine's, as it leases the
+  task) that could not ride -> ``NoClaim``: its holder claims. One of a
+  run's first dispatch, first delivery -> ``RideFirstRecord`` before
+  anything is read: no holder came before it. Iteration 0 ->
+  ``ReadTail(with_run=True)``, the run read at once. A claim that may not
+  ride, when the last commit this replica stored on the step ended the
+  iteration just before -> ``UseGuessedTail``. Else ``ReadTail``.
+* The tail is a cancel -> ``Cancelled`` (the claim is refused).
+* Iteration 0 of a run that has ended -> ``Stale``: a purge resets a step's
+  fence (docs/architecture.md, F4), so a journal is never opened afresh for
+  an ended run. A later iteration follows a commit on the subject, which a
+  purge would have removed.
+* The tail is of the iteration or later -> ``ReadRecords``, the iteration's.
+* Then the records decide (``decide_claim``): the tail belongs to a later
+  dispatch -> ``Stale`` (a late redelivery; settle the task without
+  running); the iteration has a commit that ends it, or this attempt has a
+  commit -> ``AlreadyCommitted`` (the holder crashed between commit and
+  event; republish the commit's event and settle); else ``Proceed``.
+* On the guessed tail, only a stored claim stands: its fenced append checks
+  the guessed tail. Any other answer, or an append the fence refused (it
+  wrote nothing), -> ``ReadTail``: the tail is read then.
+* ``Proceed`` on nothing of its iteration, for the first delivery of the
+  iteration's first attempt, fences and closes nothing: every earlier holder
+  is of an earlier iteration, fenced by the tail already. Asked to, it rides
+  the holder's first record (``RideFirstRecord``, ``claim_may_ride``),
+  unless it alone would reach the restart limit.
+* A claim with the lease answers nothing else -> ``NoClaim``.
+* Otherwise the claim is appended, which fences every earlier holder:
+  ``RestartLimit`` when with it the iteration ends in ``limit`` deliveries in
+  a row that made no progress (``restart_limit_reached``: its trailing
+  claims, a claim repeated for the same delivery counted once, and the first
+  delivery's claim that rode and was never stored, when the iteration holds
+  nothing but claims of later deliveries, ``deliveries_without_progress``),
+  a failure committed after the claim; else ``StoreClaim``, closing every
+  intent of an *earlier attempt* that has no result with an ``interrupted``
+  result.
 
 Calls, by position within the attempt (model calls, tool calls and
 place-inputs calls share one position counter):
@@ -98,11 +110,17 @@ DEFAULT_RESTART_LIMIT = 5
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Stale:
+    """Settle the task without running: the journal is past the dispatch, or
+    the run ended before its first iteration was claimed."""
+
     detail: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AlreadyCommitted:
+    """Settle the task with ``commit``'s event: its holder committed, then
+    died before the event was published."""
+
     commit: CommitEntry
 
 
@@ -119,7 +137,7 @@ ClaimDecision = Stale | AlreadyCommitted | Proceed
 def decide_claim(
     *, tail: AnyEntry | None, records: Sequence[AnyEntry], iteration: int, attempt: int
 ) -> ClaimDecision:
-    """What a dispatch that opens the journal must do.
+    """What the records say of a dispatch that opens the journal.
 
     Args:
         tail: the last record on the subject, whatever its iteration.
@@ -135,28 +153,194 @@ def decide_claim(
     return Proceed(close=tuple(_unanswered(records, before_attempt=attempt)))
 
 
-def closed_start(iteration: int, *, run_ended: str) -> Stale | None:
-    """``Stale`` for a claim of iteration 0 of a run that has ended (``run_ended``
-    says how, empty while it runs); None when the claim may go on."""
-    if iteration == 0 and run_ended:
-        return Stale(detail=run_ended)
-    return None
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cancelled:
+    """The run was cancelled: refuse the call, write nothing."""
+
+    reason: str
 
 
-def guess_tail(last_commit: int | None, iteration: int) -> bool:
-    """Whether the last commit this replica stored on the step (its iteration;
-    None when it stored none) is the likely tail for a claim of ``iteration``:
-    it ended the iteration before."""
-    return last_commit is not None and last_commit == iteration - 1
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimAsked:
+    """A claim as asked: by a worker's ``Claim``, or by the engine as it
+    leases the task (``with_lease``: the claim with the lease).
+
+    ``may_ride``: the claim may be stored with its holder's first record.
+    ``first_dispatch``: the engine knows the run running and the task the
+    first delivery of its step's first dispatch (the claim with the lease
+    only). ``guessed_tail``: the iteration of the last commit this replica
+    stored on the step (None: none it remembers).
+    """
+
+    iteration: int
+    attempt: int
+    delivery: int
+    worker_id: str
+    limit: int
+    may_ride: bool
+    with_lease: bool = False
+    first_dispatch: bool = False
+    guessed_tail: int | None = None
 
 
-def stands_on_a_guess(decision: ClaimDecision) -> bool:
-    """Whether ``decision``, made from a guessed tail rather than one that was
-    read, may be the answer. Only ``Proceed`` may: it appends the claim, and that
-    fenced append checks the guess, so a right guess decides exactly as a read
-    would and a wrong one writes nothing. ``Stale`` and ``AlreadyCommitted``
-    write nothing that would check the guess: they need a tail that was read."""
-    return isinstance(decision, Proceed)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimSeen:
+    """What a claim has found so far; the service adds to it as each step says.
+
+    ``tail``: the entries of the tail record the claim decides on, in order
+    (``()``: the journal is empty; None: no tail yet). ``guessed``: that tail
+    is the guessed tail, not read. ``run_ended``: how the run ended, for a
+    claim of iteration 0 (empty: it runs). ``records``: the entries of the
+    iteration's records (None: not read). ``guess_missed``: the claim's
+    append on the guessed tail was refused, and nothing was written.
+    """
+
+    tail: tuple[AnyEntry, ...] | None = None
+    guessed: bool = False
+    run_ended: str = ""
+    records: tuple[AnyEntry, ...] | None = None
+    guess_missed: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadTail:
+    """Read the step's tail; with ``with_run`` (a claim of iteration 0), the
+    run at once: only then may the run's end decide the claim."""
+
+    with_run: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UseGuessedTail:
+    """Decide on the guessed tail: the last commit this replica stored on the
+    step, which ended the iteration before. The claim's fenced append checks
+    it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadRecords:
+    """Read the iteration's records: those after ``base`` through ``through``
+    (the tail)."""
+
+    base: int
+    through: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RideFirstRecord:
+    """Answer the claim without a write: the holder's first record stores it,
+    fenced on the tail it was made on (nothing read: an empty journal).
+    ``base``: the sequence of the commit that ended the iteration before."""
+
+    base: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreClaim:
+    """Append the claim, which fences every earlier holder, then answer
+    ``close`` (earlier attempts' intents) as interrupted. ``guessed``: the
+    append is fenced on the guessed tail; refused, it wrote nothing, and the
+    claim reads the tail then."""
+
+    base: int
+    close: tuple[IntentEntry, ...]
+    guessed: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestartLimit:
+    """Append the claim (as ``StoreClaim``), then commit the retriable failure
+    of the restart limit: with it, ``limit`` deliveries in a row made no
+    progress."""
+
+    base: int
+    guessed: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NoClaim:
+    """A claim with the lease that would not ride: nothing is written, and
+    the holder's own ``Claim`` stores it, settles the task or is refused."""
+
+
+ClaimStep = (
+    ReadTail
+    | UseGuessedTail
+    | ReadRecords
+    | RideFirstRecord
+    | StoreClaim
+    | RestartLimit
+    | Stale
+    | AlreadyCommitted
+    | Cancelled
+    | NoClaim
+)
+
+
+def claim_step(asked: ClaimAsked, seen: ClaimSeen) -> ClaimStep:
+    """What a claim does next, given what it has found so far: a read, or its
+    answer. The service asks again after each read, until an answer."""
+    rides = asked.may_ride and claim_may_ride(asked.attempt, asked.delivery, asked.limit)
+    if seen.tail is None:
+        return _where_a_claim_starts(asked, rides=rides)
+    if (cancel := cancel_of(seen.tail)) is not None:
+        return NoClaim() if asked.with_lease else cancel
+    if asked.iteration == 0 and seen.run_ended:
+        # A purge resets a step's fence: a journal is never opened afresh for
+        # an ended run. A later iteration follows a commit a purge removes.
+        return NoClaim() if asked.with_lease else Stale(detail=seen.run_ended)
+    tail = seen.tail[-1] if seen.tail else None
+    base = base_before(tail, asked.iteration)
+    if seen.records is None and tail is not None and tail.iteration >= asked.iteration:
+        return ReadRecords(base=base, through=tail.seq)
+    records = seen.records or ()
+    decision = decide_claim(
+        tail=tail, records=records, iteration=asked.iteration, attempt=asked.attempt
+    )
+    if seen.guessed and (seen.guess_missed or not isinstance(decision, Proceed)):
+        # Only a claim's fenced append checks the guessed tail: an answer that
+        # writes nothing, or an append it refused, needs the tail read.
+        return ReadTail(with_run=False)
+    if rides and not records and isinstance(decision, Proceed):
+        return RideFirstRecord(base=base)
+    if asked.with_lease:
+        return NoClaim()
+    match decision:
+        case Proceed(close=close):
+            if restart_limit_reached([*records, _claim_of(asked)], asked.limit):
+                return RestartLimit(base=base, guessed=seen.guessed)
+            return StoreClaim(base=base, close=close, guessed=seen.guessed)
+        case Stale() | AlreadyCommitted():
+            return decision
+
+
+def _where_a_claim_starts(asked: ClaimAsked, *, rides: bool) -> ClaimStep:
+    """The first step of a claim: which tail it decides on."""
+    if asked.with_lease and not rides:
+        return NoClaim()  # a redelivery or a retry: its claim is stored, by its holder
+    if asked.with_lease and asked.first_dispatch and asked.iteration == 0:
+        # No holder came before the first delivery of a first dispatch: the
+        # journal holds nothing, and the holder's first record, fenced on an
+        # empty tail, would be refused were a record there after all.
+        return RideFirstRecord(base=0)
+    if asked.iteration == 0:
+        return ReadTail(with_run=True)
+    # A claim that may ride appends nothing to check a guessed tail with.
+    if not rides and asked.guessed_tail is not None and asked.guessed_tail == asked.iteration - 1:
+        return UseGuessedTail()
+    return ReadTail(with_run=False)
+
+
+def _claim_of(asked: ClaimAsked) -> ClaimEntry:
+    """The claim ``asked`` appends, as the restart limit counts it."""
+    return ClaimEntry(
+        seq=0,
+        iteration=asked.iteration,
+        attempt=asked.attempt,
+        writer="",
+        delivery=asked.delivery,
+        worker_id=asked.worker_id,
+    )
 
 
 def base_before(tail: AnyEntry | None, iteration: int) -> int:
@@ -170,18 +354,11 @@ def base_before(tail: AnyEntry | None, iteration: int) -> int:
     return tail.base_seq
 
 
-def claim_rides(attempt: int, delivery: int, limit: int) -> bool:
-    """Whether a claim that found no record of its iteration may be stored
+def claim_may_ride(attempt: int, delivery: int, limit: int) -> bool:
+    """Whether a claim that finds no record of its iteration may be stored
     with the holder's first record: it is the first delivery (not 0, which is
     unknown) of the first attempt, and it alone does not reach ``limit``."""
     return attempt == 1 and delivery == 1 and limit > 1
-
-
-def rides_first_record(decision: ClaimDecision, *, may_ride: bool, found: int) -> bool:
-    """Whether a claim is answered without a write, to be stored with the
-    holder's first record (ADR 40): ``claim_rides`` allows it (``may_ride``),
-    it proceeds, and it found no record of its iteration (``found``)."""
-    return may_ride and found == 0 and isinstance(decision, Proceed)
 
 
 def restart_limit_reached(records: Sequence[AnyEntry], limit: int) -> bool:
@@ -460,13 +637,6 @@ def _honourable(
 
 
 # ---- cancellation -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Cancelled:
-    """The run was cancelled: refuse the call, write nothing."""
-
-    reason: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

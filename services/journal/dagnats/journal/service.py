@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, Literal, overload
+from typing import Any, assert_never
 
 from dagnats.core import errors
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
@@ -135,21 +136,21 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 f"restart_limit must be 1..{MAX_RESTART_LIMIT}", field="restart_limit"
             )
         lease = check_lease(request.lease) if request.lease else ""
-        response = await self._claim_answer(request, limit)
+        response = await self._claim(request, _asked(request, limit, with_lease=False))
         if lease and response.HasField("settled"):
-            # As a commit with a lease (ADR 9): answer, then settle behind it.
+            # As a commit with a lease: answer, then settle behind it.
             self._behind_answer(self._settle_claimed(lease, response.settled))
             response.settled.task_settled = True
         return response
 
-    async def ride_claim(
+    async def claim_with_lease(
         self, request: pb.ClaimRequest, *, first: bool = False
     ) -> pb.Claimed | None:
-        """The claim of a task's first delivery, made as the engine of this
-        process leases it (ADR 42): what ``Claim`` would answer when the claim
-        rides the holder's first record (ADR 40), with nothing written; None
-        when it would be stored or would settle the task, which the holder's
-        own ``Claim`` then does.
+        """The claim with the lease: the claim of a task's first delivery,
+        made as the engine of this process leases it (ADR 42). What ``Claim``
+        would answer when the claim rides the holder's first record (ADR 40),
+        with nothing written; None when it would be stored or would settle
+        the task, which the holder's own ``Claim`` then does.
 
         ``first``: the engine knows the run running and the task the first
         delivery of its step's first dispatch, whose journal then holds
@@ -157,131 +158,113 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         after all, the holder's first record, fenced on an empty tail, would
         be refused."""
         limit = request.restart_limit or replay.DEFAULT_RESTART_LIMIT
-        if not replay.claim_rides(request.attempt, request.delivery, limit):
-            return None  # a redelivery or a retry: its claim is stored, by its holder
-        if first and request.iteration == 0:
-            return (await self._claim_riding(request, None, 0)).claimed
-        response = await self._claim_answer(request, limit, ride_only=True)
-        return response.claimed if response is not None else None
+        asked = _asked(request, limit, with_lease=True, first_dispatch=first)
+        response = await self._claim(request, asked)
+        return response.claimed if response.HasField("claimed") else None
 
-    @overload
-    async def _claim_answer(
-        self, request: pb.ClaimRequest, limit: int, *, ride_only: Literal[False] = False
-    ) -> pb.ClaimResponse: ...
-
-    @overload
-    async def _claim_answer(
-        self, request: pb.ClaimRequest, limit: int, *, ride_only: bool
-    ) -> pb.ClaimResponse | None: ...
-
-    async def _claim_answer(
-        self, request: pb.ClaimRequest, limit: int, *, ride_only: bool = False
-    ) -> pb.ClaimResponse | None:
-        """The claim's answer; with ``ride_only``, None instead of any answer
-        but a claim that rides (nothing is then written)."""
+    async def _claim(self, request: pb.ClaimRequest, asked: replay.ClaimAsked) -> pb.ClaimResponse:
+        """The claim's answer, one step at a time as ``replay.claim_step``
+        says; an empty answer when a claim with the lease leaves the claim to
+        its holder (``NoClaim``)."""
         run_id, step_id = request.run_id, request.step_id
-        # May the claim ride the holder's first record, if it finds nothing of
-        # its iteration (ADR 40)?
-        rides = request.with_first_record and replay.claim_rides(
-            request.attempt, request.delivery, limit
-        )
-        if request.iteration == 0:
-            # Only then does the rule need the run, and no commit can be the
-            # tail's guess: the two reads go at once.
-            run, tail = await asyncio.gather(self._run(run_id), self.store.tail(run_id, step_id))
-            if _sealed(request, tail, ride_only=ride_only):
-                return None
-            status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
-            ended = f"run {run_id} is {status}" if run.status != epb.RUN_STATUS_RUNNING else ""
-            if (closed := replay.closed_start(request.iteration, run_ended=ended)) is not None:
-                return None if ride_only else _settled("stale", detail=closed.detail)
-            return await self._claim_after(request, tail, limit, rides=rides, ride_only=ride_only)
-        # The commit that ended the last iteration, as this replica stored it, is
-        # the likely tail: claim after it without reading first. The claim's
-        # fenced append checks the guess, so a right guess decides exactly as a
-        # read would have; a wrong one wrote nothing, and the tail is read. A
-        # claim that may ride appends nothing to check a guess with: it reads.
-        guess = None if rides else self._writer.last_commit(run_id, step_id)
-        if guess is not None and replay.guess_tail(guess.iteration, request.iteration):
-            try:
-                return await self._claim_after(request, guess, limit, guessed=True)
-            except _GuessMissed:
-                pass
-        tail = await self.store.tail(run_id, step_id)
-        return await self._claim_after(request, tail, limit, rides=rides, ride_only=ride_only)
+        # The commit that ended the last iteration, as this replica stored it,
+        # is the likely tail: the guessed tail.
+        guess = self._writer.last_commit(run_id, step_id)
+        if guess is not None:
+            asked = dataclasses.replace(asked, guessed_tail=guess.iteration)
+        seen = replay.ClaimSeen()
+        tail: pb.Record | None = None
+        records: list[pb.Record] = []
+        while True:
+            step = replay.claim_step(asked, seen)
+            match step:
+                case replay.ReadTail(with_run=with_run):
+                    tail, ended = await self._tail(run_id, step_id, with_run=with_run)
+                    seen = replay.ClaimSeen(tail=_entries(tail), run_ended=ended)
+                case replay.UseGuessedTail():
+                    tail = guess
+                    seen = replay.ClaimSeen(tail=_entries(guess), guessed=True)
+                case replay.ReadRecords(base=base, through=through):
+                    found = await self.store.read(run_id, step_id, after=base, through=through)
+                    records = [r for r in found if r.iteration == request.iteration]
+                    seen = dataclasses.replace(seen, records=tuple(convert.all_entries(records)))
+                case replay.RideFirstRecord(base=base):
+                    return await self._claim_riding(request, tail, base)
+                case replay.StoreClaim(base=base, close=close, guessed=guessed):
+                    stored = await self._store_claim(request, tail, base, guessed=guessed)
+                    if stored is None:  # the guessed tail was wrong, and nothing was written
+                        seen = dataclasses.replace(seen, guess_missed=True)
+                    else:
+                        entries = [*(seen.records or ()), convert.entry(stored[1])]
+                        return await self._close_earlier(
+                            stored[0], tail, base, [*records, stored[1]], entries, close
+                        )
+                case replay.RestartLimit(base=base, guessed=guessed):
+                    stored = await self._store_claim(request, tail, base, guessed=guessed)
+                    if stored is None:  # the guessed tail was wrong, and nothing was written
+                        seen = dataclasses.replace(seen, guess_missed=True)
+                    else:
+                        return await self._fail_at_restart_limit(stored[0], asked.limit)
+                case replay.Stale(detail=detail):
+                    return _settled("stale", detail=detail)
+                case replay.AlreadyCommitted(commit=commit):
+                    committed = next(r for r in records if r.seq == commit.seq)
+                    return _settled("committed", commit=committed, detail="already committed")
+                case replay.Cancelled(reason=reason):
+                    # The run's end sealed the journal.
+                    raise cancelled(_claimant(request, tail, 0), reason)
+                case replay.NoClaim():
+                    return pb.ClaimResponse()
+                case _:
+                    assert_never(step)
 
-    async def _claim_after(
-        self,
-        request: pb.ClaimRequest,
-        tail: pb.Record | None,
-        limit: int,
-        *,
-        guessed: bool = False,
-        rides: bool = False,
-        ride_only: bool = False,
-    ) -> pb.ClaimResponse | None:
-        """Claim the dispatch, ``tail`` being the step's last record; with
-        ``ride_only``, None unless the claim rides."""
-        run_id, step_id = request.run_id, request.step_id
-        if _sealed(request, tail, ride_only=ride_only):
-            return None
-        base = replay.base_before(convert.entry(tail) if tail else None, request.iteration)
-        records = await self._iteration_records(run_id, step_id, request.iteration, base, tail)
-        entries = convert.all_entries(records)
-        decision = replay.decide_claim(
-            tail=convert.entry(tail) if tail else None,
-            records=entries,
-            iteration=request.iteration,
-            attempt=request.attempt,
-        )
-        if guessed and not replay.stands_on_a_guess(decision):
-            raise _GuessMissed
-        if replay.rides_first_record(decision, may_ride=rides, found=len(records)):
-            return await self._claim_riding(request, tail, base)
-        if ride_only:
-            return None
-        match decision:
-            case replay.Proceed(close=close):
-                return await self._claim(
-                    request, tail, base, records, entries, close, limit, guessed=guessed
-                )
-            case replay.Stale(detail=detail):
-                return _settled("stale", detail=detail)
-            case replay.AlreadyCommitted(commit=commit):
-                stored = next(r for r in records if r.seq == commit.seq)
-                return _settled("committed", commit=stored, detail="already committed")
+    async def _tail(
+        self, run_id: str, step_id: str, *, with_run: bool
+    ) -> tuple[pb.Record | None, str]:
+        """The step's tail; with ``with_run``, also how the run ended (empty
+        while it runs), the two read at once."""
+        if not with_run:
+            return await self.store.tail(run_id, step_id), ""
+        run, tail = await asyncio.gather(self._run(run_id), self.store.tail(run_id, step_id))
+        status = epb.RunStatus.Name(run.status).removeprefix("RUN_STATUS_").lower()
+        return tail, f"run {run_id} is {status}" if run.status != epb.RUN_STATUS_RUNNING else ""
 
-    async def _claim(
+    async def _store_claim(
+        self, request: pb.ClaimRequest, tail: pb.Record | None, base: int, *, guessed: bool
+    ) -> tuple[pb.WriterToken, pb.Record] | None:
+        """Append the claim after ``tail`` (the guessed tail, with ``guessed``):
+        the new holder's token and the claim as stored; None when the guessed
+        tail was wrong, and nothing was written."""
+        token = _claimant(request, tail, base)
+        claim = pb.Record(claim=pb.Claim(delivery=request.delivery, worker_id=request.worker_id))
+        write = self._writer.append_on_guessed_tail if guessed else self._writer.append
+        stored = await write(token, claim)
+        if stored is not None:
+            await self._now_holding(stored[0])
+        return stored
+
+    async def _fail_at_restart_limit(self, token: pb.WriterToken, limit: int) -> pb.ClaimResponse:
+        """Commit the restart limit's retriable failure after the claim."""
+        failure = pb.Commit(
+            action=pb.ACTION_FAIL,
+            error=f"restart limit: {limit} deliveries in a row without progress",
+            reason="restart_limit",
+        )
+        token, commit = await self._writer.append(token, pb.Record(commit=failure))
+        return _settled("restart_limit", commit=commit, detail=failure.error)
+
+    async def _close_earlier(
         self,
-        request: pb.ClaimRequest,
+        token: pb.WriterToken,
         tail: pb.Record | None,
         base: int,
         records: list[pb.Record],
         entries: list[jm.AnyEntry],
         close: tuple[jm.IntentEntry, ...],
-        limit: int,
-        *,
-        guessed: bool,
     ) -> pb.ClaimResponse:
-        token = _claimant(request, tail, base)
-        claim = pb.Record(claim=pb.Claim(delivery=request.delivery, worker_id=request.worker_id))
-        try:
-            token, claim = await self._writer.append(token, claim, guessed=guessed)
-        except errors.Fenced:
-            if guessed:
-                raise _GuessMissed from None
-            raise
-        records.append(claim)
-        entries.append(convert.entry(claim))
-        await self._now_holding(token)
-        if replay.restart_limit_reached(entries, limit):
-            failure = pb.Commit(
-                action=pb.ACTION_FAIL,
-                error=f"restart limit: {limit} deliveries in a row without progress",
-                reason="restart_limit",
-            )
-            token, commit = await self._writer.append(token, pb.Record(commit=failure))
-            return _settled("restart_limit", commit=commit, detail=failure.error)
+        """After the claim, answer the earlier attempts' intents ``close`` as
+        interrupted; then the claim's answer. ``records`` (``entries``) are
+        the iteration's, the claim last."""
         for intent in close:
             interrupted = pb.ToolResult(
                 intent_seq=intent.seq,
@@ -340,14 +323,6 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if len(self._holders) > MAX_HOLDERS:
             del self._holders[next(iter(self._holders))]
         await self.store.publish_live(stream.claim_event(token))
-
-    async def _iteration_records(
-        self, run_id: str, step_id: str, iteration: int, base: int, tail: pb.Record | None
-    ) -> list[pb.Record]:
-        if tail is None or tail.iteration < iteration:
-            return []
-        found = await self.store.read(run_id, step_id, after=base, through=tail.seq)
-        return [r for r in found if r.iteration == iteration]
 
     # ---- model calls -----------------------------------------------------------------
 
@@ -448,7 +423,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if not request.name or len(request.name) > 256:
             raise errors.InvalidArgument("name must be 1-256 characters", field="name")
         check_json(request.input, field="input", allow_empty=False)
-        model = _riding_model(request)
+        model = _leading_model(request)
         call = jm.ToolCall(
             name=request.name, input=request.input, safe=request.replay == pb.REPLAY_SAFE
         )
@@ -805,19 +780,26 @@ def _claimant(request: pb.ClaimRequest, tail: pb.Record | None, base: int) -> pb
     )
 
 
-def _sealed(request: pb.ClaimRequest, tail: pb.Record | None, *, ride_only: bool) -> bool:
-    """Whether ``tail`` is a cancel (the run's end sealed the journal): then
-    a claim is refused with ``RunCancelled``, and one asked only whether it
-    rides (``ride_only``) has no answer (True)."""
-    if (cancel := replay.cancel_of(convert.entries(tail) if tail else [])) is None:
-        return False
-    if ride_only:
-        return True
-    raise cancelled(_claimant(request, tail, 0), cancel.reason)
+def _asked(
+    request: pb.ClaimRequest, limit: int, *, with_lease: bool, first_dispatch: bool = False
+) -> replay.ClaimAsked:
+    """The claim ``request`` asks, for ``replay.claim_step``; the claim with
+    the lease may always ride."""
+    return replay.ClaimAsked(
+        iteration=request.iteration,
+        attempt=request.attempt,
+        delivery=request.delivery,
+        worker_id=request.worker_id,
+        limit=limit,
+        may_ride=with_lease or request.may_ride,
+        with_lease=with_lease,
+        first_dispatch=first_dispatch,
+    )
 
 
-class _GuessMissed(Exception):
-    """A claim's guess at the tail was wrong, and it wrote nothing."""
+def _entries(tail: pb.Record | None) -> tuple[jm.AnyEntry, ...]:
+    """The entries of a tail record; none for an empty journal."""
+    return tuple(convert.entries(tail)) if tail is not None else ()
 
 
 SESSION_CALLS = session.behaviours(JournalServicer)
@@ -845,7 +827,7 @@ def _intent(request: pb.BeginToolRequest) -> pb.Record:
     )
 
 
-def _riding_model(request: pb.BeginToolRequest) -> pb.ModelCall | None:
+def _leading_model(request: pb.BeginToolRequest) -> pb.ModelCall | None:
     """The model response a tool call's intent is to be stored with, checked."""
     if not request.HasField("model"):
         return None

@@ -6,9 +6,10 @@ The writer also keeps two caches, as optimisations only: a miss, on another
 replica or after an eviction, reads from the stream instead.
 
 - The replay snapshot (the iteration's records as the claim found them), per writer.
-- The last commit it stored on each step: the likely tail when the step's next
-  iteration is claimed. A claim appends after it without reading the tail
-  first; the fenced append itself checks the guess (see ``Claim``).
+- The last commit it stored on each step: the guessed tail when the step's
+  next iteration is claimed. A claim appends after it without reading the
+  tail first; the fenced append itself checks the guessed tail
+  (``append_on_guessed_tail``).
 """
 
 from __future__ import annotations
@@ -40,13 +41,9 @@ class JournalWriter:
         self._commits: OrderedDict[str, pb.Record] = OrderedDict()
 
     async def append(
-        self, token: pb.WriterToken, record: pb.Record, *, guessed: bool = False
+        self, token: pb.WriterToken, record: pb.Record
     ) -> tuple[pb.WriterToken, pb.Record]:
         """Store ``record`` after the writer's last seen sequence.
-
-        Args:
-            guessed: ``token.last_seq`` is a guess at the tail, not a sequence
-                the writer read: a miss is no fenced writer (see the store).
 
         Returns:
             The writer's next token, and the record as stored (with its sequence).
@@ -57,17 +54,38 @@ class JournalWriter:
                 a tool result the record carries (see ``replay.refused_write``).
         """
         self._stamp(token, record)
-        following = pb.WriterToken()
-        following.CopyFrom(token)
         try:
-            seq = await self.store.append(token, record, guessed=guessed)
+            seq = await self.store.append(token, record)
         except errors.Fenced as refused:
-            if guessed:
-                raise  # the claim reads the tail, which tells a cancel
             # A result stored after a cancel leaves the writer's tail where
             # it was: its next write is refused by the fence, and decided again.
-            seq = await self._refused(token, record, refused)
-        else:
+            return self._stored(
+                token, record, await self._refused(token, record, refused), moved=False
+            )
+        return self._stored(token, record, seq, moved=True)
+
+    async def append_on_guessed_tail(
+        self, token: pb.WriterToken, record: pb.Record
+    ) -> tuple[pb.WriterToken, pb.Record] | None:
+        """Store ``record`` after the guessed tail ``token.last_seq`` (the last
+        commit this replica stored on the step), as ``append`` does; None when
+        the guessed tail was wrong, and nothing was written: the claim reads
+        the tail then, which also tells a cancel."""
+        self._stamp(token, record)
+        try:
+            seq = await self.store.append(token, record, guessed=True)
+        except errors.Fenced:
+            return None
+        return self._stored(token, record, seq, moved=True)
+
+    def _stored(
+        self, token: pb.WriterToken, record: pb.Record, seq: int, *, moved: bool
+    ) -> tuple[pb.WriterToken, pb.Record]:
+        """The writer's next token after ``record`` was stored at ``seq``;
+        ``moved``: the writer's tail is now ``seq``."""
+        following = pb.WriterToken()
+        following.CopyFrom(token)
+        if moved:
             following.last_seq = seq
         record.seq = seq
         if record.HasField("commit"):

@@ -507,9 +507,11 @@ class StepRecord(_message.Message):
 Global___StepRecord: _TypeAlias = StepRecord  # noqa: Y015
 
 @_typing.final
-class HeldDecision(_message.Message):
-    """HeldDecision is what the engine tells the holder of a task message it kept
-    across a commit (HistoryEvent.notify), once the run is stored.
+class EventDecision(_message.Message):
+    """EventDecision is what the engine that applied a commit's event tells the
+    journal service that sent it (HistoryEvent.notify), once the run is stored:
+    of a task message kept across the commit, the dispatch it carries on to;
+    of any other, that the task may go.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -534,7 +536,7 @@ class HeldDecision(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___HeldDecision: _TypeAlias = HeldDecision  # noqa: Y015
+Global___EventDecision: _TypeAlias = EventDecision  # noqa: Y015
 
 @_typing.final
 class RunRecord(_message.Message):

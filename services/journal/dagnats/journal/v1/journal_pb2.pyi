@@ -588,7 +588,7 @@ class WriterToken(_message.Message):
     def claim(self) -> Global___Claim:
         """A claim not stored yet: the holder was handed this dispatch with the
         commit before it (NextDispatch.token), or claimed it with
-        ClaimRequest.with_first_record, and the next record it appends stores the
+        ClaimRequest.may_ride, and the next record it appends stores the
         claim ahead of its own entry (Record.leading_claim). The token that
         append returns has none.
         """
@@ -632,7 +632,7 @@ class ClaimRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     RESTART_LIMIT_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
-    WITH_FIRST_RECORD_FIELD_NUMBER: _builtins.int
+    MAY_RIDE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -661,7 +661,7 @@ class ClaimRequest(_message.Message):
     commit's lifecycle event, then acknowledges), and Settled.task_settled is
     true: the worker sends no Report. Empty: the caller reports.
     """
-    with_first_record: _builtins.bool
+    may_ride: _builtins.bool
     """Set: a claim that would store nothing but itself -- the task message's
     first delivery (delivery 1) of the iteration's first attempt, with nothing
     of the iteration stored and the restart limit above 1 -- is not stored
@@ -681,11 +681,11 @@ class ClaimRequest(_message.Message):
         worker_id: _builtins.str = ...,
         restart_limit: _builtins.int = ...,
         lease: _builtins.str = ...,
-        with_first_record: _builtins.bool = ...,
+        may_ride: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "delivery", b"delivery", "iteration", b"iteration", "lease", b"lease", "restart_limit", b"restart_limit", "run_id", b"run_id", "step_id", b"step_id", "with_first_record", b"with_first_record", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "delivery", b"delivery", "iteration", b"iteration", "lease", b"lease", "may_ride", b"may_ride", "restart_limit", b"restart_limit", "run_id", b"run_id", "step_id", b"step_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
