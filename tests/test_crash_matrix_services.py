@@ -5,7 +5,7 @@ left in the run: the next writer of the run finds it and publishes it again,
 which its Msg-Id makes a no-op), and the journal service's ``after_input_claimed`` (an input claimed
 in the inputs bucket, its ``input.placed`` record not yet written) and
 ``after_commit_stored`` (a commit that settles its task stored, its lifecycle
-event not yet published nor the task acknowledged), ``after_report_sent`` (a
+event not yet published nor the task acknowledged), ``after_commit_event_sent`` (a
 commit's event sent to the engines over core NATS, nothing of it on the
 history, no answer come yet, its task not released) and
 ``after_held_decision`` (a continue that keeps its task: its event applied
@@ -55,7 +55,7 @@ SEAMS = (
     "after_dispatch_published",
     "after_input_claimed",
     "after_commit_stored",
-    "after_report_sent",
+    "after_commit_event_sent",
     "after_held_decision",
     "after_kept_unwritten",
 )
@@ -152,7 +152,7 @@ async def test_service_crash_point(
     stack: Stack, tmp_path: Path, seam: str, mode: str, iteration: int
 ) -> None:
     inputs = seam == "after_input_claimed"
-    committing = seam in ("after_commit_stored", "after_report_sent", "after_held_decision")
+    committing = seam in ("after_commit_stored", "after_commit_event_sent", "after_held_decision")
     # Where the run waits while the test arms the seam: before the claim of the
     # iteration that places the input or commits, or of the one whose continue
     # the engine applies into the next dispatch. Iteration 0's dispatch is

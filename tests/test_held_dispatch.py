@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.natsserver import NatsServer
-from dagnats.core.subjects import DIRECT_QUEUE, DIRECT_REPORTS, history_subject
+from dagnats.core.subjects import COMMIT_EVENTS, DIRECT_QUEUE, history_subject
 from dagnats.engine.report import TaskSettler, outcome_msg_id
 from dagnats.engine.server import EngineServer, start_services
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -288,11 +288,11 @@ async def test_a_stopping_worker_releases_its_kept_task_with_its_next_commit(
 async def reports_off(engine: EngineServer) -> AsyncIterator[None]:
     """Inside, the engine takes no commit's event directly (over NATS or by
     a call): each goes to the history, as with an engine that predates ADR 33."""
-    await engine.engine.stop_serving_reports()
+    await engine.engine.stop_serving_commit_events()
     try:
         yield
     finally:
-        await engine.engine.serve_reports()
+        await engine.engine.serve_commit_events()
 
 
 async def test_a_journal_commit_stores_no_event_on_the_history(
@@ -305,7 +305,7 @@ async def test_a_journal_commit_stores_no_event_on_the_history(
     # its event to the history by design (..._leaves_unanswered_is_stored_on_the_history
     # below); a wait long enough that only a broken engine misses it keeps
     # this count exact when a loaded machine's disk stalls a run write.
-    monkeypatch.setattr(journal_service, "HOLD_WAIT", 30.0)
+    monkeypatch.setattr(journal_service, "EVENT_WAIT", 30.0)
     late = engine.engine.counters["local_late"]
     async with reports_off(engine):
         durable = await run_loop(client, engine, Loop(), sticky_iterations=0)
@@ -416,7 +416,7 @@ async def test_a_held_event_taken_by_an_engine_that_never_answers_is_stored_on_t
     try:
         async with reports_off(engine):
             queued = await run_loop(client, engine, Loop(k=k), sticky_iterations=0)
-            await nc.subscribe(DIRECT_REPORTS, queue=DIRECT_QUEUE, cb=swallow)
+            await nc.subscribe(COMMIT_EVENTS, queue=DIRECT_QUEUE, cb=swallow)
             await nc.flush()
             before = await tasks_published(js)
             loop = Loop(k=k)

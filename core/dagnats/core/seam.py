@@ -17,7 +17,7 @@ checked current, the step's inputs not yet listed), ``after_input_claimed``
 (an input is claimed in its bucket, its ``input.placed`` record not yet written) and
 ``after_commit_stored`` (a commit that settles its task stored and
 answered, its event not yet published; a commit that keeps its task for the
-next iteration is not answered yet), ``after_report_sent`` (a commit's
+next iteration is not answered yet), ``after_commit_event_sent`` (a commit's
 event sent to the engines over core NATS, or about to be handed to the engine
 of the same process, no answer come, nothing of it on the history; its task
 not released) and ``after_held_decision`` (the engine's decision known, the

@@ -15,7 +15,7 @@ these subjects belong to are configured in ``dagnats.core.jetstream``.
 | ``$KV.<bucket>.<key>`` | a key of a KV bucket |
 | ``dagnats.cancel.<run>`` | core NATS: a run was cancelled (at most once) |
 | ``dagnats.stream.<run>.<step>`` | core NATS: the live token preview of a step |
-| ``dagnats.engine.reports`` | core NATS, queue ``engines``: a journal commit's event (ADR 33) |
+| ``dagnats.engine.commit-events`` | core NATS, queue ``engines``: a journal commit's event |
 | ``api.inputs.{submit,get,withdraw}`` | core NATS request-reply: the inputs endpoints |
 """
 
@@ -27,7 +27,7 @@ INPUTS_WITHDRAW = "api.inputs.withdraw"
 LIVE_STREAM = "dagnats.stream"
 # A journal commit's event, sent to one engine over core
 # NATS (ADR 33); a constant, so nothing of a request reaches the subject.
-DIRECT_REPORTS = "dagnats.engine.reports"
+COMMIT_EVENTS = "dagnats.engine.commit-events"
 DIRECT_QUEUE = "engines"
 
 

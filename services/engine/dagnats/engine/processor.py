@@ -27,18 +27,20 @@ Each is one step of ``docs/architecture.md``, "The life of an iteration",
 which names the setting that turns it on or off; the reasons, and the crash
 windows each leaves, are in the ADRs its shortcuts table cites.
 
-A journal commit's event (ADR 33) comes to one engine of the queue group
-over core NATS, not on the history: it is applied as a history event is, its
-sender told, and nothing is acknowledged. Nothing of it is durable but the
-commit in the journal and the task message still leased (its sender releases
-it once told), so an event lost here (this engine dies, or is slow) costs the
-journal service its first wait, after which it publishes the event on the
-history. Such events race the history's events of the same run; the run's
-compare-and-swap orders them, and a report applied twice is stale the second
-time (its dispatch has moved on) and dropped. A journal service in the same
-process hands such an event to this engine by a call instead
-(``take_report``, ADR 36): the same application, the decision returned
-rather than sent, while this engine serves reports at all.
+A journal commit's event comes to one engine of the queue group over core
+NATS, not on the history (the event to one engine, ADR 33): it is applied as
+a history event is, its sender told, and nothing is acknowledged. Nothing of
+it is durable but the commit in the journal and the task message still
+leased (its sender releases it once told), so an event lost here (this
+engine dies, or is slow) costs the journal service its share of the commit
+wait, after which it publishes the event on the history. Such events race
+the history's events of the same run; the run's compare-and-swap orders
+them, and a commit's event applied twice is stale the second time (its
+dispatch has moved on) and dropped. A journal service in the same process
+hands such an event to this engine by a call instead (the event by a call,
+``take_commit_event``, ADR 36): the same application, the decision returned
+rather than sent, while this engine serves commits' events at all. Which
+route an event takes is ``dagnats.engine.report.commit_event_route``.
 """
 
 from __future__ import annotations
@@ -133,9 +135,9 @@ class Engine:
         self.on_stored: Callable[[StoredRun], None] | None = None
         # Commits' events taken from core NATS and being applied: at most a
         # history fetch's worth at once; more waits in the subscription.
-        self._reports: set[asyncio.Task[bytes | None]] = set()
-        self._report_slots = asyncio.Semaphore(config.history_batch)
-        self._unserve_reports: Callable[[], Awaitable[None]] | None = None
+        self._commit_events: set[asyncio.Task[bytes | None]] = set()
+        self._commit_event_slots = asyncio.Semaphore(config.history_batch)
+        self._unserve_commit_events: Callable[[], Awaitable[None]] | None = None
         # Runs this engine is creating: their first tasks may be delivered
         # before their write is acknowledged (``create``).
         self._creating: dict[str, asyncio.Future[None]] = {}
@@ -160,28 +162,30 @@ class Engine:
             asyncio.create_task(self._reconcile_loop()),
             asyncio.create_task(self._write_deferred_loop()),
         ]
-        await self.serve_reports()
+        await self.serve_commit_events()
 
-    async def serve_reports(self) -> None:
+    async def serve_commit_events(self) -> None:
         """Take commits' events from the journal services (ADR 33)."""
-        if self._unserve_reports is None:
-            self._unserve_reports = await self.store.serve_reports(self._on_report)
+        if self._unserve_commit_events is None:
+            self._unserve_commit_events = await self.store.serve_commit_events(
+                self._on_commit_event
+            )
 
-    async def stop_serving_reports(self) -> None:
+    async def stop_serving_commit_events(self) -> None:
         """Take no more commits' events; those being applied are cut
         short (their journal services publish them on the history)."""
-        if self._unserve_reports is not None:
-            unserve, self._unserve_reports = self._unserve_reports, None
+        if self._unserve_commit_events is not None:
+            unserve, self._unserve_commit_events = self._unserve_commit_events, None
             await unserve()
-        for task in list(self._reports):
+        for task in list(self._commit_events):
             task.cancel()
-        for task in list(self._reports):
+        for task in list(self._commit_events):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
     async def stop(self) -> None:
         self._stopping.set()
-        await self.stop_serving_reports()
+        await self.stop_serving_commit_events()
         await self.write_deferred(older_than=0.0)
         for task in self._tasks:
             task.cancel()
@@ -591,23 +595,23 @@ class Engine:
             return await self._apply_event(event, answer=answer)
 
     @property
-    def takes_reports(self) -> bool:
-        """Whether this engine takes commits' events now (``serve_reports``)."""
-        return self._unserve_reports is not None
+    def takes_commit_events(self) -> bool:
+        """Whether this engine takes commits' events now (``serve_commit_events``)."""
+        return self._unserve_commit_events is not None
 
-    async def take_report(self, event: ipb.HistoryEvent, *, wait: float) -> bytes | None:
+    async def take_commit_event(self, event: ipb.HistoryEvent, *, wait: float) -> bytes | None:
         """Apply a journal commit's event handed over by the journal service
         of this process, as one sent over core NATS is (ADR 36); the
         ``EventDecision`` its sender is told, serialized. None when this engine
-        takes no reports now, the event was not applied within ``wait``
+        takes no commits' events now, the event was not applied within ``wait``
         seconds, or it leaves nothing to tell: the sender then goes on as if
         no engine had answered."""
-        if not self.takes_reports:
+        if not self.takes_commit_events:
             return None
         self.counters["local_applied"] += 1
-        task = asyncio.create_task(self._take_report(event))
-        self._reports.add(task)  # cut short with the reports sent over NATS
-        task.add_done_callback(self._reports.discard)
+        task = asyncio.create_task(self._take_commit_event(event))
+        self._commit_events.add(task)  # cut short with those sent over NATS
+        task.add_done_callback(self._commit_events.discard)
         done, _ = await asyncio.wait({task}, timeout=wait)
         if not done:
             self.counters["local_late"] += 1  # its sender goes to the history
@@ -616,7 +620,7 @@ class Engine:
             return None
         return task.result()
 
-    async def _take_report(self, event: ipb.HistoryEvent) -> bytes | None:
+    async def _take_commit_event(self, event: ipb.HistoryEvent) -> bytes | None:
         try:
             return await self._take_event(event, answer=True)
         except Exception:
@@ -625,19 +629,19 @@ class Engine:
             )
             return None
 
-    async def _on_report(self, data: bytes) -> None:
+    async def _on_commit_event(self, data: bytes) -> None:
         """A commit's event from core NATS (ADR 33), applied in a task
         of its own; the subscription hands over the next once a slot is free."""
-        await self._report_slots.acquire()
-        task = asyncio.create_task(self._apply_report(data))
-        self._reports.add(task)
-        task.add_done_callback(self._report_done)
+        await self._commit_event_slots.acquire()
+        task = asyncio.create_task(self._apply_commit_event(data))
+        self._commit_events.add(task)
+        task.add_done_callback(self._commit_event_done)
 
-    def _report_done(self, task: asyncio.Task[None]) -> None:
-        self._reports.discard(task)
-        self._report_slots.release()
+    def _commit_event_done(self, task: asyncio.Task[None]) -> None:
+        self._commit_events.discard(task)
+        self._commit_event_slots.release()
 
-    async def _apply_report(self, data: bytes) -> None:
+    async def _apply_commit_event(self, data: bytes) -> None:
         """Apply a commit's event as the history's, never raising: its
         journal service publishes it on the history when no decision comes."""
         try:
@@ -646,10 +650,10 @@ class Engine:
             self.counters["direct_dropped"] += 1
             log.warning("a direct event that does not decode was dropped: %r", err)
             return
-        if not _direct_report(event):
+        if not _is_commit_event(event):
             self.counters["direct_dropped"] += 1
             log.warning(
-                "run %s: a direct event that is no commit's report was dropped", event.run_id
+                "run %s: a direct event that is no commit's event was dropped", event.run_id
             )
             return
         self.counters["direct_applied"] += 1
@@ -992,9 +996,9 @@ def _decision(event: ipb.HistoryEvent, run: m.Run | None) -> bytes | None:
     return decision.SerializeToString()
 
 
-def _direct_report(event: ipb.HistoryEvent) -> bool:
+def _is_commit_event(event: ipb.HistoryEvent) -> bool:
     """Whether a direct event is what only the journal sends that way: a
-    stored commit's report, with its dispatch identity and a notice subject.
+    stored commit's event, with its dispatch identity and a notice subject.
     Anything else must come on the durable history."""
     kind = event.WhichOneof("kind") or ""
     return kind in _REPORTS and event.attempt > 0 and bool(event.notify)

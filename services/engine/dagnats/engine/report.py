@@ -6,13 +6,14 @@ publish here, so one outcome has one Msg-Id whoever sends it, and a second
 send (a retry, a claim that republishes a stored commit) is a duplicate the
 HISTORY stream drops.
 
-A journal commit sends its event to one engine over core NATS first, and
-publishes it on the history only when no engine answered within a third of
-its wait (ADR 33): the stored commit is the durable fact, and the task
-message, still leased, stays in the queue until the engine has applied the
-event or the event is on the history. When an engine serves reports in the
-journal service's own process, that engine is the one: it is handed the
-event by a call, not over NATS (ADR 36).
+A stored journal commit's event takes one route, chosen in one place
+(``commit_event_route``): a call to the engine of the journal service's own
+process, when it takes commits' events (ADR 36), else core NATS to one
+engine of the queue group (ADR 33). A route that does not answer within a
+third of the commit's wait ends on the history, naming a notice inbox: the
+stored commit is the durable fact, and the task message, still leased, stays
+in the queue until the engine has applied the event or the event is on the
+history.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import logging
 import secrets
 from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, assert_never
 
 from dagnats.core import tracing
 from dagnats.core.outcomes import outcome_of
@@ -115,16 +117,50 @@ class LocalEngine(Protocol):
     commits' events (``dagnats.engine.processor.Engine``)."""
 
     @property
-    def takes_reports(self) -> bool: ...
+    def takes_commit_events(self) -> bool: ...
 
-    async def take_report(self, event: ipb.HistoryEvent, *, wait: float) -> bytes | None: ...
+    async def take_commit_event(self, event: ipb.HistoryEvent, *, wait: float) -> bytes | None: ...
+
+
+# ---- the route of a commit's event ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class InProcess:
+    """A call to ``engine``, the engine of this process, which takes
+    commits' events now (ADR 36). Unanswered in its share of the wait: the
+    history, without core NATS (the engine it would reach may be this one)."""
+
+    engine: LocalEngine
+
+
+@dataclass(frozen=True, slots=True)
+class ToOneEngine:
+    """Core NATS to one engine of the queue group (ADR 33), which tells the
+    notice inbox its decision. Unanswered in its share of the wait (no engine
+    subscribes, the send failed, or the engine was late): the history, naming
+    the same inbox."""
+
+
+CommitEventRoute = InProcess | ToOneEngine
+
+
+def commit_event_route(local: LocalEngine | None) -> CommitEventRoute:
+    """The route a stored commit's event takes first, ``local`` being the
+    engine of this process, if any. Every route that does not answer within
+    ``DIRECT_SHARE`` of the wait ends on the history, where every engine
+    reads: published there, naming a notice inbox the engine that applies
+    it tells."""
+    if local is not None and local.takes_commit_events:
+        return InProcess(local)
+    return ToOneEngine()
 
 
 class TaskSettler:
     """Settling the task of a stored journal commit, for the journal service
     (``dagnats.journal.peers.Tasks``): the commit's event, stamped by the
     engine's clock, then the lease released. ``local``: the engine of this
-    process, which takes the events while it serves reports (ADR 36)."""
+    process, which takes the events while it serves them (ADR 36)."""
 
     def __init__(
         self, store: EngineStore, clock: Callable[[], float], local: LocalEngine | None = None
@@ -138,29 +174,28 @@ class TaskSettler:
         return commit_event(commit, self._clock())
 
     async def settle(self, lease: str, commit: jpb.Record, *, wait: float) -> None:
-        """Send the stored ``commit``'s event to one engine (ADR 33), and
-        publish it on the history only when none answered within
-        ``DIRECT_SHARE`` of ``wait``; then release the task: its outcome is in
-        the run, or on the history, before the task goes.
+        """Send the stored ``commit``'s event by its route, and publish it on
+        the history when no engine answered within ``DIRECT_SHARE`` of
+        ``wait``; then release the task: its outcome is in the run, or on the
+        history, before the task goes.
 
         Raises:
             Exception: the event could not be published on the history.
         """
-        told = await self._reported(self._event(commit), wait * DIRECT_SHARE)
+        told = await self._send(self._event(commit), wait * DIRECT_SHARE)
         told.cancel()
         await self._store.release(lease)
 
     async def hold(self, lease: str, commit: jpb.Record, *, wait: float) -> pb.Task | None:
         """Send the stored continue ``commit``'s event, its task message kept
-        for the next iteration (ADR 31), to one engine (ADR 33), and wait for
-        the engine's decision: the next dispatch the message now carries, or
-        None. When none came within ``DIRECT_SHARE`` of ``wait`` (or no engine
-        takes such events), the event is published on the history, and the
-        rest of ``wait`` is waited for the decision of the engine that
-        applies it (or of the first one, late). None with the message
-        released when it carries no current dispatch; None with the lease
-        left to run out when no decision came (the message is then delivered
-        again, carrying what the run says).
+        for the next iteration (ADR 31), by its route, and wait for the
+        engine's decision: the next dispatch the message now carries, or
+        None. When none came within ``DIRECT_SHARE`` of ``wait``, the event is
+        published on the history, and the rest of ``wait`` is waited for the
+        decision of the engine that applies it (or of the first one, late).
+        None with the message released when it carries no current dispatch;
+        None with the lease left to run out when no decision came (the
+        message is then delivered again, carrying what the run says).
 
         Raises:
             Exception: the event could not be published on the history (the
@@ -168,11 +203,11 @@ class TaskSettler:
         """
         event = self._event(commit)
         event.held_seq = lease_position(lease)[1]
-        direct = wait * DIRECT_SHARE
-        told = await self._reported(event, direct)
+        share = wait * DIRECT_SHARE
+        told = await self._send(event, share)
         try:
             if not told.done():
-                await asyncio.wait_for(asyncio.shield(told), wait - direct)
+                await asyncio.wait_for(asyncio.shield(told), wait - share)
         except TimeoutError:
             return None
         finally:
@@ -183,50 +218,56 @@ class TaskSettler:
         await self._store.release(lease)
         return None
 
-    async def _reported(self, event: ipb.HistoryEvent, wait: float) -> asyncio.Future[bytes]:
-        """Send ``event`` to one engine: this process's, when it takes
-        reports, else one over core NATS. The future of its decision: done
-        when the decision came within ``wait`` seconds. Else the event goes
-        where every engine reads: it is published on the history, naming a
-        notice subject the engine that applies it tells (the future waits on
-        it; the caller cancels it when it stops waiting)."""
-        local = self._local if self._local is not None and self._local.takes_reports else None
-        decision = None
-        if local is not None:
-            # Handed over by a call: the decision is its answer, and the
-            # notice subject is needed only if the history takes the event.
-            await seam("after_report_sent")
-            decision = await local.take_report(event, wait=wait)
-        if decision is not None:
-            told: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-            told.set_result(decision)
-            return told
-        event.notify, told = await self._store.expect_notice()
+    async def _send(self, event: ipb.HistoryEvent, share: float) -> asyncio.Future[bytes]:
+        """Send ``event`` by its route (``commit_event_route``). The future of
+        the engine's decision: done when it came within ``share`` seconds.
+        Else the event is on the history, naming the notice inbox the future
+        waits on (the caller cancels it when it stops waiting)."""
+        match commit_event_route(self._local):
+            case InProcess(engine=engine):
+                # The decision is the call's answer: an inbox is needed only
+                # if the history takes the event.
+                await seam("after_commit_event_sent")
+                decision = await engine.take_commit_event(event, wait=share)
+                if decision is not None:
+                    told: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+                    told.set_result(decision)
+                    return told
+                event.notify, told = await self._store.expect_notice()
+            case ToOneEngine():
+                event.notify, told = await self._store.expect_notice()
+                try:
+                    answered = await self._told_by_one_engine(event, told, share)
+                except BaseException:
+                    told.cancel()
+                    raise
+                if answered:
+                    return told
+            case unreachable:
+                assert_never(unreachable)
         try:
-            if local is None and await self._told_directly(event, told, wait):
-                return told
             await self._store.publish_event(event, outcome_msg_id(event))
         except BaseException:
             told.cancel()
             raise
         return told
 
-    async def _told_directly(
-        self, event: ipb.HistoryEvent, told: asyncio.Future[bytes], wait: float
+    async def _told_by_one_engine(
+        self, event: ipb.HistoryEvent, told: asyncio.Future[bytes], share: float
     ) -> bool:
         """Send ``event`` to one engine over core NATS; whether its decision
-        came on ``told`` within ``wait`` seconds. False at once when no engine
-        subscribes."""
+        came on ``told`` within ``share`` seconds. False at once when no
+        engine subscribes."""
         try:
-            refused = await self._store.send_report(event)
+            refused = await self._store.send_commit_event(event)
         except Exception as err:  # the connection is reconnecting: the history it is
             log.warning(
                 "%s/%s: a commit's event was not sent: %r", event.run_id, event.step_id, err
             )
             return False
         try:
-            await seam("after_report_sent")
-            await asyncio.wait({told, refused}, timeout=wait, return_when=FIRST_COMPLETED)
+            await seam("after_commit_event_sent")
+            await asyncio.wait({told, refused}, timeout=share, return_when=FIRST_COMPLETED)
         finally:
             refused.cancel()
         return told.done()

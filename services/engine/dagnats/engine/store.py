@@ -28,8 +28,8 @@ from dagnats.core import jetstream as jsx
 from dagnats.core.errors import NotFound, Unavailable
 from dagnats.core.subjects import (
     ALL_CANCELS,
+    COMMIT_EVENTS,
     DIRECT_QUEUE,
-    DIRECT_REPORTS,
     cancelled_run,
     dead_letter,
     history_subject,
@@ -841,7 +841,7 @@ class EngineStore:
 
     # ---- a journal commit's event, sent to one engine (ADR 33) ----------------------
 
-    async def send_report(self, event: ipb.HistoryEvent) -> asyncio.Future[bytes]:
+    async def send_commit_event(self, event: ipb.HistoryEvent) -> asyncio.Future[bytes]:
         """Send a journal commit's ``event`` to one engine over core NATS (at
         most once). The engine's decision comes on ``event.notify``; the
         future returned resolves if no engine subscribes (nats-server's
@@ -849,13 +849,13 @@ class EngineStore:
         engine answers on). The caller cancels it when it stops waiting."""
         reply, refused = await self.expect_notice()
         try:
-            await self.nc.publish(DIRECT_REPORTS, event.SerializeToString(), reply=reply)
+            await self.nc.publish(COMMIT_EVENTS, event.SerializeToString(), reply=reply)
         except BaseException:
             refused.cancel()
             raise
         return refused
 
-    async def serve_reports(
+    async def serve_commit_events(
         self, handle: Callable[[bytes], Awaitable[None]]
     ) -> Callable[[], Awaitable[None]]:
         """Take journal commits' events, one engine of the queue group each;
@@ -864,7 +864,7 @@ class EngineStore:
         async def arrived(msg: Msg) -> None:
             await handle(msg.data)
 
-        sub = await self.nc.subscribe(DIRECT_REPORTS, queue=DIRECT_QUEUE, cb=arrived)
+        sub = await self.nc.subscribe(COMMIT_EVENTS, queue=DIRECT_QUEUE, cb=arrived)
 
         async def stop() -> None:
             with contextlib.suppress(Exception):  # the connection may be closing

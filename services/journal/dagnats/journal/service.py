@@ -50,10 +50,12 @@ MAX_PAGE = 1000
 MAX_HOLDERS = 100_000
 # Seconds a stopping service waits for the settles it owes.
 SETTLE_GRACE = env_seconds("DAGNATS_SETTLE_GRACE", 10.0)
-# Longest a held commit waits for the engine's decision (ADR 31); without one
-# its task message waits out its lease and is delivered carrying what the run
-# then says.
-HOLD_WAIT = env_seconds("DAGNATS_HOLD_WAIT", 3.0)
+# The commit wait: longest a commit waits for the engine's decision on its
+# event, a third by its route, the rest on the history. A commit that keeps
+# its task answers without the next dispatch when none came: its task
+# message waits out its lease and is delivered carrying what the run then
+# says.
+EVENT_WAIT = env_seconds("DAGNATS_EVENT_WAIT", 3.0)
 _WRITER_HEX = frozenset("0123456789abcdef")
 # Steps whose newest continue commit the engine may not have applied: it is
 # in flight, or a cancel dropped it.
@@ -589,7 +591,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         next iteration; the dispatch the message carries on to, or None."""
         try:
             await seam("after_commit_stored")
-            task = await self._tasks.hold(lease, record, wait=HOLD_WAIT)
+            task = await self._tasks.hold(lease, record, wait=EVENT_WAIT)
             await seam("after_held_decision")
         except Exception as err:
             # A held dispatch written meanwhile leases the message when it is back.
@@ -651,7 +653,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         back at once rather than when its lease runs out."""
         try:
             await seam("after_commit_stored")
-            await self._tasks.settle(lease, record, wait=HOLD_WAIT)
+            await self._tasks.settle(lease, record, wait=EVENT_WAIT)
         except Exception as err:
             await self._unsettled(lease, record, err)
 
