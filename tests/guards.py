@@ -178,12 +178,8 @@ GUARDS = (
     Guard(
         name="claim identity (the claim record that fences earlier holders)",
         file="services/journal/dagnats/journal/service.py",
-        guard=(
-            "            token, claim = await self._writer.append(token, claim, guessed=guessed)\n"
-        ),
-        removed=(
-            "            claim.seq = token.last_seq  # guard removed: the claim is not written\n"
-        ),
+        guard="        stored = await write(token, claim)\n",
+        removed="        stored = token, claim  # guard removed: the claim is not written\n",
         how="a claim is not appended, so earlier holders are not fenced",
         tests=(
             "tests/test_journal.py::test_zombie_is_fenced_and_writes_nothing_after_its_successor",
@@ -419,8 +415,8 @@ GUARDS = (
     Guard(
         name="a claim decided from a guessed tail",
         file="services/journal/dagnats/journal/replay.py",
-        guard="    return isinstance(decision, Proceed)\n",
-        removed="    return True\n",
+        guard="    if seen.guessed and (seen.guess_missed or not isinstance(decision, Proceed)):\n",
+        removed="    if seen.guessed and seen.guess_missed:\n",
         how="a stale or already-committed answer stands on a guessed tail, never read",
         tests=(
             "tests/test_replay.py::"
@@ -803,8 +799,8 @@ GUARDS = (
     Guard(
         name="a claim that finds records of its iteration does not ride",
         file="services/journal/dagnats/journal/replay.py",
-        guard="    return may_ride and found == 0 and isinstance(decision, Proceed)\n",
-        removed="    return may_ride and isinstance(decision, Proceed)\n",
+        guard="    if rides and not records and isinstance(decision, Proceed):\n",
+        removed="    if rides and isinstance(decision, Proceed):\n",
         how="a first delivery whose iteration has records claims without fencing their writer",
         tests=(
             "tests/test_replay.py::"
@@ -815,11 +811,12 @@ GUARDS = (
     ),
     Guard(
         name="a lease carries only a claim that rides the first record",
-        file="services/journal/dagnats/journal/service.py",
-        guard="        if ride_only:\n            return None\n        match decision:\n",
-        removed="        match decision:\n",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    if asked.with_lease:\n        return NoClaim()\n",
+        removed="",
         how="the engine's lease stores a claim, or settles a dispatch, on its worker's behalf",
         tests=(
+            "tests/test_replay.py::test_a_claim_with_the_lease_answers_only_when_it_rides",
             "tests/test_journal_api.py::"
             "test_a_lease_of_a_dispatch_sent_again_claims_nothing_over_its_records",
         ),
@@ -976,13 +973,13 @@ GUARDS = (
     ),
     Guard(
         name="a claim on a sealed journal is refused",
-        file="services/journal/dagnats/journal/service.py",
-        guard=(
-            "    if (cancel := replay.cancel_of(convert.entries(tail) if tail else [])) is None:\n"
-        ),
-        removed="    if (cancel := None) is None:\n",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    if (cancel := cancel_of(seen.tail)) is not None:\n",
+        removed="    if (cancel := None) is not None:\n",
         how="a claim after the cancel lands after the cancel record and opens the journal again",
         tests=(
+            "tests/test_replay.py::"
+            "test_a_claim_on_a_sealed_journal_is_cancelled_before_its_records_are_read",
             "tests/test_cancel.py::"
             "test_the_journal_refuses_every_new_call_of_a_cancelled_run_and_writes_nothing",
         ),

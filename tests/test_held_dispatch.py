@@ -285,7 +285,7 @@ async def test_a_stopping_worker_releases_its_kept_task_with_its_next_commit(
 
 
 @contextlib.asynccontextmanager
-async def reports_off(engine: EngineServer) -> AsyncIterator[None]:
+async def commit_events_off(engine: EngineServer) -> AsyncIterator[None]:
     """Inside, the engine takes no commit's event directly (over NATS or by
     a call): each goes to the history, as with an engine that predates ADR 33."""
     await engine.engine.stop_serving_commit_events()
@@ -307,7 +307,7 @@ async def test_a_journal_commit_stores_no_event_on_the_history(
     # this count exact when a loaded machine's disk stalls a run write.
     monkeypatch.setattr(journal_service, "EVENT_WAIT", 30.0)
     late = engine.engine.counters["local_late"]
-    async with reports_off(engine):
+    async with commit_events_off(engine):
         durable = await run_loop(client, engine, Loop(), sticky_iterations=0)
     through_history = await history_events(js, durable.run_id)
     for sticky in (64, 0):
@@ -342,7 +342,7 @@ async def test_a_commit_event_its_own_engine_leaves_unanswered_is_stored_on_the_
     # The engine of the process takes the event and answers nothing (it was
     # stopping, or its run write outlasted the wait): the event goes to the
     # history, whose engine applies it and answers.
-    async with reports_off(engine):
+    async with commit_events_off(engine):
         queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
     taken: list[str] = []
 
@@ -350,7 +350,7 @@ async def test_a_commit_event_its_own_engine_leaves_unanswered_is_stored_on_the_
         taken.append(event.run_id)
         return None
 
-    monkeypatch.setattr(engine.engine, "take_report", unanswered)
+    monkeypatch.setattr(engine.engine, "take_commit_event", unanswered)
     before = await tasks_published(js)
     loop = Loop()
     run = await run_loop(client, engine, loop)
@@ -389,7 +389,7 @@ async def test_with_no_engine_taking_held_events_they_are_stored_on_the_history(
 ) -> None:
     # As with an engine that takes no direct events: nats-server answers that nobody
     # subscribes, and the journal service publishes the event at once.
-    async with reports_off(engine):
+    async with commit_events_off(engine):
         queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
         before = await tasks_published(js)
         loop = Loop()
@@ -414,7 +414,7 @@ async def test_a_held_event_taken_by_an_engine_that_never_answers_is_stored_on_t
         swallowed.append(msg.data)
 
     try:
-        async with reports_off(engine):
+        async with commit_events_off(engine):
             queued = await run_loop(client, engine, Loop(k=k), sticky_iterations=0)
             await nc.subscribe(COMMIT_EVENTS, queue=DIRECT_QUEUE, cb=swallow)
             await nc.flush()
@@ -453,7 +453,7 @@ async def test_a_held_event_delivered_again_changes_nothing_and_tells_the_same(
         for direct in (True, True, False):
             event.notify, notice = await store.expect_notice()
             if direct:
-                refused = await store.send_report(event)
+                refused = await store.send_commit_event(event)
                 refused.cancel()
             else:
                 await store.publish_event(event, outcome_msg_id(event))
