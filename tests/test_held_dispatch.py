@@ -24,7 +24,13 @@ from nats.js import JetStreamContext
 from dagnats.core import jetstream as jsx
 from dagnats.core.natsserver import NatsServer
 from dagnats.core.subjects import COMMIT_EVENTS, DIRECT_QUEUE, history_subject
-from dagnats.engine.report import TaskSettler, outcome_msg_id
+from dagnats.engine.report import (
+    InProcess,
+    TaskSettler,
+    ToOneEngine,
+    commit_event_route,
+    outcome_msg_id,
+)
 from dagnats.engine.server import EngineServer, start_services
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
@@ -319,6 +325,19 @@ async def test_a_journal_commit_stores_no_event_on_the_history(
         stored = await history_events(js, run.run_id)
         assert stored == through_history - K, (sticky, stored, through_history)
     assert engine.engine.counters["local_late"] == late
+
+
+async def test_a_commit_event_is_handed_over_by_a_call_only_while_its_engine_takes_them(
+    engine: EngineServer,
+) -> None:
+    # The one decision of the route: the engine of the journal service's
+    # process while it serves commits' events, else one engine over core NATS
+    # (each ending on the history when it does not answer in its share).
+    assert commit_event_route(engine.engine) == InProcess(engine.engine)
+    async with commit_events_off(engine):
+        assert commit_event_route(engine.engine) == ToOneEngine()
+    assert commit_event_route(engine.engine) == InProcess(engine.engine)
+    assert commit_event_route(None) == ToOneEngine(), "a journal service apart"
 
 
 async def test_a_commit_event_goes_to_the_engine_of_its_own_process_by_a_call(

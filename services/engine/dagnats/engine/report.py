@@ -40,11 +40,12 @@ log = logging.getLogger(__name__)
 
 Outcome = pb.Continue | pb.Complete | pb.Fail | pb.Pause
 
-# The share of a commit's wait spent on the engine's direct answer before
-# the event goes to the history; the rest waits for the history's engine. A
-# direct answer takes one run write (milliseconds); the history's path takes
-# a publish, a pull and the write, and keeps the larger share. The whole stays
-# within the wait, plus the publish, as before ADR 33.
+# The share of the commit wait spent on the answer of the event's route
+# before the event goes to the history; the rest waits for the history's
+# engine. A route's answer takes one run write (milliseconds); the history's
+# path takes a publish, a pull and the write, and keeps the larger share. The
+# whole stays within the wait, plus the publish, as when every event went to
+# the history (before the event to one engine, ADR 33).
 DIRECT_SHARE = 1 / 3
 
 

@@ -30,17 +30,18 @@ class Runs(Protocol):
 
 class Tasks(Protocol):
     async def settle(self, lease: str, commit: pb.Record, *, wait: float) -> None:
-        """Send the stored ``commit``'s lifecycle event to the engine (on the
-        history when no engine answers it directly within part of ``wait``
-        seconds, ADR 33), then release the task."""
+        """Send the stored ``commit``'s lifecycle event to the engine by its
+        route (on the history when no engine answers within its share of
+        ``wait`` seconds: the commit wait), then release the task."""
         ...
 
     async def hold(self, lease: str, commit: pb.Record, *, wait: float) -> epb.Task | None:
         """Send the stored continue ``commit``'s event keeping the task
-        message for the next iteration to the engine (on the history when no
-        engine answers it directly, ADR 33); the next dispatch it carries once
-        the engine decided within ``wait`` seconds, else None (the message was
-        released if it carries no current dispatch, or is left to its lease)."""
+        message for the next iteration to the engine by its route (on the
+        history when no engine answers within its share); the next dispatch
+        it carries once the engine decided within ``wait`` seconds, else None
+        (the message was released if it carries no current dispatch, or is
+        left to its lease)."""
         ...
 
     async def release(self, lease: str) -> None:

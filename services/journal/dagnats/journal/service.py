@@ -182,7 +182,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             match step:
                 case replay.ReadTail(with_run=with_run):
                     tail, ended = await self._tail(run_id, step_id, with_run=with_run)
-                    seen = replay.ClaimSeen(tail=_entries(tail), run_ended=ended)
+                    seen, records = replay.ClaimSeen(tail=_entries(tail), run_ended=ended), []
                 case replay.UseGuessedTail():
                     tail = guess
                     seen = replay.ClaimSeen(tail=_entries(guess), guessed=True)
