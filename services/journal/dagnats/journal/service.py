@@ -171,9 +171,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         run_id, step_id = request.run_id, request.step_id
         # The commit that ended the last iteration, as this replica stored it,
         # is the likely tail: the guessed tail.
-        guess = self._writer.last_commit(run_id, step_id)
-        if guess is not None:
-            asked = dataclasses.replace(asked, guessed_tail=guess.iteration)
+        guessed_tail = self._writer.last_commit(run_id, step_id)
+        if guessed_tail is not None:
+            asked = dataclasses.replace(asked, guessed_tail=guessed_tail.iteration)
         seen = replay.ClaimSeen()
         tail: pb.Record | None = None
         records: list[pb.Record] = []
@@ -184,8 +184,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                     tail, ended = await self._tail(run_id, step_id, with_run=with_run)
                     seen, records = replay.ClaimSeen(tail=_entries(tail), run_ended=ended), []
                 case replay.UseGuessedTail():
-                    tail = guess
-                    seen = replay.ClaimSeen(tail=_entries(guess), guessed=True)
+                    tail = guessed_tail
+                    seen = replay.ClaimSeen(tail=_entries(tail), guessed=True)
                 case replay.ReadRecords(base=base, through=through):
                     found = await self.store.read(run_id, step_id, after=base, through=through)
                     records = [r for r in found if r.iteration == request.iteration]

@@ -72,8 +72,9 @@ class JournalStore:
     ) -> int:
         """Append ``record`` after ``token.last_seq``; returns its sequence.
 
-        ``guessed``: ``token.last_seq`` is a guess at the tail; a miss raises
-        ``Fenced`` but marks the span "tail guess missed", not "fenced".
+        ``guessed``: ``token.last_seq`` is the guessed tail, not a tail the
+        writer read; a miss raises ``Fenced`` but marks the span "guessed tail
+        missed", not "fenced".
 
         Raises:
             Fenced: another writer's record follows ``token.last_seq``.
@@ -153,7 +154,7 @@ class JournalStore:
         actual = tail.seq if tail is not None else 0
         span = trace.get_current_span()
         span.add_event(
-            "tail guess missed" if guessed else "fenced",
+            "guessed tail missed" if guessed else "fenced",
             {"subject": subject, "expected_seq": expected, "actual_seq": actual},
         )
         raise Fenced(
