@@ -425,7 +425,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         its holder's first record (ADR 42), or None: the worker then claims as
         usual, so a failure here costs it that call and nothing else.
         ``first``: the run is known running and the task is its step's first
-        dispatch, delivered once (ADR 50)."""
+        dispatch, delivered once: its claim reads nothing (ADR 50)."""
         assert self.claims is not None
         task = leased.task
         request = lease_claim(leased, worker_id=poll.worker_id, restart_limit=poll.restart_limit)
