@@ -470,10 +470,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             return pb.ReportResponse(cancelled=not await self.store.run_is_active(run_id))
         if request.iteration < 0 or request.attempt < 0:
             raise errors.InvalidArgument("iteration and attempt must be >= 0", field="attempt")
-        if request.attempt == 0 and not self.engine.config.legacy_step_events:
+        if request.attempt == 0:
             raise errors.InvalidArgument(
-                "a report names the dispatch it settles: set iteration and attempt to the "
-                "task's (DAGNATS_LEGACY_STEP_EVENTS=true accepts reports without them)",
+                "a report names the dispatch it settles: set iteration and attempt to the task's",
                 field="attempt",
             )
         outcome = getattr(request, kind)
