@@ -226,10 +226,10 @@ GUARDS = (
         name="engine acceptance rule",
         file="services/engine/dagnats/engine/rules.py",
         guard=(
-            "    elif (ident.iteration, ident.attempt) != (step.iteration, step.attempt)"
+            "    if (ident.iteration, ident.attempt) != (step.iteration, step.attempt)"
             " and not committed:\n"
         ),
-        removed="    elif False:\n",
+        removed="    if False:\n",
         how="a report for another dispatch is applied like the current one",
         tests=("tests/test_engine.py::test_duplicate_and_stale_continues_are_dropped",),
     ),
@@ -1020,6 +1020,39 @@ GUARDS = (
         tests=(
             "tests/test_cancel.py::"
             "test_a_watch_sent_after_the_cancel_hears_it_at_once_and_bad_ones_are_refused",
+        ),
+    ),
+    Guard(
+        name="a response sent with a tool call that writes no intent is stored on its own",
+        file="services/journal/dagnats/journal/service.py",
+        guard="            token, _ = await self._store_model(token, model)\n",
+        removed="            pass\n",
+        how="a tool call answered from a result succeeds and the response it carried is lost",
+        tests=(
+            "tests/test_journal_api.py::"
+            "test_a_response_with_a_tool_call_that_writes_no_intent_is_stored_on_its_own",
+        ),
+    ),
+    Guard(
+        name="an outbox another engine left is published by the engine that reads it",
+        file="services/engine/dagnats/engine/processor.py",
+        guard="                    await self.publish_outbox(stored)\n",
+        removed="                    pass\n",
+        how="another engine's task, written and never published, waits for the reconciler",
+        tests=(
+            "tests/test_engine_writes.py::"
+            "test_an_outbox_another_engine_left_is_published_by_the_engine_whose_guess_missed",
+        ),
+    ),
+    Guard(
+        name="a write is fresh from when it was sent, not from its answer",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="            self._checked_at = sent\n",
+        removed="            self._checked_at = asyncio.get_running_loop().time()\n",
+        how="a holder fenced while its commit's answer was on its way spends a model call",
+        tests=(
+            "tests/test_journal.py::"
+            "test_a_holder_fenced_while_its_commit_is_answered_does_not_spend_the_next_model_call",
         ),
     ),
 )

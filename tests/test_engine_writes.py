@@ -10,6 +10,7 @@ waits for it."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -31,7 +32,7 @@ from dagnats.engine.convert import task_msg_id
 from dagnats.engine.convert_workflow import stored_workflow
 from dagnats.engine.processor import Engine
 from dagnats.engine.server import EngineServer, start_engine
-from dagnats.engine.store import EngineStore
+from dagnats.engine.store import INDEX_THROUGH, EngineStore
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.engine.v1 import internal_pb2 as ipb
@@ -225,6 +226,42 @@ async def test_a_task_dispatched_by_another_engine_is_leased_though_this_one_gue
     assert 1 in [t.task.iteration for t in polled.tasks], "the current task was settled as stale"
 
 
+async def test_an_outbox_another_engine_left_is_published_by_the_engine_whose_guess_missed(
+    bare: EngineStore,
+) -> None:
+    # Two engines, no reconciler. One starts the run and keeps it as it wrote
+    # it; the other applies the step's continue, writes the run with the next
+    # task in its outbox and dies before publishing it. The first engine's
+    # next change misses its guess and reads the run: the task it finds in
+    # the outbox is published then, not left for the reconciler's passes.
+    task, run_id = unique("missed"), new_run_id()
+    first = Engine(bare, FAST)
+    await start_bare(run_id, task, first)
+    other = Engine(await EngineStore.open(bare.nc), FAST)
+
+    async def die(point: str) -> None:
+        if point == "after_dispatch_saved":
+            raise RuntimeError("the engine died with its write's outbox unpublished")
+
+    continued = m.StepReport(
+        step_id="agent", identity=m.Identity(iteration=0, attempt=1), outcome=m.Continued()
+    )
+    seam.install(die)
+    try:
+        with pytest.raises(RuntimeError):
+            await other.apply(run_id, continued)
+    finally:
+        seam.install(None)
+    subject = task_subject(task, run_id, "agent")
+    assert await tasks_of(bare.nc, subject) == [task_msg_id(run_id, "agent", 0, 1)]
+    await first.apply(run_id, m.InputArrived(step_id="agent"))
+    assert await tasks_of(bare.nc, subject) == [
+        task_msg_id(run_id, "agent", 0, 1),
+        task_msg_id(run_id, "agent", 1, 1),
+    ], "the other engine's task waits for the reconciler"
+    await forget(bare, run_id, subject)
+
+
 @contextlib.asynccontextmanager
 async def two_engines(
     nats_server: NatsServer, prefix: str
@@ -290,9 +327,29 @@ async def bare(nats_server: NatsServer) -> AsyncIterator[EngineStore]:
     nc = await jsx.connect(nats_server.url, name="test-engine-index")
     await jsx.provision(nc.jetstream())
     try:
-        yield await EngineStore.open(nc)
+        store = await EngineStore.open(nc)
+        # The index listed exactly. The store lists it with a KV watcher,
+        # whose "no more keys" marker can overtake the keys (nats-py puts it
+        # when the consumer's info, answered first, shows nothing pending and
+        # nothing received yet): about one listing in 300 leaves a run out,
+        # which the reconciler allows (the run waits one more pass) but which
+        # makes a pass enter it again. These tests check what a pass does
+        # with the index as it is.
+        store.active_runs = functools.partial(exact_index, store)  # type: ignore[method-assign]
+        yield store
     finally:
         await nc.close()
+
+
+async def exact_index(store: EngineStore) -> dict[str, int]:
+    """The active-run index's entries with their revisions, read message by
+    message: no entry is left out."""
+    marks = (INDEX_THROUGH, "index-complete")
+    return {
+        key: revision
+        async for key, _, revision in jsx.walk_kv(store.js, jsx.KV_ACTIVE_RUNS)
+        if key not in marks
+    }
 
 
 async def test_a_run_is_stored_without_an_index_entry_and_the_next_pass_enters_it_once(
