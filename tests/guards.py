@@ -1079,12 +1079,15 @@ GUARDS = (
         ),
     ),
     Guard(
-        name="a kept message is leased on a read, never on a guess",
+        name="a task delivered again is leased on a read, never on a guess",
         file="services/engine/dagnats/engine/service.py",
-        guard="        if current is None or current is not task:\n",
+        guard="        if current is None or msg.delivered > 1:\n",
         removed="        if current is None:\n",
-        how="a kept message delivered again is leased for the iteration the engine last wrote",
+        how="a kept message delivered again is leased on an older engine's last write for a "
+        "past iteration; its claim acknowledges it and the loop waits for the reconciler",
         tests=(
+            "tests/test_engine_fencing.py::"
+            "test_a_task_delivered_again_is_leased_on_a_read_by_the_engine_that_only_started_it",
             "tests/test_engine_fencing.py::"
             "test_a_kept_task_delivered_again_is_leased_for_the_iteration_its_journal_reached",
         ),

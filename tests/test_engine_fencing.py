@@ -241,6 +241,38 @@ async def test_a_holder_of_a_kept_task_fenced_at_a_later_iteration_keeps_no_leas
     assert list(check.violations) == []
 
 
+async def kept_beside(
+    nats_server: NatsServer, first: pb.LeasedTask, handed: jpb.NextDispatch | None
+) -> None:
+    """Keep ``first``'s task through another engine's journal until
+    iteration 3, and write in iteration 3: from ``handed`` on, or from the
+    claim of iteration 0 when None."""
+    other = await start_engine(nats_server.url, config=FAST)
+    try:
+        async with grpc.aio.insecure_channel(other.target) as channel:
+            beside = Stubs(pb_grpc.EngineServiceStub(channel), jgrpc.JournalServiceStub(channel))
+            if handed is None:
+                handed = await keep(beside, await claim(beside, first), first)
+            while handed.iteration < 3:
+                handed = await keep(beside, handed.token, first)
+            model = jpb.RecordModelRequest(token=handed.token, position=0, response=b"{}")
+            await beside.journal.RecordModel(model)
+    finally:
+        await other.stop()
+
+
+async def leased_again_at_iteration_3(client: Client, stubs: Stubs, first: pb.LeasedTask) -> None:
+    """The kept message, delivered again once its holder went silent, is
+    leased for iteration 3 and completes the run."""
+    again = await poll(stubs, first.task.task_type, within=5 * LEASE)  # the lease ran out
+    assert (again.delivery, again.task.iteration) == (first.delivery + 1, 3)
+    token = await claim(stubs, again)
+    await commit(stubs, token, again, jpb.ACTION_COMPLETE, "answer")
+    done = await client.wait_for_run(first.task.run_id, timeout=20)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    assert steps_by_id(done)["agent"].iterations == 3
+
+
 async def test_a_kept_task_delivered_again_is_leased_for_the_iteration_its_journal_reached(
     client: Client, stubs: Stubs, nats_server: NatsServer
 ) -> None:
@@ -251,25 +283,26 @@ async def test_a_kept_task_delivered_again_is_leased_for_the_iteration_its_journ
     # message, delivered again by this engine, is leased for iteration 3,
     # read caught up with the journal; leased on this engine's last write,
     # its holder would claim iteration 1, committed long ago.
-    run_id, first, handed = await kept_once(client, stubs, "keptguess")
-    other = await start_engine(nats_server.url, config=FAST)
-    try:
-        async with grpc.aio.insecure_channel(other.target) as channel:
-            beside = Stubs(pb_grpc.EngineServiceStub(channel), jgrpc.JournalServiceStub(channel))
-            for iteration in (2, 3):
-                handed = await keep(beside, handed.token, first)
-                assert handed.iteration == iteration
-            model = jpb.RecordModelRequest(token=handed.token, position=0, response=b"{}")
-            await beside.journal.RecordModel(model)
-    finally:
-        await other.stop()
-    again = await poll(stubs, first.task.task_type, within=5 * LEASE)  # the lease ran out
-    assert (again.delivery, again.task.iteration) == (first.delivery + 1, 3)
-    token = await claim(stubs, again)
-    await commit(stubs, token, again, jpb.ACTION_COMPLETE, "answer")
-    done = await client.wait_for_run(run_id, timeout=20)
-    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
-    assert steps_by_id(done)["agent"].iterations == 3
+    _, first, handed = await kept_once(client, stubs, "keptguess")
+    await kept_beside(nats_server, first, handed)
+    await leased_again_at_iteration_3(client, stubs, first)
+
+
+async def test_a_task_delivered_again_is_leased_on_a_read_by_the_engine_that_only_started_it(
+    client: Client, stubs: Stubs, nats_server: NatsServer
+) -> None:
+    # This engine starts the run and leases its first task; every decision
+    # after is another engine's. This engine's last write says the task is
+    # iteration 0's and not kept. Delivered again, the kept message is leased
+    # for iteration 3, read caught up: leased on that write, its holder's
+    # claim would find iteration 0 past and acknowledge the message the loop
+    # runs on, and the step would wait for a reconciler pass.
+    task, name = unique("keptstart"), unique("wf")
+    await client.register_workflow(loop_workflow(name, task))
+    await client.start_run(name, {"ask": "?"})
+    first = await poll(stubs, task)
+    await kept_beside(nats_server, first, None)
+    await leased_again_at_iteration_3(client, stubs, first)
 
 
 async def test_a_copy_of_a_kept_tasks_first_dispatch_is_settled_not_leased(

@@ -384,10 +384,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # Whether ``stored`` is the run as a read would give it now: a guess
         # nobody else wrote over since (ADR 38), or a read.
         known = current is task and self.engine.quiet(task.run_id)
-        if current is None or current is not task:
-            # A kept message is leased on a read only: leased for an older
-            # dispatch than it carries, its claim would find that one committed
-            # and acknowledge the message the current dispatch rides on.
+        if current is None or msg.delivered > 1:
+            # A task delivered again is leased on a read only. It may be a
+            # kept message (every delivery of one after its holder's first
+            # is a redelivery), and leased on a guess for an older dispatch
+            # than it carries (the guess predates the hold, or its later
+            # iterations), its claim would find that one past and
+            # acknowledge the message the current dispatch rides on.
             found = await self.engine.read_run(task.run_id)
             if found is None and (wait := self._run_awaited(msg)) is not None:
                 log.info("run %s: not stored yet; its task waits %.2fs", task.run_id, wait)
