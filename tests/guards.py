@@ -222,10 +222,10 @@ GUARDS = (
         name="engine acceptance rule",
         file="services/engine/dagnats/engine/rules.py",
         guard=(
-            "    elif (ident.iteration, ident.attempt) != (step.iteration, step.attempt)"
+            "    if (ident.iteration, ident.attempt) != (step.iteration, step.attempt)"
             " and not committed:\n"
         ),
-        removed="    elif False:\n",
+        removed="    if False:\n",
         how="a report for another dispatch is applied like the current one",
         tests=("tests/test_engine.py::test_duplicate_and_stale_continues_are_dropped",),
     ),
@@ -1017,6 +1017,98 @@ GUARDS = (
         tests=(
             "tests/test_cancel.py::"
             "test_a_watch_sent_after_the_cancel_hears_it_at_once_and_bad_ones_are_refused",
+        ),
+    ),
+    Guard(
+        name="a response sent with a tool call that writes no intent is stored on its own",
+        file="services/journal/dagnats/journal/service.py",
+        guard="            token, _ = await self._store_model(token, model)\n",
+        removed="            pass\n",
+        how="a tool call answered from a result succeeds and the response it carried is lost",
+        tests=(
+            "tests/test_journal_api.py::"
+            "test_a_response_with_a_tool_call_that_writes_no_intent_is_stored_on_its_own",
+        ),
+    ),
+    Guard(
+        name="an outbox another engine left is published by the engine that reads it",
+        file="services/engine/dagnats/engine/processor.py",
+        guard="                    await self.publish_outbox(stored)\n",
+        removed="                    pass\n",
+        how="another engine's unpublished task waits for the reconciler; its wake is lost for good",
+        tests=(
+            "tests/test_engine_writes.py::"
+            "test_an_outbox_another_engine_left_is_published_by_the_engine_whose_guess_missed",
+            "tests/test_engine_writes.py::"
+            "test_a_wake_another_engine_left_in_its_outbox_is_set_by_the_engine_that_reads_it",
+        ),
+    ),
+    Guard(
+        name="a write is fresh from when it was sent, not from its answer",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="            self._checked_at = sent\n",
+        removed="            self._checked_at = asyncio.get_running_loop().time()\n",
+        how="a holder fenced while its commit's answer was on its way spends a model call",
+        tests=(
+            "tests/test_journal.py::"
+            "test_a_holder_fenced_while_its_commit_is_answered_does_not_spend_the_next_model_call",
+        ),
+    ),
+    Guard(
+        name="a heard write that names no engine is another writer's",
+        file="services/engine/dagnats/engine/heard.py",
+        guard="        if writer == self.writer:\n",
+        removed="        if writer in (None, self.writer):\n",
+        how="a run written by a store that signs nothing is taken as quiet; its guess decides",
+        tests=(
+            "tests/test_run_writes_heard.py::test_a_write_that_names_no_engine_is_another_writers",
+        ),
+    ),
+    Guard(
+        name="only the kept message carries a kept dispatch",
+        file="services/engine/dagnats/engine/service.py",
+        guard="        held=record is not None and record.held_seq == seq,\n",
+        removed="        held=record is not None and record.held_seq > 0,\n",
+        how="a copy of the step's first task is leased beside the kept one: two holders",
+        tests=(
+            "tests/test_engine_fencing.py::"
+            "test_a_copy_of_a_kept_tasks_first_dispatch_is_settled_not_leased",
+        ),
+    ),
+    Guard(
+        name="a task delivered again is leased on a read, never on a guess",
+        file="services/engine/dagnats/engine/service.py",
+        guard="        if current is None or msg.delivered > 1:\n",
+        removed="        if current is None:\n",
+        how="a kept message delivered again is leased on an older engine's last write for a "
+        "past iteration; its claim acknowledges it and the loop waits for the reconciler",
+        tests=(
+            "tests/test_engine_fencing.py::"
+            "test_a_task_delivered_again_is_leased_on_a_read_by_the_engine_that_only_started_it",
+            "tests/test_engine_fencing.py::"
+            "test_a_kept_task_delivered_again_is_leased_for_the_iteration_its_journal_reached",
+        ),
+    ),
+    Guard(
+        name="a handed-over claim names its holder's delivery",
+        file="services/journal/dagnats/journal/service.py",
+        guard="        handed.claim.delivery = token.delivery\n",
+        removed="",
+        how="a holder fenced at a later kept iteration still heartbeats its successor's task",
+        tests=(
+            "tests/test_engine_fencing.py::"
+            "test_a_holder_of_a_kept_task_fenced_at_a_later_iteration_keeps_no_lease_alive",
+        ),
+    ),
+    Guard(
+        name="a handed-over token names its holder's delivery",
+        file="services/journal/dagnats/journal/service.py",
+        guard="            delivery=token.delivery,\n",
+        removed="            delivery=0,\n",
+        how="a holder fenced at a later kept iteration still heartbeats its successor's task",
+        tests=(
+            "tests/test_engine_fencing.py::"
+            "test_a_holder_of_a_kept_task_fenced_at_a_later_iteration_keeps_no_lease_alive",
         ),
     ),
 )

@@ -13,12 +13,16 @@ from dataclasses import dataclass
 
 import grpc
 import grpc.aio
+import nats.js.errors
 import pytest
 import pytest_asyncio
 from google.protobuf.duration_pb2 import Duration
 
 from dagnats.cli.journal import check_lines
-from dagnats.engine.server import EngineServer
+from dagnats.core import jetstream as jsx
+from dagnats.core.natsserver import NatsServer
+from dagnats.core.subjects import task_subject
+from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.engine.v1 import internal_pb2 as ipb
@@ -183,6 +187,154 @@ async def test_a_fenced_holders_continue_neither_advances_the_loop_nor_drops_the
     assert (step.iterations, step.iteration) == (1, 1)
     check = await stubs.journal.Check(jpb.CheckRequest(run_id=run_id))
     assert list(check.violations) == []
+
+
+async def keep(stubs: Stubs, token: jpb.WriterToken, leased: pb.LeasedTask) -> jpb.NextDispatch:
+    """Commit a continue that keeps the task message for the next iteration;
+    the dispatch handed over with the answer."""
+    body = jpb.Commit(action=jpb.ACTION_CONTINUE, output=b'"turn"')
+    request = jpb.CommitRequest(token=token, commit=body, lease=leased.lease, hold=True)
+    answer = await stubs.journal.Commit(request)
+    assert answer.HasField("next"), "the task was not kept"
+    return answer.next
+
+
+async def kept_once(
+    client: Client, stubs: Stubs, prefix: str
+) -> tuple[str, pb.LeasedTask, jpb.NextDispatch]:
+    """A run whose first holder claimed iteration 0 and kept its task across
+    the commit: the run, the holder's lease and iteration 1 handed over."""
+    task, name = unique(prefix), unique("wf")
+    await client.register_workflow(loop_workflow(name, task))
+    run = await client.start_run(name, {"ask": "?"})
+    first = await poll(stubs, task)
+    handed = await keep(stubs, await claim(stubs, first), first)
+    assert handed.iteration == 1
+    return run.run_id, first, handed
+
+
+async def test_a_holder_of_a_kept_task_fenced_at_a_later_iteration_keeps_no_lease_alive(
+    client: Client, stubs: Stubs
+) -> None:
+    # The holder keeps its task across iteration 0's commit, is handed
+    # iteration 1 and goes silent past its lease. The kept message's next
+    # delivery claims iteration 1, keeps the message across its own commit
+    # and writes in iteration 2, handed over to it. The first holder, woken,
+    # is fenced: the records of iteration 2 name the delivery that holds it.
+    run_id, zombie, _ = await kept_once(client, stubs, "keptfence")
+    successor = await poll(
+        stubs, zombie.task.task_type, within=5 * LEASE
+    )  # the zombie's lease ran out
+    assert (successor.delivery, successor.task.iteration) == (zombie.delivery + 1, 1)
+    handed = await keep(stubs, await claim(stubs, successor), successor)
+    assert handed.iteration == 2
+    model = jpb.RecordModelRequest(token=handed.token, position=0, response=b"{}")
+    token = (await stubs.journal.RecordModel(model)).token
+    beat = pb.HeartbeatRequest(lease=zombie.lease, run_id=run_id)
+    assert await refused(stubs.engine.Heartbeat(beat)) == "fenced"
+    own = pb.HeartbeatRequest(lease=successor.lease, run_id=run_id)
+    assert not (await stubs.engine.Heartbeat(own)).cancelled
+    await commit(stubs, token, successor, jpb.ACTION_COMPLETE, "answer")
+    done = await client.wait_for_run(run_id, timeout=20)
+    assert run_output(done) == "answer"
+    check = await stubs.journal.Check(jpb.CheckRequest(run_id=run_id))
+    assert list(check.violations) == []
+
+
+async def kept_beside(
+    nats_server: NatsServer, first: pb.LeasedTask, handed: jpb.NextDispatch | None
+) -> None:
+    """Keep ``first``'s task through another engine's journal until
+    iteration 3, and write in iteration 3: from ``handed`` on, or from the
+    claim of iteration 0 when None."""
+    other = await start_engine(nats_server.url, config=FAST)
+    try:
+        async with grpc.aio.insecure_channel(other.target) as channel:
+            beside = Stubs(pb_grpc.EngineServiceStub(channel), jgrpc.JournalServiceStub(channel))
+            if handed is None:
+                handed = await keep(beside, await claim(beside, first), first)
+            while handed.iteration < 3:
+                handed = await keep(beside, handed.token, first)
+            model = jpb.RecordModelRequest(token=handed.token, position=0, response=b"{}")
+            await beside.journal.RecordModel(model)
+    finally:
+        await other.stop()
+
+
+async def leased_again_at_iteration_3(client: Client, stubs: Stubs, first: pb.LeasedTask) -> None:
+    """The kept message, delivered again once its holder went silent, is
+    leased for iteration 3 and completes the run."""
+    again = await poll(stubs, first.task.task_type, within=5 * LEASE)  # the lease ran out
+    assert (again.delivery, again.task.iteration) == (first.delivery + 1, 3)
+    token = await claim(stubs, again)
+    await commit(stubs, token, again, jpb.ACTION_COMPLETE, "answer")
+    done = await client.wait_for_run(first.task.run_id, timeout=20)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    assert steps_by_id(done)["agent"].iterations == 3
+
+
+async def test_a_kept_task_delivered_again_is_leased_for_the_iteration_its_journal_reached(
+    client: Client, stubs: Stubs, nats_server: NatsServer
+) -> None:
+    # This engine starts the run and decides iteration 1, whose write says
+    # the holder kept its task: its last write of the run. The holder's next
+    # commits go through another engine's journal, which decides iterations
+    # 2 and 3. The holder writes in iteration 3 and goes silent. The kept
+    # message, delivered again by this engine, is leased for iteration 3,
+    # read caught up with the journal; leased on this engine's last write,
+    # its holder would claim iteration 1, committed long ago.
+    _, first, handed = await kept_once(client, stubs, "keptguess")
+    await kept_beside(nats_server, first, handed)
+    await leased_again_at_iteration_3(client, stubs, first)
+
+
+async def test_a_task_delivered_again_is_leased_on_a_read_by_the_engine_that_only_started_it(
+    client: Client, stubs: Stubs, nats_server: NatsServer
+) -> None:
+    # This engine starts the run and leases its first task; every decision
+    # after is another engine's. This engine's last write says the task is
+    # iteration 0's and not kept. Delivered again, the kept message is leased
+    # for iteration 3, read caught up: leased on that write, its holder's
+    # claim would find iteration 0 past and acknowledge the message the loop
+    # runs on, and the step would wait for a reconciler pass.
+    task, name = unique("keptstart"), unique("wf")
+    await client.register_workflow(loop_workflow(name, task))
+    await client.start_run(name, {"ask": "?"})
+    first = await poll(stubs, task)
+    await kept_beside(nats_server, first, None)
+    await leased_again_at_iteration_3(client, stubs, first)
+
+
+async def test_a_copy_of_a_kept_tasks_first_dispatch_is_settled_not_leased(
+    client: Client, stubs: Stubs, engine: EngineServer
+) -> None:
+    # The holder keeps its task across iteration 0's commit and runs
+    # iteration 1 on it. A copy of the task message of iteration 0 (another
+    # message, published for the same dispatch) is delivered meanwhile: it is
+    # settled as stale, not leased for iteration 1 beside the kept message.
+    run_id, first, handed = await kept_once(client, stubs, "keptcopy")
+    task = first.task.task_type
+    js = engine.nc.jetstream()
+    subject = task_subject(task, run_id, "agent")
+    kept = await jsx.get_msg(js, jsx.TASKS, subject=subject)
+    copy = await js.publish(subject, kept.data or b"", headers={"Nats-Msg-Id": unique("copy")})
+    wait = Duration()
+    wait.FromSeconds(2)
+    polled = await stubs.engine.PollTasks(pb.PollTasksRequest(task_types=[task], wait=wait))
+    assert list(polled.tasks) == [], "a copy was leased beside the kept task"
+
+    async def settled() -> bool:
+        try:
+            await jsx.get_msg(js, jsx.TASKS, seq=copy.seq)
+        except nats.js.errors.NotFoundError:
+            return True
+        return False
+
+    await wait_for(settled, timeout=20, message="the copy was not settled")
+    await commit(stubs, handed.token, first, jpb.ACTION_COMPLETE, "answer")
+    done = await client.wait_for_run(run_id, timeout=20)
+    assert run_output(done) == "answer"
+    assert steps_by_id(done)["agent"].iterations == 1
 
 
 async def test_a_fenced_holders_heartbeat_is_refused_and_keeps_no_lease_alive(

@@ -10,11 +10,13 @@ waits for it."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
 
 import grpc.aio
+import nats.js.errors
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
@@ -24,14 +26,14 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import seam
 from dagnats.core.ids import new_run_id
 from dagnats.core.natsserver import NatsServer
-from dagnats.core.subjects import task_subject
+from dagnats.core.subjects import task_subject, timer_subject
 from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
 from dagnats.engine.convert import task_msg_id
 from dagnats.engine.convert_workflow import stored_workflow
 from dagnats.engine.processor import Engine
 from dagnats.engine.server import EngineServer, start_engine
-from dagnats.engine.store import EngineStore
+from dagnats.engine.store import INDEX_THROUGH, EngineStore
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.engine.v1 import internal_pb2 as ipb
@@ -225,6 +227,70 @@ async def test_a_task_dispatched_by_another_engine_is_leased_though_this_one_gue
     assert 1 in [t.task.iteration for t in polled.tasks], "the current task was settled as stale"
 
 
+async def left_unpublished(
+    store: EngineStore, task: str, run_id: str, outcome: m.StepOutcome
+) -> Engine:
+    """Two engines, no reconciler: one starts the run and keeps it as it
+    wrote it; the other applies the step's ``outcome`` to iteration 0, writes
+    the run with its outbox and dies before publishing it. Returns the first."""
+    first = Engine(store, FAST)
+    await start_bare(run_id, task, first)
+    other = Engine(await EngineStore.open(store.nc), FAST)
+
+    async def die(point: str) -> None:
+        if point == "after_dispatch_saved":
+            raise RuntimeError("the engine died with its write's outbox unpublished")
+
+    report = m.StepReport(
+        step_id="agent", identity=m.Identity(iteration=0, attempt=1), outcome=outcome
+    )
+    seam.install(die)
+    try:
+        with pytest.raises(RuntimeError):
+            await other.apply(run_id, report)
+    finally:
+        seam.install(None)
+    return first
+
+
+async def test_an_outbox_another_engine_left_is_published_by_the_engine_whose_guess_missed(
+    bare: EngineStore,
+) -> None:
+    # The other engine's write holds the next iteration's task. The first
+    # engine's next change misses its guess and reads the run: the task it
+    # finds in the outbox is published then, not left for the reconciler.
+    task, run_id = unique("missed"), new_run_id()
+    first = await left_unpublished(bare, task, run_id, m.Continued())
+    subject = task_subject(task, run_id, "agent")
+    assert await tasks_of(bare.nc, subject) == [task_msg_id(run_id, "agent", 0, 1)]
+    await first.apply(run_id, m.InputArrived(step_id="agent"))
+    assert await tasks_of(bare.nc, subject) == [
+        task_msg_id(run_id, "agent", 0, 1),
+        task_msg_id(run_id, "agent", 1, 1),
+    ], "the other engine's task waits for the reconciler"
+    await forget(bare, run_id, subject)
+
+
+async def test_a_wake_another_engine_left_in_its_outbox_is_set_by_the_engine_that_reads_it(
+    bare: EngineStore,
+) -> None:
+    # The other engine's write pauses the step: its outbox holds the step's
+    # wake timer. No reconciler pass would find it (the step waits, it has no
+    # task to miss): set by the next engine that reads the run, or the step
+    # waits for good.
+    task, run_id = unique("missedwake"), new_run_id()
+    first = await left_unpublished(bare, task, run_id, m.Paused(duration=3600.0))
+    js = bare.nc.jetstream()
+    subject = timer_subject(run_id, "agent")
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await jsx.get_msg(js, jsx.TIMERS, subject=subject)
+    await first.apply(run_id, m.InputArrived(step_id="agent"))
+    wake = ipb.Timer.FromString((await jsx.get_msg(js, jsx.TIMERS, subject=subject)).data or b"")
+    assert (wake.iteration, wake.attempt) == (0, 2), "the step's wake was lost"
+    await bare.purge_subject(jsx.TIMERS, subject)
+    await forget(bare, run_id, task_subject(task, run_id, "agent"))
+
+
 @contextlib.asynccontextmanager
 async def two_engines(
     nats_server: NatsServer, prefix: str
@@ -290,9 +356,29 @@ async def bare(nats_server: NatsServer) -> AsyncIterator[EngineStore]:
     nc = await jsx.connect(nats_server.url, name="test-engine-index")
     await jsx.provision(nc.jetstream())
     try:
-        yield await EngineStore.open(nc)
+        store = await EngineStore.open(nc)
+        # The index listed exactly. The store lists it with a KV watcher,
+        # whose "no more keys" marker can overtake the keys (nats-py puts it
+        # when the consumer's info, answered first, shows nothing pending and
+        # nothing received yet): about one listing in 300 leaves a run out,
+        # which the reconciler allows (the run waits one more pass) but which
+        # makes a pass enter it again. These tests check what a pass does
+        # with the index as it is.
+        store.active_runs = functools.partial(exact_index, store)  # type: ignore[method-assign]
+        yield store
     finally:
         await nc.close()
+
+
+async def exact_index(store: EngineStore) -> dict[str, int]:
+    """The active-run index's entries with their revisions, read message by
+    message: no entry is left out."""
+    marks = (INDEX_THROUGH, "index-complete")
+    return {
+        key: revision
+        async for key, _, revision in jsx.walk_kv(store.js, jsx.KV_ACTIVE_RUNS)
+        if key not in marks
+    }
 
 
 async def test_a_run_is_stored_without_an_index_entry_and_the_next_pass_enters_it_once(

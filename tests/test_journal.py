@@ -465,6 +465,33 @@ async def test_a_holder_fenced_before_its_model_call_does_not_spend_it(
     assert model.calls == 4, "the fenced holder asked the model nothing"
 
 
+async def test_a_holder_fenced_while_its_commit_is_answered_does_not_spend_the_next_model_call(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await start(client)
+    model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
+    handler = agent(model, tools, seen)
+    # Iteration 0's commit is stored and the engine keeps the task for
+    # iteration 1, but the answer, which hands iteration 1 over, is held up
+    # past the lease: a successor leases the kept task and claims iteration
+    # 1. The holder's last write was sent long before the answer came, so
+    # its model call reads the tail, finds the successor's claim and asks
+    # nothing: a write is fresh from its send, not from its answer.
+    with Crasher("after_held_decision") as stall:
+        await fenced_after_stall(
+            client,
+            engine,
+            task,
+            name,
+            handler,
+            seen,
+            stall,
+            iteration=1,
+            then=lambda run_id: finish(client, engine, run_id),
+        )
+    assert model.calls == 4, "the fenced holder asked the model nothing"
+
+
 async def test_a_model_call_reads_the_tail_unless_the_holders_last_write_is_fresh(
     client: Client, engine: EngineServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

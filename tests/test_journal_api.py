@@ -479,6 +479,39 @@ async def test_a_replay_mismatch_with_a_response_writes_nothing(engine: EngineSe
         assert records[-1].seq == token.last_seq, "nothing was written"
 
 
+async def test_a_response_with_a_tool_call_that_writes_no_intent_is_stored_on_its_own(
+    engine: EngineServer,
+) -> None:
+    # A client of its own sends a model response with a tool call that the
+    # journal answers from an earlier delivery's result: no intent is written
+    # for the response to ride. The call succeeds, so the response must be
+    # stored anyway, or the next delivery asks the model again.
+    async with as_its_worker(engine, "rideuse") as (run, stub):
+        claim = jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+        first = (await stub.Claim(claim)).claimed.token
+        tool: dict[str, Any] = {
+            "position": 1,
+            "name": "lookup",
+            "input": b"{}",
+            "replay": jpb.REPLAY_SAFE,
+        }
+        begun = await stub.BeginTool(jpb.BeginToolRequest(token=first, **tool))
+        assert begun.run
+        await stub.FinishTool(
+            jpb.FinishToolRequest(token=begun.token, intent_seq=begun.intent_seq, output=b'"x"')
+        )
+        claim.delivery = 2
+        token = (await stub.Claim(claim)).claimed.token  # a redelivery
+        response = jpb.ModelCall(position=0, response=b'{"tool": "lookup"}')
+        replayed = await stub.BeginTool(jpb.BeginToolRequest(token=token, model=response, **tool))
+        assert not replayed.run and replayed.result.output == b'"x"', "answered from the result"
+        claim.delivery = 3
+        token = (await stub.Claim(claim)).claimed.token
+        asked = await stub.BeginModel(jpb.BeginModelRequest(token=token, position=0))
+        assert asked.recorded, "the response sent with the tool call was lost"
+        assert asked.response == response.response
+
+
 async def test_two_model_calls_in_a_row_keep_both_responses(engine: EngineServer) -> None:
     # The first response cannot ride a model call (BeginModel writes nothing):
     # it is stored on its own before the second request goes out, and the

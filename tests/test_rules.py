@@ -132,12 +132,10 @@ def test_complete_finishes_run_with_sink_output() -> None:
     assert done.run.output == b'"hi"'
 
 
-def test_legacy_reports_follow_the_option() -> None:
+def test_a_report_without_a_dispatch_identity_is_dropped() -> None:
     run = start().run
-    legacy = report("agent", None, None, m.Continued())
-    loose = rules.apply(run, legacy, T0, m.RuleOptions(legacy_step_events=True))
-    assert isinstance(loose, m.Accepted)
-    assert isinstance(rules.apply(run, legacy, T0), m.Dropped), "strict by default"
+    anonymous = report("agent", None, None, m.Continued())
+    assert isinstance(rules.apply(run, anonymous, T0), m.Dropped)
 
 
 def test_loop_delay_is_a_timer() -> None:

@@ -199,3 +199,26 @@ async def test_a_kept_iteration_is_deferred_only_on_a_run_nobody_wrote_since(
     # Where nothing heard is trusted (a cluster), the read alone decides.
     engine.heard = None
     assert not await engine._unchanged(guess, None)
+
+
+async def test_a_write_that_names_no_engine_is_another_writers(
+    nats_server: NatsServer, writers: tuple[Writer, Writer]
+) -> None:
+    # A store that does not listen signs none of its writes (an engine on a
+    # cluster, or one that has not started listening): its write of a run is
+    # heard without a name, and is another writer's, not this engine's own.
+    one, _ = writers
+    nc = await jsx.connect(nats_server.url, name="dagnats-test-unsigned")
+    try:
+        unsigned = await EngineStore.open(nc)
+        run_id, revision = await one.create()
+        await one.settled()
+        mark = one.heard.mark()
+        record = ipb.RunRecord()
+        record.run.run_id = run_id
+        await unsigned.update_run(record, revision)
+        await wait_for(
+            lambda: not one.heard.quiet_since(run_id, mark), message="the unsigned write heard"
+        )
+    finally:
+        await nc.close()

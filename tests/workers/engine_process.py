@@ -3,6 +3,10 @@ port -- for tests that kill or freeze a service, not a worker.
 
 usage: engine_process.py NATS_URL PORT READY_FILE [REPLICAS]
 
+``DAGNATS_TEST_SERVICES`` (comma-separated: ``engine``, ``journal``,
+``inputs``) serves only those, as ``dagnats serve <service>`` does: the split
+topology, one process a service.
+
 It serves on 127.0.0.1:PORT with the matrix's short leases (each setting can
 be changed with its ``DAGNATS_*`` variable) and writes its target to
 READY_FILE once it serves; SIGTERM stops it.
@@ -28,11 +32,12 @@ from pathlib import Path
 from dagnats.core import seam
 from dagnats.core.jetstream import Topology
 from dagnats.engine.config import EngineConfig
-from dagnats.engine.server import start_engine
+from dagnats.engine.server import start_services
 from tests.matrix import MATRIX
 
 ARM = "DAGNATS_TEST_SEAM_ARM"
 HIT = "DAGNATS_TEST_SEAM_HIT"
+SERVICES = "DAGNATS_TEST_SERVICES"
 
 
 def seam_hook(arm: Path, hit: Path) -> seam.Hook:
@@ -59,8 +64,9 @@ async def serve(nats_url: str, port: int, ready: Path, replicas: int) -> None:
     if os.environ.get(ARM):
         seam.install(seam_hook(Path(os.environ[ARM]), Path(os.environ[HIT])))
     socket = os.environ.get("DAGNATS_LOCAL_SOCKET")  # as `dagnats serve` reads it
-    server = await start_engine(
+    server = await start_services(
         nats_url,
+        services=os.environ.get(SERVICES, "engine,journal,inputs").split(","),
         port=port,
         config=EngineConfig.from_env(MATRIX),
         topology=Topology(replicas=replicas),

@@ -29,10 +29,6 @@ class EngineConfig:
         history_ack_wait: how long an engine may take to apply one event
             before another engine gets it.
         timer_ack_wait: the same for a timer that fired.
-        legacy_step_events: accept step reports without a dispatch identity
-            (``DAGNATS_LEGACY_STEP_EVENTS``, default false): a duplicate of
-            such a report can advance a loop twice, so only for workers that
-            predate the identity.
         loop_state_max_bytes: largest checkpoint of a non-journal step.
         reconcile_interval: how often the engine looks for stranded work: an
             outbox left unpublished, a task that vanished, or an event that an
@@ -72,7 +68,6 @@ class EngineConfig:
     task_ack_wait: float = 30.0
     history_ack_wait: float = 30.0
     timer_ack_wait: float = 30.0
-    legacy_step_events: bool = False
     loop_state_max_bytes: int = 1 << 20
     reconcile_interval: float = 10.0
     outbox_grace: float = 5.0
@@ -107,9 +102,7 @@ class EngineConfig:
 
     def rule_options(self) -> RuleOptions:
         """The settings the engine's rules depend on."""
-        return RuleOptions(
-            legacy_step_events=self.legacy_step_events, run_retention=self.run_retention
-        )
+        return RuleOptions(run_retention=self.run_retention)
 
 
 # Each setting's variable, and how it is read: seconds (a positive number),
@@ -118,7 +111,6 @@ ENV: dict[str, tuple[str, str]] = {
     "task_ack_wait": ("DAGNATS_TASK_ACK_WAIT", "seconds"),
     "history_ack_wait": ("DAGNATS_HISTORY_ACK_WAIT", "seconds"),
     "timer_ack_wait": ("DAGNATS_TIMER_ACK_WAIT", "seconds"),
-    "legacy_step_events": ("DAGNATS_LEGACY_STEP_EVENTS", "flag"),
     "loop_state_max_bytes": ("DAGNATS_LOOP_STATE_MAX_BYTES", "count"),
     "reconcile_interval": ("DAGNATS_RECONCILE_INTERVAL", "seconds"),
     "outbox_grace": ("DAGNATS_OUTBOX_GRACE", "seconds"),

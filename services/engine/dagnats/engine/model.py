@@ -94,7 +94,7 @@ class Run:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Identity:
-    """Which dispatch an event claims to come from; ``None`` for legacy events."""
+    """Which dispatch an event claims to come from; ``None``: it names none (dropped)."""
 
     iteration: int
     attempt: int
@@ -356,6 +356,5 @@ Decision = Accepted | Dropped
 class RuleOptions:
     """Engine settings the rules depend on."""
 
-    legacy_step_events: bool = False
     # How long an ended run is kept after its end (``DAGNATS_RUN_RETENTION``).
     run_retention: float = DEFAULT_RUN_RETENTION

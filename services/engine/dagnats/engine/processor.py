@@ -145,12 +145,6 @@ class Engine:
     # ---- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
-        if self.config.legacy_step_events:
-            log.warning(
-                "DAGNATS_LEGACY_STEP_EVENTS is on: step reports without a dispatch identity "
-                "are accepted, so a duplicate report from an old worker can advance a loop "
-                "twice. Set it to false once every worker reports its identity."
-            )
         await self.store.ensure_consumer(
             jsx.HISTORY, HISTORY_CONSUMER, self.config.history_ack_wait
         )

@@ -16,10 +16,9 @@ Invariants:
   (``journal_seq``) of the step's current iteration that ends the iteration
   (continue, complete, permanent failure): the journal admits one commit per
   dispatch and fences every earlier holder, so such a report is the
-  iteration's truth even when it comes from an earlier attempt. Reports
-  without identity are applied only while legacy step events are allowed.
-  Everything else is dropped, so a duplicate or stale report never advances
-  a step twice.
+  iteration's truth even when it comes from an earlier attempt. A report
+  without identity is never applied. Everything else is dropped, so a
+  duplicate or stale report never advances a step twice.
 * Before a report reaches the run's history, the journal has its say
   (``check_journal_report``): a dispatch whose journal was claimed reports
   only the stored commit of that dispatch, named by ``journal_seq``, and
@@ -128,15 +127,15 @@ def apply(
     """Apply one input to a run."""
     if run.status.terminal:
         return Dropped(reason=f"run is {run.status.value}")
-    return _purged_after_end(_apply(run, event, now, options), now, options)
+    return _purged_after_end(_apply(run, event, now), now, options)
 
 
-def _apply(run: Run, event: RunInput, now: float, options: RuleOptions) -> Decision:
+def _apply(run: Run, event: RunInput, now: float) -> Decision:
     match event:
         case CancelRequested(reason=reason):
             return _cancel(run, reason or "cancelled", now)
         case StepReport():
-            return _on_report(run, event, now, options)
+            return _on_report(run, event, now)
         case TimerFired():
             return _on_timer(run, event, now)
         case ChildEnded():
@@ -186,7 +185,7 @@ def run_output(run: Run) -> bytes:
 # ---- step reports -----------------------------------------------------------------
 
 
-def _on_report(run: Run, report: StepReport, now: float, options: RuleOptions) -> Decision:
+def _on_report(run: Run, report: StepReport, now: float) -> Decision:
     if not run.has_step(report.step_id):
         return Dropped(reason=f"unknown step {report.step_id!r}")
     step = run.step(report.step_id)
@@ -202,9 +201,8 @@ def _on_report(run: Run, report: StepReport, now: float, options: RuleOptions) -
     ):
         return Dropped(reason=f"step {step.step_id} is {step.status.value}")
     if ident is None:
-        if not options.legacy_step_events:
-            return Dropped(reason="report without dispatch identity")
-    elif (ident.iteration, ident.attempt) != (step.iteration, step.attempt) and not committed:
+        return Dropped(reason="report without dispatch identity")
+    if (ident.iteration, ident.attempt) != (step.iteration, step.attempt) and not committed:
         return Dropped(
             reason=(
                 f"report for dispatch ({ident.iteration}, {ident.attempt}) but step "

@@ -384,10 +384,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # Whether ``stored`` is the run as a read would give it now: a guess
         # nobody else wrote over since (heard writes), or a read.
         known = current is task and self.engine.quiet(task.run_id)
-        if current is None or current is not task:
-            # A kept message is leased on a read only: leased for an older
-            # dispatch than it carries, its claim would find that one committed
-            # and acknowledge the message the current dispatch rides on.
+        if current is None or msg.delivered > 1:
+            # A task delivered again is leased on a read only. It may be a
+            # kept message (every delivery of one after its holder's first
+            # is a redelivery), and leased on a guess for an older dispatch
+            # than it carries (the guess predates the hold, or its later
+            # iterations), its claim would find that one past and
+            # acknowledge the message the current dispatch rides on.
             found = await self.engine.read_run(task.run_id)
             if found is None and (wait := self._run_awaited(msg)) is not None:
                 log.info("run %s: not stored yet; its task waits %.2fs", task.run_id, wait)
@@ -470,10 +473,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             return pb.ReportResponse(cancelled=not await self.store.run_is_active(run_id))
         if request.iteration < 0 or request.attempt < 0:
             raise errors.InvalidArgument("iteration and attempt must be >= 0", field="attempt")
-        if request.attempt == 0 and not self.engine.config.legacy_step_events:
+        if request.attempt == 0:
             raise errors.InvalidArgument(
-                "a report names the dispatch it settles: set iteration and attempt to the "
-                "task's (DAGNATS_LEGACY_STEP_EVENTS=true accepts reports without them)",
+                "a report names the dispatch it settles: set iteration and attempt to the task's",
                 field="attempt",
             )
         outcome = getattr(request, kind)
