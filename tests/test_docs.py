@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from types import ModuleType
 import pytest
 import pytest_asyncio
 
+from dagnats.cli.main import build_parser
 from dagnats.sdk.testing import LocalStack
 from tests.stack import FAST
 
@@ -175,3 +177,15 @@ async def test_streaming_example_reads_the_tokens_then_the_stored_response(
     # what it saw is the tail of the response, in order.
     seen = "".join(tokens).strip()
     assert response.endswith(seen)
+
+
+# Where the site is named.
+
+
+def test_the_cli_and_the_console_name_the_address_docs_serve_serves() -> None:
+    served = re.search(r"^DOCS_ADDR := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert served is not None
+    url = f"http://{served.group(1)}/"
+    assert url in build_parser().format_help()
+    console = ROOT / "services" / "gateway" / "dagnats" / "gateway" / "ui" / "index.html"
+    assert f'href="{url}"' in console.read_text()
