@@ -10,6 +10,7 @@ example runs as processes of its own, as a reader runs it.
 from __future__ import annotations
 
 import asyncio
+import html
 import importlib.util
 import os
 import re
@@ -72,6 +73,37 @@ async def example(args: list[str], stack: LocalStack, cwd: Path, **env: str) -> 
 
 # The site.
 
+SNIPPET = re.compile(r'^--8<-- "([\w.]+):(\w+)"$', re.M)
+
+
+def included_sections() -> list[tuple[str, str, str]]:
+    """Every example section a page includes: (page, file, section)."""
+    docs = ROOT / "docs"
+    return [
+        (str(page.relative_to(docs)), source, section)
+        for page in sorted(docs.rglob("*.md"))
+        for source, section in SNIPPET.findall(page.read_text())
+    ]
+
+
+def section_lines(source: str, section: str) -> list[str]:
+    """The non-blank lines of a named section of a docs example."""
+    text = (EXAMPLES / source).read_text()
+    start, end = f"# --8<-- [start:{section}]", f"# --8<-- [end:{section}]"
+    if start not in text or end not in text:
+        return []
+    body = text.split(start, 1)[1].split(end, 1)[0]
+    return [line for line in body.splitlines() if line.strip()]
+
+
+def test_every_tutorial_page_includes_its_examples() -> None:
+    pages = {page for page, _, _ in included_sections()}
+    assert {
+        f"tutorial/{p}.md" for p in ("first-agent", "pydantic-ai", "steering", "streaming")
+    } <= pages
+    for page in sorted((ROOT / "docs" / "tutorial").glob("*.md")):
+        assert "--8 <" not in page.read_text(), f"{page.name}: a snippet line was reformatted"
+
 
 def test_the_site_builds_strict_with_no_broken_link(tmp_path: Path) -> None:
     """`mkdocs build --strict` (what `make docs` and CI run) fails on a broken
@@ -89,6 +121,15 @@ def test_the_site_builds_strict_with_no_broken_link(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stderr[-4000:]
     for page in ("tutorial/first-agent", "reference/settings", "reference/cli", "reference/grpc"):
         assert (tmp_path / page / "index.html").is_file(), page
+    for page, source, section in included_sections():
+        lines = section_lines(source, section)
+        assert lines, f"{page}: {source}:{section} is empty or missing"
+        built_page = tmp_path / page.removesuffix(".md") / "index.html"
+        text = html.unescape(re.sub(r"<[^>]+>", "", built_page.read_text()))
+        assert "--8<--" not in text and "--8 <" not in text, (
+            f"{page}: a snippet line was not included"
+        )
+        assert lines[0].strip() in text, f"{page} does not show {source}:{section}"
     settings = (tmp_path / "reference" / "settings" / "index.html").read_text()
     assert "DAGNATS_TASK_ACK_WAIT" in settings
     grpc_page = (tmp_path / "reference" / "grpc" / "index.html").read_text()

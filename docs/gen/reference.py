@@ -168,8 +168,17 @@ def _comments(file: Any) -> dict[tuple[int, ...], str]:
     for loc in file.source_code_info.location:
         text = (loc.leading_comments or loc.trailing_comments).strip()
         if text:
-            found[tuple(loc.path)] = "\n".join(line.strip() for line in text.splitlines())
+            found[tuple(loc.path)] = _escape(text)
+        if tuple(loc.path) == (4, 0) and loc.leading_detached_comments:
+            found[()] = _escape("\n\n".join(loc.leading_detached_comments).strip())
     return found
+
+
+def _escape(comment: str) -> str:
+    """A proto comment as Markdown: its lines unindented, and ``<run>`` shown
+    as written rather than taken for an HTML tag."""
+    lines = (line.strip() for line in comment.splitlines())
+    return "\n".join(lines).replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _cell(text: str) -> str:
@@ -235,6 +244,8 @@ def grpc_page() -> str:
             continue
         notes = _comments(file)
         out += [f"## `{file.name}`", "", f"Package `{file.package}`.", ""]
+        if notes.get(()):
+            out += [notes[()], ""]
         for s, service in enumerate(file.service):
             out += [f"### service {service.name}", ""]
             if notes.get((6, s)):
