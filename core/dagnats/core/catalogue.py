@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 __all__ = ["GENERAL", "NATS", "SECURITY", "SETTINGS", "TIMING", "TOPICS", "Setting"]
 
-GENERAL = "Where things are"
+GENERAL = "Processes, addresses and models"
 SECURITY = "TLS and tokens"
 NATS = "NATS credentials and TLS"
 TIMING = "Timing and limits"
@@ -91,7 +91,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Off, such a report is refused with `INVALID_ARGUMENT` on `attempt`",
     ),
     Setting(
-        GENERAL,
+        TIMING,
         ("DAGNATS_LOOP_STATE_MAX_BYTES",),
         "1048576",
         "largest checkpoint of a non-journal step",
@@ -147,7 +147,7 @@ SETTINGS: tuple[Setting, ...] = (
         "the token the SDK, the CLI and the Node worker send to the engine",
     ),
     Setting(
-        GENERAL,
+        TIMING,
         ("DAGNATS_GRPC_KEEPALIVE",),
         "20",
         "SDK and CLI: seconds of silence before a connection with calls open is pinged; "
