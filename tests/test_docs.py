@@ -62,7 +62,7 @@ async def example(args: list[str], stack: LocalStack, cwd: Path, **env: str) -> 
         sys.executable,
         *args,
         cwd=cwd,
-        env={**os.environ, "DAGNATS_ENGINE": stack.target, "PYTHONPATH": str(ROOT), **env},
+        env={**os.environ, "DAGNATS_ENGINE": stack.target, **env},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )

@@ -41,7 +41,7 @@ async def call_model(history: list[Any]) -> dict[str, Any]:
 async def run_tool(run: ToolRun) -> Any:
     if run.call.name == "search":
         return {"celsius": 21}
-    with OUTBOX.open("a") as outbox:  # noqa: ASYNC230 - the side effect: an email "sent"
+    with OUTBOX.open("a") as outbox:  # the side effect: an email "sent"
         outbox.write(f"{run.call.key} {run.call.input}\n")
     if CRASH:
         print("crashing inside send_email, after the email went out")

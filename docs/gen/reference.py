@@ -177,8 +177,22 @@ def _comments(file: Any) -> dict[tuple[int, ...], str]:
 def _escape(comment: str) -> str:
     """A proto comment as Markdown: its lines unindented, and ``<run>`` shown
     as written rather than taken for an HTML tag."""
-    lines = (line.strip() for line in comment.splitlines())
+    lines: list[str] = []
+    for line in (raw.strip() for raw in comment.splitlines()):
+        if line.startswith("- ") and lines and lines[-1] and not _in_list(lines):
+            lines.append("")  # Markdown starts a list only after a blank line
+        lines.append(line)
     return "\n".join(lines).replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _in_list(lines: list[str]) -> bool:
+    """Whether the paragraph ``lines`` ends in is a list (its first line is an item)."""
+    for line in reversed(lines):
+        if not line:
+            return False
+        if line.startswith("- "):
+            return True
+    return False
 
 
 def _cell(text: str) -> str:
