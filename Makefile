@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup chromium dev test lint breaking fmt proto proto-check bench bench-scale bench-pair bench-peers jetstream-facts test-guards test-chaos clean
+.PHONY: help setup chromium dev test docs docs-serve lint breaking fmt proto proto-check bench bench-scale bench-pair bench-peers jetstream-facts test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -45,6 +45,16 @@ dev: setup ## run nats-server, the services and a demo agent (Ctrl-C stops)
 
 test: setup ## run the test suite against a real nats-server
 	$(BIN)/pytest -q
+
+# The documentation site (mkdocs.yml, docs/): the reference pages are generated
+# from the code as it builds; --strict fails on a broken link or a warning.
+DOCS_ADDR := 127.0.0.1:8000
+export NO_MKDOCS_2_WARNING := 1
+docs: setup ## build the documentation site into site/ (strict: a broken link fails)
+	$(BIN)/mkdocs build --strict
+
+docs-serve: setup ## serve the documentation at http://127.0.0.1:8000, rebuilt on each change
+	$(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)
 
 lint: setup proto-check ## ruff, mypy (--strict on the code, relaxed on tests), buf lint, format and breaking
 	$(BIN)/ruff check .

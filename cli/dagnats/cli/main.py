@@ -73,8 +73,16 @@ def default_target() -> str:
         return DEFAULT_ENGINE
 
 
+# Where `make docs-serve` serves the documentation site (the Makefile's DOCS_ADDR).
+DOCS_URL = "http://127.0.0.1:8000/"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dagnats", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="dagnats",
+        description=__doc__.splitlines()[0],
+        epilog=f"documentation: {DOCS_URL} (make docs-serve in a checkout serves it)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     parser.add_argument(
         "--data-dir",
