@@ -83,14 +83,6 @@ SETTINGS: tuple[Setting, ...] = (
         "stream replicas (3 on a production cluster)",
     ),
     Setting(
-        GENERAL,
-        ("DAGNATS_LEGACY_STEP_EVENTS",),
-        "false",
-        "accept step reports without a dispatch identity (iteration and attempt), for "
-        "workers that predate it; a duplicate of such a report can advance a loop twice. "
-        "Off, such a report is refused with `INVALID_ARGUMENT` on `attempt`",
-    ),
-    Setting(
         TIMING,
         ("DAGNATS_LOOP_STATE_MAX_BYTES",),
         "1048576",
@@ -342,16 +334,17 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         TIMING,
-        ("DAGNATS_HOLD_WAIT",),
+        ("DAGNATS_EVENT_WAIT",),
         "3",
-        "how long the journal service waits for the engine's next dispatch before it "
-        "answers a commit that keeps its task; without one the task waits out its lease "
-        "and is then delivered carrying what the run says. The first third waits for an "
-        "engine that took the commit's event (the engine of the same process when `serve "
-        "all` runs one, else one over core NATS); then the event is published on the "
-        "history and the rest waits for the engine that applies it. A commit that "
-        "releases its task sends its event the same way, and publishes it on the history "
-        "when no engine answered within that first third",
+        "the commit wait: how long the journal service waits for the engine's decision "
+        "on a stored commit's event. A commit that keeps its task is answered without "
+        "the next dispatch when none came in time; its task then waits out its lease and "
+        "is delivered carrying what the run says. The first third waits for an engine "
+        "that took the commit's event (the engine of the same process when `serve all` "
+        "runs one, else one over core NATS); then the event is published on the history "
+        "and the rest waits for the engine that applies it. A commit that releases its "
+        "task sends its event the same way, and publishes it on the history when no "
+        "engine answered within that first third",
     ),
     Setting(
         TIMING,
