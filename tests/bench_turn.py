@@ -361,7 +361,7 @@ async def serve_worker(
     """The worker process: a ``Worker`` of concurrency ``c`` on each engine
     in ``targets``, until SIGTERM. A task type ending in ``QUEUED`` gets a
     worker of its own that sends every iteration through the task queue
-    (``sticky_iterations=0``), the way before ADR 31, for a baseline measured
+    (``kept_iterations=0``), the way before ADR 31, for a baseline measured
     in the same run."""
     from dagnats.sdk import Worker
 
@@ -370,7 +370,7 @@ async def serve_worker(
     async with contextlib.AsyncExitStack() as workers:
         for target in targets:
             for task_type, handler in handlers.items():
-                queued: dict[str, Any] = {"sticky_iterations": 0}
+                queued: dict[str, Any] = {"kept_iterations": 0}
                 worker = Worker(
                     target,
                     handlers={task_type: handler},
@@ -1045,7 +1045,7 @@ def main(argv: list[str] | None = None) -> None:
     measured = [("dagnats", got["dagnats"].cpu), ("floor", got["floor"].cpu)]
     if got["queued"] is not None:
         # The same dagnats with every iteration through the task queue, as
-        # before ADR 31: the baseline of the held dispatch, in the same run.
+        # before ADR 31: the baseline of the kept dispatch, in the same run.
         extra = {"strace": got["queued"].strace} if got["queued"].strace else {}
         queued = record("dagnats", "dev-queued", results_of(got["queued"], p), p, extra)
         print("\ndagnats keeping its task (ADR 31) against every iteration through the queue:")

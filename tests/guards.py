@@ -115,7 +115,7 @@ GUARDS = (
     Guard(
         name="a dispatch sent again is claimed on a read of its journal",
         file="services/engine/dagnats/engine/service.py",
-        guard="    again = record is not None and (record.redispatches > 0 or record.held_seq > 0)"
+        guard="    again = record is not None and (record.redispatches > 0 or record.kept_seq > 0)"
         "\n",
         removed="    again = False\n",
         how="the claim of a vanished task's new message takes its journal as empty",
@@ -591,16 +591,16 @@ GUARDS = (
         guard="            identity = await self._leased_dispatch(task, seq)\n",
         removed="            pass\n",
         how="a heartbeat of a kept task is checked against the dispatch it was published for",
-        tests=("tests/test_held_dispatch.py::test_a_kept_task_is_heartbeated_by_its_holder",),
+        tests=("tests/test_kept_task.py::test_a_kept_task_is_heartbeated_by_its_holder",),
     ),
     Guard(
         name="a kept task delivered again is leased for the dispatch it was kept for",
         file="services/engine/dagnats/engine/service.py",
-        guard="        held=record is not None and record.held_seq == seq,\n",
-        removed="        held=False,\n",
+        guard="        kept=record is not None and record.kept_seq == seq,\n",
+        removed="        kept=False,\n",
         how="a kept task's message delivered again is settled as stale",
         tests=(
-            "tests/test_held_dispatch.py::"
+            "tests/test_kept_task.py::"
             "test_a_kept_task_whose_holder_goes_silent_is_delivered_again_for_its_iteration",
         ),
     ),
@@ -609,11 +609,11 @@ GUARDS = (
         file="services/engine/dagnats/engine/processor.py",
         guard=(
             "            if not await self.store.task_in_flight("
-            "subject, prefix, held_seq=step.held_seq):\n"
+            "subject, prefix, kept_seq=step.kept_seq):\n"
         ),
         removed="            if not await self.store.task_in_flight(subject, prefix):\n",
-        how="the reconciler looks for a held dispatch's own task, finds none, dispatches anew",
-        tests=("tests/test_held_dispatch.py::test_the_reconciler_leaves_a_kept_task_in_flight",),
+        how="the reconciler looks for a kept dispatch's own task, finds none, dispatches anew",
+        tests=("tests/test_kept_task.py::test_the_reconciler_leaves_a_kept_task_in_flight",),
     ),
     Guard(
         name="a dispatch handed over with a commit stores its claim with its first record",
@@ -660,11 +660,11 @@ GUARDS = (
         removed="            pass\n",
         how="a commit's event that no engine took directly is stored nowhere",
         tests=(
-            "tests/test_held_dispatch.py::"
+            "tests/test_kept_task.py::"
             "test_with_no_engine_taking_held_events_they_are_stored_on_the_history",
-            "tests/test_held_dispatch.py::"
+            "tests/test_kept_task.py::"
             "test_a_held_event_taken_by_an_engine_that_never_answers_is_stored_on_the_history",
-            "tests/test_held_dispatch.py::"
+            "tests/test_kept_task.py::"
             "test_a_commit_event_its_own_engine_leaves_unanswered_is_stored_on_the_history",
         ),
     ),
@@ -1067,8 +1067,8 @@ GUARDS = (
     Guard(
         name="only the kept message carries a kept dispatch",
         file="services/engine/dagnats/engine/service.py",
-        guard="        held=record is not None and record.held_seq == seq,\n",
-        removed="        held=record is not None and record.held_seq > 0,\n",
+        guard="        kept=record is not None and record.kept_seq == seq,\n",
+        removed="        kept=record is not None and record.kept_seq > 0,\n",
         how="a copy of the step's first task is leased beside the kept one: two holders",
         tests=(
             "tests/test_engine_fencing.py::"

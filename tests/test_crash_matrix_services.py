@@ -8,7 +8,7 @@ in the inputs bucket, its ``input.placed`` record not yet written) and
 event not yet published nor the task acknowledged), ``after_commit_event_sent`` (a
 commit's event sent to the engines over core NATS, nothing of it on the
 history, no answer come yet, its task not released) and
-``after_held_decision`` (a continue that keeps its task: its event applied
+``after_kept_decision`` (a continue that keeps its task: its event applied
 and the engine's decision known, the worker not yet answered: the kept task).
 
 Two engine processes (engine, journal and inputs services each) share the
@@ -56,7 +56,7 @@ SEAMS = (
     "after_input_claimed",
     "after_commit_stored",
     "after_commit_event_sent",
-    "after_held_decision",
+    "after_kept_decision",
     "after_kept_unwritten",
 )
 # The iterations a seam is reached on: a kept iteration goes unwritten from the
@@ -152,7 +152,7 @@ async def test_service_crash_point(
     stack: Stack, tmp_path: Path, seam: str, mode: str, iteration: int
 ) -> None:
     inputs = seam == "after_input_claimed"
-    committing = seam in ("after_commit_stored", "after_commit_event_sent", "after_held_decision")
+    committing = seam in ("after_commit_stored", "after_commit_event_sent", "after_kept_decision")
     # Where the run waits while the test arms the seam: before the claim of the
     # iteration that places the input or commits, or of the one whose continue
     # the engine applies into the next dispatch. Iteration 0's dispatch is

@@ -193,7 +193,7 @@ async def keep(stubs: Stubs, token: jpb.WriterToken, leased: pb.LeasedTask) -> j
     """Commit a continue that keeps the task message for the next iteration;
     the dispatch handed over with the answer."""
     body = jpb.Commit(action=jpb.ACTION_CONTINUE, output=b'"turn"')
-    request = jpb.CommitRequest(token=token, commit=body, lease=leased.lease, hold=True)
+    request = jpb.CommitRequest(token=token, commit=body, lease=leased.lease, keep_task=True)
     answer = await stubs.journal.Commit(request)
     assert answer.HasField("next"), "the task was not kept"
     return answer.next

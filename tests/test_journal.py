@@ -367,18 +367,18 @@ async def test_crash_after_commit_republishes(client: Client, engine: EngineServ
     # publishes the event and releases the task; its worker is gone too. The
     # task comes back, the next claim finds the commit, republishes its event
     # and raises Committed. (A commit that keeps its task is answered after its
-    # event: tests/test_held_dispatch.py.)
+    # event: tests/test_kept_task.py.)
     task, name = await start(client)
     model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
     handler = agent(model, tools, seen)
     with Crasher("after_commit_stored", skip=1) as crash:
         async with Worker(
-            engine.target, handlers={task: handler}, poll_wait=1.0, sticky_iterations=0
+            engine.target, handlers={task: handler}, poll_wait=1.0, kept_iterations=0
         ):
             run = await client.start_run(name)
             await wait_for(crash.hit.is_set, timeout=20)
         async with Worker(
-            engine.target, handlers={task: handler}, poll_wait=1.0, sticky_iterations=0
+            engine.target, handlers={task: handler}, poll_wait=1.0, kept_iterations=0
         ):
             await finish(client, engine, run.run_id)
         # The stopped service goes on: its event is a duplicate, its ack a no-op.
@@ -477,7 +477,7 @@ async def test_a_holder_fenced_while_its_commit_is_answered_does_not_spend_the_n
     # 1. The holder's last write was sent long before the answer came, so
     # its model call reads the tail, finds the successor's claim and asks
     # nothing: a write is fresh from its send, not from its answer.
-    with Crasher("after_held_decision") as stall:
+    with Crasher("after_kept_decision") as stall:
         await fenced_after_stall(
             client,
             engine,

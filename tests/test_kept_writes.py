@@ -33,8 +33,8 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client
 from tests.helpers import wait_for
 from tests.stack import FAST, steps_by_id
-from tests.test_held_dispatch import Loop, completed, js, released, run_loop
 from tests.test_journal import NO_HEARTBEAT, journal_check
+from tests.test_kept_task import Loop, completed, js, released, run_loop
 
 LAGGING = dataclasses.replace(FAST, kept_write_batch=1000, kept_write_delay=60.0)
 K = 8
@@ -226,7 +226,7 @@ async def test_a_kept_task_lost_between_a_commit_and_the_next_record_runs_the_ne
         await wait_for(loop.reached.is_set, timeout=20, message="iteration 2 began")
         stored = await engine.engine.store.require_run(run_id)
         assert steps_by_id(stored.record.run)["agent"].iteration == 1
-        held = stored.record.step_records["agent"].held_seq
+        held = stored.record.step_records["agent"].kept_seq
         assert held, "the loop runs on its kept message"
         await js.delete_msg(jsx.TASKS, held)
 

@@ -224,7 +224,7 @@ async def test_node_worker_reports_a_turn_committed_by_a_crashed_holder(
             handlers={task: python_turn},
             poll_wait=0.5,
             concurrency=1,
-            sticky_iterations=0,
+            kept_iterations=0,
         ):
             run = await client.start_run(name, INPUT)
             await wait_for(

@@ -549,20 +549,20 @@ def test_a_task_whose_run_is_not_stored_waits_for_it_within_the_horizon() -> Non
 # ---- the kept task: a task kept across iterations (ADR 31) ---------------------------
 
 
-def held_continue(it: int, seq: int, wait: m.Wait | None = None) -> m.StepReport:
+def kept_continue(it: int, seq: int, wait: m.Wait | None = None) -> m.StepReport:
     return m.StepReport(
         step_id="agent",
         identity=m.Identity(iteration=it, attempt=1),
         outcome=m.Continued(wait=wait),
-        held_seq=seq,
+        kept_seq=seq,
     )
 
 
 def test_a_continue_that_keeps_its_task_dispatches_on_it_without_a_new_task() -> None:
     run = start().run
-    nxt = accepted(rules.apply(run, held_continue(0, 7), T0 + 1))
+    nxt = accepted(rules.apply(run, kept_continue(0, 7), T0 + 1))
     step = nxt.run.step("agent")
-    assert (step.status, step.iteration, step.attempt, step.held_seq) == (
+    assert (step.status, step.iteration, step.attempt, step.kept_seq) == (
         m.StepStatus.RUNNING,
         1,
         1,
@@ -573,28 +573,28 @@ def test_a_continue_that_keeps_its_task_dispatches_on_it_without_a_new_task() ->
     current = m.Identity(iteration=1, attempt=1)
     published_for = m.Identity(iteration=0, attempt=1)
     kept = rules.carried_dispatch(
-        m.RunStatus.RUNNING, step.status, current, published_for, held=True
+        m.RunStatus.RUNNING, step.status, current, published_for, kept=True
     )
     assert kept == current
     assert rules.carried_dispatch(m.RunStatus.RUNNING, step.status, current, published_for) is None
-    assert rules.held_decision(step, m.RunStatus.RUNNING, 7, published_for) is True
+    assert rules.kept_decision(step, m.RunStatus.RUNNING, 7, published_for) is True
     task = rules.dispatch_task(nxt.run, step)
     assert (task.iteration, task.attempt, task.input) == (1, 1, b'{"q": 1}')
 
 
 def test_a_continue_that_waits_releases_its_task() -> None:
     run = start().run
-    waits = accepted(rules.apply(run, held_continue(0, 7, m.Wait(until_input=True)), T0 + 1))
+    waits = accepted(rules.apply(run, kept_continue(0, 7, m.Wait(until_input=True)), T0 + 1))
     step = waits.run.step("agent")
-    assert step.status is m.StepStatus.WAITING and step.held_seq == 0
+    assert step.status is m.StepStatus.WAITING and step.kept_seq == 0
     assert (
-        rules.held_decision(step, m.RunStatus.RUNNING, 7, m.Identity(iteration=0, attempt=1))
+        rules.kept_decision(step, m.RunStatus.RUNNING, 7, m.Identity(iteration=0, attempt=1))
         is False
     )
 
 
 def test_a_dispatch_that_is_not_kept_forgets_the_kept_task() -> None:
-    run = accepted(rules.apply(start().run, held_continue(0, 7), T0 + 1)).run
+    run = accepted(rules.apply(start().run, kept_continue(0, 7), T0 + 1)).run
     # The kept iteration fails; its retry is a task of its own.
     failed = accepted(rules.apply(run, report("agent", 1, 1, m.Failed(error="boom")), T0 + 2))
     woken = accepted(
@@ -605,9 +605,9 @@ def test_a_dispatch_that_is_not_kept_forgets_the_kept_task() -> None:
         )
     )
     step = woken.run.step("agent")
-    assert dispatches(woken) == [("agent", 1, 2)] and step.held_seq == 0
+    assert dispatches(woken) == [("agent", 1, 2)] and step.kept_seq == 0
     assert (
-        rules.held_decision(step, m.RunStatus.RUNNING, 7, m.Identity(iteration=0, attempt=1))
+        rules.kept_decision(step, m.RunStatus.RUNNING, 7, m.Identity(iteration=0, attempt=1))
         is False
     )
 
@@ -615,25 +615,25 @@ def test_a_dispatch_that_is_not_kept_forgets_the_kept_task() -> None:
 def test_only_a_kept_iteration_that_carries_the_loop_on_may_go_unwritten() -> None:
     # The first kept iteration is written: the run as stored must say the
     # message is kept before a reader can know to look in the journal.
-    first = rules.apply(start().run, held_continue(0, 7), T0 + 1)
+    first = rules.apply(start().run, kept_continue(0, 7), T0 + 1)
     assert not rules.carries_kept_loop_on(start().run, first, "agent", 7)
     run = accepted(first).run
     assert rules.carries_kept_loop_on(
-        run, rules.apply(run, held_continue(1, 7), T0 + 2), "agent", 7
+        run, rules.apply(run, kept_continue(1, 7), T0 + 2), "agent", 7
     )
-    waits = rules.apply(run, held_continue(1, 7, m.Wait(until_input=True)), T0 + 2)
+    waits = rules.apply(run, kept_continue(1, 7, m.Wait(until_input=True)), T0 + 2)
     assert not rules.carries_kept_loop_on(run, waits, "agent", 7)
     ends = rules.apply(run, report("agent", 1, 1, m.Completed(output=b"{}")), T0 + 2)
     assert not rules.carries_kept_loop_on(run, ends, "agent", 7)
-    stale = rules.apply(run, held_continue(0, 7), T0 + 2)
+    stale = rules.apply(run, kept_continue(0, 7), T0 + 2)
     assert not rules.carries_kept_loop_on(run, stale, "agent", 7)
 
 
 def test_a_run_catches_up_with_the_kept_iterations_and_stops_at_anything_else() -> None:
-    run = accepted(rules.apply(start().run, held_continue(0, 7), T0 + 1)).run  # as stored
-    caught = rules.catch_up(run, [held_continue(1, 7)], T0 + 2)
+    run = accepted(rules.apply(start().run, kept_continue(0, 7), T0 + 1)).run  # as stored
+    caught = rules.catch_up(run, [kept_continue(1, 7)], T0 + 2)
     step = caught.step("agent")
-    assert (step.iteration, step.iterations, step.status, step.held_seq) == (
+    assert (step.iteration, step.iterations, step.status, step.kept_seq) == (
         2,
         2,
         m.StepStatus.RUNNING,
@@ -641,19 +641,19 @@ def test_a_run_catches_up_with_the_kept_iterations_and_stops_at_anything_else() 
     )
     # Iteration 2's continue reaches max_iterations (3): the loop fails, which
     # no engine decided unwritten; it is left to its event.
-    assert rules.catch_up(run, [held_continue(1, 7), held_continue(2, 7)], T0 + 2) == caught
+    assert rules.catch_up(run, [kept_continue(1, 7), kept_continue(2, 7)], T0 + 2) == caught
     # A commit that waits is left to its event, and so is everything after it.
-    waits = held_continue(1, 7, m.Wait(until_input=True))
-    assert rules.catch_up(run, [waits, held_continue(2, 7)], T0 + 2) == run
-    assert rules.catch_up(run, [held_continue(5, 7)], T0 + 2) == run  # not the run's iteration
+    waits = kept_continue(1, 7, m.Wait(until_input=True))
+    assert rules.catch_up(run, [waits, kept_continue(2, 7)], T0 + 2) == run
+    assert rules.catch_up(run, [kept_continue(5, 7)], T0 + 2) == run  # not the run's iteration
 
 
 def test_a_kept_task_whose_report_is_not_applied_yet_is_left_to_its_lease() -> None:
     step = start().run.step("agent")
     reported = m.Identity(iteration=0, attempt=1)
-    assert rules.held_decision(step, m.RunStatus.RUNNING, 7, reported) is None
-    assert rules.held_decision(step, m.RunStatus.CANCELLED, 7, reported) is False
-    assert rules.held_decision(None, m.RunStatus.RUNNING, 7, reported) is False
+    assert rules.kept_decision(step, m.RunStatus.RUNNING, 7, reported) is None
+    assert rules.kept_decision(step, m.RunStatus.CANCELLED, 7, reported) is False
+    assert rules.kept_decision(None, m.RunStatus.RUNNING, 7, reported) is False
 
 
 def test_only_a_run_with_nothing_in_motion_and_no_outbox_is_parked() -> None:

@@ -13,7 +13,7 @@ its port, as a supervisor would: the journal process after it sent a
 commit's event to the engines over core NATS, before any answer
 (``after_commit_event_sent``); the journal process after the engine's decision to
 keep the task came back, before the worker was answered and handed the next
-iteration (``after_held_decision``); and the engine process as it takes a
+iteration (``after_kept_decision``); and the engine process as it takes a
 commit's event sent to it directly (``before_event_applied``), so the
 journal process, told nothing, puts the event on the history, where the
 restarted engine applies it. Each must end with the crash-free answer, a
@@ -167,7 +167,7 @@ async def test_a_journaled_agent_run_across_the_three_service_processes(split: S
 
 CRASHES = {
     "after_commit_event_sent": "journal",
-    "after_held_decision": "journal",
+    "after_kept_decision": "journal",
     "before_event_applied": "engine",
 }
 

@@ -20,7 +20,7 @@ answered, its event not yet published; a commit that keeps its task for the
 next iteration is not answered yet), ``after_commit_event_sent`` (a commit's
 event sent to the engines over core NATS, or about to be handed to the engine
 of the same process, no answer come, nothing of it on the history; its task
-not released) and ``after_held_decision`` (the engine's decision known, the
+not released) and ``after_kept_decision`` (the engine's decision known, the
 worker not yet answered); and in the engine ``after_dispatch_saved`` (a dispatch is
 saved, its task not yet published; a new run's first tasks are published
 while it is written, so there both are stored), ``after_dispatch_published``

@@ -84,11 +84,11 @@ class TaskContext:
         worker_id: str = "",
         restart_limit: int = 5,
         leased_at: float | None = None,
-        hold: bool = False,
+        keep_task: bool = False,
         handed: Handover | None = None,
     ) -> None:
         """``leased_at``: event-loop time the poll that leased the task was sent
-        (now, when not given); the lease is counted from there. ``hold``: a
+        (now, when not given); the lease is counted from there. ``keep_task``: a
         journaled continue without a wait keeps the task for the next
         iteration (``next_task``). ``handed``: this dispatch's journal, handed
         over with the commit before it: :meth:`journal` claims it with its
@@ -108,7 +108,7 @@ class TaskContext:
         self._settled_as: str | None = None
         self._cancelled = False
         self._cancellation = asyncio.Event()
-        self._hold = hold
+        self._keep_task = keep_task
         self._handed = handed
         self._next: Kept | None = None
 
@@ -517,7 +517,7 @@ class TaskContext:
                 # it to a continue that does not wait: the kept task.
                 try:
                     nxt = await self._journal.commit(
-                        commit, lease=self._leased.lease, hold=self._hold
+                        commit, lease=self._leased.lease, keep_task=self._keep_task
                     )
                 except RecordTooLarge:
                     if field != "fail":

@@ -467,11 +467,11 @@ class Journal:
         return await self._rpc.check_tail(jpb.CheckTailRequest(token=token))
 
     async def commit(
-        self, commit: jpb.Commit, *, lease: str, hold: bool = False
+        self, commit: jpb.Commit, *, lease: str, keep_task: bool = False
     ) -> jpb.NextDispatch | None:
         """Store the dispatch's commit and settle the task with ``lease``: once
         the commit is stored, the journal service answers, then publishes the
-        commit's event and acknowledges the task. ``hold``: keep the
+        commit's event and acknowledges the task. ``keep_task``: keep the
         task for the next iteration (the kept task); the dispatch it carries on to
         when the engine made it, else None."""
 
@@ -482,7 +482,7 @@ class Journal:
             self._token.last_seq = done.commit_seq  # the writer's last record
 
         await self._end_loose()
-        request = jpb.CommitRequest(commit=commit, lease=lease, hold=hold)
+        request = jpb.CommitRequest(commit=commit, lease=lease, keep_task=keep_task)
 
         def send(token: jpb.WriterToken, pending: _Pending | None) -> Awaitable[jpb.CommitResponse]:
             request.token.CopyFrom(token)

@@ -91,7 +91,7 @@ class Worker:
         journal_target: Address of the journal service when it runs apart
             from the engine (``dagnats serve journal``); by default ``target``.
         inputs_target: Address of the inputs service, likewise.
-        sticky_iterations: How many times in a row a task is kept for its
+        kept_iterations: How many times in a row a task is kept for its
             step's next iteration (the kept task): a journaled ``continue_`` without
             a wait keeps the task, and the engine hands the next iteration to
             this worker with the commit's answer, with no trip through the task
@@ -130,17 +130,17 @@ class Worker:
         credentials: Credentials | None = None,
         journal_target: str | None = None,
         inputs_target: str | None = None,
-        sticky_iterations: int = 64,
+        kept_iterations: int = 64,
         local_socket: str | None = None,
         journal_sessions: Callable[[], Session] | None = None,
     ) -> None:
         _check_options(handlers, concurrency, poll_wait, rpc_timeout, heartbeat_interval)
-        if not 0 <= sticky_iterations <= 1_000_000:
+        if not 0 <= kept_iterations <= 1_000_000:
             raise InvalidArgument(
-                f"sticky_iterations must be 0..1000000, got {sticky_iterations}",
-                field="sticky_iterations",
+                f"kept_iterations must be 0..1000000, got {kept_iterations}",
+                field="kept_iterations",
             )
-        self._sticky = sticky_iterations
+        self._kept_iterations = kept_iterations
         if not 1 <= restart_limit <= 1000:
             raise InvalidArgument(
                 f"restart_limit must be 1..1000, got {restart_limit}", field="restart_limit"
@@ -238,7 +238,7 @@ class Worker:
         for tc in self._contexts:
             # Their next commits release their tasks: kept, a task would wait
             # out its lease before another worker got it.
-            tc._hold = False
+            tc._keep_task = False
         if self._started:
             await self._finished.wait()
 
@@ -337,7 +337,7 @@ class Worker:
     # One task.
 
     def _start(self, leased: pb.LeasedTask, leased_at: float) -> None:
-        tc = self._context(leased, leased_at, hold=self._sticky > 0)
+        tc = self._context(leased, leased_at, keep_task=self._kept_iterations > 0)
         task = asyncio.create_task(self._carry_on(tc), name=f"task {tc.run_id}/{tc.step_id}")
         self._inflight.add(task)
         task.add_done_callback(self._finished_task)
@@ -353,7 +353,7 @@ class Worker:
         leased: pb.LeasedTask,
         leased_at: float,
         *,
-        hold: bool,
+        keep_task: bool,
         handed: Handover | None = None,
     ) -> TaskContext:
         return TaskContext(
@@ -362,18 +362,18 @@ class Worker:
             worker_id=self._worker_id,
             restart_limit=self._restart_limit,
             leased_at=leased_at,
-            hold=hold,
+            keep_task=keep_task,
             handed=handed,
         )
 
     async def _carry_on(self, tc: TaskContext) -> None:
         """Run the task, then each next iteration its commit kept the task
         for (the kept task), in the same slot on the same lease, up to
-        ``sticky_iterations`` in a row. Once stopping, a kept task is left to
+        ``kept_iterations`` in a row. Once stopping, a kept task is left to
         its lease: it is delivered again when that runs out."""
         kept_for = 0
         while True:
-            tc._hold = tc._hold and not self._stopping.is_set()
+            tc._keep_task = tc._keep_task and not self._stopping.is_set()
             self._contexts.add(tc)
             try:
                 await self._execute(tc)
@@ -384,7 +384,10 @@ class Worker:
                 return
             kept_for += 1
             tc = self._context(
-                kept.leased, kept.leased_at, hold=kept_for < self._sticky, handed=kept.handed
+                kept.leased,
+                kept.leased_at,
+                keep_task=kept_for < self._kept_iterations,
+                handed=kept.handed,
             )
 
     async def _execute(self, tc: TaskContext) -> None:

@@ -78,7 +78,7 @@ def step_from_proto(msg: pb.StepState, record: ipb.StepRecord | None) -> m.Step:
         iterations=msg.iterations,
         failures=record.failures if record else 0,
         redispatches=record.redispatches if record else 0,
-        held_seq=record.held_seq if record else 0,
+        kept_seq=record.kept_seq if record else 0,
         output=msg.output,
         error=msg.error,
         child_run_id=msg.child_run_id,
@@ -122,12 +122,12 @@ def record_to_proto(
         trace_context=trace_context,
     )
     for step in run.steps:
-        if step.failures or step.redispatches or step.held_seq:
+        if step.failures or step.redispatches or step.kept_seq:
             record.step_records[step.step_id].CopyFrom(
                 ipb.StepRecord(
                     failures=step.failures,
                     redispatches=step.redispatches,
-                    held_seq=step.held_seq,
+                    kept_seq=step.kept_seq,
                 )
             )
     if outbox and outbox_since is not None:
@@ -211,7 +211,7 @@ def event_to_input(event: ipb.HistoryEvent) -> m.RunInput | None:
         identity=identity,
         outcome=outcome,
         journal_seq=event.journal_seq,
-        held_seq=event.held_seq,
+        kept_seq=event.kept_seq,
     )
 
 

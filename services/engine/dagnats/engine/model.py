@@ -53,7 +53,7 @@ class Step:
     redispatches: int = 0
     # The TASKS message that carries the current dispatch, kept by its holder
     # from the iteration before (the kept task); 0: the dispatch's own message.
-    held_seq: int = 0
+    kept_seq: int = 0
     output: bytes = b""
     error: str = ""
     child_run_id: str = ""
@@ -150,7 +150,7 @@ class StepReport:
     journal_seq: int = 0
     # The reporter keeps its task message (this sequence) for the next
     # iteration, if that is dispatched at once (the kept task); 0: released.
-    held_seq: int = 0
+    kept_seq: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

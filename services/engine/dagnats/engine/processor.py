@@ -203,7 +203,7 @@ class Engine:
         """Apply ``decide`` to the run with compare-and-swap; None if no such run.
 
         ``kept``: the input is a report of this step whose holder kept task
-        message ``held_seq`` for the next iteration. When the decision only
+        message ``kept_seq`` for the next iteration. When the decision only
         carries the step on with that message, and this engine holds the run
         as it wrote it, the write may wait (the deferred write, :meth:`_defers`).
         ``through_last``: a run that is read is caught up through its kept
@@ -269,10 +269,10 @@ class Engine:
         loop on to the next iteration with the same kept message, publishes
         nothing, and the run as stored already says that message is kept, so
         a reader knows to look in the journal."""
-        step_id, held_seq = kept
+        step_id, kept_seq = kept
         if self.config.kept_write_batch <= 1 or stored.record.outbox:
             return False
-        if not rules.carries_kept_loop_on(run, decision, step_id, held_seq):
+        if not rules.carries_kept_loop_on(run, decision, step_id, kept_seq):
             return False
         count, _ = self._deferred.get(stored.record.run.run_id, (0, 0.0))
         return count + 1 < self.config.kept_write_batch
@@ -669,7 +669,7 @@ class Engine:
             run_input = convert.event_to_input(event)
             if run_input is None:
                 return None
-            kept = (event.step_id, event.held_seq) if event.held_seq else None
+            kept = (event.step_id, event.kept_seq) if event.kept_seq else None
             applied = await self.apply(event.run_id, run_input, kept=kept)
             if not (answer or event.notify):
                 return None
@@ -964,7 +964,7 @@ class Engine:
         for step, task_type in rules.awaiting_a_task(run):
             subject = task_subject(task_type, run.run_id, step.step_id)
             prefix = convert.task_msg_id(run.run_id, step.step_id, step.iteration, step.attempt)
-            if not await self.store.task_in_flight(subject, prefix, held_seq=step.held_seq):
+            if not await self.store.task_in_flight(subject, prefix, kept_seq=step.kept_seq):
                 found.append((run.run_id, step.step_id, step.iteration, step.attempt))
         return found
 
@@ -976,15 +976,15 @@ def _decision(event: ipb.HistoryEvent, run: m.Run | None) -> bytes | None:
     other, that the task may go (``done``). None for a kept message the
     report left carrying the reported dispatch: nothing is told, and the
     holder's lease decides."""
-    if not event.held_seq:
+    if not event.kept_seq:
         return ipb.EventDecision(done=True).SerializeToString()
     reported = m.Identity(iteration=event.iteration, attempt=event.attempt)
     step = run.step(event.step_id) if run is not None and run.has_step(event.step_id) else None
-    held = run is not None and rules.held_decision(step, run.status, event.held_seq, reported)
-    if held is None:
+    kept = run is not None and rules.kept_decision(step, run.status, event.kept_seq, reported)
+    if kept is None:
         return None
-    decision = ipb.EventDecision(done=not held)
-    if held and run is not None and step is not None:
+    decision = ipb.EventDecision(done=not kept)
+    if kept and run is not None and step is not None:
         task = rules.dispatch_task(run, step)
         decision.next.CopyFrom(convert.task_to_proto(task, _trace_headers()))
     return decision.SerializeToString()

@@ -187,7 +187,7 @@ class TaskSettler:
         told.cancel()
         await self._store.release(lease)
 
-    async def hold(self, lease: str, commit: jpb.Record, *, wait: float) -> pb.Task | None:
+    async def keep(self, lease: str, commit: jpb.Record, *, wait: float) -> pb.Task | None:
         """Send the stored continue ``commit``'s event, its task message kept
         for the next iteration (ADR 31), by its route, and wait for the
         engine's decision: the next dispatch the message now carries, or
@@ -203,7 +203,7 @@ class TaskSettler:
                 stored commit's event may be nowhere durable).
         """
         event = self._event(commit)
-        event.held_seq = lease_position(lease)[1]
+        event.kept_seq = lease_position(lease)[1]
         share = wait * DIRECT_SHARE
         told = await self._send(event, share)
         try:

@@ -212,7 +212,7 @@ def _on_report(run: Run, report: StepReport, now: float) -> Decision:
     step_def = run.workflow.step(step.step_id)
     match report.outcome:
         case Continued(output=output, wait=wait):
-            return _on_continue(run, step, step_def, output, wait, now, report.held_seq)
+            return _on_continue(run, step, step_def, output, wait, now, report.kept_seq)
         case Completed(output=output):
             return _complete_step(run, step, output, now)
         case Failed() as failed:
@@ -242,18 +242,18 @@ def carried_dispatch(
     current: Identity | None,
     task: Identity,
     *,
-    held: bool = False,
+    kept: bool = False,
 ) -> Identity | None:
     """The dispatch a task message published for ``task`` carries, if it may
     be leased: its run and its step are running and it carries the step's
     current dispatch (``current``; ``step`` None when the run has no such
-    step): the dispatch it was published for, or, ``held`` (the step's
-    ``held_seq`` is this message), the dispatch its holder kept it for
+    step): the dispatch it was published for, or, ``kept`` (the step's
+    ``kept_seq`` is this message), the dispatch its holder kept it for
     (the kept task). None for any other: a stale duplicate, or its run ended; it is
     settled without a worker."""
     if run is not RunStatus.RUNNING or step is not StepStatus.RUNNING or current is None:
         return None
-    return current if held or current == task else None
+    return current if kept or current == task else None
 
 
 def dispatch_task(run: Run, step: Step) -> DispatchTask:
@@ -272,7 +272,7 @@ def dispatch_task(run: Run, step: Step) -> DispatchTask:
     )
 
 
-def held_decision(
+def kept_decision(
     step: Step | None, run: RunStatus, task_seq: int, reported: Identity
 ) -> bool | None:
     """What became of task message ``task_seq``, kept by the holder of the
@@ -285,21 +285,21 @@ def held_decision(
         step.status if step is not None else None,
         Identity(iteration=step.iteration, attempt=step.attempt) if step is not None else None,
         reported,
-        held=step is not None and step.held_seq == task_seq,
+        kept=step is not None and step.kept_seq == task_seq,
     )
     if carried is None:
         return False
     return None if carried == reported else True
 
 
-def carried_on(step: Step, held_seq: int) -> bool:
-    """Whether ``step`` runs its dispatch on kept task message ``held_seq``."""
-    return step.status is StepStatus.RUNNING and step.held_seq == held_seq
+def carried_on(step: Step, kept_seq: int) -> bool:
+    """Whether ``step`` runs its dispatch on kept task message ``kept_seq``."""
+    return step.status is StepStatus.RUNNING and step.kept_seq == kept_seq
 
 
-def carries_kept_loop_on(run: Run, decision: Decision, step_id: str, held_seq: int) -> bool:
+def carries_kept_loop_on(run: Run, decision: Decision, step_id: str, kept_seq: int) -> bool:
     """Whether ``decision`` on ``run`` only carries step ``step_id``'s loop on
-    to its next iteration on kept message ``held_seq``, which ``run`` already
+    to its next iteration on kept message ``kept_seq``, which ``run`` already
     says is kept: it publishes nothing and leaves the run running. Such a
     decision may be made before it is written, as long as a reader of the run
     can take it from the journal (the deferred write)."""
@@ -307,8 +307,8 @@ def carries_kept_loop_on(run: Run, decision: Decision, step_id: str, held_seq: i
         return False
     return (
         decision.run.status is RunStatus.RUNNING
-        and carried_on(run.step(step_id), held_seq)
-        and carried_on(decision.run.step(step_id), held_seq)
+        and carried_on(run.step(step_id), kept_seq)
+        and carried_on(decision.run.step(step_id), kept_seq)
     )
 
 
@@ -317,11 +317,11 @@ def catch_up(
 ) -> Run:
     """``run`` with ``reports`` applied in order: a step's continue commits
     that an engine decided without writing the run (deferred writes), each kept its
-    message (``held_seq``). It stops at the first that would do anything else
+    message (``kept_seq``). It stops at the first that would do anything else
     than carry the loop on with that message: that one's event decides it."""
     for report in reports:
         decision = apply(run, report, now, options)
-        if not carries_kept_loop_on(run, decision, report.step_id, report.held_seq):
+        if not carries_kept_loop_on(run, decision, report.step_id, report.kept_seq):
             break  # a wait, an end, a retry: not a decision made unwritten
         assert isinstance(decision, Accepted)
         run = decision.run
@@ -539,7 +539,7 @@ def _on_continue(
     output: bytes,
     wait: Wait | None,
     now: float,
-    held_seq: int,
+    kept_seq: int,
 ) -> Decision:
     if step_def.type is not StepType.AGENT_LOOP:
         return Dropped(reason=f"continue on {step_def.type.value} step {step.step_id}")
@@ -559,8 +559,8 @@ def _on_continue(
     if bounds.loop_delay > 0:
         return _wait(run, step, iterations, 1, now + bounds.loop_delay, ())
     # The next iteration at once: its reporter kept its task message for it
-    # (held_seq), so that message carries it and no task is published.
-    return _dispatch(run, step, iterations, 1, now, (), held_seq=held_seq)
+    # (kept_seq), so that message carries it and no task is published.
+    return _dispatch(run, step, iterations, 1, now, (), kept_seq=kept_seq)
 
 
 def _wait_for(
@@ -709,10 +709,10 @@ def _dispatch(
     now: float,
     effects: tuple[Effect, ...],
     *,
-    held_seq: int = 0,
+    kept_seq: int = 0,
 ) -> Accepted:
     """Run ``step``'s dispatch ``(iteration, attempt)``: a task for a worker,
-    or a child run. ``held_seq``: the task message a holder kept, which
+    or a child run. ``kept_seq``: the task message a holder kept, which
     carries the dispatch instead of a new task."""
     step_def = run.workflow.step(step.step_id)
     if (iteration, attempt) != (step.iteration, step.attempt):
@@ -725,7 +725,7 @@ def _dispatch(
         dispatched_at=now,
         wake_at=None,
         waiting_for_input=False,
-        held_seq=held_seq if step_def.task else 0,
+        kept_seq=kept_seq if step_def.task else 0,
     )
     new: list[Effect] = []
     if step_def.type is StepType.SUB_WORKFLOW:
@@ -741,7 +741,7 @@ def _dispatch(
                 parent_step_id=step.step_id,
             )
         )
-    elif not step.held_seq:
+    elif not step.kept_seq:
         new.append(dispatch_task(run, step))
     if step_def.timeout is not None:
         new.append(_timer(run, step, TimerKind.STEP_TIMEOUT, now + step_def.timeout))

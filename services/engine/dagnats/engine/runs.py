@@ -98,7 +98,7 @@ class Runs:
         if self.journal is None or record.outbox or run.status is not m.RunStatus.RUNNING:
             return run
         for step in run.steps:
-            if step.status is m.StepStatus.RUNNING and step.held_seq:
+            if step.status is m.StepStatus.RUNNING and step.kept_seq:
                 run = await self._catch_up(run, step, through_last=through_last)
         return run
 
@@ -149,7 +149,7 @@ class Runs:
             if commit is None or commit.iteration != want or not commit.HasField("commit"):
                 return run  # not a chain of kept iterations: left to the events
             event = commit_event(commit, now)
-            event.held_seq = step.held_seq
+            event.kept_seq = step.kept_seq
             report = convert.event_to_input(event)
             assert isinstance(report, m.StepReport)
             reports.append(report)

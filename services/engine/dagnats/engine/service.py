@@ -548,7 +548,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # up with the journal: kept iterations may not be written yet (deferred writes).
         stored = await self.engine.read_run(task.run_id)
         record = stored.record.step_records.get(task.step_id) if stored else None
-        if stored is not None and record is not None and record.held_seq == seq:
+        if stored is not None and record is not None and record.kept_seq == seq:
             step = next(s for s in stored.record.run.steps if s.step_id == task.step_id)
             return m.Identity(iteration=step.iteration, attempt=step.attempt)
         return m.Identity(iteration=task.iteration, attempt=task.attempt)
@@ -634,7 +634,7 @@ def _current_task(stored: StoredRun | None, task: pb.Task, seq: int) -> pb.Task 
         step_status_from_proto(step.status) if step is not None else None,
         m.Identity(iteration=step.iteration, attempt=step.attempt) if step else None,
         published_for,
-        held=record is not None and record.held_seq == seq,
+        kept=record is not None and record.kept_seq == seq,
     )
     if carried is None or carried == published_for:
         return task if carried is not None else None
@@ -652,7 +652,7 @@ def _first_dispatch(stored: StoredRun, task: pb.Task, delivery: int) -> bool:
     dispatch's message is published again only under its Msg-Id, inside the
     window that drops a duplicate (``rules.republishable``)."""
     record = stored.record.step_records.get(task.step_id)
-    again = record is not None and (record.redispatches > 0 or record.held_seq > 0)
+    again = record is not None and (record.redispatches > 0 or record.kept_seq > 0)
     return (task.iteration, task.attempt, delivery) == (0, 1, 1) and not again
 
 

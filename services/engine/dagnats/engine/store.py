@@ -683,16 +683,16 @@ class EngineStore:
                 raise
             raise Unavailable(f"could not publish to {entry.subject}: {err!r}") from err
 
-    async def task_in_flight(self, subject: str, msg_id: str, *, held_seq: int = 0) -> bool:
+    async def task_in_flight(self, subject: str, msg_id: str, *, kept_seq: int = 0) -> bool:
         """Whether the task queue still holds the dispatch ``msg_id`` (or a
-        re-dispatch of it), i.e. no worker has acknowledged it; or, ``held_seq``,
+        re-dispatch of it), i.e. no worker has acknowledged it; or, ``kept_seq``,
         the message a holder kept for the dispatch (the kept task)."""
-        where: dict[str, Any] = {"seq": held_seq} if held_seq else {"subject": subject}
+        where: dict[str, Any] = {"seq": kept_seq} if kept_seq else {"subject": subject}
         try:
             msg = await self._msg(jsx.TASKS, "read a task", **where)
         except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
             return False
-        if held_seq:
+        if kept_seq:
             return msg.subject == subject
         headers = msg.headers or {}
         stored_id = str(headers.get("Nats-Msg-Id", ""))

@@ -35,7 +35,7 @@ class Tasks(Protocol):
         ``wait`` seconds: the commit wait), then release the task."""
         ...
 
-    async def hold(self, lease: str, commit: pb.Record, *, wait: float) -> epb.Task | None:
+    async def keep(self, lease: str, commit: pb.Record, *, wait: float) -> epb.Task | None:
         """Send the stored continue ``commit``'s event keeping the task
         message for the next iteration to the engine by its route (on the
         history when no engine answers within its share); the next dispatch

@@ -570,11 +570,11 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 token, record = await self._writer.append(token, record)
         self._writer.forget(token)
         answer = pb.CommitResponse(commit_seq=record.seq, record=record)
-        if lease and request.hold and _holdable(commit):
+        if lease and request.keep_task and _keepable(commit):
             # The task message carries on to the next iteration if the engine
             # dispatches it at once: answer once it decided (ADR 31), with the
             # dispatch's claim handed over (ADR 34).
-            nxt = await self._settle_held(lease, record)
+            nxt = await self._settle_kept(lease, record)
             if nxt is not None:
                 nxt.token.CopyFrom(await self._hand_over(token, record, nxt))
                 answer.next.CopyFrom(nxt)
@@ -586,15 +586,15 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             answer.settled = True
         return answer
 
-    async def _settle_held(self, lease: str, record: pb.Record) -> pb.NextDispatch | None:
+    async def _settle_kept(self, lease: str, record: pb.Record) -> pb.NextDispatch | None:
         """Settle the task of a stored continue keeping its message for the
         next iteration; the dispatch the message carries on to, or None."""
         try:
             await seam("after_commit_stored")
-            task = await self._tasks.hold(lease, record, wait=EVENT_WAIT)
-            await seam("after_held_decision")
+            task = await self._tasks.keep(lease, record, wait=EVENT_WAIT)
+            await seam("after_kept_decision")
         except Exception as err:
-            # A held dispatch written meanwhile leases the message when it is back.
+            # A kept dispatch written meanwhile leases the message when it is back.
             await self._unsettled(lease, record, err)
             return None
         if task is None:
@@ -807,7 +807,7 @@ def _entries(tail: pb.Record | None) -> tuple[jm.AnyEntry, ...]:
 SESSION_CALLS = session.behaviours(JournalServicer)
 
 
-def _holdable(commit: pb.Commit) -> bool:
+def _keepable(commit: pb.Commit) -> bool:
     """Whether a commit may keep its task for the next iteration: a continue
     that does not wait (a wait frees the worker)."""
     return (

@@ -246,7 +246,7 @@ class HistoryEvent(_message.Message):
     TIME_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     JOURNAL_SEQ_FIELD_NUMBER: _builtins.int
-    HELD_SEQ_FIELD_NUMBER: _builtins.int
+    KEPT_SEQ_FIELD_NUMBER: _builtins.int
     NOTIFY_FIELD_NUMBER: _builtins.int
     CONTINUE_FIELD_NUMBER: _builtins.int
     COMPLETE_FIELD_NUMBER: _builtins.int
@@ -267,7 +267,7 @@ class HistoryEvent(_message.Message):
     """Attempt of the dispatch that reported; 0 for an event without identity."""
     journal_seq: _builtins.int
     """Sequence of the journal commit behind a step event; 0 without a journal."""
-    held_seq: _builtins.int
+    kept_seq: _builtins.int
     """A continue whose reporter holds its task message for the next iteration
     (the kept task): that message's sequence in the TASKS stream; 0 when the task
     was released. The engine makes the next iteration's dispatch this message
@@ -327,7 +327,7 @@ class HistoryEvent(_message.Message):
         time: _timestamp_pb2.Timestamp | None = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         journal_seq: _builtins.int = ...,
-        held_seq: _builtins.int = ...,
+        kept_seq: _builtins.int = ...,
         notify: _builtins.str = ...,
         complete: _engine_pb2.Complete | None = ...,
         fail: _engine_pb2.Fail | None = ...,
@@ -340,7 +340,7 @@ class HistoryEvent(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "inputs", b"inputs", "kind", b"kind", "pause", b"pause", "start", b"start", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "held_seq", b"held_seq", "input", b"input", "inputs", b"inputs", "iteration", b"iteration", "journal_seq", b"journal_seq", "kind", b"kind", "notify", b"notify", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "inputs", b"inputs", "iteration", b"iteration", "journal_seq", b"journal_seq", "kept_seq", b"kept_seq", "kind", b"kind", "notify", b"notify", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause", "start", "cancel", "child", "input", "inputs"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
@@ -482,12 +482,12 @@ class StepRecord(_message.Message):
 
     FAILURES_FIELD_NUMBER: _builtins.int
     REDISPATCHES_FIELD_NUMBER: _builtins.int
-    HELD_SEQ_FIELD_NUMBER: _builtins.int
+    KEPT_SEQ_FIELD_NUMBER: _builtins.int
     failures: _builtins.int
     """Failed attempts of the current iteration."""
     redispatches: _builtins.int
     """Re-dispatches of the current attempt after its task vanished."""
-    held_seq: _builtins.int
+    kept_seq: _builtins.int
     """The TASKS message that carries the current dispatch when its holder kept
     it from the iteration before (the kept task); 0: the dispatch's own message.
     """
@@ -496,11 +496,11 @@ class StepRecord(_message.Message):
         *,
         failures: _builtins.int = ...,
         redispatches: _builtins.int = ...,
-        held_seq: _builtins.int = ...,
+        kept_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failures", b"failures", "held_seq", b"held_seq", "redispatches", b"redispatches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failures", b"failures", "kept_seq", b"kept_seq", "redispatches", b"redispatches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

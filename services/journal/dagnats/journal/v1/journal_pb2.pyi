@@ -1255,7 +1255,7 @@ class CommitRequest(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     TOOL_RESULT_FIELD_NUMBER: _builtins.int
-    HOLD_FIELD_NUMBER: _builtins.int
+    KEEP_TASK_FIELD_NUMBER: _builtins.int
     lease: _builtins.str
     """The task's lease (LeasedTask.lease). Set: once the commit is stored, the
     journal service answers and then settles the task as Report would with
@@ -1263,13 +1263,13 @@ class CommitRequest(_message.Message):
     the lease), and no Report follows. If that settle fails, the task comes
     back and its next claim republishes the event. Empty: the caller reports.
     """
-    hold: _builtins.bool
+    keep_task: _builtins.bool
     """With lease, a continue without a wait: keep the task message for the next
     iteration: the kept task. The journal service publishes the commit's event and
     waits for the engine's decision before it answers: when the engine
     dispatches the next iteration at once, the answer carries it in next, and
     the task message and its lease carry on to it; otherwise the service
-    acknowledges the task as without hold.
+    acknowledges the task as without keep_task.
     """
     @_builtins.property
     def token(self) -> Global___WriterToken:
@@ -1295,11 +1295,11 @@ class CommitRequest(_message.Message):
         lease: _builtins.str = ...,
         model: Global___ModelCall | None = ...,
         tool_result: Global___ToolResult | None = ...,
-        hold: _builtins.bool = ...,
+        keep_task: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "leading", b"leading", "model", b"model", "token", b"token", "tool_result", b"tool_result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "hold", b"hold", "leading", b"leading", "lease", b"lease", "model", b"model", "token", b"token", "tool_result", b"tool_result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "keep_task", b"keep_task", "leading", b"leading", "lease", b"lease", "model", b"model", "token", b"token", "tool_result", b"tool_result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_leading: _TypeAlias = _typing.Literal["model", "tool_result"]  # noqa: Y015
     _WhichOneofArgType_leading: _TypeAlias = _typing.Literal["leading", b"leading"]  # noqa: Y015
@@ -1309,7 +1309,7 @@ Global___CommitRequest: _TypeAlias = CommitRequest  # noqa: Y015
 
 @_typing.final
 class NextDispatch(_message.Message):
-    """NextDispatch is the dispatch a held task message carries on to."""
+    """NextDispatch is the dispatch a kept task message carries on to."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1396,7 +1396,7 @@ class CommitResponse(_message.Message):
 
     @_builtins.property
     def next(self) -> Global___NextDispatch:
-        """CommitRequest.hold, granted: the task message and its lease now carry
+        """CommitRequest.keep_task, granted: the task message and its lease now carry
         this dispatch. Claim it with the same lease and delivery count.
         """
 

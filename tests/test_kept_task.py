@@ -123,7 +123,7 @@ async def run_loop(
     during: Callable[[str], Awaitable[None]] | None = None,
     **worker: Any,
 ) -> pb.Run:
-    task, name = unique("held"), unique("heldwf")
+    task, name = unique("kept"), unique("keptwf")
     await client.register_workflow(loop_workflow(name, task))
     async with Worker(engine.target, handlers={task: loop}, poll_wait=1.0, **worker):
         run = await client.start_run(name)
@@ -152,24 +152,24 @@ async def test_a_loop_runs_on_the_one_task_its_first_dispatch_published(
     assert loop.signals == []
 
 
-async def test_without_sticky_iterations_each_iteration_is_a_task_of_its_own(
+async def test_without_kept_iterations_each_iteration_is_a_task_of_its_own(
     client: Client, engine: EngineServer, js: JetStreamContext
 ) -> None:
     before = await tasks_published(js)
     loop = Loop()
-    run = await run_loop(client, engine, loop, sticky_iterations=0)
+    run = await run_loop(client, engine, loop, kept_iterations=0)
     await completed(engine, run)
     assert await tasks_published(js) - before == K
     assert loop.ran == [(i, 1, 1) for i in range(K)]
 
 
-async def test_a_kept_task_goes_back_to_the_queue_after_sticky_iterations(
+async def test_a_kept_task_goes_back_to_the_queue_after_kept_iterations(
     client: Client, engine: EngineServer, js: JetStreamContext
 ) -> None:
     # Kept twice in a row, then given back: three iterations a task, so that
     # other runs' tasks get a turn between.
     before = await tasks_published(js)
-    run = await run_loop(client, engine, Loop(), sticky_iterations=2)
+    run = await run_loop(client, engine, Loop(), kept_iterations=2)
     await completed(engine, run)
     assert await tasks_published(js) - before == K // 3
 
@@ -193,14 +193,14 @@ async def test_the_reconciler_leaves_a_kept_task_in_flight(
     redispatched = engine.engine.counters["redispatched"]
     before = await tasks_published(js)
 
-    async def reconcile_while_held(run_id: str) -> None:
+    async def reconcile_while_kept(run_id: str) -> None:
         await wait_for(loop.reached.is_set, timeout=20, message="iteration 3 running")
         # Two passes: a step is redispatched when two in a row find its task gone.
         await engine.engine.reconcile()
         await engine.engine.reconcile()
         loop.go.set()
 
-    run = await run_loop(client, engine, loop, during=reconcile_while_held)
+    run = await run_loop(client, engine, loop, during=reconcile_while_kept)
     await completed(engine, run)
     assert engine.engine.counters["redispatched"] == redispatched
     assert await tasks_published(js) - before == 1
@@ -211,12 +211,12 @@ async def test_cancelling_a_run_releases_its_kept_task(
 ) -> None:
     loop = Loop(pause_at=2)
 
-    async def cancel_while_held(run_id: str) -> None:
+    async def cancel_while_kept(run_id: str) -> None:
         await wait_for(loop.reached.is_set, timeout=20, message="iteration 2 running")
         await client.cancel_run(run_id)
         loop.go.set()
 
-    run = await run_loop(client, engine, loop, during=cancel_while_held)
+    run = await run_loop(client, engine, loop, during=cancel_while_kept)
     assert run.status == pb.RUN_STATUS_CANCELLED
     await released(js)
 
@@ -238,7 +238,7 @@ async def test_a_kept_task_whose_holder_goes_silent_is_delivered_again_for_its_i
     # no heartbeat: the message comes back when its lease runs out, leased as
     # iteration 2 (not the iteration 0 it was published for), and the next
     # worker's claim fences the silent one.
-    task, name = unique("held"), unique("heldwf")
+    task, name = unique("kept"), unique("keptwf")
     await client.register_workflow(loop_workflow(name, task))
     silent, successor = Loop(pause_at=2), Loop()
     before = await tasks_published(js)
@@ -267,7 +267,7 @@ async def test_a_stopping_worker_releases_its_kept_task_with_its_next_commit(
     # Kept, the task would wait out its lease before the other worker got it;
     # released, the next iteration goes through the queue at once, as a new
     # task delivered for the first time.
-    task, name = unique("held"), unique("heldwf")
+    task, name = unique("kept"), unique("keptwf")
     await client.register_workflow(loop_workflow(name, task))
     stopping, successor = Loop(pause_at=2), Loop()
     before = await tasks_published(js)
@@ -314,16 +314,16 @@ async def test_a_journal_commit_stores_no_event_on_the_history(
     monkeypatch.setattr(journal_service, "EVENT_WAIT", 30.0)
     late = engine.engine.counters["local_late"]
     async with commit_events_off(engine):
-        durable = await run_loop(client, engine, Loop(), sticky_iterations=0)
+        durable = await run_loop(client, engine, Loop(), kept_iterations=0)
     through_history = await history_events(js, durable.run_id)
-    for sticky in (64, 0):
+    for kept_iterations in (64, 0):
         loop = Loop()
-        run = await run_loop(client, engine, loop, sticky_iterations=sticky)
+        run = await run_loop(client, engine, loop, kept_iterations=kept_iterations)
         await completed(engine, run)
         assert run_output(run) == {"iterations": K}
         assert loop.ran == [(i, 1, 1) for i in range(K)]
         stored = await history_events(js, run.run_id)
-        assert stored == through_history - K, (sticky, stored, through_history)
+        assert stored == through_history - K, (kept_iterations, stored, through_history)
     assert engine.engine.counters["local_late"] == late
 
 
@@ -362,7 +362,7 @@ async def test_a_commit_event_its_own_engine_leaves_unanswered_is_stored_on_the_
     # stopping, or its run write outlasted the wait): the event goes to the
     # history, whose engine applies it and answers.
     async with commit_events_off(engine):
-        queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
+        queued = await run_loop(client, engine, Loop(), kept_iterations=0)
     taken: list[str] = []
 
     async def unanswered(event: ipb.HistoryEvent, *, wait: float) -> bytes | None:
@@ -409,7 +409,7 @@ async def test_with_no_engine_taking_held_events_they_are_stored_on_the_history(
     # As with an engine that takes no direct events: nats-server answers that nobody
     # subscribes, and the journal service publishes the event at once.
     async with commit_events_off(engine):
-        queued = await run_loop(client, engine, Loop(), sticky_iterations=0)
+        queued = await run_loop(client, engine, Loop(), kept_iterations=0)
         before = await tasks_published(js)
         loop = Loop()
         run = await run_loop(client, engine, loop)
@@ -434,7 +434,7 @@ async def test_a_held_event_taken_by_an_engine_that_never_answers_is_stored_on_t
 
     try:
         async with commit_events_off(engine):
-            queued = await run_loop(client, engine, Loop(k=k), sticky_iterations=0)
+            queued = await run_loop(client, engine, Loop(k=k), kept_iterations=0)
             await nc.subscribe(COMMIT_EVENTS, queue=DIRECT_QUEUE, cb=swallow)
             await nc.flush()
             before = await tasks_published(js)
@@ -463,12 +463,12 @@ async def test_a_held_event_delivered_again_changes_nothing_and_tells_the_same(
 
     async def again(run_id: str) -> None:
         await wait_for(loop.reached.is_set, timeout=20, message="iteration 2 running")
-        held_seq = (await store.require_run(run_id)).record.step_records["agent"].held_seq
-        assert held_seq > 0
+        kept_seq = (await store.require_run(run_id)).record.step_records["agent"].kept_seq
+        assert kept_seq > 0
         commit = await commit_of(engine, run_id, iteration=1)
         settler = TaskSettler(store, engine.engine.clock)
         event = settler._event(commit)
-        event.held_seq = held_seq
+        event.kept_seq = kept_seq
         for direct in (True, True, False):
             event.notify, notice = await store.expect_notice()
             if direct:
