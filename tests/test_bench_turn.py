@@ -1,4 +1,4 @@
-"""The pure parts of ``tests/bench_turn.py``: its knobs, its summaries in the
+"""The pure parts of ``bench/bench_turn.py``: its knobs, its summaries in the
 peers' format, the strace table it reads and the side-by-side table it
 prints. No server and no timing: the bench itself is run by ``make bench``."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import bench_turn as bt
+from bench import bench_turn as bt
 
 STRACE_OUTPUT = """\
 % time     seconds  usecs/call     calls    errors syscall

@@ -9,7 +9,7 @@
 # need. Every record goes to BENCH_OUT (a new folder under /tmp by default),
 # and the tables side by side to its summary.md.
 set -euo pipefail
-[ -d "${1:-}" ] || { echo "usage: bench_beside_peers.sh <the peer benchmarks' folder>; got '${1:-}'" >&2; exit 2; }
+[ -d "${1:-}" ] || { echo "usage: beside_peers.sh <the peer benchmarks' folder>; got '${1:-}'" >&2; exit 2; }
 PEERS=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PASSES=${PASSES:-3}
@@ -47,7 +47,7 @@ one() {  # one system's run in pass $pass
     nats-always) BENCH_PASS=$pass "$py" "$PEERS/bench_nats.py" always --strace ;;
     dbos-sqlite) BENCH_PASS=$pass "$py" "$PEERS/bench_dbos.py" sqlite --strace ;;
     dagnats-*) (cd "$HERE" && BENCH_PASS=$pass BENCH_DEPLOY=${system#dagnats-} \
-      .venv/bin/python -m tests.bench_turn) ;;
+      .venv/bin/python -m bench.bench_turn) ;;
   esac >"$log" 2>&1 || say "  $system failed: see $log"
 }
 

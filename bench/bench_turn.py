@@ -1,7 +1,7 @@
 """The agent-turn workload through the product as a user deploys it, beside
 the raw JetStream floor measured in the same run.
 
-Run with ``make bench`` or ``python -m tests.bench_turn``.
+Run with ``make bench`` or ``python -m bench.bench_turn``.
 
 The workload is the peers' (``BENCH_K`` = 50 iterations a run; each one
 journaled model call and one journaled unsafe tool call, both returning at
@@ -10,7 +10,7 @@ once: two journaled steps an iteration). Four processes, as deployed:
 - ``dagnats dev --no-demo`` (the engine, the journal and inputs services and
   the gateway in one process; free ports; a temporary data directory), which
   starts nats-server with ``sync_interval: always`` as its child;
-- a worker process (``python -m tests.bench_turn worker``) running the
+- a worker process (``python -m bench.bench_turn worker``) running the
   journaled handler, told nothing but the engine's address: on the services'
   host, its journal calls and its polls go to the session socket its polls
   name (ADR 45, 46, 49); with ``BENCH_DEPLOY=grpc`` on gRPC, as a worker on another host sends
@@ -351,7 +351,7 @@ def turn_handler() -> Callable[[Any], Awaitable[None]]:
     return turn
 
 
-# The handlers of ``dagnats dev --handlers tests.bench_turn:HANDLERS``.
+# The handlers of ``dagnats dev --handlers bench.bench_turn:HANDLERS``.
 HANDLERS = {TASK: turn_handler()}
 
 
@@ -707,8 +707,8 @@ async def fsyncs(
 async def messages(stack: Stack, run: Callable[[int], Awaitable[Any]], k: int) -> dict[str, Any]:
     """Messages of one iteration, from two untimed runs of ``k``: nats-server's
     counters and each stream's appends, then clients' messages by kind."""
+    from bench.journal_overhead import traffic
     from dagnats.core import jetstream as jsx
-    from tests.bench import traffic
 
     varz = f"{stack.monitor}/varz"
     jsz = f"{stack.monitor}/jsz?streams=true"
@@ -729,7 +729,7 @@ async def messages(stack: Stack, run: Callable[[int], Awaitable[Any]], k: int) -
     }
 
 
-def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") -> Stack:
+def start_stack(data: Path, p: Params, worker_module: str = "bench.bench_turn") -> Stack:
     """``dagnats dev --no-demo`` with its data in ``data``, and the worker
     process ``python -m worker_module worker`` on its engine."""
     from tests.stack import start_dev
@@ -738,7 +738,7 @@ def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") 
     logs.mkdir(parents=True)
     flags = ["--no-demo"]
     if p.deploy == "services":  # the handler in the services' process (ADR 44)
-        flags += ["--handlers", "tests.bench_turn:HANDLERS", "--handler-concurrency", str(p.c)]
+        flags += ["--handlers", "bench.bench_turn:HANDLERS", "--handler-concurrency", str(p.c)]
     dev = start_dev(data / "dev", *flags, stderr=logs / "dev.err")
     info = json.loads((data / "dev" / "dev.json").read_text())
     conf = (data / "dev" / "nats" / "nats-server.conf").read_text()
@@ -998,7 +998,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args:
         raise SystemExit(
-            f"usage: python -m tests.bench_turn (knobs: BENCH_* variables); got {args}"
+            f"usage: python -m bench.bench_turn (knobs: BENCH_* variables); got {args}"
         )
     p = Params.from_env(os.environ)
     out_dir = Path(os.environ.get("BENCH_OUT", "/tmp/peers-results"))
