@@ -92,6 +92,7 @@ bench: setup ## journal overhead and the agent-turn workload against raw JetStre
 	$(PY) -m bench.bench_turn
 	BENCH_DEPLOY=grpc $(PY) -m bench.bench_turn
 	BENCH_DEPLOY=services $(PY) -m bench.bench_turn
+	BENCH_DEPLOY=split $(PY) -m bench.bench_turn
 
 # BENCH_WAITERS (10,000), BENCH_WAKES, BENCH_LONG_K, BENCH_CLUSTER=0... scale it down.
 bench-scale: setup ## 10,000 waiting runs, wake latency, iteration 1,000, two engines, R3 cluster
@@ -102,7 +103,7 @@ bench-pair: setup ## this checkout beside BASE=<another checkout>, runs alternat
 	$(PY) -m bench.bench_pair $(BASE)
 
 # PASSES (3), SETTLE_LOAD (0.6), BENCH_OUT; the peers' BENCH_* knobs shorten it.
-bench-peers: setup ## the peers and dagnats' three deployments, passes interleaved: PEERS=<the peer benchmarks>
+bench-peers: setup ## the peers and dagnats' four deployments, passes interleaved: PEERS=<the peer benchmarks>
 	@test -n "$(PEERS)" || { echo 'usage: make bench-peers PEERS=<a checkout of the peer benchmarks>'; exit 2; }
 	bash bench/beside_peers.sh $(PEERS)
 

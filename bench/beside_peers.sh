@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # `make bench-peers PEERS=<dir>`: the agent-turn workload on the peers (Restate,
-# raw JetStream, DBOS on SQLite) and on dagnats' three deployments, in
+# raw JetStream, DBOS on SQLite) and on dagnats' four deployments (the
+# services in one process, three ways to run the handler; the services apart
+# as docker-compose runs them, BENCH_DEPLOY=split), in
 # PASSES interleaved passes (3), the order turned each pass so that no
 # system always runs first after another's, each run started once the
 # machine's 1-minute load is under SETTLE_LOAD (0.6; at most SETTLE_MAX
@@ -58,7 +60,7 @@ say "installing the peers (run_all.sh's setup); records in $BENCH_OUT"
 export BENCH_SEQ_RUNS=${BENCH_SEQ_RUNS:-20} BENCH_WARMUP=${BENCH_WARMUP:-3}
 export BENCH_START_RUNS=${BENCH_START_RUNS:-50} BENCH_THR_ROUNDS=${BENCH_THR_ROUNDS:-5}
 export BENCH_K=${BENCH_K:-50} BENCH_C=${BENCH_C:-20} BENCH_RUNS=${BENCH_SEQ_RUNS}
-systems=(restate dagnats-worker nats-always dagnats-grpc dbos-sqlite dagnats-services)
+systems=(restate dagnats-worker nats-always dagnats-grpc dbos-sqlite dagnats-services dagnats-split)
 for pass in $(seq 1 "$PASSES"); do
   k=$(((pass - 1) % ${#systems[@]}))
   order=("${systems[@]:k}" "${systems[@]:0:k}")  # turned one place a pass

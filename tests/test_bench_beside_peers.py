@@ -55,3 +55,14 @@ def test_a_bad_knob_is_named_and_nothing_is_written(
     assert done.returncode == 2
     assert said in done.stderr
     assert not out.exists()
+
+
+def test_every_deployment_of_the_turn_bench_is_a_row() -> None:
+    from bench.bench_turn import DEPLOYMENTS
+
+    line = next(x for x in SCRIPT.read_text().splitlines() if x.startswith("systems=("))
+    systems = line.removeprefix("systems=(").removesuffix(")").split()
+    assert {s.removeprefix("dagnats-") for s in systems if s.startswith("dagnats-")} == set(
+        DEPLOYMENTS
+    )
+    assert {"restate", "nats-always", "dbos-sqlite"} <= set(systems)

@@ -111,3 +111,50 @@ def test_profiles_count_own_and_stack_samples_and_leave_waits_out() -> None:
     assert own == [("publish (nats/aio/client.py)", 30), ("append (journal/writer.py)", 10)]
     assert anywhere[0] == ("<module> (cli/main.py)", 50)
     assert dict(bt.by_package(stacks)) == {"nats": 30, "dagnats.journal": 10, "json": 10}
+
+
+def test_the_split_deployment_is_a_knob_and_a_variant_of_its_own() -> None:
+    p = bt.Params.from_env({"BENCH_DEPLOY": "split"})
+    assert (p.deploy, p.variant) == ("split", "split-services")
+    assert len(set(bt.VARIANTS.values())) == len(bt.DEPLOYMENTS)
+    with pytest.raises(SystemExit, match="worker, grpc, services, split"):
+        bt.Params.from_env({"BENCH_DEPLOY": "compose"})
+
+
+def test_the_routes_are_read_from_the_services_metrics_page() -> None:
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from dagnats.engine.metrics import ServicesCollector
+
+    engine = SimpleNamespace(counters={"kept_unwritten": 12, "direct_applied": 20})
+    server = SimpleNamespace(engine=engine, session_socket=None)
+    registry = CollectorRegistry()
+    registry.register(ServicesCollector(cast(Any, server)))
+    page = generate_latest(registry).decode()
+    assert bt.parse_metrics(page) == {"kept_unwritten": 12.0, "direct_applied": 20.0}
+    before = bt.parse_metrics(page)
+    engine.counters["kept_unwritten"] = 22
+    after = bt.parse_metrics(generate_latest(registry).decode())
+    assert bt.per_iteration(before, after, 20) == {"kept_unwritten": 0.5}
+
+
+def test_each_phase_reports_its_routes_per_iteration() -> None:
+    p = bt.Params(k=10, c=4, runs=5, warmup=1, thr_rounds=2, start_runs=7)
+    assert bt.phase_iterations(p, "seq") == 60  # warm-up included
+    assert bt.phase_iterations(p, "thr") == 120  # the warm-up round included
+    assert bt.phase_iterations(p, "start") == 10
+    rec = {
+        "routes_per_iteration": {"seq": {"kept_unwritten": 0.9}, "start": {}},
+        "strace": {
+            "routes_per_iteration": {"guess_missed": 0.5},
+            "concurrent": {"routes_per_iteration": {"direct_applied": 1.0}},
+        },
+    }
+    text = bt.format_routes(rec)
+    assert "seq                 kept_unwritten 0.9" in text
+    assert "start               none counted" in text
+    assert "fsyncs, sequential  guess_missed 0.5" in text
+    assert "fsyncs, C at once   direct_applied 1" in text
