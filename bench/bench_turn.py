@@ -314,6 +314,13 @@ def stream_seqs(jsz: Mapping[str, Any]) -> dict[str, int]:
     return stream_field(jsz, "last_seq")
 
 
+def stream_states(jsz: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """The last sequence and the messages held of every stream: a message
+    stored moves the one, one removed (a work queue's ack, a purge) the other."""
+    held = stream_field(jsz, "messages")
+    return {name: (seq, held[name]) for name, seq in stream_seqs(jsz).items()}
+
+
 def per_iteration(
     before: Mapping[str, float], after: Mapping[str, float], n: int
 ) -> dict[str, float]:
@@ -729,19 +736,21 @@ async def phases(
         progress(f"{name} start {p.start_runs} runs")
 
 
-async def stored_nothing_for(monitor: str, still: float, most: float) -> None:
+async def stored_nothing_for(monitor: str, still: float, most: float) -> float:
     """Wait until no stream of the server has stored a message for ``still``
     seconds (an engine's writes left over from the runs before: kept
-    iterations, outboxes, clean-up), at most ``most`` seconds."""
+    iterations, outboxes, clean-up), at most ``most`` seconds; the seconds
+    waited."""
     loop = asyncio.get_running_loop()
     end = loop.time() + most
     url = f"{monitor}/jsz?streams=true"
-    last, since = stream_seqs(get_json(url)), loop.time()
+    last, since = stream_states(get_json(url)), loop.time()
     while loop.time() < end and loop.time() - since < still:
         await asyncio.sleep(0.1)
-        seqs = stream_seqs(get_json(url))
+        seqs = stream_states(get_json(url))
         if seqs != last:
             last, since = seqs, loop.time()
+    return round(loop.time() - end + most, 1)
 
 
 async def fsyncs(
@@ -761,9 +770,14 @@ async def fsyncs(
     # Still for longer than the reconciler's period (10 s by default), so the
     # outbox clears it defers for the runs before are not counted as these
     # runs' (nor as idle).
-    await stored_nothing_for(monitor, still=RECONCILE_STILL, most=45.0)
+    waited = await stored_nothing_for(monitor, still=RECONCILE_STILL, most=45.0)
+    jsz = f"{monitor}/jsz?streams=true"
+    idle_before = get_json(jsz)
     async with Strace(pid, logs / f"strace-{label}-idle.txt") as idle:
         await asyncio.sleep(idle_s)  # the idle baseline's length
+    idle_after = get_json(jsz)
+    idle_stored = per_iteration(stream_seqs(idle_before), stream_seqs(idle_after), 1)
+    held = stream_field(idle_before, "messages"), stream_field(idle_after, "messages")
     before = counted()
     async with Strace(pid, logs / f"strace-{label}.txt") as seq:
         wall = 0.0
@@ -783,6 +797,11 @@ async def fsyncs(
         "idle_counts_3s": idle.counts,
         "sync_calls_per_step": sync_calls(seq.counts) / steps,
         "idle_sync_calls_per_s": sync_calls(idle.counts) / idle_s,
+        # Writes while idle, by stream; and how long the store took to go
+        # still before (45 s: it did not).
+        "idle_stored": idle_stored,
+        "idle_held_change": per_iteration(*held, 1),
+        "waited_for_still_s": waited,
         "routes_per_iteration": per_iteration(before, between, seq_runs * p.k),
         "concurrent": {
             "runs": p.c,
@@ -1257,7 +1276,10 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"\nfsync-family calls, {rec['system']}: {st['counts']} over {st['steps']} "
                 f"steps; C at once: {st['concurrent']['counts']}; "
-                f"idle {st['idle_sync_calls_per_s']:.1f}/s"
+                f"idle {st['idle_sync_calls_per_s']:.1f}/s (stored while idle: "
+                f"{st.get('idle_stored') or 'nothing'}, messages held changed: "
+                f"{st.get('idle_held_change') or 'none'}; "
+                f"still after {st.get('waited_for_still_s')}s)"
             )
     print("\n" + format_routes(ours))
     if got["profiles"]:

@@ -158,3 +158,13 @@ def test_each_phase_reports_its_routes_per_iteration() -> None:
     assert "start               none counted" in text
     assert "fsyncs, sequential  guess_missed 0.5" in text
     assert "fsyncs, C at once   direct_applied 1" in text
+
+
+def test_a_still_store_neither_stores_nor_removes() -> None:
+    def jsz(last_seq: int, messages: int) -> dict[str, object]:
+        state = {"last_seq": last_seq, "messages": messages}
+        return {"account_details": [{"stream_detail": [{"name": "TASKS", "state": state}]}]}
+
+    assert bt.stream_states(jsz(10, 3)) == {"TASKS": (10, 3)}
+    # A work queue's acknowledgement removes a message and stores none.
+    assert bt.stream_states(jsz(10, 2)) != bt.stream_states(jsz(10, 3))
