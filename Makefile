@@ -55,16 +55,22 @@ lint: setup proto-check ## ruff, mypy (--strict on the code, relaxed on tests), 
 	$(BIN)/buf format --diff --exit-code
 	$(MAKE) --no-print-directory breaking
 
-# The contracts are compared with main's: the local branch, or in a clone of
-# another branch (CI) the remote's, fetched when the clone does not have it.
-breaking: setup ## buf breaking: no change to the contracts that breaks main's clients
-	@if git rev-parse -q --verify refs/heads/main >/dev/null; then against='.git#branch=main'; \
-	elif git rev-parse -q --verify refs/remotes/origin/main >/dev/null \
-	  || git fetch -q --depth=50 origin main:refs/remotes/origin/main; then \
-	  against='.git#ref=origin/main'; \
-	else echo "no main branch to compare the contracts with" >&2; exit 1; fi; \
-	echo "buf breaking --against $$against"; \
-	$(BIN)/buf breaking --against "$$against"
+# buf breaking guards the contracts a release has shipped: it compares with the
+# newest release tag (v*), fetching the tags first in a clone that has none.
+# Before the first release no client holds a contract, so they change freely
+# and it compares nothing (docs/adr/0063-one-name-per-concept.md).
+RELEASE_TAGS := v*
+breaking: setup ## buf breaking: no change to the contracts that breaks a released client
+	@if [ -z "$$(git tag --list '$(RELEASE_TAGS)')" ] && git remote get-url origin >/dev/null 2>&1; then \
+	  git fetch -q --tags origin || { echo "cannot fetch the release tags from origin" >&2; exit 1; }; \
+	fi; \
+	release=$$(git tag --list '$(RELEASE_TAGS)' --sort=-version:refname | head -n 1); \
+	if [ -z "$$release" ]; then \
+	  echo "buf breaking: no release tag ($(RELEASE_TAGS)) yet, so no released contract to compare with"; \
+	  exit 0; \
+	fi; \
+	echo "buf breaking --against .git#ref=$$release"; \
+	$(BIN)/buf breaking --against ".git#ref=$$release"
 
 fmt: setup ## format the code and the contracts
 	$(BIN)/ruff format .

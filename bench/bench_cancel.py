@@ -9,7 +9,7 @@ the handler's task is cancelled (its ``CancelledError``), and from
 each, so both see the machine in the same state:
 
 - gRPC: its journal calls and its polls (the watch among them) on gRPC;
-- socket: on the services' session socket (ADRs 45, 49).
+- socket: on the services' local socket (ADRs 45, 49).
 
 The lease is a minute, so heartbeats are 20 s apart: what is measured is
 the watching poll (ADR 54), not a heartbeat. Everything runs in one process
@@ -79,7 +79,7 @@ async def bench(cancels: int) -> dict[str, list[tuple[float, float]]]:
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory(prefix="dagnats-bench-cancel-") as store, socket_dir() as d:
         server = await NatsServer.start(Path(store))
-        engine = await start_engine(server.url, config=CONFIG, session_socket=d / "j.sock")
+        engine = await start_engine(server.url, config=CONFIG, local_socket=d / "j.sock")
         try:
             async with Client(engine.target) as client:
                 workers = {k: await _worker(client, engine, k) for k in kinds}
@@ -103,13 +103,13 @@ async def _worker(client: Client, engine: EngineServer, kind: str) -> tuple[str,
     name, task = unique("bench-cancel"), unique("bench-cancel-task")
     await client.register_workflow(loop_workflow(name, task))
     agent = Agent()
-    assert engine.session_socket is not None
-    socket = str(engine.session_socket.path) if kind == "socket" else "off"
+    assert engine.local_socket is not None
+    socket = str(engine.local_socket.path) if kind == "socket" else "off"
     worker = Worker(
         engine.target,
         handlers={task: agent.handler},
         poll_wait=5.0,
-        journal_socket=socket,
+        local_socket=socket,
         concurrency=4,
     )
     await worker.__aenter__()

@@ -12,9 +12,9 @@ once: two journaled steps an iteration). Four processes, as deployed:
   starts nats-server with ``sync_interval: always`` as its child;
 - a worker process (``python -m bench.bench_turn worker``) running the
   journaled handler, told nothing but the engine's address: on the services'
-  host, its journal calls and its polls go to the session socket its polls
+  host, its journal calls and its polls go to the local socket its polls
   name (ADR 45, 46, 49); with ``BENCH_DEPLOY=grpc`` on gRPC, as a worker on another host sends
-  them (``DAGNATS_JOURNAL_SOCKET=off``); with
+  them (``DAGNATS_LOCAL_SOCKET=off``); with
   ``BENCH_DEPLOY=services`` the handler runs in the ``dagnats dev`` process
   instead (``--handlers``, ADR 44) and the worker process serves only the
   queued baseline; with ``BENCH_DEPLOY=split`` the services run apart as
@@ -24,7 +24,7 @@ once: two journaled steps an iteration). Four processes, as deployed:
   three on gRPC;
 - this process, the client: ``Client.run`` starts a run and waits for its
   result on the run's ``WatchRun`` push; on the services' host, so after its
-  first run on gRPC it watches on the session socket the first answer named
+  first run on gRPC it watches on the local socket the first answer named
   (ADR 52).
 
 Phases, each the floor's and then dagnats', so both see the machine alike:
@@ -337,7 +337,7 @@ _SAMPLE = re.compile(r'^(\w+?)(?:_total)?(?:\{event="([^"]*)"\})?\s+([-+\d.eE]+)
 def parse_metrics(text: str) -> dict[str, float]:
     """The counters of a ``/metrics`` page (Prometheus' text format): the
     engine's events by their name (``kept_unwritten``, ``guess_missed``...),
-    every other counter by its family (``dagnats_session_socket_polls``);
+    every other counter by its family (``dagnats_local_socket_polls``);
     the ``_created`` stamps left out."""
     found: dict[str, float] = {}
     for line in text.splitlines():
@@ -456,17 +456,17 @@ def spawn_worker(
     task: str,
     c: int,
     log: Path,
-    journal_socket: str | None = None,
+    local_socket: str | None = None,
     apart: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """``python -m module worker TARGET[,TARGET] TASK C [journal=ADDR inputs=ADDR]``,
-    its output into ``log``; with ``journal_socket``, its journal calls go
+    its output into ``log``; with ``local_socket``, its journal calls go
     there; with ``apart``, to the services' addresses it names."""
     args = [sys.executable, "-m", module, "worker", ",".join(targets), task, str(c)]
     args += [f"{name}={target}" for name, target in (apart or {}).items()]
-    env = {k: v for k, v in os.environ.items() if k != "DAGNATS_JOURNAL_SOCKET"}
-    if journal_socket is not None:
-        env["DAGNATS_JOURNAL_SOCKET"] = journal_socket
+    env = {k: v for k, v in os.environ.items() if k != "DAGNATS_LOCAL_SOCKET"}
+    if local_socket is not None:
+        env["DAGNATS_LOCAL_SOCKET"] = local_socket
     with log.open("ab") as out:
         return subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent, env=env
@@ -642,7 +642,7 @@ class Stack:
     nats_url: str
     monitor: str
     logs: Path
-    journal_socket: str | None  # the session socket of ``dagnats dev``
+    local_socket: str | None  # the local socket of ``dagnats dev``
     metrics: dict[str, str] = field(default_factory=dict)  # a services' process: its /metrics
     # The split's journal and inputs processes (``dev`` is then its engine's),
     # and the nats-server this process started for them.
@@ -659,12 +659,12 @@ class Stack:
         return scrape(self.metrics)
 
     def socket_connections(self) -> int:
-        """Connections open on the session socket now (``/proc/net/unix``
+        """Connections open on the local socket now (``/proc/net/unix``
         names the path on each one the socket accepted too)."""
-        if self.journal_socket is None:
+        if self.local_socket is None:
             return 0
         lines = Path("/proc/net/unix").read_text().splitlines()
-        return max(sum(line.endswith(" " + self.journal_socket) for line in lines) - 1, 0)
+        return max(sum(line.endswith(" " + self.local_socket) for line in lines) - 1, 0)
 
     def cpu(self) -> dict[str, float]:
         services = {name: cpu_seconds(proc.pid) for name, proc in self.apart.items()}
@@ -860,7 +860,7 @@ def start_stack(data: Path, p: Params, worker_module: str = "bench.bench_turn") 
     tasks = TASK + QUEUED if p.deploy == "services" else TASK
     socket = "off" if p.deploy == "grpc" else None
     worker = spawn_worker(
-        worker_module, [info["engine"]], tasks, p.c, logs / "worker.log", journal_socket=socket
+        worker_module, [info["engine"]], tasks, p.c, logs / "worker.log", local_socket=socket
     )
     return Stack(
         dev.proc,
@@ -870,7 +870,7 @@ def start_stack(data: Path, p: Params, worker_module: str = "bench.bench_turn") 
         info["nats"],
         f"http://{http[1]}",
         logs,
-        info.get("journal_socket"),
+        info.get("local_socket"),
         metrics={"services": info["metrics"]} if "metrics" in info else {},
     )
 
@@ -1246,7 +1246,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if p.deploy in ("worker", "grpc"):
         print(
-            "connections open on the session socket (the worker's, the client's watches): "
+            "connections open on the local socket (the worker's, the client's watches): "
             f"{got['on_socket']}"
         )
     print(format_table(rows(ours, floor)))

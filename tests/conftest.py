@@ -99,10 +99,10 @@ def span_exporter(span_exporter_session: InMemorySpanExporter) -> InMemorySpanEx
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
     """The engine (with the journal and inputs services) on the module's
-    server, its journal's session socket in a short temporary directory."""
+    server, its journal's local socket in a short temporary directory."""
     with socket_dir() as sockets:
         server = await start_engine(
-            nats_server.url, config=FAST, session_socket=sockets / "journal.sock"
+            nats_server.url, config=FAST, local_socket=sockets / "local.sock"
         )
         yield server
         await server.stop()

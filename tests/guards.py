@@ -41,13 +41,13 @@ class Guard:
 
 GUARDS = (
     Guard(
-        name="the session socket's file is created its owner's alone",
-        file="services/journal/dagnats/journal/session_socket.py",
+        name="the local socket's file is created its owner's alone",
+        file="services/engine/dagnats/engine/local_transport.py",
         guard="    mask = os.umask(0o177)\n",
         removed="    mask = os.umask(0o022)\n",
-        how="any user of the host may connect to the session socket",
+        how="any user of the host may connect to the local socket",
         tests=(
-            "tests/test_session_socket.py::"
+            "tests/test_local_socket.py::"
             "test_the_socket_file_is_the_owners_and_a_live_one_is_not_taken",
         ),
     ),
@@ -75,29 +75,29 @@ GUARDS = (
         ),
     ),
     Guard(
-        name="the session socket checks the hello's token",
-        file="services/journal/dagnats/journal/session_socket.py",
-        guard="        refusal = (polls or watches or self._sockets).admit(hello.token)\n",
-        removed="        refusal = None\n",
-        how="the session socket lets any connection call the journal, poll or watch",
+        name="the local socket checks the hello's token for each method",
+        file="services/engine/dagnats/engine/local_transport.py",
+        guard="                if (refusal := listener.admit(call.method, hello.token)) "
+        "is not None:\n",
+        removed="                if (refusal := None) is not None:\n",
+        how="the local socket lets any connection call the journal, poll or watch",
         tests=(
-            "tests/test_session_socket.py::"
+            "tests/test_local_socket.py::"
             "test_the_socket_takes_a_worker_token_when_the_server_needs_one",
-            "tests/test_session_socket.py::test_the_polls_socket_takes_only_a_token_that_may_poll",
-            "tests/test_session_socket.py::"
-            "test_the_watches_socket_takes_only_a_token_that_may_watch",
+            "tests/test_local_socket.py::test_the_polls_socket_takes_only_a_token_that_may_poll",
+            "tests/test_local_socket.py::test_the_watches_socket_takes_only_a_token_that_may_watch",
         ),
     ),
     Guard(
-        name="a poll or a watch on the session socket ends with its connection",
-        file="services/journal/dagnats/journal/session_socket.py",
+        name="a poll or a watch on the local socket ends with its connection",
+        file="services/engine/dagnats/engine/local_transport.py",
         guard="            self._task.cancel()  # as a gRPC stream's end cancels its handler\n",
         removed="            pass\n",
         how="a worker gone from the socket leaves its poll pulling; the task it takes waits",
         tests=(
             "tests/test_engine_polls.py::"
-            "test_a_poll_left_on_the_session_socket_does_not_take_the_next_task",
-            "tests/test_session_socket.py::"
+            "test_a_poll_left_on_the_local_socket_does_not_take_the_next_task",
+            "tests/test_local_socket.py::"
             "test_a_watch_left_before_its_run_ends_is_cancelled_on_the_server",
         ),
     ),
@@ -125,19 +125,19 @@ GUARDS = (
         ),
     ),
     Guard(
-        name="the session socket refuses a hello for another socket",
-        file="services/journal/dagnats/journal/session_socket.py",
-        guard="        if hello.instance and hello.instance != self._sockets.instance:\n",
+        name="the local socket refuses a hello for another socket",
+        file="services/engine/dagnats/engine/local_transport.py",
+        guard="        if hello.instance and hello.instance != listener.instance:\n",
         removed="        if False:\n",
         how="a worker takes another server's socket at the path for its own",
         tests=(
-            "tests/test_session_socket.py::"
+            "tests/test_local_socket.py::"
             "test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc",
         ),
     ),
     Guard(
         name="a local session copies the request it answers",
-        file="services/journal/dagnats/journal/session.py",
+        file="services/engine/dagnats/engine/local_transport.py",
         guard="        sent.CopyFrom(request)\n",
         removed="        sent = request\n",
         how="a handler in the services' process shares its request with the servicer",
@@ -710,7 +710,7 @@ GUARDS = (
         name="BeginModel reads the tail before it clears a model call",
         file="services/journal/dagnats/journal/service.py",
         guard=(
-            "        await self._writer.hold(token)"
+            "        await self._writer.check_tail(token)"
             "  # a fenced holder must not spend a model call\n"
         ),
         removed="",

@@ -74,7 +74,7 @@ async def wait_for(
 
 def holds(record: Any, kind: str) -> bool:
     """Whether a journal record holds an entry of ``kind`` (``model``,
-    ``tool_result``, ...): as its own kind, or stored ahead of it (ADR 24)."""
+    ``tool_result``, ...): as its own kind, or stored ahead of it (a leading entry)."""
     return bool(record.HasField(kind)) or (
         f"leading_{kind}" in record.DESCRIPTOR.fields_by_name
         and bool(record.HasField(f"leading_{kind}"))
@@ -88,7 +88,7 @@ def body(record: Any, kind: str) -> Any:
 
 def claims(records: Iterable[Any], iteration: int | None = None) -> list[Any]:
     """The journal records that hold a claim: a claim record, or the first
-    record of a dispatch handed over with the commit before it (ADR 34);
+    record of a dispatch handed over with the commit before it (the hand-over);
     those of ``iteration`` only, if given."""
     return [
         r for r in records if holds(r, "claim") and (iteration is None or r.iteration == iteration)

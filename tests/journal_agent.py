@@ -70,7 +70,7 @@ def agent(
 ) -> Any:
     """The agent's handler. ``apart``: it heartbeats after its model call and
     after its tool, so the response and the result are stored in records of
-    their own before its next journal call (ADR 24), as they were before
+    their own before its next journal call, as they were before
     they could ride that call's record."""
     seen = seen or Seen()
 

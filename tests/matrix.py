@@ -29,7 +29,7 @@ MATRIX = dataclasses.replace(FAST, task_ack_wait=1.0)
 
 # The worker's seams the matrix stops a holder at; ``inside_tool`` is the
 # tools' own, inside a tool once its start is counted. A model response rides
-# the intent of the tool it asks for and a result rides the commit (ADR 24):
+# the intent of the tool it asks for and a result rides the commit (leading entries):
 # ``model_pending`` and ``result_pending`` are the windows before those
 # records, ``after_model`` and ``after_result`` the records stored on their
 # own, which the matrix's agent does when it awaits something between its

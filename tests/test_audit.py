@@ -548,7 +548,7 @@ def test_a_failed_or_cancelled_step_is_not_compared() -> None:
         assert check_step("agent", j.entries, engine_step=step) == []
 
 
-# ---- records that hold two entries (ADR 24) ---------------------------------------------
+# ---- records that hold two entries: leading entries (ADR 24) -----------------------------
 
 
 def merged_turns(*, expected: dict[int, int] | None = None, handed: bool = False) -> list[AnyEntry]:
@@ -556,7 +556,7 @@ def merged_turns(*, expected: dict[int, int] | None = None, handed: bool = False
     the intent it asks for, the result with the commit; then an answer with
     its commit. ``expected`` overrides a record's expected tail. ``handed``:
     iterations 1 and 2 were handed over with the commit before them, their
-    claim stored ahead of their first record (ADR 34)."""
+    claim stored ahead of their first record (the hand-over)."""
     bodies: list[Any] = []
     for iteration, name in ((0, "search"), (1, "charge")):
         if not (handed and iteration):

@@ -130,7 +130,7 @@ def test_the_routes_are_read_from_the_services_metrics_page() -> None:
     from dagnats.engine.metrics import ServicesCollector
 
     engine = SimpleNamespace(counters={"kept_unwritten": 12, "direct_applied": 20})
-    server = SimpleNamespace(engine=engine, session_socket=None)
+    server = SimpleNamespace(engine=engine, local_socket=None)
     registry = CollectorRegistry()
     registry.register(ServicesCollector(cast(Any, server)))
     page = generate_latest(registry).decode()

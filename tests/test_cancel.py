@@ -4,7 +4,7 @@ The handler of each test calls a model and then an unsafe tool, in a loop;
 the tool counts its starts outside the journal and runs for a while, so the
 cancel lands while it runs. Once ``Client.cancel_run`` returns, no tool
 starts and no model is called: the journal refuses the run's new calls
-(``RunCancelled``), for a worker on gRPC, on the session socket, in the
+(``RunCancelled``), for a worker on gRPC, on the local socket, in the
 services' process and on the HTTP bridge, and for a child run. The tool that
 was running keeps its result. The handler hears the cancel within a few
 seconds although its heartbeats are minutes apart (the module's lease is
@@ -51,7 +51,7 @@ TOOL_RUNS = 0.3  # seconds a tool call takes: the cancel lands while one runs
 async def engine(nats_server: NatsServer) -> AsyncIterator[EngineServer]:
     with socket_dir() as sockets:
         server = await start_engine(
-            nats_server.url, config=LONG_LEASE, session_socket=sockets / "journal.sock"
+            nats_server.url, config=LONG_LEASE, local_socket=sockets / "local.sock"
         )
         yield server
         await server.stop()
@@ -294,7 +294,7 @@ async def test_the_journal_refuses_every_new_call_of_a_cancelled_run_and_writes_
                 jpb.CommitRequest(token=token, commit=jpb.Commit(action=jpb.ACTION_COMPLETE))
             ),
             "a claim": lambda: j.Claim(claim(0, attempt=2)),
-            "a hold": lambda: j.Hold(jpb.HoldRequest(token=token)),
+            "a hold": lambda: j.CheckTail(jpb.CheckTailRequest(token=token)),
         }
         for what, call in calls.items():
             err = await refused(call())

@@ -275,7 +275,7 @@ async def test_the_journal_shows_records_live_tokens_and_an_interrupted_unsafe_t
         await release(state, run_id, "tokens")
 
         # The committed record replaces the preview; the first delivery's
-        # claim is stored with it (ADR 40), and shown first.
+        # claim is stored with it (the riding claim), and shown first.
         model = timeline.locator("li.k-model")
         await expect(model).to_have_count(1, timeout=WAIT)
         await expect(claims).to_have_count(1)

@@ -7,9 +7,9 @@ in the inputs bucket, its ``input.placed`` record not yet written) and
 ``after_commit_stored`` (a commit that settles its task stored, its lifecycle
 event not yet published nor the task acknowledged), ``after_report_sent`` (a
 commit's event sent to the engines over core NATS, nothing of it on the
-history, no answer come yet, its task not released; ADR 33) and
+history, no answer come yet, its task not released) and
 ``after_held_decision`` (a continue that keeps its task: its event applied
-and the engine's decision known, the worker not yet answered; ADR 31).
+and the engine's decision known, the worker not yet answered: the kept task).
 
 Two engine processes (engine, journal and inputs services each) share the
 history consumer, and a worker dials each. Whichever process reaches the seam
@@ -60,7 +60,7 @@ SEAMS = (
     "after_kept_unwritten",
 )
 # The iterations a seam is reached on: a kept iteration goes unwritten from the
-# second on (the first kept one writes that its message is held; ADR 37).
+# second on (the first kept one writes that its message is kept: the deferred write).
 ITERATIONS = {"after_kept_unwritten": (2,)}
 PLACES = {"one server": 1, "3-node cluster": 3}
 REQUEST = "steer-1"
@@ -252,7 +252,7 @@ async def test_service_crash_point(
         outcome = zombie_turn(tmp_path, holder, iteration)
         log = (tmp_path / "worker-w0.log").read_text() + (tmp_path / "worker-w1.log").read_text()
         # Fenced by its successor's claim; or, when the successor finished the
-        # run first (a held iteration's decision comes in milliseconds, ADR 33),
+        # run first (a kept iteration's decision comes in milliseconds),
         # stopped because its heartbeat found the run no longer active. Either
         # way it wrote nothing: the journal above is clean, the input placed once.
         fenced = outcome == "Fenced" or (

@@ -203,7 +203,7 @@ async def test_two_engines_run_twenty_loops(
 async def test_an_engine_whose_last_write_is_stale_applies_what_a_read_accepts(
     client: Client, engine: EngineServer, nats_server: Any
 ) -> None:
-    """The engine decides on the run it wrote last without reading it (ADR 21).
+    """The engine decides on the run it wrote last without reading it (the guessed run).
     When another engine has moved the run on since, a report of the new
     dispatch would be dropped on that stale run: it must be decided again on
     the run as stored, and accepted."""

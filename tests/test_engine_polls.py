@@ -20,7 +20,8 @@ from dagnats.core.natsserver import NatsServer
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, TaskContext, Worker
-from dagnats.sdk._socket_session import SocketPolls
+from dagnats.sdk._local_transport import LocalConnection
+from dagnats.sdk._rpc import POLL_METHOD
 from tests.helpers import wait_for
 from tests.stack import FAST, loop_workflow, socket_dir, unique
 
@@ -51,7 +52,7 @@ async def long_lease_engine(nats_server: NatsServer) -> AsyncIterator[EngineServ
         server = await start_engine(
             nats_server.url,
             config=replace(FAST, task_ack_wait=LEASE),
-            session_socket=sockets / "journal.sock",
+            local_socket=sockets / "local.sock",
         )
         yield server
         await server.stop()
@@ -106,18 +107,20 @@ async def test_a_stopped_workers_poll_does_not_take_the_next_task(
     assert len(deliveries) == 1 and deliveries[0] <= 2, deliveries
 
 
-async def test_a_poll_left_on_the_session_socket_does_not_take_the_next_task(
+async def test_a_poll_left_on_the_local_socket_does_not_take_the_next_task(
     long_lease_engine: EngineServer,
 ) -> None:
-    """A worker's poll on the session socket (ADR 49) ends with its
-    connection: the engine stops the pull as it does a gRPC poll's."""
+    """A worker's poll on the local socket ends with its connection: the
+    engine stops the pull as it does a gRPC poll's."""
     engine, task = long_lease_engine, unique("polls")
-    sockets = engine.session_socket
+    sockets = engine.local_socket
     assert sockets is not None
     refusals: list[str] = []
-    polls = SocketPolls(str(sockets.path), None, instance=sockets.instance, refused=refusals.append)
+    polls = LocalConnection(
+        str(sockets.path), None, instance=sockets.instance, refused=refusals.append
+    )
     request = pb.PollTasksRequest(task_types=[task], wait=Duration(seconds=int(POLL_WAIT)))
-    poll = asyncio.create_task(polls.poll(request, deadline=2 * POLL_WAIT))
+    poll = asyncio.create_task(polls.call(POLL_METHOD, request, pb.PollTasksResponse, {}))
     await wait_for(lambda: _at_least(engine, task, 1), timeout=20)
 
     async def leave() -> None:

@@ -94,7 +94,7 @@ async def test_the_reconciler_reads_running_runs_from_an_index_that_lets_finishe
         async def entered() -> bool:
             return run.run_id in await store.active_run_ids()
 
-        # Stored without an entry: the reconciler's next pass enters it (ADR 48).
+        # Stored without an entry: the reconciler's next pass enters it.
         await wait_for(entered, timeout=20, message="a running run stays out of the index")
         await client.cancel_run(run.run_id)
 

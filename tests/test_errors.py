@@ -2,8 +2,10 @@
 domain error's code, field and typed fields to the client, and the client
 rebuilds the very error the service raised.
 
-First every error of the table through the trailers of a unary call and
-through a ``SessionError`` of the journal's Session stream, without a server;
+First every error of the table through the trailers of a unary call, through
+a ``SessionError`` of the journal's Session stream and through a
+``LocalAnswer`` of the local socket, and the local transport's own failures
+through the SDK's retry rules, without a server;
 then a fenced write against the real journal service, over a unary call, over
 the Session stream and through the SDK's journal handle: each time the holder
 learns which tail it expected and which one it found.
@@ -19,6 +21,7 @@ import pytest
 import pytest_asyncio
 
 from dagnats.core import errors
+from dagnats.core.frames import TransportError
 from dagnats.core.grpcutil import (
     STATUS_OF,
     WireError,
@@ -28,10 +31,13 @@ from dagnats.core.grpcutil import (
     wire_status,
 )
 from dagnats.engine.server import EngineServer
+from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal import session
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk import Client, Fenced
+from dagnats.sdk import Client, Credentials, Fenced
+from dagnats.sdk._errors import answered_error
 from dagnats.sdk._journal import Journal
+from dagnats.sdk._rpc import RetryPolicy, _is_transient
 from dagnats.sdk._session import JournalSession
 from dagnats.sdk.rpc import EngineRpc
 from tests.test_journal_session import claim_of, queued_run
@@ -81,6 +87,57 @@ def test_every_error_comes_back_from_a_session_error_as_itself(cls: type[WireErr
     error = jpb.SessionResponse.FromString(sent.SerializeToString()).error
     rebuilt = error_from_status(status, error.message, error.code, error.field, error.details)
     same(rebuilt, raised)
+
+
+@pytest.mark.parametrize("cls", list(STATUS_OF), ids=lambda c: c.__name__)
+def test_every_error_comes_back_from_the_local_socket_as_itself(cls: type[WireError]) -> None:
+    raised = example(cls)
+    sent = pb.LocalAnswer(id=7, error=session.session_error(raised))  # what the socket answers
+    same(answered_error(pb.LocalAnswer.FromString(sent.SerializeToString()).error), raised)
+
+
+def test_a_local_transport_failure_is_retried_and_refused_as_the_same_grpc_status() -> None:
+    """What the retry rules read of a ``TransportError`` is its status, as of
+    a gRPC failure: UNAVAILABLE is tried again, DEADLINE_EXCEEDED only for a
+    call safe to repeat, a refusal becomes the domain error (saying which
+    credential was sent), UNIMPLEMENTED a service that is not there."""
+    unavailable = TransportError(grpc.StatusCode.UNAVAILABLE, "the local socket closed")
+    late = TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, "PollTasks: no answer")
+    assert _is_transient(unavailable, idempotent=False)
+    assert _is_transient(late, idempotent=True) and not _is_transient(late, idempotent=False)
+    denied = TransportError(grpc.StatusCode.PERMISSION_DENIED, "a client may not poll")
+    assert not _is_transient(denied, idempotent=True)
+    rpc = EngineRpc("127.0.0.1:1", timeout=1.0, credentials=Credentials())
+    refused = rpc._domain_error("PollTasks", denied)
+    assert isinstance(refused, errors.PermissionDenied)
+    assert refused.message.startswith("a client may not poll (sent no token")
+    missing = rpc._domain_error("Commit", TransportError(grpc.StatusCode.UNIMPLEMENTED, ""))
+    assert isinstance(missing, errors.Unavailable) and "does not serve Commit" in missing.message
+
+
+async def test_a_call_whose_local_transport_fails_is_tried_again_until_it_answers() -> None:
+    rpc = EngineRpc(
+        "127.0.0.1:1",
+        timeout=1.0,
+        credentials=Credentials(),
+        retry=RetryPolicy(budget=5.0, backoff=0.001, max_backoff=0.01),
+    )
+    tries: list[int] = []
+
+    async def attempt() -> str:
+        tries.append(len(tries))
+        if len(tries) < 3:
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, "the local socket closed")
+        return "answered"
+
+    assert await rpc.retrying("CheckTail", attempt, idempotent=True) == "answered"
+    assert len(tries) == 3
+
+    async def refused() -> str:
+        raise TransportError(grpc.StatusCode.UNAUTHENTICATED, "no token")
+
+    with pytest.raises(errors.Unauthenticated):
+        await rpc.retrying("CheckTail", refused, idempotent=True)
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -146,4 +203,4 @@ async def test_a_handle_fenced_by_its_successor_tells_the_handler_both_tails(
     told(fenced.value, zombie, successor)
     assert journal.fenced
     with pytest.raises(Fenced):  # and it writes nothing more
-        await journal.hold()
+        await journal.check_tail()

@@ -168,7 +168,7 @@ async def test_the_spec_agent_driven_through_rest_alone(
             follow_up = {"request_id": "f-1", "mode": "follow_up", "content": "tomorrow?"}
             assert (await http.post(inputs, json=follow_up)).status_code == 201
             live = await collect(stream, until=is_commit("continue"))
-        # The woken turn's claim rides its first record, the placement (ADR 40).
+        # The woken turn's claim rides its first record, the placement (the riding claim).
         assert live[0].data["kind"] == "input_placed" and "leading_claim" in live[0].data
         assert live[-1].data["commit"]["wait_until_input"] is True
         assert model.scripted.calls == 3 and starts == ["search"]
@@ -349,8 +349,8 @@ async def test_a_hundred_followers_of_one_step_each_get_every_record(
         expected = [r["seq"] for r in records]
     assert all(ids == expected for ids in seen)
     # A commit with the model's response and the claim, each iteration: the
-    # first delivery's claim fences nothing (ADR 40), and the next ones are
-    # handed over with the commit before (ADR 34).
+    # first delivery's claim fences nothing (so it rides), and the next ones are
+    # handed over with the commit before (the hand-over).
     assert [(r["kind"], r["leading"], "leading_claim" in r) for r in records] == [
         ("commit", "leading_model", True) for _ in range(3)
     ]

@@ -23,10 +23,11 @@ import trustme
 
 from dagnats.cli.main import main
 from dagnats.core import errors
+from dagnats.core.frames import TransportError
 from dagnats.core.natsserver import NatsServer
+from dagnats.engine.local_transport import LocalSession, Method
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.journal.session import LocalSession
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, Credentials, run_output
 from tests.stack import loop_workflow, start_dev, unique
@@ -37,81 +38,87 @@ async def test_a_run_of_handlers_in_the_services_process_writes_what_a_worker_wr
     client: Client, engine: EngineServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     opened: list[LocalSession] = []
-    local_session = engine.journal.local_session  # type: ignore[union-attr]
+    local_session = engine.local_session
 
     def counted() -> LocalSession:
         opened.append(local_session())
         return opened[-1]
 
-    monkeypatch.setattr(engine.journal, "local_session", counted)
+    monkeypatch.setattr(engine, "local_session", counted)
     await run_without_a_crash(client, engine, hosted)
     assert opened, "the journal calls went through the process's own servicer"
 
 
-# ---- the stream ----------------------------------------------------------------------
+# ---- the session in the process ------------------------------------------------------
+
+
+CHECK_TAIL = "/dagnats.journal.v1.JournalService/CheckTail"
 
 
 class Servicer:
-    """Stands for the journal servicer: its ``hold`` answers or raises."""
+    """Stands for the journal servicer: its ``check_tail`` answers or raises."""
 
     def __init__(self, raises: BaseException | None = None) -> None:
         self.raises = raises
-        self.seen: list[jpb.HoldRequest] = []
+        self.seen: list[jpb.CheckTailRequest] = []
 
-    async def hold(self, request: jpb.HoldRequest, context: object) -> jpb.HoldResponse:
+    async def check_tail(self, request: jpb.CheckTailRequest) -> jpb.CheckTailResponse:
         self.seen.append(request)
         if self.raises is not None:
             raise self.raises
-        return jpb.HoldResponse()
+        return jpb.CheckTailResponse()
 
 
 def local(servicer: Servicer) -> LocalSession:
-    return LocalSession(servicer, {"hold": type(servicer).hold})
+    """A session on a method table of one entry, the servicer's ``check_tail``."""
+    return LocalSession({CHECK_TAIL: Method(jpb.CheckTailRequest, call=servicer.check_tail)})
 
 
-def hold_request(n: int = 1) -> jpb.SessionRequest:
+def check_tail_request() -> jpb.CheckTailRequest:
     token = jpb.WriterToken(run_id="r" * 32, step_id="agent", last_seq=7)
-    return jpb.SessionRequest(id=n, hold=jpb.HoldRequest(token=token))
+    return jpb.CheckTailRequest(token=token)
+
+
+async def _call(session: LocalSession, request: jpb.CheckTailRequest) -> jpb.CheckTailResponse:
+    return await session.call(CHECK_TAIL, request, jpb.CheckTailResponse, {})
 
 
 async def test_a_local_session_answers_in_order_and_copies_the_request() -> None:
     servicer = Servicer()
-    stream = local(servicer)
-    request = hold_request()
-    await stream.write(request)
-    answer = await stream.read()
-    assert isinstance(answer, jpb.SessionResponse) and answer.id == 1
-    assert answer.WhichOneof("result") == "hold"
-    request.hold.token.last_seq = 99  # the caller changes what it holds...
+    session = local(servicer)
+    request = check_tail_request()
+    answer = await _call(session, request)
+    assert isinstance(answer, jpb.CheckTailResponse)
+    request.token.last_seq = 99  # the caller changes what it holds...
     assert servicer.seen[0].token.last_seq == 7  # ...and the servicer's copy stays
-    assert await stream.read() is None, "one answer a request"
-    assert not stream.done()
+    assert servicer.seen[0] is not request
+    assert not session.done()
 
 
-async def test_a_domain_error_answers_its_call_and_the_stream_goes_on() -> None:
+async def test_a_domain_error_answers_its_call_and_the_session_goes_on() -> None:
     from dagnats.core import errors
 
-    servicer = Servicer(errors.InvalidArgument("no such token", field="token"))
-    stream = local(servicer)
-    await stream.write(hold_request())
-    answer = await stream.read()
-    assert isinstance(answer, jpb.SessionResponse)
-    assert answer.error.field == "token" and "no such token" in answer.error.message
-    assert not stream.done()
+    raised = errors.InvalidArgument("no such token", field="token")
+    servicer = Servicer(raised)
+    session = local(servicer)
+    with pytest.raises(errors.InvalidArgument) as answered:
+        await _call(session, check_tail_request())
+    assert answered.value.field == "token" and "no such token" in answered.value.message
+    assert answered.value is not raised, "a copy, as across the wire"
+    assert not session.done()
     servicer.raises = None
-    await stream.write(hold_request(2))
-    assert (await stream.read()).id == 2  # type: ignore[union-attr]
+    assert isinstance(await _call(session, check_tail_request()), jpb.CheckTailResponse)
 
 
-async def test_an_unexpected_failure_ends_the_stream_as_grpc_would() -> None:
-    stream = local(Servicer(RuntimeError("boom")))
-    with pytest.raises(grpc.aio.AioRpcError) as failed:
-        await stream.write(hold_request())
-    assert failed.value.code() == grpc.StatusCode.UNKNOWN
-    assert "boom" in (failed.value.details() or "")
-    assert stream.done()
-    with pytest.raises(asyncio.InvalidStateError):
-        await stream.write(hold_request(2))
+async def test_an_unexpected_failure_ends_the_session_as_grpc_would() -> None:
+    session = local(Servicer(RuntimeError("boom")))
+    with pytest.raises(TransportError) as failed:
+        await _call(session, check_tail_request())
+    assert failed.value.code == grpc.StatusCode.UNKNOWN
+    assert "boom" in failed.value.message
+    assert session.done()
+    with pytest.raises(TransportError):
+        await _call(session, check_tail_request())
 
 
 # ---- the command line ----------------------------------------------------------------
@@ -130,9 +137,9 @@ async def test_an_unexpected_failure_ends_the_stream_as_grpc_would() -> None:
             ["serve", "all", "--handler-concurrency=0", "--handlers=tests.handlers_app:HANDLERS"],
             "--handler-concurrency",
         ),
-        # The journal's session socket (ADR 45, tests/test_session_socket.py).
-        (["serve", "inputs", "--session-socket", "/tmp/x.sock"], "needs the journal"),
-        (["serve", "gateway", "--session-socket", "/tmp/x.sock"], "needs the journal"),
+        # The journal's local socket (ADR 45, tests/test_local_socket.py).
+        (["serve", "inputs", "--local-socket", "/tmp/x.sock"], "needs the journal"),
+        (["serve", "gateway", "--local-socket", "/tmp/x.sock"], "needs the journal"),
     ],
 )
 def test_bad_serve_flags_are_one_line_before_anything_starts(

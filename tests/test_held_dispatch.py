@@ -172,7 +172,7 @@ async def test_a_kept_task_is_heartbeated_by_its_holder(
     client: Client, engine: EngineServer
 ) -> None:
     # The message was published for iteration 0; from iteration 1 on the
-    # journal is past that, and only the held dispatch in the run says the
+    # journal is past that, and only the kept dispatch in the run says the
     # holder's lease is current: a heartbeat must not be refused as fenced.
     loop = Loop(heartbeat=True)
     run = await run_loop(client, engine, loop)
@@ -281,7 +281,7 @@ async def test_a_stopping_worker_releases_its_kept_task_with_its_next_commit(
     assert await tasks_published(js) - before == 2
 
 
-# ---- the held commit's event goes to the engine directly (ADR 33) -----------------------
+# ---- the kept task's commit event goes to the engine directly (ADR 33) ------------------
 
 
 @contextlib.asynccontextmanager
@@ -325,7 +325,7 @@ async def test_a_commit_event_goes_to_the_engine_of_its_own_process_by_a_call(
     client: Client, engine: EngineServer, js: JetStreamContext
 ) -> None:
     # The fixture serves the engine and the journal service in one process:
-    # each commit's event is handed to that engine without NATS (ADR 36).
+    # each commit's event is handed to that engine without NATS, by a call.
     counters = engine.engine.counters
     local, direct = counters["local_applied"], counters["direct_applied"]
     loop = Loop()
@@ -387,7 +387,7 @@ async def test_a_journal_service_apart_sends_its_commits_events_over_nats(
 async def test_with_no_engine_taking_held_events_they_are_stored_on_the_history(
     client: Client, engine: EngineServer, js: JetStreamContext
 ) -> None:
-    # As with an engine that predates ADR 33: nats-server answers that nobody
+    # As with an engine that takes no direct events: nats-server answers that nobody
     # subscribes, and the journal service publishes the event at once.
     async with reports_off(engine):
         queued = await run_loop(client, engine, Loop(), sticky_iterations=0)

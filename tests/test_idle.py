@@ -111,7 +111,7 @@ async def test_an_idle_deployment_stores_nothing(topology: str, tmp_path: Path) 
             Worker(
                 engine,
                 handlers={task: handler},
-                journal_socket="off",
+                local_socket="off",
                 journal_target=targets.get("journal"),
                 inputs_target=targets.get("inputs"),
             ),

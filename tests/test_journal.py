@@ -63,25 +63,25 @@ async def finish(client: Client, engine: EngineServer, run_id: str) -> pb.Run:
 
 def remote(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
     """A worker of its own on another host: its journal calls on gRPC."""
-    return Worker(engine.target, handlers=handlers, poll_wait=1.0, journal_socket="off", **options)
+    return Worker(engine.target, handlers=handlers, poll_wait=1.0, local_socket="off", **options)
 
 
 def found(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
     """A worker of its own on the services' host, told nothing: its journal
-    calls go to the session socket its polls' answers name (ADR 46)."""
+    calls go to the local socket its polls' answers name (ADR 46)."""
     return Worker(engine.target, handlers=handlers, poll_wait=1.0, **options)
 
 
 def hosted(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
-    """A worker in the services' process, its journal calls answered there (ADR 44)."""
+    """A worker in the services' process, its journal calls answered there."""
     return in_process_worker(engine, handlers, concurrency=4, poll_wait=1.0, **options)
 
 
 def socketed(engine: EngineServer, handlers: dict[str, Any], **options: Any) -> Worker:
-    """A worker of its own whose journal calls go on the session socket (ADR 45)."""
-    assert engine.session_socket is not None, "the engine fixture has a session socket"
-    socket = str(engine.session_socket.path)
-    return Worker(engine.target, handlers=handlers, poll_wait=1.0, journal_socket=socket, **options)
+    """A worker of its own whose journal calls go on the local socket (ADR 45)."""
+    assert engine.local_socket is not None, "the engine fixture has a local socket"
+    socket = str(engine.local_socket.path)
+    return Worker(engine.target, handlers=handlers, poll_wait=1.0, local_socket=socket, **options)
 
 
 WorkerOf = Callable[..., Worker]  # remote, found, hosted or socketed
@@ -92,7 +92,7 @@ WORKERS = pytest.mark.parametrize(
         "own process on gRPC",
         "own process on the socket found",
         "services' process",
-        "session socket given",
+        "local socket given",
     ],
 )
 
@@ -231,8 +231,8 @@ async def test_a_turn_is_three_records_and_reads_back_whole(
 ) -> None:
     # The model's response rides the intent of the tool it asks for, the
     # tool's result rides the commit, and the claim rides the first record:
-    # the first delivery's claim fences nothing (ADR 40), and from the second
-    # iteration on the commit before handed the dispatch over (ADR 34).
+    # the first delivery's claim fences nothing (the riding claim), and from the second
+    # iteration on the commit before handed the dispatch over (the hand-over).
     # Intent and commit per tool turn.
     task, name = await start(client)
     model, tools, seen = ScriptedModel(SCRIPT), Tools(), Seen()
@@ -469,13 +469,13 @@ async def test_a_model_call_reads_the_tail_unless_the_holders_last_write_is_fres
     client: Client, engine: EngineServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checks: list[str] = []
-    hold = JournalWriter.hold
+    check_tail = JournalWriter.check_tail
 
     async def counted(writer: JournalWriter, token: jpb.WriterToken) -> None:
         checks.append(token.run_id)
-        await hold(writer, token)
+        await check_tail(writer, token)
 
-    monkeypatch.setattr(JournalWriter, "hold", counted)
+    monkeypatch.setattr(JournalWriter, "check_tail", counted)
 
     async def run_once(fresh: float) -> int:
         monkeypatch.setattr(sdk_journal, "FRESH_TAIL", fresh)

@@ -345,7 +345,7 @@ async def test_a_claim_after_its_own_commit_reads_no_tail_and_a_wrong_guess_read
         await other.stop()
 
 
-# ---- a response or result stored with the next call (ADR 24) ------------------------------
+# ---- a response or result stored with the next call: leading entries (ADR 24) -------------
 
 
 async def refused_field(call: Any) -> str:
@@ -448,7 +448,7 @@ async def test_a_call_refused_whole_stores_the_response_on_its_own_first(
         (None, "tool_intent"),
         ("leading_tool_result", "commit"),
     ]
-    assert records[0].HasField("leading_claim"), "the claim rides the first record (ADR 40)"
+    assert records[0].HasField("leading_claim"), "the claim rides the first record"
     assert [r.model.position for r in records[0:2]] == [0, 2]
     assert records[2].tool_intent.position == 3
     check = await journal_check(engine, run.run_id)
@@ -507,7 +507,7 @@ async def test_two_model_calls_in_a_row_keep_both_responses(engine: EngineServer
     )
 
 
-# ---- the first claim stored with the first record (ADR 40) --------------------------------
+# ---- the riding claim: a first claim stored with the first record (ADR 40) ----------------
 
 
 def first_tool_call(token: jpb.WriterToken) -> jpb.BeginToolRequest:
@@ -648,7 +648,7 @@ async def poll_once(engine: EngineServer, task: str, **fields: Any) -> pb.Leased
 
 
 async def test_a_first_delivery_is_leased_with_its_journal_claimed(engine: EngineServer) -> None:
-    # ADR 42: the engine's process serves the journal, so the poll that asks
+    # The claim with the lease: the engine's process serves the journal, so the poll that asks
     # gets the claim that rides the holder's first record, made at the lease.
     async with as_its_worker(engine, "leaseclaim") as (run, stub):
         task = await task_of(engine, run)
@@ -713,7 +713,7 @@ async def another_holder_writes(
 async def test_a_first_deliverys_claim_reads_nothing_and_a_record_there_fences_its_holder(
     engine: EngineServer,
 ) -> None:
-    # ADR 50: the engine knows the run running and the task the first
+    # The engine knows the run running and the task the first
     # delivery of its step's first dispatch, so the claim made with the lease
     # reads nothing: no holder came before. Were records there after all
     # (here another holder's claim and intent, written out of band), the
@@ -737,7 +737,7 @@ async def test_a_lease_on_a_guess_another_engine_wrote_over_claims_on_a_read(
     engine: EngineServer, nats_server: NatsServer
 ) -> None:
     # The engine leases on its own last write of the run; another engine
-    # cancelled the run since, which this one heard (ADR 38): the claim does
+    # cancelled the run since, which this one heard (heard writes): the claim does
     # not take the guess for the run as stored, reads it, finds it ended and
     # claims nothing, so no handler starts on a cancelled run's claim.
     async with as_its_worker(engine, "leaseheard") as (run, _):

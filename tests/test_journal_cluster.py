@@ -34,13 +34,13 @@ __all__ = [
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(nats_cluster: Any) -> AsyncIterator[EngineServer]:
-    """As the suite's engine fixture, with R3 streams: a session socket too."""
+    """As the suite's engine fixture, with R3 streams: a local socket too."""
     with socket_dir() as sockets:
         server = await start_engine(
             nats_cluster.url,
             config=FAST,
             topology=Topology(replicas=3),
-            session_socket=sockets / "journal.sock",
+            local_socket=sockets / "local.sock",
         )
         yield server
         await server.stop()

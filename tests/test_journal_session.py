@@ -148,7 +148,7 @@ async def test_the_sdk_session_maps_answers_to_domain_errors(
     assert invalid.value.field == "name"
     await successor.claim(claim_of(run_id, "successor"))
     with pytest.raises(Fenced):
-        await zombie.hold(jpb.HoldRequest(token=stale))
+        await zombie.check_tail(jpb.CheckTailRequest(token=stale))
     zombie.close()
     successor.close()
 
@@ -162,7 +162,7 @@ async def test_a_call_that_lost_its_answer_goes_on_a_new_stream(
 
     # Cancelled while its answer is on the way: that answer must not be taken
     # for the next call's, so the stream is dropped.
-    call = asyncio.ensure_future(session.hold(jpb.HoldRequest(token=token)))
+    call = asyncio.ensure_future(session.check_tail(jpb.CheckTailRequest(token=token)))
     await asyncio.sleep(0)  # let the call write its request
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -172,11 +172,11 @@ async def test_a_call_that_lost_its_answer_goes_on_a_new_stream(
 
     # The stream breaks between calls (a proxy cut it, the server restarted):
     # the next call is tried again on a new one.
-    broken = session._stream
+    broken = session._session
     assert broken is not None
     broken.cancel()
-    await session.hold(jpb.HoldRequest(token=token))
-    assert session._stream is not broken
+    await session.check_tail(jpb.CheckTailRequest(token=token))
+    assert session._session is not broken
     session.close()
     kinds = [r.WhichOneof("kind") for r in await read_journal(engine, run_id)]
     assert kinds == ["claim", "model"]
@@ -186,9 +186,9 @@ async def test_a_stream_is_kept_for_the_next_dispatch(client: Client, rpc: Engin
     first, second = await queued_run(client), await queued_run(client)
     session = JournalSession(rpc)
     await session.claim(claim_of(first))
-    used = session._stream
+    used = session._session
     session.close()
     again = JournalSession(rpc)
     await again.claim(claim_of(second))
-    assert again._stream is used
+    assert again._session is used
     again.close()

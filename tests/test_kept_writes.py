@@ -1,4 +1,4 @@
-"""A kept iteration's run write waits (ADR 37): while a journaled loop carries
+"""A kept iteration's run write waits, the deferred write (ADR 37): while a journaled loop carries
 on with the task its holder kept, the engine decides each next iteration on
 the run as it last wrote it and stores the run later, once for a batch. Its
 commits in the journal hold the iterations meanwhile, and whoever reads the
@@ -38,7 +38,7 @@ from tests.test_journal import NO_HEARTBEAT, journal_check
 
 LAGGING = dataclasses.replace(FAST, kept_write_batch=1000, kept_write_delay=60.0)
 K = 8
-__all__ = ["js"]  # the fixture, shared with the held-dispatch tests
+__all__ = ["js"]  # the fixture, shared with the kept-task tests
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -84,17 +84,17 @@ async def test_kept_iterations_are_written_with_the_runs_next_other_change(
 ) -> None:
     loop = Loop(k=K)
     # No automatic heartbeat: on a loaded machine one fires within the run,
-    # and a heartbeat's check of its holder reads the run (ADR 37), which is
+    # and a heartbeat's check of its holder reads the run, which is
     # not what this counts.
     run = await run_loop(client, engine, loop, heartbeat_interval=NO_HEARTBEAT)
     await completed(engine, run, K)
     assert loop.ran == [(i, 1, 1) for i in range(K)]
-    # The start, the first kept iteration (it says the message is held), the
+    # The start, the first kept iteration (it says the message is kept), the
     # end; none of the six iterations kept after the first.
     assert runs_bucket.writes[run.run_id] <= 4, runs_bucket.writes[run.run_id]
     assert engine.engine.counters["kept_unwritten"] >= K - 2
     # Nor are they read: on one server the engine hears every other write of
-    # a run (ADR 38), so it knows nobody wrote the run since it did. The
+    # a run (heard writes), so it knows nobody wrote the run since it did. The
     # reads are the first lease's and the client's wait.
     assert runs_bucket.reads[run.run_id] <= 3, runs_bucket.reads[run.run_id]
 
@@ -138,7 +138,7 @@ async def test_the_run_kept_with_a_guess_is_the_run_its_record_stores(
 ) -> None:
     # The engine decides a kept iteration on the run it kept with its last
     # decision, without decoding the record it wrote or keeps unwritten
-    # (ADR 43): that run must be the one the record stores, field for field.
+    # (the guessed run): that run must be the one the record stores, field for field.
     loop = Loop(k=K, pause_at=5)
     guesses: list[StoredRun | None] = []
 

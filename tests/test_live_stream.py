@@ -150,7 +150,7 @@ async def test_tokens_in_order_then_committed_with_the_record(
 
 async def _successor_claimed(engine: EngineServer, run_id: str) -> bool:
     """A redelivery's claim is stored. (The first delivery's claim rides
-    its holder's first record, ADR 40: a holder stalled in its first model
+    its holder's first record: a holder stalled in its first model
     call stored none.)"""
     records = claims(await read_journal(engine, run_id))
     return any(r.claim.delivery > 1 or r.leading_claim.delivery > 1 for r in records)
@@ -366,7 +366,7 @@ async def test_a_dispatch_handed_over_with_the_commit_streams_to_every_watcher(
     http: httpx.AsyncClient, client: Client, engine: EngineServer
 ) -> None:
     """The next iteration streams before its first record, which stores its
-    claim (ADR 34): a watcher that saw the commit takes the hand-over as the
+    claim (the hand-over): a watcher that saw the commit takes the hand-over as the
     claim it is, and one that starts then, with the commit as the journal's
     tail, shows the next dispatch's chunks."""
     task, name = await start_run(client)

@@ -183,7 +183,7 @@ async def test_a_frozen_streamer_woken_after_its_successor_claimed_shows_nothing
     assert len(put) == len(TOKENS), "the zombie did not stream after it woke"
     records = await read_journal(engine, at.run_id)
     # The zombie stored nothing, not even its claim: a first delivery's
-    # claim rides the first record (ADR 40), which its successor fenced.
+    # claim rides the first record, which its successor fenced.
     (successor,) = (r.writer for r in records if holds(r, "claim") and r.iteration == 0)
     events = at.events
     stored = {r.writer for r in records}

@@ -42,18 +42,18 @@ async def _scrape(url: str, query: str = "") -> dict[tuple[str, str], float]:
     }
 
 
-async def test_a_scrape_reads_what_the_engine_and_the_session_socket_counted(
+async def test_a_scrape_reads_what_the_engine_and_the_local_socket_counted(
     client: Client, engine: EngineServer
 ) -> None:
     endpoint = serve_metrics(engine, "127.0.0.1", 0)
     try:
         before = await _scrape(endpoint.url)
         # A worker that finds the socket; each commit's event goes to the
-        # engine of the same process (ADR 36).
+        # engine of the same process, by a call.
         await run_without_a_crash(client, engine, found)
         after = await _scrape(endpoint.url)
         # A scrape of named families has those alone.
-        picked = await _scrape(endpoint.url, "?name[]=dagnats_session_socket_polls_total")
+        picked = await _scrape(endpoint.url, "?name[]=dagnats_local_socket_polls_total")
     finally:
         endpoint.stop()
 
@@ -61,10 +61,10 @@ async def test_a_scrape_reads_what_the_engine_and_the_session_socket_counted(
         return after[(name, event)] > before.get((name, event), 0)
 
     assert grew("dagnats_engine_events_total", "local_applied")
-    assert grew("dagnats_session_socket_connections_total")
-    assert grew("dagnats_session_socket_polls_total")
-    assert ("dagnats_session_socket_open", "") in after
-    assert list(picked) == [("dagnats_session_socket_polls_total", "")]
+    assert grew("dagnats_local_socket_connections_total")
+    assert grew("dagnats_local_socket_polls_total")
+    assert ("dagnats_local_socket_open", "") in after
+    assert list(picked) == [("dagnats_local_socket_polls_total", "")]
     assert (
         after[("dagnats_engine_events_total", "local_applied")]
         == (engine.engine.counters["local_applied"])

@@ -157,8 +157,8 @@ async def test_a_guest_account_cannot_reach_jetstream(secured: NatsServer, certs
 async def test_only_the_services_account_reaches_the_engines_held_events(
     engine: EngineServer, secured: NatsServer, certs: Certs
 ) -> None:
-    # The journal service sends a held commit's event to the engines on one
-    # constant subject (ADR 33); a guest's publish there reaches no engine.
+    # The journal service sends a kept task's commit event to the engines on one
+    # constant subject; a guest's publish there reaches no engine.
     services = await raw_connect(
         secured, tls=client_tls(certs), user="dagnats", password=certs.password
     )

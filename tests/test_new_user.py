@@ -106,7 +106,7 @@ def test_dev_serves_the_services_counters_for_prometheus(dev: Dev) -> None:
     metrics = json.loads((dev.data / "dev.json").read_text())["metrics"]
     scraped = httpx.get(metrics, timeout=30)
     assert scraped.status_code == 200
-    # The demo's commits went to the engine of the same process (ADR 36).
+    # The demo's commits went to the engine of the same process, by a call.
     counted = re.search(
         r'^dagnats_engine_events_total\{event="local_applied"\} (\S+)$', scraped.text, re.M
     )

@@ -1,6 +1,6 @@
 """A run parked for input leaves the active-run index, so the reconciler's
 pass does not read it (ADR 32); the pass after the write that wakes it enters
-it again (ADR 48)."""
+it again."""
 
 from __future__ import annotations
 

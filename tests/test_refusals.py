@@ -51,7 +51,7 @@ async def _fail_fast(client: Client, engine: EngineServer, handler: Any, worker:
     await client.register_workflow(loop_workflow(name, task, retry=RETRY))
     handlers = {task: handler}
     if worker == "own process":
-        running = Worker(engine.target, handlers=handlers, poll_wait=1.0, journal_socket="off")
+        running = Worker(engine.target, handlers=handlers, poll_wait=1.0, local_socket="off")
     else:
         running = in_process_worker(engine, handlers, concurrency=4, poll_wait=1.0)
     async with running:

@@ -766,7 +766,7 @@ def test_base_before_is_the_commit_that_ended_the_previous_iteration() -> None:
     assert replay.base_before(failed, 1) == 9, "a retriable failure ends no iteration"
 
 
-# ---- records that hold two entries (ADR 24) ---------------------------------------------
+# ---- records that hold two entries: leading entries (ADR 24) -----------------------------
 
 
 def stored(*bodies: pb.Record, attempt: int = 1) -> list[pb.Record]:

@@ -231,7 +231,7 @@ async def test_an_engine_killed_after_taking_a_continue_stalls_the_run_for_a_rec
 ) -> None:
     # Reported without a journal, the continue's event is on the history, and
     # the reconciler applies it; a journal's commit sent its event to one
-    # engine directly (ADR 33), and the journal service publishes it on the
+    # engine directly, and the journal service publishes it on the
     # history after a third of its wait.
     first, second, arm, hit = two_engines
     target = "ipv4:" + ",".join(e.target for e in (first, second))

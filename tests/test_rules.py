@@ -548,7 +548,7 @@ def test_a_task_whose_run_is_not_stored_waits_for_it_within_the_horizon() -> Non
     assert wait(10 * horizon, 1) is None
 
 
-# ---- a task kept across iterations (ADR 31) ------------------------------------------
+# ---- the kept task: a task kept across iterations (ADR 31) ---------------------------
 
 
 def held_continue(it: int, seq: int, wait: m.Wait | None = None) -> m.StepReport:
@@ -616,7 +616,7 @@ def test_a_dispatch_that_is_not_kept_forgets_the_kept_task() -> None:
 
 def test_only_a_kept_iteration_that_carries_the_loop_on_may_go_unwritten() -> None:
     # The first kept iteration is written: the run as stored must say the
-    # message is held before a reader can know to look in the journal.
+    # message is kept before a reader can know to look in the journal.
     first = rules.apply(start().run, held_continue(0, 7), T0 + 1)
     assert not rules.carries_kept_loop_on(start().run, first, "agent", 7)
     run = accepted(first).run

@@ -153,7 +153,7 @@ async def test_a_claim_that_loses_a_race_settles_without_a_report(
     # report; a reported failure would fail this step, which has no retry left.
     # The race is run by the second attempt: the first attempt's first
     # delivery fences nothing, so its claim rides the first record and races
-    # nobody (ADR 40).
+    # nobody.
     retry = {"max_attempts": 2, "backoff": "fixed", "initial_delay": "10ms"}
     task, name = await register(client, retry=retry)
     lost: list[BaseException] = []

@@ -188,7 +188,7 @@ async def test_a_journaled_run_across_the_three_services_as_separate_processes(
         kinds = [r.WhichOneof("kind") for r in records]
         assert kinds == ["model", "commit", "input_placed", "commit"]
         # Each turn's claim rides its first record: the first delivery of the
-        # first attempt fences nothing (ADR 40).
+        # first attempt fences nothing (the riding claim).
         assert [r.HasField("leading_claim") for r in records] == [True, False, True, False]
         assert list(check.violations) == []
 

@@ -58,7 +58,7 @@ NEXT = "c" * 16
 
 def test_a_hand_over_at_the_commit_names_the_next_holder() -> None:
     # Watching since iteration 0's claim: its commit (seq 9) hands iteration 1
-    # over, and the hand-over's marker is fenced on that commit (ADR 34).
+    # over, and the hand-over's marker is fenced on that commit.
     rules = StreamRules.after(pb.Record(writer=HOLDER, seq=7))
     assert [e.type for e in rules.apply(chunk(HOLDER, 1))] == ["token"]
     assert [e.type for e in rules.apply(marker("committed", HOLDER))] == ["committed"]

@@ -186,7 +186,7 @@ async def test_a_run_this_engine_writes_is_watched_without_a_consumer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The engine hands its watches each state of the run as it stores it
-    # (ADR 39); the watch of the bucket waits, here longer than the run.
+    # (its own writes told); the watch of the bucket waits, here longer than the run.
     monkeypatch.setattr(watch, "WATCH_AFTER", 60.0)
     name, gates = gated
     run = await client.start_run(name)
@@ -204,7 +204,7 @@ async def test_a_watch_starts_at_once_when_another_engine_writes_its_run(
     gated: tuple[str, Gates],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # On one server the engine hears the other engine's write (ADR 38) and
+    # On one server the engine hears the other engine's write (heard writes) and
     # watches the bucket at once, rather than after WATCH_AFTER.
     monkeypatch.setattr(watch, "WATCH_AFTER", 60.0)
     name, _ = gated

@@ -4,10 +4,10 @@ streams.
 
 Two engines (each with the journal and inputs services) run in this process
 and share the history consumer; worker processes (``tests/chaos/worker.py``)
-dial both, each preferring one. The first engine also serves a session socket,
+dial both, each preferring one. The first engine also serves a local socket,
 as ``dagnats dev`` does: workers whose polls it answers find it and move their
-journal calls and polls there (ADR 45, 46, 49), and the drivers on its client
-start and watch their runs there (ADR 52); the rest stay on gRPC. Faults:
+journal calls and polls there, and the drivers on its client
+start and watch their runs there; the rest stay on gRPC. Faults:
 
 * ``worker-kill``: SIGKILL a worker; a fresh one starts a moment later.
 * ``worker-stall``: SIGSTOP a worker past its leases, then SIGCONT: its
@@ -129,7 +129,7 @@ class Report:
             f"records stored whose append returned no sequence, by how it ended: {unacked}",
             f"inputs: {inputs}",
             f"engine counters: {engine}",
-            f"the first engine's session socket carried: {socket}",
+            f"the first engine's local socket carried: {socket}",
             f"violations: {len(self.violations)}",
             *(f"  {v}" for v in self.violations[:50]),
         ]
@@ -181,7 +181,7 @@ class Soak:
                 instrumented_journal(acks_rng, self.faults, c.lost_ack_rate) as tap,
                 socket_dir() as short,  # a socket's path must fit 107 bytes
             ):
-                await self._soak(tap, short / "journal.sock")
+                await self._soak(tap, short / "local.sock")
         finally:
             await self.nats.stop()
         self.report.seconds = time.monotonic() - began
@@ -200,7 +200,7 @@ class Soak:
             for socket in (sessions, None):
                 engines.append(
                     await start_engine(
-                        self.nats.url, config=SOAK, topology=topology, session_socket=socket
+                        self.nats.url, config=SOAK, topology=topology, local_socket=socket
                     )
                 )
             lossy = [self._lossy_engine(i, e) for i, e in enumerate(engines)]
@@ -244,9 +244,9 @@ class Soak:
             await self.nc.close()
 
     def _count_socket(self, engine: EngineServer) -> None:
-        """What the first engine's session socket carried: a soak whose socket
+        """What the first engine's local socket carried: a soak whose socket
         carried none would test gRPC alone."""
-        sockets = engine.session_socket
+        sockets = engine.local_socket
         assert sockets is not None
         carried = {
             "connections": sockets.accepted,
@@ -256,7 +256,7 @@ class Soak:
         self.report.socket.update(carried)
         for kind, n in carried.items():
             if not n:
-                self.report.violations.append(f"the session socket carried no {kind}")
+                self.report.violations.append(f"the local socket carried no {kind}")
 
     def _lossy_engine(self, index: int, engine: EngineServer) -> LossyPublish:
         rng = random.Random(f"{self.config.seed}/engine-acks/{index}")
@@ -326,7 +326,7 @@ class Soak:
 
     async def _finished(self, client: Client, run_id: str) -> pb.Run | None:
         """The run once it has ended, or None after the deadline: a watch, as a
-        user waits (on the first engine's session socket once its client has
+        user waits (on the first engine's local socket once its client has
         found it); it rides out what the faults do to its engine and stream."""
         try:
             return await client.wait_for_run(run_id, timeout=self.config.run_deadline)

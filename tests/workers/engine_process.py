@@ -58,13 +58,13 @@ def seam_hook(arm: Path, hit: Path) -> seam.Hook:
 async def serve(nats_url: str, port: int, ready: Path, replicas: int) -> None:
     if os.environ.get(ARM):
         seam.install(seam_hook(Path(os.environ[ARM]), Path(os.environ[HIT])))
-    socket = os.environ.get("DAGNATS_SESSION_SOCKET")  # as `dagnats serve` reads it
+    socket = os.environ.get("DAGNATS_LOCAL_SOCKET")  # as `dagnats serve` reads it
     server = await start_engine(
         nats_url,
         port=port,
         config=EngineConfig.from_env(MATRIX),
         topology=Topology(replicas=replicas),
-        session_socket=Path(socket) if socket else None,
+        local_socket=Path(socket) if socket else None,
     )
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

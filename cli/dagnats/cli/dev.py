@@ -38,9 +38,9 @@ from dagnats.cli.common import (
 )
 from dagnats.cli.handlers import handlers_from_flags, in_process_worker
 from dagnats.core.natsserver import free_port
+from dagnats.engine import local_transport
 from dagnats.engine.metrics import MetricsEndpoint, serve_metrics
 from dagnats.gateway import GatewayConfig
-from dagnats.journal import session_socket
 from dagnats.sdk import Client, Credentials, Worker
 from dagnats.sdk.models import ChatModel
 from dagnats.sdk.testing import LocalStack
@@ -49,11 +49,11 @@ from dagnats.sdk.testing import LocalStack
 NO_CREDENTIALS = Credentials()
 
 
-def _session_socket(data: Path) -> Path | None:
-    """Where the journal takes sessions on a Unix socket: in the data
-    directory, unless its path is too long for a socket address (then the
-    journal calls of workers go on gRPC only)."""
-    path = session_socket.address(data / "journal.sock")
+def _local_socket(data: Path) -> Path | None:
+    """Where the services' local socket is: in the data directory, unless
+    its path is too long for a socket address (then the calls of workers and
+    clients on this host go on gRPC only)."""
+    path = local_transport.address(data / "local.sock")
     return None if path is None else Path(path)
 
 
@@ -77,12 +77,12 @@ async def run_dev(args: argparse.Namespace) -> int:
     handlers = handlers_from_flags(args.handlers, args.handler_concurrency)
     data.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before anything runs
     lock = _lock(data)  # held until this process ends
-    sessions = _session_socket(data)
+    sessions = _local_socket(data)
     stack = LocalStack(
         store_dir=data / "nats",
         nats_port=_port_or_free(args.nats_port),
         engine_port=_port_or_free(args.engine_port),
-        session_socket=sessions,
+        local_socket=sessions,
     )
     workers: list[Worker] = []
     metrics: MetricsEndpoint | None = None
@@ -105,14 +105,14 @@ async def run_dev(args: argparse.Namespace) -> int:
             "metrics": metrics.url,
         }
         if sessions is not None:
-            found["journal_socket"] = str(sessions)
+            found["local_socket"] = str(sessions)
         (data / DEV_FILE).write_text(json.dumps(found))
         print(f"nats-server  {nats.url}  (data in {data / 'nats'}, sync_interval: always)")
         print(f"engine       {engine.target}  (gRPC)")
         if sessions is not None:
-            print(f"journal      {sessions}  (workers on this host find it; the README says how)")
+            print(f"local socket {sessions}  (workers on this host find it; the README says how)")
         else:
-            print("journal      no session socket: the data directory's path is too long for one")
+            print("local socket none: the data directory's path is too long for one")
         print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")
         print(f"console      {gateway.url}/ui")
         print(f"metrics      {metrics.url}  (the services' counters, for Prometheus)")

@@ -111,6 +111,6 @@ def in_process_worker(
         handlers=handlers,
         concurrency=concurrency,
         credentials=Credentials(token=server.own.token),
-        journal_sessions=journal.local_session,
+        journal_sessions=server.local_session,
         **options,
     )

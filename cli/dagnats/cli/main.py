@@ -146,11 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="nats-server monitoring URL, to check sync_interval at start-up",
     )
     serve.add_argument(
-        "--session-socket",
-        default=os.environ.get("DAGNATS_SESSION_SOCKET") or None,
+        "--local-socket",
+        default=os.environ.get("DAGNATS_LOCAL_SOCKET") or None,
         metavar="PATH",
-        help="journal, all: also take journal sessions on a Unix socket at PATH, for "
-        "workers on this host (DAGNATS_SESSION_SOCKET; ADR 45)",
+        help="journal, all: also take the journal's calls (and with the engine, its polls "
+        "and watches) on a Unix socket at PATH, for clients on this host (DAGNATS_LOCAL_SOCKET)",
     )
     serve.add_argument(
         "--metrics-port",
@@ -176,7 +176,7 @@ def _with_handler_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="MODULE:ATTR",
         help="run these handlers (a mapping of task type to handler) in this process, "
-        "their journal calls answered without gRPC; trusted code only (ADR 44)",
+        "their journal calls answered without gRPC; trusted code only",
     )
     p.add_argument(
         "--handler-concurrency",
@@ -423,8 +423,8 @@ async def _serve(args: argparse.Namespace) -> int:
 
     if args.handlers is not None and args.service != "all":
         raise UsageError(NEEDS_BOTH)
-    if args.session_socket is not None and args.service not in ("journal", "all"):
-        raise UsageError("--session-socket needs the journal: dagnats serve journal or all")
+    if args.local_socket is not None and args.service not in ("journal", "all"):
+        raise UsageError("--local-socket needs the journal: dagnats serve journal or all")
     if args.metrics_port is not None and args.service not in ("engine", "journal", "all"):
         raise UsageError(
             "--metrics-port serves the engine's and the journal's counters: "
@@ -450,11 +450,11 @@ async def _serve(args: argparse.Namespace) -> int:
         security=ServerSecurity.from_env(),
         nats_settings=_nats_settings(args),
         own_port=handlers is not None,
-        session_socket=Path(args.session_socket) if args.session_socket else None,
+        local_socket=Path(args.local_socket) if args.local_socket else None,
     )
     print(f"{' and '.join(server.services)} serving on {server.target}", flush=True)
-    if server.session_socket is not None:
-        print(f"journal sessions on {server.session_socket.path}", flush=True)
+    if server.local_socket is not None:
+        print(f"local socket on {server.local_socket.path}", flush=True)
     metrics: MetricsEndpoint | None = None
     try:
         if args.metrics_port is not None:

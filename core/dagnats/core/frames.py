@@ -1,5 +1,5 @@
-"""Length-prefixed protobuf frames over a stream transport: the journal's
-session socket (ADR 45) on both of its ends.
+"""Length-prefixed protobuf frames over a stream transport: the local socket
+on both of its ends, and the local transport's error.
 
 A frame is a 4-byte big-endian length and that many bytes, a message.
 """
@@ -10,9 +10,25 @@ import asyncio
 import struct
 from typing import Any
 
+import grpc
+
 HEADER = struct.Struct(">I")
 # As gRPC's default limit on a received message.
 MAX_FRAME = 4 * 1024 * 1024
+
+
+class TransportError(Exception):
+    """A call on the local transport that failed on the way, not in the
+    service: the socket could not be reached, the connection ended, no answer
+    came in time, the server refused the hello or the call's method. ``code``
+    is the status gRPC would have ended the call with (UNAVAILABLE,
+    DEADLINE_EXCEEDED, UNAUTHENTICATED, ...); the SDK's retry rules read it
+    as they read a gRPC status (``dagnats.sdk._errors``)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
 
 
 class Frames(asyncio.Protocol):

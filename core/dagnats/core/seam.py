@@ -28,8 +28,8 @@ while it is written, so there both are stored), ``after_dispatch_published``
 replace), ``before_first_tasks`` (a new run's first tasks about to be
 published while the run is written: raising here stores the run alone),
 ``after_kept_unwritten`` (a kept iteration decided and not written: the run
-as stored is behind the journal, ADR 37) and ``before_event_applied`` (an event is
-taken from the history, or a held commit's from core NATS, not yet applied
+as stored is behind the journal: the deferred write) and ``before_event_applied`` (an event is
+taken from the history, or a commit's event from core NATS, not yet applied
 nor acknowledged).
 """
 

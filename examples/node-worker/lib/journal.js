@@ -13,7 +13,7 @@
 // - One call at a time: calls are matched by position, so a second call while
 //   one is running throws ConcurrentJournalUse instead of recording a race.
 // - Every write carries the WriterToken the previous write returned. Journal
-//   RPCs, the heartbeat's Hold included, go out one at a time so that none
+//   RPCs, the heartbeat's CheckTail included, go out one at a time so that none
 //   carries a token an earlier one of ours has already outdated.
 // - After Fenced the handle writes nothing more.
 
@@ -144,8 +144,8 @@ export class Journal {
   }
 
   // Throws Fenced unless this holder still owns the step (before a heartbeat).
-  async hold(signal) {
-    await this.#send('hold', (token) => ({ token }), signal);
+  async checkTail(signal) {
+    await this.#send('checkTail', (token) => ({ token }), signal);
   }
 
   // Stores the dispatch's commit; returns its sequence (a string).

@@ -58,7 +58,7 @@ const METHODS = {
   beginTool: ['journal', 'BeginTool', true],
   toolOutput: ['journal', 'ToolOutput', true],
   finishTool: ['journal', 'FinishTool', true],
-  hold: ['journal', 'Hold', true],
+  checkTail: ['journal', 'CheckTail', true],
   commit: ['journal', 'Commit', true],
 };
 
@@ -189,7 +189,7 @@ const SESSION_FIELDS = {
   beginTool: 'begin_tool',
   toolOutput: 'tool_output',
   finishTool: 'finish_tool',
-  hold: 'hold',
+  checkTail: 'check_tail',
   commit: 'commit',
 };
 

@@ -7,7 +7,7 @@
 // - At most `concurrency` handlers run at once; a poll asks for exactly the
 //   free slots, so the worker never leases a task it cannot start.
 // - While a handler runs, a heartbeat goes out every third of the lease. Once
-//   the journal is claimed, each heartbeat is preceded by a Hold: only a holder
+//   the journal is claimed, each heartbeat is preceded by a CheckTail: only a holder
 //   may extend the lease (a zombie's heartbeat would extend its successor's).
 //   Fenced, or a cancelled run, stops the handler.
 // - Every task ends with exactly one report unless the handler settled it or
@@ -165,7 +165,7 @@ export class Worker {
     while (await pause(interval, stopped)) {
       if (tc.settled) return; // the lease is spent; nothing left to keep alive
       try {
-        if (tc.journaled) await tc.journaled.hold(stopped);
+        if (tc.journaled) await tc.journaled.checkTail(stopped);
         if (await tc.beat(stopped)) {
           log(`run ${tc.runId} was cancelled; stopping ${name(tc)}`);
           tc.abort(`run ${tc.runId} was cancelled`);

@@ -217,7 +217,7 @@ class TaskContext:
         await seam("before_claim")
         self._session = self._session or JournalSession(self._rpc, lease=self._lease)
         if self._handed is not None:
-            # The commit before this dispatch handed it over (ADR 34): the
+            # The commit before this dispatch handed it over (the hand-over): the
             # claim is stored with the first record, fenced on that commit.
             token = self._handed.token
             token.claim.worker_id = self._worker_id
@@ -232,7 +232,7 @@ class TaskContext:
             return self._journal
         if self._leased.HasField("journal_claim"):
             # Claimed as the task was leased, to be stored with the first
-            # record (ADR 42): the tail was read after the poll was sent.
+            # record (the claim with the lease): the tail was read after the poll was sent.
             claimed, sent = self._leased.journal_claim, self._leased_at
         else:
             claimed, sent = await self._claim()
@@ -459,7 +459,7 @@ class TaskContext:
 
     def next_task(self) -> Kept | None:
         """The next iteration's task when this one's commit kept the task
-        message for it (ADR 31)."""
+        message for it (the kept task)."""
         return self._next
 
     def _kept(self, nxt: jpb.NextDispatch, commit: jpb.Commit) -> Kept:
@@ -510,11 +510,11 @@ class TaskContext:
             if self._journal is not None:
                 # The commit is the state of record; the journal service
                 # answers once it is stored, then publishes its event and
-                # releases the task (ADR 9).
+                # releases the task.
                 commit = commit_of(outcome, self._state)
                 # Asks to keep the task for the next iteration, which the
                 # worker then runs on this lease; the journal service grants
-                # it to a continue that does not wait (ADR 31).
+                # it to a continue that does not wait: the kept task.
                 try:
                     nxt = await self._journal.commit(
                         commit, lease=self._leased.lease, hold=self._hold
@@ -546,7 +546,7 @@ class TaskContext:
 
 class Handover(NamedTuple):
     """A dispatch's journal handed to its holder with the commit before it
-    (ADR 34): the token whose first write stores the claim, the state that
+    (the hand-over, ADR 34): the token whose first write stores the claim, the state that
     commit saved (None if it saved none), and when the commit's call was sent
     (event-loop time; see ``Journal``'s ``checked_at``)."""
 
@@ -556,7 +556,7 @@ class Handover(NamedTuple):
 
 
 class Kept(NamedTuple):
-    """The next iteration a commit kept the task message for (ADR 31): the
+    """The next iteration a commit kept the task message for (the kept task, ADR 31): the
     same lease and delivery, the new dispatch; when the lease was last known
     extended (event-loop time); its journal, if it was handed over."""
 

@@ -1,10 +1,13 @@
 """Errors the SDK raises, and the ones a handler raises to steer its task.
 
 The domain errors, ``JournalSignal`` and ``Fenced`` are the ones every dagnats
-component shares (``dagnats.core.errors``); a failed RPC becomes the very error
+component shares (``dagnats.core.errors``); a failed call becomes the very error
 the service raised, with its typed fields (a fenced write's ``expected`` and
-``actual`` sequences), in ``dagnats.core.grpcutil`` and nowhere else, so no
-SDK user ever sees a ``grpc.RpcError``.
+``actual`` sequences), here (:func:`failure`, :func:`domain_error`,
+:func:`answered_error`, on ``dagnats.core.grpcutil``) and nowhere else,
+whichever transport carried it: a gRPC call (``grpc.aio.AioRpcError``), the
+local socket or a Session stream (``TransportError``). No SDK user ever sees
+either: the retry rules (``dagnats.sdk._rpc``) read their status.
 
     BaseException
     ├── RunCancelled                  the run was cancelled; the handler must stop
@@ -38,6 +41,11 @@ it alone: acknowledging would take the task from its successor).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import grpc
+import grpc.aio
+
 from dagnats.core.errors import (
     Conflict,
     DagnatsError,
@@ -52,7 +60,16 @@ from dagnats.core.errors import (
     Unauthenticated,
     Unavailable,
 )
+from dagnats.core.frames import TransportError
+from dagnats.core.grpcutil import (
+    WireError,
+    error_code,
+    error_from_rpc,
+    error_from_status,
+    status_code,
+)
 from dagnats.engine.v1 import engine_pb2 as epb
+from dagnats.journal.v1 import journal_pb2 as jpb
 
 __all__ = [
     "Committed",
@@ -162,3 +179,43 @@ class RunFailed(DagnatsError):
         self.status = status
         self.error = run.error
         self.run = run
+
+
+# ---- the one place a failed call becomes an error -----------------------------------
+
+# A call that failed on its way: gRPC's, or the local transport's (and a
+# Session stream's) own.
+CallFailure = grpc.aio.AioRpcError | TransportError
+# The domain errors a call is answered with (``WireError``), to catch.
+ANSWERED = (DagnatsError, Fenced, RunCancelled)
+
+
+class Failure(NamedTuple):
+    """What the retry rules read of a failed call."""
+
+    status: grpc.StatusCode
+    details: str
+    code: str  # the dagnats error code the server sent; empty when none
+
+
+def failure(err: BaseException) -> Failure | None:
+    """The status of a call that failed on its way; None for any other exception."""
+    if isinstance(err, grpc.aio.AioRpcError):
+        return Failure(err.code(), err.details() or "", error_code(err))
+    if isinstance(err, TransportError):
+        return Failure(err.code, err.message, "")
+    return None
+
+
+def domain_error(err: CallFailure) -> WireError:
+    """The domain error a failed call stands for, as the service raised it."""
+    if isinstance(err, grpc.aio.AioRpcError):
+        return error_from_rpc(err)
+    return error_from_status(err.code, err.message, "", "")
+
+
+def answered_error(error: jpb.SessionError) -> WireError:
+    """The domain error a call on a Session stream or the local socket was
+    answered with, as its own RPC would have raised it."""
+    status = status_code(error.status)
+    return error_from_status(status, error.message, error.code, error.field, dict(error.details))

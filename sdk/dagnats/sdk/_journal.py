@@ -26,12 +26,12 @@ Invariants:
   holder does not spend it, unless the handle's last write was stored from a
   call sent at most ``FRESH_TAIL`` before and nothing is recorded at the
   position (``WriterToken.replay_positions``): that write was fenced on the
-  tail, and a read would tell no more (ADR 35).
+  tail, and a read would tell no more: a fresh write is the tail check (ADR 35).
 - A model response or a tool result is not sent at once: it rides the next
   journal call in that call's record when that call can carry it (a tool
   call's intent after a response, the commit after either), and is stored on
   its own first when the next call cannot, or as soon as the handler gives
-  the event loop a turn before its next call (ADR 24). So it is stored before
+  the event loop a turn before its next call (the pending entry). So it is stored before
   anything that depends on it starts -- a tool, the next model call, the
   commit -- and a crash before it is stored loses only what a crash inside
   the model call or the tool would have lost. A response or result over
@@ -136,7 +136,7 @@ PENDING_BYTES = 64 * 1024
 # tail read before a model call: counted from when the write's call was sent,
 # so the write landed inside it. A successor's claim in that window costs at
 # most one model call whose response is refused, as a claim made while the
-# model answers does (ADR 35).
+# model answers does.
 FRESH_TAIL = 0.05
 
 
@@ -452,27 +452,27 @@ class Journal:
                 for p in placed.inputs
             ]
 
-    async def hold(self) -> None:
+    async def check_tail(self) -> None:
         """Raise ``Fenced`` unless this holder still owns the step.
 
         Waits for a write in flight and checks with the token it returns.
         """
-        await self._send(self._hold, writes=False, pending_first=False)
+        await self._send(self._check_tail, writes=False, pending_first=False)
 
-    async def _hold(self, token: jpb.WriterToken) -> jpb.HoldResponse:
+    async def _check_tail(self, token: jpb.WriterToken) -> jpb.CheckTailResponse:
         if self._committed:
             # The dispatch is over and only its report is left: no successor
             # claims a committed dispatch, and the commit moved the tail.
-            return jpb.HoldResponse()
-        return await self._rpc.hold(jpb.HoldRequest(token=token))
+            return jpb.CheckTailResponse()
+        return await self._rpc.check_tail(jpb.CheckTailRequest(token=token))
 
     async def commit(
         self, commit: jpb.Commit, *, lease: str, hold: bool = False
     ) -> jpb.NextDispatch | None:
         """Store the dispatch's commit and settle the task with ``lease``: once
         the commit is stored, the journal service answers, then publishes the
-        commit's event and acknowledges the task (ADR 9). ``hold``: keep the
-        task for the next iteration (ADR 31); the dispatch it carries on to
+        commit's event and acknowledges the task. ``hold``: keep the
+        task for the next iteration (the kept task); the dispatch it carries on to
         when the engine made it, else None."""
 
         def committed(done: jpb.CommitResponse) -> None:

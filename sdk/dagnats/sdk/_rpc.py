@@ -36,7 +36,7 @@ import logging
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import grpc.aio
@@ -48,8 +48,10 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from dagnats.core import tracing
 from dagnats.core.errors import PermissionDenied, Unauthenticated, Unavailable
-from dagnats.core.grpcutil import WireError, error_code, error_from_rpc, retriable
+from dagnats.core.frames import TransportError
+from dagnats.core.grpcutil import WireError, retriable, status_of
 from dagnats.core.settings import env_seconds
 from dagnats.core.status import FINAL_RUN_STATUSES
 from dagnats.core.tracing import client_interceptors
@@ -60,15 +62,15 @@ from dagnats.inputs.v1 import inputs_pb2_grpc
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc
 from dagnats.sdk._credentials import Credentials
-from dagnats.sdk._socket_session import (
+from dagnats.sdk._errors import ANSWERED, CallFailure, domain_error, failure
+from dagnats.sdk._local_transport import (
     OFF,
     FoundSocket,
-    SocketPolls,
-    SocketSession,
-    SocketWatch,
-    SocketWatches,
+    LocalConnection,
+    LocalStream,
     not_a_socket,
 )
+from dagnats.sdk._session import GrpcSession, Session
 
 if TYPE_CHECKING:
     from dagnats.engine.v1.engine_pb2_grpc import EngineServiceAsyncStub
@@ -82,19 +84,14 @@ log = logging.getLogger("dagnats.sdk")
 MAX_IDLE_SESSIONS = 64
 
 
-# A WatchRun stream: a gRPC call, or a watch on the session socket (ADR 52).
-WatchStream = grpc.aio.UnaryStreamCall[pb.WatchRunRequest, pb.WatchRunResponse] | SocketWatch
-
-
-class SessionStream(Protocol):
-    """A journal ``Session`` stream as ``JournalSession`` uses it: a gRPC
-    stream-stream call, or one the services answer in their own process for
-    the handlers they run (ADR 44)."""
-
-    async def write(self, request: jpb.SessionRequest) -> None: ...
-    async def read(self) -> object: ...  # a SessionResponse; anything else: it ended
-    def done(self) -> bool: ...
-    def cancel(self) -> bool: ...
+# A WatchRun stream: a gRPC call, or a watch on the local socket.
+WatchStream = (
+    grpc.aio.UnaryStreamCall[pb.WatchRunRequest, pb.WatchRunResponse]
+    | LocalStream[pb.WatchRunResponse]
+)
+_ENGINE = f"/{pb.DESCRIPTOR.services_by_name['EngineService'].full_name}/"
+POLL_METHOD = _ENGINE + "PollTasks"
+WATCH_METHOD = _ENGINE + "WatchRun"
 
 
 _JOURNAL_METHODS = frozenset(
@@ -201,12 +198,13 @@ class EngineRpc:
     running event loop; TLS files are read here, so a missing one fails at
     once. ``credentials`` None reads them from the environment
     (``Credentials.from_env``); the same credentials go to every service.
-    ``journal_socket`` (by default ``DAGNATS_JOURNAL_SOCKET``) puts the
-    journal's Session streams on the services' session socket (ADR 45), with
-    the credentials' token; ``"off"`` keeps them on gRPC; unset, they go to
-    the socket the polls' answers name when it is on this host and the
-    journal is the engine's (ADR 46). ``sessions`` opens them instead of any
-    of these: the services give their own when they run the handlers.
+    ``local_socket`` (by default ``DAGNATS_LOCAL_SOCKET``) puts the
+    journal's Session calls on the services' local socket, with the
+    credentials' token; ``"off"`` keeps every call on gRPC; unset, the
+    journal calls, the polls and the watches go to the socket the polls' and
+    watches' answers name when it is on this host and the journal is the
+    engine's. ``sessions`` opens the journal's sessions instead of any of
+    these: the services give their own when they run the handlers.
     """
 
     def __init__(
@@ -218,20 +216,20 @@ class EngineRpc:
         credentials: Credentials | None = None,
         journal_target: str | None = None,
         inputs_target: str | None = None,
-        journal_socket: str | None = None,
-        sessions: Callable[[], SessionStream] | None = None,
+        local_socket: str | None = None,
+        sessions: Callable[[], Session] | None = None,
     ) -> None:
         self._target = target
         self._journal_target = journal_target or target
         self._inputs_target = inputs_target or target
         self._credentials = credentials if credentials is not None else Credentials.from_env()
-        socket = journal_socket or os.environ.get("DAGNATS_JOURNAL_SOCKET") or None
+        socket = local_socket or os.environ.get("DAGNATS_LOCAL_SOCKET") or None
         given = socket if sessions is None and socket != OFF else None
-        self._journal_socket = given
+        self._local_socket = given
         if given is not None:
-            sessions = functools.partial(SocketSession, given, self._credentials.token)
+            sessions = functools.partial(LocalConnection, given, self._credentials.token)
         self._sessions = sessions
-        # The polls' socket, where nothing above chose (ADR 46).
+        # The socket the answers name, where nothing above chose.
         self._found = (
             FoundSocket(self._credentials.token)
             if sessions is None and socket is None and self._journal_target == target
@@ -244,18 +242,18 @@ class EngineRpc:
         self._stub: EngineServiceAsyncStub | None = None
         self._journal_stub: JournalServiceAsyncStub | None = None
         self._inputs_stub: InputsServiceAsyncStub | None = None
-        self._idle_sessions: list[SessionStream] = []
-        self._polls: SocketPolls | None = None  # idle between polls
-        self._watches: SocketWatches | None = None  # idle between watches
+        self._idle_sessions: list[Session] = []
+        self._polls: LocalConnection | None = None  # idle between polls
+        self._watches: LocalConnection | None = None  # idle between watches
 
-    def check_journal_socket(self) -> None:
-        """Warn, once, when the session socket the journal calls go to is not
+    def check_local_socket(self) -> None:
+        """Warn, once, when the local socket the journal calls go to is not
         there: a wrong path would keep them retrying for as long as the
         worker's heartbeats keep its leases. Not an error: the services may
         not have started yet."""
-        path = self._journal_socket
+        path = self._local_socket
         if path is not None and (problem := not_a_socket(path)) is not None:
-            log.warning("the journal's session socket %s: %s", path, problem)
+            log.warning("the local socket %s: %s", path, problem)
 
     @property
     def timeout(self) -> float:
@@ -321,18 +319,20 @@ class EngineRpc:
                     if final:
                         # Its connection serves the next watch at once: a caller
                         # that has the end may not close this generator for a while.
-                        self._watch_ended(call)
+                        self._watch_ended(call, released=True)
                     if response.revision > revision:
                         revision = response.revision
                         yield response
                     if final:
                         return
                     response = await _next(call)
-                # Closed before the run ended (an engine stopping): watch again.
-            except grpc.aio.AioRpcError as err:
+                # Closed before the run ended (an engine stopping): watch again;
+                # a socket watch's connection, read to the stream's end, may.
+                self._watch_ended(call)
+            except (grpc.aio.AioRpcError, TransportError) as err:
                 if not _is_transient(err, idempotent=True):
                     raise self._domain_error("WatchRun", err) from None
-                log.info("engine WatchRun stream broke with %s; watching again", err.code().name)
+                log.info("engine WatchRun stream broke with %s; watching again", _status_name(err))
             finally:
                 call.cancel()  # left before its end: a socket watch's connection closes
 
@@ -360,27 +360,38 @@ class EngineRpc:
     async def _open_watch(
         self, request: pb.WatchRunRequest
     ) -> tuple[WatchStream, pb.WatchRunResponse | None]:
-        """Open a ``WatchRun`` stream at this try: on the session socket when
-        one was found that takes watches (ADR 52), else on the channel."""
+        """Open a ``WatchRun`` stream at this try, and read its first state:
+        on the local socket when one was found, else on the channel."""
         watches = self._take_watches()
         if watches is not None:
-            try:
-                watch = await watches.watch(request)
-            except grpc.aio.AioRpcError as err:
-                if not watches.not_sent:
-                    raise  # the watch may have been taken: the retry rules decide
-                log.info("a watch on the session socket failed (%s); on gRPC", err.details())
-            except BaseException:  # refused (a domain error), or cancelled
-                self._watch_ended(watches)
-                raise
-            else:
-                return watch, await _next(watch)
+            carrier: dict[str, str] = {}
+            with tracing.client_span(WATCH_METHOD, carrier) as span:
+                try:
+                    watch = await watches.stream(
+                        WATCH_METHOD, request, pb.WatchRunResponse, carrier
+                    )
+                    first = await _next(watch)
+                except TransportError as err:
+                    tracing.set_status(span, err.code, err.message, server=False)
+                    if not watches.not_sent():
+                        raise  # the watch may have been taken: the retry rules decide
+                    log.info("a watch on the local socket failed (%s); on gRPC", err.message)
+                except ANSWERED as err:  # refused: the connection serves on
+                    tracing.set_status(span, status_of(err), err.message, server=False)
+                    self._watch_ended(watches)
+                    raise
+                except BaseException:  # cancelled: the connection was closed
+                    self._watch_ended(watches)
+                    raise
+                else:
+                    tracing.set_status(span, grpc.StatusCode.OK, "", server=False)
+                    return watch, first
         call, response = await _open(self._connect().WatchRun, request)
-        if response is not None and response.HasField("session_socket"):
-            self._offered(response.session_socket)
+        if response is not None and response.HasField("local_socket"):
+            self._offered(response.local_socket)
         return call, response
 
-    def _take_watches(self) -> SocketWatches | None:
+    def _take_watches(self) -> LocalConnection | None:
         """The idle connection for watches on the socket, or a new one; None
         when the watches go on gRPC."""
         idle = self._watches
@@ -389,14 +400,16 @@ class EngineRpc:
             return idle
         if idle is not None:
             idle.close()
-        return self._found.watches() if self._found is not None else None
+        return self._found.connection() if self._found is not None else None
 
-    def _watch_ended(self, call: WatchStream | SocketWatches) -> None:
-        """Keep the connection of a socket watch that has ended for the next
-        watch, or close it."""
-        if isinstance(call, SocketWatch):
-            call = call.watches
-        if not isinstance(call, SocketWatches):
+    def _watch_ended(self, call: WatchStream | LocalConnection, *, released: bool = False) -> None:
+        """Keep the connection of a socket watch that has ended (``released``
+        at its final state) for the next watch, or close it."""
+        if isinstance(call, LocalStream):
+            if released:
+                call.release()
+            call = call.connection
+        if not isinstance(call, LocalConnection):
             return
         if call.idle() and self._watches is None:
             self._watches = call
@@ -420,27 +433,27 @@ class EngineRpc:
         polls = self._take_polls()
         if polls is not None:
             try:
-                return await polls.poll(request, deadline=deadline)
-            except grpc.aio.AioRpcError as err:  # the socket failed, not the poll
-                log.info("a poll on the session socket failed (%s); on gRPC", err.details())
+                return await _poll(polls, request, deadline)
+            except TransportError as err:  # the socket failed, not the poll
+                log.info("a poll on the local socket failed (%s); on gRPC", err.message)
             finally:
                 self._give_back_polls(polls)
         response: pb.PollTasksResponse = await self._call(
             self._connect().PollTasks, request, idempotent=False, deadline=deadline
         )
-        if response.HasField("journal_socket"):
-            self._offered(response.journal_socket)
+        if response.HasField("local_socket"):
+            self._offered(response.local_socket)
         return response
 
-    def _take_polls(self) -> SocketPolls | None:
-        """A connection to the socket for one poll (ADR 49): the idle one, or
-        a new one while another poll holds it; None when the polls go on gRPC."""
+    def _take_polls(self) -> LocalConnection | None:
+        """A connection to the socket for one poll: the idle one, or a new one
+        while another poll holds it; None when the polls go on gRPC."""
         if self._polls is None or self._polls.done():
-            self._polls = self._found.polls() if self._found is not None else None
+            self._polls = self._found.connection() if self._found is not None else None
         polls, self._polls = self._polls, None
         return polls
 
-    def _give_back_polls(self, polls: SocketPolls) -> None:
+    def _give_back_polls(self, polls: LocalConnection) -> None:
         if self._polls is None and not polls.done():
             self._polls = polls
         else:
@@ -493,8 +506,8 @@ class EngineRpc:
     async def finish_tool(self, request: jpb.FinishToolRequest) -> jpb.FinishToolResponse:
         return await self._call(self._journal().FinishTool, request, idempotent=True)
 
-    async def hold(self, request: jpb.HoldRequest) -> jpb.HoldResponse:
-        return await self._call(self._journal().Hold, request, idempotent=True)
+    async def check_tail(self, request: jpb.CheckTailRequest) -> jpb.CheckTailResponse:
+        return await self._call(self._journal().CheckTail, request, idempotent=True)
 
     async def commit(self, request: jpb.CommitRequest) -> jpb.CommitResponse:
         return await self._call(self._journal().Commit, request, idempotent=True)
@@ -581,23 +594,24 @@ class EngineRpc:
             name, lambda: method(request, timeout=timeout), idempotent=idempotent, lease=lease
         )
 
-    def open_session(self) -> SessionStream:
-        """A journal Session stream (see ``JournalSession``): an idle one given
-        back by an earlier dispatch, or a new one (from ``sessions`` when given)."""
+    def open_session(self) -> Session:
+        """A journal session (see ``JournalSession``): an idle one given back
+        by an earlier dispatch, or a new one: from ``sessions`` when given,
+        on the local socket when one was found, else a gRPC Session stream."""
         while self._idle_sessions:
             stream = self._idle_sessions.pop()
             if not stream.done():
                 return stream
         if self._sessions is not None:
             return self._sessions()
-        if self._found is not None and (found := self._found.session()) is not None:
+        if self._found is not None and (found := self._found.connection()) is not None:
             return found
-        return self._journal().Session(None)  # None: written with write()
+        return GrpcSession(self._journal().Session(None))  # None: written with write()
 
-    def _offered(self, socket: pb.JournalSocket) -> None:
-        """A poll's or a watch's answer named ``socket`` (ADRs 46, 52): when
-        the calls go there from now, the idle ones on gRPC or on another
-        socket are closed, so that the next ones open there."""
+    def _offered(self, socket: pb.LocalSocket) -> None:
+        """A poll's or a watch's answer named ``socket``: when the calls go
+        there from now, the idle ones on gRPC or on another socket are
+        closed, so that the next ones open there."""
         if self._found is not None and self._found.offered(socket):
             self._drop_idle_sessions()  # the next dispatch's calls go to the socket
             self._drop_polls()  # and so do the polls and watches, where it takes them
@@ -613,7 +627,7 @@ class EngineRpc:
         for stream in idle:
             stream.cancel()
 
-    def release_session(self, stream: SessionStream) -> None:
+    def release_session(self, stream: Session) -> None:
         """Keep ``stream`` for the next dispatch; it must have no call pending."""
         if len(self._idle_sessions) < MAX_IDLE_SESSIONS and not stream.done():
             self._idle_sessions.append(stream)
@@ -630,11 +644,11 @@ class EngineRpc:
     ) -> T:
         """``await attempt()``, tried again by the rules above until ``lease``
         runs out (or, without one, for the policy's budget); ``attempt`` raises
-        ``AioRpcError`` when the transport fails."""
+        ``AioRpcError`` or ``TransportError`` when the transport fails."""
         transient = functools.partial(_is_transient, idempotent=idempotent)
         try:  # the common case, without the retry machinery around it
             return await attempt()
-        except grpc.aio.AioRpcError as err:
+        except (grpc.aio.AioRpcError, TransportError) as err:
             if not transient(err):
                 raise self._domain_error(name, err) from None
         loop = asyncio.get_running_loop()
@@ -664,15 +678,17 @@ class EngineRpc:
                 tries += 1
                 with tried:
                     return await attempt()
-        except grpc.aio.AioRpcError as err:
+        except (grpc.aio.AioRpcError, TransportError) as err:
             # Raised "from None": the status is already in the message, and the
             # domain error is the whole story for the caller.
             if transient(err):
                 spent = loop.time() - started
                 what = "the task's lease ran out" if lease is not None else "gave up"
+                last = failure(err)
+                assert last is not None
                 raise Unavailable(
                     f"{name} failed for {spent:.1f}s ({tries} tries; {what}); last: "
-                    f"{err.code().name}: {err.details()}"
+                    f"{last.status.name}: {last.details}"
                 ) from None
             raise self._domain_error(name, err) from None
         raise AssertionError("unreachable: the retry loop returns or raises")
@@ -685,11 +701,11 @@ class EngineRpc:
             return self._inputs_target
         return self._target
 
-    def _domain_error(self, name: str, err: grpc.aio.AioRpcError) -> WireError:
-        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+    def _domain_error(self, name: str, err: CallFailure) -> WireError:
+        if _status_name(err) == grpc.StatusCode.UNIMPLEMENTED.name:
             # A server without that service (an engine served without the journal).
             return Unavailable(f"{self._target_of(name)} does not serve {name}")
-        domain = error_from_rpc(err)
+        domain = domain_error(err)
         if isinstance(domain, Unauthenticated | PermissionDenied):
             # Say which credential was used, never the token itself.
             used = "a token" if self._credentials.token else "no token (DAGNATS_TOKEN)"
@@ -719,24 +735,50 @@ async def _next(call: AsyncIterable[Resp]) -> Resp | None:
         return None
 
 
+async def _poll(
+    polls: LocalConnection, request: pb.PollTasksRequest, deadline: float
+) -> pb.PollTasksResponse:
+    """One poll on the local socket, failing as on gRPC: ``TransportError``
+    when the socket failed (DEADLINE_EXCEEDED when no answer came in time),
+    the domain error when the poll itself is refused."""
+    carrier: dict[str, str] = {}
+    with tracing.client_span(POLL_METHOD, carrier) as span:
+        try:
+            async with asyncio.timeout(deadline):
+                answer = await polls.call(POLL_METHOD, request, pb.PollTasksResponse, carrier)
+        except TimeoutError:  # the connection was closed: the server gives back what it pulled
+            raise TransportError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "PollTasks: no answer"
+            ) from None
+        except ANSWERED as err:
+            tracing.set_status(span, status_of(err), err.message, server=False)
+            raise
+        tracing.set_status(span, grpc.StatusCode.OK, "", server=False)
+        return answer
+
+
 def _is_transient(err: BaseException, *, idempotent: bool) -> bool:
-    if not isinstance(err, grpc.aio.AioRpcError):
+    failed = failure(err)
+    if failed is None:
         return False
-    return retriable(err.code(), error_code(err), idempotent=idempotent)
+    return retriable(failed.status, failed.code, idempotent=idempotent)
+
+
+def _status_name(err: BaseException) -> str:
+    failed = failure(err)
+    return failed.status.name if failed is not None else type(err).__name__
 
 
 # Seconds of retrying one call after which each retry is logged as a warning:
 # a service restart is over by then, and what is left (a wrong address, a
-# session socket that is not there) is for someone to look at.
+# local socket that is not there) is for someone to look at.
 LOUD_AFTER = 10.0
 
 
 def _log_retry(name: str, state: RetryCallState) -> None:
     err = state.outcome.exception() if state.outcome else None
-    if isinstance(err, grpc.aio.AioRpcError):
-        status = f"{err.code().name}: {err.details()}"
-    else:
-        status = repr(err)
+    failed = failure(err) if err is not None else None
+    status = f"{failed.status.name}: {failed.details}" if failed is not None else repr(err)
     since = state.seconds_since_start or 0.0
     level = logging.WARNING if since >= LOUD_AFTER else logging.INFO
     log.log(

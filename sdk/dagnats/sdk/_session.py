@@ -8,7 +8,12 @@ Invariants:
 
 - One call at a time: the journal handle sends one call at a time, and the
   claim comes before the handle exists. Answers come in order, so the next
-  answer on the stream is always the pending call's.
+  answer on the session is always the pending call's.
+- A session is a gRPC ``Session`` stream (:class:`GrpcSession`), a
+  connection to the local socket (``LocalConnection``), or, for the handlers
+  the services run, their method table called in the process
+  (``dagnats.engine.local_transport.LocalSession``): each takes a call by its
+  gRPC method's name (:class:`Session`).
 - A call whose answer did not arrive (cancelled, timed out, the stream broke)
   drops the stream: its answer would be taken for the next call's. The next
   call opens a new stream.
@@ -24,23 +29,40 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
 import grpc.aio
 from google.protobuf.message import Message
-from opentelemetry.trace import Span
 
 from dagnats.core import tracing
-from dagnats.core.grpcutil import WireError, error_from_status, status_code
+from dagnats.core.frames import TransportError
+from dagnats.core.grpcutil import status_of
 from dagnats.core.session_calls import CALLS, SERVICE
 from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk._errors import ANSWERED, answered_error
 
 if TYPE_CHECKING:
-    from dagnats.sdk._rpc import EngineRpc, Lease, SessionStream
+    from dagnats.sdk._rpc import EngineRpc, Lease
 
 Resp = TypeVar("Resp", bound=Message)
+# The journal call of each gRPC method a Session stream carries.
+_KINDS = {SERVICE + rpc: kind for kind, rpc in CALLS.items()}
+
+
+class Session(Protocol):
+    """Where one dispatch's journal calls go, one at a time."""
+
+    async def call(
+        self, method: str, request: Message, answer: type[Resp], trace_context: Mapping[str, str]
+    ) -> Resp:
+        """``method``'s answer; its domain error raised as its RPC raises it,
+        ``TransportError`` or ``AioRpcError`` when the way there failed."""
+        ...
+
+    def done(self) -> bool: ...
+    def cancel(self) -> bool: ...
 
 
 class JournalCalls(Protocol):
@@ -52,7 +74,7 @@ class JournalCalls(Protocol):
     async def begin_tool(self, request: jpb.BeginToolRequest) -> jpb.BeginToolResponse: ...
     async def tool_output(self, request: jpb.ToolOutputRequest) -> jpb.ToolOutputResponse: ...
     async def finish_tool(self, request: jpb.FinishToolRequest) -> jpb.FinishToolResponse: ...
-    async def hold(self, request: jpb.HoldRequest) -> jpb.HoldResponse: ...
+    async def check_tail(self, request: jpb.CheckTailRequest) -> jpb.CheckTailResponse: ...
     async def place_inputs(self, request: jpb.PlaceInputsRequest) -> jpb.PlaceInputsResponse: ...
     async def commit(self, request: jpb.CommitRequest) -> jpb.CommitResponse: ...
     async def put_stream(
@@ -61,7 +83,7 @@ class JournalCalls(Protocol):
 
 
 class JournalSession:
-    """The journal calls of one dispatch, on a stream opened by the first call.
+    """The journal calls of one dispatch, on a session opened by the first call.
 
     With ``lease`` (the dispatch's), a call whose transport fails is tried again
     for as long as the lease lasts; without, for the RPC policy's budget.
@@ -70,14 +92,13 @@ class JournalSession:
     def __init__(self, rpc: EngineRpc, *, lease: Lease | None = None) -> None:
         self._rpc = rpc
         self._lease = lease
-        self._stream: SessionStream | None = None
-        self._sent = 0
+        self._session: Session | None = None
 
     def close(self) -> None:
-        """Give the stream back for the next dispatch; a later call takes one again."""
-        stream, self._stream = self._stream, None
-        if stream is not None:  # no call is pending on it: a call that failed dropped it
-            self._rpc.release_session(stream)
+        """Give the session back for the next dispatch; a later call takes one again."""
+        session, self._session = self._session, None
+        if session is not None:  # no call is pending on it: a call that failed dropped it
+            self._rpc.release_session(session)
 
     async def put_stream(
         self, requests: AsyncIterator[jpb.PutStreamRequest]
@@ -87,106 +108,119 @@ class JournalSession:
     async def claim(self, request: jpb.ClaimRequest) -> jpb.ClaimResponse:
         # A claim whose answer was lost may have landed: claiming again fences it,
         # and the restart limit counts it, which costs less than the attempt.
-        return await self._call("claim", request, jpb.ClaimResponse)
+        return await self._call("Claim", request, jpb.ClaimResponse)
 
     async def begin_model(self, request: jpb.BeginModelRequest) -> jpb.BeginModelResponse:
-        return await self._call("begin_model", request, jpb.BeginModelResponse)
+        return await self._call("BeginModel", request, jpb.BeginModelResponse)
 
     async def record_model(self, request: jpb.RecordModelRequest) -> jpb.RecordModelResponse:
-        return await self._call("record_model", request, jpb.RecordModelResponse)
+        return await self._call("RecordModel", request, jpb.RecordModelResponse)
 
     async def begin_tool(self, request: jpb.BeginToolRequest) -> jpb.BeginToolResponse:
-        return await self._call("begin_tool", request, jpb.BeginToolResponse)
+        return await self._call("BeginTool", request, jpb.BeginToolResponse)
 
     async def tool_output(self, request: jpb.ToolOutputRequest) -> jpb.ToolOutputResponse:
-        return await self._call("tool_output", request, jpb.ToolOutputResponse)
+        return await self._call("ToolOutput", request, jpb.ToolOutputResponse)
 
     async def finish_tool(self, request: jpb.FinishToolRequest) -> jpb.FinishToolResponse:
-        return await self._call("finish_tool", request, jpb.FinishToolResponse)
+        return await self._call("FinishTool", request, jpb.FinishToolResponse)
 
-    async def hold(self, request: jpb.HoldRequest) -> jpb.HoldResponse:
-        return await self._call("hold", request, jpb.HoldResponse)
+    async def check_tail(self, request: jpb.CheckTailRequest) -> jpb.CheckTailResponse:
+        return await self._call("CheckTail", request, jpb.CheckTailResponse)
 
     async def place_inputs(self, request: jpb.PlaceInputsRequest) -> jpb.PlaceInputsResponse:
-        return await self._call("place_inputs", request, jpb.PlaceInputsResponse)
+        return await self._call("PlaceInputs", request, jpb.PlaceInputsResponse)
 
     async def commit(self, request: jpb.CommitRequest) -> jpb.CommitResponse:
-        return await self._call("commit", request, jpb.CommitResponse)
+        return await self._call("Commit", request, jpb.CommitResponse)
 
-    async def _call(self, kind: str, request: Message, answer_type: type[Resp]) -> Resp:
-        """Call ``kind`` (the request's field in ``SessionRequest``) on the stream.
-        Every journal call is safe to repeat (see ``_rpc``)."""
-        name = CALLS[kind]
+    async def _call(self, name: str, request: Message, answer: type[Resp]) -> Resp:
+        """Call the journal's RPC ``name`` on the session. Every journal call
+        is safe to repeat (see ``_rpc``)."""
 
         async def attempt() -> Resp:
-            return await self._exchange(kind, name, request, answer_type)
+            return await self._exchange(name, request, answer)
 
         return await self._rpc.retrying(name, attempt, idempotent=True, lease=self._lease)
 
-    async def _exchange(
-        self, kind: str, name: str, request: Message, answer_type: type[Resp]
-    ) -> Resp:
-        """Send one request and read its answer; ``AioRpcError`` if the stream failed."""
-        if self._stream is None or self._stream.done():  # a stream that ended is dropped
-            self._stream = self._rpc.open_session()
-        stream = self._stream
-        self._sent += 1
+    async def _exchange(self, name: str, request: Message, answer: type[Resp]) -> Resp:
+        """Send one call and read its answer; ``TransportError`` (or
+        ``AioRpcError`` UNIMPLEMENTED) if the session failed."""
+        if self._session is None or self._session.done():  # a session that ended is dropped
+            self._session = self._rpc.open_session()
+        session = self._session
         carrier: dict[str, str] = {}
         with tracing.client_span(SERVICE + name, carrier) as span:
-            message = jpb.SessionRequest(id=self._sent, trace_context=carrier)
-            getattr(message, kind).CopyFrom(request)
             try:
                 async with asyncio.timeout(self._rpc.timeout):
-                    await stream.write(message)
-                    answer = await stream.read()
+                    found = await session.call(SERVICE + name, request, answer, carrier)
+            except ANSWERED as err:  # answers its call: the session goes on
+                tracing.set_status(span, status_of(err), err.message, server=False)
+                raise
             except TimeoutError:
-                self._drop(stream)
-                raise _failure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no answer") from None
-            except grpc.aio.AioRpcError as err:
-                self._drop(stream)
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._drop(session)
+                raise TransportError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no answer"
+                ) from None
+            except (grpc.aio.AioRpcError, TransportError) as err:
+                self._drop(session)
+                code = err.code() if isinstance(err, grpc.aio.AioRpcError) else err.code
+                if code == grpc.StatusCode.UNIMPLEMENTED:
                     raise  # no journal service there: no retry gets past it
-                # Domain errors answer their request; a status ends the stream
+                # Domain errors answer their call; a status ends the session
                 # itself (a server shutting down, a stream idle too long in a
                 # proxy), and the call is tried again on a new one.
-                raise _failure(
+                details = err.details() if isinstance(err, grpc.aio.AioRpcError) else err.message
+                raise TransportError(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"{name}: the session stream failed: {err.code().name}: {err.details()}",
+                    f"{name}: the session failed: {code.name}: {details}",
                 ) from None
-            except asyncio.InvalidStateError:  # it ended before the request went out
-                self._drop(stream)
-                raise _failure(grpc.StatusCode.UNAVAILABLE, f"{name}: the stream ended") from None
             except BaseException:  # cancelled: the answer, if any, is for nobody
-                self._drop(stream)
+                self._drop(session)
                 raise
-            if not isinstance(answer, jpb.SessionResponse) or answer.id != message.id:
-                self._drop(stream)
-                raise _failure(grpc.StatusCode.UNAVAILABLE, f"{name}: the session stream ended")
-            result = answer.WhichOneof("result")
-            if result == "error":
-                raise answered_error(span, answer.error)
             tracing.set_status(span, grpc.StatusCode.OK, "", server=False)
-            found = getattr(answer, kind) if result == kind else None
-            if not isinstance(found, answer_type):
-                self._drop(stream)
-                raise _failure(grpc.StatusCode.INTERNAL, f"{name} was answered with {result}")
             return found
 
-    def _drop(self, stream: SessionStream) -> None:
-        stream.cancel()
-        if self._stream is stream:
-            self._stream = None
+    def _drop(self, session: Session) -> None:
+        session.cancel()
+        if self._session is session:
+            self._session = None
 
 
-def answered_error(span: Span, error: jpb.SessionError) -> WireError:
-    """The domain error a call on a session (or a poll on the socket) was
-    answered with, as its own RPC would have raised it; its span says so."""
-    status = status_code(error.status)
-    tracing.set_status(span, status, error.message, server=False)
-    return error_from_status(status, error.message, error.code, error.field, dict(error.details))
+class GrpcSession:
+    """A journal ``Session`` stream on gRPC, as a :class:`Session`: each call
+    a ``SessionRequest`` whose field names it, answered in order."""
 
+    def __init__(
+        self, stream: grpc.aio.StreamStreamCall[jpb.SessionRequest, jpb.SessionResponse]
+    ) -> None:
+        self._stream = stream
+        self._sent = 0
 
-def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """A stream failure in the form the retry rules read."""
-    empty = grpc.aio.Metadata()
-    return grpc.aio.AioRpcError(code, empty, empty, details=details, debug_error_string="")
+    async def call(
+        self, method: str, request: Message, answer: type[Resp], trace_context: Mapping[str, str]
+    ) -> Resp:
+        kind = _KINDS[method]
+        self._sent += 1
+        message = jpb.SessionRequest(id=self._sent, trace_context=trace_context)
+        getattr(message, kind).CopyFrom(request)
+        try:
+            await self._stream.write(message)
+        except asyncio.InvalidStateError:  # it ended before the request went out
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, "the stream ended") from None
+        found = await self._stream.read()
+        if not isinstance(found, jpb.SessionResponse) or found.id != message.id:
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, "the session stream ended")
+        result = found.WhichOneof("result")
+        if result == "error":
+            raise answered_error(found.error)
+        value = getattr(found, kind) if result == kind else None
+        if not isinstance(value, answer):
+            raise TransportError(grpc.StatusCode.INTERNAL, f"{method} was answered with {result}")
+        return value
+
+    def done(self) -> bool:
+        return self._stream.done()
+
+    def cancel(self) -> bool:
+        return self._stream.cancel()

@@ -45,7 +45,8 @@ from dagnats.sdk._cancels import CancelWatch
 from dagnats.sdk._context import ASSUMED_LEASE, Handover, TaskContext, describe_error
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import Fenced, JournalSignal, PermanentError, RunCancelled
-from dagnats.sdk._rpc import EngineRpc, SessionStream
+from dagnats.sdk._rpc import EngineRpc
+from dagnats.sdk._session import Session
 
 log = logging.getLogger("dagnats.sdk")
 
@@ -91,23 +92,25 @@ class Worker:
             from the engine (``dagnats serve journal``); by default ``target``.
         inputs_target: Address of the inputs service, likewise.
         sticky_iterations: How many times in a row a task is kept for its
-            step's next iteration (ADR 31): a journaled ``continue_`` without
+            step's next iteration (the kept task): a journaled ``continue_`` without
             a wait keeps the task, and the engine hands the next iteration to
             this worker with the commit's answer, with no trip through the task
             queue. After this many the next iteration goes back to the queue,
             so that other runs' tasks get a turn; 0 sends every iteration
             through it.
-        journal_socket: Path of the services' session socket (ADR 45), for a
-            worker on their host: its journal calls go there, framed on a Unix
-            socket, instead of on gRPC, which costs a call more than its own
-            work; by default ``DAGNATS_JOURNAL_SOCKET``. ``"off"`` keeps them
-            on gRPC. Unset, they go to the socket the engine's polls name
-            when that path is a socket on this host, the journal's calls go
-            to the engine's address, and the socket takes the worker's hello
-            (ADR 46); else on gRPC. The engine calls stay on gRPC.
-        journal_sessions: Opens the streams the journal calls go on, in place
-            of the two above. The services pass their own when they run the
-            handlers in their process (ADR 44).
+        local_socket: Path of the services' local socket, for a worker on
+            their host: its journal calls go there, framed on a Unix socket,
+            instead of on gRPC, which costs a call more than its own work; by
+            default ``DAGNATS_LOCAL_SOCKET``. ``"off"`` keeps every call on
+            gRPC. Unset, the journal calls and the polls go to the socket the
+            engine's polls name when that path is a socket on this host, the
+            journal's calls go to the engine's address, and the socket takes
+            the worker's hello; else on gRPC. The other engine calls stay on
+            gRPC.
+        journal_sessions: Opens the sessions the journal calls go on, in
+            place of the two above. The services pass their own when they run
+            the handlers in their process (their method table, called in the
+            process: ``dagnats.engine.local_transport.LocalSession``).
 
     Raises:
         InvalidArgument: a task type is not one NATS token, or a number is out of range.
@@ -128,8 +131,8 @@ class Worker:
         journal_target: str | None = None,
         inputs_target: str | None = None,
         sticky_iterations: int = 64,
-        journal_socket: str | None = None,
-        journal_sessions: Callable[[], SessionStream] | None = None,
+        local_socket: str | None = None,
+        journal_sessions: Callable[[], Session] | None = None,
     ) -> None:
         _check_options(handlers, concurrency, poll_wait, rpc_timeout, heartbeat_interval)
         if not 0 <= sticky_iterations <= 1_000_000:
@@ -154,7 +157,7 @@ class Worker:
             credentials=credentials,
             journal_target=journal_target,
             inputs_target=inputs_target,
-            journal_socket=journal_socket,
+            local_socket=local_socket,
             sessions=journal_sessions,
         )
         self._inflight: set[asyncio.Task[None]] = set()
@@ -205,7 +208,7 @@ class Worker:
             raise Conflict("a Worker runs once; create another")
         self._started = True
         log.info("worker %s polling for %s", self._worker_id, sorted(self._handlers))
-        self._rpc.check_journal_socket()
+        self._rpc.check_local_socket()
         watching = asyncio.create_task(self._cancels.run(), name="cancel watch")
         try:
             await self._poll_loop()
@@ -277,7 +280,7 @@ class Worker:
             wait=wait,
             worker_id=self._worker_id,
             # A first delivery's journal comes claimed with its lease when the
-            # engine's process serves the journal too (ADR 42).
+            # engine's process serves the journal too (the claim with the lease).
             claim_journal=True,
             restart_limit=self._restart_limit,
         )
@@ -365,7 +368,7 @@ class Worker:
 
     async def _carry_on(self, tc: TaskContext) -> None:
         """Run the task, then each next iteration its commit kept the task
-        for (ADR 31), in the same slot on the same lease, up to
+        for (the kept task), in the same slot on the same lease, up to
         ``sticky_iterations`` in a row. Once stopping, a kept task is left to
         its lease: it is delivered again when that runs out."""
         kept_for = 0
@@ -439,7 +442,7 @@ class Worker:
                 # lease itself answers: while it lasts, the task was given to
                 # no one else.
                 if journal is not None and not (journal.in_flight and tc._lease.live()):
-                    await journal.hold()
+                    await journal.check_tail()
                 cancelled = await tc._beat()
             except RunCancelled:  # the journal says so: the run's end sealed it
                 tc._mark_cancelled()

@@ -59,8 +59,9 @@ class LocalStack:
         engine_port: The engine's gRPC port; 0 picks a free one.
         gateway_port: The gateway's HTTP port; 0 picks a free one.
         engine_config: The engine's settings; by default from the environment.
-        session_socket: Also take journal sessions on a Unix socket at this
-            path (ADR 45); :meth:`worker` puts its workers' journal calls there.
+        local_socket: Also take the journal's calls, polls and watches on a
+            Unix socket at this path; :meth:`worker` puts its workers'
+            journal calls there.
 
     Raises:
         MissingExtra: (an ``ImportError``, on entering) the ``server`` extra
@@ -76,7 +77,7 @@ class LocalStack:
         engine_port: int = 0,
         gateway_port: int = 0,
         engine_config: EngineConfig | None = None,
-        session_socket: Path | None = None,
+        local_socket: Path | None = None,
     ) -> None:
         self._want_gateway = gateway
         self._store_dir = Path(store_dir) if store_dir is not None else None
@@ -84,7 +85,7 @@ class LocalStack:
         self._engine_port = engine_port
         self._gateway_port = gateway_port
         self._engine_config = engine_config
-        self._session_socket = session_socket
+        self._local_socket = local_socket
         self._temp: Path | None = None
         self._nats: NatsServer | None = None
         self._engine: EngineServer | None = None
@@ -152,7 +153,7 @@ class LocalStack:
                 config=self._engine_config,
                 monitor_url=self._nats.monitor_url,
                 nats_settings=NatsSettings(),
-                session_socket=self._session_socket,
+                local_socket=self._local_socket,
             )
             if self._want_gateway:
                 await self.start_gateway()
@@ -215,7 +216,7 @@ class LocalStack:
     def worker(self, handlers: Mapping[str, Handler], **options: Any) -> Worker:
         """A worker of this engine for ``handlers`` (task type -> handler), to
         use as ``async with stack.worker({...}):``; ``options`` go to ``Worker``.
-        Its journal calls find the stack's session socket when it has one."""
+        Its journal calls find the stack's local socket when it has one."""
         return Worker(self.target, handlers=handlers, credentials=OPEN, **options)
 
     async def register(self, workflow: str | Mapping[str, Any]) -> pb.Workflow:

@@ -93,7 +93,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     _JOURNAL + "BeginTool": _W,
     _JOURNAL + "ToolOutput": _W,
     _JOURNAL + "FinishTool": _W,
-    _JOURNAL + "Hold": _W,
+    _JOURNAL + "CheckTail": _W,
     _JOURNAL + "PlaceInputs": _W,
     _JOURNAL + "Commit": _W,
     _JOURNAL + "Session": _W,

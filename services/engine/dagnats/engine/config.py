@@ -39,7 +39,7 @@ class EngineConfig:
             engine took and did not apply (it died), which the reconciler then
             applies itself, so that a run is not left idle for
             ``history_ack_wait``. It reads only the runs in motion: a run
-            parked for an input or a timer is out of its index (ADR 32),
+            parked for an input or a timer is out of its index (a parked run),
             and such an event of it waits out ``history_ack_wait``.
         outbox_grace: how old a run's outbox must be before the reconciler
             publishes it on the writer's behalf (unless this engine did) and
@@ -48,10 +48,10 @@ class EngineConfig:
         dead_letter_after: deliveries of an event that keeps failing before it
             is moved to the dead letters.
         kept_write_batch: the run of a journaled loop whose task its holder
-            keeps (ADR 31) is written at least once every this many
-            iterations (at most one fewer go unwritten, ADR 37): the journal's
-            commits hold them meanwhile, and every reader of the run now
-            catches up from them (ADR 58). 1 writes the run at every iteration.
+            keeps (the kept task) is written at least once every this many
+            iterations (at most one fewer go unwritten: the deferred write): the
+            journal's commits hold them meanwhile, and every reader of the run
+            now catches up from them (the catch-up). 1 writes the run at every iteration.
         kept_write_delay: how long such decided iterations may wait for the
             run's write at most: the runs bucket, which ``ListRuns`` and the
             console's list show, is at most this far behind the journal.

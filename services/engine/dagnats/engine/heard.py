@@ -1,7 +1,7 @@
-"""Other writers' writes of runs, heard on the runs' subjects (ADR 38).
+"""Heard writes: other writers' writes of runs, heard on the runs' subjects (ADR 38).
 
 An engine decides a kept iteration on its own last write of the run and
-leaves it unwritten for a while (ADR 37). That is only right if nobody wrote
+leaves it unwritten for a while (the deferred write). That is only right if nobody wrote
 the run since. Rather than read the run's revision on every such iteration,
 the engine listens to every publish to the runs' subjects on its own NATS
 connection, and knows which runs another writer wrote since a moment.

@@ -2,7 +2,7 @@
 
 The gateway's ``/metrics`` counts the HTTP requests of its process. What the
 engine counts (dead letters, refused reports, guesses missed, ...) and what
-the session socket carried live in the services' process, so that process
+the local socket carried live in the services' process, so that process
 serves them: ``dagnats serve ... --metrics-port N`` (``DAGNATS_METRICS_PORT``)
 and ``dagnats dev``. The port answers ``GET /metrics`` in Prometheus' text
 format, on the host the services' gRPC port binds, without a token (as the
@@ -54,7 +54,7 @@ class ServicesCollector(Collector):
             for name, count in sorted(dict(engine.counters).items()):
                 events.add_metric([name], count)
             yield events
-        sockets = self._server.session_socket
+        sockets = self._server.local_socket
         if sockets is not None:
             for what, count in (
                 ("connections", sockets.accepted),
@@ -62,13 +62,13 @@ class ServicesCollector(Collector):
                 ("watches", sockets.watched),
             ):
                 yield CounterMetricFamily(
-                    f"dagnats_session_socket_{what}",
-                    f"The session socket's {what} since it started.",
+                    f"dagnats_local_socket_{what}",
+                    f"The local socket's {what} since it started.",
                     value=count,
                 )
             yield GaugeMetricFamily(
-                "dagnats_session_socket_open",
-                "Connections open on the session socket now.",
+                "dagnats_local_socket_open",
+                "Connections open on the local socket now.",
                 value=len(sockets.connections),
             )
 

@@ -52,7 +52,7 @@ class Step:
     failures: int = 0
     redispatches: int = 0
     # The TASKS message that carries the current dispatch, kept by its holder
-    # from the iteration before (ADR 31); 0: the dispatch's own message.
+    # from the iteration before (the kept task); 0: the dispatch's own message.
     held_seq: int = 0
     output: bytes = b""
     error: str = ""
@@ -149,7 +149,7 @@ class StepReport:
     outcome: StepOutcome
     journal_seq: int = 0
     # The reporter keeps its task message (this sequence) for the next
-    # iteration, if that is dispatched at once (ADR 31); 0: released.
+    # iteration, if that is dispatched at once (the kept task); 0: released.
     held_seq: int = 0
 
 

@@ -1,62 +1,31 @@
-"""The engine's event loops: applying history events and timers to runs,
-publishing what the rules decided, and reconciling stranded work.
+"""The engine's event loops: applying history events, commits' events and
+timers to runs, publishing what the rules decided, and reconciling stranded
+work.
 
-Every change to a run goes through :meth:`Engine.transition`: read the run
-with its revision, publish any outbox left by an earlier writer, decide with
-the pure rules, save the new run *and* its outbox with compare-and-swap, then
-publish the outbox. A crash anywhere in that sequence leaves either the old
-run (the input is redelivered) or the new run with its outbox (the next
-writer or the reconciler publishes it; Msg-Ids make that safe).
+Every change to a run goes through :meth:`Engine.transition`: the run with
+its revision (read, or the guessed run: as this engine last wrote it), any
+outbox an earlier writer left published, the pure rules' decision, the new
+run *and* its outbox saved with compare-and-swap, then the outbox published.
+A crash anywhere leaves the old run (the input is redelivered) or the new run
+with its outbox (the next writer or the reconciler publishes it; Msg-Ids make
+that safe). The outbox stays in the stored run once published, until the
+next write replaces it: whoever reads it publishes it again, a no-op within
+JetStream's duplicate window; the reconciler clears one ``outbox_grace`` old,
+and a task past the window is never published again (``rules.republishable``).
+A decision that writes nothing has no swap to check it, so it is taken on a
+read only. What the loops add to that path:
 
-The outbox is not cleared after it is published (ADR 25): the next write of
-the run replaces it. An outbox in a stored run therefore means "maybe not
-published yet", and whoever reads it publishes it again, which its Msg-Ids
-make a no-op within JetStream's duplicate window. Two rules keep that true:
+- the deferred write: a kept iteration decided on the guessed run and not
+  written until the run's next other change, checked by heard writes
+  (:mod:`dagnats.engine.heard`) instead of a swap;
+- the reconciler: each pass enters the runs written since the last, takes
+  parked runs out of the active-run index, republishes outboxes and applies
+  events an engine took and never applied;
+- the commit's event, below.
 
-- The reconciler clears an outbox once it is ``outbox_grace`` old (publishing
-  it first unless this engine published it), so a run that waits long keeps
-  no outbox near the duplicate window's end.
-- A task of an outbox past the duplicate window (``rules.republishable``) is never published
-  again: past the window it would be stored as a second delivery of a
-  dispatch that may be current, whose claim fences the live holder. If it was
-  never published, the reconciler's stranded-step check dispatches it anew.
-
-The read may be skipped: the engine keeps the run as it last wrote it (its
-outbox published by this engine) and decides on that, and the
-compare-and-swap at that revision checks the guess. If it lands, nobody wrote
-the run since, so the decision is the one a read would have given, and the
-outbox it replaces is the one this engine published. If it misses, nothing
-was written and the run is read. A decision that writes nothing (a dropped
-input) has no swap to check it, so it is taken on a read only (ADR 21).
-
-A new run is the one write whose outbox is published while it is written,
-not after (ADR 41, ``create``): its first task may be delivered before the
-run is stored, and a lease waits for it.
-
-A kept iteration of a journaled loop may be decided on the guess and not
-written at all for a while (ADR 37): the journal's commits hold it, and every
-reader of the run catches up from them. Nothing swaps to check that guess, so
-the engine checks it another way: on one server it hears every other
-engine's write of a run (``heard``, ADR 38) and reads the run's revision only
-when it heard one since its own write, or cannot trust what it heard.
-
-An event an engine took from the history and never applied (it died) would
-wait out ``history_ack_wait`` before another engine got it. The reconciler
-applies such events itself once a run's history has stood unacknowledged for
-a whole pass, so the stall is bounded by ``reconcile_interval``; applying an
-event twice is harmless for every event it applies (see ``_recover``).
-
-The reconciler reads only the runs of the active-run index. No write of a
-run enters it: each pass first enters the runs written since the last pass
-that may need it (ADR 48, ``EngineStore.indexed_runs``). A run
-*parked* (``rules.parked``: running, no outbox, no step in motion, one
-waiting for an input or a timer) leaves it (ADR 32, ``_park``): first a
-compare-and-swap write of the run flagged ``unindexed``, then a purge of
-only the index entry read before the run. A write decided on a flagged run
-clears the flag, so the next pass enters the run again, and a crash between
-that write and its publish leaves the run for the reconciler. A parked run
-has nothing for the reconciler but an event an engine took and died
-holding; that one is redelivered after ``history_ack_wait`` instead.
+Each is one step of ``docs/architecture.md``, "The life of an iteration",
+which names the setting that turns it on or off; the reasons, and the crash
+windows each leaves, are in the ADRs its shortcuts table cites.
 
 A journal commit's event (ADR 33) comes to one engine of the queue group
 over core NATS, not on the history: it is applied as a history event is, its
@@ -150,17 +119,17 @@ class Engine:
         # The runs as this engine last wrote them, their outboxes published by
         # it: a guess at what is stored, checked by the next compare-and-swap.
         self._written: OrderedDict[str, StoredRun] = OrderedDict()
-        # Runs whose guess holds kept iterations not written yet (ADR 37):
+        # Runs whose guess holds kept iterations not written yet (deferred writes):
         # how many, and since when.
         self._deferred: dict[str, tuple[int, float]] = {}
-        # Other engines' writes of runs, heard (ADR 38), and for each guess
+        # Other engines' writes of runs, heard (heard writes), and for each guess
         # the moment its write was sent: nobody wrote the run since, if
         # nothing was heard after it.
         self.heard: RunWrites | None = None
         self._unhear: Callable[[], Awaitable[None]] | None = None
         self._marks: dict[str, Mark] = {}
         # Told each state of a run this engine stores, as it is stored (the
-        # run watches of this process, ADR 39).
+        # run watches of this process).
         self.on_stored: Callable[[StoredRun], None] | None = None
         # Commits' events taken from core NATS and being applied: at most a
         # history fetch's worth at once; more waits in the subscription.
@@ -238,7 +207,7 @@ class Engine:
         ``kept``: the input is a report of this step whose holder kept task
         message ``held_seq`` for the next iteration. When the decision only
         carries the step on with that message, and this engine holds the run
-        as it wrote it, the write may wait (ADR 37, :meth:`_defers`).
+        as it wrote it, the write may wait (the deferred write, :meth:`_defers`).
         ``through_last``: a run that is read is caught up through its kept
         step's last commit too (:meth:`caught_up`)."""
         guess = self._written.pop(run_id, None)
@@ -275,7 +244,7 @@ class Engine:
             record.parked_entry = stored.record.parked_entry
             if guessed and kept is not None and self._defers(stored, run, decision, kept):
                 # Nobody wrote the run since this engine did: the decision is
-                # the one a read would have given (ADR 37).
+                # the one a read would have given.
                 if await self._unchanged(stored, mark):
                     self._defer(StoredRun(record, stored.revision, decision.run), mark)
                     await seam("after_kept_unwritten")
@@ -292,7 +261,7 @@ class Engine:
             return decision.run, decided
         raise Unavailable(f"run {run_id} is changing too fast; try again")
 
-    # ---- kept iterations, written later (ADR 37) -------------------------------------
+    # ---- deferred writes: kept iterations, written later (ADR 37) --------------------
 
     def _defers(
         self, stored: StoredRun, run: m.Run, decision: m.Decision, kept: tuple[str, int]
@@ -300,7 +269,7 @@ class Engine:
         """Whether ``decision``, made on this engine's guess ``stored`` (the
         run ``run``), may go unwritten for now: it carries step ``kept``'s
         loop on to the next iteration with the same kept message, publishes
-        nothing, and the run as stored already says that message is held, so
+        nothing, and the run as stored already says that message is kept, so
         a reader knows to look in the journal."""
         step_id, held_seq = kept
         if self.config.kept_write_batch <= 1 or stored.record.outbox:
@@ -312,7 +281,7 @@ class Engine:
 
     async def _unchanged(self, stored: StoredRun, mark: Mark | None) -> bool:
         """Whether the run is still as this engine wrote it (``stored``):
-        nothing heard of it since the write was sent (``mark``, ADR 38), or
+        nothing heard of it since the write was sent (``mark``: heard writes), or
         else the revision read is still the one written."""
         run_id = stored.record.run.run_id
         if self.heard is not None and self.heard.quiet_since(run_id, mark):
@@ -424,7 +393,7 @@ class Engine:
             self._marks.pop(run_id, None)
         while len(self._written) > WRITTEN_RUNS:
             # A guess with kept iterations unwritten goes too: a reader of
-            # the run catches up from the journal (ADR 37).
+            # the run catches up from the journal (the catch-up).
             forgotten, _ = self._written.popitem(last=False)
             self._forget(forgotten)
 
@@ -439,9 +408,9 @@ class Engine:
         A run that exists already is returned as stored (after finishing its
         outbox).
 
-        The first dispatches are published while the run is written, not after
-        (ADR 41): the run's outbox holds them, and the reconciler's next pass
-        finds every run written since its last (ADR 48), so a crash that
+        The first dispatches are published while the run is written, not after:
+        the run's outbox holds them, and the reconciler's next pass
+        finds every run written since its last, so a crash that
         stores the run without them leaves it to the reconciler; one that
         stores a task without its run leaves a task that no run claims, which
         a lease gives back while the run's write may still land
@@ -488,7 +457,7 @@ class Engine:
 
     def quiet(self, run_id: str) -> bool:
         """Whether nobody else wrote the run since this engine's last write of
-        it, as far as hearing can tell (ADR 38); False whenever it cannot."""
+        it, as far as heard writes can tell; False whenever it cannot."""
         return self.heard is not None and self.heard.quiet_since(run_id, self._marks.get(run_id))
 
     def last_written(self, run_id: str) -> StoredRun | None:
@@ -849,7 +818,7 @@ class Engine:
             self.counters["reconcile_reads"] += 1
             if stored is None:
                 # Purged by a delete that died before taking its entry out, or
-                # indexed by a start of a release before ADR 48 that was not
+                # indexed by a start from before runs were stored unindexed (ADR 48), not
                 # stored yet: missing on two passes in a row, it leaves the index.
                 if run_id in self._missing:
                     await self.store.leave_active(run_id)
@@ -966,7 +935,7 @@ class Engine:
         return cleared, park
 
     async def _park(self, stored: StoredRun, entry: int, *, written: bool) -> None:
-        """Take a parked run out of the active-run index (ADR 32).
+        """Take a parked run out of the active-run index.
 
         First a write of the run flagged ``unindexed``, at the revision read
         (``written``: this pass's clear of its outbox was that write), then
@@ -977,7 +946,7 @@ class Engine:
         lands before the flagged one, which then misses and nothing leaves
         the index; or it clears the flag, and the next reconciler pass that
         reads it enters the run again, unless the index holds a newer entry
-        (``EngineStore.indexed_runs``, ADR 48). A crash between the write and
+        (``EngineStore.indexed_runs``). A crash between the write and
         the purge leaves the run indexed, and the next pass parks it again.
         """
         if not written:

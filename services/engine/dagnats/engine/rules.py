@@ -251,7 +251,7 @@ def carried_dispatch(
     current dispatch (``current``; ``step`` None when the run has no such
     step): the dispatch it was published for, or, ``held`` (the step's
     ``held_seq`` is this message), the dispatch its holder kept it for
-    (ADR 31). None for any other: a stale duplicate, or its run ended; it is
+    (the kept task). None for any other: a stale duplicate, or its run ended; it is
     settled without a worker."""
     if run is not RunStatus.RUNNING or step is not StepStatus.RUNNING or current is None:
         return None
@@ -302,9 +302,9 @@ def carried_on(step: Step, held_seq: int) -> bool:
 def carries_kept_loop_on(run: Run, decision: Decision, step_id: str, held_seq: int) -> bool:
     """Whether ``decision`` on ``run`` only carries step ``step_id``'s loop on
     to its next iteration on kept message ``held_seq``, which ``run`` already
-    says is held: it publishes nothing and leaves the run running. Such a
+    says is kept: it publishes nothing and leaves the run running. Such a
     decision may be made before it is written, as long as a reader of the run
-    can take it from the journal (ADR 37)."""
+    can take it from the journal (the deferred write)."""
     if not isinstance(decision, Accepted) or decision.effects or not run.has_step(step_id):
         return False
     return (
@@ -318,7 +318,7 @@ def catch_up(
     run: Run, reports: list[StepReport], now: float, options: RuleOptions = DEFAULT_OPTIONS
 ) -> Run:
     """``run`` with ``reports`` applied in order: a step's continue commits
-    that an engine decided without writing the run (ADR 37), each kept its
+    that an engine decided without writing the run (deferred writes), each kept its
     message (``held_seq``). It stops at the first that would do anything else
     than carry the loop on with that message: that one's event decides it."""
     for report in reports:
@@ -356,7 +356,7 @@ def awaits_its_run(
 ) -> float | None:
     """How long to give back a task message whose run is not stored, or None
     to settle it. A run's create publishes its first tasks while it writes the
-    run (ADR 41), so a task may be delivered before its run is stored: it is
+    run, so a task may be delivered before its run is stored: it is
     given back, at intervals that double from ``RUN_AWAITED_FIRST`` to
     ``RUN_AWAITED_MOST``, while the write may still land, and settled after:
     its run was never stored, or was purged. The write may land for three
@@ -385,13 +385,12 @@ def awaiting_a_task(run: Run) -> list[tuple[Step, str]]:
 
 
 def parked(run: Run, *, outbox: bool) -> bool:
-    """Whether a run may leave the active-run index (ADR 32): it is running,
+    """Whether a run may leave the active-run index (a parked run): it is running,
     has no ``outbox`` left to publish or clear, and nothing of it is in
     motion: no step runs (so no task or child run is in flight for the
     reconciler to find lost), and at least one waits, for an input or a timer
     whose message is stored already. Whatever wakes it is a write of the run,
-    which the reconciler's next pass reads and enters in the index again
-    (ADR 48)."""
+    which the reconciler's next pass reads and enters in the index again."""
     if run.status is not RunStatus.RUNNING or outbox:
         return False
     if any(step.status is StepStatus.RUNNING for step in run.steps):

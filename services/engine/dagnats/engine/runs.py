@@ -11,7 +11,7 @@ read stays the engine store's own (``EngineStore.load_run``), for the
 engine's decisions, which catch up themselves (``Engine.transition``).
 
 Catching up reads the journal's last record of each step that runs on a
-held message. If it is of a later iteration than the run's, the reader walks
+kept message. If it is of a later iteration than the run's, the reader walks
 back the chain of continue commits (each record names the commit that ended
 the iteration before it, ``base_seq``) to the run's iteration and applies
 each, in order, through the same rules as its event (``rules.catch_up``).
@@ -87,7 +87,7 @@ class Runs:
         self, run: m.Run, record: ipb.RunRecord, *, through_last: bool = False
     ) -> m.Run:
         """``run``, as read, with the kept iterations its journal holds past
-        it applied. Only a step running on a held message can be behind, and
+        it applied. Only a step running on a kept message can be behind, and
         only while the run has no outbox.
 
         ``through_last``: the last commit too, which has no record after it

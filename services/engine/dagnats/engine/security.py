@@ -161,7 +161,7 @@ class ServerSecurity:
 
     def admission(self, method: str) -> Callable[[str], errors.DagnatsError | None]:
         """The check of a bearer token that arrives without gRPC (a session
-        socket's hello, ADR 45) for a call of ``method``: None admits it, else
+        socket's hello) for a call of ``method``: None admits it, else
         the refusal. An empty token is none; there is no client certificate."""
         if not self.authenticated:
             return lambda token: None

@@ -42,9 +42,11 @@ from dagnats.core.errors import InvalidArgument
 from dagnats.core.natsauth import NatsSettings
 from dagnats.core.natsserver import check_sync_always
 from dagnats.core.settings import SERVICES, host_port, is_loopback
+from dagnats.engine import local_transport
 from dagnats.engine.access import Role, missing_for_open_host, tokens_of
 from dagnats.engine.cancels import CancelWatch
 from dagnats.engine.config import EngineConfig
+from dagnats.engine.local_transport import LocalListener, LocalSession, Method
 from dagnats.engine.processor import Engine
 from dagnats.engine.report import TaskSettler
 from dagnats.engine.run_feed import RunFeed
@@ -60,16 +62,7 @@ from dagnats.inputs.service import Inputs, InputsServicer
 from dagnats.inputs.store import InputStore
 from dagnats.inputs.v1 import inputs_pb2 as inputs_pb
 from dagnats.inputs.v1 import inputs_pb2_grpc as inputs_grpc
-from dagnats.journal.service import SESSION_CALLS, JournalServicer
-from dagnats.journal.session_socket import (
-    POLL_METHOD,
-    WATCH_METHOD,
-    Polls,
-    SessionSocket,
-    Watches,
-)
-from dagnats.journal.session_socket import address as socket_address
-from dagnats.journal.session_socket import check_path as check_session_path
+from dagnats.journal.service import JournalServicer
 from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as journal_pb
 from dagnats.journal.v1 import journal_pb2_grpc as journal_grpc
@@ -81,12 +74,11 @@ _NAMES = {
     "journal": journal_pb.DESCRIPTOR.services_by_name["JournalService"].full_name,
     "inputs": inputs_pb.DESCRIPTOR.services_by_name["InputsService"].full_name,
 }
-SESSION_METHOD = f"/{_NAMES['journal']}/Session"
 
 
 @dataclass(frozen=True, slots=True)
 class OwnPort:
-    """Where this process's own clients (the handlers it runs, ADR 44) dial
+    """Where this process's own clients (the handlers it runs in the process) dial
     it, in plaintext on loopback, and the worker token minted for them when
     the server needs credentials (None when it does not)."""
 
@@ -108,7 +100,14 @@ class ServiceServer:
     journal: JournalServicer | None = None
     health: health_aio.HealthServicer | None = None
     own: OwnPort | None = None
-    session_socket: SessionSocket | None = None
+    local_socket: LocalListener | None = None
+    # What the local socket, and the handlers run in this process, may call.
+    local_methods: dict[str, Method] = field(default_factory=dict)
+
+    def local_session(self) -> LocalSession:
+        """A journal session answered in this process by the method table,
+        for the handlers the services run."""
+        return LocalSession(self.local_methods)
 
     @property
     def target(self) -> str:
@@ -118,8 +117,8 @@ class ServiceServer:
         if self.health is not None:
             await self.health.enter_graceful_shutdown()  # probes see NOT_SERVING
         await self.server.stop(grace)
-        if self.session_socket is not None:
-            await self.session_socket.close()
+        if self.local_socket is not None:
+            await self.local_socket.close()
         await self._stop_work()
         if self.journal is not None:
             await self.journal.close()  # the settles of commits it answered
@@ -173,7 +172,7 @@ async def start_engine(
     monitor_url: str | None = None,
     security: ServerSecurity | None = None,
     nats_settings: NatsSettings | None = None,
-    session_socket: Path | None = None,
+    local_socket: Path | None = None,
 ) -> EngineServer:
     """Serve the engine, and by default the journal and inputs services with
     it on the same port (``dagnats serve all``); see :func:`start_services`.
@@ -198,7 +197,7 @@ async def start_engine(
         monitor_url=monitor_url,
         security=security,
         nats_settings=nats_settings,
-        session_socket=session_socket,
+        local_socket=local_socket,
     )
     assert isinstance(server, EngineServer)
     return server
@@ -216,7 +215,7 @@ async def start_services(
     security: ServerSecurity | None = None,
     nats_settings: NatsSettings | None = None,
     own_port: bool = False,
-    session_socket: Path | None = None,
+    local_socket: Path | None = None,
 ) -> ServiceServer:
     """Connect, provision streams and buckets, and serve ``services`` on one port.
 
@@ -240,9 +239,11 @@ async def start_services(
             process's memory, and any other credential the server takes.
             Loopback only, so plaintext. An open server (loopback, plaintext,
             no credentials) is its own clients' port as it is.
-        session_socket: with the journal, also take its Sessions on a Unix
-            socket at this path (ADR 45), for workers on this host; with the
-            engine too, each poll's answer names it (ADR 46).
+        local_socket: with the journal, also take its Session calls, and the
+            engine's PollTasks and WatchRun when it serves the engine, on a
+            Unix socket at this path for clients on this host
+            (``dagnats.engine.local_transport``); with the engine, each
+            poll's and watch's answer names it.
 
     Returns:
         An :class:`EngineServer` when the engine is among ``services``.
@@ -265,10 +266,10 @@ async def start_services(
     security = security or ServerSecurity()
     security.check()
     _refuse_open(host, security)
-    if session_socket is not None:
+    if local_socket is not None:
         if "journal" not in served:
-            raise InvalidArgument("a session socket needs the journal service", field="services")
-        check_session_path(session_socket)  # before anything starts
+            raise InvalidArgument("a local socket needs the journal service", field="services")
+        local_transport.check_path(local_socket)  # before anything starts
     own_token = secrets.token_urlsafe(32) if own_port and security.authenticated else None
     if own_token is not None:
         minted = tokens_of(Role.WORKER, [own_token])
@@ -296,7 +297,8 @@ async def start_services(
     journal: JournalServicer | None = None
     if "journal" in served:
         # The clock stamps the events of the commits it settles: the engine's when both run.
-        # Its commits' events go to this process's engine, when it serves one (ADR 36).
+        # Its commits' events go to this process's engine, when it serves one:
+        # the event by a call (ADR 36).
         tasks = TaskSettler(engine_store, clock, local=engine)
         journal = JournalServicer(journal_store, runs, input_store, tasks=tasks, clock=clock)
         journal_grpc.add_JournalServiceServicer_to_server(journal, server)
@@ -307,7 +309,8 @@ async def start_services(
         subscriptions = await serve_nats_api(nc, inputs)
     servicer = None
     if engine is not None:
-        claims = journal.ride_claim if journal is not None else None  # ADR 42
+        # The claim with the lease (ADR 42).
+        claims = journal.ride_claim if journal is not None else None
         servicer = EngineServicer(engine, journal_store, claims=claims)
         await servicer.cancels.start()  # the cancels its workers' polls watch for
         pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
@@ -324,20 +327,12 @@ async def start_services(
         own_bound = server.add_insecure_port("127.0.0.1:0")
         own = OwnPort(target=f"127.0.0.1:{own_bound}", token=own_token)
     sockets = None
-    if session_socket is not None and journal is not None:
-        admit = security.admission(SESSION_METHOD)
-        polls = watches = None
-        if servicer is not None:  # the engine's polls and watches on it too (ADRs 49, 52)
-            polls = Polls(servicer.poll, security.admission(POLL_METHOD))
-            watches = Watches(servicer.watch, security.admission(WATCH_METHOD))
-        sockets = await SessionSocket.start(
-            session_socket, journal, SESSION_CALLS, admit, polls, watches
-        )
-        path = socket_address(session_socket)
-        if servicer is not None and path is not None:  # polls and watches name it (ADR 46)
-            servicer.journal_socket = pb.JournalSocket(
-                path=path, instance=sockets.instance, polls=True, watches=True
-            )
+    table = local_transport.methods(journal, servicer)
+    if local_socket is not None and journal is not None:
+        sockets = await LocalListener.start(local_socket, table, security.admission)
+        path = local_transport.address(local_socket)
+        if servicer is not None and path is not None:  # polls and watches name it
+            servicer.local_socket = pb.LocalSocket(path=path, instance=sockets.instance)
     await server.start()
     log.info(
         "%s serving on %s:%d (%s, %s)",
@@ -357,7 +352,8 @@ async def start_services(
         journal=journal,
         health=served_health,
         own=own,
-        session_socket=sockets,
+        local_socket=sockets,
+        local_methods=table,
     )
     if engine is None or servicer is None:
         return parts

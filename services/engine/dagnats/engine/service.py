@@ -88,9 +88,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.store = engine.store
         self.journal = journal
         self.claims = claims
-        # The journal's session socket in this process, offered with each
-        # poll's answer to workers on this host (ADR 46).
-        self.journal_socket: pb.JournalSocket | None = None
+        # The local socket of this process, offered with each poll's answer
+        # and each watch's first to clients on this host.
+        self.local_socket: pb.LocalSocket | None = None
         self._consumers: set[str] = set()
         self.watches = RunWatches(engine.runs, wrote_last=engine.wrote_last)
         engine.on_stored = self.watches.written
@@ -182,8 +182,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         try:
             first = True
             async for response in self.watch(request):
-                if first and self.journal_socket is not None and self.journal_socket.watches:
-                    response.session_socket.CopyFrom(self.journal_socket)  # ADR 52
+                if first and self.local_socket is not None:
+                    response.local_socket.CopyFrom(self.local_socket)
                 first = False
                 yield response
         except Exception as err:
@@ -192,7 +192,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await abort_with(context, domain)
 
     async def watch(self, request: pb.WatchRunRequest) -> AsyncIterator[pb.WatchRunResponse]:
-        """WatchRun's states, as gRPC and the session socket (ADR 52) send
+        """WatchRun's states, as gRPC and the local socket send
         them: domain errors are raised."""
         if request.HasField("start"):
             if request.run_id:
@@ -276,7 +276,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return await self.poll(request)
 
     async def poll(self, request: pb.PollTasksRequest) -> pb.PollTasksResponse:
-        """PollTasks, as gRPC and the session socket (ADR 49) call it:
+        """PollTasks, as gRPC and the local socket call it:
         domain errors are raised."""
         types = list(dict.fromkeys(request.task_types))
         if not types:
@@ -311,7 +311,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         except asyncio.CancelledError:
             await self.store.give_back(msgs)  # the caller left: no one will read these leases
             raise
-        return pb.PollTasksResponse(tasks=leased, journal_socket=self.journal_socket)
+        return pb.PollTasksResponse(tasks=leased, local_socket=self.local_socket)
 
     async def _ensure_consumer(self, task_type: str) -> None:
         if task_type not in self._consumers:
@@ -382,7 +382,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         stored = self.engine.last_written(task.run_id)
         current = _current_task(stored, task, seq)
         # Whether ``stored`` is the run as a read would give it now: a guess
-        # nobody else wrote over since (ADR 38), or a read.
+        # nobody else wrote over since (heard writes), or a read.
         known = current is task and self.engine.quiet(task.run_id)
         if current is None or current is not task:
             # A kept message is leased on a read only: leased for an older
@@ -540,10 +540,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     async def _leased_dispatch(self, task: pb.Task, seq: int) -> m.Identity:
         """The dispatch the task message at ``seq`` carries: the one it was
-        published for, or the one its holder kept it for (ADR 31)."""
+        published for, or the one its holder kept it for (the kept task)."""
         # A read, not this engine's last write: an older guess would name an
         # older dispatch, and the holder's heartbeat would be refused. Caught
-        # up with the journal: kept iterations may not be written yet (ADR 37).
+        # up with the journal: kept iterations may not be written yet (deferred writes).
         stored = await self.engine.read_run(task.run_id)
         record = stored.record.step_records.get(task.step_id) if stored else None
         if stored is not None and record is not None and record.held_seq == seq:
@@ -619,7 +619,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 def _current_task(stored: StoredRun | None, task: pb.Task, seq: int) -> pb.Task | None:
     """The task to lease for the message at ``seq`` carrying ``task``, by
     ``stored`` (``rules.carried_dispatch``): ``task`` itself, or the dispatch
-    its holder kept the message for (ADR 31); None when it carries no current
+    its holder kept the message for (the kept task); None when it carries no current
     dispatch."""
     run = stored.record.run if stored is not None else None
     step = next((s for s in run.steps if s.step_id == task.step_id), None) if run else None

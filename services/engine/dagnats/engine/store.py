@@ -74,10 +74,10 @@ WATCH_HEARTBEAT = 1.0
 # lost its connection: the watch then starts a new one).
 WATCH_INACTIVE = 5.0
 # The key in the active-run index that holds the runs bucket's sequence
-# through which a reconciler pass read every write (ADR 48).
+# through which a reconciler pass read every write.
 INDEX_THROUGH = "index-through"
-# Keys of the index that name no run; the second was written by releases
-# before ADR 48.
+# Keys of the index that name no run; the second was written before runs
+# were stored without an index entry (ADR 48).
 _INDEX_KEYS = frozenset({INDEX_THROUGH, "index-complete"})
 
 
@@ -255,7 +255,7 @@ class EngineStore:
     async def create_run(self, record: ipb.RunRecord) -> int | None:
         """Store a new run; None when a run with that id exists already. It
         enters no index here: the reconciler's next pass finds it among the
-        writes after the index's mark (ADR 48)."""
+        writes after the index's mark."""
         run_id, data = record.run.run_id, record.SerializeToString()
         try:
             # A retried create whose first try landed finds the key taken: the
@@ -290,7 +290,7 @@ class EngineStore:
         return int(ack.seq)
 
     async def hear_run_writes(self) -> tuple[RunWrites, Callable[[], Awaitable[None]]]:
-        """Listen to every publish of a run (ADR 38): what is heard, and the
+        """Listen to every publish of a run (heard writes): what is heard, and the
         unsubscribe. This store's own writes of runs are signed from now on.
         On a cluster nothing is listened to, and nothing heard is trusted."""
         writes = RunWrites()
@@ -536,13 +536,13 @@ class EngineStore:
     # ---- the active-run index -----------------------------------------------------
     #
     # The reconciler reads the runs in this index instead of every stored run
-    # (ADR 10). A run is stored without an entry (ADR 48): each reconciler
+    # (ADR 10). A run is stored without an entry: each reconciler
     # pass first reads the runs bucket's writes after the index's mark
     # (``INDEX_THROUGH``), enters every run among them that may need the
     # reconciler, then moves the mark to the last write it read. Only the
     # reconciler (and a purge) takes a run out: once it is finished with
     # nothing left to publish (a finished run never changes again), or once
-    # it is parked (ADR 32: running, nothing in motion, no outbox), after a
+    # it is parked (running, nothing in motion, no outbox), after a
     # write of the run flagged ``unindexed``, which a pass skips. So every run
     # that may need the reconciler is in the index or written after the mark,
     # and the index grows with the runs in motion only.
@@ -686,7 +686,7 @@ class EngineStore:
     async def task_in_flight(self, subject: str, msg_id: str, *, held_seq: int = 0) -> bool:
         """Whether the task queue still holds the dispatch ``msg_id`` (or a
         re-dispatch of it), i.e. no worker has acknowledged it; or, ``held_seq``,
-        the message a holder kept for the dispatch (ADR 31)."""
+        the message a holder kept for the dispatch (the kept task)."""
         where: dict[str, Any] = {"seq": held_seq} if held_seq else {"subject": subject}
         try:
             msg = await self._msg(jsx.TASKS, "read a task", **where)

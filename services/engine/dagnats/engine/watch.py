@@ -8,7 +8,7 @@ its progress, to each of its
 :class:`Watcher`\\ s. The hub stops its watch when its last watcher leaves.
 
 The engine of this process also hands the hub each state of the run it
-stores, as it stores it (:meth:`RunWatches.written`, ADR 39). When that
+stores, as it stores it (:meth:`RunWatches.written`). When that
 engine wrote the run last, the watch itself waits: until another writer's
 write of the run is heard (:meth:`RunWatches.heard`), or ``WATCH_AFTER``.
 A run that ends within that time, as most short runs do, needs no consumer

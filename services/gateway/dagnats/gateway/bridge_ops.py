@@ -154,7 +154,7 @@ async def holding(b: Backend, t: BridgeToken) -> None:
     worker's own writes (a heartbeat that raced a write) still holds it."""
     assert t.writer is not None
     try:
-        await b.rpc.hold(jpb.HoldRequest(token=t.writer))
+        await b.rpc.check_tail(jpb.CheckTailRequest(token=t.writer))
     except RunCancelled:
         raise cancelled(t) from None
     except Fenced as err:

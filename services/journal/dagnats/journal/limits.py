@@ -5,7 +5,7 @@ with ``RecordTooLarge`` (RESOURCE_EXHAUSTED, error code ``record_too_large``).
 Every answer of the journal service then fits ``MAX_ANSWER_BYTES``, below the
 4 MiB a gRPC client receives by default: a call answers at most one record,
 and a claim carries the state (one commit's, so at most one record) and as many
-of the iteration's records as fit, with a cursor to read the rest (ADR 13).
+of the iteration's records as fit, with a cursor to read the rest.
 """
 
 from __future__ import annotations

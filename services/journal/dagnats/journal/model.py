@@ -4,8 +4,8 @@
 
 An entry is what the rules read; a stored record holds one entry, or more: a
 model response or a tool result stored in the same message as the intent or
-commit after it (``Record.leading``, ADR 24), and the claim of a dispatch
-handed over with the commit before it (``Record.leading_claim``, ADR 34),
+commit after it (``Record.leading``: a leading entry), and the claim of a dispatch
+handed over with the commit before it (``Record.leading_claim``: the hand-over),
 ahead of both. Every entry of such a record has its ``seq``; all but the last
 are marked ``leading``, in the order stored."""
 

@@ -364,7 +364,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                 return pb.BeginModelResponse(recorded=True, response=response)
             case replay.Mismatch(reason=reason):
                 raise errors.ReplayMismatch(reason)
-        await self._writer.hold(token)  # a fenced holder must not spend a model call
+        await self._writer.check_tail(token)  # a fenced holder must not spend a model call
         return pb.BeginModelResponse(recorded=False)
 
     @domain_errors
@@ -561,9 +561,11 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
     # ---- holding and committing -------------------------------------------------------
 
     @domain_errors
-    async def Hold(self, request: pb.HoldRequest, context: Context) -> pb.HoldResponse:
-        await self._writer.hold(check_writer_token(request.token))
-        return pb.HoldResponse()
+    async def CheckTail(
+        self, request: pb.CheckTailRequest, context: Context
+    ) -> pb.CheckTailResponse:
+        await self._writer.check_tail(check_writer_token(request.token))
+        return pb.CheckTailResponse()
 
     @domain_errors
     async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
@@ -699,11 +701,6 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             await asyncio.wait(set(self._settling), timeout=SETTLE_GRACE)
 
     # ---- one dispatch over one stream --------------------------------------------------
-
-    def local_session(self) -> session.LocalSession:
-        """A Session stream answered in this process, for the handlers the
-        services run (ADR 44)."""
-        return session.LocalSession(self, SESSION_CALLS)
 
     async def Session(
         self, request_iterator: AsyncIterator[pb.SessionRequest], context: Context

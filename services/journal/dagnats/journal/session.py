@@ -13,18 +13,18 @@ with the same status, code and field; any other exception ends the stream with
 UNKNOWN, as it would end a unary call. A call on the stream has no deadline of
 its own, so the stores retry transient errors for their own budget (see
 ``dagnats.core.deadline``).
+
+The local transport (``dagnats.engine.local_transport``) answers the same
+calls off gRPC, on the local socket and in the services' process, through
+:func:`answered` and :func:`session_error` here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
-
-import grpc
-import grpc.aio
 
 from dagnats.core import deadline, errors, tracing
 from dagnats.core.grpcutil import (
@@ -57,65 +57,6 @@ async def serve(
 ) -> AsyncIterator[pb.SessionResponse]:
     async for request in requests:
         yield await _answer(servicer, methods, request, context)
-
-
-class LocalSession:
-    """A Session stream answered in this process, for the handlers the
-    services run (ADR 44): each request runs the servicer's method for its
-    call in the caller's task, as :func:`serve` runs a request that came over
-    gRPC, so the checks, fences, spans and domain errors are the same code.
-
-    It has the shape of the client's end of a stream (``write``, then
-    ``read`` for the answer; ``done``; ``cancel``). The request is copied,
-    as the wire would copy it, so the servicer holds nothing the caller may
-    change; the answer is built afresh by ``_answer`` (the servicer's reply
-    copied into it), so the caller holds nothing of the servicer's. An
-    exception that would end a gRPC stream with UNKNOWN ends this one with
-    the same status, and is logged; a call cancelled in flight ends it, as
-    cancelling a gRPC stream cancels its handler.
-    """
-
-    def __init__(self, servicer: object, methods: dict[str, Behaviour]) -> None:
-        self._servicer = servicer
-        self._methods = methods
-        self._answer: pb.SessionResponse | None = None
-        self._ended = False
-
-    async def write(self, request: pb.SessionRequest) -> None:
-        if self._ended:
-            raise asyncio.InvalidStateError("the session stream ended")
-        sent = pb.SessionRequest()
-        sent.CopyFrom(request)
-        try:
-            answer = await _answer(self._servicer, self._methods, sent, None)
-        except Exception as err:
-            self._ended = True
-            log.exception("a journal call on a session in this process failed")
-            empty = grpc.aio.Metadata()
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNKNOWN,
-                empty,
-                empty,
-                details=f"{type(err).__name__}: {err}",
-                debug_error_string="",
-            ) from err
-        except BaseException:
-            self._ended = True
-            raise
-        self._answer = answer
-
-    async def read(self) -> pb.SessionResponse | None:
-        """The answer to the request written last; None when there is none
-        (the client's stream gives EOF there)."""
-        answer, self._answer = self._answer, None
-        return answer
-
-    def done(self) -> bool:
-        return self._ended
-
-    def cancel(self) -> bool:
-        ended, self._ended = self._ended, True
-        return not ended
 
 
 async def _answer(
@@ -161,12 +102,16 @@ async def answered(
 
 def failed(request_id: int, err: WireError) -> pb.SessionResponse:
     """The answer of a request that ended with ``err``."""
+    return pb.SessionResponse(id=request_id, error=session_error(err))
+
+
+def session_error(err: WireError) -> pb.SessionError:
+    """``err`` as the status its own RPC would have ended with."""
     status, message, field = wire_status(err)
-    error = pb.SessionError(
+    return pb.SessionError(
         status=status.value[0],
         message=message,
         code=err.code,
         field=field,
         details=wire_details(err),
     )
-    return pb.SessionResponse(id=request_id, error=error)

@@ -203,7 +203,7 @@ class StreamRules:
         the tail's writer holds the step, and chunks of any other are dropped
         from the first one on. A commit ends its writer's dispatch: the next
         holder may already stream, its claim handed over with the commit and
-        not stored yet (ADR 34), so chunks of a later dispatch are shown until
+        not stored yet (the hand-over), so chunks of a later dispatch are shown until
         a claim names the holder."""
         if tail is None:
             return cls()
@@ -218,7 +218,7 @@ class StreamRules:
             if event.get("record_seq", 0) and event["record_seq"] < self.holder_seq:
                 return []  # published late: a claim the watcher's start already follows
             # At the start's own sequence it is that record's claim (nothing
-            # changes) or a hand-over fenced on it, the commit (ADR 34).
+            # changes) or a hand-over fenced on it, the commit.
             self.holder, self.holder_seq = event["writer"], event.get("record_seq", 0)
             out = []
             for sid, first in list(self.open.items()):

@@ -135,7 +135,7 @@ class JournalWriter:
             raise cancelled(token, reason_of(tail_entries))  # its result kept, the rest refused
         return stored
 
-    async def hold(self, token: pb.WriterToken) -> None:
+    async def check_tail(self, token: pb.WriterToken) -> None:
         """Raise ``Fenced`` unless the step's tail is still the writer's last
         record; ``RunCancelled`` when it is a cancel."""
         tail = await self.store.tail(token.run_id, token.step_id)

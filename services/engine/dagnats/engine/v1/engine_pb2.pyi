@@ -786,7 +786,7 @@ class WatchRunResponse(_message.Message):
 
     RUN_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
-    SESSION_SOCKET_FIELD_NUMBER: _builtins.int
+    LOCAL_SOCKET_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """Stored revision of the run; it grows with every write, so a client that
     watches again after a broken stream can skip what it has seen.
@@ -796,10 +796,10 @@ class WatchRunResponse(_message.Message):
         """The run."""
 
     @_builtins.property
-    def session_socket(self) -> Global___JournalSocket:
+    def local_socket(self) -> Global___LocalSocket:
         """On the first message of a WatchRun made on gRPC, when the services
-        process that answers takes WatchRun on its session socket too (ADR 52):
-        the socket, for a client on the services' host to watch there next.
+        process that answers has a local socket: the socket, for a client on the
+        services' host to watch there next.
         """
 
     def __init__(
@@ -807,11 +807,11 @@ class WatchRunResponse(_message.Message):
         *,
         run: Global___Run | None = ...,
         revision: _builtins.int = ...,
-        session_socket: Global___JournalSocket | None = ...,
+        local_socket: Global___LocalSocket | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "session_socket", b"session_socket"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["local_socket", b"local_socket", "run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision", "run", b"run", "session_socket", b"session_socket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_socket", b"local_socket", "revision", b"revision", "run", b"run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1116,8 +1116,8 @@ class PollTasksRequest(_message.Message):
     worker_id: _builtins.str
     """Identifies the worker in logs."""
     claim_journal: _builtins.bool
-    """Claim the journal of each task's first delivery with its lease, where
-    the claim is stored with the holder's first record (ADR 42): the task
+    """Claim the journal of each task's first delivery with its lease (the
+    claim with the lease), stored with the holder's first record: the task
     then carries journal_claim, and the worker makes no Claim call. The
     engine claims only when a journal service runs in its process.
     """
@@ -1184,7 +1184,7 @@ class LeasedTask(_message.Message):
     @_builtins.property
     def journal_claim(self) -> _journal_pb2.Claimed:
         """The journal claimed for this delivery, when the poll asked and the claim
-        rides the holder's first record (ADR 40, 42): the claim a Claim call
+        rides the holder's first record (the riding claim): the claim a Claim call
         would have answered, made when the task was leased.
         """
 
@@ -1212,17 +1212,17 @@ class PollTasksResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASKS_FIELD_NUMBER: _builtins.int
-    JOURNAL_SOCKET_FIELD_NUMBER: _builtins.int
+    LOCAL_SOCKET_FIELD_NUMBER: _builtins.int
     CANCELLED_RUNS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeasedTask]:
         """The tasks."""
 
     @_builtins.property
-    def journal_socket(self) -> Global___JournalSocket:
-        """The journal's session socket (ADR 45), when this process serves the
-        journal on one: a worker on the same host, whose journal calls go to
-        this server, may send them there instead (ADR 46).
+    def local_socket(self) -> Global___LocalSocket:
+        """The local socket of the process that answered, when it has one: a
+        worker on the same host, whose journal calls go to this server, may send
+        them, its polls and its watches there instead.
         """
 
     @_builtins.property
@@ -1235,63 +1235,88 @@ class PollTasksResponse(_message.Message):
         self,
         *,
         tasks: _abc.Iterable[Global___LeasedTask] | None = ...,
-        journal_socket: Global___JournalSocket | None = ...,
+        local_socket: Global___LocalSocket | None = ...,
         cancelled_runs: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["journal_socket", b"journal_socket"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["local_socket", b"local_socket"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled_runs", b"cancelled_runs", "journal_socket", b"journal_socket", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled_runs", b"cancelled_runs", "local_socket", b"local_socket", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PollTasksResponse: _TypeAlias = PollTasksResponse  # noqa: Y015
 
 @_typing.final
-class JournalSocket(_message.Message):
-    """JournalSocket names the journal's session socket of one services process."""
+class LocalSocket(_message.Message):
+    """LocalSocket names the local socket of one services process: a Unix socket
+    beside the gRPC port that carries the journal's Session calls, PollTasks and
+    WatchRun for clients on the services' host, without gRPC. Each frame on it
+    is a 4-byte big-endian length and a message: the client's first is a
+    LocalHello, then LocalCalls, each answered in order by LocalAnswers. A
+    refusal, or a frame the server cannot read, is a LocalAnswer with id 0 and
+    an error, and the socket is closed.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     PATH_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
-    POLLS_FIELD_NUMBER: _builtins.int
-    WATCHES_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """The socket's absolute path on the services' host."""
     instance: _builtins.str
-    """Chosen at each start of the socket, so that a worker can tell the socket
+    """Chosen at each start of the socket, so that a client can tell the socket
     at the path on its own host is this process's: its hello names it.
-    """
-    polls: _builtins.bool
-    """Whether the socket also takes this engine's PollTasks (ADR 49): a
-    connection whose hello sets SessionHello.polls carries SocketPoll frames,
-    each answered in order by a SocketPollAnswer.
-    """
-    watches: _builtins.bool
-    """Whether the socket also takes this engine's WatchRun (ADR 52): a
-    connection whose hello sets SessionHello.watches carries SocketWatch
-    frames, each answered by SocketWatchAnswers.
     """
     def __init__(
         self,
         *,
         path: _builtins.str = ...,
         instance: _builtins.str = ...,
-        polls: _builtins.bool = ...,
-        watches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "path", b"path", "polls", b"polls", "watches", b"watches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "path", b"path"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___JournalSocket: _TypeAlias = JournalSocket  # noqa: Y015
+Global___LocalSocket: _TypeAlias = LocalSocket  # noqa: Y015
 
 @_typing.final
-class SocketPoll(_message.Message):
-    """SocketPoll is one PollTasks call on a session socket opened for polls
-    (SessionHello.polls, ADR 49). One is answered before the next is read.
+class LocalHello(_message.Message):
+    """LocalHello opens a connection to a local socket."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """The bearer token a gRPC call would carry; empty when the server takes
+    calls without one. Each method's first call checks that the token's role
+    may make it.
+    """
+    instance: _builtins.str
+    """The socket's instance, as a LocalSocket gave it: a socket of any other
+    server refuses the hello (FAILED_PRECONDITION). Empty for a client given
+    the socket's path by its operator.
+    """
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        instance: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LocalHello: _TypeAlias = LocalHello  # noqa: Y015
+
+@_typing.final
+class LocalCall(_message.Message):
+    """LocalCall is one call on a local socket. One is answered (to its stream's
+    end) before the next is read.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1317,172 +1342,74 @@ class SocketPoll(_message.Message):
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     ID_FIELD_NUMBER: _builtins.int
-    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
-    REQUEST_FIELD_NUMBER: _builtins.int
-    id: _builtins.int
-    """Chosen by the client and echoed in the answer."""
-    @_builtins.property
-    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """W3C trace context (traceparent, tracestate) of the caller's span."""
-
-    @_builtins.property
-    def request(self) -> Global___PollTasksRequest:
-        """The call, as PollTasks takes it."""
-
-    def __init__(
-        self,
-        *,
-        id: _builtins.int = ...,
-        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
-        request: Global___PollTasksRequest | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "request", b"request", "trace_context", b"trace_context"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___SocketPoll: _TypeAlias = SocketPoll  # noqa: Y015
-
-@_typing.final
-class SocketPollAnswer(_message.Message):
-    """SocketPollAnswer answers one SocketPoll. Its fields are numbered as
-    dagnats.journal.v1.SessionResponse's: a refusal of the hello, or a frame
-    the server cannot read, is an answer with id 0 and an error, and the
-    socket is closed.
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ID_FIELD_NUMBER: _builtins.int
-    TASKS_FIELD_NUMBER: _builtins.int
-    ERROR_FIELD_NUMBER: _builtins.int
-    id: _builtins.int
-    """The poll's id."""
-    @_builtins.property
-    def tasks(self) -> Global___PollTasksResponse:
-        """As PollTasks answers."""
-
-    @_builtins.property
-    def error(self) -> _journal_pb2.SessionError:
-        """The status PollTasks would have ended with."""
-
-    def __init__(
-        self,
-        *,
-        id: _builtins.int = ...,
-        tasks: Global___PollTasksResponse | None = ...,
-        error: _journal_pb2.SessionError | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "result", b"result", "tasks", b"tasks"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "id", b"id", "result", b"result", "tasks", b"tasks"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["tasks", "error"]  # noqa: Y015
-    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
-
-Global___SocketPollAnswer: _TypeAlias = SocketPollAnswer  # noqa: Y015
-
-@_typing.final
-class SocketWatch(_message.Message):
-    """SocketWatch is one WatchRun call on a session socket opened for watches
-    (SessionHello.watches, ADR 52). One watch is answered to its end before
-    the next is read.
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    @_typing.final
-    class TraceContextEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.str
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.str = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-    ID_FIELD_NUMBER: _builtins.int
+    METHOD_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Chosen by the client and echoed in each answer."""
+    method: _builtins.str
+    """The gRPC method it stands for: "/dagnats.journal.v1.JournalService/Commit"."""
+    request: _builtins.bytes
+    """The request, serialized as the method takes it."""
     @_builtins.property
     def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """W3C trace context (traceparent, tracestate) of the caller's span."""
 
-    @_builtins.property
-    def request(self) -> Global___WatchRunRequest:
-        """The call, as WatchRun takes it."""
-
     def __init__(
         self,
         *,
         id: _builtins.int = ...,
+        method: _builtins.str = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
-        request: Global___WatchRunRequest | None = ...,
+        request: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "request", b"request", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "method", b"method", "request", b"request", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SocketWatch: _TypeAlias = SocketWatch  # noqa: Y015
+Global___LocalCall: _TypeAlias = LocalCall  # noqa: Y015
 
 @_typing.final
-class SocketWatchAnswer(_message.Message):
-    """SocketWatchAnswer is one message of a SocketWatch's stream: the states
-    WatchRun would send, the last one a state whose status is final, or the
-    error WatchRun would have ended with. A watch that ends any other way (the
-    engine stopping) closes the connection, as the stream would break. Its
-    fields are numbered as dagnats.journal.v1.SessionResponse's: a refusal of
-    the hello, or a frame the server cannot read, is an answer with id 0 and
-    an error, and the socket is closed.
-    """
+class LocalAnswer(_message.Message):
+    """LocalAnswer is the answer to a LocalCall, or one message of its stream."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ID_FIELD_NUMBER: _builtins.int
-    STATE_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
     id: _builtins.int
-    """The watch's id."""
-    @_builtins.property
-    def state(self) -> Global___WatchRunResponse:
-        """As WatchRun sends it."""
-
+    """The call's id."""
+    response: _builtins.bytes
+    """The response, serialized as the method returns it; a streaming method
+    sends one answer per message.
+    """
+    end: _builtins.bool
+    """A streaming method's end (after its last message); set to true."""
     @_builtins.property
     def error(self) -> _journal_pb2.SessionError:
-        """The status WatchRun would have ended with."""
+        """The status the method would have ended with on gRPC; the last answer."""
 
     def __init__(
         self,
         *,
         id: _builtins.int = ...,
-        state: Global___WatchRunResponse | None = ...,
+        response: _builtins.bytes = ...,
         error: _journal_pb2.SessionError | None = ...,
+        end: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "result", b"result", "state", b"state"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "error", b"error", "response", b"response", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "id", b"id", "result", b"result", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "error", b"error", "id", b"id", "response", b"response", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["state", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["response", "error", "end"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
-Global___SocketWatchAnswer: _TypeAlias = SocketWatchAnswer  # noqa: Y015
+Global___LocalAnswer: _TypeAlias = LocalAnswer  # noqa: Y015
 
 @_typing.final
 class HeartbeatRequest(_message.Message):

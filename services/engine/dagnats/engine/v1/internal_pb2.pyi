@@ -269,7 +269,7 @@ class HistoryEvent(_message.Message):
     """Sequence of the journal commit behind a step event; 0 without a journal."""
     held_seq: _builtins.int
     """A continue whose reporter holds its task message for the next iteration
-    (ADR 31): that message's sequence in the TASKS stream; 0 when the task
+    (the kept task): that message's sequence in the TASKS stream; 0 when the task
     was released. The engine makes the next iteration's dispatch this message
     (no new task) when it dispatches that iteration at once.
     """
@@ -489,7 +489,7 @@ class StepRecord(_message.Message):
     """Re-dispatches of the current attempt after its task vanished."""
     held_seq: _builtins.int
     """The TASKS message that carries the current dispatch when its holder kept
-    it from the iteration before (ADR 31); 0: the dispatch's own message.
+    it from the iteration before (the kept task); 0: the dispatch's own message.
     """
     def __init__(
         self,
@@ -592,13 +592,13 @@ class RunRecord(_message.Message):
     UNINDEXED_FIELD_NUMBER: _builtins.int
     PARKED_ENTRY_FIELD_NUMBER: _builtins.int
     unindexed: _builtins.bool
-    """The reconciler took the run out of the active-run index (ADR 32): it was
+    """The reconciler took the run out of the active-run index: it was
     parked, with no outbox and nothing in motion. The next write of the run
     is stored without this flag, and the next reconciler pass enters the run
-    again (ADR 48).
+    again.
     """
     parked_entry: _builtins.int
-    """The revision of the index entry the run's last park purged (ADR 48):
+    """The revision of the index entry the run's last park purged:
     every write after that park carries it, so a reconciler pass that reads
     such a write beside an entry no newer enters the run again.
     """

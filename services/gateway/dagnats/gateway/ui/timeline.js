@@ -3,9 +3,9 @@
 // committed, or kept and marked when abandoned.
 //
 // A record may hold more than one entry: the model response or the tool
-// result stored just before its kind's, named by `leading` (ADR 24), and the
+// result stored just before its kind's, named by `leading` (a leading entry), and the
 // claim of a dispatch handed over with the commit before it, `leading_claim`
-// (ADR 34), ahead of both. Each entry is shown as a record of its own, with the
+// (the hand-over), ahead of both. Each entry is shown as a record of its own, with the
 // record's sequence, in the order stored.
 //
 // What the timeline works out from the records:
@@ -243,7 +243,7 @@ export class Timeline {
     if (!p) return;
     this.streams.delete(id);
     p.el.remove();
-    // The model entry, which a claim stored with it may precede (ADR 34, 40).
+    // The model entry, which a claim stored with it may precede (a hand-over or a riding claim).
     const rec = this.models.get(seq) ?? this.seen.get(seq);
     rec.classList.add("from-stream");
     rec.querySelector(".rec-body").prepend(h("p", { class: "hint replaced" }, `Streamed live (${p.text.textContent.length} characters); this record replaced the preview.`));

@@ -1204,8 +1204,8 @@ class PlaceInputsResponse(_message.Message):
 Global___PlaceInputsResponse: _TypeAlias = PlaceInputsResponse  # noqa: Y015
 
 @_typing.final
-class HoldRequest(_message.Message):
-    """HoldRequest checks a writer."""
+class CheckTailRequest(_message.Message):
+    """CheckTailRequest checks a writer."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1225,11 +1225,11 @@ class HoldRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___HoldRequest: _TypeAlias = HoldRequest  # noqa: Y015
+Global___CheckTailRequest: _TypeAlias = CheckTailRequest  # noqa: Y015
 
 @_typing.final
-class HoldResponse(_message.Message):
-    """HoldResponse is empty: an ABORTED status means the writer was fenced."""
+class CheckTailResponse(_message.Message):
+    """CheckTailResponse is empty: an ABORTED status means the writer was fenced."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1242,7 +1242,7 @@ class HoldResponse(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___HoldResponse: _TypeAlias = HoldResponse  # noqa: Y015
+Global___CheckTailResponse: _TypeAlias = CheckTailResponse  # noqa: Y015
 
 @_typing.final
 class CommitRequest(_message.Message):
@@ -1265,7 +1265,7 @@ class CommitRequest(_message.Message):
     """
     hold: _builtins.bool
     """With lease, a continue without a wait: keep the task message for the next
-    iteration (ADR 31). The journal service publishes the commit's event and
+    iteration: the kept task. The journal service publishes the commit's event and
     waits for the engine's decision before it answers: when the engine
     dispatches the next iteration at once, the answer carries it in next, and
     the task message and its lease carry on to it; otherwise the service
@@ -1600,7 +1600,7 @@ class SessionRequest(_message.Message):
     BEGIN_TOOL_FIELD_NUMBER: _builtins.int
     TOOL_OUTPUT_FIELD_NUMBER: _builtins.int
     FINISH_TOOL_FIELD_NUMBER: _builtins.int
-    HOLD_FIELD_NUMBER: _builtins.int
+    CHECK_TAIL_FIELD_NUMBER: _builtins.int
     PLACE_INPUTS_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     id: _builtins.int
@@ -1634,8 +1634,8 @@ class SessionRequest(_message.Message):
         """See FinishTool."""
 
     @_builtins.property
-    def hold(self) -> Global___HoldRequest:
-        """See Hold."""
+    def check_tail(self) -> Global___CheckTailRequest:
+        """See CheckTail."""
 
     @_builtins.property
     def place_inputs(self) -> Global___PlaceInputsRequest:
@@ -1656,70 +1656,19 @@ class SessionRequest(_message.Message):
         begin_tool: Global___BeginToolRequest | None = ...,
         tool_output: Global___ToolOutputRequest | None = ...,
         finish_tool: Global___FinishToolRequest | None = ...,
-        hold: Global___HoldRequest | None = ...,
+        check_tail: Global___CheckTailRequest | None = ...,
         place_inputs: Global___PlaceInputsRequest | None = ...,
         commit: Global___CommitRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "call", b"call", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "hold", b"hold", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "call", b"call", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "call", b"call", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "hold", b"hold", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "call", b"call", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "hold", "place_inputs", "commit"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "check_tail", "place_inputs", "commit"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
 Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
-
-@_typing.final
-class SessionHello(_message.Message):
-    """SessionHello opens a session socket (ADR 45), a Session without gRPC for
-    workers on the services' host: each frame on it is a 4-byte big-endian
-    length and a message; the worker's first is a SessionHello, then
-    SessionRequests, each answered in order by a SessionResponse. A refusal,
-    or a frame the server cannot read, is a SessionResponse with id 0 and an
-    error, and the socket is closed.
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    TOKEN_FIELD_NUMBER: _builtins.int
-    INSTANCE_FIELD_NUMBER: _builtins.int
-    POLLS_FIELD_NUMBER: _builtins.int
-    WATCHES_FIELD_NUMBER: _builtins.int
-    token: _builtins.str
-    """The bearer token a gRPC call would carry; empty when the server takes
-    calls without one.
-    """
-    instance: _builtins.str
-    """The socket's instance, as PollTasksResponse.journal_socket gave it: a
-    socket of any other server refuses the hello (FAILED_PRECONDITION).
-    Empty for a worker given the socket's path by its operator.
-    """
-    polls: _builtins.bool
-    """The connection carries the engine's PollTasks instead of journal calls
-    (dagnats.engine.v1.SocketPoll frames, ADR 49); a socket whose
-    JournalSocket.polls is false refuses it (FAILED_PRECONDITION).
-    """
-    watches: _builtins.bool
-    """The connection carries the engine's WatchRun instead of journal calls
-    (dagnats.engine.v1.SocketWatch frames, ADR 52); a socket whose
-    JournalSocket.watches is false refuses it (FAILED_PRECONDITION).
-    """
-    def __init__(
-        self,
-        *,
-        token: _builtins.str = ...,
-        instance: _builtins.str = ...,
-        polls: _builtins.bool = ...,
-        watches: _builtins.bool = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "polls", b"polls", "token", b"token", "watches", b"watches"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___SessionHello: _TypeAlias = SessionHello  # noqa: Y015
 
 @_typing.final
 class SessionResponse(_message.Message):
@@ -1734,7 +1683,7 @@ class SessionResponse(_message.Message):
     BEGIN_TOOL_FIELD_NUMBER: _builtins.int
     TOOL_OUTPUT_FIELD_NUMBER: _builtins.int
     FINISH_TOOL_FIELD_NUMBER: _builtins.int
-    HOLD_FIELD_NUMBER: _builtins.int
+    CHECK_TAIL_FIELD_NUMBER: _builtins.int
     PLACE_INPUTS_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
@@ -1765,8 +1714,8 @@ class SessionResponse(_message.Message):
         """See FinishTool."""
 
     @_builtins.property
-    def hold(self) -> Global___HoldResponse:
-        """See Hold."""
+    def check_tail(self) -> Global___CheckTailResponse:
+        """See CheckTail."""
 
     @_builtins.property
     def place_inputs(self) -> Global___PlaceInputsResponse:
@@ -1790,16 +1739,16 @@ class SessionResponse(_message.Message):
         begin_tool: Global___BeginToolResponse | None = ...,
         tool_output: Global___ToolOutputResponse | None = ...,
         finish_tool: Global___FinishToolResponse | None = ...,
-        hold: Global___HoldResponse | None = ...,
+        check_tail: Global___CheckTailResponse | None = ...,
         place_inputs: Global___PlaceInputsResponse | None = ...,
         commit: Global___CommitResponse | None = ...,
         error: Global___SessionError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "hold", b"hold", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "hold", b"hold", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "hold", "place_inputs", "commit", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "check_tail", "place_inputs", "commit", "error"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -1807,7 +1756,9 @@ Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015
 
 @_typing.final
 class SessionError(_message.Message):
-    """SessionError is the status the same call would have ended with as its own RPC."""
+    """SessionError is the status the same call would have ended with as its own RPC
+    (on a Session stream, and on the local socket: dagnats.engine.v1.LocalAnswer).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -42,7 +42,7 @@ class JournalServiceStub:
     (Record.leading). The separate calls stay valid. Either way an entry
     must be stored before anything that depends on it starts (the tool, the
     next model call): a carrying call is that point, or it comes too late.
-    - After ABORTED (error code "fenced") from any call, Hold included, a
+    - After ABORTED (error code "fenced") from any call, CheckTail included, a
     successor holds the step: send no Heartbeat and no Report (either would
     take the task from the successor) and write nothing more.
     - Once a run is cancelled (or ended), every call of its journals but a
@@ -97,10 +97,10 @@ class JournalServiceStub:
                 request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.FinishToolRequest.SerializeToString,
                 response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.FinishToolResponse.FromString,
                 _registered_method=True)
-        self.Hold = channel.unary_unary(
-                '/dagnats.journal.v1.JournalService/Hold',
-                request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldRequest.SerializeToString,
-                response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldResponse.FromString,
+        self.CheckTail = channel.unary_unary(
+                '/dagnats.journal.v1.JournalService/CheckTail',
+                request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckTailRequest.SerializeToString,
+                response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckTailResponse.FromString,
                 _registered_method=True)
         self.PlaceInputs = channel.unary_unary(
                 '/dagnats.journal.v1.JournalService/PlaceInputs',
@@ -156,7 +156,7 @@ class JournalServiceServicer:
     (Record.leading). The separate calls stay valid. Either way an entry
     must be stored before anything that depends on it starts (the tool, the
     next model call): a carrying call is that point, or it comes too late.
-    - After ABORTED (error code "fenced") from any call, Hold included, a
+    - After ABORTED (error code "fenced") from any call, CheckTail included, a
     successor holds the step: send no Heartbeat and no Report (either would
     take the task from the successor) and write nothing more.
     - Once a run is cancelled (or ended), every call of its journals but a
@@ -222,8 +222,8 @@ class JournalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Hold(self, request, context):
-        """Hold checks that the writer still holds the step (before a heartbeat).
+    def CheckTail(self, request, context):
+        """CheckTail checks that the writer still holds the step (before a heartbeat).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -321,10 +321,10 @@ def add_JournalServiceServicer_to_server(servicer, server):
                     request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.FinishToolRequest.FromString,
                     response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.FinishToolResponse.SerializeToString,
             ),
-            'Hold': grpc.unary_unary_rpc_method_handler(
-                    servicer.Hold,
-                    request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldRequest.FromString,
-                    response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldResponse.SerializeToString,
+            'CheckTail': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckTail,
+                    request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckTailRequest.FromString,
+                    response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckTailResponse.SerializeToString,
             ),
             'PlaceInputs': grpc.unary_unary_rpc_method_handler(
                     servicer.PlaceInputs,
@@ -386,7 +386,7 @@ class JournalService:
     (Record.leading). The separate calls stay valid. Either way an entry
     must be stored before anything that depends on it starts (the tool, the
     next model call): a carrying call is that point, or it comes too late.
-    - After ABORTED (error code "fenced") from any call, Hold included, a
+    - After ABORTED (error code "fenced") from any call, CheckTail included, a
     successor holds the step: send no Heartbeat and no Report (either would
     take the task from the successor) and write nothing more.
     - Once a run is cancelled (or ended), every call of its journals but a
@@ -568,7 +568,7 @@ class JournalService:
             _registered_method=True)
 
     @staticmethod
-    def Hold(request,
+    def CheckTail(request,
             target,
             options=(),
             channel_credentials=None,
@@ -581,9 +581,9 @@ class JournalService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/dagnats.journal.v1.JournalService/Hold',
-            dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldRequest.SerializeToString,
-            dagnats_dot_journal_dot_v1_dot_journal__pb2.HoldResponse.FromString,
+            '/dagnats.journal.v1.JournalService/CheckTail',
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckTailRequest.SerializeToString,
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckTailResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,7 +43,7 @@ class JournalServiceStub:
       (Record.leading). The separate calls stay valid. Either way an entry
       must be stored before anything that depends on it starts (the tool, the
       next model call): a carrying call is that point, or it comes too late.
-    - After ABORTED (error code "fenced") from any call, Hold included, a
+    - After ABORTED (error code "fenced") from any call, CheckTail included, a
       successor holds the step: send no Heartbeat and no Report (either would
       take the task from the successor) and write nothing more.
     - Once a run is cancelled (or ended), every call of its journals but a
@@ -84,8 +84,8 @@ class JournalServiceStub:
     """ToolOutput stores partial output of a running tool."""
     FinishTool: _grpc.UnaryUnaryMultiCallable[_journal_pb2.FinishToolRequest, _journal_pb2.FinishToolResponse]
     """FinishTool stores the result of a tool call."""
-    Hold: _grpc.UnaryUnaryMultiCallable[_journal_pb2.HoldRequest, _journal_pb2.HoldResponse]
-    """Hold checks that the writer still holds the step (before a heartbeat)."""
+    CheckTail: _grpc.UnaryUnaryMultiCallable[_journal_pb2.CheckTailRequest, _journal_pb2.CheckTailResponse]
+    """CheckTail checks that the writer still holds the step (before a heartbeat)."""
     PlaceInputs: _grpc.UnaryUnaryMultiCallable[_journal_pb2.PlaceInputsRequest, _journal_pb2.PlaceInputsResponse]
     """PlaceInputs places the step's queued inputs of one mode."""
     Commit: _grpc.UnaryUnaryMultiCallable[_journal_pb2.CommitRequest, _journal_pb2.CommitResponse]
@@ -132,7 +132,7 @@ class JournalServiceAsyncStub(JournalServiceStub):
       (Record.leading). The separate calls stay valid. Either way an entry
       must be stored before anything that depends on it starts (the tool, the
       next model call): a carrying call is that point, or it comes too late.
-    - After ABORTED (error code "fenced") from any call, Hold included, a
+    - After ABORTED (error code "fenced") from any call, CheckTail included, a
       successor holds the step: send no Heartbeat and no Report (either would
       take the task from the successor) and write nothing more.
     - Once a run is cancelled (or ended), every call of its journals but a
@@ -170,8 +170,8 @@ class JournalServiceAsyncStub(JournalServiceStub):
     """ToolOutput stores partial output of a running tool."""
     FinishTool: _aio.UnaryUnaryMultiCallable[_journal_pb2.FinishToolRequest, _journal_pb2.FinishToolResponse]  # type: ignore[assignment]
     """FinishTool stores the result of a tool call."""
-    Hold: _aio.UnaryUnaryMultiCallable[_journal_pb2.HoldRequest, _journal_pb2.HoldResponse]  # type: ignore[assignment]
-    """Hold checks that the writer still holds the step (before a heartbeat)."""
+    CheckTail: _aio.UnaryUnaryMultiCallable[_journal_pb2.CheckTailRequest, _journal_pb2.CheckTailResponse]  # type: ignore[assignment]
+    """CheckTail checks that the writer still holds the step (before a heartbeat)."""
     PlaceInputs: _aio.UnaryUnaryMultiCallable[_journal_pb2.PlaceInputsRequest, _journal_pb2.PlaceInputsResponse]  # type: ignore[assignment]
     """PlaceInputs places the step's queued inputs of one mode."""
     Commit: _aio.UnaryUnaryMultiCallable[_journal_pb2.CommitRequest, _journal_pb2.CommitResponse]  # type: ignore[assignment]
@@ -217,7 +217,7 @@ class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
       (Record.leading). The separate calls stay valid. Either way an entry
       must be stored before anything that depends on it starts (the tool, the
       next model call): a carrying call is that point, or it comes too late.
-    - After ABORTED (error code "fenced") from any call, Hold included, a
+    - After ABORTED (error code "fenced") from any call, CheckTail included, a
       successor holds the step: send no Heartbeat and no Report (either would
       take the task from the successor) and write nothing more.
     - Once a run is cancelled (or ended), every call of its journals but a
@@ -291,12 +291,12 @@ class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
         """FinishTool stores the result of a tool call."""
 
     @_abc_1.abstractmethod
-    def Hold(
+    def CheckTail(
         self,
-        request: _journal_pb2.HoldRequest,
+        request: _journal_pb2.CheckTailRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_journal_pb2.HoldResponse, _abc.Awaitable[_journal_pb2.HoldResponse]]:
-        """Hold checks that the writer still holds the step (before a heartbeat)."""
+    ) -> _typing.Union[_journal_pb2.CheckTailResponse, _abc.Awaitable[_journal_pb2.CheckTailResponse]]:
+        """CheckTail checks that the writer still holds the step (before a heartbeat)."""
 
     @_abc_1.abstractmethod
     def PlaceInputs(

@@ -1,8 +1,9 @@
-"""The journal's session socket (ADR 45): Sessions on a Unix socket for
-workers on the services' host.
+"""The services' local socket: the journal's Session calls, PollTasks and
+WatchRun on a Unix socket for clients on the services' host, each call one
+envelope dispatched through one method table.
 
 What a user checks: a worker given the socket, or told nothing on the
-services' host (ADR 46), runs on it and writes what a gRPC worker writes
+services' host, runs on it and writes what a gRPC worker writes
 (``tests/test_journal.py`` runs the crash-free run and the unsafe-intent
 crash with each); the socket takes only a worker's token
 when the server needs one; a bad frame ends that connection with an error,
@@ -30,19 +31,19 @@ from google.protobuf.duration_pb2 import Duration
 
 from dagnats.cli import dev
 from dagnats.core import errors
-from dagnats.core.frames import HEADER, MAX_FRAME
+from dagnats.core.frames import HEADER, MAX_FRAME, TransportError
 from dagnats.core.natsserver import NatsServer
+from dagnats.engine import local_transport
 from dagnats.engine.access import Role, tokens_of
+from dagnats.engine.local_transport import LocalListener, methods
 from dagnats.engine.security import ServerSecurity
-from dagnats.engine.server import SESSION_METHOD, EngineServer, start_engine
+from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.journal import session_socket
-from dagnats.journal.service import SESSION_CALLS
-from dagnats.journal.session_socket import SessionSocket
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, TaskContext, Worker, run_output
 from dagnats.sdk import _rpc as rpc
-from dagnats.sdk._socket_session import FoundSocket, SocketPolls, SocketSession, SocketWatches
+from dagnats.sdk._local_transport import FoundSocket, LocalConnection, LocalStream
+from dagnats.sdk._rpc import POLL_METHOD, WATCH_METHOD
 from dagnats.sdk.testing import ScriptedModel
 from tests.helpers import wait_for
 from tests.journal_agent import SCRIPT, Tools, agent
@@ -51,6 +52,7 @@ from tests.stack import FAST, loop_workflow, socket_dir, unique
 from tests.test_journal import finish, found, remote, run_without_a_crash, socketed, start
 
 WORKER_TOKEN, CLIENT_TOKEN = "socket-worker-token", "socket-client-token"
+CHECK_TAIL = "/dagnats.journal.v1.JournalService/CheckTail"
 
 
 @pytest.fixture
@@ -67,7 +69,7 @@ async def secured(nats_server: NatsServer, short_dir: Path) -> AsyncIterator[Eng
         nats_server.url,
         config=FAST,
         security=ServerSecurity(tokens=tokens),
-        session_socket=short_dir / "journal.sock",
+        local_socket=short_dir / "local.sock",
     )
     yield server
     await server.stop()
@@ -76,25 +78,25 @@ async def secured(nats_server: NatsServer, short_dir: Path) -> AsyncIterator[Eng
 async def test_a_worker_given_the_socket_takes_it_for_its_journal_calls(
     client: Client, engine: EngineServer
 ) -> None:
-    assert engine.session_socket is not None
-    before = engine.session_socket.accepted
+    assert engine.local_socket is not None
+    before = engine.local_socket.accepted
     await run_without_a_crash(client, engine, socketed)  # the records a gRPC worker writes
-    assert engine.session_socket.accepted > before
+    assert engine.local_socket.accepted > before
 
 
 async def test_a_worker_on_the_services_host_finds_their_socket(
     client: Client, engine: EngineServer
 ) -> None:
     """Told nothing, a worker's journal calls go to the socket its polls'
-    answers name (ADR 46); told "off", they stay on gRPC."""
-    sockets = engine.session_socket
+    answers name; told "off", they stay on gRPC."""
+    sockets = engine.local_socket
     assert sockets is not None
     before, polled = sockets.accepted, sockets.polled
     await run_without_a_crash(client, engine, found)
     assert sockets.accepted > before
-    assert sockets.polled > polled, "its polls go there too (ADR 49)"
+    assert sockets.polled > polled, "its polls go there too"
     before, polled = sockets.accepted, sockets.polled
-    await run_without_a_crash(client, engine, remote)  # journal_socket="off"
+    await run_without_a_crash(client, engine, remote)  # local_socket="off"
     assert (sockets.accepted, sockets.polled) == (before, polled)
 
 
@@ -105,11 +107,11 @@ async def test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc(
     as another server's (a host's path reused, say): its hello is refused,
     the worker says so, and the run's journal calls go on gRPC. (The client
     is told "off", so that only the worker says where its calls go.)"""
-    assert engine.session_socket is not None
-    sockets = engine.session_socket
+    assert engine.local_socket is not None
+    sockets = engine.local_socket
     caplog.set_level(logging.INFO, logger="dagnats.sdk")
     with monkeypatch.context() as env:
-        env.setenv("DAGNATS_JOURNAL_SOCKET", "off")
+        env.setenv("DAGNATS_LOCAL_SOCKET", "off")
         client = Client(engine.target)  # read when made; the worker is made without it
     ours, sockets.instance = sockets.instance, "another-server"
     try:
@@ -119,24 +121,24 @@ async def test_another_servers_socket_at_the_path_puts_the_calls_back_on_grpc(
         sockets.instance = ours
         await client.close()
     # The polls' connection, the watch's for the runs' cancel (a poll of its
-    # own while a poll is out) and the journal calls' (ADR 49), or fewer if a
+    # own while a poll is out) and the journal calls', or fewer if a
     # refusal came first: each refused, then none.
     assert sockets.accepted - before in (1, 2, 3)
     said = [r.getMessage() for r in caplog.records if "calls go" in r.getMessage()]
     assert said == [
-        f"calls go to the session socket {sockets.path}",
-        f"session socket calls go on gRPC: {sockets.path} is another server's session socket",
+        f"calls go to the local socket {sockets.path}",
+        f"local socket calls go on gRPC: {sockets.path} is another server's local socket",
     ]
 
 
 async def test_a_client_on_the_services_host_watches_its_runs_on_their_socket(
     engine: EngineServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A client's first watch goes on gRPC and its answer names the socket
-    (ADR 52); the next ones, a start and wait among them, go there and give
+    """A client's first watch goes on gRPC and its answer names the socket;
+    the next ones, a start and wait among them, go there and give
     what gRPC gives. Told "off", or refused at the socket, a client watches
     on gRPC."""
-    sockets = engine.session_socket
+    sockets = engine.local_socket
     assert sockets is not None
     caplog.set_level(logging.INFO, logger="dagnats.sdk")
     task, name = unique("watched"), unique("watched")
@@ -159,7 +161,7 @@ async def test_a_client_on_the_services_host_watches_its_runs_on_their_socket(
             with pytest.raises(errors.NotFound):  # the engine's error, as on gRPC
                 await own.wait_for_run("0" * 32, timeout=5)
             assert sockets.watched == before + 3
-        refused = f"session socket calls go on gRPC: {sockets.path} is another server's"
+        refused = f"local socket calls go on gRPC: {sockets.path} is another server's"
         ours, sockets.instance = sockets.instance, "another-server"
         try:
             async with Client(engine.target) as own:
@@ -171,7 +173,7 @@ async def test_a_client_on_the_services_host_watches_its_runs_on_their_socket(
             sockets.instance = ours
         said = [r.getMessage() for r in caplog.records if "calls go on gRPC" in r.getMessage()]
         assert any(line.startswith(refused) for line in said), said  # the worker's may follow
-        monkeypatch.setenv("DAGNATS_JOURNAL_SOCKET", "off")
+        monkeypatch.setenv("DAGNATS_LOCAL_SOCKET", "off")
         async with Client(engine.target) as own:
             for _ in range(2):
                 assert await own.run(name, {"ask": "weather"}) == "done"
@@ -185,7 +187,7 @@ async def test_a_clients_watch_on_the_socket_rides_out_a_services_restart(
     the wait goes on (on gRPC while they are down), ends with the run, and
     the client's next watches go to the restarted services' socket."""
     path = short_dir / "restart.sock"
-    env = {"DAGNATS_SESSION_SOCKET": str(path), "DAGNATS_TASK_ACK_WAIT": "20"}
+    env = {"DAGNATS_LOCAL_SOCKET": str(path), "DAGNATS_TASK_ACK_WAIT": "20"}
     engine = EngineProcess(nats_server.url, tmp_path, "engine", env=env)
     await engine.start()
     task, name = unique("restarted"), unique("restarted")
@@ -206,15 +208,15 @@ async def test_a_clients_watch_on_the_socket_rides_out_a_services_restart(
             found = client._rpc._found
             assert found is not None and found._socket is not None
             first = found._socket.instance
-            made: list[SocketWatches] = []  # the watches' connections to the socket
-            connect = found.watches
+            made: list[LocalConnection] = []  # the client's connections to the socket
+            connect = found.connection
 
-            def watches() -> SocketWatches | None:
+            def connection() -> LocalConnection | None:
                 if (made_now := connect()) is not None:
                     made.append(made_now)
                 return made_now
 
-            monkeypatch.setattr(found, "watches", watches)
+            monkeypatch.setattr(found, "connection", connection)
             run = await client.start_run(name, {"hold": True})
             waiting = asyncio.create_task(client.wait_for_run(run.run_id, timeout=60))
             await wait_for(lambda: bool(made) and made[0].transport is not None, timeout=10)
@@ -230,12 +232,24 @@ async def test_a_clients_watch_on_the_socket_rides_out_a_services_restart(
         await engine.stop()
 
 
-def _watches(sockets: SessionSocket, token: str | None = None) -> SocketWatches:
-    """A connection for watches on ``sockets``, as a client that found it makes."""
+def _connection(sockets: LocalListener, token: str | None = None) -> LocalConnection:
+    """A connection to ``sockets``, as a client that found it makes."""
     refusals: list[str] = []
-    return SocketWatches(
+    return LocalConnection(
         str(sockets.path), token, instance=sockets.instance, refused=refusals.append
     )
+
+
+async def _watch(
+    connection: LocalConnection, request: pb.WatchRunRequest
+) -> tuple[LocalStream[pb.WatchRunResponse], pb.WatchRunResponse]:
+    """A watch on ``connection`` and its first state."""
+    stream = await connection.stream(WATCH_METHOD, request, pb.WatchRunResponse, {})
+    return stream, await anext(stream)
+
+
+async def _poll(connection: LocalConnection, request: pb.PollTasksRequest) -> pb.PollTasksResponse:
+    return await connection.call(POLL_METHOD, request, pb.PollTasksResponse, {})
 
 
 async def test_the_watches_socket_takes_only_a_token_that_may_watch(
@@ -243,21 +257,21 @@ async def test_the_watches_socket_takes_only_a_token_that_may_watch(
 ) -> None:
     """A client's token (not a worker's) may watch on the socket; a watch the
     engine refuses raises its domain error, and the connection serves on."""
-    assert secured.session_socket is not None
+    assert secured.local_socket is not None
     for token, status in (
         (None, grpc.StatusCode.UNAUTHENTICATED),
         (WORKER_TOKEN, grpc.StatusCode.PERMISSION_DENIED),
     ):
-        watches = _watches(secured.session_socket, token)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await watches.watch(pb.WatchRunRequest(run_id="0" * 32))
-        assert refused.value.code() == status, token
-        assert watches.not_sent, "a refused hello: the watch was never read"
-    watches = _watches(secured.session_socket, CLIENT_TOKEN)
+        watches = _connection(secured.local_socket, token)
+        with pytest.raises(TransportError) as refused:
+            await _watch(watches, pb.WatchRunRequest(run_id="0" * 32))
+        assert refused.value.code == status, token
+        assert watches.not_sent(), "a refused call: the watch was never read"
+    watches = _connection(secured.local_socket, CLIENT_TOKEN)
     with pytest.raises(errors.NotFound):
-        await watches.watch(pb.WatchRunRequest(run_id="0" * 32))
+        await _watch(watches, pb.WatchRunRequest(run_id="0" * 32))
     with pytest.raises(errors.InvalidArgument) as bad:
-        await watches.watch(pb.WatchRunRequest(run_id="not an id"))
+        await _watch(watches, pb.WatchRunRequest(run_id="not an id"))
     assert bad.value.field == "run_id" and watches.idle()
     watches.close()
 
@@ -267,13 +281,12 @@ async def test_a_watch_left_before_its_run_ends_is_cancelled_on_the_server(
 ) -> None:
     """A client that stops watching a run that goes on (nobody polls its
     task) closes its connection, and the engine stops watching the run."""
-    sockets = engine.session_socket
+    sockets = engine.local_socket
     assert sockets is not None
     _, name = await start(client)
     run = await client.start_run(name, {"ask": "weather"})
-    watches = _watches(sockets)
-    watch = await watches.watch(pb.WatchRunRequest(run_id=run.run_id))
-    first = await anext(watch)
+    watches = _connection(sockets)
+    watch, first = await _watch(watches, pb.WatchRunRequest(run_id=run.run_id))
     assert first.run.run_id == run.run_id and first.run.status == pb.RUN_STATUS_RUNNING
     hubs = engine.watches._hubs
     await wait_for(lambda: run.run_id in hubs, timeout=10)
@@ -292,7 +305,7 @@ def test_a_worker_keeps_the_socket_it_found_until_it_is_refused_or_replaced(
     is taken at once."""
     found = FoundSocket(token=None)
     first, second = (
-        pb.JournalSocket(path=str(short_dir / name), instance=name) for name in ("a.sock", "b.sock")
+        pb.LocalSocket(path=str(short_dir / name), instance=name) for name in ("a.sock", "b.sock")
     )
     listening = []
     for offer in (first, second):
@@ -301,14 +314,16 @@ def test_a_worker_keeps_the_socket_it_found_until_it_is_refused_or_replaced(
     try:
         assert found.offered(first)
         assert not found.offered(second) and not found.offered(first)
-        session = found.session()
-        assert session is not None
-        with pytest.raises(grpc.aio.AioRpcError):  # nothing listens: refused before any answer
-            asyncio.run(session.write(jpb.SessionRequest(id=1)))
-        assert found.session() is None, "back on gRPC"
+        connection = found.connection()
+        assert connection is not None
+        with pytest.raises(TransportError):  # nothing listens: refused before any answer
+            asyncio.run(
+                connection.call(CHECK_TAIL, jpb.CheckTailRequest(), jpb.CheckTailResponse, {})
+            )
+        assert found.connection() is None, "back on gRPC"
         assert not found.offered(first), "a refused socket is not taken again"
         assert found.offered(second)
-        restarted = pb.JournalSocket(path=second.path, instance="b-again")
+        restarted = pb.LocalSocket(path=second.path, instance="b-again")
         assert found.offered(restarted), "a new server at the path is taken at once"
         assert not found.offered(second)
     finally:
@@ -320,60 +335,54 @@ def test_a_socket_path_that_is_not_a_socket_here_is_not_taken(short_dir: Path) -
     """A worker on another host gets a path that means nothing there."""
     sockets = FoundSocket(token=None)
     for path in (short_dir / "missing.sock", short_dir):
-        assert not sockets.offered(pb.JournalSocket(path=str(path), instance="i"))
-    assert sockets.session() is None
+        assert not sockets.offered(pb.LocalSocket(path=str(path), instance="i"))
+    assert sockets.connection() is None
 
 
-async def _call(path: str, token: str | None) -> jpb.SessionResponse:
-    """One request on a new session with ``token``: a request naming no
-    call, which the journal answers with an error of its own when it gets
-    that far."""
-    session = SocketSession(path, token)
+async def _call(path: str, token: str | None) -> errors.InvalidArgument:
+    """One call on a new connection with ``token``: a tail check that names
+    no writer, which the journal refuses with an error of its own when it
+    gets that far."""
+    connection = LocalConnection(path, token)
     try:
-        await session.write(jpb.SessionRequest(id=1))
-        return await session.read()
+        with pytest.raises(errors.InvalidArgument) as refused:
+            await connection.call(CHECK_TAIL, jpb.CheckTailRequest(), jpb.CheckTailResponse, {})
+        assert not connection.done(), "a domain error answers its call"
+        return refused.value
     finally:
-        session.cancel()
+        connection.cancel()
 
 
 async def test_the_socket_takes_a_worker_token_when_the_server_needs_one(
     secured: EngineServer,
 ) -> None:
-    assert secured.session_socket is not None
-    path = str(secured.session_socket.path)
+    assert secured.local_socket is not None
+    path = str(secured.local_socket.path)
     for token, status in (
         (None, grpc.StatusCode.UNAUTHENTICATED),
         ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
         (CLIENT_TOKEN, grpc.StatusCode.PERMISSION_DENIED),
     ):
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
+        with pytest.raises(TransportError) as refused:
             await _call(path, token)
-        assert refused.value.code() == status, token
+        assert refused.value.code == status, token
     answer = await _call(path, WORKER_TOKEN)  # reached the journal: its own error
-    assert answer.id == 1 and answer.error.field == "call"
-
-
-def _polls(sockets: SessionSocket, token: str | None = None) -> SocketPolls:
-    """A connection for polls on ``sockets``, as a worker that found it makes."""
-    refusals: list[str] = []
-    return SocketPolls(str(sockets.path), token, instance=sockets.instance, refused=refusals.append)
+    assert answer.field == "token.run_id"
 
 
 async def test_the_polls_socket_takes_only_a_token_that_may_poll(secured: EngineServer) -> None:
-    assert secured.session_socket is not None
+    assert secured.local_socket is not None
     for token, status in (
         (None, grpc.StatusCode.UNAUTHENTICATED),
         (CLIENT_TOKEN, grpc.StatusCode.PERMISSION_DENIED),
     ):
-        polls = _polls(secured.session_socket, token)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await polls.poll(pb.PollTasksRequest(task_types=["t"]), deadline=5.0)
-        assert refused.value.code() == status, token
-    polls = _polls(secured.session_socket, WORKER_TOKEN)
+        polls = _connection(secured.local_socket, token)
+        with pytest.raises(TransportError) as refused:
+            await _poll(polls, pb.PollTasksRequest(task_types=["t"]))
+        assert refused.value.code == status, token
+    polls = _connection(secured.local_socket, WORKER_TOKEN)
     wait = Duration(nanos=50_000_000)
-    answer = await polls.poll(
-        pb.PollTasksRequest(task_types=[unique("none")], wait=wait), deadline=5.0
-    )
+    answer = await _poll(polls, pb.PollTasksRequest(task_types=[unique("none")], wait=wait))
     assert list(answer.tasks) == []
     polls.close()
 
@@ -381,15 +390,13 @@ async def test_the_polls_socket_takes_only_a_token_that_may_poll(secured: Engine
 async def test_a_poll_refused_on_the_socket_fails_as_on_grpc_and_the_connection_serves_on(
     engine: EngineServer,
 ) -> None:
-    assert engine.session_socket is not None
-    polls = _polls(engine.session_socket)
+    assert engine.local_socket is not None
+    polls = _connection(engine.local_socket)
     with pytest.raises(errors.InvalidArgument) as refused:
-        await polls.poll(pb.PollTasksRequest(task_types=["not a type"]), deadline=5.0)
+        await _poll(polls, pb.PollTasksRequest(task_types=["not a type"]))
     assert refused.value.field == "task_types[0]"
     wait = Duration(nanos=50_000_000)
-    answer = await polls.poll(
-        pb.PollTasksRequest(task_types=[unique("none")], wait=wait), deadline=5.0
-    )
+    answer = await _poll(polls, pb.PollTasksRequest(task_types=[unique("none")], wait=wait))
     assert list(answer.tasks) == [] and not polls.done()
     polls.close()
 
@@ -397,22 +404,24 @@ async def test_a_poll_refused_on_the_socket_fails_as_on_grpc_and_the_connection_
 async def test_a_socket_that_serves_no_engine_refuses_a_poll(
     engine: EngineServer, short_dir: Path
 ) -> None:
-    """A journal's socket in a process without the engine: its polls' hello
-    is refused by name, and the worker's polls (told nothing of it) stay on gRPC."""
+    """A journal's socket in a process without the engine: a poll or a watch
+    is refused by name before it is read, and the worker's polls (told
+    nothing of it) stay on gRPC."""
     assert engine.journal is not None
-    admit = ServerSecurity().admission(SESSION_METHOD)
-    sockets = await SessionSocket.start(
-        short_dir / "journal.sock", engine.journal, SESSION_CALLS, admit
+    sockets = await LocalListener.start(
+        short_dir / "local.sock", methods(engine.journal), ServerSecurity().admission
     )
     try:
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await _polls(sockets).poll(pb.PollTasksRequest(task_types=["t"]), deadline=5.0)
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "takes no polls" in (refused.value.details() or "")
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await _watches(sockets).watch(pb.WatchRunRequest(run_id="0" * 32))
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "takes no watches" in (refused.value.details() or "")
+        polls = _connection(sockets)
+        with pytest.raises(TransportError) as refused:
+            await _poll(polls, pb.PollTasksRequest(task_types=["t"]))
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"takes no {POLL_METHOD}" in refused.value.message and polls.not_sent()
+        watches = _connection(sockets)
+        with pytest.raises(TransportError) as refused:
+            await _watch(watches, pb.WatchRunRequest(run_id="0" * 32))
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"takes no {WATCH_METHOD}" in refused.value.message and watches.not_sent()
     finally:
         await sockets.close()
 
@@ -420,50 +429,53 @@ async def test_a_socket_that_serves_no_engine_refuses_a_poll(
 async def test_a_bad_frame_ends_its_connection_and_the_socket_serves_on(
     engine: EngineServer,
 ) -> None:
-    assert engine.session_socket is not None
-    path = str(engine.session_socket.path)
+    assert engine.local_socket is not None
+    path = str(engine.local_socket.path)
     for sent in (
-        HEADER.pack(3) + b"\xff\xff\xff",  # not a SessionHello
+        HEADER.pack(3) + b"\xff\xff\xff",  # not a LocalHello
         HEADER.pack(MAX_FRAME + 1),  # longer than any frame may be
-        _frame(jpb.SessionHello()) + HEADER.pack(2) + b"\xff\xff",  # not a SessionRequest
-        _frame(jpb.SessionHello(watches=True)) + HEADER.pack(2) + b"\xff\xff",  # nor a watch
-        _frame(jpb.SessionHello(polls=True, watches=True)),  # one or the other
+        _frame(pb.LocalHello()) + HEADER.pack(2) + b"\xff\xff",  # not a LocalCall
+        _frame(pb.LocalHello())
+        + _frame(pb.LocalCall(id=1, method=CHECK_TAIL, request=b"\xff\xff")),  # nor its request
     ):
         reader, writer = await asyncio.open_unix_connection(path)
         writer.write(sent)
-        answer = jpb.SessionResponse.FromString(await _read_frame(reader))
+        answer = pb.LocalAnswer.FromString(await _read_frame(reader))
         assert answer.id == 0
         assert answer.error.status == grpc.StatusCode.INVALID_ARGUMENT.value[0], answer
         assert await reader.read() == b"", "the connection is closed after the error"
         writer.close()
-    answer = await _call(path, None)  # the socket still serves
-    assert answer.id == 1 and answer.error.field == "call"
+    refused = await _call(path, None)  # the socket still serves
+    assert refused.field == "token.run_id"
 
 
 async def test_a_silent_connection_is_ended_and_requests_sent_ahead_are_answered_in_order(
     engine: EngineServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert engine.session_socket is not None
-    path = str(engine.session_socket.path)
-    monkeypatch.setattr(session_socket, "HELLO_SECONDS", 0.2)
+    assert engine.local_socket is not None
+    path = str(engine.local_socket.path)
+    monkeypatch.setattr(local_transport, "HELLO_SECONDS", 0.2)
     reader, writer = await asyncio.open_unix_connection(path)
-    answer = jpb.SessionResponse.FromString(await _read_frame(reader))
+    answer = pb.LocalAnswer.FromString(await _read_frame(reader))
     assert answer.id == 0
     assert answer.error.status == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], answer
     writer.close()
-    # More requests than the socket reads ahead, sent before reading any answer:
+    # More calls than the socket reads ahead, sent before reading any answer:
     # it stops reading, then goes on, and answers every one, in order.
-    sent = 4 * session_socket.READ_AHEAD
+    sent = 4 * local_transport.READ_AHEAD
     reader, writer = await asyncio.open_unix_connection(path)
-    writer.write(_frame(jpb.SessionHello()))
-    writer.write(b"".join(_frame(jpb.SessionRequest(id=n)) for n in range(1, sent + 1)))
+    writer.write(_frame(pb.LocalHello()))
+    writer.write(
+        b"".join(_frame(pb.LocalCall(id=n, method=CHECK_TAIL)) for n in range(1, sent + 1))
+    )
     await writer.drain()
-    answers = [jpb.SessionResponse.FromString(await _read_frame(reader)) for _ in range(sent)]
+    answers = [pb.LocalAnswer.FromString(await _read_frame(reader)) for _ in range(sent)]
     assert [a.id for a in answers] == list(range(1, sent + 1))
+    assert all(a.error.field == "token.run_id" for a in answers)
     writer.close()
 
 
-def _frame(message: jpb.SessionHello | jpb.SessionRequest) -> bytes:
+def _frame(message: pb.LocalHello | pb.LocalCall) -> bytes:
     data = message.SerializeToString()
     return HEADER.pack(len(data)) + data
 
@@ -480,23 +492,21 @@ async def test_a_restarted_socket_costs_a_worker_nothing(
     services restarting) and comes back: the worker's next run opens new ones."""
     assert engine.journal is not None
     path = short_dir / "restart.sock"
-    admit = ServerSecurity().admission(SESSION_METHOD)
+    table, admission = methods(engine.journal), ServerSecurity().admission
     (first, first_name), (second, second_name) = await start(client), await start(client)
     handlers = {
         first: agent(ScriptedModel(SCRIPT), Tools()),
         second: agent(ScriptedModel(SCRIPT), Tools()),
     }
-    sockets = await SessionSocket.start(path, engine.journal, SESSION_CALLS, admit)
+    sockets = await LocalListener.start(path, table, admission)
     try:
-        async with Worker(
-            engine.target, handlers=handlers, poll_wait=1.0, journal_socket=str(path)
-        ):
+        async with Worker(engine.target, handlers=handlers, poll_wait=1.0, local_socket=str(path)):
             run = await client.start_run(first_name, {"ask": "weather"})
             assert (await finish(client, engine, run.run_id)).status == pb.RUN_STATUS_COMPLETED
             assert sockets.connections, "the worker keeps its idle session open"
             await sockets.close()
             assert not path.exists(), "a closed socket leaves no file"
-            sockets = await SessionSocket.start(path, engine.journal, SESSION_CALLS, admit)
+            sockets = await LocalListener.start(path, table, admission)
             run = await client.start_run(second_name, {"ask": "weather"})
             assert (await finish(client, engine, run.run_id)).status == pb.RUN_STATUS_COMPLETED
             assert sockets.accepted >= 1
@@ -507,16 +517,15 @@ async def test_a_restarted_socket_costs_a_worker_nothing(
 async def test_the_socket_file_is_the_owners_and_a_live_one_is_not_taken(
     engine: EngineServer, short_dir: Path
 ) -> None:
-    assert engine.journal is not None and engine.session_socket is not None
-    assert stat.S_IMODE(os.stat(engine.session_socket.path).st_mode) == 0o600
-    admit = ServerSecurity().admission(SESSION_METHOD)
+    assert engine.journal is not None and engine.local_socket is not None
+    assert stat.S_IMODE(os.stat(engine.local_socket.path).st_mode) == 0o600
+    table = methods(engine.journal)
 
-    async def start(path: Path) -> SessionSocket:
-        assert engine.journal is not None
-        return await SessionSocket.start(path, engine.journal, SESSION_CALLS, admit)
+    async def start(path: Path) -> LocalListener:
+        return await LocalListener.start(path, table, ServerSecurity().admission)
 
     with pytest.raises(errors.Unavailable, match="another server listens"):
-        await start(engine.session_socket.path)
+        await start(engine.local_socket.path)
     not_a_socket = short_dir / "file"
     not_a_socket.write_text("keep me")
     with pytest.raises(errors.InvalidArgument, match="not a socket"):
@@ -534,7 +543,7 @@ async def test_the_socket_file_is_the_owners_and_a_live_one_is_not_taken(
     replaced = await start(stale)
     try:
         answer = await _call(str(stale), None)
-        assert answer.id == 1
+        assert answer.field == "token.run_id"
     finally:
         await replaced.close()
 
@@ -553,19 +562,13 @@ async def test_a_worker_told_of_a_missing_socket_warns_and_its_retries_say_why(
             r.levelno == logging.WARNING and missing in r.getMessage() for r in caplog.records
         )
 
-    async with Worker(engine.target, handlers={"unused": _never}, journal_socket=missing):
+    async with Worker(engine.target, handlers={"unused": _never}, local_socket=missing):
         await wait_for(warned, timeout=10)
     assert any(
         "No such file" in r.getMessage() for r in caplog.records if missing in r.getMessage()
     )
 
-    failure = grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.aio.Metadata(),
-        grpc.aio.Metadata(),
-        details=f"session socket {missing}: no such file",
-        debug_error_string="",
-    )
+    failure = TransportError(grpc.StatusCode.UNAVAILABLE, f"local socket {missing}: no such file")
     outcome = SimpleNamespace(exception=lambda: failure)
     caplog.clear()
     for since in (0.5, rpc.LOUD_AFTER + 1):
@@ -580,5 +583,5 @@ async def _never(tc: object) -> None:
 
 
 def test_dev_makes_its_socket_in_the_data_directory_when_the_path_fits(short_dir: Path) -> None:
-    assert dev._session_socket(short_dir) == short_dir / "journal.sock"
-    assert dev._session_socket(short_dir / ("d" * 100)) is None  # gRPC only, and it says so
+    assert dev._local_socket(short_dir) == short_dir / "local.sock"
+    assert dev._local_socket(short_dir / ("d" * 100)) is None  # gRPC only, and it says so
