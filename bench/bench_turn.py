@@ -254,15 +254,42 @@ def sync_calls(counts: Mapping[str, int]) -> int:
     return sum(n for name, n in counts.items() if name in SYNC_CALLS)
 
 
-class Strace:
-    """``strace -f -c`` on one process for the length of a block."""
+_STRACE_CALL = re.compile(r"^(?:\d+\s+)?(\w+)\(\d+<([^>]*)>")
 
-    def __init__(self, pid: int, out: Path) -> None:
-        self.pid, self.out = pid, out
+
+def parse_strace_calls(text: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Calls by syscall, and by the file they were made on, from ``strace
+    -f -y`` lines; a JetStream store's file is named from its stream
+    (``HISTORY/obs/engine``: a consumer's state, ``KV_RUNS/msgs``: stored
+    messages)."""
+    calls: Counter[str] = Counter()
+    files: Counter[str] = Counter()
+    for line in text.splitlines():
+        if (call := _STRACE_CALL.match(line)) is None:
+            continue
+        calls[call.group(1)] += 1
+        path = call.group(2)
+        _, streams, rest = path.partition("/streams/")
+        if streams:
+            parts = rest.split("/")
+            path = "/".join(parts[:3] if len(parts) > 2 and parts[1] == "obs" else parts[:2])
+        files[path] += 1
+    return dict(calls), dict(files)
+
+
+class Strace:
+    """``strace -f -c`` on one process for the length of a block; with
+    ``files``, ``strace -f -y`` instead, which also says the file of each
+    call (``self.files``)."""
+
+    def __init__(self, pid: int, out: Path, files: bool = False) -> None:
+        self.pid, self.out, self.by_file = pid, out, files
         self.counts: dict[str, int] = {}
+        self.files: dict[str, int] = {}
 
     async def __aenter__(self) -> Strace:
-        args = ["strace", "-f", "-c", "-o", str(self.out), "-e", f"trace={','.join(SYNC_CALLS)}"]
+        how = ["-y"] if self.by_file else ["-c"]
+        args = ["strace", "-f", *how, "-o", str(self.out), "-e", f"trace={','.join(SYNC_CALLS)}"]
         self.proc = await asyncio.create_subprocess_exec(
             *args, "-p", str(self.pid), stderr=subprocess.DEVNULL
         )
@@ -272,7 +299,10 @@ class Strace:
     async def __aexit__(self, *exc: object) -> None:
         self.proc.send_signal(signal.SIGINT)
         await asyncio.wait_for(self.proc.wait(), 30)
-        self.counts = parse_strace_summary(self.out.read_text())
+        if self.by_file:
+            self.counts, self.files = parse_strace_calls(self.out.read_text())
+        else:
+            self.counts = parse_strace_summary(self.out.read_text())
 
 
 def _traced(pid: int) -> bool:
@@ -322,29 +352,30 @@ def stream_states(jsz: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
 
 
 def per_iteration(
-    before: Mapping[str, float], after: Mapping[str, float], n: int
+    before: Mapping[str, float], after: Mapping[str, float], n: int, digits: int = 2
 ) -> dict[str, float]:
-    """What grew between two counts, per iteration; unchanged keys left out."""
+    """What grew between two counts, per iteration (to ``digits``
+    decimals); unchanged keys left out."""
     grew = {key: (after.get(key, 0) - before.get(key, 0)) / n for key in after}
-    return {key: round(v, 2) for key, v in sorted(grew.items()) if v}
+    return {key: round(v, digits) for key, v in sorted(grew.items()) if v}
 
 
 # ---- the services' counters: which routes the iterations took ----------------------------
 
-_SAMPLE = re.compile(r'^(\w+?)(?:_total)?(?:\{event="([^"]*)"\})?\s+([-+\d.eE]+)$')
+_SAMPLE = re.compile(r'^(\w+?)(_total)?(?:\{event="([^"]*)"\})?\s+([-+\d.eE]+)$')
 
 
 def parse_metrics(text: str) -> dict[str, float]:
     """The counters of a ``/metrics`` page (Prometheus' text format): the
     engine's events by their name (``kept_unwritten``, ``guess_missed``...),
     every other counter by its family (``dagnats_local_socket_polls``);
-    the ``_created`` stamps left out."""
+    gauges and the ``_created`` stamps left out."""
     found: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or (sample := _SAMPLE.match(line.strip())) is None:
             continue
-        name, event, value = sample.groups()
-        if not name.endswith("_created"):
+        name, total, event, value = sample.groups()
+        if total:
             key = event if event is not None else name
             found[key] = found.get(key, 0.0) + float(value)
     return found
@@ -773,7 +804,7 @@ async def fsyncs(
     waited = await stored_nothing_for(monitor, still=RECONCILE_STILL, most=45.0)
     jsz = f"{monitor}/jsz?streams=true"
     idle_before = get_json(jsz)
-    async with Strace(pid, logs / f"strace-{label}-idle.txt") as idle:
+    async with Strace(pid, logs / f"strace-{label}-idle.txt", files=True) as idle:
         await asyncio.sleep(idle_s)  # the idle baseline's length
     idle_after = get_json(jsz)
     idle_stored = per_iteration(stream_seqs(idle_before), stream_seqs(idle_after), 1)
@@ -801,15 +832,16 @@ async def fsyncs(
         # still before (45 s: it did not).
         "idle_stored": idle_stored,
         "idle_held_change": per_iteration(*held, 1),
+        "idle_sync_calls_by_file": idle.files,
         "waited_for_still_s": waited,
-        "routes_per_iteration": per_iteration(before, between, seq_runs * p.k),
+        "routes_per_iteration": per_iteration(before, between, seq_runs * p.k, 3),
         "concurrent": {
             "runs": p.c,
             "steps": conc_steps,
             "traced_wall_s": conc_wall,
             "counts": conc.counts,
             "sync_calls_per_step": sync_calls(conc.counts) / conc_steps,
-            "routes_per_iteration": per_iteration(between, after, p.c * p.k),
+            "routes_per_iteration": per_iteration(between, after, p.c * p.k, 3),
         },
     }
 
@@ -1007,7 +1039,7 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
                 before = stack.routes()
                 await phases("dagnats", p, dagnats_run, stack.cpu, ours, phase)
                 ours.routes[phase] = per_iteration(
-                    before, stack.routes(), phase_iterations(p, phase)
+                    before, stack.routes(), phase_iterations(p, phase), 3
                 )
                 if p.queued:
                     await phases("queued", p, queued_run, stack.cpu, queued, phase)
@@ -1278,7 +1310,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"steps; C at once: {st['concurrent']['counts']}; "
                 f"idle {st['idle_sync_calls_per_s']:.1f}/s (stored while idle: "
                 f"{st.get('idle_stored') or 'nothing'}, messages held changed: "
-                f"{st.get('idle_held_change') or 'none'}; "
+                f"{st.get('idle_held_change') or 'none'}; fsynced while idle: "
+                f"{st.get('idle_sync_calls_by_file') or 'nothing'}; "
                 f"still after {st.get('waited_for_still_s')}s)"
             )
     print("\n" + format_routes(ours))

@@ -130,15 +130,27 @@ def test_the_routes_are_read_from_the_services_metrics_page() -> None:
     from dagnats.engine.metrics import ServicesCollector
 
     engine = SimpleNamespace(counters={"kept_unwritten": 12, "direct_applied": 20})
-    server = SimpleNamespace(engine=engine, local_socket=None)
+    sockets = SimpleNamespace(accepted=3, polled=40, watched=2, connections=[object()])
+    server = SimpleNamespace(engine=engine, local_socket=sockets)
     registry = CollectorRegistry()
     registry.register(ServicesCollector(cast(Any, server)))
     page = generate_latest(registry).decode()
-    assert bt.parse_metrics(page) == {"kept_unwritten": 12.0, "direct_applied": 20.0}
+    # The counters, the engine's by their event; not the gauge of open connections.
+    assert bt.parse_metrics(page) == {
+        "kept_unwritten": 12.0,
+        "direct_applied": 20.0,
+        "dagnats_local_socket_connections": 3.0,
+        "dagnats_local_socket_polls": 40.0,
+        "dagnats_local_socket_watches": 2.0,
+    }
     before = bt.parse_metrics(page)
     engine.counters["kept_unwritten"] = 22
     after = bt.parse_metrics(generate_latest(registry).decode())
     assert bt.per_iteration(before, after, 20) == {"kept_unwritten": 0.5}
+    assert bt.per_iteration(before, {**after, "guess_missed": 1}, 300, 3) == {
+        "guess_missed": 0.003,
+        "kept_unwritten": 0.033,
+    }
 
 
 def test_each_phase_reports_its_routes_per_iteration() -> None:
@@ -168,3 +180,22 @@ def test_a_still_store_neither_stores_nor_removes() -> None:
     assert bt.stream_states(jsz(10, 3)) == {"TASKS": (10, 3)}
     # A work queue's acknowledgement removes a message and stores none.
     assert bt.stream_states(jsz(10, 2)) != bt.stream_states(jsz(10, 3))
+
+
+STRACE_CALLS = """\
+7051  fsync(21</tmp/d/nats/jetstream/$G/streams/SLEEP_TIMERS/obs/engine-timers/o.dat>) = 0
+7023  fsync(22</tmp/d/nats/jetstream/$G/streams/HISTORY/obs/engine/o.dat>) = 0
+7023  fsync(19</tmp/d/nats/jetstream/$G/streams/KV_ACTIVE_RUNS/msgs/1.blk>) = 0
+7051  fdatasync(19</tmp/d/nats/jetstream/$G/streams/KV_ACTIVE_RUNS/msgs/1.blk>) = 0
+7052  --- SIGURG {si_signo=SIGURG, si_code=SI_TKILL, si_pid=7023, si_uid=0} ---
+"""
+
+
+def test_idle_fsyncs_are_told_by_the_file_they_sync() -> None:
+    calls, files = bt.parse_strace_calls(STRACE_CALLS)
+    assert calls == {"fsync": 3, "fdatasync": 1}
+    assert files == {
+        "SLEEP_TIMERS/obs/engine-timers": 1,
+        "HISTORY/obs/engine": 1,
+        "KV_ACTIVE_RUNS/msgs": 2,
+    }
