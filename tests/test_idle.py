@@ -137,9 +137,15 @@ async def test_an_idle_deployment_stores_nothing(topology: str, tmp_path: Path) 
             await wait_for(
                 settled, timeout=60, interval=0.1, message="no stream stores or removes a message"
             )
-            before = dict(last)
-            await asyncio.sleep(IDLE)  # an idle window: ten reconciler passes, the worker's polls
-            assert stream_states(nats.monitor_url) == before
+            # A second window, every poll of it checked: ten more reconciler
+            # passes and the worker's polls store and remove nothing.
+            before, since = dict(last), loop.time()
+
+            def held_still() -> bool:
+                assert stream_states(nats.monitor_url) == before
+                return loop.time() - since >= IDLE
+
+            await wait_for(held_still, timeout=IDLE + 30, interval=0.1)
 
 
 async def _answer(i: int) -> dict[str, int]:
