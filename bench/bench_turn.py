@@ -976,7 +976,8 @@ def _cmdline(pid: int) -> str:
 
 
 def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> None:
-    """Stop ``proc`` with ``sig``, killing it after 20 s."""
+    """Stop ``proc`` with ``sig``, killing it after 20 s; its output pipe,
+    if any, is closed."""
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
@@ -984,6 +985,8 @@ def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> None
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def stop_stack(stack: Stack) -> None:

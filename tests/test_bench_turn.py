@@ -4,6 +4,8 @@ prints. No server and no timing: the bench itself is run by ``make bench``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import bench_turn as bt
@@ -199,3 +201,30 @@ def test_idle_fsyncs_are_told_by_the_file_they_sync() -> None:
         "HISTORY/obs/engine": 1,
         "KV_ACTIVE_RUNS/msgs": 2,
     }
+
+
+async def test_the_split_deployment_runs_the_workload_with_each_event_sent_to_an_engine(
+    tmp_path: Path,
+) -> None:
+    """The bench's split stack, for real: three ``dagnats serve`` processes
+    on a nats-server of its own, the worker on gRPC to them; each commit's
+    event reaches the engine over core NATS, never by a call in a process."""
+    from dagnats.sdk import Client
+    from tests.stack import loop_workflow
+
+    p = bt.Params(k=3, c=1, deploy="split")
+    stack = await bt.start_split(tmp_path, p)
+    try:
+        assert set(stack.processes()) == {"engine", "journal", "inputs", "worker"}
+        assert set(stack.metrics) == {"engine", "journal"}
+        async with Client(stack.engine) as client:
+            await client.register_workflow(loop_workflow(bt.TASK, bt.TASK, max_iterations=10))
+            before = stack.routes()
+            assert await client.run(bt.TASK, {"k": 3}, timeout=60) == bt.tool_output({"n": 2})
+            routes = bt.per_iteration(before, stack.routes(), 3)
+        assert routes.get("direct_applied") == 1.0, routes
+        assert "local_applied" not in routes
+        assert all(proc.poll() is None for proc in stack.processes().values())
+    finally:
+        bt.stop_stack(stack)
+        await stack.nats.stop()
