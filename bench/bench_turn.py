@@ -908,16 +908,17 @@ def start_stack(data: Path, p: Params, worker_module: str = "bench.bench_turn") 
 
 
 def serve_one(
-    name: str, nats: Any, logs: Path, metrics: bool
+    name: str, nats: Any, logs: Path, metrics: bool, env: Mapping[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], str, str | None]:
     """``dagnats serve NAME`` on a free port against ``nats`` (a started
-    ``NatsServer``), its stderr into ``logs``; the process, its address and,
-    with ``metrics``, its ``/metrics`` URL, once it printed them."""
+    ``NatsServer``), its stderr into ``logs``, in ``env`` (this process's by
+    default); the process, its address and, with ``metrics``, its
+    ``/metrics`` URL, once it printed them."""
     args = [sys.executable, "-m", "dagnats.cli.main", "serve", name, "--port", "0"]
     args += ["--nats", nats.url, "--nats-monitor", nats.monitor_url]
     args += ["--metrics-port", "0"] if metrics else []
     with (logs / f"{name}.err").open("w") as err:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     assert proc.stdout is not None
     target = url = None
     for line in proc.stdout:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import subprocess
-import sys
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from bench import bench_turn as bt
 from dagnats.core.natsserver import NatsServer
 from dagnats.sdk import Client, TaskContext, Worker
 from tests.helpers import wait_for
@@ -55,27 +54,13 @@ def stream_states(monitor: str) -> dict[str, tuple[int, int]]:
 
 @contextlib.contextmanager
 def serving(service: str, nats: NatsServer, logs: Path) -> Iterator[str]:
-    """``dagnats serve SERVICE`` in its own process on a free port; its address."""
-    args = [sys.executable, "-m", "dagnats.cli.main", "serve", service, "--port", "0"]
-    args += ["--nats", nats.url, "--nats-monitor", nats.monitor_url]
-    with (logs / f"{service}.err").open("w") as err:
-        proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=err, text=True, env=child_env(**SETTINGS)
-        )
+    """``dagnats serve SERVICE`` in its own process on a free port, as the
+    bench's split deployment starts it (with the settings above); its address."""
+    proc, target, _ = bt.serve_one(service, nats, logs, metrics=False, env=child_env(**SETTINGS))
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert " serving on " in line, (line, (logs / f"{service}.err").read_text())
-        yield line.split()[-1]
+        yield target
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        bt.stop_process(proc)
 
 
 @contextlib.asynccontextmanager
