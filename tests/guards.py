@@ -255,7 +255,7 @@ GUARDS = (
         name="engine report check against the journal",
         file="services/engine/dagnats/engine/service.py",
         guard=(
-            "        if not cancelled and await self._refused(event):\n"
+            "        if not cancelled and await self._contradicted(event):\n"
             "            return pb.ReportResponse(stale=True)\n"
         ),
         removed="",

@@ -61,7 +61,7 @@ from dagnats.journal.replay import (
     decide_tool,
     deliveries_without_progress,
     partial_output,
-    refused_write,
+    fenced_out_write,
     restart_limit_reached,
 )
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -1015,11 +1015,11 @@ def test_a_write_refused_by_a_cancel_stores_nothing_but_a_result_of_a_seen_inten
     writer, intent = j.last.writer, j.last.seq
     cancel = engine_cancel(intent + 1)
     # A new intent, a model response, a commit: refused.
-    assert refused_write(tail=[cancel], first=cancel, writer=writer, result_for=0) == Cancelled(
+    assert fenced_out_write(tail=[cancel], first=cancel, writer=writer, result_for=0) == Cancelled(
         reason="stop"
     )
     # The result of the tool that was running: stored after the cancel.
-    assert refused_write(
+    assert fenced_out_write(
         tail=[cancel], first=cancel, writer=writer, result_for=intent
     ) == StoreAfterCancel(after=cancel.seq, cancel=cancel)
     # Sent again once stored: the one stored answers it.
@@ -1027,7 +1027,7 @@ def test_a_write_refused_by_a_cancel_stores_nothing_but_a_result_of_a_seen_inten
         ResultEntry(seq=cancel.seq + 1, iteration=0, attempt=1, writer=writer, intent_seq=intent),
         CancelEntry(seq=cancel.seq + 1, iteration=0, attempt=1, writer=writer, reason="stop"),
     ]
-    assert refused_write(
+    assert fenced_out_write(
         tail=kept, first=cancel, writer=writer, result_for=intent
     ) == StoredAfterCancel(seq=cancel.seq + 1)
 
@@ -1038,7 +1038,7 @@ def test_a_result_of_a_writer_a_successor_fenced_before_the_cancel_is_refused() 
     j.claim()  # a successor, before the cancel
     successor = j.last
     cancel = engine_cancel(successor.seq + 1)
-    decision = refused_write(tail=[cancel], first=successor, writer=writer, result_for=intent)
+    decision = fenced_out_write(tail=[cancel], first=successor, writer=writer, result_for=intent)
     assert decision == Cancelled(reason="stop")
 
 
@@ -1046,6 +1046,6 @@ def test_a_write_refused_without_a_cancel_is_fenced_as_before() -> None:
     j = J().claim().intent(p=0, name="charge")
     writer, intent = j.last.writer, j.last.seq
     j.claim()
-    assert refused_write(tail=[j.last], first=j.last, writer=writer, result_for=intent) == (
+    assert fenced_out_write(tail=[j.last], first=j.last, writer=writer, result_for=intent) == (
         FencedWrite()
     )

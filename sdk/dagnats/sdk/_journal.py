@@ -252,7 +252,7 @@ class Journal:
             model = jpb.ModelCall(position=position, response=data)
             if model.ByteSize() <= PENDING_BYTES:
                 await seam("model_pending")  # answered, and stored nowhere yet
-                self._defer(_Pending(model=model))
+                self._hold_back(_Pending(model=model))
             else:
                 await self._send(self._record_model(model), self._advance)
                 await seam("after_model")
@@ -371,7 +371,7 @@ class Journal:
         result = jpb.ToolResult(intent_seq=intent_seq, output=data, error=error)
         if raised is None and result.ByteSize() <= PENDING_BYTES:
             await seam("result_pending")  # the tool returned; its intent is unanswered
-            self._defer(_Pending(result=result))
+            self._hold_back(_Pending(result=result))
         else:
             async with self._sending:
                 await self._store_pending()
@@ -510,7 +510,7 @@ class Journal:
 
     # ---- pending entries -------------------------------------------------------------
 
-    def _defer(self, pending: _Pending) -> None:
+    def _hold_back(self, pending: _Pending) -> None:
         """Keep ``pending`` for the next call; store it on its own if the handler
         gives the event loop a turn first."""
         self._pending = pending

@@ -63,7 +63,7 @@ place-inputs calls share one position counter):
   honours it: the earlier result (or ``interrupted``) is used and the tool is
   not started. Each earlier intent is honoured at most once.
 
-Cancellation (``cancel_of``, ``refused_write``): the engine appends a
+Cancellation (``cancel_of``, ``fenced_out_write``): the engine appends a
 cancel record to the journal of each step its run's end stopped, whatever the
 tail, before the cancel is answered; from then on the tail is always a cancel:
 
@@ -671,7 +671,7 @@ def cancel_of(tail: Sequence[AnyEntry]) -> Cancelled | None:
     return None
 
 
-def refused_write(
+def fenced_out_write(
     *,
     tail: Sequence[AnyEntry],
     first: AnyEntry | None,
