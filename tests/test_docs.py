@@ -149,6 +149,24 @@ def test_every_setting_the_code_reads_is_in_the_catalogue() -> None:
     assert "DAGNATS_TASK_ACK_WAIT" in gen.variables_in_code()
 
 
+def test_the_readmes_agent_is_the_first_tutorials_handler() -> None:
+    """The README shows the handler the tutorial includes and this module runs,
+    line for line, so the landing page's agent cannot drift from one that works."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", readme, re.M | re.S)
+    assert blocks, "the README shows no Python code"
+    handler = (EXAMPLES / "first_agent.py").read_text()
+    body = handler.split("# --8<-- [start:handler]\n", 1)[1].split("# --8<-- [end:handler]", 1)[0]
+    assert blocks[0].strip() == body.strip()
+
+
+def test_every_link_of_the_readme_names_a_file_of_the_tree() -> None:
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme)
+    assert "docs/tutorial/index.md" in links
+    assert [link for link in links if not (ROOT / link).is_file()] == []
+
+
 # Tutorial 1: your first durable agent.
 
 
