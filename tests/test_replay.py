@@ -60,8 +60,8 @@ from dagnats.journal.replay import (
     decide_model,
     decide_tool,
     deliveries_without_progress,
-    partial_output,
     fenced_out_write,
+    partial_output,
     restart_limit_reached,
 )
 from dagnats.journal.v1 import journal_pb2 as pb

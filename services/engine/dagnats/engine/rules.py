@@ -62,6 +62,7 @@ from dagnats.engine.model import (
     ChildEnded,
     Completed,
     Continued,
+    Contradicted,
     Decision,
     DispatchTask,
     Dropped,
@@ -74,7 +75,6 @@ from dagnats.engine.model import (
     NotifyParent,
     Paused,
     PurgeLater,
-    Contradicted,
     RuleOptions,
     Run,
     RunInput,
@@ -506,7 +506,9 @@ def _contradict(ident: Identity | None, tail: JournalMark | None, why: str) -> C
         if tail.dispatch > dispatch:
             return Contradicted(reason="stale", message=f"{why}; the journal has moved past it")
         if tail.dispatch == dispatch and tail.commit is not None:
-            return Contradicted(reason="stale", message=f"{why}; it was committed at seq {tail.seq}")
+            return Contradicted(
+                reason="stale", message=f"{why}; it was committed at seq {tail.seq}"
+            )
     return Contradicted(reason="fenced", message=why)
 
 
