@@ -28,7 +28,7 @@ from dagnats.journal import service as journal_service
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, JournalClient, TaskContext
 from dagnats.sdk import _context as sdk_context
-from dagnats.sdk._state import HeldState, chain_of, store
+from dagnats.sdk._state import HeldState, HeldStates, chain_of, store
 from tests.stack import loop_workflow, unique
 from tests.test_journal import journal_check
 
@@ -114,7 +114,8 @@ def test_append_writes_only_what_follows_the_list() -> None:
     held.append("messages", ["b"], {"n": 1})  # lays the state out: the list first
     commit = jpb.Commit()
     store(held, commit, SETTINGS)
-    held.committed(chain_of(commit))
+    held.committed(chain_of(commit), 7)
+    assert held.is_at(7)
     before = bytes(held.data)
     held.append("messages", ["c", {"d": 1}], {"n": 2})
     assert json.loads(bytes(held.data)) == {"messages": ["a", "b", "c", {"d": 1}], "n": 2}
@@ -127,6 +128,23 @@ def test_append_writes_only_what_follows_the_list() -> None:
     assert commit.HasField("state_delta") and not commit.state
     # The first append laid the state out anew (delta 1); this is delta 2.
     assert commit.state_delta.depth == 2 and commit.state_delta.size == len(held.data)
+
+
+def test_a_held_state_serves_only_the_commit_it_is_at() -> None:
+    held = HeldState(b'{"messages":[]}', sc.Chain(size=15))
+    held.committed(sc.Chain(size=15), 10)
+    states = HeldStates(max_bytes=100)
+    states.put("r", "s", held)
+    assert states.take("r", "s", 11) is None, "another commit's state"
+    states.put("r", "s", held)
+    assert states.take("r", "s", 10) is held
+    assert states.take("r", "s", 10) is None, "taken once"
+    held.append("messages", [1], {})  # changed since its commit
+    states.put("r", "s", held)
+    assert states.take("r", "s", 10) is None
+    states.put("r", "s", HeldState(b"1" * 60, None))
+    states.put("r", "t", HeldState(b"2" * 60, None))
+    assert states.take("r", "s", 0) is None, "the oldest went to keep 100 bytes"
 
 
 def test_append_needs_an_object_with_a_list() -> None:

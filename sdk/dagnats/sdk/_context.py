@@ -57,7 +57,7 @@ from dagnats.sdk._errors import (
 from dagnats.sdk._journal import InputMode, Journal, PlacedInput
 from dagnats.sdk._rpc import EngineRpc, Lease
 from dagnats.sdk._session import JournalSession
-from dagnats.sdk._state import HeldState, chain_of
+from dagnats.sdk._state import HeldState, HeldStates, chain_of
 from dagnats.sdk._state import store as store_state
 
 # When the engine does not say how long a lease lasts, assume this (its default).
@@ -74,6 +74,11 @@ CHAIN_SETTINGS = ChainSettings(
     snapshot_bytes=env_int("DAGNATS_STATE_SNAPSHOT_BYTES", SNAPSHOT_BYTES),
     state_max_bytes=env_int("DAGNATS_STATE_MAX_BYTES", STATE_MAX_BYTES),
 )
+# The states of steps whose task went back to the queue, held in this process
+# for the dispatch that comes back to it; only states a claim's answer would
+# not carry (a claim's answer holds up to 1.5 MiB).
+HELD_STATES = HeldStates(env_int("DAGNATS_STATE_HELD_BYTES", 256 * 1024 * 1024))
+STATE_HELD_FROM = 1536 * 1024
 
 _UNSET: Any = object()
 
@@ -269,6 +274,9 @@ class TaskContext:
             return HeldState(None, None)
         data = claimed.state
         if claimed.state_follows:
+            held = HELD_STATES.take(self.run_id, self.step_id, claimed.token.base_seq)
+            if held is not None:
+                return held
             request = jpb.ReadStateRequest(
                 run_id=self.run_id, step_id=self.step_id, at_seq=claimed.token.base_seq
             )
@@ -585,7 +593,9 @@ class TaskContext:
                     commit = _small_failure(commit)
                     nxt = await self._journal.commit(commit, lease=self._leased.lease)
                 if commit.has_state and commit.action == jpb.ACTION_CONTINUE:
-                    self._held.committed(chain_of(commit))
+                    self._held.committed(chain_of(commit), self._journal.token.last_seq)
+                    if nxt is None and len(self._held.data) > STATE_HELD_FROM:
+                        HELD_STATES.put(self.run_id, self.step_id, self._held)
                 self._next = self._kept(nxt, commit) if nxt is not None else None
             else:
                 request = self._request(pb.ReportRequest())

@@ -31,6 +31,8 @@ class HeldState:
         self.present = data is not None
         self.data = bytearray(data or b"")
         self.chain = chain
+        # The sequence of the commit that stored the state, once known.
+        self.seq = 0
         self.kept = len(self.data)
         self._value: Any = _UNREAD
         # With the append form: the list's key and the offset of its closing "]".
@@ -103,10 +105,39 @@ class HeldState:
         """The state against the one the last commit stored."""
         return statechain.Delta(keep=self.kept, tail=bytes(self.data[self.kept :]))
 
-    def committed(self, chain: statechain.Chain) -> None:
-        """A commit stored the state, at ``chain``."""
+    def committed(self, chain: statechain.Chain, seq: int) -> None:
+        """The commit at ``seq`` stored the state, at ``chain``."""
         self.chain = chain
         self.kept = len(self.data)
+        self.seq = seq
+
+    def is_at(self, seq: int) -> bool:
+        """Whether this is the state the commit at ``seq`` stored, unchanged since."""
+        return self.present and self.seq == seq and self.kept == len(self.data)
+
+
+class HeldStates:
+    """The states a worker process holds, by step, newest last: a dispatch
+    of a step whose task went back to the queue (after ``kept_iterations``,
+    or a wait) and came back to this process finds the state the step's last
+    commit stored here, and reads nothing (the claim says the state follows
+    rather than rebuilding it). At most ``max_bytes`` of states are held."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._held: dict[tuple[str, str], HeldState] = {}
+
+    def put(self, run_id: str, step_id: str, held: HeldState) -> None:
+        key = (run_id, step_id)
+        self._held.pop(key, None)
+        self._held[key] = held
+        while sum(len(h.data) for h in self._held.values()) > self._max_bytes:
+            del self._held[next(iter(self._held))]
+
+    def take(self, run_id: str, step_id: str, seq: int) -> HeldState | None:
+        """The state the commit at ``seq`` of the step stored, if held."""
+        held = self._held.pop((run_id, step_id), None)
+        return held if held is not None and held.is_at(seq) else None
 
 
 def _rest(fields: Mapping[str, Any]) -> bytes:

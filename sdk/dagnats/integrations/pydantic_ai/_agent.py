@@ -186,9 +186,7 @@ def durable_agent(
     )
 
 
-async def _save(
-    tc: TaskContext, state: Any, loaded: list[ModelMessage], done: _Round
-) -> None:
+async def _save(tc: TaskContext, state: Any, loaded: list[ModelMessage], done: _Round) -> None:
     """Save the round's history: as the messages it appended to the stored
     history (the state chain stores only those), or whole when the round
     changed a stored message (steering joins the pending request)."""

@@ -325,9 +325,15 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         """The state of ``previous``, the commit that ended the iteration before,
         into ``claimed``: rebuilt from its chain (one snapshot and the deltas
         after it), and left for ReadState when the answer would not hold it."""
+        claimed.has_state = True
+        if previous.commit.state_delta.size > STATE_IN_ANSWER:
+            # Too large for the answer: the holder may hold it already (the
+            # worker keeps it), else reads it with ReadState; not rebuilt here.
+            claimed.state_chain.CopyFrom(state.chain_of(previous.commit))
+            claimed.state_follows = True
+            return
         found = await state.state_at(self.store, previous)
         assert found is not None  # previous carried a state
-        claimed.has_state = True
         claimed.state_chain.CopyFrom(found.chain)
         if len(found.state) <= STATE_IN_ANSWER:
             claimed.state = found.state
