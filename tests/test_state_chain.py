@@ -13,6 +13,11 @@ state at any commit read by the journal RPC and the REST endpoint.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,9 +31,10 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.journal import audit, convert
 from dagnats.journal import service as journal_service
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk import Client, JournalClient, TaskContext
+from dagnats.sdk import Client, JournalClient, TaskContext, Worker
 from dagnats.sdk import _context as sdk_context
 from dagnats.sdk._state import HeldState, HeldStates, chain_of, store
+from tests.helpers import wait_for
 from tests.stack import loop_workflow, unique
 from tests.test_journal import journal_check
 
@@ -188,11 +194,23 @@ async def _records(engine: EngineServer, run_id: str) -> list[jpb.Record]:
 
 
 async def _converse(
-    client: Client, engine: EngineServer, turns: int, handler: Any, **step: Any
+    client: Client,
+    engine: EngineServer,
+    turns: int,
+    handler: Any,
+    *,
+    over_grpc: bool = False,
+    **step: Any,
 ) -> pb.Run:
     task, name = unique("convo"), unique("convowf")
     await client.register_workflow(loop_workflow(name, task, max_iterations=turns + 5, **step))
-    async with in_process_worker(engine, {task: handler}, concurrency=2, poll_wait=1.0):
+    handlers = {task: handler}
+    worker = (
+        Worker(engine.target, handlers=handlers, poll_wait=1.0, local_socket="off")
+        if over_grpc
+        else in_process_worker(engine, handlers, concurrency=2, poll_wait=1.0)
+    )
+    async with worker:
         run = await client.start_run(name, input={"turns": turns})
         return await client.wait_for_run(run.run_id, timeout=120)
 
@@ -269,8 +287,9 @@ async def test_a_claim_rebuilds_the_state_from_its_chain(
 async def test_a_state_larger_than_a_claims_answer_is_read_with_read_state(
     client: Client, engine: EngineServer
 ) -> None:
-    # 40 turns of 100 KB: a 4 MB state, past a record and a claim's answer,
-    # stored in deltas; a failed attempt at the end makes the retry claim it.
+    # 50 turns of 100 KB: a 5 MB state, past a record, a claim's answer and
+    # what a gRPC client receives, stored in deltas; a failed attempt at the
+    # end makes the retry claim it, over gRPC.
     big = 100_000
     seen: list[int] = []
     failed: list[int] = []
@@ -279,19 +298,19 @@ async def test_a_state_larger_than_a_claims_answer_is_read_with_read_state(
         await tc.journal()
         state = await tc.load_checkpoint() or {"messages": []}
         seen.append(sum(len(m) for m in state["messages"]))
-        if tc.iteration == 40 and not failed:
+        if tc.iteration == 50 and not failed:
             failed.append(tc.iteration)
-            raise RuntimeError("a crash after 40 turns")
-        if tc.iteration == 41:
+            raise RuntimeError("a crash after 50 turns")
+        if tc.iteration == 51:
             await tc.complete(len(state["messages"]))
             return
         await tc.append_state("messages", ["x" * big])
         await tc.continue_()
 
     retry = {"max_attempts": 3, "backoff": "fixed", "initial_delay": "100ms"}
-    done = await _converse(client, engine, 45, handler, retry=retry)
+    done = await _converse(client, engine, 55, handler, over_grpc=True, retry=retry)
     assert done.status == pb.RUN_STATUS_COMPLETED, done
-    assert seen[-2:] == [40 * big, 41 * big], seen[-3:]
+    assert seen[-2:] == [50 * big, 51 * big], seen[-3:]
     assert (await journal_check(engine, done.run_id)).violations == []
 
 
@@ -345,3 +364,58 @@ async def test_rest_answers_the_state_at_a_commit(
     shown = await http.get(f"/runs/{done.run_id}/steps/agent/journal")
     kinds = [r["commit"] for r in shown.json()["records"] if r["kind"] == "commit"]
     assert any("state_delta" in c and c["state_delta"]["tail"].endswith("}") for c in kinds)
+
+
+# ---- a worker killed or frozen mid-conversation -------------------------------------
+
+
+def _conversation_worker(
+    target: str, task: str, turns: int, stop_at: int, marker: Path
+) -> subprocess.Popen[bytes]:
+    script = Path(__file__).parent / "workers" / "conversation_worker.py"
+    args = [sys.executable, str(script), target, task, str(turns), str(stop_at), str(marker)]
+    with open(f"{marker}.log", "wb") as log:
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+async def test_a_successor_rebuilds_the_state_of_a_worker_stopped_mid_conversation(
+    client: Client, engine: EngineServer, tmp_path: Path, mode: str
+) -> None:
+    # 300 turns of 2 KB; the holder stops at turn 230, deep in a chain of
+    # deltas (a snapshot every 64), after appending and before committing.
+    turns, stop_at = 300, 230
+    task, name = unique("convokill"), unique("convokillwf")
+    await client.register_workflow(loop_workflow(name, task, max_iterations=turns + 5))
+    marker = tmp_path / "stopped"
+    holder = _conversation_worker(engine.target, task, turns, stop_at, marker)
+    successor: subprocess.Popen[bytes] | None = None
+    try:
+        run = await client.start_run(name)
+        await wait_for(marker.exists, timeout=90, message="the holder never reached its stop")
+        if mode == "kill":
+            holder.kill()
+            holder.wait()
+        else:
+            os.kill(holder.pid, signal.SIGSTOP)
+        successor = _conversation_worker(engine.target, task, turns, -1, tmp_path / "none")
+        done = await client.wait_for_run(run.run_id, timeout=90)
+        if mode == "stall":
+            os.kill(holder.pid, signal.SIGCONT)  # wakes behind its successor
+    finally:
+        for proc in (holder, successor):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+    assert done.status == pb.RUN_STATUS_COMPLETED, (done.error, marker.with_suffix(".log"))
+    assert (await journal_check(engine, run.run_id)).violations == []
+    records = await _records(engine, run.run_id)
+    # The stopped holder stored nothing of its turn (its claim rode the commit
+    # it never made); the successor's claim is the task's next delivery.
+    claims = [r.claim for r in records if r.iteration == stop_at and r.HasField("claim")]
+    assert [c.delivery for c in claims] == [2], claims
+    base = next(r for r in records if r.HasField("commit") and r.iteration == stop_at - 1)
+    assert base.commit.state_delta.depth > 1, "the claim rebuilt a chain of deltas"
+    async with JournalClient(engine.target) as journal:
+        state = json.loads(await journal.state(run.run_id, "agent") or b"")
+    assert state["turn"] == turns and len(state["messages"]) == turns

@@ -326,19 +326,15 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         into ``claimed``: rebuilt from its chain (one snapshot and the deltas
         after it), and left for ReadState when the answer would not hold it."""
         claimed.has_state = True
-        if previous.commit.state_delta.size > STATE_IN_ANSWER:
+        claimed.state_chain.CopyFrom(state.chain_of(previous.commit))
+        if claimed.state_chain.size > STATE_IN_ANSWER:
             # Too large for the answer: the holder may hold it already (the
             # worker keeps it), else reads it with ReadState; not rebuilt here.
-            claimed.state_chain.CopyFrom(state.chain_of(previous.commit))
             claimed.state_follows = True
             return
         found = await state.state_at(self.store, previous)
         assert found is not None  # previous carried a state
-        claimed.state_chain.CopyFrom(found.chain)
-        if len(found.state) <= STATE_IN_ANSWER:
-            claimed.state = found.state
-        else:
-            claimed.state_follows = True
+        claimed.state = found.state
 
     async def _now_holding(self, token: pb.WriterToken) -> None:
         """``token``'s writer holds its step from ``token.last_seq`` on: its
