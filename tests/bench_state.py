@@ -13,6 +13,8 @@ memory. Reported:
 
 - the turn time (one iteration start to the next, seen by the handler) of the
   first and the last 100 turns, and their ratio;
+- how long the final state takes to read back from the journal (what a
+  claim after a crash costs: one snapshot and the deltas after it);
 - the journal's bytes (the AGENT_JOURNAL stream's, one run on a fresh server)
   a turn, against what the turn added plus the snapshots' share (the bytes of
   the commits that store the whole state, spread over every turn).
@@ -80,7 +82,9 @@ async def bench(turns: int, turn_bytes: int, form: str) -> None:
                 assert done.status == pb.RUN_STATUS_COMPLETED, done
                 async with JournalClient(engine.target) as journal:
                     records = [r async for r in journal.read(run.run_id, "agent")]
+                    read_from = time.perf_counter()
                     state = await journal.state(run.run_id, "agent")
+                    rebuilt = time.perf_counter() - read_from
             nc = await nats.connect(server.url)
             info = await nc.jetstream().stream_info(jsx.JOURNAL)
             await nc.close()
@@ -98,6 +102,9 @@ async def bench(turns: int, turn_bytes: int, form: str) -> None:
     share = snapshot_bytes / turns
     print(f"{turns} turns of {turn_bytes:,} bytes ({form}): {took:.1f} s in all")
     print(f"  final state: {len(state or b''):,} bytes; {len(records):,} records")
+    depth = commits[-1].state_delta.depth
+    took_ms = rebuilt * 1e3
+    print(f"  the final state read back (a snapshot and {depth} deltas): {took_ms:.0f} ms")
     print(f"  turn time, first {WINDOW}: {first:.2f} ms; last {WINDOW}: {last:.2f} ms")
     print(f"  last / first: {last / first:.2f}x")
     print(
