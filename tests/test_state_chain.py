@@ -361,6 +361,10 @@ async def test_rest_answers_the_state_at_a_commit(
     assert last.json()["state"]["turns"] == turns
     bad = await http.get(f"/runs/{done.run_id}/steps/agent/state", params={"at": -1})
     assert bad.status_code == 400
+    past = records[-1].seq + 1000  # no record there, so no commit of this step
+    no_commit = await http.get(f"/runs/{done.run_id}/steps/agent/state", params={"at": past})
+    assert no_commit.status_code == 404, no_commit.text
+    assert "no commit" in no_commit.json()["message"]
     shown = await http.get(f"/runs/{done.run_id}/steps/agent/journal")
     kinds = [r["commit"] for r in shown.json()["records"] if r["kind"] == "commit"]
     assert any("state_delta" in c and c["state_delta"]["tail"].endswith("}") for c in kinds)
