@@ -1111,6 +1111,61 @@ GUARDS = (
             "test_a_holder_of_a_kept_task_fenced_at_a_later_iteration_keeps_no_lease_alive",
         ),
     ),
+    Guard(
+        name="the state chain refuses a state past the size setting",
+        file="core/dagnats/core/statechain.py",
+        guard="    if size > settings.state_max_bytes:\n",
+        removed="    if False:\n",
+        how="a conversation grows past DAGNATS_STATE_MAX_BYTES and fails later, elsewhere",
+        tests=(
+            "tests/test_state_chain.py::test_a_state_past_the_setting_is_refused_with_its_size",
+            "tests/test_state_chain.py::test_a_state_past_the_size_setting_fails_the_step_with_its_size",
+        ),
+    ),
+    Guard(
+        name="the state chain's rebuild refuses a delta that keeps more than there is",
+        file="core/dagnats/core/statechain.py",
+        guard="        if delta.keep > len(state):\n",
+        removed="        if False:\n",
+        how="a claim loads a state a broken chain made, short of what it says",
+        tests=("tests/test_state_chain.py::test_a_delta_that_does_not_apply_breaks_the_chain",),
+    ),
+    Guard(
+        name="the state chain's audit finds a delta that does not apply",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="    if d.delta.keep > size:\n",
+        removed="    if False:\n",
+        how="journal check passes a chain whose delta keeps more than its base holds",
+        tests=("tests/test_state_chain.py::test_the_audit_finds_a_delta_that_does_not_apply",),
+    ),
+    Guard(
+        name="the state chain's commit is refused past the size setting by the journal",
+        file="services/journal/dagnats/journal/service.py",
+        guard="    if size > limit:\n",
+        removed="    if False:\n",
+        how="a worker that does not check the size stores a state past the setting",
+        tests=(
+            "tests/test_state_chain.py::test_the_journal_refuses_a_commit_past_the_size_setting",
+        ),
+    ),
+    Guard(
+        name="the state chain's held state serves only the commit it is at",
+        file="sdk/dagnats/sdk/_state.py",
+        guard="        return self.present and self.seq == seq and self.kept == len(self.data)\n",
+        removed="        return self.present\n",
+        how="a dispatch resumes from a state another commit stored, or one changed since",
+        tests=("tests/test_state_chain.py::test_a_held_state_serves_only_the_commit_it_is_at",),
+    ),
+    Guard(
+        name="the state chain leaves a state larger than a claim's answer to ReadState",
+        file="services/journal/dagnats/journal/service.py",
+        guard="        if claimed.state_chain.size > STATE_IN_ANSWER:\n",
+        removed="        if False:\n",
+        how="a claim of a large state answers past what a gRPC client receives",
+        tests=(
+            "tests/test_state_chain.py::test_a_state_larger_than_a_claims_answer_is_read_with_read_state",
+        ),
+    ),
 )
 
 

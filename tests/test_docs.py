@@ -224,6 +224,18 @@ async def test_steering_example_waits_for_the_person_and_takes_every_input(
     assert answer == "Lisbon weather for ops / in celsius / add the sky"
 
 
+# How-to: a conversation of any length.
+
+
+async def test_long_conversation_example_stores_what_each_turn_adds(stack: LocalStack) -> None:
+    found = await load("long_conversation").main(stack.target)
+    assert found["turns"] == 300 and found["violations"] == 0
+    assert found["state"] > 6_000_000
+    # Each commit stored its turn's 20 KB (and a few snapshots while the state
+    # fit a record), not the history again: far below 300 whole states.
+    assert found["stored"] < 2 * found["state"], found
+
+
 # Tutorial 4: streaming tokens to a page.
 
 

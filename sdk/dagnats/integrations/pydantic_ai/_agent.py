@@ -83,6 +83,7 @@ class DurableAgent:
         state = await tc.load_checkpoint()
         steer = await tc.place_inputs(InputMode.STEER)
         messages: list[ModelMessage] | None = None
+        loaded: list[ModelMessage] = []
         prompt: str | Sequence[UserContent] | None = None
         if state is None:  # the first round: the run's input is the prompt
             prompt = self.prompt(tc.input)
@@ -95,11 +96,13 @@ class DurableAgent:
                 await tc.complete(state["output"])
                 return
             # Each input is a user message of the next request, as steering is.
-            messages = with_user_messages(load_messages(state["messages"]), _texts(placed))
+            loaded = load_messages(state["messages"])
+            messages = with_user_messages(loaded, _texts(placed))
         else:  # a tool-round boundary: steering joins the pending request
-            messages = with_user_messages(load_messages(state["messages"]), _texts(steer))
+            loaded = load_messages(state["messages"])
+            messages = with_user_messages(loaded, _texts(steer))
         done = await self._round(j, tc, prompt, messages)
-        await tc.checkpoint(done.state())
+        await _save(tc, state, loaded, done)
         if not done.answered:
             await tc.continue_()
         elif self.follow_up_window is None:
@@ -181,6 +184,32 @@ def durable_agent(
         prompt=prompt,
         deps=deps,
     )
+
+
+async def _save(tc: TaskContext, state: Any, loaded: list[ModelMessage], done: _Round) -> None:
+    """Save the round's history: as the messages it appended to the stored
+    history (the state chain stores only those), or whole when the round
+    changed a stored message (steering joins the pending request)."""
+    stored = len(loaded)
+    if state is not None and _extends(done.messages, loaded, state["messages"]):
+        await tc.append_state(
+            "messages",
+            dump_messages(done.messages[stored:]),
+            answered=done.answered,
+            output=done.output,
+        )
+    else:
+        await tc.checkpoint(done.state())
+
+
+def _extends(messages: list[ModelMessage], loaded: list[ModelMessage], dumped: list[Any]) -> bool:
+    """Whether ``messages`` begins with the stored history ``loaded`` (whose
+    dump is ``dumped``) unchanged: the same messages, the last one equal."""
+    if not loaded or len(messages) < len(loaded):
+        return False
+    if any(a is not b for a, b in zip(messages, loaded[:-1], strict=False)):
+        return False
+    return bool(dump_messages([messages[len(loaded) - 1]]) == dumped[-1:])
 
 
 def _texts(placed: Sequence[PlacedInput]) -> list[str]:

@@ -37,6 +37,7 @@ from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk import InputMode
 from dagnats.sdk.views import (
     check_dict,
+    decode_payload,
     input_dict,
     record_dict,
     run_dict,
@@ -402,6 +403,31 @@ async def read_journal(
             break
     next_from = records[-1]["seq"] + 1 if records else from_
     return JSONResponse({"records": records, "next": int(next_from)})
+
+
+@router.get(
+    "/runs/{run_id}/steps/{step_id}/state",
+    tags=["journal"],
+    summary="A step's state at a commit",
+    description=(
+        "The state of record a step's commit stored, rebuilt from its chain: a commit "
+        "stores the state whole (`state`) or as a delta against the commit before it "
+        "(`state_delta`: the first `keep` bytes of that state, then `tail`). `at` is the "
+        "commit's sequence; 0 (the default) is the step's last commit that ended an "
+        "iteration. Answers `seq`, `has_state` and `state` (null without one)."
+    ),
+)
+async def read_state(
+    b: BackendDep,
+    run_id: ValidRun,
+    step_id: ValidStep,
+    at: Annotated[int, Query(description=f"a commit's sequence, 0 to {MAX_SEQ}")] = 0,
+) -> JSONResponse:
+    check_seq(at, field="at")
+    await _require_step(b, run_id, step_id)
+    state = await b.journal.state(run_id, step_id, at_seq=at)
+    found = decode_payload(state) if state is not None else None
+    return JSONResponse({"seq": at, "has_state": state is not None, "state": found})
 
 
 _STREAM_EVENT_ID = re.compile(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from dagnats.core.statechain import Delta, StoredDelta
 from dagnats.journal import model as jm
 from dagnats.journal.v1 import journal_pb2 as pb
 
@@ -99,6 +100,7 @@ def entry(record: pb.Record) -> jm.AnyEntry:
             action=_ACTION.get(c.action, jm.Action.FAIL),
             state=c.state,
             has_state=c.has_state,
+            state_delta=stored_delta(c) if c.HasField("state_delta") else None,
             output=c.output,
             error=c.error,
             reason=c.reason,
@@ -117,6 +119,12 @@ def entry(record: pb.Record) -> jm.AnyEntry:
     if kind == "cancel":
         return jm.CancelEntry(**head, reason=record.cancel.reason)
     raise ValueError(f"record {record.seq} has no kind")
+
+
+def stored_delta(c: pb.Commit) -> StoredDelta:
+    """The state delta ``c`` stores (the state chain), as the rules read it."""
+    d = c.state_delta
+    return StoredDelta(delta=Delta(keep=d.keep, tail=d.tail), size=d.size, depth=d.depth)
 
 
 def result_to_proto(result: jm.ResultEntry) -> pb.ToolResult:
@@ -144,6 +152,7 @@ def largest_part(record: pb.Record) -> tuple[str, int]:
     size: what to tell the writer of a record too large to store."""
     parts = [
         ("the state", record.commit.state),
+        ("the state", record.commit.state_delta.tail),
         ("the step's output", record.commit.output),
         ("the tool's output", record.tool_result.output),
         ("the tool's output", record.leading_tool_result.output),

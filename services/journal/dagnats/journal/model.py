@@ -14,6 +14,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from dagnats.core.statechain import StoredDelta
+
 
 class Action(enum.Enum):
     CONTINUE = "continue"
@@ -87,6 +89,8 @@ class CommitEntry(Entry):
     action: Action
     state: bytes = b""
     has_state: bool = False
+    # With has_state: the state as a delta against the base commit's (the state chain).
+    state_delta: StoredDelta | None = None
     output: bytes = b""
     error: str = ""
     reason: str = ""

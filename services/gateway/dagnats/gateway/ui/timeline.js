@@ -168,7 +168,12 @@ export class Timeline {
     if (c.pause) out.push(h("p", {}, `pause ${c.pause}`));
     if (c.error) out.push(h("pre", { class: "error-text" }, c.reason ? `${c.reason}: ${c.error}` : c.error));
     if (c.action === "continue" || c.action === "complete") out.push(jsonBlock(c.output, "output"));
-    if (c.has_state) out.push(jsonBlock(c.state, "state"));
+    if (c.state_delta) {
+      // The state chain: the state as what this turn changed of the one before.
+      const d = c.state_delta;
+      out.push(h("p", { class: "state-delta" }, `state: the first ${d.keep} bytes of the one before, then ${d.tail.length} characters (${d.size} bytes in all; delta ${d.depth} after its snapshot)`));
+      out.push(h("pre", { class: "state-tail" }, d.tail));
+    } else if (c.has_state) out.push(jsonBlock(c.state, "state"));
     return out;
   }
 

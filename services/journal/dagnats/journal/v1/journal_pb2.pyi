@@ -273,6 +273,7 @@ class Commit(_message.Message):
     WAIT_DELAY_FIELD_NUMBER: _builtins.int
     WAIT_UNTIL_FIELD_NUMBER: _builtins.int
     WAIT_UNTIL_INPUT_FIELD_NUMBER: _builtins.int
+    STATE_DELTA_FIELD_NUMBER: _builtins.int
     action: Global___Action.ValueType
     """The next action."""
     state: _builtins.bytes
@@ -299,6 +300,13 @@ class Commit(_message.Message):
     def wait_until(self) -> _timestamp_pb2.Timestamp:
         """With continue: wake the next iteration at this time."""
 
+    @_builtins.property
+    def state_delta(self) -> Global___StateDelta:
+        """With has_state: the state as a delta against the state of the commit
+        that ended the iteration before (the record's base_seq), instead of the
+        whole state in state (the state chain). A commit carries one or the other.
+        """
+
     def __init__(
         self,
         *,
@@ -312,14 +320,86 @@ class Commit(_message.Message):
         wait_delay: _duration_pb2.Duration | None = ...,
         wait_until: _timestamp_pb2.Timestamp | None = ...,
         wait_until_input: _builtins.bool = ...,
+        state_delta: Global___StateDelta | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause", "wait_delay", b"wait_delay", "wait_until", b"wait_until"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause", "state_delta", b"state_delta", "wait_delay", b"wait_delay", "wait_until", b"wait_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "error", b"error", "has_state", b"has_state", "output", b"output", "pause", b"pause", "reason", b"reason", "state", b"state", "wait_delay", b"wait_delay", "wait_until", b"wait_until", "wait_until_input", b"wait_until_input"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "error", b"error", "has_state", b"has_state", "output", b"output", "pause", b"pause", "reason", b"reason", "state", b"state", "state_delta", b"state_delta", "wait_delay", b"wait_delay", "wait_until", b"wait_until", "wait_until_input", b"wait_until_input"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Commit: _TypeAlias = Commit  # noqa: Y015
+
+@_typing.final
+class StateDelta(_message.Message):
+    """StateDelta is a state as a change of the state before it: that state's first
+    keep bytes, then tail. A claim rebuilds the state from the last commit whose
+    state is whole (a snapshot) and the deltas after it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEEP_FIELD_NUMBER: _builtins.int
+    TAIL_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    DEPTH_FIELD_NUMBER: _builtins.int
+    CHAIN_BYTES_FIELD_NUMBER: _builtins.int
+    keep: _builtins.int
+    """Bytes of the state before that are kept, from its start."""
+    tail: _builtins.bytes
+    """Bytes that follow them."""
+    size: _builtins.int
+    """Size of the state it makes: keep plus the tail's length."""
+    depth: _builtins.int
+    """Deltas since the snapshot, this one included (1 for the first)."""
+    chain_bytes: _builtins.int
+    """Bytes of the tails since the snapshot, this one's included."""
+    def __init__(
+        self,
+        *,
+        keep: _builtins.int = ...,
+        tail: _builtins.bytes = ...,
+        size: _builtins.int = ...,
+        depth: _builtins.int = ...,
+        chain_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_bytes", b"chain_bytes", "depth", b"depth", "keep", b"keep", "size", b"size", "tail", b"tail"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StateDelta: _TypeAlias = StateDelta  # noqa: Y015
+
+@_typing.final
+class StateChain(_message.Message):
+    """StateChain says where a commit's state stands in its chain."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIZE_FIELD_NUMBER: _builtins.int
+    DEPTH_FIELD_NUMBER: _builtins.int
+    CHAIN_BYTES_FIELD_NUMBER: _builtins.int
+    size: _builtins.int
+    """Size of the state."""
+    depth: _builtins.int
+    """Deltas since the snapshot (0: the state is a snapshot)."""
+    chain_bytes: _builtins.int
+    """Bytes of their tails."""
+    def __init__(
+        self,
+        *,
+        size: _builtins.int = ...,
+        depth: _builtins.int = ...,
+        chain_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_bytes", b"chain_bytes", "depth", b"depth", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StateChain: _TypeAlias = StateChain  # noqa: Y015
 
 @_typing.final
 class InputPlaced(_message.Message):
@@ -702,6 +782,8 @@ class Claimed(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     HAS_STATE_FIELD_NUMBER: _builtins.int
     MORE_FROM_SEQ_FIELD_NUMBER: _builtins.int
+    STATE_CHAIN_FIELD_NUMBER: _builtins.int
+    STATE_FOLLOWS_FIELD_NUMBER: _builtins.int
     state: _builtins.bytes
     """State of the last commit that carried state, if any."""
     has_state: _builtins.bool
@@ -710,6 +792,10 @@ class Claimed(_message.Message):
     """0 when records holds every record of the iteration. Otherwise the answer
     would not fit: the rest are read with Read(from_seq = more_from_seq),
     through token.snapshot_seq, keeping the records of this iteration.
+    """
+    state_follows: _builtins.bool
+    """With has_state: the state is larger than an answer holds and is not in
+    state; read it with ReadState(at_seq = token.base_seq).
     """
     @_builtins.property
     def token(self) -> Global___WriterToken:
@@ -721,6 +807,12 @@ class Claimed(_message.Message):
         fit the answer (see more_from_seq).
         """
 
+    @_builtins.property
+    def state_chain(self) -> Global___StateChain:
+        """With has_state: where the state stands in its chain, so the holder's
+        commit stores a delta or a snapshot (the state chain).
+        """
+
     def __init__(
         self,
         *,
@@ -729,10 +821,12 @@ class Claimed(_message.Message):
         state: _builtins.bytes = ...,
         has_state: _builtins.bool = ...,
         more_from_seq: _builtins.int = ...,
+        state_chain: Global___StateChain | None = ...,
+        state_follows: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["state_chain", b"state_chain", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_state", b"has_state", "more_from_seq", b"more_from_seq", "records", b"records", "state", b"state", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_state", b"has_state", "more_from_seq", b"more_from_seq", "records", b"records", "state", b"state", "state_chain", b"state_chain", "state_follows", b"state_follows", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1477,6 +1571,78 @@ class ReadResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReadResponse: _TypeAlias = ReadResponse  # noqa: Y015
+
+@_typing.final
+class ReadStateRequest(_message.Message):
+    """ReadStateRequest names a commit whose state to read."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    AT_SEQ_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run."""
+    step_id: _builtins.str
+    """The step."""
+    at_seq: _builtins.int
+    """Sequence of the commit; 0 reads the step's last commit that ended an
+    iteration.
+    """
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        step_id: _builtins.str = ...,
+        at_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_seq", b"at_seq", "run_id", b"run_id", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadStateRequest: _TypeAlias = ReadStateRequest  # noqa: Y015
+
+@_typing.final
+class ReadStateResponse(_message.Message):
+    """ReadStateResponse is one chunk of the state, in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    COMMIT_SEQ_FIELD_NUMBER: _builtins.int
+    CHAIN_FIELD_NUMBER: _builtins.int
+    HAS_STATE_FIELD_NUMBER: _builtins.int
+    chunk: _builtins.bytes
+    """The next bytes of the state (JSON)."""
+    size: _builtins.int
+    """Size of the whole state (every chunk)."""
+    commit_seq: _builtins.int
+    """Sequence of the commit whose state it is."""
+    has_state: _builtins.bool
+    """False when the commit carried no state (then no chunk follows)."""
+    @_builtins.property
+    def chain(self) -> Global___StateChain:
+        """Where the state stands in its chain."""
+
+    def __init__(
+        self,
+        *,
+        chunk: _builtins.bytes = ...,
+        size: _builtins.int = ...,
+        commit_seq: _builtins.int = ...,
+        chain: Global___StateChain | None = ...,
+        has_state: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chain", b"chain"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain", b"chain", "chunk", b"chunk", "commit_seq", b"commit_seq", "has_state", b"has_state", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadStateResponse: _TypeAlias = ReadStateResponse  # noqa: Y015
 
 @_typing.final
 class CheckRequest(_message.Message):
