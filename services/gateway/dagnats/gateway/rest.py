@@ -10,15 +10,18 @@ answers are ``dagnats.sdk.views``, the same as ``dagnats ... --json``.
 
 from __future__ import annotations
 
+import hashlib
 import re
-from typing import Annotated, Any, Literal
+import time
+from typing import Annotated, Any, Literal, assert_never
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from dagnats.core import approvals
 from dagnats.core.durations import parse_duration
-from dagnats.core.errors import InvalidArgument, NotFound
+from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument, NotFound
 from dagnats.core.ids import (
     MAX_SEQ,
     check_request_id,
@@ -34,9 +37,12 @@ from dagnats.gateway.auth import api_auth
 from dagnats.gateway.backend import BackendDep
 from dagnats.inputs.rules import MAX_WAIT
 from dagnats.inputs.v1 import inputs_pb2 as ipb
+from dagnats.journal import convert, replay
+from dagnats.journal import model as jm
 from dagnats.sdk import InputMode
 from dagnats.sdk.views import (
     check_dict,
+    decode_payload,
     input_dict,
     record_dict,
     run_dict,
@@ -83,6 +89,30 @@ class SubmitInput(_Body):
     )
     mode: Literal["steer", "follow_up"] = "steer"
     content: Any = Field(description="any JSON value")
+
+
+class DecideApproval(_Body):
+    call: str = Field(
+        min_length=1,
+        max_length=512,
+        description="the waiting call's key: run.step.iteration.position",
+    )
+    digest: str = Field(
+        min_length=1, max_length=128, description="the digest of the call the approver saw"
+    )
+    decision: Literal["approve", "deny"]
+    reason: str = Field(default="", max_length=4096, description="a denial's reaches the model")
+    approver: str = Field(default="", max_length=256, description="who decides, as recorded")
+    args: Any = Field(
+        default=None,
+        description="edited arguments to run instead (approve only): a new digest, "
+        "approved by this act",
+    )
+    request_id: str = Field(
+        default="",
+        max_length=256,
+        description="the caller's id; a repeat returns the original (default: one per act)",
+    )
 
 
 def _run_id(run_id: str) -> str:
@@ -298,6 +328,128 @@ async def submit_input(
         run_id, step_id, body.request_id, body.content, mode=_MODES[body.mode]
     )
     return JSONResponse(input_dict(item), status_code=201 if created else 200)
+
+
+@router.get(
+    "/runs/{run_id}/steps/{step_id}/approvals",
+    tags=["approvals"],
+    summary="List the tool calls waiting for approval, with their arguments",
+)
+async def list_approvals(b: BackendDep, run_id: ValidRun, step_id: ValidStep) -> dict[str, Any]:
+    await _require_step(b, run_id, step_id)
+    entries = await _step_entries(b, run_id, step_id)
+    waiting = replay.waiting_calls(run_id, step_id, entries)
+    return {"approvals": [_asked_dict(c) for c in waiting]}
+
+
+@router.post(
+    "/runs/{run_id}/steps/{step_id}/approvals",
+    tags=["approvals"],
+    summary="Approve or deny a tool call waiting for approval",
+    description=(
+        "The approval is bound to the call's arguments: `digest` must be the digest of "
+        "the waiting call (as listed), else the answer is 409 with the reason and nothing "
+        "changes. `args` approves edited arguments instead. The decision reaches the step "
+        "as an input of mode `approval` and is recorded in its journal when the call runs."
+    ),
+    status_code=201,
+    responses={200: {"description": "a repeat of the request_id; the original is returned"}},
+)
+async def decide_approval(
+    b: BackendDep, run_id: ValidRun, step_id: ValidStep, body: DecideApproval
+) -> JSONResponse:
+    edited = "args" in body.model_fields_set and body.args is not None
+    act = approvals.check_approval_act(
+        run_id,
+        step_id,
+        approvals.ApprovalAct(
+            key=body.call,
+            digest=body.digest,
+            approve=body.decision == "approve",
+            approver=body.approver,
+            reason=body.reason,
+            input=approvals.canonical_json(body.args) if edited else None,
+            decided_at=time.time(),
+        ),
+    )
+    request_id = check_request_id(body.request_id or _approval_request_id(act))
+    await _require_step(b, run_id, step_id)
+    entries = await _step_entries(b, run_id, step_id)
+    asked_calls = replay.asked_calls(run_id, step_id, entries)
+    asked = next((c for c in asked_calls if c.key == act.key), None)
+    decision = approvals.decide_approval(
+        _waiting(asked),
+        act,
+        edited_digest=approvals.call_digest(asked.intent.name, act.input)
+        if asked is not None and act.input is not None
+        else "",
+    )
+    match decision:
+        case approvals.ApprovalRefused(kind=kind, message=message):
+            raise _REFUSED[kind](message)
+        case approvals.Approved() | approvals.Edited() | approvals.Denied():
+            pass
+        case _:
+            assert_never(decision)
+    item, created = await b.client.submit_input(
+        run_id, step_id, request_id, approvals.act_content(act), mode=InputMode.APPROVAL
+    )
+    return JSONResponse(
+        {
+            "call": act.key,
+            "digest": decision.digest,
+            "decision": body.decision,
+            "edited": isinstance(decision, approvals.Edited),
+            "input": input_dict(item),
+        },
+        status_code=201 if created else 200,
+    )
+
+
+_REFUSED: dict[approvals.RefusalKind, type[DagnatsError]] = {
+    approvals.RefusalKind.NOT_FOUND: NotFound,
+    approvals.RefusalKind.CONFLICT: Conflict,
+    approvals.RefusalKind.INVALID: InvalidArgument,
+}
+
+
+def _approval_request_id(act: approvals.ApprovalAct) -> str:
+    """One request id per act, so a repeat of the same act is deduplicated."""
+    what = approvals.canonical_json(
+        [act.key, act.digest, act.approve, act.reason, act.input.decode() if act.input else None]
+    )
+    return "approval-" + hashlib.sha256(what).hexdigest()[:32]
+
+
+def _waiting(asked: replay.AskedCall | None) -> approvals.WaitingCall | None:
+    if asked is None:
+        return None
+    decided = asked.decided
+    return approvals.WaitingCall(
+        key=asked.key,
+        name=asked.intent.name,
+        input=asked.intent.input,
+        digest=asked.intent.digest,
+        decided_digest=decided.digest if decided is not None else "",
+        denied=decided is not None
+        and decided.approval is not None
+        and not decided.approval.approved,
+    )
+
+
+def _asked_dict(call: replay.AskedCall) -> dict[str, Any]:
+    return {
+        "call": call.key,
+        "tool": call.intent.name,
+        "args": decode_payload(call.intent.input),
+        "digest": call.intent.digest,
+        "iteration": call.intent.iteration,
+        "seq": call.intent.seq,
+    }
+
+
+async def _step_entries(b: BackendDep, run_id: str, step_id: str) -> list[jm.AnyEntry]:
+    return convert.all_entries([r async for r in b.journal.read(run_id, step_id)])
 
 
 @router.get("/runs/{run_id}/steps/{step_id}/inputs", tags=["inputs"], summary="List inputs")

@@ -580,7 +580,7 @@ def decide_tool(
     if isinstance(at, ModelEntry):
         return Mismatch(reason=f"position {position} recorded a model call, not tool {call.name!r}")
     if isinstance(at, IntentEntry):
-        if (at.name, at.input) != (call.name, call.input):
+        if not call.same_as(at):
             return Mismatch(
                 reason=(
                     f"position {position} recorded tool {at.name!r} with other input; "
@@ -629,7 +629,7 @@ def _honourable(
             and r.attempt < attempt
             and not r.safe
             and r.honours_seq == 0
-            and (r.name, r.input) == (call.name, call.input)
+            and call.same_as(r)
             and r.seq not in used
         ):
             return r
@@ -735,3 +735,57 @@ def why_fenced(
         if reason == "fenced":
             seen = reason
     return seen
+
+
+# ---- approvals ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AskedCall:
+    """A tool call that asked for approval (an intent with a digest and no
+    approval): its key, as an approver names it, and what it would run.
+    ``decided``: the intent that ran (or was denied) under an approval given
+    for its digest after it asked, if one did."""
+
+    key: str
+    intent: IntentEntry
+    decided: IntentEntry | None = None
+
+
+def call_key(run_id: str, step_id: str, intent: IntentEntry) -> str:
+    """The idempotency key of the call ``intent`` records."""
+    return f"{run_id}.{step_id}.{intent.iteration}.{intent.position}"
+
+
+def asked_calls(run_id: str, step_id: str, records: Sequence[AnyEntry]) -> list[AskedCall]:
+    """Every call of the step that asked for approval, in order, each with the
+    decision that followed it: the first intent after it carrying an approval
+    of its digest (the approver may have named this key, or a later ask of the
+    same call after a retry; the digest binds them all)."""
+    asked: list[AskedCall] = []
+    for r in records:
+        if isinstance(r, IntentEntry) and r.asks_approval and not r.honours_seq:
+            decided = next(
+                (
+                    d
+                    for d in records
+                    if isinstance(d, IntentEntry)
+                    and d.seq > r.seq
+                    and d.approval is not None
+                    and d.approval.digest == r.digest
+                ),
+                None,
+            )
+            asked.append(AskedCall(key=call_key(run_id, step_id, r), intent=r, decided=decided))
+    return asked
+
+
+def waiting_calls(run_id: str, step_id: str, records: Sequence[AnyEntry]) -> list[AskedCall]:
+    """The calls that wait for approval now: asked and not decided, the newest
+    ask of each digest only (a call asked again by a later iteration waits
+    under its newest key; an approval of an older one still applies)."""
+    newest: dict[str, AskedCall] = {}
+    for call in asked_calls(run_id, step_id, records):
+        if call.decided is None:
+            newest[call.intent.digest] = call
+    return sorted(newest.values(), key=lambda c: c.intent.seq)

@@ -1,0 +1,204 @@
+"""Approvals of a tool call, bound to its arguments, end to end: a tool that
+needs approval waits holding no worker, an approval of other arguments is
+refused and changes nothing, approve runs the tool once, deny gives the model
+the denial as the tool's result, and edited arguments run instead."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from dagnats.core.approvals import call_digest, canonical_json
+from dagnats.engine.server import EngineServer
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, Worker
+from tests.helpers import wait_for
+from tests.stack import loop_workflow, steps_by_id, unique
+from tests.test_journal import journal_check, read_journal
+
+EMAIL = {"to": "bob@example.com", "body": "the invoice is attached"}
+
+
+def approval_agent(runs: list[Any]) -> Callable[[TaskContext], Awaitable[None]]:
+    """A handler whose model asks for ``send_email``, a tool that needs
+    approval; it saves the model's response before the call, so the iteration
+    after the wait makes the same call, and completes with the tool's result."""
+
+    async def send_email(run: ToolRun) -> Any:
+        runs.append(run.call.input)
+        return {"sent": True, "to": run.call.input["to"]}
+
+    async def handler(tc: TaskContext) -> None:
+        j = await tc.journal()
+        state = await tc.load_checkpoint() or {}
+        if "call" not in state:
+
+            async def model() -> Any:
+                return {"tool": "send_email", "input": EMAIL}
+
+            state["call"] = await j.model(model)
+            await tc.checkpoint(state)
+        call = ToolCall(name=state["call"]["tool"], input=state["call"]["input"])
+        result = await j.tool(call, Replay.UNSAFE, send_email, approval=True)
+        await tc.complete({"output": result.output, "error": result.error})
+
+    return handler
+
+
+async def start(client: Client, task: str) -> str:
+    name = unique("approvewf")
+    await client.register_workflow(loop_workflow(name, task))
+    return (await client.start_run(name, "send the invoice")).run_id
+
+
+async def waiting(http: httpx.AsyncClient, run_id: str) -> list[dict[str, Any]]:
+    answer = await http.get(f"/runs/{run_id}/steps/agent/approvals")
+    assert answer.status_code == 200, answer.text
+    approvals: list[dict[str, Any]] = answer.json()["approvals"]
+    return approvals
+
+
+async def step_waits_for_input(client: Client, run_id: str) -> bool:
+    step = steps_by_id(await client.get_run(run_id))["agent"]
+    return step.status == pb.STEP_STATUS_WAITING and step.waiting_for_input
+
+
+async def asked(client: Client, http: httpx.AsyncClient, run_id: str) -> dict[str, Any]:
+    """The one call waiting, once the step waits for its approval."""
+    await wait_for(lambda: step_waits_for_input(client, run_id), timeout=20)
+    [call] = await waiting(http, run_id)
+    return call
+
+
+@contextlib.asynccontextmanager
+async def a_call_waiting(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> AsyncIterator[tuple[str, dict[str, Any], list[Any]]]:
+    """A run of :func:`approval_agent` with a worker, once its call waits:
+    the run, the call as listed, and the inputs the tool ran with."""
+    task, runs = unique("approve"), list[Any]()
+    async with Worker(engine.target, handlers={task: approval_agent(runs)}):
+        run_id = await start(client, task)
+        yield run_id, await asked(client, http, run_id), runs
+
+
+async def ended(client: Client, run_id: str) -> pb.Run:
+    async def done() -> bool:
+        return (await client.get_run(run_id)).status != pb.RUN_STATUS_RUNNING
+
+    await wait_for(done, timeout=20)
+    return await client.get_run(run_id)
+
+
+def output_of(run: pb.Run) -> Any:
+    return json.loads(steps_by_id(run)["agent"].output)
+
+
+async def decide(
+    http: httpx.AsyncClient, run_id: str, call: dict[str, Any], decision: str, **fields: Any
+) -> httpx.Response:
+    """POST the approvals of the run's step: ``decision`` on ``call`` as listed."""
+    body = {"call": call["call"], "digest": call["digest"], "decision": decision, **fields}
+    return await http.post(f"/runs/{run_id}/steps/agent/approvals", json=body)
+
+
+async def approved_intents(engine: EngineServer, run_id: str) -> list[jpb.ToolIntent]:
+    records = await read_journal(engine, run_id, "agent")
+    return [
+        r.tool_intent
+        for r in records
+        if r.WhichOneof("kind") == "tool_intent" and r.tool_intent.HasField("approval")
+    ]
+
+
+async def test_an_approval_of_the_digest_runs_the_tool_once(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        assert call["tool"] == "send_email" and call["args"] == EMAIL
+        assert call["digest"] == call_digest("send_email", canonical_json(EMAIL))
+        assert runs == []  # waiting: the tool did not run
+        answer = await decide(http, run_id, call, "approve", approver="alice")
+        assert answer.status_code == 201, answer.text
+        run = await ended(client, run_id)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert output_of(run) == {"output": {"sent": True, "to": EMAIL["to"]}, "error": ""}
+    assert runs == [EMAIL]
+    [intent] = await approved_intents(engine, run_id)
+    assert (intent.approval.approver, intent.approval.approved) == ("alice", True)
+    assert intent.approval.call == call["call"] and intent.approval.digest == call["digest"]
+    assert intent.digest == call["digest"] and intent.approval.decided_at.seconds > 0
+    assert list((await journal_check(engine, run_id)).violations) == []
+    assert await waiting(http, run_id) == []
+
+
+async def test_an_approval_of_other_arguments_is_refused_and_changes_nothing(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        path = f"/runs/{run_id}/steps/agent/approvals"
+        other = call_digest("send_email", canonical_json({**EMAIL, "to": "eve@example.com"}))
+        refused = await decide(http, run_id, {**call, "digest": other}, "approve")
+        assert refused.status_code == 409, refused.text
+        assert "not the ones approved" in refused.json()["message"]
+        unknown = call["call"].rsplit(".", 1)[0] + ".99"
+        missing = await decide(http, run_id, {**call, "call": unknown}, "approve")
+        assert missing.status_code == 404, missing.text
+        for bad in (
+            {"call": "not-a-key", "digest": call["digest"], "decision": "approve"},
+            {"call": call["call"], "digest": "md5:abc", "decision": "approve"},
+            {"call": call["call"], "digest": call["digest"], "decision": "maybe"},
+            {"call": call["call"], "digest": call["digest"], "decision": "deny", "args": {}},
+        ):
+            answer = await http.post(path, json=bad)
+            assert answer.status_code == 400, (bad, answer.text)
+        no_run = await http.post(
+            f"/runs/{run_id[:-1]}x/steps/agent/approvals",
+            json={"call": call["call"], "digest": call["digest"], "decision": "approve"},
+        )
+        assert no_run.status_code in (400, 404), no_run.text
+        inputs = await http.get(f"/runs/{run_id}/steps/agent/inputs")
+        assert inputs.json()["inputs"] == []  # nothing was queued
+        assert await step_waits_for_input(client, run_id)
+        assert runs == [] and await waiting(http, run_id) == [call]
+        await client.cancel_run(run_id)
+
+
+async def test_a_denial_reaches_the_model_as_the_tools_result(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        answer = await decide(
+            http, run_id, call, "deny", reason="not to external addresses", approver="bob"
+        )
+        assert answer.status_code == 201, answer.text
+        run = await ended(client, run_id)
+    assert runs == []  # the tool never ran
+    denial = {"denied": True, "reason": "not to external addresses"}
+    assert output_of(run) == {"output": denial, "error": ""}
+    [intent] = await approved_intents(engine, run_id)
+    assert (intent.approval.approved, intent.approval.approver) == (False, "bob")
+    assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_edited_arguments_are_a_new_intent_approved_by_the_act(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        edited = {**EMAIL, "to": "billing@example.com"}
+        answer = await decide(http, run_id, call, "approve", args=edited)
+        assert answer.status_code == 201, answer.text
+        new_digest = call_digest("send_email", canonical_json(edited))
+        assert answer.json()["digest"] == new_digest and answer.json()["edited"]
+        run = await ended(client, run_id)
+    assert runs == [edited]
+    assert output_of(run)["output"] == {"sent": True, "to": "billing@example.com"}
+    [intent] = await approved_intents(engine, run_id)
+    assert intent.digest == new_digest and intent.approval.edited
+    assert intent.approval.digest == call["digest"]
+    assert list((await journal_check(engine, run_id)).violations) == []
