@@ -20,6 +20,7 @@ from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, Worker
 from tests.helpers import wait_for
 from tests.stack import loop_workflow, steps_by_id, unique
 from tests.test_journal import journal_check, read_journal
+from tests.test_journal_api import as_its_worker, refused_field
 
 EMAIL = {"to": "bob@example.com", "body": "the invoice is attached"}
 
@@ -202,3 +203,35 @@ async def test_edited_arguments_are_a_new_intent_approved_by_the_act(
     assert intent.digest == new_digest and intent.approval.edited
     assert intent.approval.digest == call["digest"]
     assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_the_journal_refuses_an_approval_of_another_digest(engine: EngineServer) -> None:
+    """A worker cannot store a call under an approval given for other
+    arguments, nor a digest that is not its call's: refused whole, nothing
+    written."""
+    async with as_its_worker(engine, "approvejournal") as (run, stub):
+        claimed = await stub.Claim(
+            jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+        )
+        token = claimed.claimed.token
+        data = canonical_json(EMAIL)
+        digest = call_digest("send_email", data)
+        other = call_digest("send_email", canonical_json({**EMAIL, "to": "eve"}))
+        key = f"{run.run_id}.agent.0.0"
+
+        def begin(**fields: Any) -> Any:
+            return stub.BeginTool(
+                jpb.BeginToolRequest(
+                    token=token, position=0, name="send_email", input=data,
+                    replay=jpb.REPLAY_UNSAFE, **fields,
+                )
+            )  # fmt: skip
+
+        approval = jpb.Approval(call=key, digest=other, approved=True)
+        assert await refused_field(begin(digest=digest, approval=approval)) == "approval.digest"
+        assert await refused_field(begin(digest=other)) == "digest"
+        elsewhere = jpb.Approval(call=f"{run.run_id}.other.0.0", digest=digest, approved=True)
+        assert await refused_field(begin(digest=digest, approval=elsewhere)) == "approval.call"
+        assert await refused_field(begin(approval=approval)) == "digest"
+        records = await read_journal(engine, run.run_id, "agent")
+        assert [r.WhichOneof("kind") for r in records] == ["claim"]
