@@ -7,18 +7,24 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from dagnats.core.approvals import call_digest, canonical_json
-from dagnats.engine.server import EngineServer
+from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.gateway import GatewayConfig, start_gateway
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, Worker
 from tests.helpers import wait_for
-from tests.stack import loop_workflow, steps_by_id, unique
+from tests.matrix import child_env, lines, reap
+from tests.stack import FAST, loop_workflow, steps_by_id, unique
 from tests.test_journal import journal_check, read_journal
 from tests.test_journal_api import as_its_worker, refused_field
 
@@ -235,3 +241,100 @@ async def test_the_journal_refuses_an_approval_of_another_digest(engine: EngineS
         assert await refused_field(begin(approval=approval)) == "digest"
         records = await read_journal(engine, run.run_id, "agent")
         assert [r.WhichOneof("kind") for r in records] == ["claim"]
+
+
+# ---- crashes and restarts -----------------------------------------------------------
+
+APPROVAL_WORKER = Path(__file__).parent / "workers" / "approval_worker.py"
+
+
+def approval_worker(
+    target: str, task: str, state: Path, stop_at: str = ""
+) -> subprocess.Popen[bytes]:
+    """:mod:`tests.workers.approval_worker` in a process of its own."""
+    state.mkdir(exist_ok=True)
+    args = [sys.executable, str(APPROVAL_WORKER), target, task, str(state), stop_at]
+    with open(state / "worker.log", "ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+
+
+@pytest.mark.parametrize(
+    "seam",
+    [
+        "after_approval_intent",  # the ask stored, not yet answered awaiting_approval
+        "after_approval_placed:2",  # the approval placed, the call not yet made
+        "after_intent:2",  # the approved call's intent stored, the tool not yet started
+        "approved_tool_returned",  # the tool ran, its result stored nowhere
+    ],
+)
+async def test_a_worker_killed_at_an_approval_seam_never_runs_the_tool_twice(
+    seam: str, client: Client, http: httpx.AsyncClient, engine: EngineServer, tmp_path: Path
+) -> None:
+    task = unique("approvecrash")
+    first = approval_worker(engine.target, task, tmp_path / "a", seam)
+    second = None
+    try:
+        run_id = await start(client, task)
+        if seam == "after_approval_intent":
+            await wait_for(lambda: (tmp_path / "a" / "hit").exists(), timeout=30)
+            first.kill()  # SIGKILL at the seam
+            second = approval_worker(engine.target, task, tmp_path / "b")
+        call = await asked(client, http, run_id)
+        assert (await decide(http, run_id, call, "approve", approver="carol")).status_code == 201
+        if seam != "after_approval_intent":
+            await wait_for(lambda: (tmp_path / "a" / "hit").exists(), timeout=30)
+            first.kill()
+            second = approval_worker(engine.target, task, tmp_path / "b")
+        run = await ended(client, run_id)
+    finally:
+        reap(first, second)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    runs = lines(tmp_path / "a", "runs") + lines(tmp_path / "b", "runs")
+    if seam == "approved_tool_returned":
+        # It ran once, and its holder died before the result was stored: the
+        # successor answers the intent interrupted and does not run it again.
+        assert len(runs) == 1
+        assert output_of(run)["output"] is None
+    elif seam == "after_intent:2":
+        assert len(runs) == 0  # the intent was stored, the tool never started: interrupted
+    else:
+        assert len(runs) == 1
+        assert output_of(run)["output"] == {"sent": True, "to": EMAIL["to"]}
+    assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_a_waiting_approval_survives_the_worker_and_a_restart_of_every_service(
+    nats_server: Any, tmp_path: Path
+) -> None:
+    """The step waits holding no worker and nothing in memory: the worker is
+    killed and every service restarted while it waits, and the approval
+    given afterwards runs the tool once."""
+    task = unique("approverestart")
+    engine = await start_engine(nats_server.url, config=FAST)
+    worker = approval_worker(engine.target, task, tmp_path / "a")
+    try:
+        async with Client(engine.target) as client:
+            run_id = await start(client, task)
+            await wait_for(lambda: step_waits_for_input(client, run_id), timeout=30)
+        worker.kill()
+        worker.wait()
+        await engine.stop()
+        engine = await start_engine(nats_server.url, config=FAST)
+        gateway = await start_gateway(GatewayConfig(engine_target=engine.target, port=0))
+        worker = approval_worker(engine.target, task, tmp_path / "b")
+        try:
+            async with (
+                Client(engine.target) as client,
+                httpx.AsyncClient(base_url=gateway.url, timeout=30.0) as http,
+            ):
+                call = await asked(client, http, run_id)
+                answer = await decide(http, run_id, call, "approve")
+                assert answer.status_code == 201, answer.text
+                run = await ended(client, run_id)
+        finally:
+            await gateway.stop()
+    finally:
+        reap(worker)
+        await engine.stop()
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert lines(tmp_path / "a", "runs") == [] and len(lines(tmp_path / "b", "runs")) == 1
