@@ -29,8 +29,9 @@ from dagnats.integrations.pydantic_ai._history import (
     load_messages,
     with_user_messages,
 )
-from dagnats.integrations.pydantic_ai._journaled import Journaled
+from dagnats.integrations.pydantic_ai._journaled import Journaled, Resume
 from dagnats.sdk import (
+    ApprovalPending,
     InputMode,
     InputsQueued,
     Journal,
@@ -49,13 +50,18 @@ class _Round:
     messages: list[ModelMessage]
     answered: bool
     output: Any = None
+    waiting: ApprovalPending | None = None  # a tool call waits for approval
+    resume: Resume | None = None  # with waiting: what the next round replays
 
     def state(self) -> dict[str, Any]:
-        return {
+        state = {
             "messages": dump_messages(self.messages),
             "answered": self.answered,
             "output": self.output,
         }
+        if self.resume is not None:
+            state["resume"] = self.resume.dump()
+        return state
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,8 +104,11 @@ class DurableAgent:
             messages = with_user_messages(load_messages(state["messages"]), _texts(placed))
         else:  # a tool-round boundary: steering joins the pending request
             messages = with_user_messages(load_messages(state["messages"]), _texts(steer))
-        done = await self._round(j, tc, prompt, messages)
+        resume = Resume.load(state["resume"]) if state and "resume" in state else None
+        done = await self._round(j, tc, prompt, messages, resume)
         await tc.checkpoint(done.state())
+        if done.waiting is not None:
+            raise done.waiting  # the worker waits for the approval, holding nothing
         if not done.answered:
             await tc.continue_()
         elif self.follow_up_window is None:
@@ -116,9 +125,13 @@ class DurableAgent:
         tc: TaskContext,
         prompt: str | Sequence[UserContent] | None,
         messages: list[ModelMessage] | None,
+        resume: Resume | None = None,
     ) -> _Round:
-        """Run the agent up to its next model request after this one, or its end."""
-        journaled = Journaled(journal=j, declared=self.replay, stream=self.stream)
+        """Run the agent up to its next model request after this one, or its end;
+        or until a tool call waits for approval (``resume`` replays such a
+        round's response and reuses its results)."""
+        resume = resume or Resume()
+        journaled = Journaled(journal=j, declared=self.replay, stream=self.stream, resume=resume)
         deps = self.deps(tc) if self.deps is not None else None
         # Journaled calls are matched by position: tool calls one at a time.
         with AbstractAgent.parallel_tool_call_execution_mode("sequential"):
@@ -134,7 +147,20 @@ class DurableAgent:
                                 messages=[*run.all_messages(), node.request], answered=False
                             )
                         asked = True
-                    node = await run.next(node)
+                    try:
+                        node = await run.next(node)
+                    except BaseException as err:
+                        waiting = _approval_in(err)
+                        if waiting is None:
+                            raise
+                        # The history up to the request the response answered:
+                        # the next round sends it again and replays the response.
+                        before = [m for m in run.all_messages() if m.kind == "request"][-1]
+                        history = run.all_messages()
+                        cut = len(history) - history[::-1].index(before)
+                        return _Round(
+                            messages=history[:cut], answered=False, waiting=waiting, resume=resume
+                        )
                 output = to_jsonable_python(node.data.output)
                 return _Round(messages=run.all_messages(), answered=True, output=output)
 
@@ -181,6 +207,15 @@ def durable_agent(
         prompt=prompt,
         deps=deps,
     )
+
+
+def _approval_in(err: BaseException) -> ApprovalPending | None:
+    """The approval a tool call waits for, raised alone or in a group."""
+    if isinstance(err, ApprovalPending):
+        return err
+    if isinstance(err, BaseExceptionGroup):
+        return next((e for e in _leaves(err) if isinstance(e, ApprovalPending)), None)
+    return None
 
 
 def _texts(placed: Sequence[PlacedInput]) -> list[str]:
