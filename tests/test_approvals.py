@@ -25,6 +25,7 @@ from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, Worker
 from tests.helpers import wait_for
 from tests.matrix import child_env, lines, reap
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
+from tests.test_cli import adagnats
 from tests.test_journal import journal_check, read_journal
 from tests.test_journal_api import as_its_worker, refused_field
 
@@ -338,3 +339,46 @@ async def test_a_waiting_approval_survives_the_worker_and_a_restart_of_every_ser
         await engine.stop()
     assert run.status == pb.RUN_STATUS_COMPLETED
     assert lines(tmp_path / "a", "runs") == [] and len(lines(tmp_path / "b", "runs")) == 1
+
+
+async def test_the_cli_lists_refuses_another_digest_and_approves(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    env = {"DAGNATS_ENGINE": engine.target}
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        listed = await adagnats("run", "approvals", run_id, "--step", "agent", "--json", env=env)
+        assert listed.returncode == 0, listed.stderr
+        assert json.loads(listed.stdout) == [call]
+        text = await adagnats("run", "approvals", run_id, "--step", "agent", env=env)
+        assert call["call"] in text.stdout and '"bob@example.com"' in text.stdout
+        other = call_digest("send_email", canonical_json({**EMAIL, "to": "eve@example.com"}))
+        base = ("--step", "agent", "--call", call["call"])
+        refused = await adagnats("run", "approve", run_id, *base, "--digest", other, env=env)
+        assert refused.returncode == 1 and "not the ones approved" in refused.stderr
+        assert runs == [] and await waiting(http, run_id) == [call]
+        approved = await adagnats(
+            "run", "approve", run_id, *base, "--digest", call["digest"], "--approver", "dana",
+            env=env,
+        )  # fmt: skip
+        assert approved.returncode == 0, approved.stderr
+        assert f"approved {call['call']} with digest {call['digest']}" in approved.stdout
+        run = await ended(client, run_id)
+    assert run.status == pb.RUN_STATUS_COMPLETED and runs == [EMAIL]
+    [intent] = await approved_intents(engine, run_id)
+    assert intent.approval.approver == "dana"
+
+
+async def test_the_cli_denies_with_a_reason_for_the_digest_it_shows(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    env = {"DAGNATS_ENGINE": engine.target}
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        denied = await adagnats(
+            "run", "deny", run_id, "--step", "agent", "--call", call["call"],
+            "--reason", "wrong recipient", env=env,
+        )  # fmt: skip
+        assert denied.returncode == 0, denied.stderr
+        assert '"bob@example.com"' in denied.stdout  # the arguments it decided on
+        run = await ended(client, run_id)
+    assert runs == []
+    assert output_of(run)["output"] == {"denied": True, "reason": "wrong recipient"}

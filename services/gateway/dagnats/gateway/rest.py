@@ -10,18 +10,15 @@ answers are ``dagnats.sdk.views``, the same as ``dagnats ... --json``.
 
 from __future__ import annotations
 
-import hashlib
 import re
-import time
-from typing import Annotated, Any, Literal, assert_never
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from dagnats.core import approvals
 from dagnats.core.durations import parse_duration
-from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument, NotFound
+from dagnats.core.errors import InvalidArgument, NotFound
 from dagnats.core.ids import (
     MAX_SEQ,
     check_request_id,
@@ -32,17 +29,14 @@ from dagnats.core.ids import (
 )
 from dagnats.core.payload import encode
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.gateway import journal_stream, live_stream, run_watch, runs_stream
+from dagnats.gateway import approvals, journal_stream, live_stream, run_watch, runs_stream
 from dagnats.gateway.auth import api_auth
 from dagnats.gateway.backend import BackendDep
 from dagnats.inputs.rules import MAX_WAIT
 from dagnats.inputs.v1 import inputs_pb2 as ipb
-from dagnats.journal import convert, replay
-from dagnats.journal import model as jm
 from dagnats.sdk import InputMode
 from dagnats.sdk.views import (
     check_dict,
-    decode_payload,
     input_dict,
     record_dict,
     run_dict,
@@ -337,9 +331,7 @@ async def submit_input(
 )
 async def list_approvals(b: BackendDep, run_id: ValidRun, step_id: ValidStep) -> dict[str, Any]:
     await _require_step(b, run_id, step_id)
-    entries = await _step_entries(b, run_id, step_id)
-    waiting = replay.waiting_calls(run_id, step_id, entries)
-    return {"approvals": [_asked_dict(c) for c in waiting]}
+    return {"approvals": await approvals.waiting(b.journal, run_id, step_id)}
 
 
 @router.post(
@@ -358,98 +350,24 @@ async def list_approvals(b: BackendDep, run_id: ValidRun, step_id: ValidStep) ->
 async def decide_approval(
     b: BackendDep, run_id: ValidRun, step_id: ValidStep, body: DecideApproval
 ) -> JSONResponse:
-    edited = "args" in body.model_fields_set and body.args is not None
-    act = approvals.check_approval_act(
+    act = approvals.act(
         run_id,
         step_id,
-        approvals.ApprovalAct(
-            key=body.call,
-            digest=body.digest,
-            approve=body.decision == "approve",
-            approver=body.approver,
-            reason=body.reason,
-            input=approvals.canonical_json(body.args) if edited else None,
-            decided_at=time.time(),
-        ),
+        call=body.call,
+        digest=body.digest,
+        approve=body.decision == "approve",
+        approver=body.approver,
+        reason=body.reason,
+        args=body.args,
+        edited="args" in body.model_fields_set and body.args is not None,
     )
-    request_id = check_request_id(body.request_id or _approval_request_id(act))
+    if body.request_id:
+        check_request_id(body.request_id)
     await _require_step(b, run_id, step_id)
-    entries = await _step_entries(b, run_id, step_id)
-    asked_calls = replay.asked_calls(run_id, step_id, entries)
-    asked = next((c for c in asked_calls if c.key == act.key), None)
-    decision = approvals.decide_approval(
-        _waiting(asked),
-        act,
-        edited_digest=approvals.call_digest(asked.intent.name, act.input)
-        if asked is not None and act.input is not None
-        else "",
+    decided = await approvals.decide(
+        b.client, b.journal, run_id, step_id, act, request_id=body.request_id
     )
-    match decision:
-        case approvals.ApprovalRefused(kind=kind, message=message):
-            raise _REFUSED[kind](message)
-        case approvals.Approved() | approvals.Edited() | approvals.Denied():
-            pass
-        case _:
-            assert_never(decision)
-    item, created = await b.client.submit_input(
-        run_id, step_id, request_id, approvals.act_content(act), mode=InputMode.APPROVAL
-    )
-    return JSONResponse(
-        {
-            "call": act.key,
-            "digest": decision.digest,
-            "decision": body.decision,
-            "edited": isinstance(decision, approvals.Edited),
-            "input": input_dict(item),
-        },
-        status_code=201 if created else 200,
-    )
-
-
-_REFUSED: dict[approvals.RefusalKind, type[DagnatsError]] = {
-    approvals.RefusalKind.NOT_FOUND: NotFound,
-    approvals.RefusalKind.CONFLICT: Conflict,
-    approvals.RefusalKind.INVALID: InvalidArgument,
-}
-
-
-def _approval_request_id(act: approvals.ApprovalAct) -> str:
-    """One request id per act, so a repeat of the same act is deduplicated."""
-    what = approvals.canonical_json(
-        [act.key, act.digest, act.approve, act.reason, act.input.decode() if act.input else None]
-    )
-    return "approval-" + hashlib.sha256(what).hexdigest()[:32]
-
-
-def _waiting(asked: replay.AskedCall | None) -> approvals.WaitingCall | None:
-    if asked is None:
-        return None
-    decided = asked.decided
-    return approvals.WaitingCall(
-        key=asked.key,
-        name=asked.intent.name,
-        input=asked.intent.input,
-        digest=asked.intent.digest,
-        decided_digest=decided.digest if decided is not None else "",
-        denied=decided is not None
-        and decided.approval is not None
-        and not decided.approval.approved,
-    )
-
-
-def _asked_dict(call: replay.AskedCall) -> dict[str, Any]:
-    return {
-        "call": call.key,
-        "tool": call.intent.name,
-        "args": decode_payload(call.intent.input),
-        "digest": call.intent.digest,
-        "iteration": call.intent.iteration,
-        "seq": call.intent.seq,
-    }
-
-
-async def _step_entries(b: BackendDep, run_id: str, step_id: str) -> list[jm.AnyEntry]:
-    return convert.all_entries([r async for r in b.journal.read(run_id, step_id)])
+    return JSONResponse(decided.to_dict(), status_code=201 if decided.created else 200)
 
 
 @router.get("/runs/{run_id}/steps/{step_id}/inputs", tags=["inputs"], summary="List inputs")
