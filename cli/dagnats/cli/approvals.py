@@ -45,6 +45,7 @@ def add_approval_commands(
 async def run_approvals(args: argparse.Namespace, client: Client, journal: JournalClient) -> int:
     """Run ``approvals``, ``approve`` or ``deny``; returns the exit code."""
     from dagnats.gateway import approvals  # the edge's checks, loaded when used
+
     if args.action == "approvals":
         waiting = await approvals.waiting(journal, args.run_id, args.step)
         if args.json:
@@ -82,6 +83,7 @@ async def run_approvals(args: argparse.Namespace, client: Client, journal: Journ
 async def _listed_digest(journal: JournalClient, args: argparse.Namespace) -> str:
     """The digest of the call as it waits now; its arguments are printed."""
     from dagnats.gateway import approvals
+
     for call in await approvals.waiting(journal, args.run_id, args.step):
         if call["call"] == args.call:
             print(f"{call['tool']} {json.dumps(call['args'], ensure_ascii=False)}")
