@@ -138,11 +138,14 @@ class Resume:
     of a request), and the results its calls had already, by tool call id
     (the journal's output of each, reused without running the tool)."""
 
-    response: Any = None
+    response: Any = None  # JSON, or the ModelResponse itself until dumped
     results: dict[str, Any] = field(default_factory=dict)
 
     def dump(self) -> dict[str, Any]:
-        return {"response": self.response, "results": self.results}
+        response = self.response
+        if isinstance(response, ModelResponse):
+            response = dump_response(response)
+        return {"response": response, "results": self.results}
 
     @classmethod
     def load(cls, data: Any) -> Resume:
@@ -174,7 +177,7 @@ class JournaledModel(WrapperModel):
     ) -> ModelResponse:
         response = await self._request(messages, model_settings, model_request_parameters)
         if self._resume.response is None or self._replay is None:
-            self._resume.response, self._resume.results = dump_response(response), {}
+            self._resume.response, self._resume.results = response, {}
         self._replay = None
         return response
 
