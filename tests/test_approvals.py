@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -301,6 +302,39 @@ async def test_a_worker_killed_at_an_approval_seam_never_runs_the_tool_twice(
     else:
         assert len(runs) == 1
         assert output_of(run)["output"] == {"sent": True, "to": EMAIL["to"]}
+    assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_a_holder_frozen_after_the_approved_tool_ran_is_fenced_when_it_wakes(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer, tmp_path: Path
+) -> None:
+    """SIGSTOP after the approved tool returned, past the lease: the successor
+    answers the call interrupted and does not run it; the frozen holder,
+    thawed, stops and stores nothing more. The tool ran once."""
+    task = unique("approvezombie")
+    first = approval_worker(engine.target, task, tmp_path / "a", "approved_tool_returned")
+    second = None
+    try:
+        run_id = await start(client, task)
+        call = await asked(client, http, run_id)
+        assert (await decide(http, run_id, call, "approve")).status_code == 201
+        await wait_for(lambda: (tmp_path / "a" / "hit").exists(), timeout=30)
+        first.send_signal(signal.SIGSTOP)
+        second = approval_worker(engine.target, task, tmp_path / "b")
+        run = await ended(client, run_id)
+        first.send_signal(signal.SIGCONT)
+        # Thawed, it learns a successor holds the step (its write is fenced,
+        # or its keep-alive finds the successor's claim and stops it).
+        await wait_for(
+            lambda: lines(tmp_path / "a", "turns")[-1:] in (["Fenced"], ["CancelledError"]),
+            timeout=30,
+            message="the thawed holder's turn stops",
+        )
+    finally:
+        reap(first, second)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert len(lines(tmp_path / "a", "runs") + lines(tmp_path / "b", "runs")) == 1
+    assert output_of(run)["output"] is None  # the successor's answer: interrupted
     assert list((await journal_check(engine, run_id)).violations) == []
 
 
