@@ -1166,6 +1166,53 @@ GUARDS = (
             "tests/test_state_chain.py::test_a_state_larger_than_a_claims_answer_is_read_with_read_state",
         ),
     ),
+    Guard(
+        name="an approval of another digest is refused",
+        file="core/dagnats/core/approvals.py",
+        guard="    if act.digest != waiting.digest:\n",
+        removed="    if False:\n",
+        how="an approval given for other arguments approves the call that waits",
+        tests=(
+            "tests/test_approval_rules.py::"
+            "test_an_approval_of_another_digest_is_a_conflict_naming_both",
+            "tests/test_approvals.py::"
+            "test_an_approval_of_other_arguments_is_refused_and_changes_nothing",
+        ),
+    ),
+    Guard(
+        name="a call that asks for approval does not run",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="            if digest and approval is None:\n",
+        removed="            if False:\n",
+        how="a tool that needs approval runs before anyone approved it",
+        tests=("tests/test_approvals.py::test_an_approval_of_the_digest_runs_the_tool_once",),
+    ),
+    Guard(
+        name="an approval decides its position once",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="        and not decided\n",
+        removed="",
+        how="a second approval of an asked call runs the tool again at the same position",
+        tests=(
+            "tests/test_replay.py::test_a_call_under_another_approval_than_recorded_is_a_mismatch",
+        ),
+    ),
+    Guard(
+        name="journal check: an approved call ran with the approved arguments",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="    elif not approval.edited and approval.digest != intent.digest:\n",
+        removed="    elif False:\n",
+        how="a call that ran with other arguments than approved is not reported",
+        tests=("tests/test_audit.py::test_a_call_that_ran_with_other_arguments_than_approved",),
+    ),
+    Guard(
+        name="the journal refuses an approval digest that is not the call's",
+        file="services/journal/dagnats/journal/service.py",
+        guard="    if not approval.edited and approval.digest != request.digest:\n",
+        removed="    if False:\n",
+        how="a worker may store a call under an approval given for other arguments",
+        tests=("tests/test_approvals.py::test_the_journal_refuses_an_approval_of_another_digest",),
+    ),
 )
 
 

@@ -260,3 +260,15 @@ def test_the_cli_and_the_console_name_the_address_docs_serve_serves() -> None:
     assert url in build_parser().format_help()
     console = ROOT / "services" / "gateway" / "dagnats" / "gateway" / "ui" / "index.html"
     assert f'href="{url}"' in console.read_text()
+
+
+# How-to: approve a tool call.
+
+
+async def test_approvals_example_runs_the_tool_once_the_digest_is_approved(
+    stack: LocalStack,
+) -> None:
+    approvals = load("approvals")
+    output = await approvals.main(stack.target, stack.gateway_url)
+    assert output == {"paid": 1200, "key": output["key"]}
+    assert approvals.PAID == [{"to": "acme", "cents": 1200}]

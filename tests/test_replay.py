@@ -16,6 +16,7 @@ from dagnats.journal.limits import MAX_PARTIAL_BYTES
 from dagnats.journal.model import (
     Action,
     AnyEntry,
+    ApprovalMark,
     CancelEntry,
     ClaimEntry,
     CommitEntry,
@@ -1049,3 +1050,66 @@ def test_a_write_refused_without_a_cancel_is_fenced_as_before() -> None:
     assert fenced_out_write(tail=[j.last], first=j.last, writer=writer, result_for=intent) == (
         FencedWrite()
     )
+
+
+# ---- approvals: a call's approval is part of the call ---------------------------------
+
+PAY = b'{"cents": 500}'
+PAY_DIGEST = "sha256:" + "a" * 64
+
+
+def _pay(j: J, *, p: int, approval: str = "") -> IntentEntry:
+    """An intent of ``pay`` at ``p``: asking for approval, or under ``approval``."""
+    mark = (
+        ApprovalMark(call="r.agent.0.1", digest=PAY_DIGEST, approved=True, request_id=approval)
+        if approval
+        else None
+    )
+    j._add(
+        IntentEntry, position=p, name="pay", input=PAY, safe=False, digest=PAY_DIGEST,
+        approval=mark,
+    )  # fmt: skip
+    return j.last_intent
+
+
+def _asked(j: J, *, p: int) -> IntentEntry:
+    intent = _pay(j, p=p)
+    j._add(ResultEntry, intent_seq=intent.seq, awaiting_approval=True)
+    return intent
+
+
+def _under(request_id: str) -> ToolCall:
+    return ToolCall(name="pay", input=PAY, safe=False, digest=PAY_DIGEST, approval_id=request_id)
+
+
+def test_the_decided_call_runs_at_the_position_that_asked() -> None:
+    j = J().claim().model(p=0)
+    _asked(j, p=1)
+    j.claim()  # a redelivery that placed the approval the first delivery had not
+    assert decide_tool(j.of(0), attempt=1, position=1, call=_under("approval-1")) == RunNew()
+
+
+def test_the_decided_call_recorded_there_is_replayed_not_run_twice() -> None:
+    j = J().claim().model(p=0)
+    _asked(j, p=1)
+    j.claim()
+    decided = _pay(j, p=1, approval="approval-1")
+    j.claim()
+    decision = decide_tool(j.of(0), attempt=1, position=1, call=_under("approval-1"))
+    assert decision == Interrupt(intent=decided, partial="")  # started, never finished
+    result = j.claim().result(intent=decided.seq).last_result
+    decision = decide_tool(j.of(0), attempt=1, position=1, call=_under("approval-1"))
+    assert decision == UseResult(result=result)
+
+
+def test_a_call_under_another_approval_than_recorded_is_a_mismatch() -> None:
+    j = J().claim().model(p=0)
+    _asked(j, p=1)
+    j.claim()
+    _pay(j, p=1, approval="approval-1")
+    j.result()
+    j.claim()
+    decision = decide_tool(j.of(0), attempt=1, position=1, call=_under("approval-2"))
+    assert isinstance(decision, Mismatch)
+    asking = ToolCall(name="pay", input=PAY, safe=False, digest=PAY_DIGEST)
+    assert isinstance(decide_tool(j.of(0), attempt=1, position=1, call=asking), UseResult)

@@ -46,6 +46,7 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._errors import (
+    ApprovalPending,
     Committed,
     Fenced,
     InputsQueued,
@@ -433,6 +434,17 @@ class TaskContext:
         if self._journal is None:
             raise Conflict("place_inputs needs the journal: call await tc.journal() first")
         return await self._journal.place_inputs(mode)
+
+    async def _wait_for_approval(self, pending: ApprovalPending) -> None:
+        """End the iteration of a tool call waiting for approval: a continue
+        with the state saved so far that waits for an input, holding no worker
+        (the approval wakes it); at once, when inputs are queued already."""
+        waiting = {"call": pending.key, "digest": pending.digest, "tool": pending.name}
+        output = {"awaiting_approval": waiting}
+        try:
+            await self.continue_(output, until_input=True)
+        except InputsQueued:
+            await self.continue_(output)
 
     async def _inputs_queued(self) -> bool:
         response = await self._rpc.list_inputs(

@@ -45,13 +45,15 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, assert_never, cast
 
+from dagnats.core import approvals
 from dagnats.core.errors import DagnatsError, InvalidArgument, RecordTooLarge, ReplayMismatch
 from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
+from dagnats.core.timestamps import timestamp
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._errors import ConcurrentJournalUse, Fenced, RunCancelled
+from dagnats.sdk._errors import ApprovalPending, ConcurrentJournalUse, Fenced, RunCancelled
 from dagnats.sdk._stream import TokenStream
 
 if TYPE_CHECKING:
@@ -74,6 +76,9 @@ class InputMode(enum.Enum):
     """Joins the current run after the next tool round."""
     FOLLOW_UP = 2
     """Starts the next turn after the agent gives a final answer."""
+    APPROVAL = 50
+    """Approves or denies a tool call that waits for approval (placed by
+    :meth:`Journal.tool` for a call declared ``approval=True``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,6 +111,7 @@ class ToolResult:
     interrupted: bool = False
     partial: str = ""
     replayed: bool = False
+    awaiting_approval: bool = False
 
 
 @dataclass
@@ -188,6 +194,8 @@ class Journal:
         self._loose: TokenStream | None = None  # put_stream outside a model call
         self._pending: _Pending | None = None
         self._storing: asyncio.Task[None] | None = None  # the pending entry, on its own
+        self._approvals: list[PlacedInput] | None = None  # placed by the first approval call
+        self._used_approvals: set[str] = set()
 
     @property
     def token(self) -> jpb.WriterToken:
@@ -296,7 +304,9 @@ class Journal:
         if loose is not None:
             await loose.close()
 
-    async def tool(self, call: ToolCall, replay: Replay, fn: ToolFn) -> ToolResult:
+    async def tool(
+        self, call: ToolCall, replay: Replay, fn: ToolFn, *, approval: bool = False
+    ) -> ToolResult:
         """Run a tool call durably: intent before, result after (the result
         stored with the commit when that comes next, as :meth:`model`'s
         response is with its intent).
@@ -305,7 +315,20 @@ class Journal:
         must be JSON. An exception from ``fn`` is the tool's own error and part
         of the result; it does not stop the step.
 
+        ``approval``: the call runs only once an approver approved exactly
+        these arguments (the approval bound to its arguments). Without an
+        approval its intent is stored with the digest of its name and input,
+        and :class:`ApprovalPending` is raised: the worker ends the iteration
+        and the step waits, holding no worker, for the approval input. When
+        the next iteration makes the same call, the approval placed for its
+        digest decides: approved, the tool runs once (an unsafe call, whatever
+        ``replay`` says); approved with edited arguments, it runs with those;
+        denied, it does not run and the result's output is
+        ``{"denied": true, "reason": ...}`` for the model to read.
+
         Raises:
+            ApprovalPending: ``approval`` and no approval of these arguments
+                was placed: the call waits (see above).
             InvalidArgument: the input or the output is not JSON.
             RecordTooLarge: the output is larger than a journal record holds;
                 the call's intent is answered with that error. Unless the
@@ -313,6 +336,104 @@ class Journal:
             ReplayMismatch: a different call was recorded at this position.
             Fenced: a successor holds the step.
         """
+        if approval:
+            return await self._tool_with_approval(call, fn)
+        return await self._tool(call, replay, fn)
+
+    async def _tool_with_approval(self, call: ToolCall, fn: ToolFn) -> ToolResult:
+        """:meth:`tool` for a call that needs approval: the approval placed for
+        its digest decides, else it asks and waits (``ApprovalPending``)."""
+        data = encode(call.input, field="input")
+        digest = approvals.call_digest(call.name, data)
+        decision, request_id = await self._approval_for(call.name, data, digest)
+        match decision:
+            case None | approvals.ApprovalRefused():
+                t, position = self._token, self._position
+                key = f"{t.run_id}.{t.step_id}.{t.iteration}.{position}"
+                await self._tool(call, Replay.UNSAFE, fn, digest=digest)
+                raise ApprovalPending(key=key, digest=digest, name=call.name, input=call.input)
+            case approvals.Approved() | approvals.Edited():
+                edited = isinstance(decision, approvals.Edited)
+                runs = replace(call, input=decode(decision.input, field="args"))
+
+                async def approved(run: ToolRun) -> Any:
+                    output = await fn(run)
+                    await seam("approved_tool_returned")  # ran once; its result unstored
+                    return output
+
+                mark = self._mark(decision, request_id, approved=True, edited=edited)
+                return await self._tool(
+                    runs, Replay.UNSAFE, approved, digest=decision.digest, approval=mark
+                )
+            case approvals.Denied(reason=reason):
+
+                async def denied(_run: ToolRun) -> Any:
+                    return approvals.denial_output(reason)  # the tool does not run
+
+                mark = self._mark(decision, request_id, approved=False, edited=False)
+                return await self._tool(call, Replay.UNSAFE, denied, digest=digest, approval=mark)
+            case _:
+                assert_never(decision)
+
+    async def _approval_for(
+        self, name: str, data: bytes, digest: str
+    ) -> tuple[approvals.ApprovalDecision | None, str]:
+        """The decision of the first approval placed for ``digest`` not used yet
+        in this dispatch, and its request id; the approvals queued for the step
+        are placed by the dispatch's first call that needs one (a position of
+        its own, replayed as any placement)."""
+        if self._approvals is None:
+            self._approvals = await self.place_inputs(InputMode.APPROVAL)
+            await seam("after_approval_placed")
+        for placed in self._approvals:
+            act = approvals.act_of(placed.content)
+            if act is None or act.digest != digest or placed.request_id in self._used_approvals:
+                continue
+            edited = approvals.call_digest(name, act.input) if act.input is not None else ""
+            waiting = approvals.WaitingCall(key=act.key, name=name, input=data, digest=digest)
+            decision = approvals.decide_approval(waiting, act, edited_digest=edited)
+            if isinstance(decision, approvals.ApprovalRefused):
+                log.warning("approval %s refused: %s", placed.request_id, decision.message)
+                continue
+            self._used_approvals.add(placed.request_id)
+            return decision, placed.request_id
+        return None, ""
+
+    def _mark(
+        self,
+        decision: approvals.Approved | approvals.Edited | approvals.Denied,
+        request_id: str,
+        *,
+        approved: bool,
+        edited: bool,
+    ) -> jpb.Approval:
+        """The journal's record of ``decision``: who, when, the call and digest seen."""
+        act = next(
+            approvals.act_of(p.content) for p in self._approvals or () if p.request_id == request_id
+        )
+        assert act is not None
+        return jpb.Approval(
+            call=act.key,
+            digest=act.digest,
+            approved=approved,
+            approver=act.approver,
+            reason=act.reason,
+            decided_at=timestamp(act.decided_at),
+            request_id=request_id,
+            edited=edited,
+        )
+
+    async def _tool(
+        self,
+        call: ToolCall,
+        replay: Replay,
+        fn: ToolFn,
+        *,
+        digest: str = "",
+        approval: jpb.Approval | None = None,
+    ) -> ToolResult:
+        """:meth:`tool`; ``digest`` without ``approval``: the call asks for an
+        approval, and its intent is answered ``awaiting_approval``, nothing run."""
         with self._turn() as position:
             t = self._token
             call = replace(call, key=f"{t.run_id}.{t.step_id}.{t.iteration}.{position}")
@@ -327,7 +448,10 @@ class Journal:
                     name=call.name,
                     input=data,
                     replay=jpb.REPLAY_SAFE if replay is Replay.SAFE else jpb.REPLAY_UNSAFE,
+                    digest=digest,
                 )
+                if approval is not None:
+                    request.approval.CopyFrom(approval)
                 if pending is not None and pending.model is not None:
                     request.model.CopyFrom(pending.model)  # one record: response, then intent
                 return self._rpc.begin_tool(request)
@@ -339,6 +463,16 @@ class Journal:
             if not begin.run:
                 return _result(begin.result, replayed=True)
             await seam("after_intent")
+            if digest and approval is None:
+                await seam("after_approval_intent")  # asked; not yet answered awaiting
+                await self._write(
+                    lambda t: self._rpc.finish_tool(
+                        jpb.FinishToolRequest(
+                            token=t, intent_seq=begin.intent_seq, awaiting_approval=True
+                        )
+                    )
+                )
+                return ToolResult(awaiting_approval=True)
             return await self._run(call, begin.intent_seq, fn)
 
     async def _run(self, call: ToolCall, intent_seq: int, fn: ToolFn) -> ToolResult:
@@ -727,4 +861,5 @@ def _result(result: jpb.ToolResult, *, replayed: bool) -> ToolResult:
         interrupted=result.interrupted,
         partial=result.partial,
         replayed=replayed,
+        awaiting_approval=result.awaiting_approval,
     )

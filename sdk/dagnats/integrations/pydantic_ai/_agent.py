@@ -29,8 +29,9 @@ from dagnats.integrations.pydantic_ai._history import (
     load_messages,
     with_user_messages,
 )
-from dagnats.integrations.pydantic_ai._journaled import Journaled
+from dagnats.integrations.pydantic_ai._journaled import Journaled, Resume
 from dagnats.sdk import (
+    ApprovalPending,
     InputMode,
     InputsQueued,
     Journal,
@@ -49,13 +50,18 @@ class _Round:
     messages: list[ModelMessage]
     answered: bool
     output: Any = None
+    waiting: ApprovalPending | None = None  # a tool call waits for approval
+    resume: Resume | None = None  # with waiting: what the next round replays
 
     def state(self) -> dict[str, Any]:
-        return {
+        state = {
             "messages": dump_messages(self.messages),
             "answered": self.answered,
             "output": self.output,
         }
+        if self.resume is not None:
+            state["resume"] = self.resume.dump()
+        return state
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,8 +107,11 @@ class DurableAgent:
         else:  # a tool-round boundary: steering joins the pending request
             loaded = load_messages(state["messages"])
             messages = with_user_messages(loaded, _texts(steer))
-        done = await self._round(j, tc, prompt, messages)
+        resume = Resume.load(state["resume"]) if state and "resume" in state else None
+        done = await self._round(j, tc, prompt, messages, resume)
         await _save(tc, state, loaded, done)
+        if done.waiting is not None:
+            raise done.waiting  # the worker waits for the approval, holding nothing
         if not done.answered:
             await tc.continue_()
         elif self.follow_up_window is None:
@@ -119,9 +128,13 @@ class DurableAgent:
         tc: TaskContext,
         prompt: str | Sequence[UserContent] | None,
         messages: list[ModelMessage] | None,
+        resume: Resume | None = None,
     ) -> _Round:
-        """Run the agent up to its next model request after this one, or its end."""
-        journaled = Journaled(journal=j, declared=self.replay, stream=self.stream)
+        """Run the agent up to its next model request after this one, or its end;
+        or until a tool call waits for approval (``resume`` replays such a
+        round's response and reuses its results)."""
+        resume = resume or Resume()
+        journaled = Journaled(journal=j, declared=self.replay, stream=self.stream, resume=resume)
         deps = self.deps(tc) if self.deps is not None else None
         # Journaled calls are matched by position: tool calls one at a time.
         with AbstractAgent.parallel_tool_call_execution_mode("sequential"):
@@ -137,7 +150,20 @@ class DurableAgent:
                                 messages=[*run.all_messages(), node.request], answered=False
                             )
                         asked = True
-                    node = await run.next(node)
+                    try:
+                        node = await run.next(node)
+                    except BaseException as err:
+                        waiting = _approval_in(err)
+                        if waiting is None:
+                            raise
+                        # The history up to the request the response answered:
+                        # the next round sends it again and replays the response.
+                        before = [m for m in run.all_messages() if m.kind == "request"][-1]
+                        history = run.all_messages()
+                        cut = len(history) - history[::-1].index(before)
+                        return _Round(
+                            messages=history[:cut], answered=False, waiting=waiting, resume=resume
+                        )
                 output = to_jsonable_python(node.data.output)
                 return _Round(messages=run.all_messages(), answered=True, output=output)
 
@@ -189,9 +215,11 @@ def durable_agent(
 async def _save(tc: TaskContext, state: Any, loaded: list[ModelMessage], done: _Round) -> None:
     """Save the round's history: as the messages it appended to the stored
     history (the state chain stores only those), or whole when the round
-    changed a stored message (steering joins the pending request)."""
+    changed a stored message (steering joins the pending request) or an
+    approval's resume point is set or cleared."""
     stored = len(loaded)
-    if state is not None and _extends(done.messages, loaded, state["messages"]):
+    resumes = done.resume is not None or (state is not None and "resume" in state)
+    if state is not None and not resumes and _extends(done.messages, loaded, state["messages"]):
         await tc.append_state(
             "messages",
             dump_messages(done.messages[stored:]),
@@ -210,6 +238,15 @@ def _extends(messages: list[ModelMessage], loaded: list[ModelMessage], dumped: l
     if any(a is not b for a, b in zip(messages, loaded[:-1], strict=False)):
         return False
     return bool(dump_messages([messages[len(loaded) - 1]]) == dumped[-1:])
+
+
+def _approval_in(err: BaseException) -> ApprovalPending | None:
+    """The approval a tool call waits for, raised alone or in a group."""
+    if isinstance(err, ApprovalPending):
+        return err
+    if isinstance(err, BaseExceptionGroup):
+        return next((e for e in _leaves(err) if isinstance(e, ApprovalPending)), None)
+    return None
 
 
 def _texts(placed: Sequence[PlacedInput]) -> list[str]:

@@ -20,17 +20,32 @@ Invariants:
   did. A tool's own error is recorded as its error and reaches the model as a
   failed tool result (``ToolFailed``); so does an interrupted call, with the
   output it reported.
+- A tool that needs approval (``requires_approval=True``, or one that raises
+  ``ApprovalRequired`` while the call is not approved) is the journal's call
+  with ``approval=True``: it asks, and the round stops with
+  ``ApprovalPending``; the round's :class:`Resume` keeps the model's response
+  and the results its calls already had, so the iteration the approval wakes
+  replays the response (no model request) and runs none of those calls again.
+  An approved call runs with ``ctx.tool_call_approved``; a denial reaches the
+  model as the tool's return, ``{"denied": true, "reason": ...}``.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import AsyncIterator, Mapping
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic_ai import ModelMessagesTypeAdapter, ModelRetry, RunContext, ToolFailed
+from pydantic_ai import (
+    ApprovalRequired,
+    ModelMessagesTypeAdapter,
+    ModelRetry,
+    RunContext,
+    ToolFailed,
+)
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import (
     ModelMessage,
@@ -116,16 +131,43 @@ def replay_of(tool: ToolsetTool[Any], declared: Mapping[str, Replay]) -> Replay:
     )
 
 
+@dataclass
+class Resume:
+    """What a round stopped for an approval hands to the iteration the
+    approval wakes: the model's response that asked (JSON, replayed instead
+    of a request), and the results its calls had already, by tool call id
+    (the journal's output of each, reused without running the tool)."""
+
+    response: Any = None  # JSON, or the ModelResponse itself until dumped
+    results: dict[str, Any] = field(default_factory=dict)
+
+    def dump(self) -> dict[str, Any]:
+        response = self.response
+        if isinstance(response, ModelResponse):
+            response = dump_response(response)
+        return {"response": response, "results": self.results}
+
+    @classmethod
+    def load(cls, data: Any) -> Resume:
+        return cls(response=data["response"], results=dict(data["results"]))
+
+
 class JournaledModel(WrapperModel):
     """A model whose every request is the journal's model call at the next
     position: a response recorded by an earlier holder is returned without a
     request. With ``stream``, the request streams and its text deltas go to
-    the step's live stream while it runs."""
+    the step's live stream while it runs. ``resume``: the first request
+    answers with its response (the round a tool's approval stopped, replayed);
+    every response is kept there, as the one the round would resume."""
 
-    def __init__(self, wrapped: Model, journal: Journal, *, stream: bool) -> None:
+    def __init__(
+        self, wrapped: Model, journal: Journal, *, stream: bool, resume: Resume | None = None
+    ) -> None:
         super().__init__(wrapped)
         self._journal = journal
         self._stream = stream
+        self._resume = resume if resume is not None else Resume()
+        self._replay = self._resume.response
 
     async def request(
         self,
@@ -133,6 +175,25 @@ class JournaledModel(WrapperModel):
         model_settings: ModelSettings | None,
         model_request_parameters: ModelRequestParameters,
     ) -> ModelResponse:
+        response = await self._request(messages, model_settings, model_request_parameters)
+        if self._resume.response is None or self._replay is None:
+            self._resume.response, self._resume.results = response, {}
+        self._replay = None
+        return response
+
+    async def _request(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+    ) -> ModelResponse:
+        if self._replay is not None:
+            saved = self._replay
+
+            async def again() -> Any:
+                return saved  # the response that asked for an approval, replayed
+
+            return load_response(await self._journal.model(again))
         if not self._stream:
 
             async def ask() -> Any:
@@ -184,23 +245,77 @@ class JournaledToolset(WrapperToolset[Any]):
 
     journal: Journal = field(kw_only=True)
     declared: Mapping[str, Replay] = field(kw_only=True)
+    resume: Resume = field(kw_only=True, default_factory=Resume)
+    _approved: set[str] = field(init=False, default_factory=set)
+
+    async def get_tools(self, ctx: RunContext[Any]) -> dict[str, ToolsetTool[Any]]:
+        """The tools, those that need approval (``requires_approval``) turned
+        into calls the journal asks approval for, rather than pydantic-ai's
+        deferred calls."""
+        tools = await super().get_tools(ctx)
+        for name, tool in tools.items():
+            if tool.tool_def.kind == "unapproved":
+                self._approved.add(name)
+                tools[name] = dataclasses.replace(
+                    tool, tool_def=dataclasses.replace(tool.tool_def, kind="function")
+                )
+        return tools
 
     async def call_tool(
         self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
     ) -> Any:
+        carried = self.resume.results.get(ctx.tool_call_id or "")
+        if carried is not None:  # ran before the round stopped for an approval
+            return _answer(name, ToolResult(**carried))
+        call = ToolCall(name=name, input=to_jsonable_python(tool_args))
+        if name in self._approved:
+            result = await self._with_approval(call, ctx, tool, tool_args)
+        else:
+            replay = replay_of(tool, self.declared)
+            result = await self.journal.tool(call, replay, self._run(ctx, tool, tool_args))
+            if result.output == {"approval_required": True}:
+                result = await self._with_approval(call, ctx, tool, tool_args)
+        if ctx.tool_call_id:
+            self.resume.results[ctx.tool_call_id] = {
+                "output": result.output,
+                "error": result.error,
+                "interrupted": result.interrupted,
+                "partial": result.partial,
+            }
+        return _answer(name, result)
+
+    async def _with_approval(
+        self,
+        call: ToolCall,
+        ctx: RunContext[Any],
+        tool: ToolsetTool[Any],
+        tool_args: dict[str, Any],
+    ) -> ToolResult:
+        approved = dataclasses.replace(ctx, tool_call_approved=True)
+        run = self._run(approved, tool, tool_args)
+        return await self.journal.tool(call, Replay.UNSAFE, run, approval=True)
+
+    def _run(
+        self, ctx: RunContext[Any], tool: ToolsetTool[Any], tool_args: dict[str, Any]
+    ) -> Callable[[ToolRun], Awaitable[Any]]:
+        name = tool.tool_def.name
+
         async def run(journaled: ToolRun) -> Any:
+            args = tool_args
+            if journaled.call.input != to_jsonable_python(tool_args):  # the approver's edit
+                args = tool.args_validator.validate_python(journaled.call.input)
             token = _tool_run.set(journaled)
             try:
-                value = await self.wrapped.call_tool(name, tool_args, ctx, tool)
+                value = await self.wrapped.call_tool(name, args, ctx, tool)
             except ModelRetry as retry:
                 return {"retry": retry.message}
+            except ApprovalRequired:
+                return {"approval_required": True}  # asked for below, as its own call
             finally:
                 _tool_run.reset(token)
             return {"return": to_jsonable_python(value)}
 
-        call = ToolCall(name=name, input=to_jsonable_python(tool_args))
-        result = await self.journal.tool(call, replay_of(tool, self.declared), run)
-        return _answer(name, result)
+        return run
 
 
 def _answer(name: str, result: ToolResult) -> Any:
@@ -219,6 +334,8 @@ def _answer(name: str, result: ToolResult) -> Any:
             raise ModelRetry(message)
         case {"return": value}:
             return value
+        case {"denied": True, "reason": str()} as denial:
+            return denial  # the approver's denial, for the model to read
     raise TypeError(f"the journal's record of {name} is not a pydantic-ai tool result")
 
 
@@ -229,9 +346,12 @@ class Journaled(AbstractCapability[Any]):
     journal: Journal
     declared: Mapping[str, Replay]
     stream: bool = False
+    resume: Resume = field(default_factory=Resume)
 
     def get_wrapper_model(self, model: Model) -> Model | None:
-        return JournaledModel(model, self.journal, stream=self.stream)
+        return JournaledModel(model, self.journal, stream=self.stream, resume=self.resume)
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
-        return JournaledToolset(toolset, journal=self.journal, declared=self.declared)
+        return JournaledToolset(
+            toolset, journal=self.journal, declared=self.declared, resume=self.resume
+        )

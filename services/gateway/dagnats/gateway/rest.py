@@ -29,7 +29,7 @@ from dagnats.core.ids import (
 )
 from dagnats.core.payload import encode
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.gateway import journal_stream, live_stream, run_watch, runs_stream
+from dagnats.gateway import approvals, journal_stream, live_stream, run_watch, runs_stream
 from dagnats.gateway.auth import api_auth
 from dagnats.gateway.backend import BackendDep
 from dagnats.inputs.rules import MAX_WAIT
@@ -84,6 +84,30 @@ class SubmitInput(_Body):
     )
     mode: Literal["steer", "follow_up"] = "steer"
     content: Any = Field(description="any JSON value")
+
+
+class DecideApproval(_Body):
+    call: str = Field(
+        min_length=1,
+        max_length=512,
+        description="the waiting call's key: run.step.iteration.position",
+    )
+    digest: str = Field(
+        min_length=1, max_length=128, description="the digest of the call the approver saw"
+    )
+    decision: Literal["approve", "deny"]
+    reason: str = Field(default="", max_length=4096, description="a denial's reaches the model")
+    approver: str = Field(default="", max_length=256, description="who decides, as recorded")
+    args: Any = Field(
+        default=None,
+        description="edited arguments to run instead (approve only): a new digest, "
+        "approved by this act",
+    )
+    request_id: str = Field(
+        default="",
+        max_length=256,
+        description="the caller's id; a repeat returns the original (default: one per act)",
+    )
 
 
 def _run_id(run_id: str) -> str:
@@ -299,6 +323,52 @@ async def submit_input(
         run_id, step_id, body.request_id, body.content, mode=_MODES[body.mode]
     )
     return JSONResponse(input_dict(item), status_code=201 if created else 200)
+
+
+@router.get(
+    "/runs/{run_id}/steps/{step_id}/approvals",
+    tags=["approvals"],
+    summary="List the tool calls waiting for approval, with their arguments",
+)
+async def list_approvals(b: BackendDep, run_id: ValidRun, step_id: ValidStep) -> dict[str, Any]:
+    await _require_step(b, run_id, step_id)
+    return {"approvals": await approvals.waiting(b.journal, run_id, step_id)}
+
+
+@router.post(
+    "/runs/{run_id}/steps/{step_id}/approvals",
+    tags=["approvals"],
+    summary="Approve or deny a tool call waiting for approval",
+    description=(
+        "The approval is bound to the call's arguments: `digest` must be the digest of "
+        "the waiting call (as listed), else the answer is 409 with the reason and nothing "
+        "changes. `args` approves edited arguments instead. The decision reaches the step "
+        "as an input of mode `approval` and is recorded in its journal when the call runs."
+    ),
+    status_code=201,
+    responses={200: {"description": "a repeat of the request_id; the original is returned"}},
+)
+async def decide_approval(
+    b: BackendDep, run_id: ValidRun, step_id: ValidStep, body: DecideApproval
+) -> JSONResponse:
+    act = approvals.act(
+        run_id,
+        step_id,
+        call=body.call,
+        digest=body.digest,
+        approve=body.decision == "approve",
+        approver=body.approver,
+        reason=body.reason,
+        args=body.args,
+        edited="args" in body.model_fields_set and body.args is not None,
+    )
+    if body.request_id:
+        check_request_id(body.request_id)
+    await _require_step(b, run_id, step_id)
+    decided = await approvals.decide(
+        b.client, b.journal, run_id, step_id, act, request_id=body.request_id
+    )
+    return JSONResponse(decided.to_dict(), status_code=201 if decided.created else 200)
 
 
 @router.get("/runs/{run_id}/steps/{step_id}/inputs", tags=["inputs"], summary="List inputs")

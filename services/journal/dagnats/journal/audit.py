@@ -35,6 +35,13 @@ Invariants, named by the rule a violation reports:
 * ``orphan_result``: every tool result answers (``intent_seq``) a tool intent.
 * ``input_placed_twice``: no input is placed twice (copies carried into a
   retry attempt excepted).
+* ``approval``: every call that ran under an approval ran with the approved
+  arguments: its digest is the digest of its name and input; the approval
+  names the digest of a call that asked for approval before it (the one the
+  approver saw), and that digest is the intent's own unless the approver
+  edited the arguments. A call that asked for approval never ran: its results
+  are ``awaiting_approval`` (or ``interrupted``, a crash before that was
+  stored), and an ``awaiting_approval`` result answers only such a call.
 * ``iteration_count``: the engine's iteration count of the step equals the
   number of continue commits. When the step is still running or was
   cancelled, the newest commit may be a continue whose event the engine has
@@ -69,6 +76,8 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, 
 from dataclasses import dataclass
 from typing import Literal, TypeVar, assert_never
 
+from dagnats.core.approvals import call_digest
+from dagnats.core.errors import InvalidArgument
 from dagnats.core.statechain import ChainBroken, Rebuilt, StoredDelta, rebuild
 from dagnats.journal.model import (
     Action,
@@ -91,6 +100,7 @@ Rule = Literal[
     "double_result",
     "orphan_result",
     "input_placed_twice",
+    "approval",
     "iteration_count",
     "outcome",
     "state_chain",
@@ -173,6 +183,7 @@ def check_step(
         *_answers(records),
         *_placements(records),
         *_state_chain(records),
+        *_approvals(records),
     ]
     if engine_iterations is not None:
         after = engine_iterations if engine_iterations_after is None else engine_iterations_after
@@ -578,6 +589,68 @@ def _placements(records: Sequence[AnyEntry]) -> list[tuple[int, Rule, str]]:
         else:
             first[r.request_id] = r.seq
     return found
+
+
+def _approvals(records: Sequence[AnyEntry]) -> Iterator[_Found]:
+    asked: list[IntentEntry] = []
+    intents = {r.seq: r for r in records if isinstance(r, IntentEntry)}
+    for r in records:
+        if isinstance(r, IntentEntry) and r.digest:
+            yield from _approved_arguments(r, asked)
+            if r.asks_approval:
+                asked.append(r)
+        elif isinstance(r, ResultEntry):
+            intent = intents.get(r.intent_seq)
+            if intent is None:
+                continue  # an orphan_result
+            if intent.asks_approval and not (r.awaiting_approval or r.interrupted):
+                yield (
+                    r.seq,
+                    "approval",
+                    f"tool {intent.name!r} at seq {intent.seq} asked for approval, but the "
+                    f"result at seq {r.seq} says it ran",
+                )
+            if r.awaiting_approval and not intent.asks_approval:
+                yield (
+                    r.seq,
+                    "approval",
+                    f"the result at seq {r.seq} awaits approval, but the intent at seq "
+                    f"{intent.seq} did not ask for one",
+                )
+
+
+def _approved_arguments(intent: IntentEntry, asked: Sequence[IntentEntry]) -> Iterator[_Found]:
+    """The finding on one intent with a digest, if any: it binds its
+    arguments, and one under an approval ran with what the approver approved."""
+    try:
+        digest = call_digest(intent.name, intent.input)
+    except InvalidArgument:
+        digest = "(input is not JSON)"
+    if digest != intent.digest:
+        yield (
+            intent.seq,
+            "approval",
+            f"tool intent {intent.name!r} at seq {intent.seq} has digest {intent.digest}, "
+            f"but its name and input digest to {digest}",
+        )
+        return  # one finding per record and rule
+    approval = intent.approval
+    if approval is None:
+        return
+    if not any(a.digest == approval.digest for a in asked):
+        yield (
+            intent.seq,
+            "approval",
+            f"tool intent {intent.name!r} at seq {intent.seq} runs under an approval of "
+            f"digest {approval.digest}, which no call asked for before it",
+        )
+    elif not approval.edited and approval.digest != intent.digest:
+        yield (
+            intent.seq,
+            "approval",
+            f"tool intent {intent.name!r} at seq {intent.seq} ran with digest {intent.digest}, "
+            f"but the approval was given for {approval.digest}",
+        )
 
 
 def _kind(r: AnyEntry) -> str:

@@ -64,7 +64,21 @@ def _result_fields(r: pb.ToolResult) -> dict[str, Any]:
         "error": r.error,
         "interrupted": r.interrupted,
         "partial": r.partial,
+        "awaiting_approval": r.awaiting_approval,
     }
+
+
+def approval_mark(a: pb.Approval) -> jm.ApprovalMark:
+    return jm.ApprovalMark(
+        call=a.call,
+        digest=a.digest,
+        approved=a.approved,
+        approver=a.approver,
+        reason=a.reason,
+        decided_at=a.decided_at.ToNanoseconds() / 1e9,
+        request_id=a.request_id,
+        edited=a.edited,
+    )
 
 
 def entry(record: pb.Record) -> jm.AnyEntry:
@@ -87,6 +101,8 @@ def entry(record: pb.Record) -> jm.AnyEntry:
             input=i.input,
             safe=i.replay == pb.REPLAY_SAFE,
             honours_seq=i.honours_seq,
+            digest=i.digest,
+            approval=approval_mark(i.approval) if i.HasField("approval") else None,
         )
     if kind == "tool_output":
         o = record.tool_output
@@ -134,6 +150,7 @@ def result_to_proto(result: jm.ResultEntry) -> pb.ToolResult:
         error=result.error,
         interrupted=result.interrupted,
         partial=result.partial,
+        awaiting_approval=result.awaiting_approval,
     )
 
 

@@ -61,12 +61,37 @@ class ModelEntry(Entry):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ApprovalMark:
+    """An approver's decision carried by the intent it lets run (or denies):
+    the waiting call they named (``call``), the digest they saw, who, when."""
+
+    call: str
+    digest: str
+    approved: bool
+    approver: str = ""
+    reason: str = ""
+    decided_at: float = 0.0
+    request_id: str = ""
+    edited: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class IntentEntry(Entry):
+    """A tool intent. ``digest``: of a tool that needs approval (its name and
+    input); ``approval``: the decision it runs under, None while it asks."""
+
     position: int
     name: str
     input: bytes
     safe: bool
     honours_seq: int = 0
+    digest: str = ""
+    approval: ApprovalMark | None = None
+
+    @property
+    def asks_approval(self) -> bool:
+        """Whether this intent asks for an approval and waits (it runs nothing)."""
+        return bool(self.digest) and self.approval is None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,6 +107,7 @@ class ResultEntry(Entry):
     error: str = ""
     interrupted: bool = False
     partial: str = ""
+    awaiting_approval: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,3 +168,18 @@ class ToolCall:
     name: str
     input: bytes
     safe: bool
+    digest: str = ""
+    approval_id: str = ""
+    """The request id of the approval the call runs under; empty for a call
+    that asks for one, or needs none."""
+
+    def same_as(self, intent: IntentEntry) -> bool:
+        """Whether ``intent`` records this call: the same tool and input, and
+        the same approval (a call that asks for one, a call under one)."""
+        approval_id = intent.approval.request_id if intent.approval is not None else ""
+        return (intent.name, intent.input, intent.digest, approval_id) == (
+            self.name,
+            self.input,
+            self.digest,
+            self.approval_id,
+        )

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, assert_never
 
 from dagnats.core import errors, statechain
+from dagnats.core.approvals import call_digest, is_digest
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
 from dagnats.core.ids import check_lease, check_run_id, check_token, check_worker_id
 from dagnats.core.payload import check_json
@@ -446,9 +447,14 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if not request.name or len(request.name) > 256:
             raise errors.InvalidArgument("name must be 1-256 characters", field="name")
         check_json(request.input, field="input", allow_empty=False)
+        _check_approval(token, request)
         model = _leading_model(request)
         call = jm.ToolCall(
-            name=request.name, input=request.input, safe=request.replay == pb.REPLAY_SAFE
+            name=request.name,
+            input=request.input,
+            safe=request.replay == pb.REPLAY_SAFE,
+            digest=request.digest,
+            approval_id=request.approval.request_id if request.HasField("approval") else "",
         )
         entries = await self._writer.snapshot(token)
         decision = replay.decide_tool(
@@ -551,7 +557,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         token = check_writer_token(request.token)
         check_position(request.position)
         if request.mode not in MODES:
-            raise errors.InvalidArgument("mode must be 1 (steer) or 2 (follow-up)", field="mode")
+            raise errors.InvalidArgument(
+                "mode must be 1 (steer), 2 (follow-up) or 50 (approval)", field="mode"
+            )
         if self._placement is None:
             raise errors.Unavailable("this journal service has no inputs store")
         return await self._placement.place(token, request)
@@ -884,14 +892,44 @@ def _keepable(commit: pb.Commit) -> bool:
 
 
 def _intent(request: pb.BeginToolRequest) -> pb.Record:
-    return pb.Record(
-        tool_intent=pb.ToolIntent(
-            position=request.position,
-            name=request.name,
-            input=request.input,
-            replay=request.replay or pb.REPLAY_UNSAFE,
-        )
+    intent = pb.ToolIntent(
+        position=request.position,
+        name=request.name,
+        input=request.input,
+        replay=request.replay or pb.REPLAY_UNSAFE,
+        digest=request.digest,
     )
+    if request.HasField("approval"):
+        intent.approval.CopyFrom(request.approval)
+    return pb.Record(tool_intent=intent)
+
+
+def _check_approval(token: pb.WriterToken, request: pb.BeginToolRequest) -> None:
+    """Refuse a tool call whose approval fields do not bind its arguments: a
+    digest other than its name's and input's, an approval without a digest,
+    or an approval of another step's call or of a digest the call does not
+    have (unless the approver edited the arguments)."""
+    if request.digest and request.digest != call_digest(request.name, request.input):
+        raise errors.InvalidArgument(
+            f"digest {request.digest} is not the digest of tool {request.name!r} with this input",
+            field="digest",
+        )
+    if not request.HasField("approval"):
+        return
+    approval = request.approval
+    if not request.digest:
+        raise errors.InvalidArgument("an approved call needs its digest", field="digest")
+    if not approval.call.startswith(f"{token.run_id}.{token.step_id}."):
+        raise errors.InvalidArgument(
+            f"approval.call {approval.call!r} is not a call of this step", field="approval.call"
+        )
+    if not is_digest(approval.digest):
+        raise errors.InvalidArgument("approval.digest is not a digest", field="approval.digest")
+    if not approval.edited and approval.digest != request.digest:
+        raise errors.InvalidArgument(
+            f"the approval is for digest {approval.digest}, not this call's {request.digest}",
+            field="approval.digest",
+        )
 
 
 def _leading_model(request: pb.BeginToolRequest) -> pb.ModelCall | None:
@@ -920,6 +958,8 @@ def _tool_result(
     """The result to store for a finished call (FinishTool's, or one that rides
     a commit); ``field`` prefixes the names in errors."""
     _check_intent_seq(token, request.intent_seq, field + "intent_seq")
+    if request.awaiting_approval:
+        return pb.ToolResult(intent_seq=request.intent_seq, awaiting_approval=True)
     if request.interrupted:
         partial = replay.cut_partial(request.partial)
         return pb.ToolResult(intent_seq=request.intent_seq, interrupted=True, partial=partial)

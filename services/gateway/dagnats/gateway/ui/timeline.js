@@ -108,6 +108,17 @@ export class Timeline {
     return [
       h("p", {}, "Tool ", h("strong", { class: "tool-name" }, t.name), ` (call position ${t.position}) `, badge(replay, replay), " ", h("span", { class: "tool-state" }, badge("running", "running"))),
       t.honours_seq ? h("p", { class: "hint" }, `Honours intent #${t.honours_seq} of an earlier attempt: it is not run again.`) : null,
+      t.digest && !t.approval ? h("p", { class: "hint approval-asked" }, "Needs approval of digest ", h("code", {}, t.digest)) : null,
+      t.approval
+        ? h(
+            "p",
+            { class: "hint approval-given" },
+            badge(t.approval.approved ? "approved" : "denied", t.approval.approved ? "completed" : "failed"),
+            ` by ${t.approval.approver || "someone"} for call ${t.approval.call}`,
+            t.approval.edited ? " with edited arguments" : "",
+            t.approval.reason ? `: ${t.approval.reason}` : "",
+          )
+        : null,
       jsonBlock(t.input, "input"),
       h("div", { class: "so-far", hidden: true }, h("p", { class: "hint" }, "Output so far:"), h("pre", { class: "partial" })),
     ];
@@ -133,7 +144,10 @@ export class Timeline {
     const name = intent ? intent.name : "tool";
     let state;
     let body;
-    if (r.interrupted) {
+    if (r.awaiting_approval) {
+      state = badge("awaiting approval", "waiting");
+      body = [h("p", {}, `${name} (#${r.intent_seq}) waits for approval; it did not run.`)];
+    } else if (r.interrupted) {
       state = badge("interrupted", "interrupted");
       body = [
         h("p", {}, badge("interrupted", "interrupted"), ` ${name} (#${r.intent_seq}) was started by a holder that did not finish it; it is not run again.`),

@@ -166,6 +166,8 @@ class ToolIntent(_message.Message):
     INPUT_FIELD_NUMBER: _builtins.int
     REPLAY_FIELD_NUMBER: _builtins.int
     HONOURS_SEQ_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    APPROVAL_FIELD_NUMBER: _builtins.int
     position: _builtins.int
     """Position of the call in the attempt."""
     name: _builtins.str
@@ -176,6 +178,17 @@ class ToolIntent(_message.Message):
     """Declared replay safety."""
     honours_seq: _builtins.int
     """Sequence of an earlier attempt's intent this call honours instead of running."""
+    digest: _builtins.str
+    """The digest of name and input ("sha256:" and the hex sha256 of the
+    canonical JSON of {"name": name, "input": input}) of a tool that needs
+    approval; empty for any other tool.
+    """
+    @_builtins.property
+    def approval(self) -> Global___Approval:
+        """The approval this call runs (or is denied) under. Unset with a digest:
+        the call asks for approval and waits (its result says awaiting_approval).
+        """
+
     def __init__(
         self,
         *,
@@ -184,14 +197,73 @@ class ToolIntent(_message.Message):
         input: _builtins.bytes = ...,
         replay: Global___Replay.ValueType = ...,
         honours_seq: _builtins.int = ...,
+        digest: _builtins.str = ...,
+        approval: Global___Approval | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["honours_seq", b"honours_seq", "input", b"input", "name", b"name", "position", b"position", "replay", b"replay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "digest", b"digest", "honours_seq", b"honours_seq", "input", b"input", "name", b"name", "position", b"position", "replay", b"replay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ToolIntent: _TypeAlias = ToolIntent  # noqa: Y015
+
+@_typing.final
+class Approval(_message.Message):
+    """Approval is one approver's decision on a tool call that waited for approval:
+    who, when, and which call and digest they saw. An intent carrying it is the
+    call the decision lets run (or denies): its digest is the approved one.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    APPROVED_FIELD_NUMBER: _builtins.int
+    APPROVER_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    DECIDED_AT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EDITED_FIELD_NUMBER: _builtins.int
+    call: _builtins.str
+    """Idempotency key of the waiting call the approver named."""
+    digest: _builtins.str
+    """The digest the approver saw: the waiting call's."""
+    approved: _builtins.bool
+    """True: approved; false: denied."""
+    approver: _builtins.str
+    """Who decided, as the edge that took the approval authenticated them."""
+    reason: _builtins.str
+    """The approver's reason (a denial's reaches the model)."""
+    request_id: _builtins.str
+    """Request id of the approval input that carried the decision."""
+    edited: _builtins.bool
+    """True when the approver edited the arguments: the intent's input is theirs,
+    and its digest is a new one, approved by this act.
+    """
+    @_builtins.property
+    def decided_at(self) -> _timestamp_pb2.Timestamp:
+        """When the approval was submitted."""
+
+    def __init__(
+        self,
+        *,
+        call: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        approved: _builtins.bool = ...,
+        approver: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        decided_at: _timestamp_pb2.Timestamp | None = ...,
+        request_id: _builtins.str = ...,
+        edited: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decided_at", b"decided_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approved", b"approved", "approver", b"approver", "call", b"call", "decided_at", b"decided_at", "digest", b"digest", "edited", b"edited", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Approval: _TypeAlias = Approval  # noqa: Y015
 
 @_typing.final
 class ToolOutput(_message.Message):
@@ -230,6 +302,7 @@ class ToolResult(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     INTERRUPTED_FIELD_NUMBER: _builtins.int
     PARTIAL_FIELD_NUMBER: _builtins.int
+    AWAITING_APPROVAL_FIELD_NUMBER: _builtins.int
     intent_seq: _builtins.int
     """Sequence of the intent it answers."""
     output: _builtins.bytes
@@ -240,6 +313,10 @@ class ToolResult(_message.Message):
     """True when the tool was started by a holder that did not finish it."""
     partial: _builtins.str
     """Partial output that holder wrote."""
+    awaiting_approval: _builtins.bool
+    """True when the intent asks for approval and the call waits for it: the
+    tool did not run.
+    """
     def __init__(
         self,
         *,
@@ -248,10 +325,11 @@ class ToolResult(_message.Message):
         error: _builtins.str = ...,
         interrupted: _builtins.bool = ...,
         partial: _builtins.str = ...,
+        awaiting_approval: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_approval", b"awaiting_approval", "error", b"error", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -417,7 +495,7 @@ class InputPlaced(_message.Message):
     request_id: _builtins.str
     """The caller's request id."""
     mode: _builtins.int
-    """1 steer, 2 follow-up (dagnats.inputs.v1.Mode)."""
+    """1 steer, 2 follow-up, 50 approval (dagnats.inputs.v1.Mode)."""
     content: _builtins.bytes
     """Content (JSON)."""
     carried: _builtins.bool
@@ -1024,6 +1102,8 @@ class BeginToolRequest(_message.Message):
     INPUT_FIELD_NUMBER: _builtins.int
     REPLAY_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    APPROVAL_FIELD_NUMBER: _builtins.int
     position: _builtins.int
     """Position of the call."""
     name: _builtins.str
@@ -1032,6 +1112,10 @@ class BeginToolRequest(_message.Message):
     """Tool input (JSON)."""
     replay: Global___Replay.ValueType
     """Declared replay safety."""
+    digest: _builtins.str
+    """The digest of name and input, for a tool that needs approval (see
+    ToolIntent.digest); the journal refuses a digest that does not match.
+    """
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """The writer."""
@@ -1044,6 +1128,10 @@ class BeginToolRequest(_message.Message):
         neither; make the two calls apart then.
         """
 
+    @_builtins.property
+    def approval(self) -> Global___Approval:
+        """The approval the call runs (or is denied) under; unset to ask for one."""
+
     def __init__(
         self,
         *,
@@ -1053,10 +1141,12 @@ class BeginToolRequest(_message.Message):
         input: _builtins.bytes = ...,
         replay: Global___Replay.ValueType = ...,
         model: Global___ModelCall | None = ...,
+        digest: _builtins.str = ...,
+        approval: Global___Approval | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "token", b"token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "model", b"model", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "model", b"model", "name", b"name", "position", b"position", "replay", b"replay", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "digest", b"digest", "input", b"input", "model", b"model", "name", b"name", "position", b"position", "replay", b"replay", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1177,6 +1267,7 @@ class FinishToolRequest(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     INTERRUPTED_FIELD_NUMBER: _builtins.int
     PARTIAL_FIELD_NUMBER: _builtins.int
+    AWAITING_APPROVAL_FIELD_NUMBER: _builtins.int
     intent_seq: _builtins.int
     """Intent it answers."""
     output: _builtins.bytes
@@ -1189,6 +1280,8 @@ class FinishToolRequest(_message.Message):
     """
     partial: _builtins.str
     """With interrupted: the partial output the tool had reported."""
+    awaiting_approval: _builtins.bool
+    """True: the intent asks for approval and waits for it; nothing ran."""
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """The writer."""
@@ -1202,10 +1295,11 @@ class FinishToolRequest(_message.Message):
         error: _builtins.str = ...,
         interrupted: _builtins.bool = ...,
         partial: _builtins.str = ...,
+        awaiting_approval: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_approval", b"awaiting_approval", "error", b"error", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1247,7 +1341,7 @@ class PlaceInputsRequest(_message.Message):
     position: _builtins.int
     """Position of the call."""
     mode: _builtins.int
-    """1 steer, 2 follow-up (dagnats.inputs.v1.Mode)."""
+    """1 steer, 2 follow-up, 50 approval (dagnats.inputs.v1.Mode)."""
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """The writer."""
