@@ -103,8 +103,9 @@ async def test_a_step_with_records_near_the_limit_is_claimed_by_a_default_client
     client: Client, engine: EngineServer
 ) -> None:
     """Four records and a state of almost the maximum each: more than 4 MiB
-    in all. A default client claims the next attempt, gets the state, the records
-    that fit and a cursor for the rest, and resumes: a recorded response is reused."""
+    in all. A default client claims the next attempt, gets the records that fit
+    and a cursor for the rest, reads the state that follows the answer, and
+    resumes: a recorded response is reused."""
     run_id = await _open_step(client)
     near = MAX_RECORD_BYTES - 4096
     async with grpc.aio.insecure_channel(engine.target) as channel:  # default options
@@ -130,7 +131,13 @@ async def test_a_step_with_records_near_the_limit_is_claimed_by_a_default_client
         answer = await stub.Claim(claim2)
         assert answer.ByteSize() < 4 * 1024 * 1024
         claimed = answer.claimed
-        assert claimed.has_state and claimed.state == state
+        # A state this large does not ride the claim's answer: the answer
+        # says it follows, and the client reads it in chunks with ReadState.
+        assert claimed.has_state and claimed.state_follows and not claimed.state
+        read = jpb.ReadStateRequest(run_id=run_id, step_id="agent")
+        chunks = [chunk async for chunk in stub.ReadState(read)]
+        assert all(c.ByteSize() < 4 * 1024 * 1024 for c in chunks)
+        assert b"".join(c.chunk for c in chunks) == state
         assert claimed.more_from_seq, "not every record fitted: the answer names the rest"
         rest = [
             r.record
