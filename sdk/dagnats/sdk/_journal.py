@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
@@ -341,13 +341,110 @@ class Journal:
             await seam("after_intent")
             return await self._run(call, begin.intent_seq, fn)
 
-    async def _run(self, call: ToolCall, intent_seq: int, fn: ToolFn) -> ToolResult:
+    async def tools(self, calls: Sequence[tuple[ToolCall, Replay, ToolFn]]) -> list[ToolResult]:
+        """Run the tool calls of one model response concurrently, durably: a
+        parallel group. Give them in the response's order; they take that
+        many positions, in that order, whatever order they finish in.
+
+        Every call's intent is stored before any call starts (in one record
+        when they fit, with the response that asked for them when that is
+        pending); each call gets its own ``key``; each result is stored as it
+        finishes; the results come back in the order of ``calls``. On a replay
+        each call follows the rules of :meth:`tool` alone: a recorded result
+        is reused, a safe call without one runs again, an unsafe one comes
+        back ``interrupted``; a different group at this position (another
+        count, name or input) is ``ReplayMismatch``.
+
+        A call's exception is its own result: the others still run. A signal
+        (``Fenced``, ``RunCancelled``) or an unrecordable output stops the
+        group: its running calls are cancelled, and it raises that.
+
+        Raises:
+            InvalidArgument: an input or an output is not JSON.
+            RecordTooLarge: an output is larger than a journal record holds.
+            ReplayMismatch: another group, or another call, is recorded here.
+            Fenced: a successor holds the step.
+            RunCancelled: the run was cancelled.
+        """
+        if not calls:
+            return []
+        with self._turn() as first:
+            self._position += len(calls) - 1  # one position per call
+            specs = [
+                jpb.ToolCallSpec(
+                    name=call.name,
+                    input=encode(call.input, field=f"calls[{i}].input"),
+                    replay=jpb.REPLAY_SAFE if replay is Replay.SAFE else jpb.REPLAY_UNSAFE,
+                )
+                for i, (call, replay, _) in enumerate(calls)
+            ]
+
+            def begin_tools(
+                token: jpb.WriterToken, pending: _Pending | None
+            ) -> Awaitable[jpb.BeginToolsResponse]:
+                request = jpb.BeginToolsRequest(token=token, position=first, calls=specs)
+                if pending is not None and pending.model is not None:
+                    request.model.CopyFrom(pending.model)  # one record: response, then intents
+                return self._rpc.begin_tools(request)
+
+            def carries(pending: _Pending) -> bool:  # the response that asked for the group
+                return pending.model is not None and pending.model.position == first - 1
+
+            begun = await self._carrying(begin_tools, carries, self._advance)
+            await seam("after_group_intents")
+            return await self._run_group(calls, begun)
+
+    async def _run_group(
+        self, calls: Sequence[tuple[ToolCall, Replay, ToolFn]], begun: jpb.BeginToolsResponse
+    ) -> list[ToolResult]:
+        """Run the calls ``begun`` says to run, at once; the results in order."""
+        results: list[ToolResult | None] = [None] * len(calls)
+        running: dict[asyncio.Task[ToolResult], int] = {}
+        stop = _GroupStop()
+        for i, ((call, _, fn), answer) in enumerate(zip(calls, begun.calls, strict=True)):
+            if not answer.run:
+                results[i] = _result(answer.result, replayed=True)
+                continue
+            keyed = replace(call, key=answer.key)
+            member = self._run(
+                keyed, answer.intent_seq, fn, intent_index=answer.intent_index, stop=stop
+            )
+            running[asyncio.ensure_future(member)] = i
+        try:
+            pending = set(running)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if (err := task.exception()) is not None:
+                        stop.signal = err
+                        raise err
+                    results[running[task]] = task.result()
+        except BaseException:
+            for task in running:
+                task.cancel()
+            await asyncio.wait(running)  # each answers its intent, if it may
+            raise
+        return [r for r in results if r is not None]
+
+    async def _run(
+        self,
+        call: ToolCall,
+        intent_seq: int,
+        fn: ToolFn,
+        *,
+        intent_index: int = 0,
+        stop: _GroupStop | None = None,
+    ) -> ToolResult:
+        """Run a begun call; ``stop``: it is one of a parallel group, whose
+        result is stored at once (a pending entry is one call's)."""
         reported: list[str] = []
 
         async def report(chunk: str) -> None:
             await self._write(
                 lambda t: self._rpc.tool_output(
-                    jpb.ToolOutputRequest(token=t, intent_seq=intent_seq, chunk=chunk)
+                    jpb.ToolOutputRequest(
+                        token=t, intent_seq=intent_seq, chunk=chunk, intent_index=intent_index
+                    )
                 ),
                 lambda _: reported.append(chunk),  # stored, even if the caller was cancelled
             )
@@ -357,26 +454,30 @@ class Journal:
             output = await fn(ToolRun(call=call, _report=report))
         except Exception as err:  # the tool's own error is part of its result
             error = f"{type(err).__name__}: {err}"
-        except (asyncio.CancelledError, RunCancelled) as stop:
+        except (asyncio.CancelledError, RunCancelled) as halt:
             # Stopped by its run's cancel (heard, or the journal's refusal of
-            # its output), not by a worker that gives up: answer the intent.
-            if self._cancellation.is_set() or isinstance(stop, RunCancelled):
-                await self._interrupted(intent_seq, "".join(reported))
+            # its output or of a call of its group), not by a worker that
+            # gives up: answer the intent.
+            cancelled = stop is not None and isinstance(stop.signal, RunCancelled)
+            if self._cancellation.is_set() or isinstance(halt, RunCancelled) or cancelled:
+                await self._interrupted(intent_seq, "".join(reported), intent_index)
             raise
         else:
             try:
                 data = encode(output, field="output")
             except InvalidArgument as err:
                 error, raised = f"tool output is not JSON: {err.message}", err
-        result = jpb.ToolResult(intent_seq=intent_seq, output=data, error=error)
-        if raised is None and result.ByteSize() <= PENDING_BYTES:
+        result = jpb.ToolResult(
+            intent_seq=intent_seq, output=data, error=error, intent_index=intent_index
+        )
+        if stop is None and raised is None and result.ByteSize() <= PENDING_BYTES:
             await seam("result_pending")  # the tool returned; its intent is unanswered
             self._defer(_Pending(result=result))
         else:
             async with self._sending:
                 await self._store_pending()
                 result = await self._store_result(result, self._advance)
-            await seam("after_result")
+            await seam("after_result" if stop is None else "after_group_result")
         if raised is not None:
             raise raised
         data, error = result.output, result.error
@@ -390,7 +491,12 @@ class Journal:
         def finish(
             r: jpb.ToolResult,
         ) -> Callable[[jpb.WriterToken], Awaitable[jpb.FinishToolResponse]]:
-            request = jpb.FinishToolRequest(intent_seq=r.intent_seq, output=r.output, error=r.error)
+            request = jpb.FinishToolRequest(
+                intent_seq=r.intent_seq,
+                intent_index=r.intent_index,
+                output=r.output,
+                error=r.error,
+            )
 
             def send(t: jpb.WriterToken) -> Awaitable[jpb.FinishToolResponse]:
                 request.token.CopyFrom(t)
@@ -406,13 +512,14 @@ class Journal:
             # rather than run an unsafe tool again), then raise: another
             # delivery or attempt would be refused the same way.
             error = f"tool result not recorded: {err.message}"
-            await self._locked(
-                finish(jpb.ToolResult(intent_seq=result.intent_seq, error=error)), then
+            stored = jpb.ToolResult(
+                intent_seq=result.intent_seq, intent_index=result.intent_index, error=error
             )
+            await self._locked(finish(stored), then)
             raise
         return result
 
-    async def _interrupted(self, intent_seq: int, partial: str) -> None:
+    async def _interrupted(self, intent_seq: int, partial: str, intent_index: int = 0) -> None:
         """Answer the intent of a tool its run's cancellation stopped: the run
         ends with a commit, and nothing answers an intent after that."""
         if self._fenced:
@@ -421,7 +528,11 @@ class Journal:
             await self._write(
                 lambda t: self._rpc.finish_tool(
                     jpb.FinishToolRequest(
-                        token=t, intent_seq=intent_seq, interrupted=True, partial=partial
+                        token=t,
+                        intent_seq=intent_seq,
+                        intent_index=intent_index,
+                        interrupted=True,
+                        partial=partial,
                     )
                 )
             )
@@ -702,6 +813,15 @@ async def _answer(answer: asyncio.Future[R], call: Awaitable[R]) -> None:
     else:
         if not answer.done():
             answer.set_result(result)
+
+
+class _GroupStop:
+    """What stopped a parallel group: the signal one of its calls raised."""
+
+    __slots__ = ("signal",)
+
+    def __init__(self) -> None:
+        self.signal: BaseException | None = None
 
 
 class _Turn:

@@ -32,7 +32,15 @@ Invariants, named by the rule a violation reports:
   be running, and the intents of earlier attempts of its iteration while that
   dispatch is still closing them (it has written only claims and results).
 * ``double_result``: no tool intent has more than one result.
-* ``orphan_result``: every tool result answers (``intent_seq``) a tool intent.
+* ``orphan_result``: every tool result answers (``intent_seq``, and
+  ``intent_index`` in a parallel group's record) a tool intent.
+* ``group_order``: a parallel group's intents are all stored before any of
+  its calls starts: every output and result of a call of the group comes
+  after the last intent record of the group (of its dispatch), and the group
+  holds one intent per position, within its ``group_size`` positions.
+* ``unsafe_started_twice``: an unsafe call starts at most once: no writer but
+  the intent's writes output for it, or answers it with anything but
+  ``interrupted`` (an honoured intent is a new intent, answered by its own writer).
 * ``input_placed_twice``: no input is placed twice (copies carried into a
   retry attempt excepted).
 * ``iteration_count``: the engine's iteration count of the step equals the
@@ -82,6 +90,8 @@ Rule = Literal[
     "unanswered_intent",
     "double_result",
     "orphan_result",
+    "group_order",
+    "unsafe_started_twice",
     "input_placed_twice",
     "iteration_count",
     "outcome",
@@ -162,6 +172,8 @@ def check_step(
         *_fencing(records),
         *_commits(records),
         *_answers(records),
+        *_groups(records),
+        *_unsafe_starts(records),
         *_placements(records),
     ]
     if engine_iterations is not None:
@@ -328,12 +340,13 @@ def _after_commit_message(record: AnyEntry, commit: CommitEntry) -> str:
 
 
 def _answers(records: Sequence[AnyEntry]) -> Iterator[_Found]:
-    by_seq = {r.seq: r for r in records if not r.leading}  # an intent is never leading
-    results = _group([r for r in records if isinstance(r, ResultEntry)], lambda r: r.intent_seq)
+    by_seq = {r.seq: r for r in records if not r.leading}  # what a record is, by its kind
+    intents = {r.ref: r for r in records if isinstance(r, IntentEntry)}
+    results = _group([r for r in records if isinstance(r, ResultEntry)], lambda r: r.intent_ref)
     pending = _may_still_be_answered(records)
     for r in records:
         if isinstance(r, ResultEntry):
-            target = by_seq.get(r.intent_seq)
+            target: AnyEntry | None = intents.get(r.intent_ref) or by_seq.get(r.intent_seq)
             if not isinstance(target, IntentEntry):
                 what = "not in the journal" if target is None else f"a {_kind(target)}"
                 yield (
@@ -343,8 +356,8 @@ def _answers(records: Sequence[AnyEntry]) -> Iterator[_Found]:
                     "not a tool intent",
                 )
         elif isinstance(r, IntentEntry):
-            answers = results.get(r.seq, [])
-            if not answers and r.seq not in pending:
+            answers = results.get(r.ref, [])
+            if not answers and r.ref not in pending:
                 yield (
                     r.seq,
                     "unanswered_intent",
@@ -360,8 +373,9 @@ def _answers(records: Sequence[AnyEntry]) -> Iterator[_Found]:
                 )
 
 
-def _may_still_be_answered(records: Sequence[AnyEntry]) -> set[int]:
-    """Seqs of the intents a running step may still answer (see the docstring)."""
+def _may_still_be_answered(records: Sequence[AnyEntry]) -> set[tuple[int, int]]:
+    """The intents (``IntentEntry.ref``) a running step may still answer (see
+    the docstring)."""
     claims = [r for r in records if isinstance(r, ClaimEntry)]
     if not claims:
         return set()
@@ -378,12 +392,65 @@ def _may_still_be_answered(records: Sequence[AnyEntry]) -> set[int]:
     # stored; a holder that crashed in between leaves them to the next claim.
     closing = all(isinstance(r, ClaimEntry | ResultEntry) for r in records if r.seq > first)
     return {
-        r.seq
+        r.ref
         for r in records
         if isinstance(r, IntentEntry)
         and r.iteration == iteration
         and (r.attempt == attempt or (closing and r.attempt < attempt))
     }
+
+
+def _groups(records: Sequence[AnyEntry]) -> Iterator[_Found]:
+    """``group_order``: a parallel group's intents before any of its calls ran."""
+    members = [r for r in records if isinstance(r, IntentEntry) and r.in_group]
+    groups = _group(members, lambda r: (r.iteration, r.attempt, r.group_position))
+    for (iteration, attempt, start), intents in groups.items():
+        last = max(r.seq for r in intents)
+        refs = {r.ref for r in intents}
+        size = intents[0].group_size
+        positions = _group(intents, lambda r: r.position)
+        for position, at in positions.items():
+            if not start <= position < start + size:
+                yield (
+                    at[0].seq,
+                    "group_order",
+                    f"tool intent {at[0].name!r} at seq {at[0].seq} is at position {position}, "
+                    f"outside its parallel group's {start}..{start + size - 1}",
+                )
+            elif len(at) > 1:
+                yield (
+                    at[1].seq,
+                    "group_order",
+                    f"position {position} of the parallel group of iteration {iteration} "
+                    f"attempt {attempt} has {len(at)} intents ({_seqs(at)})",
+                )
+        for r in records:
+            if isinstance(r, OutputEntry | ResultEntry) and r.intent_ref in refs and r.seq < last:
+                yield (
+                    r.seq,
+                    "group_order",
+                    f"{_kind(r)} at seq {r.seq} answers a call of the parallel group at "
+                    f"position {start} before the group's last intent (seq {last}) was stored",
+                )
+
+
+def _unsafe_starts(records: Sequence[AnyEntry]) -> Iterator[_Found]:
+    """``unsafe_started_twice``: only an unsafe intent's own writer ran it."""
+    unsafe = {r.ref: r for r in records if isinstance(r, IntentEntry) and not r.safe}
+    for r in records:
+        if not isinstance(r, OutputEntry | ResultEntry):
+            continue
+        intent = unsafe.get(r.intent_ref)
+        if intent is None or r.writer == intent.writer:
+            continue
+        if isinstance(r, ResultEntry) and r.interrupted:
+            continue
+        yield (
+            r.seq,
+            "unsafe_started_twice",
+            f"{_kind(r)} at seq {r.seq} by another writer than unsafe tool intent "
+            f"{intent.name!r} at seq {intent.seq}'s: the call started again",
+        )
 
 
 # ---- the engine's count --------------------------------------------------------------

@@ -30,6 +30,7 @@ from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.inputs.store import InputStore
 from dagnats.journal import audit, convert, replay, session, stream
 from dagnats.journal import model as jm
+from dagnats.journal.group import ParallelGroups
 from dagnats.journal.limits import MAX_ANSWER_BYTES
 from dagnats.journal.peers import Runs, Tasks
 from dagnats.journal.placement import MODES, InputPlacement
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 # Calls (model, tool, place-inputs) one dispatch may journal; a step that needs
 # more has outgrown a per-step journal (the spec's "bounded calls per iteration").
 MAX_POSITIONS = 1000
+# Calls of one parallel group: as many as one model response asks for.
+MAX_GROUP_CALLS = 128
 MAX_RESTART_LIMIT = 1000
 MAX_PAGE = 1000
 # Steps whose latest holder a replica remembers for refusing fenced chunks;
@@ -115,6 +118,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self._writer = JournalWriter(store, clock=clock)
         self._settling: set[asyncio.Task[None]] = set()
         self._placement = InputPlacement(self._writer, inputs) if inputs is not None else None
+        self._groups = ParallelGroups(self._writer, self._store_model)
         # The writer of the newest claim this replica made, per step: a chunk of
         # any other writer is a fenced holder's and is refused.
         self._holders: dict[tuple[str, str], str] = {}
@@ -270,8 +274,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         for intent in close:
             interrupted = pb.ToolResult(
                 intent_seq=intent.seq,
+                intent_index=intent.index,
                 interrupted=True,
-                partial=replay.partial_output(entries, intent.seq),
+                partial=replay.partial_output(entries, intent.seq, intent.index),
             )
             token, closed = await self._writer.append(token, pb.Record(tool_result=interrupted))
             records.append(closed)
@@ -436,6 +441,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             position=request.position,
             call=call,
             honoured=token.honoured,
+            honoured_members=_honoured_members(token),
         )
         if isinstance(decision, replay.Mismatch):
             raise errors.ReplayMismatch(decision.reason)  # and nothing is written
@@ -503,12 +509,41 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         return await self._store_model(token, model, intent)
 
     @domain_errors
+    async def BeginTools(
+        self, request: pb.BeginToolsRequest, context: Context
+    ) -> pb.BeginToolsResponse:
+        token = check_writer_token(request.token)
+        if not request.calls or len(request.calls) > MAX_GROUP_CALLS:
+            raise errors.InvalidArgument(
+                f"a parallel group has 1-{MAX_GROUP_CALLS} calls", field="calls"
+            )
+        check_position(request.position)
+        check_position(request.position + len(request.calls) - 1)
+        for i, call in enumerate(request.calls):
+            if not call.name or len(call.name) > 256:
+                raise errors.InvalidArgument(
+                    "name must be 1-256 characters", field=f"calls[{i}].name"
+                )
+            check_json(call.input, field=f"calls[{i}].input", allow_empty=False)
+        model = None
+        if request.HasField("model"):
+            if request.model.position != request.position - 1:
+                raise errors.InvalidArgument(
+                    f"model.position must be position - 1 ({request.position - 1})",
+                    field="model.position",
+                )
+            model = _model_call(request.model.position, request.model.response, field="model.")
+        return await self._groups.begin(token, request, model)
+
+    @domain_errors
     async def ToolOutput(
         self, request: pb.ToolOutputRequest, context: Context
     ) -> pb.ToolOutputResponse:
         token = check_writer_token(request.token)
         _check_intent_seq(token, request.intent_seq)
-        output = pb.ToolOutput(intent_seq=request.intent_seq, chunk=request.chunk)
+        output = pb.ToolOutput(
+            intent_seq=request.intent_seq, chunk=request.chunk, intent_index=request.intent_index
+        )
         token, _ = await self._writer.append(token, pb.Record(tool_output=output))
         return pb.ToolOutputResponse(token=token)
 
@@ -857,10 +892,24 @@ def _tool_result(
     _check_intent_seq(token, request.intent_seq, field + "intent_seq")
     if request.interrupted:
         partial = replay.cut_partial(request.partial)
-        return pb.ToolResult(intent_seq=request.intent_seq, interrupted=True, partial=partial)
+        return pb.ToolResult(
+            intent_seq=request.intent_seq,
+            intent_index=request.intent_index,
+            interrupted=True,
+            partial=partial,
+        )
     if not request.error:
         check_json(request.output, field=field + "output", allow_empty=False)
-    return pb.ToolResult(intent_seq=request.intent_seq, output=request.output, error=request.error)
+    return pb.ToolResult(
+        intent_seq=request.intent_seq,
+        intent_index=request.intent_index,
+        output=request.output,
+        error=request.error,
+    )
+
+
+def _honoured_members(token: pb.WriterToken) -> list[tuple[int, int]]:
+    return [(m.seq, m.index) for m in token.honoured_members]
 
 
 def _page(claimed: pb.Claimed, records: list[pb.Record]) -> None:
