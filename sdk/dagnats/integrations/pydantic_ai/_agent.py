@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic_ai.agent import AbstractAgent
 from pydantic_ai.messages import ModelMessage, UserContent
@@ -39,6 +39,9 @@ from dagnats.sdk import (
     Replay,
     TaskContext,
 )
+
+ToolCalls = Literal["parallel", "sequential"]
+"""How the tool calls of one model response run."""
 
 FOLLOW_UP_WINDOW = 3600.0
 """Seconds an answered step waits for a follow-up, by default."""
@@ -69,6 +72,7 @@ class DurableAgent:
     follow_up_window: float | None = FOLLOW_UP_WINDOW
     prompt: Callable[[Any], str | Sequence[UserContent]] = content_text
     deps: Callable[[TaskContext], Any] | None = None
+    tool_calls: ToolCalls = "parallel"
 
     async def __call__(self, tc: TaskContext) -> None:
         try:
@@ -118,10 +122,13 @@ class DurableAgent:
         messages: list[ModelMessage] | None,
     ) -> _Round:
         """Run the agent up to its next model request after this one, or its end."""
-        journaled = Journaled(journal=j, declared=self.replay, stream=self.stream)
+        parallel = self.tool_calls == "parallel"
+        journaled = Journaled(
+            journal=j, declared=self.replay, stream=self.stream, parallel=parallel
+        )
         deps = self.deps(tc) if self.deps is not None else None
-        # Journaled calls are matched by position: tool calls one at a time.
-        with AbstractAgent.parallel_tool_call_execution_mode("sequential"):
+        # The calls pydantic-ai starts together run as one parallel group.
+        with AbstractAgent.parallel_tool_call_execution_mode(self.tool_calls):
             async with self.agent.iter(
                 prompt, message_history=messages, deps=deps, capabilities=[journaled]
             ) as run:
@@ -148,6 +155,7 @@ def durable_agent(
     follow_up_window: float | None = FOLLOW_UP_WINDOW,
     prompt: Callable[[Any], str | Sequence[UserContent]] = content_text,
     deps: Callable[[TaskContext], Any] | None = None,
+    tool_calls: ToolCalls = "parallel",
 ) -> DurableAgent:
     """A handler that runs ``agent`` durably, one round per iteration of an
     ``agent_loop`` step; register it with a ``Worker``.
@@ -168,6 +176,10 @@ def durable_agent(
         prompt: The run's input as the first user prompt (default: a string
             as is, ``{"text": ...}`` as its text, anything else as JSON).
         deps: Builds the agent's dependencies for each dispatch.
+        tool_calls: ``"parallel"``: the tool calls of one model response run
+            at once, as one parallel group (``Journal.tools``: every intent
+            stored before any starts, each result as it finishes);
+            ``"sequential"``: one at a time, in the response's order.
 
     Returns:
         ``async def handler(tc)``.
@@ -180,6 +192,7 @@ def durable_agent(
         follow_up_window=follow_up_window,
         prompt=prompt,
         deps=deps,
+        tool_calls=tool_calls,
     )
 
 

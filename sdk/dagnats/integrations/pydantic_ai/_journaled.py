@@ -9,9 +9,13 @@ and processing the output is local and deterministic).
 
 Invariants:
 
-- Journaled calls are matched by position, so the run's tool calls run one at
-  a time, in the order of the model's response (the handler sets pydantic-ai's
-  ``sequential`` mode); a recorded response gives the same tool calls again.
+- Journaled calls are matched by position. In pydantic-ai's parallel mode
+  (the default) the tool calls pydantic-ai starts together are one parallel
+  group (``Journal.tools``): the calls that reach the toolset before the event
+  loop has a turn with no new arrival, ordered as in the model's response,
+  whatever order they arrive or finish in. A lone call is an ordinary
+  ``Journal.tool``. In ``sequential`` mode every call is one at a time. A
+  recorded response gives the same tool calls again, so the same groups.
 - A model response is recorded as pydantic-ai's own JSON form of a
   ``ModelResponse`` and read back with the same adapter.
 - A tool's record says what pydantic-ai made of the call: ``{"return": ...}``
@@ -24,8 +28,9 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +60,8 @@ from dagnats.sdk import Journal, Replay, TokenStream, ToolCall, ToolResult, Tool
 
 REPLAY_METADATA_KEY = "dagnats_replay"
 """The key of a tool's pydantic-ai ``metadata`` that declares its replay."""
+
+ToolFn = Callable[[ToolRun], Awaitable[Any]]
 
 _tool_run: contextvars.ContextVar[ToolRun | None] = contextvars.ContextVar(
     "dagnats_tool_run", default=None
@@ -122,10 +129,13 @@ class JournaledModel(WrapperModel):
     request. With ``stream``, the request streams and its text deltas go to
     the step's live stream while it runs."""
 
-    def __init__(self, wrapped: Model, journal: Journal, *, stream: bool) -> None:
+    def __init__(
+        self, wrapped: Model, journal: Journal, *, stream: bool, calls: _ResponseCalls | None = None
+    ) -> None:
         super().__init__(wrapped)
         self._journal = journal
         self._stream = stream
+        self._calls = calls or _ResponseCalls()
 
     async def request(
         self,
@@ -141,7 +151,7 @@ class JournaledModel(WrapperModel):
                 )
                 return dump_response(response)
 
-            return load_response(await self._journal.model(ask))
+            return self._calls.of(load_response(await self._journal.model(ask)))
 
         async def streamed(live: TokenStream) -> Any:
             async with self.wrapped.request_stream(
@@ -152,7 +162,7 @@ class JournaledModel(WrapperModel):
                         live.put(text)
                 return dump_response(response.get())
 
-        return load_response(await self._journal.streamed_model(streamed))
+        return self._calls.of(load_response(await self._journal.streamed_model(streamed)))
 
     @asynccontextmanager
     async def request_stream(
@@ -179,11 +189,106 @@ def _text_of(event: Any) -> str | None:
 
 
 @dataclass
+class _ResponseCalls:
+    """The tool call ids of the newest model response, in its order: where a
+    call of a parallel group stands."""
+
+    order: dict[str, int] = field(default_factory=dict)
+
+    def of(self, response: ModelResponse) -> ModelResponse:
+        self.order = {part.tool_call_id: i for i, part in enumerate(response.tool_calls)}
+        return response
+
+
+@dataclass
+class _Gathered:
+    """Tool calls pydantic-ai started together, waiting to run as one group."""
+
+    members: list[tuple[int, ToolCall, Replay, ToolFn, asyncio.Future[ToolResult]]] = field(
+        default_factory=list
+    )
+    task: asyncio.Task[None] | None = None
+    stopped: bool = False  # a call was cancelled before the group started
+
+
+@dataclass
+class _Gatherer:
+    """Turns the tool calls pydantic-ai starts at once into parallel groups.
+
+    pydantic-ai starts the calls of one response (of one segment between its
+    ``sequential`` tools) as tasks created together; each reaches the toolset
+    in its first steps. A group takes every call that arrives until the event
+    loop has a turn with no new arrival, then runs them with
+    ``Journal.tools`` in the response's order (a lone call with
+    ``Journal.tool``). A call cancelled while it waits or runs stops its
+    group, as pydantic-ai cancels the siblings of a call that raised."""
+
+    journal: Journal
+    calls: _ResponseCalls
+    _open: _Gathered | None = None
+
+    async def call(
+        self, tool_call_id: str, call: ToolCall, replay: Replay, fn: ToolFn
+    ) -> ToolResult:
+        loop = asyncio.get_running_loop()
+        gathered = self._open
+        if gathered is None:
+            gathered = self._open = _Gathered()
+            loop.call_soon(self._settle, gathered, 0)
+        answer: asyncio.Future[ToolResult] = loop.create_future()
+        order = self.calls.order.get(tool_call_id, len(self.calls.order) + len(gathered.members))
+        gathered.members.append((order, call, replay, fn, answer))
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            gathered.stopped = True
+            if gathered.task is not None:
+                gathered.task.cancel()
+                await asyncio.wait((gathered.task,))  # each call answers its intent, if it may
+            raise
+
+    def _settle(self, gathered: _Gathered, seen: int) -> None:
+        if len(gathered.members) != seen:  # more arrived: give the loop one more turn
+            asyncio.get_running_loop().call_soon(self._settle, gathered, len(gathered.members))
+            return
+        self._open = None
+        if gathered.stopped:
+            for *_, answer in gathered.members:
+                answer.cancel()
+            return
+        gathered.task = asyncio.ensure_future(self._run(gathered))
+
+    async def _run(self, gathered: _Gathered) -> None:
+        members = sorted(gathered.members, key=lambda m: m[0])
+        answers = [m[4] for m in members]
+        try:
+            if len(members) == 1:
+                _, call, replay, fn, _ = members[0]
+                results = [await self.journal.tool(call, replay, fn)]
+            else:
+                results = await self.journal.tools([(c, r, f) for _, c, r, f, _ in members])
+        except asyncio.CancelledError:
+            for answer in answers:
+                answer.cancel()
+            raise
+        except BaseException as err:  # a journal signal, or an error: every call raises it
+            for answer in answers:
+                if not answer.done():
+                    answer.set_exception(err)
+            return
+        for answer, result in zip(answers, results, strict=True):
+            if not answer.done():
+                answer.set_result(result)
+
+
+@dataclass
 class JournaledToolset(WrapperToolset[Any]):
-    """The run's toolset, each call journaled with its declared replay."""
+    """The run's toolset, each call journaled with its declared replay; with
+    ``gatherer``, the calls started together run as a parallel group."""
 
     journal: Journal = field(kw_only=True)
     declared: Mapping[str, Replay] = field(kw_only=True)
+    gatherer: _Gatherer | None = field(default=None, kw_only=True)
 
     async def call_tool(
         self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
@@ -199,7 +304,11 @@ class JournaledToolset(WrapperToolset[Any]):
             return {"return": to_jsonable_python(value)}
 
         call = ToolCall(name=name, input=to_jsonable_python(tool_args))
-        result = await self.journal.tool(call, replay_of(tool, self.declared), run)
+        replay = replay_of(tool, self.declared)
+        if self.gatherer is not None:
+            result = await self.gatherer.call(ctx.tool_call_id or "", call, replay, run)
+        else:
+            result = await self.journal.tool(call, replay, run)
         return _answer(name, result)
 
 
@@ -229,9 +338,14 @@ class Journaled(AbstractCapability[Any]):
     journal: Journal
     declared: Mapping[str, Replay]
     stream: bool = False
+    parallel: bool = True
+    _calls: _ResponseCalls = field(default_factory=_ResponseCalls)
 
     def get_wrapper_model(self, model: Model) -> Model | None:
-        return JournaledModel(model, self.journal, stream=self.stream)
+        return JournaledModel(model, self.journal, stream=self.stream, calls=self._calls)
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
-        return JournaledToolset(toolset, journal=self.journal, declared=self.declared)
+        gatherer = _Gatherer(self.journal, self._calls) if self.parallel else None
+        return JournaledToolset(
+            toolset, journal=self.journal, declared=self.declared, gatherer=gatherer
+        )

@@ -346,9 +346,14 @@ def _answers(records: Sequence[AnyEntry]) -> Iterator[_Found]:
     pending = _may_still_be_answered(records)
     for r in records:
         if isinstance(r, ResultEntry):
-            target: AnyEntry | None = intents.get(r.intent_ref) or by_seq.get(r.intent_seq)
-            if not isinstance(target, IntentEntry):
-                what = "not in the journal" if target is None else f"a {_kind(target)}"
+            if r.intent_ref not in intents:
+                target = by_seq.get(r.intent_seq)
+                if target is None:
+                    what = "not in the journal"
+                elif isinstance(target, IntentEntry):
+                    what = f"a parallel group's record with no intent at index {r.intent_index}"
+                else:
+                    what = f"a {_kind(target)}"
                 yield (
                     r.seq,
                     "orphan_result",
