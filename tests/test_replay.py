@@ -1224,16 +1224,17 @@ def test_a_second_result_of_a_group_after_a_cancel_is_stored_after_the_first() -
     writer_j = J().claim().model(p=0).group(p=1, calls=GROUP)
     seq, writer = writer_j.last.seq, writer_j.last.writer
     cancel = CancelEntry(seq=seq + 1, iteration=0, attempt=1, writer="", reason="stop")
-    kept_first = [
+    copy = replace(cancel, seq=seq + 2, writer=writer)
+    kept_first: list[AnyEntry] = [
         ResultEntry(
             seq=seq + 2, iteration=0, attempt=1, writer=writer, leading=True, intent_seq=seq
         ),
-        replace(cancel, seq=seq + 2, writer=writer),
+        copy,
     ]
     decision = refused_write(
         tail=kept_first, first=cancel, writer=writer, result_for=seq, result_index=1
     )
-    assert decision == StoreAfterCancel(after=seq + 2, cancel=kept_first[1])
+    assert decision == StoreAfterCancel(after=seq + 2, cancel=copy)
     again = refused_write(
         tail=kept_first, first=cancel, writer=writer, result_for=seq, result_index=0
     )
