@@ -1111,6 +1111,93 @@ GUARDS = (
             "test_a_holder_of_a_kept_task_fenced_at_a_later_iteration_keeps_no_lease_alive",
         ),
     ),
+    Guard(
+        name="a parallel group of another size or start at a recorded group is a mismatch",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    if (at.group_position, at.group_size) != (position, len(calls)):\n",
+        removed="    if False:\n",
+        how="a handler that now asks for fewer or more calls replays the recorded ones as its own",
+        tests=("tests/test_replay.py::test_another_group_at_a_recorded_group_is_a_mismatch",),
+    ),
+    Guard(
+        name="a call made alone where a parallel group was recorded is a mismatch",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    if isinstance(at, IntentEntry) and at.in_group:\n",
+        removed="    if False:\n",
+        how="a single call takes a group member's result as its own",
+        tests=(
+            "tests/test_replay.py::"
+            "test_a_group_where_one_call_was_made_alone_is_a_mismatch_both_ways",
+        ),
+    ),
+    Guard(
+        name="a parallel group where a call was made alone is a mismatch",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    if not at.in_group:\n",
+        removed="    if False:\n",
+        how="a group takes a single call's result as its member's",
+        tests=(
+            "tests/test_replay.py::"
+            "test_a_group_where_one_call_was_made_alone_is_a_mismatch_both_ways",
+        ),
+    ),
+    Guard(
+        name="a parallel group's result after a cancel answers its own call by index",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="        if isinstance(entry, ResultEntry) and entry.intent_ref == "
+        "(result_for, result_index):\n",
+        removed="        if isinstance(entry, ResultEntry) and entry.intent_seq == result_for:\n",
+        how="a second call of a group finishing after the cancel is taken as stored already",
+        tests=(
+            "tests/test_replay.py::"
+            "test_a_second_result_of_a_group_after_a_cancel_is_stored_after_the_first",
+        ),
+    ),
+    Guard(
+        name="the results of a parallel group are stored as they finish, never left pending",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="        if stop is None and raised is None and result.ByteSize() <= PENDING_BYTES:\n",
+        removed="        if raised is None and result.ByteSize() <= PENDING_BYTES:\n",
+        how="one pending entry holds one result: the group's other results are lost",
+        tests=(
+            "tests/test_parallel_tools.py::"
+            "test_a_group_runs_at_once_and_answers_in_the_responses_order",
+        ),
+    ),
+    Guard(
+        name="journal check finds a parallel group's call that ran before all its intents",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="            if isinstance(r, OutputEntry | ResultEntry) and r.intent_ref in refs "
+        "and r.seq < last:\n",
+        removed="            if False:\n",
+        how="a group whose calls started before its last intent was stored passes the audit",
+        tests=(
+            "tests/test_audit.py::"
+            "test_a_call_of_a_group_that_ran_before_the_groups_last_intent_was_stored",
+        ),
+    ),
+    Guard(
+        name="journal check finds an unsafe call (parallel group or alone) started twice",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="        if intent is None or r.writer == intent.writer:\n",
+        removed="        if True:\n",
+        how="a successor that ran an unsafe call again passes the audit",
+        tests=(
+            "tests/test_audit.py::test_an_unsafe_call_of_a_group_run_again_by_a_successor",
+            "tests/test_audit.py::test_an_unsafe_call_alone_with_output_from_a_successor",
+        ),
+    ),
+    Guard(
+        name="the calls pydantic-ai starts together wait for each other: one parallel group",
+        file="sdk/dagnats/integrations/pydantic_ai/_journaled.py",
+        guard="        if len(gathered.members) != seen:  # more arrived: give the loop one more turn\n",
+        removed="        if False:\n",
+        how="a response's calls run as groups of whichever arrived first, not as one group",
+        tests=(
+            "tests/test_pydantic_ai_parallel.py::"
+            "test_a_response_asking_for_four_tools_runs_them_as_one_group_on_the_provider",
+        ),
+    ),
 )
 
 
