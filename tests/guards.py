@@ -1156,7 +1156,8 @@ GUARDS = (
     Guard(
         name="the results of a parallel group are stored as they finish, never left pending",
         file="sdk/dagnats/sdk/_journal.py",
-        guard="        if stop is None and raised is None and result.ByteSize() <= PENDING_BYTES:\n",
+        guard="        if stop is None and raised is None and result.ByteSize() "
+        "<= PENDING_BYTES:\n",
         removed="        if raised is None and result.ByteSize() <= PENDING_BYTES:\n",
         how="one pending entry holds one result: the group's other results are lost",
         tests=(
@@ -1190,12 +1191,12 @@ GUARDS = (
     Guard(
         name="the calls pydantic-ai starts together wait for each other: one parallel group",
         file="sdk/dagnats/integrations/pydantic_ai/_journaled.py",
-        guard="        if len(gathered.members) != seen:  # more arrived: give the loop one more turn\n",
-        removed="        if False:\n",
-        how="a response's calls run as groups of whichever arrived first, not as one group",
+        guard="        waiting = not gathered.expected <= gathered.members.keys()\n",
+        removed="        waiting = False\n",
+        how="a call that reaches the toolset a loop turn late runs as a group of its own",
         tests=(
             "tests/test_pydantic_ai_parallel.py::"
-            "test_a_response_asking_for_four_tools_runs_them_as_one_group_on_the_provider",
+            "test_a_call_that_reaches_the_toolset_a_loop_turn_late_joins_its_group",
         ),
     ),
 )

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from pydantic_ai import Agent
+from pydantic_ai import Agent, RunContext
+from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models import Model
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.models.test import TestModel
+from pydantic_ai.tools import ToolDefinition
 
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -50,11 +53,31 @@ def parallel_script() -> list[Reply]:
     ]
 
 
-def fanout_agent(model: Model | Any, tools: Tools, *, together: int = 0) -> Agent[None, str]:
+@dataclass
+class LateMail(AbstractCapability[Any]):
+    """A hook that gives the event loop two turns before ``send_email``
+    reaches the toolset: its call arrives after its siblings'."""
+
+    async def before_tool_execute(
+        self, ctx: RunContext[Any], *, call: ToolCallPart, tool_def: ToolDefinition, args: Any
+    ) -> Any:
+        if call.tool_name == "send_email":
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        return args
+
+
+def fanout_agent(
+    model: Model | Any, tools: Tools, *, together: int = 0, late_mail: bool = False
+) -> Agent[None, str]:
     """Tools that, with ``together``, do not return before ``together`` calls
     have started: a round run one call at a time never finishes."""
     started = asyncio.Event()
-    agent: Agent[None, str] = Agent(model, instructions="Look the cities up; tell ops.")
+    agent: Agent[None, str] = Agent(
+        model,
+        instructions="Look the cities up; tell ops.",
+        capabilities=[LateMail()] if late_mail else [],
+    )
 
     async def gate() -> None:
         if together and sum(tools.starts.values()) >= together:
@@ -130,6 +153,20 @@ def function_model() -> FunctionModel:
         )
 
     return FunctionModel(reply)
+
+
+async def test_a_call_that_reaches_the_toolset_a_loop_turn_late_joins_its_group(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await register(client)
+    tools = Tools()
+    agent = fanout_agent(function_model(), tools, together=4, late_mail=True)
+    async with Worker(engine.target, handlers={task: durable_agent(agent, follow_up_window=None)}):
+        run = await client.start_run(name, QUESTION)
+        await finished(client, engine, run.run_id, ANSWER)
+    records = await read_journal(engine, run.run_id)
+    (group,) = [r for r in records if r.HasField("tool_intents")]
+    assert [i.name for i in group.tool_intents.intents] == ["lookup"] * 3 + ["send_email"]
 
 
 async def test_the_sequential_option_runs_the_calls_one_at_a_time(

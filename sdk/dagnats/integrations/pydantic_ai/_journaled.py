@@ -190,22 +190,29 @@ def _text_of(event: Any) -> str | None:
 
 @dataclass
 class _ResponseCalls:
-    """The tool call ids of the newest model response, in its order: where a
-    call of a parallel group stands."""
+    """The tool calls of the newest model response, in its order (id, name)."""
 
-    order: dict[str, int] = field(default_factory=dict)
+    calls: list[tuple[str, str]] = field(default_factory=list)
 
     def of(self, response: ModelResponse) -> ModelResponse:
-        self.order = {part.tool_call_id: i for i, part in enumerate(response.tool_calls)}
+        self.calls = [(part.tool_call_id, part.tool_name) for part in response.tool_calls]
         return response
+
+
+# Turns of the event loop a gathering group waits for a call of its segment
+# that has not arrived, once no call arrives: pydantic-ai starts a segment's
+# calls together, but one that never reaches the toolset (its arguments
+# invalid, a hook that asks for a retry or defers it) must not hold the rest.
+IDLE_TURNS = 3
 
 
 @dataclass
 class _Gathered:
     """Tool calls pydantic-ai started together, waiting to run as one group."""
 
-    members: list[tuple[int, ToolCall, Replay, ToolFn, asyncio.Future[ToolResult]]] = field(
-        default_factory=list
+    expected: frozenset[str]
+    members: dict[str, tuple[int, ToolCall, Replay, ToolFn, asyncio.Future[ToolResult]]] = field(
+        default_factory=dict
     )
     task: asyncio.Task[None] | None = None
     stopped: bool = False  # a call was cancelled before the group started
@@ -215,29 +222,33 @@ class _Gathered:
 class _Gatherer:
     """Turns the tool calls pydantic-ai starts at once into parallel groups.
 
-    pydantic-ai starts the calls of one response (of one segment between its
-    ``sequential`` tools) as tasks created together; each reaches the toolset
-    in its first steps. A group takes every call that arrives until the event
-    loop has a turn with no new arrival, then runs them with
-    ``Journal.tools`` in the response's order (a lone call with
-    ``Journal.tool``). A call cancelled while it waits or runs stops its
+    pydantic-ai starts the calls of one response as tasks created together,
+    one segment at a time (a tool declared ``sequential`` runs alone, between
+    segments). A group waits for every call of its segment that is a function
+    tool of this toolset, in the response's order; when a call of the segment
+    does not arrive and ``IDLE_TURNS`` turns of the event loop pass without a
+    new arrival, the group runs with those that came, and a later one runs
+    after it. Groups run one after another (``Journal.tools``; a lone call
+    with ``Journal.tool``). A call cancelled while it waits or runs stops its
     group, as pydantic-ai cancels the siblings of a call that raised."""
 
     journal: Journal
     calls: _ResponseCalls
+    tools: Mapping[str, ToolsetTool[Any]] = field(default_factory=dict)
     _open: _Gathered | None = None
+    _turn: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def call(
         self, tool_call_id: str, call: ToolCall, replay: Replay, fn: ToolFn
     ) -> ToolResult:
         loop = asyncio.get_running_loop()
         gathered = self._open
-        if gathered is None:
-            gathered = self._open = _Gathered()
-            loop.call_soon(self._settle, gathered, 0)
+        if gathered is None or tool_call_id in gathered.members:
+            gathered = self._open = _Gathered(expected=self._segment(tool_call_id))
+            loop.call_soon(self._settle, gathered, 0, 0)
         answer: asyncio.Future[ToolResult] = loop.create_future()
-        order = self.calls.order.get(tool_call_id, len(self.calls.order) + len(gathered.members))
-        gathered.members.append((order, call, replay, fn, answer))
+        order = self._order(tool_call_id, len(gathered.members))
+        gathered.members[tool_call_id] = (order, call, replay, fn, answer)
         try:
             return await answer
         except asyncio.CancelledError:
@@ -247,26 +258,54 @@ class _Gatherer:
                 await asyncio.wait((gathered.task,))  # each call answers its intent, if it may
             raise
 
-    def _settle(self, gathered: _Gathered, seen: int) -> None:
-        if len(gathered.members) != seen:  # more arrived: give the loop one more turn
-            asyncio.get_running_loop().call_soon(self._settle, gathered, len(gathered.members))
+    def _order(self, tool_call_id: str, arrived: int) -> int:
+        ids = [i for i, _ in self.calls.calls]
+        return ids.index(tool_call_id) if tool_call_id in ids else len(ids) + arrived
+
+    def _segment(self, tool_call_id: str) -> frozenset[str]:
+        """The calls of the response pydantic-ai starts with ``tool_call_id``
+        that reach this toolset: its run of calls between ``sequential`` tools."""
+        segments: list[list[tuple[str, str]]] = [[]]
+        for call_id, name in self.calls.calls:
+            tool = self.tools.get(name)
+            if tool is not None and tool.tool_def.sequential:
+                segments += [[(call_id, name)], []]
+            else:
+                segments[-1].append((call_id, name))
+        for segment in segments:
+            if any(call_id == tool_call_id for call_id, _ in segment):
+                return frozenset(
+                    call_id
+                    for call_id, name in segment
+                    if name in self.tools and self.tools[name].tool_def.kind == "function"
+                )
+        return frozenset({tool_call_id})
+
+    def _settle(self, gathered: _Gathered, seen: int, idle: int) -> None:
+        arrived = len(gathered.members)
+        waiting = not gathered.expected <= gathered.members.keys()
+        if not gathered.stopped and waiting and (arrived != seen or idle < IDLE_TURNS):
+            idle = 0 if arrived != seen else idle + 1
+            asyncio.get_running_loop().call_soon(self._settle, gathered, arrived, idle)
             return
-        self._open = None
+        if self._open is gathered:
+            self._open = None
         if gathered.stopped:
-            for *_, answer in gathered.members:
+            for *_, answer in gathered.members.values():
                 answer.cancel()
             return
         gathered.task = asyncio.ensure_future(self._run(gathered))
 
     async def _run(self, gathered: _Gathered) -> None:
-        members = sorted(gathered.members, key=lambda m: m[0])
+        members = sorted(gathered.members.values(), key=lambda m: m[0])
         answers = [m[4] for m in members]
         try:
-            if len(members) == 1:
-                _, call, replay, fn, _ = members[0]
-                results = [await self.journal.tool(call, replay, fn)]
-            else:
-                results = await self.journal.tools([(c, r, f) for _, c, r, f, _ in members])
+            async with self._turn:  # a group gathered meanwhile runs after this one
+                if len(members) == 1:
+                    _, call, replay, fn, _ = members[0]
+                    results = [await self.journal.tool(call, replay, fn)]
+                else:
+                    results = await self.journal.tools([(c, r, f) for _, c, r, f, _ in members])
         except asyncio.CancelledError:
             for answer in answers:
                 answer.cancel()
@@ -289,6 +328,12 @@ class JournaledToolset(WrapperToolset[Any]):
     journal: Journal = field(kw_only=True)
     declared: Mapping[str, Replay] = field(kw_only=True)
     gatherer: _Gatherer | None = field(default=None, kw_only=True)
+
+    async def get_tools(self, ctx: RunContext[Any]) -> dict[str, ToolsetTool[Any]]:
+        tools = await super().get_tools(ctx)
+        if self.gatherer is not None:
+            self.gatherer.tools = tools  # which calls of a response reach this toolset
+        return tools
 
     async def call_tool(
         self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
