@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dagnats.cli.journal import record_line
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, run_output
@@ -181,6 +182,14 @@ async def test_a_group_runs_at_once_and_answers_in_the_responses_order(
     results = [r for r in records if holds(r, "tool_result")]
     assert len(results) == 3
     assert all(r.seq > group.seq for r in results), "every intent before any result"
+    printed = record_line(group).splitlines()  # as `dagnats journal show` prints it
+    assert [line.split()[2] for line in printed] == [
+        "claim",  # the first delivery's claim rides its first record
+        "model",
+        "tool_intent[0]",
+        "tool_intent[1]",
+        "tool_intent[2]",
+    ]
 
 
 async def test_a_tools_exception_is_its_own_result(client: Client, engine: EngineServer) -> None:
