@@ -10,7 +10,10 @@ its response waits to ride the next journal call), ``after_model`` (a response
 stored in a record of its own), ``after_intent`` (an intent stored, with the
 response that asked for it when that rode along), ``result_pending`` (a tool
 returned; its result waits to ride the commit), ``after_result`` (a result
-stored in a record of its own), ``after_inputs_placed``, ``after_event`` (the
+stored in a record of its own), ``after_group_intents`` (every intent of a
+parallel group stored, none of its calls started), ``after_group_result``
+(one result of a parallel group stored; its other calls may be running),
+``after_inputs_placed``, ``after_event`` (the
 task is settled, or its commit answered, with a pending entry that rode it);
 in the journal service ``before_inputs_listed`` (a ``PlaceInputs`` writer was
 checked current, the step's inputs not yet listed), ``after_input_claimed``

@@ -10,7 +10,11 @@ Invariants:
 - Positions count every journaled call of the dispatch from 0, model and tool
   calls alike, in the order the handler makes them.
 - One asyncio task at a time: calls are matched by position, so concurrent use
-  raises ``ConcurrentJournalUse`` instead of recording a race.
+  raises ``ConcurrentJournalUse`` instead of recording a race. The calls of
+  one model response run at once as one call, ``tools`` (a parallel group):
+  one position each, in the response's order, every intent stored before any
+  starts, each result stored as its call finishes, never held back as the
+  pending entry.
 - One RPC at a time, each with the newest token: the worker's keep-alive
   (``hold``) and a tool's ``report`` run beside the handler's calls, and a call
   made with the token a write in flight is about to replace would find that
