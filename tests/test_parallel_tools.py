@@ -13,13 +13,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc.aio
+
 from dagnats.cli.journal import record_line
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, run_output
 from dagnats.sdk.testing import ScriptedModel
 from tests.helpers import holds, wait_for
 from tests.journal_agent import Crasher, Seen
+from tests.stack import loop_workflow, unique
 from tests.test_journal import (
     NO_HEARTBEAT,
     fenced_after_stall,
@@ -315,3 +320,52 @@ async def test_cancel_inside_a_group_answers_every_intent(
     assert answered == {(group.seq, i) for i in range(3)}, "each call's intent has a result"
     check = await journal_check(engine, run.run_id)
     assert list(check.violations) == [], check.violations
+
+
+async def test_a_retry_honours_each_unsafe_call_of_the_earlier_attempts_group_once(
+    client: Client, engine: EngineServer
+) -> None:
+    # Attempt 1 runs a group of two identical unsafe sends to the end; the
+    # engine's retry (attempt 2) asks for the same group: each call is
+    # honoured by one earlier intent, with its result, and none runs; a third
+    # identical send after them has no earlier intent left and runs.
+    send = jpb.ToolCallSpec(name="send", input=b'{"to": "ops"}', replay=jpb.REPLAY_UNSAFE)
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        journal = jgrpc.JournalServiceStub(channel)
+        name, task = unique("honourwf"), unique("honour")
+        await client.register_workflow(loop_workflow(name, task))
+        run = await client.start_run(name, "go")
+        first = await journal.Claim(
+            jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+        )
+        begun = await journal.BeginTools(
+            jpb.BeginToolsRequest(token=first.claimed.token, position=0, calls=[send, send])
+        )
+        token = begun.token
+        for n, call in enumerate(begun.calls):
+            assert call.run
+            finished = await journal.FinishTool(
+                jpb.FinishToolRequest(
+                    token=token,
+                    intent_seq=call.intent_seq,
+                    intent_index=call.intent_index,
+                    output=f'{{"n": {n}}}'.encode(),
+                )
+            )
+            token = finished.token
+        retry = await journal.Claim(
+            jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=2)
+        )
+        again = await journal.BeginTools(
+            jpb.BeginToolsRequest(token=retry.claimed.token, position=0, calls=[send, send])
+        )
+        assert [c.run for c in again.calls] == [False, False]
+        assert [c.result.output for c in again.calls] == [b'{"n": 0}', b'{"n": 1}']
+        honoured = {(m.seq, m.index) for m in again.token.honoured_members}
+        assert honoured == {(begun.calls[0].intent_seq, 0), (begun.calls[0].intent_seq, 1)}
+        third = await journal.BeginTool(
+            jpb.BeginToolRequest(
+                token=again.token, position=2, name="send", input=send.input, replay=send.replay
+            )
+        )
+        assert third.run, "each earlier intent is honoured once"
