@@ -326,8 +326,9 @@ GUARDS = (
     Guard(
         name="a tool output too large answers its intent and raises",
         file="sdk/dagnats/sdk/_journal.py",
-        guard="            )\n            raise\n        return result\n",
-        removed="            )\n        return result\n",
+        guard="            await self._locked(finish(stored), then)\n            raise\n"
+        "        return result\n",
+        removed="            await self._locked(finish(stored), then)\n        return result\n",
         how="the handler goes on as if the tool's error were its result, and the run ends"
         " without saying why",
         tests=(
@@ -350,16 +351,16 @@ GUARDS = (
     Guard(
         name="replay rule for unsafe tools",
         file="services/journal/dagnats/journal/replay.py",
-        guard="        if at.safe and call.safe:\n",
-        removed="        if True:\n",
+        guard="    if at.safe and call.safe:\n",
+        removed="    if True:\n",
         how="an intent without a result is run again whatever its declaration",
         tests=("tests/test_journal.py::test_crash_after_unsafe_intent_records_interrupted",),
     ),
     Guard(
         name="replay rule for safe tools",
         file="services/journal/dagnats/journal/replay.py",
-        guard="        if at.safe and call.safe:\n",
-        removed="        if False:\n",
+        guard="    if at.safe and call.safe:\n",
+        removed="    if False:\n",
         how="a safe intent without a result is never run again",
         tests=("tests/test_journal.py::test_crash_after_safe_intent_runs_it_again",),
     ),
