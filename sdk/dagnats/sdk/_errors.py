@@ -149,7 +149,8 @@ class RestartLimit(JournalSignal):
 
 class ConcurrentJournalUse(RuntimeError):
     """Two asyncio tasks used one journal handle at once. Calls are replayed by
-    position, so they must be made one at a time."""
+    position, so they must be made one at a time; the tool calls of one model
+    response run at once through ``Journal.tools`` (a parallel group)."""
 
 
 class InputsQueued(DagnatsError):
