@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup chromium dev test docs docs-serve lint breaking fmt proto proto-check bench bench-scale bench-pair bench-peers jetstream-facts test-guards test-chaos clean
+.PHONY: help setup chromium dev test docs docs-serve lint breaking fmt proto proto-check bench bench-state bench-parallel bench-scale bench-pair bench-peers jetstream-facts test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -60,7 +60,7 @@ lint: setup proto-check ## ruff, mypy (--strict on the code, relaxed on tests), 
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/mypy tests
+	$(BIN)/mypy tests bench
 	$(BIN)/buf lint
 	$(BIN)/buf format --diff --exit-code
 	$(MAKE) --no-print-directory breaking
@@ -101,30 +101,39 @@ proto-check: proto ## fail when the generated code is stale
 	  || { echo "generated code is stale: run 'make proto' and commit" >&2; exit 1; }
 
 bench: setup ## journal overhead and the agent-turn workload against raw JetStream; streams; waits; cancels
-	$(PY) -m tests.bench
-	$(PY) -m tests.bench_stream
-	$(PY) -m tests.bench_wait
-	$(PY) -m tests.bench_cancel
-	$(PY) -m tests.bench_turn
-	BENCH_DEPLOY=grpc $(PY) -m tests.bench_turn
-	BENCH_DEPLOY=services $(PY) -m tests.bench_turn
+	$(PY) -m bench.journal_overhead
+	$(PY) -m bench.bench_stream
+	$(PY) -m bench.bench_wait
+	$(PY) -m bench.bench_cancel
+	$(PY) -m bench.bench_turn
+	BENCH_DEPLOY=grpc $(PY) -m bench.bench_turn
+	BENCH_DEPLOY=services $(PY) -m bench.bench_turn
+	BENCH_DEPLOY=split $(PY) -m bench.bench_turn
+	$(PY) -m bench.bench_state
+	$(PY) -m bench.bench_parallel
+
+bench-state: setup ## a conversation growing 20 KB a turn for 1,000 turns: turn time and journal bytes
+	$(PY) -m bench.bench_state
+
+bench-parallel: setup ## five 200 ms tools of one response: a parallel group against one at a time
+	$(PY) -m bench.bench_parallel
 
 # BENCH_WAITERS (10,000), BENCH_WAKES, BENCH_LONG_K, BENCH_CLUSTER=0... scale it down.
 bench-scale: setup ## 10,000 waiting runs, wake latency, iteration 1,000, two engines, R3 cluster
-	$(PY) -m tests.bench_scale
+	$(PY) -m bench.bench_scale
 
 bench-pair: setup ## this checkout beside BASE=<another checkout>, runs alternated (seq, thr, K=1)
 	@test -n "$(BASE)" || { echo 'usage: make bench-pair BASE=<another checkout>'; exit 2; }
-	$(PY) -m tests.bench_pair $(BASE)
+	$(PY) -m bench.bench_pair $(BASE)
 
 # PASSES (3), SETTLE_LOAD (0.6), BENCH_OUT; the peers' BENCH_* knobs shorten it.
-bench-peers: setup ## the peers and dagnats' three deployments, passes interleaved: PEERS=<the peer benchmarks>
+bench-peers: setup ## the peers and dagnats' four deployments, passes interleaved: PEERS=<the peer benchmarks>
 	@test -n "$(PEERS)" || { echo 'usage: make bench-peers PEERS=<a checkout of the peer benchmarks>'; exit 2; }
-	bash tests/bench_beside_peers.sh $(PEERS)
+	bash bench/beside_peers.sh $(PEERS)
 
 jetstream-facts: setup ## the JetStream facts the design depends on (R1 and R3), and fsyncs per operation (strace)
 	$(BIN)/pytest -q tests/test_jetstream_facts.py
-	$(PY) -m tests.jetstream_fsyncs
+	$(PY) -m bench.jetstream_fsyncs
 
 test-guards: setup ## delete each safety guard in a scratch copy; a named test must fail
 	$(PY) -m tests.guards

@@ -255,7 +255,7 @@ GUARDS = (
         name="engine report check against the journal",
         file="services/engine/dagnats/engine/service.py",
         guard=(
-            "        if not cancelled and await self._refused(event):\n"
+            "        if not cancelled and await self._contradicted(event):\n"
             "            return pb.ReportResponse(stale=True)\n"
         ),
         removed="",
@@ -1199,6 +1199,108 @@ GUARDS = (
             "tests/test_pydantic_ai_parallel.py::"
             "test_a_call_that_reaches_the_toolset_a_loop_turn_late_joins_its_group",
         ),
+    ),
+    Guard(
+        name="the state chain refuses a state past the size setting",
+        file="core/dagnats/core/statechain.py",
+        guard="    if size > settings.state_max_bytes:\n",
+        removed="    if False:\n",
+        how="a conversation grows past DAGNATS_STATE_MAX_BYTES and fails later, elsewhere",
+        tests=(
+            "tests/test_state_chain.py::test_a_state_past_the_setting_is_refused_with_its_size",
+            "tests/test_state_chain.py::test_a_state_past_the_size_setting_fails_the_step_with_its_size",
+        ),
+    ),
+    Guard(
+        name="the state chain's rebuild refuses a delta that keeps more than there is",
+        file="core/dagnats/core/statechain.py",
+        guard="        if delta.keep > len(state):\n",
+        removed="        if False:\n",
+        how="a claim loads a state a broken chain made, short of what it says",
+        tests=("tests/test_state_chain.py::test_a_delta_that_does_not_apply_breaks_the_chain",),
+    ),
+    Guard(
+        name="the state chain's audit finds a delta that does not apply",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="    if d.delta.keep > size:\n",
+        removed="    if False:\n",
+        how="journal check passes a chain whose delta keeps more than its base holds",
+        tests=("tests/test_state_chain.py::test_the_audit_finds_a_delta_that_does_not_apply",),
+    ),
+    Guard(
+        name="the state chain's commit is refused past the size setting by the journal",
+        file="services/journal/dagnats/journal/service.py",
+        guard="    if size > limit:\n",
+        removed="    if False:\n",
+        how="a worker that does not check the size stores a state past the setting",
+        tests=(
+            "tests/test_state_chain.py::test_the_journal_refuses_a_commit_past_the_size_setting",
+        ),
+    ),
+    Guard(
+        name="the state chain's held state serves only the commit it is at",
+        file="sdk/dagnats/sdk/_state.py",
+        guard="        return self.present and self.seq == seq and self.kept == len(self.data)\n",
+        removed="        return self.present\n",
+        how="a dispatch resumes from a state another commit stored, or one changed since",
+        tests=("tests/test_state_chain.py::test_a_held_state_serves_only_the_commit_it_is_at",),
+    ),
+    Guard(
+        name="the state chain leaves a state larger than a claim's answer to ReadState",
+        file="services/journal/dagnats/journal/service.py",
+        guard="        if claimed.state_chain.size > STATE_IN_ANSWER:\n",
+        removed="        if False:\n",
+        how="a claim of a large state answers past what a gRPC client receives",
+        tests=(
+            "tests/test_state_chain.py::test_a_state_larger_than_a_claims_answer_is_read_with_read_state",
+        ),
+    ),
+    Guard(
+        name="an approval of another digest is refused",
+        file="core/dagnats/core/approvals.py",
+        guard="    if act.digest != waiting.digest:\n",
+        removed="    if False:\n",
+        how="an approval given for other arguments approves the call that waits",
+        tests=(
+            "tests/test_approval_rules.py::"
+            "test_an_approval_of_another_digest_is_a_conflict_naming_both",
+            "tests/test_approvals.py::"
+            "test_an_approval_of_other_arguments_is_refused_and_changes_nothing",
+        ),
+    ),
+    Guard(
+        name="a call that asks for approval does not run",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="            if digest and approval is None:\n",
+        removed="            if False:\n",
+        how="a tool that needs approval runs before anyone approved it",
+        tests=("tests/test_approvals.py::test_an_approval_of_the_digest_runs_the_tool_once",),
+    ),
+    Guard(
+        name="an approval decides its position once",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="        and not decided\n",
+        removed="",
+        how="a second approval of an asked call runs the tool again at the same position",
+        tests=(
+            "tests/test_replay.py::test_a_call_under_another_approval_than_recorded_is_a_mismatch",
+        ),
+    ),
+    Guard(
+        name="journal check: an approved call ran with the approved arguments",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="    elif not approval.edited and approval.digest != intent.digest:\n",
+        removed="    elif False:\n",
+        how="a call that ran with other arguments than approved is not reported",
+        tests=("tests/test_audit.py::test_a_call_that_ran_with_other_arguments_than_approved",),
+    ),
+    Guard(
+        name="the journal refuses an approval digest that is not the call's",
+        file="services/journal/dagnats/journal/service.py",
+        guard="    if not approval.edited and approval.digest != request.digest:\n",
+        removed="    if False:\n",
+        how="a worker may store a call under an approval given for other arguments",
+        tests=("tests/test_approvals.py::test_the_journal_refuses_an_approval_of_another_digest",),
     ),
 )
 

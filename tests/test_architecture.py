@@ -62,6 +62,7 @@ RULE_MODULES = (
     "dagnats.core.errors",
     "dagnats.core.ids",
     "dagnats.core.durations",
+    "dagnats.core.approvals",
     "dagnats.engine.rules",
     "dagnats.engine.model",
     "dagnats.engine.definition",

@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from dagnats.core.approvals import call_digest
 from dagnats.journal import convert
 from dagnats.journal.audit import EngineStep, Finding, check_run, check_step
 from dagnats.journal.model import (
     Action,
     AnyEntry,
+    ApprovalMark,
     CancelEntry,
     ClaimEntry,
     CommitEntry,
@@ -856,3 +858,91 @@ def test_an_unsafe_call_alone_with_output_from_a_successor() -> None:
     j.result(charge, interrupted=True)
     j.commit("complete")
     assert only(check_step("agent", j.entries), "unsafe_started_twice").seq == started
+
+
+# ---- approvals bound to their arguments -------------------------------------------------
+
+SEND = b'{"to":"bob"}'
+EDITED = b'{"to":"billing"}'
+
+
+def _asks(j: Journal, input: bytes = SEND, *, result: bool = True) -> tuple[int, str]:
+    """A call to ``send`` that asks for approval, answered awaiting_approval."""
+    digest = call_digest("send", input)
+    seq = j._add(
+        IntentEntry, j._current, None, position=j._next(j._current), name="send",
+        input=input, safe=False, digest=digest,
+    )  # fmt: skip
+    if result:
+        j._add(ResultEntry, j._current, None, intent_seq=seq, awaiting_approval=True)
+    return seq, digest
+
+
+def _runs_approved(
+    j: Journal, seen: str, input: bytes = SEND, *, digest: str = "", edited: bool = False
+) -> int:
+    """A call to ``send`` under an approval of ``seen``, and its result."""
+    mark = ApprovalMark(call="run.agent.0.0", digest=seen, approved=True, edited=edited)
+    seq = j._add(
+        IntentEntry, j._current, None, position=j._next(j._current), name="send",
+        input=input, safe=False, digest=digest or call_digest("send", input), approval=mark,
+    )  # fmt: skip
+    j._add(ResultEntry, j._current, None, intent_seq=seq, output=b'"sent"')
+    return seq
+
+
+def _approval_journal(**run: Any) -> tuple[Journal, int]:
+    j = Journal()
+    j.claim("w1", 0)
+    _, digest = _asks(j)
+    j.commit("continue")
+    j.claim("w2", 1)
+    seq = _runs_approved(j, run.pop("seen", digest), **run)
+    j.commit("complete")
+    return j, seq
+
+
+def test_a_call_that_ran_with_the_approved_arguments_is_sound() -> None:
+    j, _ = _approval_journal()
+    assert check_step("agent", j.entries) == []
+    edited, _ = _approval_journal(input=EDITED, edited=True)
+    assert check_step("agent", edited.entries) == []
+
+
+def test_a_call_that_ran_with_other_arguments_than_approved() -> None:
+    j, seq = _approval_journal(input=EDITED)
+    finding = only(check_step("agent", j.entries), "approval")
+    assert finding.seq == seq
+    assert "but the approval was given for" in finding.message
+
+
+def test_a_digest_that_is_not_the_calls_own() -> None:
+    j, seq = _approval_journal(digest=call_digest("send", EDITED))
+    finding = only(check_step("agent", j.entries), "approval")
+    assert finding.seq == seq and "digest to" in finding.message
+
+
+def test_an_approval_no_call_asked_for() -> None:
+    j, seq = _approval_journal(seen=call_digest("send", b'{"to":"eve"}'), input=EDITED, edited=True)
+    finding = only(check_step("agent", j.entries), "approval")
+    assert finding.seq == seq and "which no call asked for" in finding.message
+
+
+def test_a_call_that_asked_for_approval_and_ran_anyway() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    seq, _ = _asks(j, result=False)
+    ran = j.result(seq)
+    j.commit("complete")
+    finding = only(check_step("agent", j.entries), "approval")
+    assert finding.seq == ran and "says it ran" in finding.message
+
+
+def test_a_call_that_asked_and_was_cut_by_a_crash_is_sound() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    seq, _ = _asks(j, result=False)
+    j.claim("w2", 0, attempt=2)
+    j.result(seq, interrupted=True)  # the claim closes it
+    j.commit("complete")
+    assert check_step("agent", j.entries) == []

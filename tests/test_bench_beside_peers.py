@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent / "bench_beside_peers.sh"
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "beside_peers.sh"
 PEER_FILES = ("run_all.sh", "bench_restate.py", "bench_nats.py", "bench_dbos.py", "summarize.py")
 
 
@@ -25,7 +25,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def test_a_missing_folder_is_refused_with_the_usage(tmp_path: Path) -> None:
     done = run(str(tmp_path / "nope"))
     assert done.returncode == 2
-    assert "usage: bench_beside_peers.sh <the peer benchmarks' folder>" in done.stderr
+    assert "usage: beside_peers.sh <the peer benchmarks' folder>" in done.stderr
 
 
 def test_a_folder_that_is_not_the_peer_benchmarks_is_refused(tmp_path: Path) -> None:
@@ -55,3 +55,14 @@ def test_a_bad_knob_is_named_and_nothing_is_written(
     assert done.returncode == 2
     assert said in done.stderr
     assert not out.exists()
+
+
+def test_every_deployment_of_the_turn_bench_is_a_row() -> None:
+    from bench.bench_turn import DEPLOYMENTS
+
+    line = next(x for x in SCRIPT.read_text().splitlines() if x.startswith("systems=("))
+    systems = line.removeprefix("systems=(").removesuffix(")").split()
+    assert {s.removeprefix("dagnats-") for s in systems if s.startswith("dagnats-")} == set(
+        DEPLOYMENTS
+    )
+    assert {"restate", "nats-always", "dbos-sqlite"} <= set(systems)

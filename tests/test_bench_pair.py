@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench_pair import counts, paired, source_roots, table
+from bench.bench_pair import counts, paired, source_roots, table, turn_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,3 +33,12 @@ def test_a_bad_pair_count_stops_naming_it() -> None:
     assert counts({"BENCH_PAIRS_THR": "0"})["thr"] == 0
     with pytest.raises(SystemExit, match="BENCH_PAIRS_SEQ"):
         counts({"BENCH_PAIRS_SEQ": "x"})
+
+
+def test_the_turn_bench_is_found_where_a_checkout_keeps_it(tmp_path: Path) -> None:
+    assert turn_module(ROOT) == "bench.bench_turn"
+    older = tmp_path / "older"
+    (older / "tests").mkdir(parents=True)
+    (older / "tests" / "bench_turn.py").write_text("")
+    assert turn_module(older) == "tests.bench_turn"
+    assert turn_module(tmp_path) is None

@@ -1,4 +1,4 @@
-"""The pure parts of ``tests/bench_scale.py`` (``make bench-scale``): its
+"""The pure parts of ``bench/bench_scale.py`` (``make bench-scale``): its
 knobs, an iteration's period from journal records, wake latencies, what a
 process holds, and the table of figures beside their baselines. No server
 and no timing: the bench itself is run by ``make bench-scale``."""
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from bench import bench_scale as bs
+from bench import bench_turn as bt
 from dagnats.journal.v1 import journal_pb2 as jpb
-from tests import bench_scale as bs
-from tests import bench_turn as bt
 
 
 def test_knobs_scale_down_and_refuse_what_cannot_be_measured() -> None:

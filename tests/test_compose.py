@@ -122,27 +122,25 @@ def test_the_nats_config_requires_tls_credentials_and_keeps_jetstream_to_the_ser
     assert "route-ca.pem" in cluster["tls"] and "/certs/ca.pem" not in cluster["tls"]
 
 
-def test_the_services_run_as_processes_of_their_own() -> None:
+def test_the_services_run_as_two_replicas_of_serve_all() -> None:
     served = {
         n: command(s).split()[2] for n, s in SERVICES.items() if "dagnats serve" in command(s)
     }
-    assert served == {
-        "engine": "engine",
-        "engine-2": "engine",
-        "journal": "journal",
-        "inputs": "inputs",
-        "gateway": "gateway",
-    }
+    assert served == {"dagnats-1": "all", "dagnats-2": "all", "gateway": "gateway"}
+    # Each replica serves the engine, the journal and the inputs service on
+    # one port: the gateway (and a worker) is given that one address.
     gateway = command(SERVICES["gateway"])
-    for flag, service, port in (("--engine", "engine", 7233), ("--journal", "journal", 7234)):
-        assert f"{flag} {service}:{port}" in gateway
-        assert f"--port {port}" in command(SERVICES[service])
-    assert "--inputs inputs:7235" in gateway and "--port 7235" in command(SERVICES["inputs"])
+    assert "--engine dagnats-1:7233" in gateway
+    assert "--journal" not in gateway and "--inputs" not in gateway
+    for replica in ("dagnats-1", "dagnats-2"):
+        assert "--port 7233" in command(SERVICES[replica])
+        assert "--metrics-port 9464" in command(SERVICES[replica])
+    assert set(SERVICES["gateway"]["depends_on"]) == {"dagnats-1", "dagnats-2"}
 
 
 def test_every_service_that_reaches_nats_has_credentials_and_tls() -> None:
     engines = [n for n, s in SERVICES.items() if "--nats" in command(s)]
-    assert engines == ["engine", "engine-2", "journal", "inputs"]
+    assert engines == ["dagnats-1", "dagnats-2"]
     for name, service in SERVICES.items():
         env = service.get("environment", {})
         if name in engines:
@@ -158,7 +156,7 @@ def test_every_service_that_reaches_nats_has_credentials_and_tls() -> None:
 
 def test_the_grpc_and_gateway_ports_are_not_open() -> None:
     for name, service in SERVICES.items():
-        if re.search(r"serve (engine|journal|inputs)\b", command(service)):
+        if re.search(r"serve (engine|journal|inputs|all)\b", command(service)):
             env = service["environment"]
             for setting in GRPC_SETTINGS:
                 assert host_path(service, env[setting]), f"{name}: {setting} is not mounted"
@@ -194,6 +192,24 @@ def test_make_certs_writes_every_file_the_compose_file_mounts(deploy: tuple[Path
             source = host_path(service, file)
             assert source is not None and source.startswith("./deploy/"), (name, file)
             assert (here / source.removeprefix("./deploy/")).is_file(), (name, file, source)
+
+
+def test_the_services_certificate_names_every_replica_the_gateway_may_dial(
+    deploy: tuple[Path, str],
+) -> None:
+    here, _ = deploy
+    cert = here / "certs" / "services" / "engine.pem"
+    shown = subprocess.run(
+        ["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(cert)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    names = set(re.findall(r"DNS:([\w.-]+)", shown))
+    replicas = {n for n, s in SERVICES.items() if re.search(r"serve (engine|all)\b", command(s))}
+    assert replicas and replicas <= names, (replicas, names)
+    dialled = re.search(r"--engine ([\w.-]+):", command(SERVICES["gateway"]))
+    assert dialled is not None and dialled.group(1) in replicas
 
 
 def test_make_certs_writes_keys_and_the_seed_for_their_owner_only(

@@ -41,8 +41,9 @@ import pytest
 from playwright.async_api import Browser, Page, Request, async_playwright, expect
 
 from tests.helpers import wait_for
-from tests.matrix import reap
+from tests.matrix import lines, reap
 from tests.stack import DevProcess, start_dev
+from tests.test_approvals import approval_worker
 from tests.workers.console_worker import FAILING, PARTIAL, REPLY, words
 
 TOKEN = "console-token-7f3a"
@@ -399,6 +400,43 @@ async def test_a_steer_input_goes_queued_placed_done_and_a_withdrawn_one_shows_w
     await shot(page, tmp_path, "inputs")
     done = (await http.get(f"/runs/{run_id}")).json()
     assert done["output"] == {"placed": ["turn left"]}
+
+
+# ---- 3b. approvals -----------------------------------------------------------------
+
+
+async def test_a_call_waiting_for_approval_shows_its_arguments_and_is_approved_from_the_page(
+    page: Page, http: httpx.AsyncClient, dev: DevProcess, tmp_path: Path
+) -> None:
+    name, task = "console-approvals", "console-approvals-task"
+    assert (await http.post("/workflows", json=loop(name, task))).status_code == 200
+    worker = approval_worker(dev.engine, task, tmp_path / "worker")
+    try:
+        await wait_for((tmp_path / "worker" / "ready").exists, timeout=30)
+        response = await http.post("/runs", json={"workflow": name, "input": "send it"})
+        run_id = response.json()["run_id"]
+        await page.goto(f"/ui/#/runs/{run_id}/steps/agent")
+        card = page.locator("#approvals-list li.approval")
+        await expect(card).to_have_count(1, timeout=WAIT)
+        await expect(card.locator(".tool")).to_have_text("send_email")
+        await expect(card).to_contain_text("bob@example.com")
+        listed = (await http.get(f"/runs/{run_id}/steps/agent/approvals")).json()["approvals"]
+        await expect(card.locator(".digest")).to_have_text(listed[0]["digest"])
+        asked = page.locator("#timeline li.k-tool_result").last
+        await expect(asked).to_contain_text("waits for approval; it did not run")
+        await shot(page, tmp_path, "approval-waiting")
+        await card.locator("button.approve").click()
+        await expect(page.locator("#approval-msg")).to_contain_text("Approved send_email")
+        await expect(page.locator("#approvals-none")).to_be_visible(timeout=WAIT)
+        await expect(page.locator("#step-end")).to_contain_text("completed", timeout=WAIT)
+        given = page.locator("#timeline .approval-given")
+        await expect(given).to_contain_text("approved by console")
+        await shot(page, tmp_path, "approval-approved")
+    finally:
+        reap(worker)
+    assert len(lines(tmp_path / "worker", "runs")) == 1
+    approvals = (await http.get(f"/runs/{run_id}/steps/agent/approvals")).json()["approvals"]
+    assert approvals == []
 
 
 # ---- 4. cancel, and the token ------------------------------------------------------

@@ -150,6 +150,24 @@ def test_every_setting_the_code_reads_is_in_the_catalogue() -> None:
     assert "DAGNATS_TASK_ACK_WAIT" in gen.variables_in_code()
 
 
+def test_the_readmes_agent_is_the_first_tutorials_handler() -> None:
+    """The README shows the handler the tutorial includes and this module runs,
+    line for line, so the landing page's agent cannot drift from one that works."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", readme, re.M | re.S)
+    assert blocks, "the README shows no Python code"
+    handler = (EXAMPLES / "first_agent.py").read_text()
+    body = handler.split("# --8<-- [start:handler]\n", 1)[1].split("# --8<-- [end:handler]", 1)[0]
+    assert blocks[0].strip() == body.strip()
+
+
+def test_every_link_of_the_readme_names_a_file_of_the_tree() -> None:
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme)
+    assert "docs/tutorial/index.md" in links
+    assert [link for link in links if not (ROOT / link).is_file()] == []
+
+
 # Tutorial 1: your first durable agent.
 
 
@@ -207,6 +225,18 @@ async def test_steering_example_waits_for_the_person_and_takes_every_input(
     assert answer == "Lisbon weather for ops / in celsius / add the sky"
 
 
+# How-to: a conversation of any length.
+
+
+async def test_long_conversation_example_stores_what_each_turn_adds(stack: LocalStack) -> None:
+    found = await load("long_conversation").main(stack.target)
+    assert found["turns"] == 300 and found["violations"] == 0
+    assert found["state"] > 6_000_000
+    # Each commit stored its turn's 20 KB (and a few snapshots while the state
+    # fit a record), not the history again: far below 300 whole states.
+    assert found["stored"] < 2 * found["state"], found
+
+
 # Tutorial 4: streaming tokens to a page.
 
 
@@ -246,3 +276,15 @@ def test_the_cli_and_the_console_name_the_address_docs_serve_serves() -> None:
     assert url in build_parser().format_help()
     console = ROOT / "services" / "gateway" / "dagnats" / "gateway" / "ui" / "index.html"
     assert f'href="{url}"' in console.read_text()
+
+
+# How-to: approve a tool call.
+
+
+async def test_approvals_example_runs_the_tool_once_the_digest_is_approved(
+    stack: LocalStack,
+) -> None:
+    approvals = load("approvals")
+    output = await approvals.main(stack.target, stack.gateway_url)
+    assert output == {"paid": 1200, "key": output["key"]}
+    assert approvals.PAID == [{"to": "acme", "cents": 1200}]

@@ -110,7 +110,7 @@ def tokens_text(*names: str) -> str:
 
 
 def replace_file(path: Path, text: str) -> None:
-    """Write a new file and rename it over the old one, as the README says."""
+    """Write a new file and rename it over the old one, as docs/how-to/deploy-secured.md says."""
     new = path.with_suffix(".new")
     new.write_text(text)
     new.replace(path)

@@ -5,7 +5,7 @@ cluster (R3), no product code: each test is the experiment behind one fact of
 ``docs/architecture.md`` ("What JetStream guarantees, and what it does not").
 If a nats-server upgrade changes one, its test fails here before the code that
 relies on it misbehaves. The fsync counts need ``strace`` and are measured by
-``python -m tests.jetstream_fsyncs`` instead.
+``python -m bench.jetstream_fsyncs`` instead.
 """
 
 from __future__ import annotations

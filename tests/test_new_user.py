@@ -1,8 +1,8 @@
 """The README's own path, as a new user walks it: ``dagnats dev`` in its own
 process with its data in a directory of its own, the ``dagnats`` command as
 a process (finding that engine through ``--data-dir``, never through
-``DAGNATS_ENGINE``), and HTTP requests shaped like the README's and the
-spec's ``curl`` lines.
+``DAGNATS_ENGINE``), and HTTP requests shaped like the ``curl`` lines of
+docs/how-to/http-api.md and the spec's.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def test_the_spec_curl_for_inputs_is_taken_as_json(dev: Dev) -> None:
     assert first.status_code == 201, first.text
     assert first.json()["content"] == {"text": "use the staging database"}
     assert dev.http.post(inputs, content=body, headers=CURL_FORM).status_code == 200
-    # No Content-Type at all, and the README's start of a run without one.
+    # No Content-Type at all, and http-api.md's start of a run without one.
     bare = dev.http.post(inputs, content=body.replace(b"msg-42", b"msg-43"))
     assert bare.status_code == 201, bare.text
     run = dev.http.post("/runs", content=b'{"workflow": "demo-agent"}', headers=CURL_FORM)

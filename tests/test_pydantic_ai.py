@@ -31,7 +31,7 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.integrations.pydantic_ai import current_tool_run, durable_agent, model_from_env, safe
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk import Client, InputMode, Worker, run_output
+from dagnats.sdk import Client, InputMode, JournalClient, Worker, run_output
 from tests.helpers import wait_for
 from tests.journal_agent import Crasher
 from tests.providers import MODEL, FakeProvider, Received, Reply
@@ -180,7 +180,11 @@ async def test_an_agent_answers_over_rounds_with_its_calls_in_the_journal(
     ]
     assert tools.keys == [f"{run.run_id}.agent.0.2", f"{run.run_id}.agent.1.2"]
     commits = [r for r in records if r.HasField("commit")]
-    state = json.loads(commits[-1].commit.state)
+    # The commit stores what the round appended; the state it makes is rebuilt
+    # from the chain (the snapshot and the deltas after it).
+    async with JournalClient(engine.target) as journal:
+        state = json.loads(await journal.state(run.run_id, "agent", at_seq=commits[-1].seq) or b"")
+    assert commits[-1].commit.HasField("state_delta"), "the last round appended to the history"
     assert state["answered"] is True and state["output"] == ANSWER
     assert [m["kind"] for m in state["messages"]] == ["request", "response"] * 3
 

@@ -16,6 +16,7 @@ from dagnats.journal.limits import MAX_PARTIAL_BYTES
 from dagnats.journal.model import (
     Action,
     AnyEntry,
+    ApprovalMark,
     CancelEntry,
     ClaimEntry,
     CommitEntry,
@@ -62,8 +63,8 @@ from dagnats.journal.replay import (
     decide_tool,
     decide_tools,
     deliveries_without_progress,
+    fenced_out_write,
     partial_output,
-    refused_write,
     restart_limit_reached,
 )
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -1051,11 +1052,11 @@ def test_a_write_refused_by_a_cancel_stores_nothing_but_a_result_of_a_seen_inten
     writer, intent = j.last.writer, j.last.seq
     cancel = engine_cancel(intent + 1)
     # A new intent, a model response, a commit: refused.
-    assert refused_write(tail=[cancel], first=cancel, writer=writer, result_for=0) == Cancelled(
+    assert fenced_out_write(tail=[cancel], first=cancel, writer=writer, result_for=0) == Cancelled(
         reason="stop"
     )
     # The result of the tool that was running: stored after the cancel.
-    assert refused_write(
+    assert fenced_out_write(
         tail=[cancel], first=cancel, writer=writer, result_for=intent
     ) == StoreAfterCancel(after=cancel.seq, cancel=cancel)
     # Sent again once stored: the one stored answers it.
@@ -1063,7 +1064,7 @@ def test_a_write_refused_by_a_cancel_stores_nothing_but_a_result_of_a_seen_inten
         ResultEntry(seq=cancel.seq + 1, iteration=0, attempt=1, writer=writer, intent_seq=intent),
         CancelEntry(seq=cancel.seq + 1, iteration=0, attempt=1, writer=writer, reason="stop"),
     ]
-    assert refused_write(
+    assert fenced_out_write(
         tail=kept, first=cancel, writer=writer, result_for=intent
     ) == StoredAfterCancel(seq=cancel.seq + 1)
 
@@ -1074,7 +1075,7 @@ def test_a_result_of_a_writer_a_successor_fenced_before_the_cancel_is_refused() 
     j.claim()  # a successor, before the cancel
     successor = j.last
     cancel = engine_cancel(successor.seq + 1)
-    decision = refused_write(tail=[cancel], first=successor, writer=writer, result_for=intent)
+    decision = fenced_out_write(tail=[cancel], first=successor, writer=writer, result_for=intent)
     assert decision == Cancelled(reason="stop")
 
 
@@ -1082,7 +1083,7 @@ def test_a_write_refused_without_a_cancel_is_fenced_as_before() -> None:
     j = J().claim().intent(p=0, name="charge")
     writer, intent = j.last.writer, j.last.seq
     j.claim()
-    assert refused_write(tail=[j.last], first=j.last, writer=writer, result_for=intent) == (
+    assert fenced_out_write(tail=[j.last], first=j.last, writer=writer, result_for=intent) == (
         FencedWrite()
     )
 
@@ -1231,11 +1232,11 @@ def test_a_second_result_of_a_group_after_a_cancel_is_stored_after_the_first() -
         ),
         copy,
     ]
-    decision = refused_write(
+    decision = fenced_out_write(
         tail=kept_first, first=cancel, writer=writer, result_for=seq, result_index=1
     )
     assert decision == StoreAfterCancel(after=seq + 2, cancel=copy)
-    again = refused_write(
+    again = fenced_out_write(
         tail=kept_first, first=cancel, writer=writer, result_for=seq, result_index=0
     )
     assert again == StoredAfterCancel(seq=seq + 2)
@@ -1259,3 +1260,66 @@ def test_a_groups_records_read_back_as_one_intent_per_call() -> None:
         (7, 1, False),
     ]
     assert [e.safe for e in found if isinstance(e, IntentEntry)] == [True, False]
+
+
+# ---- approvals: a call's approval is part of the call ---------------------------------
+
+PAY = b'{"cents": 500}'
+PAY_DIGEST = "sha256:" + "a" * 64
+
+
+def _pay(j: J, *, p: int, approval: str = "") -> IntentEntry:
+    """An intent of ``pay`` at ``p``: asking for approval, or under ``approval``."""
+    mark = (
+        ApprovalMark(call="r.agent.0.1", digest=PAY_DIGEST, approved=True, request_id=approval)
+        if approval
+        else None
+    )
+    j._add(
+        IntentEntry, position=p, name="pay", input=PAY, safe=False, digest=PAY_DIGEST,
+        approval=mark,
+    )  # fmt: skip
+    return j.last_intent
+
+
+def _asked(j: J, *, p: int) -> IntentEntry:
+    intent = _pay(j, p=p)
+    j._add(ResultEntry, intent_seq=intent.seq, awaiting_approval=True)
+    return intent
+
+
+def _under(request_id: str) -> ToolCall:
+    return ToolCall(name="pay", input=PAY, safe=False, digest=PAY_DIGEST, approval_id=request_id)
+
+
+def test_the_decided_call_runs_at_the_position_that_asked() -> None:
+    j = J().claim().model(p=0)
+    _asked(j, p=1)
+    j.claim()  # a redelivery that placed the approval the first delivery had not
+    assert decide_tool(j.of(0), attempt=1, position=1, call=_under("approval-1")) == RunNew()
+
+
+def test_the_decided_call_recorded_there_is_replayed_not_run_twice() -> None:
+    j = J().claim().model(p=0)
+    _asked(j, p=1)
+    j.claim()
+    decided = _pay(j, p=1, approval="approval-1")
+    j.claim()
+    decision = decide_tool(j.of(0), attempt=1, position=1, call=_under("approval-1"))
+    assert decision == Interrupt(intent=decided, partial="")  # started, never finished
+    result = j.claim().result(intent=decided.seq).last_result
+    decision = decide_tool(j.of(0), attempt=1, position=1, call=_under("approval-1"))
+    assert decision == UseResult(result=result)
+
+
+def test_a_call_under_another_approval_than_recorded_is_a_mismatch() -> None:
+    j = J().claim().model(p=0)
+    _asked(j, p=1)
+    j.claim()
+    _pay(j, p=1, approval="approval-1")
+    j.result()
+    j.claim()
+    decision = decide_tool(j.of(0), attempt=1, position=1, call=_under("approval-2"))
+    assert isinstance(decision, Mismatch)
+    asking = ToolCall(name="pay", input=PAY, safe=False, digest=PAY_DIGEST)
+    assert isinstance(decide_tool(j.of(0), attempt=1, position=1, call=asking), UseResult)

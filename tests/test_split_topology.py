@@ -1,4 +1,4 @@
-"""The split topology, as docker-compose runs it: the engine, the journal and
+"""The split topology: the engine, the journal and
 the inputs service each in a process of its own on one nats-server (what
 ``dagnats serve engine``, ``serve journal`` and ``serve inputs`` start), and
 a worker that dials the three over gRPC.

@@ -110,7 +110,10 @@ async def run_dev(args: argparse.Namespace) -> int:
         print(f"nats-server  {nats.url}  (data in {data / 'nats'}, sync_interval: always)")
         print(f"engine       {engine.target}  (gRPC)")
         if sessions is not None:
-            print(f"local socket {sessions}  (workers on this host find it; the README says how)")
+            print(
+                f"local socket {sessions}  (workers on this host find it; "
+                "docs/how-to/topologies.md says how)"
+            )
         else:
             print("local socket none: the data directory's path is too long for one")
         print(f"gateway      {gateway.url}  (HTTP; API at {gateway.url}/docs)")

@@ -196,7 +196,10 @@ def _commit_summary(c: pb.Commit) -> str:
         parts.append(f"error {_shorten(json.dumps(c.error))}")
     if c.output:
         parts.append(f"output {_preview(c.output)}")
-    if c.has_state:
+    if c.HasField("state_delta"):
+        d = c.state_delta
+        parts.append(f"with state delta +{len(d.tail):,} bytes after {d.keep:,}, {d.size:,} in all")
+    elif c.has_state:
         parts.append("with state")
     return " ".join(parts)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from dagnats.cli.approvals import add_approval_commands, run_approvals
 from dagnats.cli.common import (
     DEFAULT_DATA_DIR,
     DEV_FILE,
@@ -233,6 +234,7 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
     listing.add_argument("--workflow", default="")
     listing.add_argument("--status", choices=RUN_STATUSES, default=None)
     listing.add_argument("--limit", type=int, default=50)
+    add_approval_commands(sub, _with_client_options)
 
 
 # ---- output ----------------------------------------------------------------------
@@ -322,6 +324,12 @@ async def _run(args: argparse.Namespace) -> int:
                 return await _watch_stream(client, target, args.run_id, credentials(args))
             case "watch":
                 return await _watch(client, args.run_id, args.json)
+            case "approvals" | "approve" | "deny":
+                from dagnats.sdk import JournalClient
+
+                creds = credentials(args)
+                async with JournalClient(target, retry_for=RETRY_FOR, credentials=creds) as j:
+                    return await run_approvals(args, client, j)
             case "list":
                 status = (
                     pb.RunStatus.Value(f"RUN_STATUS_{args.status.upper()}") if args.status else None

@@ -361,6 +361,34 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         TIMING,
+        ("DAGNATS_STATE_MAX_BYTES",),
+        "268435456",
+        "largest state a journaled step may save (256 MiB): a commit of a larger one fails "
+        "the step at once with the state's size; the SDK and the journal service both read it",
+    ),
+    Setting(
+        TIMING,
+        ("DAGNATS_STATE_SNAPSHOT_EVERY",),
+        "64",
+        "a journaled step's commit stores its whole state (a snapshot) after this many "
+        "commits that stored only what their turn changed (deltas); the SDK reads it",
+    ),
+    Setting(
+        TIMING,
+        ("DAGNATS_STATE_SNAPSHOT_BYTES",),
+        "1048576",
+        "... or once the deltas since the last snapshot add up to this many bytes, while "
+        "the state fits one journal record (past it the chain goes on in deltas)",
+    ),
+    Setting(
+        TIMING,
+        ("DAGNATS_STATE_HELD_BYTES",),
+        "268435456",
+        "bytes of large states (over 1.5 MiB) a worker process holds for steps whose task "
+        "went back to the queue, so the dispatch that comes back reads nothing",
+    ),
+    Setting(
+        TIMING,
         ("DAGNATS_KEPT_WRITE_BATCH",),
         "16",
         "most iterations of a journaled loop on a kept task decided before the run is "

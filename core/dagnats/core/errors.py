@@ -16,6 +16,7 @@ sees a ``grpc.RpcError`` and a client gets the fields the service raised
         └── DagnatsError              root of every error raised on purpose
             ├── InvalidArgument       bad input; names the field
             │   └── RecordTooLarge    a journal record over the documented maximum
+            │       └── StateTooLarge a step's state past the state size setting
             ├── NotFound              unknown workflow, run, step, ...
             ├── Conflict              the request contradicts current state
             ├── Unavailable           transport or backend trouble; retriable
@@ -69,6 +70,13 @@ class RecordTooLarge(InvalidArgument):
     """A journal record would be larger than the journal stores; nothing was written."""
 
     code = "record_too_large"
+
+
+class StateTooLarge(RecordTooLarge):
+    """A step's state is past the state size setting (``DAGNATS_STATE_MAX_BYTES``);
+    nothing was written."""
+
+    code = "state_too_large"
 
 
 class NotFound(DagnatsError):

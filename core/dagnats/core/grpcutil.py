@@ -32,6 +32,7 @@ WireError = errors.DagnatsError | errors.Fenced | errors.RunCancelled
 STATUS_OF: dict[type[WireError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.RecordTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.StateTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.Conflict: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,

@@ -13,7 +13,12 @@ returned; its result waits to ride the commit), ``after_result`` (a result
 stored in a record of its own), ``after_group_intents`` (every intent of a
 parallel group stored, none of its calls started), ``after_group_result``
 (one result of a parallel group stored; its other calls may be running),
-``after_inputs_placed``, ``after_event`` (the
+``after_inputs_placed``,
+``after_approval_intent`` (a call needing approval stored its ask, not yet
+answered ``awaiting_approval``), ``after_approval_placed`` (the step's
+approval inputs placed by the dispatch's first call needing one, the call not
+yet made), ``approved_tool_returned`` (an approved tool returned, its result
+stored nowhere), ``after_event`` (the
 task is settled, or its commit answered, with a pending entry that rode it);
 in the journal service ``before_inputs_listed`` (a ``PlaceInputs`` writer was
 checked current, the step's inputs not yet listed), ``after_input_claimed``

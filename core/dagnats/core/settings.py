@@ -2,8 +2,8 @@
 
 A value that does not parse, or is out of range, is an ``InvalidArgument``
 naming the variable, so a service refuses to start with a clear message
-instead of a traceback or a silent default. Every setting is listed in the
-README's Settings table.
+instead of a traceback or a silent default. Every setting is listed in
+``dagnats.core.catalogue``, which the settings reference is generated from.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from dagnats.sdk._client import Client, run_output
 from dagnats.sdk._context import TaskContext
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import (
+    ApprovalPending,
     Committed,
     ConcurrentJournalUse,
     Conflict,
@@ -45,6 +46,7 @@ from dagnats.sdk._stream import TokenStream
 from dagnats.sdk._worker import Handler, Worker
 
 __all__ = [
+    "ApprovalPending",
     "Client",
     "Committed",
     "ConcurrentJournalUse",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -33,10 +34,19 @@ from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument, RecordT
 from dagnats.core.outcomes import Outcome, commit_of
 from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
+from dagnats.core.settings import env_int
+from dagnats.core.statechain import (
+    SNAPSHOT_BYTES,
+    SNAPSHOT_EVERY,
+    STATE_MAX_BYTES,
+    Chain,
+    ChainSettings,
+)
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._errors import (
+    ApprovalPending,
     Committed,
     Fenced,
     InputsQueued,
@@ -48,6 +58,8 @@ from dagnats.sdk._errors import (
 from dagnats.sdk._journal import InputMode, Journal, PlacedInput
 from dagnats.sdk._rpc import EngineRpc, Lease
 from dagnats.sdk._session import JournalSession
+from dagnats.sdk._state import HeldState, HeldStates, chain_of
+from dagnats.sdk._state import store as store_state
 
 # When the engine does not say how long a lease lasts, assume this (its default).
 ASSUMED_LEASE = 30.0
@@ -55,6 +67,19 @@ ASSUMED_LEASE = 30.0
 # A failure refused as too large for a journal record is committed again with
 # its error cut to this many bytes, and without the state.
 FAILURE_ERROR_BYTES = 16 * 1024
+
+# When a commit stores the whole state rather than what the dispatch added
+# (the state chain), and how large the state may grow.
+CHAIN_SETTINGS = ChainSettings(
+    snapshot_every=env_int("DAGNATS_STATE_SNAPSHOT_EVERY", SNAPSHOT_EVERY),
+    snapshot_bytes=env_int("DAGNATS_STATE_SNAPSHOT_BYTES", SNAPSHOT_BYTES),
+    state_max_bytes=env_int("DAGNATS_STATE_MAX_BYTES", STATE_MAX_BYTES),
+)
+# The states of steps whose task went back to the queue, held in this process
+# for the dispatch that comes back to it; only states a claim's answer would
+# not carry (a claim's answer holds up to 1.5 MiB).
+HELD_STATES = HeldStates(env_int("DAGNATS_STATE_HELD_BYTES", 256 * 1024 * 1024))
+STATE_HELD_FROM = 1536 * 1024
 
 _UNSET: Any = object()
 
@@ -101,7 +126,7 @@ class TaskContext:
         self._restart_limit = restart_limit
         self._journal: Journal | None = None
         self._session: JournalSession | None = None
-        self._state: bytes | None = None
+        self._held = HeldState(None, None)
         self._task = leased.task
         self._rpc = rpc
         self._input: Any = _UNSET
@@ -227,7 +252,7 @@ class TaskContext:
                 cancellation=self._cancellation,
                 checked_at=self._handed.checked_at,
             )
-            self._state = self._handed.state
+            self._held = self._handed.state
             await seam("after_claim")
             return self._journal
         if self._leased.HasField("journal_claim"):
@@ -239,9 +264,27 @@ class TaskContext:
         self._journal = Journal(
             self._session, claimed.token, cancellation=self._cancellation, checked_at=sent
         )
-        self._state = claimed.state if claimed.has_state else None
+        self._held = await self._claimed_state(claimed)
         await seam("after_claim")
         return self._journal
+
+    async def _claimed_state(self, claimed: jpb.Claimed) -> HeldState:
+        """The state the claim found, rebuilt by the journal from its chain:
+        in the answer, or read with ``ReadState`` when it did not fit."""
+        if not claimed.has_state:
+            return HeldState(None, None)
+        data = claimed.state
+        if claimed.state_follows:
+            held = HELD_STATES.take(self.run_id, self.step_id, claimed.token.base_seq)
+            if held is not None:
+                return held
+            request = jpb.ReadStateRequest(
+                run_id=self.run_id, step_id=self.step_id, at_seq=claimed.token.base_seq
+            )
+            data = await self._rpc.read_state(request) or b""
+        found = claimed.state_chain
+        chain = Chain(size=len(data), depth=found.depth, delta_bytes=found.chain_bytes)
+        return HeldState(data, chain)
 
     async def _claim(self) -> tuple[jpb.Claimed, float]:
         """Claim the journal (``Claim``): the answer, and when it was sent."""
@@ -289,7 +332,7 @@ class TaskContext:
                 cannot be reached.
         """
         if self._journal is not None:
-            return decode(self._state, field="state") if self._state is not None else None
+            return self._held.value()
         response = await self._rpc.load_checkpoint(
             pb.LoadCheckpointRequest(run_id=self.run_id, step_id=self.step_id), lease=self._lease
         )
@@ -308,7 +351,7 @@ class TaskContext:
         """
         data = encode(state, field="state")
         if self._journal is not None:
-            self._state = data  # saved by the commit that ends the dispatch
+            self._held.replace(data)  # saved by the commit that ends the dispatch
             return
         await self._rpc.save_checkpoint(
             pb.SaveCheckpointRequest(
@@ -316,6 +359,29 @@ class TaskContext:
             ),
             lease=self._lease,
         )
+
+    async def append_state(self, key: str, items: Sequence[Any], **fields: Any) -> None:
+        """Add ``items`` to the list at ``key`` of the state (a JSON object;
+        ``{}`` when nothing was saved) and set ``fields``: the state of a
+        conversation that grows. The commit that ends the dispatch stores
+        what was appended, not the whole state again (the state chain), and
+        the worker keeps the state in memory for the iterations it keeps.
+        :meth:`load_checkpoint` returns the state the appends built; change it
+        only through this method or :meth:`checkpoint`.
+
+        Raises:
+            InvalidArgument: the state is not a JSON object, its ``key`` is not
+                a list, or an item or field is not JSON.
+        """
+        if self._journal is not None:
+            self._held.append(key, items, fields)
+            return
+        held = HeldState(None, None)
+        state = await self.load_checkpoint()
+        if state is not None:
+            held.replace(encode(state, field="state"))
+        held.append(key, items, fields)
+        await self.checkpoint(held.value())
 
     # Settling.
 
@@ -368,6 +434,19 @@ class TaskContext:
         if self._journal is None:
             raise Conflict("place_inputs needs the journal: call await tc.journal() first")
         return await self._journal.place_inputs(mode)
+
+    async def _wait_for_approval(self, pending: ApprovalPending) -> None:
+        """End the iteration of a tool call waiting for approval: a continue
+        with the state saved so far that waits for an input, holding no worker
+        (the approval wakes it); at once, when inputs are queued already."""
+        waiting = [{"call": p.key, "digest": p.digest, "tool": p.name} for p in pending.waiting]
+        output: dict[str, Any] = {"awaiting_approval": waiting[0]}
+        if len(waiting) > 1:  # several calls of a parallel group
+            output["awaiting_approvals"] = waiting
+        try:
+            await self.continue_(output, until_input=True)
+        except InputsQueued:
+            await self.continue_(output)
 
     async def _inputs_queued(self) -> bool:
         response = await self._rpc.list_inputs(
@@ -472,9 +551,7 @@ class TaskContext:
         task.trace_context.clear()
         task.trace_context.update(nxt.trace_context)
         assert self._journal is not None  # only a journal's commit hands over
-        handed = Handover(
-            nxt.token, commit.state if commit.has_state else None, self._journal.checked_at
-        )
+        handed = Handover(nxt.token, self._held, self._journal.checked_at)
         return Kept(leased, self._lease.expires - self._lease.duration, handed)
 
     def _close(self) -> None:
@@ -511,11 +588,13 @@ class TaskContext:
                 # The commit is the state of record; the journal service
                 # answers once it is stored, then publishes its event and
                 # releases the task.
-                commit = commit_of(outcome, self._state)
+                commit = commit_of(outcome, None)
                 # Asks to keep the task for the next iteration, which the
                 # worker then runs on this lease; the journal service grants
                 # it to a continue that does not wait: the kept task.
                 try:
+                    if self._held.present:
+                        store_state(self._held, commit, CHAIN_SETTINGS)
                     nxt = await self._journal.commit(
                         commit, lease=self._leased.lease, keep_task=self._keep_task
                     )
@@ -527,6 +606,10 @@ class TaskContext:
                     # that ended the iteration before), so it goes without it.
                     commit = _small_failure(commit)
                     nxt = await self._journal.commit(commit, lease=self._leased.lease)
+                if commit.has_state and commit.action == jpb.ACTION_CONTINUE:
+                    self._held.committed(chain_of(commit), self._journal.token.last_seq)
+                    if nxt is None and len(self._held.data) > STATE_HELD_FROM:
+                        HELD_STATES.put(self.run_id, self.step_id, self._held)
                 self._next = self._kept(nxt, commit) if nxt is not None else None
             else:
                 request = self._request(pb.ReportRequest())
@@ -551,7 +634,7 @@ class Handover(NamedTuple):
     (event-loop time; see ``Journal``'s ``checked_at``)."""
 
     token: jpb.WriterToken
-    state: bytes | None
+    state: HeldState
     checked_at: float | None
 
 
@@ -586,6 +669,7 @@ def _small_failure(commit: jpb.Commit) -> jpb.Commit:
         cut = error[: FAILURE_ERROR_BYTES - 64].decode(errors="ignore")
         commit.error = f"{cut}... ({len(error):,} bytes in all)"
     commit.ClearField("state")
+    commit.ClearField("state_delta")
     commit.has_state = False
     return commit
 

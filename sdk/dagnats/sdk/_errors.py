@@ -12,6 +12,8 @@ either: the retry rules (``dagnats.sdk._rpc``) read their status.
     BaseException
     ├── RunCancelled                  the run was cancelled; the handler must stop
     │                                 (the journal refuses its writes with it)
+    ├── ApprovalPending               a tool call waits for approval; the worker
+    │                                 ends the iteration and the step waits for it
     ├── JournalSignal                 the task is settled or lost; return at once
     │   ├── Stale                     a late redelivery: a later dispatch exists
     │   ├── Committed                 this dispatch was committed before a crash
@@ -41,7 +43,8 @@ it alone: acknowledging would take the task from its successor).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import grpc
 import grpc.aio
@@ -72,6 +75,7 @@ from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.journal.v1 import journal_pb2 as jpb
 
 __all__ = [
+    "ApprovalPending",
     "Committed",
     "ConcurrentJournalUse",
     "Conflict",
@@ -93,6 +97,46 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
 ]
+
+
+class ApprovalPending(BaseException):
+    """A tool call declared ``approval=True`` waits for an approval: its intent
+    and digest are stored, and the tool did not run.
+
+    Raised through the handler to the worker, which ends the iteration with a
+    continue that waits for an input (holding no worker); the approval input
+    wakes the step, and the next iteration makes the call again and finds it.
+    A handler that settles the task itself (after saving its state) may catch it.
+
+    Attributes:
+        key: The waiting call's idempotency key (an approval names it).
+        digest: The digest of its name and arguments (an approval names it too).
+        name: The tool.
+        input: Its arguments (JSON-decoded).
+        waiting: Every call that waits, this one first: more than one for a
+            parallel group (``Journal.tools``) with several calls needing one.
+        results: For a parallel group, its results in the order of its calls
+            (``ToolResult``; the waiting ones ``awaiting_approval``), all
+            stored before this was raised; empty for a call alone.
+    """
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        digest: str,
+        name: str,
+        input: object,
+        others: Sequence[ApprovalPending] = (),
+        results: Sequence[Any] = (),
+    ) -> None:
+        super().__init__(f"tool call {key} ({name}) waits for approval of digest {digest}")
+        self.key = key
+        self.digest = digest
+        self.name = name
+        self.input = input
+        self.waiting: tuple[ApprovalPending, ...] = (self, *others)
+        self.results: tuple[Any, ...] = tuple(results)
 
 
 class PermanentError(Exception):

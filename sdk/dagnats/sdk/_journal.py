@@ -49,13 +49,15 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, assert_never, cast
 
+from dagnats.core import approvals
 from dagnats.core.errors import DagnatsError, InvalidArgument, RecordTooLarge, ReplayMismatch
 from dagnats.core.payload import decode, encode
 from dagnats.core.seam import seam
+from dagnats.core.timestamps import timestamp
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk._errors import ConcurrentJournalUse, Fenced, RunCancelled
+from dagnats.sdk._errors import ApprovalPending, ConcurrentJournalUse, Fenced, RunCancelled
 from dagnats.sdk._stream import TokenStream
 
 if TYPE_CHECKING:
@@ -78,6 +80,9 @@ class InputMode(enum.Enum):
     """Joins the current run after the next tool round."""
     FOLLOW_UP = 2
     """Starts the next turn after the agent gives a final answer."""
+    APPROVAL = 50
+    """Approves or denies a tool call that waits for approval (placed by
+    :meth:`Journal.tool` for a call declared ``approval=True``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +115,7 @@ class ToolResult:
     interrupted: bool = False
     partial: str = ""
     replayed: bool = False
+    awaiting_approval: bool = False
 
 
 @dataclass
@@ -126,6 +132,10 @@ class ToolRun:
 
 
 ToolFn = Callable[[ToolRun], Awaitable[Any]]
+
+GroupCall = tuple[ToolCall, Replay, ToolFn] | tuple[ToolCall, Replay, ToolFn, bool]
+"""One call of :meth:`Journal.tools`: ``(call, replay, fn)``, or
+``(call, replay, fn, True)`` for a call that needs approval."""
 ModelFn = Callable[[], Awaitable[Any]]
 StreamedModelFn = Callable[[TokenStream], Awaitable[Any]]
 
@@ -192,6 +202,8 @@ class Journal:
         self._loose: TokenStream | None = None  # put_stream outside a model call
         self._pending: _Pending | None = None
         self._storing: asyncio.Task[None] | None = None  # the pending entry, on its own
+        self._approvals: list[PlacedInput] | None = None  # placed by the first approval call
+        self._used_approvals: set[str] = set()
 
     @property
     def token(self) -> jpb.WriterToken:
@@ -256,7 +268,7 @@ class Journal:
             model = jpb.ModelCall(position=position, response=data)
             if model.ByteSize() <= PENDING_BYTES:
                 await seam("model_pending")  # answered, and stored nowhere yet
-                self._defer(_Pending(model=model))
+                self._hold_back(_Pending(model=model))
             else:
                 await self._send(self._record_model(model), self._advance)
                 await seam("after_model")
@@ -300,7 +312,9 @@ class Journal:
         if loose is not None:
             await loose.close()
 
-    async def tool(self, call: ToolCall, replay: Replay, fn: ToolFn) -> ToolResult:
+    async def tool(
+        self, call: ToolCall, replay: Replay, fn: ToolFn, *, approval: bool = False
+    ) -> ToolResult:
         """Run a tool call durably: intent before, result after (the result
         stored with the commit when that comes next, as :meth:`model`'s
         response is with its intent).
@@ -309,7 +323,20 @@ class Journal:
         must be JSON. An exception from ``fn`` is the tool's own error and part
         of the result; it does not stop the step.
 
+        ``approval``: the call runs only once an approver approved exactly
+        these arguments (the approval bound to its arguments). Without an
+        approval its intent is stored with the digest of its name and input,
+        and :class:`ApprovalPending` is raised: the worker ends the iteration
+        and the step waits, holding no worker, for the approval input. When
+        the next iteration makes the same call, the approval placed for its
+        digest decides: approved, the tool runs once (an unsafe call, whatever
+        ``replay`` says); approved with edited arguments, it runs with those;
+        denied, it does not run and the result's output is
+        ``{"denied": true, "reason": ...}`` for the model to read.
+
         Raises:
+            ApprovalPending: ``approval`` and no approval of these arguments
+                was placed: the call waits (see above).
             InvalidArgument: the input or the output is not JSON.
             RecordTooLarge: the output is larger than a journal record holds;
                 the call's intent is answered with that error. Unless the
@@ -317,6 +344,114 @@ class Journal:
             ReplayMismatch: a different call was recorded at this position.
             Fenced: a successor holds the step.
         """
+        if approval:
+            return await self._tool_with_approval(call, fn)
+        return await self._tool(call, replay, fn)
+
+    async def _tool_with_approval(self, call: ToolCall, fn: ToolFn) -> ToolResult:
+        """:meth:`tool` for a call that needs approval: the approval placed for
+        its digest decides, else it asks and waits (``ApprovalPending``)."""
+        call, fn, digest, mark = await self._under_approval(call, fn)
+        if mark is None:
+            t, position = self._token, self._position
+            key = f"{t.run_id}.{t.step_id}.{t.iteration}.{position}"
+            await self._tool(call, Replay.UNSAFE, fn, digest=digest)
+            raise ApprovalPending(key=key, digest=digest, name=call.name, input=call.input)
+        return await self._tool(call, Replay.UNSAFE, fn, digest=digest, approval=mark)
+
+    async def _under_approval(
+        self, call: ToolCall, fn: ToolFn
+    ) -> tuple[ToolCall, ToolFn, str, jpb.Approval | None]:
+        """How a call that needs approval is made: the call (the approver's
+        arguments, if edited), what runs (a denial's only returns it), its
+        digest, and the approval it runs under; no approval placed for its
+        digest: the call itself, which asks (no approval)."""
+        data = encode(call.input, field="input")
+        digest = approvals.call_digest(call.name, data)
+        decision, request_id = await self._approval_for(call.name, data, digest)
+        match decision:
+            case None | approvals.ApprovalRefused():
+                return call, fn, digest, None
+            case approvals.Approved() | approvals.Edited():
+                edited = isinstance(decision, approvals.Edited)
+                runs = replace(call, input=decode(decision.input, field="args"))
+
+                async def approved(run: ToolRun) -> Any:
+                    output = await fn(run)
+                    await seam("approved_tool_returned")  # ran once; its result unstored
+                    return output
+
+                mark = self._mark(decision, request_id, approved=True, edited=edited)
+                return runs, approved, decision.digest, mark
+            case approvals.Denied(reason=reason):
+
+                async def denied(_run: ToolRun) -> Any:
+                    return approvals.denial_output(reason)  # the tool does not run
+
+                mark = self._mark(decision, request_id, approved=False, edited=False)
+                return call, denied, digest, mark
+            case _:
+                assert_never(decision)
+
+    async def _approval_for(
+        self, name: str, data: bytes, digest: str
+    ) -> tuple[approvals.ApprovalDecision | None, str]:
+        """The decision of the first approval placed for ``digest`` not used yet
+        in this dispatch, and its request id; the approvals queued for the step
+        are placed by the dispatch's first call that needs one (a position of
+        its own, replayed as any placement)."""
+        if self._approvals is None:
+            self._approvals = await self.place_inputs(InputMode.APPROVAL)
+            await seam("after_approval_placed")
+        for placed in self._approvals:
+            act = approvals.act_of(placed.content)
+            if act is None or act.digest != digest or placed.request_id in self._used_approvals:
+                continue
+            edited = approvals.call_digest(name, act.input) if act.input is not None else ""
+            waiting = approvals.WaitingCall(key=act.key, name=name, input=data, digest=digest)
+            decision = approvals.decide_approval(waiting, act, edited_digest=edited)
+            if isinstance(decision, approvals.ApprovalRefused):
+                log.warning("approval %s refused: %s", placed.request_id, decision.message)
+                continue
+            self._used_approvals.add(placed.request_id)
+            return decision, placed.request_id
+        return None, ""
+
+    def _mark(
+        self,
+        decision: approvals.Approved | approvals.Edited | approvals.Denied,
+        request_id: str,
+        *,
+        approved: bool,
+        edited: bool,
+    ) -> jpb.Approval:
+        """The journal's record of ``decision``: who, when, the call and digest seen."""
+        act = next(
+            approvals.act_of(p.content) for p in self._approvals or () if p.request_id == request_id
+        )
+        assert act is not None
+        return jpb.Approval(
+            call=act.key,
+            digest=act.digest,
+            approved=approved,
+            approver=act.approver,
+            reason=act.reason,
+            decided_at=timestamp(act.decided_at),
+            request_id=request_id,
+            edited=edited,
+        )
+
+    async def _tool(
+        self,
+        call: ToolCall,
+        replay: Replay,
+        fn: ToolFn,
+        *,
+        digest: str = "",
+        approval: jpb.Approval | None = None,
+    ) -> ToolResult:
+        """:meth:`tool`; ``digest`` without ``approval``: the call asks for an
+        approval, and its intent is answered ``awaiting_approval``, nothing run."""
         with self._turn() as position:
             t = self._token
             call = replace(call, key=f"{t.run_id}.{t.step_id}.{t.iteration}.{position}")
@@ -331,7 +466,10 @@ class Journal:
                     name=call.name,
                     input=data,
                     replay=jpb.REPLAY_SAFE if replay is Replay.SAFE else jpb.REPLAY_UNSAFE,
+                    digest=digest,
                 )
+                if approval is not None:
+                    request.approval.CopyFrom(approval)
                 if pending is not None and pending.model is not None:
                     request.model.CopyFrom(pending.model)  # one record: response, then intent
                 return self._rpc.begin_tool(request)
@@ -343,12 +481,31 @@ class Journal:
             if not begin.run:
                 return _result(begin.result, replayed=True)
             await seam("after_intent")
+            if digest and approval is None:
+                return await self._awaiting(begin.intent_seq)
             return await self._run(call, begin.intent_seq, fn)
 
-    async def tools(self, calls: Sequence[tuple[ToolCall, Replay, ToolFn]]) -> list[ToolResult]:
+    async def _awaiting(self, intent_seq: int, intent_index: int = 0) -> ToolResult:
+        """Answer the intent of a call that asked for approval: it waits, nothing ran."""
+        await seam("after_approval_intent")  # asked; not yet answered awaiting
+        await self._write(
+            lambda t: self._rpc.finish_tool(
+                jpb.FinishToolRequest(
+                    token=t,
+                    intent_seq=intent_seq,
+                    intent_index=intent_index,
+                    awaiting_approval=True,
+                )
+            )
+        )
+        return ToolResult(awaiting_approval=True)
+
+    async def tools(self, calls: Sequence[GroupCall]) -> list[ToolResult]:
         """Run the tool calls of one model response concurrently, durably: a
-        parallel group. Give them in the response's order; they take that
-        many positions, in that order, whatever order they finish in.
+        parallel group. Give them in the response's order, each as
+        ``(call, replay, fn)``, or ``(call, replay, fn, True)`` for a call that
+        needs approval (as :meth:`tool` with ``approval=True``); they take
+        that many positions, in that order, whatever order they finish in.
 
         Every call's intent is stored before any call starts (in one record
         when they fit, with the response that asked for them when that is
@@ -359,6 +516,14 @@ class Journal:
         back ``interrupted``; a different group at this position (another
         count, name or input) is ``ReplayMismatch``.
 
+        A call that needs approval and has none placed for its digest asks:
+        its intent carries the digest, it is answered ``awaiting_approval``,
+        and the group's other calls run; once their results are stored,
+        :class:`ApprovalPending` is raised, naming every waiting call
+        (``waiting``) and carrying the group's results (``results``). The
+        next iteration makes the group again, and each such call finds its
+        approval (or denial) by its digest.
+
         A call's exception is its own result: the others still run. A signal
         (``Fenced``, ``RunCancelled``) or an unrecordable output stops the
         group: its running calls are cancelled, and it raises that.
@@ -367,21 +532,23 @@ class Journal:
             InvalidArgument: an input or an output is not JSON.
             RecordTooLarge: an output is larger than a journal record holds.
             ReplayMismatch: another group, or another call, is recorded here.
+            ApprovalPending: a call needs approval and has none.
             Fenced: a successor holds the step.
             RunCancelled: the run was cancelled.
         """
         if not calls:
             return []
+        made: list[_GroupMember] = []
+        for member in calls:
+            call, replay, fn = member[0], member[1], member[2]
+            if len(member) == 4 and member[-1] is True:  # the call needs approval
+                call, fn, digest, mark = await self._under_approval(call, fn)
+                made.append(_GroupMember(call, Replay.UNSAFE, fn, digest, mark))
+            else:
+                made.append(_GroupMember(call, replay, fn))
         with self._turn() as first:
             self._position += len(calls) - 1  # one position per call
-            specs = [
-                jpb.ToolCallSpec(
-                    name=call.name,
-                    input=encode(call.input, field=f"calls[{i}].input"),
-                    replay=jpb.REPLAY_SAFE if replay is Replay.SAFE else jpb.REPLAY_UNSAFE,
-                )
-                for i, (call, replay, _) in enumerate(calls)
-            ]
+            specs = [m.spec(field=f"calls[{i}].input") for i, m in enumerate(made)]
 
             def begin_tools(
                 token: jpb.WriterToken, pending: _Pending | None
@@ -396,23 +563,43 @@ class Journal:
 
             begun = await self._carrying(begin_tools, carries, self._advance)
             await seam("after_group_intents")
-            return await self._run_group(calls, begun)
+            results = await self._run_group(made, begun)
+        waiting = [
+            ApprovalPending(key=answer.key, digest=m.digest, name=m.call.name, input=m.call.input)
+            for m, answer in zip(made, begun.calls, strict=True)
+            if m.asks
+        ]
+        if waiting:
+            first_waiting, *others = waiting
+            raise ApprovalPending(
+                key=first_waiting.key,
+                digest=first_waiting.digest,
+                name=first_waiting.name,
+                input=first_waiting.input,
+                others=others,
+                results=results,
+            )
+        return results
 
     async def _run_group(
-        self, calls: Sequence[tuple[ToolCall, Replay, ToolFn]], begun: jpb.BeginToolsResponse
+        self, made: Sequence[_GroupMember], begun: jpb.BeginToolsResponse
     ) -> list[ToolResult]:
-        """Run the calls ``begun`` says to run, at once; the results in order."""
-        results: list[ToolResult | None] = [None] * len(calls)
+        """Run the calls ``begun`` says to run, at once; the results in order.
+        A call that asks for approval is answered ``awaiting_approval``."""
+        results: list[ToolResult | None] = [None] * len(made)
         running: dict[asyncio.Task[ToolResult], int] = {}
         stop = _GroupStop()
-        for i, ((call, _, fn), answer) in enumerate(zip(calls, begun.calls, strict=True)):
+        for i, (m, answer) in enumerate(zip(made, begun.calls, strict=True)):
             if not answer.run:
                 results[i] = _result(answer.result, replayed=True)
                 continue
-            keyed = replace(call, key=answer.key)
-            member = self._run(
-                keyed, answer.intent_seq, fn, intent_index=answer.intent_index, stop=stop
-            )
+            if m.asks:
+                member = self._awaiting(answer.intent_seq, answer.intent_index)
+            else:
+                keyed = replace(m.call, key=answer.key)
+                member = self._run(
+                    keyed, answer.intent_seq, m.fn, intent_index=answer.intent_index, stop=stop
+                )
             running[asyncio.ensure_future(member)] = i
         try:
             pending = set(running)
@@ -476,7 +663,7 @@ class Journal:
         )
         if stop is None and raised is None and result.ByteSize() <= PENDING_BYTES:
             await seam("result_pending")  # the tool returned; its intent is unanswered
-            self._defer(_Pending(result=result))
+            self._hold_back(_Pending(result=result))
         else:
             async with self._sending:
                 await self._store_pending()
@@ -625,7 +812,7 @@ class Journal:
 
     # ---- pending entries -------------------------------------------------------------
 
-    def _defer(self, pending: _Pending) -> None:
+    def _hold_back(self, pending: _Pending) -> None:
         """Keep ``pending`` for the next call; store it on its own if the handler
         gives the event loop a turn first."""
         self._pending = pending
@@ -819,6 +1006,33 @@ async def _answer(answer: asyncio.Future[R], call: Awaitable[R]) -> None:
             answer.set_result(result)
 
 
+@dataclass(frozen=True, slots=True)
+class _GroupMember:
+    """One call of a parallel group as it is made: with a ``digest`` and no
+    ``approval``, it asks for approval (``asks``) and runs nothing."""
+
+    call: ToolCall
+    replay: Replay
+    fn: ToolFn
+    digest: str = ""
+    approval: jpb.Approval | None = None
+
+    @property
+    def asks(self) -> bool:
+        return bool(self.digest) and self.approval is None
+
+    def spec(self, *, field: str) -> jpb.ToolCallSpec:
+        spec = jpb.ToolCallSpec(
+            name=self.call.name,
+            input=encode(self.call.input, field=field),
+            replay=jpb.REPLAY_SAFE if self.replay is Replay.SAFE else jpb.REPLAY_UNSAFE,
+            digest=self.digest,
+        )
+        if self.approval is not None:
+            spec.approval.CopyFrom(self.approval)
+        return spec
+
+
 class _GroupStop:
     """What stopped a parallel group: the signal one of its calls raised."""
 
@@ -851,4 +1065,5 @@ def _result(result: jpb.ToolResult, *, replayed: bool) -> ToolResult:
         interrupted=result.interrupted,
         partial=result.partial,
         replayed=replayed,
+        awaiting_approval=result.awaiting_approval,
     )

@@ -81,6 +81,17 @@ class JournalClient:
         """
         return await self._rpc.check_journal(pb.CheckRequest(run_id=run_id))
 
+    async def state(self, run_id: str, step_id: str, *, at_seq: int = 0) -> bytes | None:
+        """The state (JSON) of a step's commit at ``at_seq`` (0: its last
+        commit that ended an iteration), rebuilt from its snapshot and the
+        deltas after it; None when that commit carried no state.
+
+        Raises:
+            NotFound: no commit of the step at ``at_seq``.
+        """
+        request = pb.ReadStateRequest(run_id=run_id, step_id=step_id, at_seq=at_seq)
+        return await self._rpc.read_state(request)
+
     async def read(
         self,
         run_id: str,

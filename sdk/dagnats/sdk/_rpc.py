@@ -518,6 +518,20 @@ class EngineRpc:
     async def check_journal(self, request: jpb.CheckRequest) -> jpb.CheckResponse:
         return await self._call(self._journal().Check, request, idempotent=True)
 
+    async def read_state(self, request: jpb.ReadStateRequest) -> bytes | None:
+        """The state at a commit (``ReadState``), its chunks joined; None when
+        the commit carried none."""
+
+        async def read() -> bytes | None:
+            parts: list[bytes] = []
+            async for answer in self._journal().ReadState(request):
+                if not answer.has_state:
+                    return None
+                parts.append(answer.chunk)
+            return b"".join(parts)
+
+        return await self.retrying("ReadState", read, idempotent=True)
+
     def journal_stub(self) -> JournalServiceAsyncStub:
         """The journal service's stub, for streams (``Read``) a caller drives itself."""
         return self._journal()

@@ -44,7 +44,13 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk._cancels import CancelWatch
 from dagnats.sdk._context import ASSUMED_LEASE, Handover, TaskContext, describe_error
 from dagnats.sdk._credentials import Credentials
-from dagnats.sdk._errors import Fenced, JournalSignal, PermanentError, RunCancelled
+from dagnats.sdk._errors import (
+    ApprovalPending,
+    Fenced,
+    JournalSignal,
+    PermanentError,
+    RunCancelled,
+)
 from dagnats.sdk._rpc import EngineRpc
 from dagnats.sdk._session import Session
 
@@ -482,7 +488,10 @@ class Worker:
             if err is not None and not isinstance(err, RunCancelled):
                 log.warning("handler for %s raised after settling its task", tc.task_type)
             return
-        if running.cancelled():
+        if isinstance(err, ApprovalPending):
+            span.set_status(Status(StatusCode.OK))
+            await _report(tc._wait_for_approval(err))
+        elif running.cancelled():
             await _report(tc.fail("handler was cancelled"))
         elif isinstance(err, PermanentError):
             await _report(tc.fail_permanent(err, reason=err.reason))

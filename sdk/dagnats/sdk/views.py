@@ -88,6 +88,10 @@ def record_dict(record: jpb.Record) -> dict[str, Any]:
             intent["replay"] = enum_name(jpb.Replay, stored.replay)
     if kind == "commit":
         data[kind]["action"] = enum_name(jpb.Action, record.commit.action)
+        if record.commit.HasField("state_delta"):
+            # A delta's tail is the end of a JSON text, not JSON: shown as text.
+            tail = record.commit.state_delta.tail
+            data[kind]["state_delta"]["tail"] = tail.decode(errors="replace")
     if kind == "input_placed":
         data[kind]["mode"] = enum_name(ipb.Mode, record.input_placed.mode)
     return data

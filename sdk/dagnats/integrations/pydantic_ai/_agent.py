@@ -29,8 +29,9 @@ from dagnats.integrations.pydantic_ai._history import (
     load_messages,
     with_user_messages,
 )
-from dagnats.integrations.pydantic_ai._journaled import Journaled
+from dagnats.integrations.pydantic_ai._journaled import Journaled, Resume
 from dagnats.sdk import (
+    ApprovalPending,
     InputMode,
     InputsQueued,
     Journal,
@@ -52,13 +53,18 @@ class _Round:
     messages: list[ModelMessage]
     answered: bool
     output: Any = None
+    waiting: ApprovalPending | None = None  # a tool call waits for approval
+    resume: Resume | None = None  # with waiting: what the next round replays
 
     def state(self) -> dict[str, Any]:
-        return {
+        state = {
             "messages": dump_messages(self.messages),
             "answered": self.answered,
             "output": self.output,
         }
+        if self.resume is not None:
+            state["resume"] = self.resume.dump()
+        return state
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +93,7 @@ class DurableAgent:
         state = await tc.load_checkpoint()
         steer = await tc.place_inputs(InputMode.STEER)
         messages: list[ModelMessage] | None = None
+        loaded: list[ModelMessage] = []
         prompt: str | Sequence[UserContent] | None = None
         if state is None:  # the first round: the run's input is the prompt
             prompt = self.prompt(tc.input)
@@ -99,11 +106,16 @@ class DurableAgent:
                 await tc.complete(state["output"])
                 return
             # Each input is a user message of the next request, as steering is.
-            messages = with_user_messages(load_messages(state["messages"]), _texts(placed))
+            loaded = load_messages(state["messages"])
+            messages = with_user_messages(loaded, _texts(placed))
         else:  # a tool-round boundary: steering joins the pending request
-            messages = with_user_messages(load_messages(state["messages"]), _texts(steer))
-        done = await self._round(j, tc, prompt, messages)
-        await tc.checkpoint(done.state())
+            loaded = load_messages(state["messages"])
+            messages = with_user_messages(loaded, _texts(steer))
+        resume = Resume.load(state["resume"]) if state and "resume" in state else None
+        done = await self._round(j, tc, prompt, messages, resume)
+        await _save(tc, state, loaded, done)
+        if done.waiting is not None:
+            raise done.waiting  # the worker waits for the approval, holding nothing
         if not done.answered:
             await tc.continue_()
         elif self.follow_up_window is None:
@@ -120,11 +132,18 @@ class DurableAgent:
         tc: TaskContext,
         prompt: str | Sequence[UserContent] | None,
         messages: list[ModelMessage] | None,
+        resume: Resume | None = None,
     ) -> _Round:
-        """Run the agent up to its next model request after this one, or its end."""
-        parallel = self.tool_calls == "parallel"
+        """Run the agent up to its next model request after this one, or its end;
+        or until a tool call waits for approval (``resume`` replays such a
+        round's response and reuses its results)."""
+        resume = resume or Resume()
         journaled = Journaled(
-            journal=j, declared=self.replay, stream=self.stream, parallel=parallel
+            journal=j,
+            declared=self.replay,
+            stream=self.stream,
+            resume=resume,
+            parallel=self.tool_calls == "parallel",
         )
         deps = self.deps(tc) if self.deps is not None else None
         # The calls pydantic-ai starts together run as one parallel group.
@@ -141,7 +160,20 @@ class DurableAgent:
                                 messages=[*run.all_messages(), node.request], answered=False
                             )
                         asked = True
-                    node = await run.next(node)
+                    try:
+                        node = await run.next(node)
+                    except BaseException as err:
+                        waiting = _approval_in(err)
+                        if waiting is None:
+                            raise
+                        # The history up to the request the response answered:
+                        # the next round sends it again and replays the response.
+                        before = [m for m in run.all_messages() if m.kind == "request"][-1]
+                        history = run.all_messages()
+                        cut = len(history) - history[::-1].index(before)
+                        return _Round(
+                            messages=history[:cut], answered=False, waiting=waiting, resume=resume
+                        )
                 output = to_jsonable_python(node.data.output)
                 return _Round(messages=run.all_messages(), answered=True, output=output)
 
@@ -194,6 +226,43 @@ def durable_agent(
         deps=deps,
         tool_calls=tool_calls,
     )
+
+
+async def _save(tc: TaskContext, state: Any, loaded: list[ModelMessage], done: _Round) -> None:
+    """Save the round's history: as the messages it appended to the stored
+    history (the state chain stores only those), or whole when the round
+    changed a stored message (steering joins the pending request) or an
+    approval's resume point is set or cleared."""
+    stored = len(loaded)
+    resumes = done.resume is not None or (state is not None and "resume" in state)
+    if state is not None and not resumes and _extends(done.messages, loaded, state["messages"]):
+        await tc.append_state(
+            "messages",
+            dump_messages(done.messages[stored:]),
+            answered=done.answered,
+            output=done.output,
+        )
+    else:
+        await tc.checkpoint(done.state())
+
+
+def _extends(messages: list[ModelMessage], loaded: list[ModelMessage], dumped: list[Any]) -> bool:
+    """Whether ``messages`` begins with the stored history ``loaded`` (whose
+    dump is ``dumped``) unchanged: the same messages, the last one equal."""
+    if not loaded or len(messages) < len(loaded):
+        return False
+    if any(a is not b for a, b in zip(messages, loaded[:-1], strict=False)):
+        return False
+    return bool(dump_messages([messages[len(loaded) - 1]]) == dumped[-1:])
+
+
+def _approval_in(err: BaseException) -> ApprovalPending | None:
+    """The approval a tool call waits for, raised alone or in a group."""
+    if isinstance(err, ApprovalPending):
+        return err
+    if isinstance(err, BaseExceptionGroup):
+        return next((e for e in _leaves(err) if isinstance(e, ApprovalPending)), None)
+    return None
 
 
 def _texts(placed: Sequence[PlacedInput]) -> list[str]:

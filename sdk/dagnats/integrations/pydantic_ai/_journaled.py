@@ -24,18 +24,33 @@ Invariants:
   did. A tool's own error is recorded as its error and reaches the model as a
   failed tool result (``ToolFailed``); so does an interrupted call, with the
   output it reported.
+- A tool that needs approval (``requires_approval=True``, or one that raises
+  ``ApprovalRequired`` while the call is not approved) is the journal's call
+  with ``approval=True``: it asks, and the round stops with
+  ``ApprovalPending``; the round's :class:`Resume` keeps the model's response
+  and the results its calls already had, so the iteration the approval wakes
+  replays the response (no model request) and runs none of those calls again.
+  An approved call runs with ``ctx.tool_call_approved``; a denial reaches the
+  model as the tool's return, ``{"denied": true, "reason": ...}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic_ai import ModelMessagesTypeAdapter, ModelRetry, RunContext, ToolFailed
+from pydantic_ai import (
+    ApprovalRequired,
+    ModelMessagesTypeAdapter,
+    ModelRetry,
+    RunContext,
+    ToolFailed,
+)
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import (
     ModelMessage,
@@ -56,7 +71,7 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
 from pydantic_core import to_jsonable_python
 
-from dagnats.sdk import Journal, Replay, TokenStream, ToolCall, ToolResult, ToolRun
+from dagnats.sdk import ApprovalPending, Journal, Replay, TokenStream, ToolCall, ToolResult, ToolRun
 
 REPLAY_METADATA_KEY = "dagnats_replay"
 """The key of a tool's pydantic-ai ``metadata`` that declares its replay."""
@@ -123,18 +138,49 @@ def replay_of(tool: ToolsetTool[Any], declared: Mapping[str, Replay]) -> Replay:
     )
 
 
+@dataclass
+class Resume:
+    """What a round stopped for an approval hands to the iteration the
+    approval wakes: the model's response that asked (JSON, replayed instead
+    of a request), and the results its calls had already, by tool call id
+    (the journal's output of each, reused without running the tool)."""
+
+    response: Any = None  # JSON, or the ModelResponse itself until dumped
+    results: dict[str, Any] = field(default_factory=dict)
+
+    def dump(self) -> dict[str, Any]:
+        response = self.response
+        if isinstance(response, ModelResponse):
+            response = dump_response(response)
+        return {"response": response, "results": self.results}
+
+    @classmethod
+    def load(cls, data: Any) -> Resume:
+        return cls(response=data["response"], results=dict(data["results"]))
+
+
 class JournaledModel(WrapperModel):
     """A model whose every request is the journal's model call at the next
     position: a response recorded by an earlier holder is returned without a
     request. With ``stream``, the request streams and its text deltas go to
-    the step's live stream while it runs."""
+    the step's live stream while it runs. ``resume``: the first request
+    answers with its response (the round a tool's approval stopped, replayed);
+    every response is kept there, as the one the round would resume."""
 
     def __init__(
-        self, wrapped: Model, journal: Journal, *, stream: bool, calls: _ResponseCalls | None = None
+        self,
+        wrapped: Model,
+        journal: Journal,
+        *,
+        stream: bool,
+        resume: Resume | None = None,
+        calls: _ResponseCalls | None = None,
     ) -> None:
         super().__init__(wrapped)
         self._journal = journal
         self._stream = stream
+        self._resume = resume if resume is not None else Resume()
+        self._replay = self._resume.response
         self._calls = calls or _ResponseCalls()
 
     async def request(
@@ -143,6 +189,27 @@ class JournaledModel(WrapperModel):
         model_settings: ModelSettings | None,
         model_request_parameters: ModelRequestParameters,
     ) -> ModelResponse:
+        response = self._calls.of(
+            await self._request(messages, model_settings, model_request_parameters)
+        )
+        if self._resume.response is None or self._replay is None:
+            self._resume.response, self._resume.results = response, {}
+        self._replay = None
+        return response
+
+    async def _request(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+    ) -> ModelResponse:
+        if self._replay is not None:
+            saved = self._replay
+
+            async def again() -> Any:
+                return saved  # the response that asked for an approval, replayed
+
+            return load_response(await self._journal.model(again))
         if not self._stream:
 
             async def ask() -> Any:
@@ -151,7 +218,7 @@ class JournaledModel(WrapperModel):
                 )
                 return dump_response(response)
 
-            return self._calls.of(load_response(await self._journal.model(ask)))
+            return load_response(await self._journal.model(ask))
 
         async def streamed(live: TokenStream) -> Any:
             async with self.wrapped.request_stream(
@@ -162,7 +229,7 @@ class JournaledModel(WrapperModel):
                         live.put(text)
                 return dump_response(response.get())
 
-        return self._calls.of(load_response(await self._journal.streamed_model(streamed)))
+        return load_response(await self._journal.streamed_model(streamed))
 
     @asynccontextmanager
     async def request_stream(
@@ -206,14 +273,26 @@ class _ResponseCalls:
 IDLE_TURNS = 3
 
 
+@dataclass(frozen=True, slots=True)
+class _Member:
+    """A call waiting in a gathering group: its place in the response, the
+    journal's call, whether it needs approval, and where its result goes."""
+
+    order: int
+    tool_call_id: str
+    call: ToolCall
+    replay: Replay
+    fn: ToolFn
+    approval: bool
+    answer: asyncio.Future[ToolResult]
+
+
 @dataclass
 class _Gathered:
     """Tool calls pydantic-ai started together, waiting to run as one group."""
 
     expected: frozenset[str]
-    members: dict[str, tuple[int, ToolCall, Replay, ToolFn, asyncio.Future[ToolResult]]] = field(
-        default_factory=dict
-    )
+    members: dict[str, _Member] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
     stopped: bool = False  # a call was cancelled before the group started
 
@@ -234,12 +313,19 @@ class _Gatherer:
 
     journal: Journal
     calls: _ResponseCalls
+    resume: Resume = field(default_factory=Resume)
     tools: Mapping[str, ToolsetTool[Any]] = field(default_factory=dict)
     _open: _Gathered | None = None
     _turn: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def call(
-        self, tool_call_id: str, call: ToolCall, replay: Replay, fn: ToolFn
+        self,
+        tool_call_id: str,
+        call: ToolCall,
+        replay: Replay,
+        fn: ToolFn,
+        *,
+        approval: bool = False,
     ) -> ToolResult:
         loop = asyncio.get_running_loop()
         gathered = self._open
@@ -248,7 +334,9 @@ class _Gatherer:
             loop.call_soon(self._settle, gathered, 0, 0)
         answer: asyncio.Future[ToolResult] = loop.create_future()
         order = self._order(tool_call_id, len(gathered.members))
-        gathered.members[tool_call_id] = (order, call, replay, fn, answer)
+        gathered.members[tool_call_id] = _Member(
+            order, tool_call_id, call, replay, fn, approval, answer
+        )
         try:
             return await answer
         except asyncio.CancelledError:
@@ -277,7 +365,9 @@ class _Gatherer:
                 return frozenset(
                     call_id
                     for call_id, name in segment
-                    if name in self.tools and self.tools[name].tool_def.kind == "function"
+                    if name in self.tools
+                    and self.tools[name].tool_def.kind == "function"
+                    and call_id not in self.resume.results  # answered before an approval
                 )
         return frozenset({tool_call_id})
 
@@ -291,25 +381,39 @@ class _Gatherer:
         if self._open is gathered:
             self._open = None
         if gathered.stopped:
-            for *_, answer in gathered.members.values():
-                answer.cancel()
+            for member in gathered.members.values():
+                member.answer.cancel()
             return
         gathered.task = asyncio.ensure_future(self._run(gathered))
 
     async def _run(self, gathered: _Gathered) -> None:
-        members = sorted(gathered.members.values(), key=lambda m: m[0])
-        answers = [m[4] for m in members]
+        members = sorted(gathered.members.values(), key=lambda m: m.order)
+        answers = [m.answer for m in members]
         try:
             async with self._turn:  # a group gathered meanwhile runs after this one
                 if len(members) == 1:
-                    _, call, replay, fn, _ = members[0]
-                    results = [await self.journal.tool(call, replay, fn)]
+                    m = members[0]
+                    results = [await self.journal.tool(m.call, m.replay, m.fn, approval=m.approval)]
                 else:
-                    results = await self.journal.tools([(c, r, f) for _, c, r, f, _ in members])
+                    results = await self.journal.tools(
+                        [(m.call, m.replay, m.fn, m.approval) for m in members]
+                    )
         except asyncio.CancelledError:
             for answer in answers:
                 answer.cancel()
             raise
+        except ApprovalPending as waiting:
+            # The group's other calls ran, their results stored: they answer
+            # (and are kept for the round the approval wakes); the waiting
+            # calls raise it.
+            for m, result in zip(members, waiting.results, strict=False):
+                if not result.awaiting_approval:
+                    _keep(self.resume, m.tool_call_id, result)
+                    m.answer.set_result(result)
+            for answer in answers:
+                if not answer.done():
+                    answer.set_exception(waiting)
+            return
         except BaseException as err:  # a journal signal, or an error: every call raises it
             for answer in answers:
                 if not answer.done():
@@ -320,6 +424,18 @@ class _Gatherer:
                 answer.set_result(result)
 
 
+def _keep(resume: Resume, tool_call_id: str | None, result: ToolResult) -> None:
+    """Keep a call's result for the round an approval stops: the iteration the
+    approval wakes hands it to pydantic-ai without running the call again."""
+    if tool_call_id:
+        resume.results[tool_call_id] = {
+            "output": result.output,
+            "error": result.error,
+            "interrupted": result.interrupted,
+            "partial": result.partial,
+        }
+
+
 @dataclass
 class JournaledToolset(WrapperToolset[Any]):
     """The run's toolset, each call journaled with its declared replay; with
@@ -328,9 +444,20 @@ class JournaledToolset(WrapperToolset[Any]):
     journal: Journal = field(kw_only=True)
     declared: Mapping[str, Replay] = field(kw_only=True)
     gatherer: _Gatherer | None = field(default=None, kw_only=True)
+    resume: Resume = field(kw_only=True, default_factory=Resume)
+    _approved: set[str] = field(init=False, default_factory=set)
 
     async def get_tools(self, ctx: RunContext[Any]) -> dict[str, ToolsetTool[Any]]:
+        """The tools, those that need approval (``requires_approval``) turned
+        into calls the journal asks approval for, rather than pydantic-ai's
+        deferred calls."""
         tools = await super().get_tools(ctx)
+        for name, tool in tools.items():
+            if tool.tool_def.kind == "unapproved":
+                self._approved.add(name)
+                tools[name] = dataclasses.replace(
+                    tool, tool_def=dataclasses.replace(tool.tool_def, kind="function")
+                )
         if self.gatherer is not None:
             self.gatherer.tools = tools  # which calls of a response reach this toolset
         return tools
@@ -338,23 +465,69 @@ class JournaledToolset(WrapperToolset[Any]):
     async def call_tool(
         self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
     ) -> Any:
+        carried = self.resume.results.get(ctx.tool_call_id or "")
+        if carried is not None:  # ran before the round stopped for an approval
+            return _answer(name, ToolResult(**carried))
+        call = ToolCall(name=name, input=to_jsonable_python(tool_args))
+        if name in self._approved:
+            result = await self._with_approval(call, ctx, tool, tool_args)
+        else:
+            replay = replay_of(tool, self.declared)
+            result = await self._call(ctx, call, replay, self._run(ctx, tool, tool_args))
+            if result.output == {"approval_required": True}:
+                result = await self._with_approval(call, ctx, tool, tool_args)
+        _keep(self.resume, ctx.tool_call_id, result)
+        return _answer(name, result)
+
+    async def _call(
+        self,
+        ctx: RunContext[Any],
+        call: ToolCall,
+        replay: Replay,
+        fn: ToolFn,
+        *,
+        approval: bool = False,
+    ) -> ToolResult:
+        """The journal's call: with the gatherer, in the parallel group of the
+        calls pydantic-ai started with it; else alone."""
+        if self.gatherer is not None:
+            return await self.gatherer.call(
+                ctx.tool_call_id or "", call, replay, fn, approval=approval
+            )
+        return await self.journal.tool(call, replay, fn, approval=approval)
+
+    async def _with_approval(
+        self,
+        call: ToolCall,
+        ctx: RunContext[Any],
+        tool: ToolsetTool[Any],
+        tool_args: dict[str, Any],
+    ) -> ToolResult:
+        approved = dataclasses.replace(ctx, tool_call_approved=True)
+        run = self._run(approved, tool, tool_args)
+        return await self._call(ctx, call, Replay.UNSAFE, run, approval=True)
+
+    def _run(
+        self, ctx: RunContext[Any], tool: ToolsetTool[Any], tool_args: dict[str, Any]
+    ) -> Callable[[ToolRun], Awaitable[Any]]:
+        name = tool.tool_def.name
+
         async def run(journaled: ToolRun) -> Any:
+            args = tool_args
+            if journaled.call.input != to_jsonable_python(tool_args):  # the approver's edit
+                args = tool.args_validator.validate_python(journaled.call.input)
             token = _tool_run.set(journaled)
             try:
-                value = await self.wrapped.call_tool(name, tool_args, ctx, tool)
+                value = await self.wrapped.call_tool(name, args, ctx, tool)
             except ModelRetry as retry:
                 return {"retry": retry.message}
+            except ApprovalRequired:
+                return {"approval_required": True}  # asked for below, as its own call
             finally:
                 _tool_run.reset(token)
             return {"return": to_jsonable_python(value)}
 
-        call = ToolCall(name=name, input=to_jsonable_python(tool_args))
-        replay = replay_of(tool, self.declared)
-        if self.gatherer is not None:
-            result = await self.gatherer.call(ctx.tool_call_id or "", call, replay, run)
-        else:
-            result = await self.journal.tool(call, replay, run)
-        return _answer(name, result)
+        return run
 
 
 def _answer(name: str, result: ToolResult) -> Any:
@@ -373,6 +546,8 @@ def _answer(name: str, result: ToolResult) -> Any:
             raise ModelRetry(message)
         case {"return": value}:
             return value
+        case {"denied": True, "reason": str()} as denial:
+            return denial  # the approver's denial, for the model to read
     raise TypeError(f"the journal's record of {name} is not a pydantic-ai tool result")
 
 
@@ -384,13 +559,20 @@ class Journaled(AbstractCapability[Any]):
     declared: Mapping[str, Replay]
     stream: bool = False
     parallel: bool = True
+    resume: Resume = field(default_factory=Resume)
     _calls: _ResponseCalls = field(default_factory=_ResponseCalls)
 
     def get_wrapper_model(self, model: Model) -> Model | None:
-        return JournaledModel(model, self.journal, stream=self.stream, calls=self._calls)
+        return JournaledModel(
+            model, self.journal, stream=self.stream, resume=self.resume, calls=self._calls
+        )
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
-        gatherer = _Gatherer(self.journal, self._calls) if self.parallel else None
+        gatherer = _Gatherer(self.journal, self._calls, self.resume) if self.parallel else None
         return JournaledToolset(
-            toolset, journal=self.journal, declared=self.declared, gatherer=gatherer
+            toolset,
+            journal=self.journal,
+            declared=self.declared,
+            resume=self.resume,
+            gatherer=gatherer,
         )

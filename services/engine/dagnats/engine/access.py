@@ -102,6 +102,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     # The journal's readers and its audit.
     _JOURNAL + "Read": _C,
     _JOURNAL + "Check": _C,
+    _JOURNAL + "ReadState": _C,
     _JOURNAL + "WatchStream": _C,
     # Inputs: a prompt-injection path, so run control's rights.
     _INPUTS + "Submit": _C,
@@ -114,8 +115,10 @@ METHOD_ROLES: Mapping[str, Role] = {
 # client may read (``redacted_for``): whether inputs are queued for the step
 # it holds, before it waits for one (``continue_(until_input=True)``). An
 # input's content reaches a worker only through PlaceInputs, recorded in the
-# journal under the writer token of the task it holds.
-WORKER_ALSO: frozenset[str] = frozenset({_INPUTS + "List"})
+# journal under the writer token of the task it holds. And the state at a
+# commit (the state chain), which a claim whose answer could not hold the state
+# leaves to ReadState: a claim answers a worker the same state.
+WORKER_ALSO: frozenset[str] = frozenset({_INPUTS + "List", _JOURNAL + "ReadState"})
 
 
 def roles_held(roles: Iterable[Role]) -> frozenset[Role]:

@@ -1,7 +1,8 @@
 """Engine settings, with defaults a single-machine install can run on.
 
 Every setting can be given in the environment (``DAGNATS_*``, listed in
-``ENV`` and in the README's Settings table); a value that does not parse is
+``ENV`` and in ``dagnats.core.catalogue``, which the settings reference is
+generated from); a value that does not parse is
 refused at start-up, naming the variable.
 """
 

@@ -48,7 +48,7 @@ class ServicesCollector(Collector):
             events = CounterMetricFamily(
                 "dagnats_engine_events",
                 "Events the engine counted since it started, by event "
-                "(the README's Metrics section says what each means).",
+                "(docs/how-to/operate.md says what each means).",
                 labels=["event"],
             )
             for name, count in sorted(dict(engine.counters).items()):

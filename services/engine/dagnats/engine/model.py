@@ -219,7 +219,7 @@ class JournalMark:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Refused:
+class Contradicted:
     """A worker's call that the journal contradicts. ``fenced``: another holder
     owns the dispatch, or the report names no commit of it; ``stale``: the
     journal has moved past the dispatch, or it is committed already."""

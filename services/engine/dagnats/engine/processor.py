@@ -270,7 +270,7 @@ class Engine:
         nothing, and the run as stored already says that message is kept, so
         a reader knows to look in the journal."""
         step_id, kept_seq = kept
-        if self.config.kept_write_batch <= 1 or stored.record.outbox:
+        if self.config.kept_write_batch <= 1:
             return False
         if not rules.carries_kept_loop_on(run, decision, step_id, kept_seq):
             return False

@@ -62,6 +62,7 @@ from dagnats.engine.model import (
     ChildEnded,
     Completed,
     Continued,
+    Contradicted,
     Decision,
     DispatchTask,
     Dropped,
@@ -74,7 +75,6 @@ from dagnats.engine.model import (
     NotifyParent,
     Paused,
     PurgeLater,
-    Refused,
     RuleOptions,
     Run,
     RunInput,
@@ -401,7 +401,7 @@ def parked(run: Run, *, outbox: bool) -> bool:
 
 def check_journal_report(
     report: StepReport, tail: JournalMark | None, named: JournalMark | None
-) -> Refused | None:
+) -> Contradicted | None:
     """Whether the journal allows a step report; None when it does.
 
     A dispatch whose journal was claimed has one outcome, its commit: the
@@ -432,11 +432,11 @@ def check_journal_report(
                 ident.attempt,
             )
         ):
-            return _refuse(
+            return _contradict(
                 ident, tail, f"journal_seq {report.journal_seq} is no stored commit{where}"
             )
         if not _same_outcome(named.commit, report.outcome):
-            return Refused(
+            return Contradicted(
                 reason="fenced",
                 message=(
                     f"the commit at seq {named.seq} records {_describe(named.commit)}, "
@@ -446,7 +446,7 @@ def check_journal_report(
         return None
     if tail is None or (ident is not None and tail.dispatch < (ident.iteration, ident.attempt)):
         return None
-    return _refuse(
+    return _contradict(
         ident,
         tail,
         f"the dispatch{where} holds a journal: its outcome is its commit, named by journal_seq",
@@ -460,7 +460,7 @@ def check_journal_lease(
     *,
     releasing: bool = False,
     run_ended: bool = False,
-) -> Refused | None:
+) -> Contradicted | None:
     """Whether the holder of a task's lease may keep it (a heartbeat) or release
     it (``releasing``: an acknowledgement); None when it may.
 
@@ -479,7 +479,7 @@ def check_journal_lease(
     if tail.dispatch > dispatch:
         if releasing:
             return None
-        return Refused(
+        return Contradicted(
             reason="fenced",
             message=(
                 f"the journal has moved on to iteration {tail.iteration} attempt "
@@ -489,7 +489,7 @@ def check_journal_lease(
     if releasing and tail.commit is not None:
         return None  # the dispatch is committed: its task is done, whoever releases it
     if tail.delivery and tail.delivery != delivery:
-        return Refused(
+        return Contradicted(
             reason="fenced",
             message=(
                 f"delivery {tail.delivery} of this task claimed the step after delivery "
@@ -499,15 +499,17 @@ def check_journal_lease(
     return None
 
 
-def _refuse(ident: Identity | None, tail: JournalMark | None, why: str) -> Refused:
+def _contradict(ident: Identity | None, tail: JournalMark | None, why: str) -> Contradicted:
     """``stale`` when the journal is past the dispatch or committed it, else ``fenced``."""
     if ident is not None and tail is not None:
         dispatch = (ident.iteration, ident.attempt)
         if tail.dispatch > dispatch:
-            return Refused(reason="stale", message=f"{why}; the journal has moved past it")
+            return Contradicted(reason="stale", message=f"{why}; the journal has moved past it")
         if tail.dispatch == dispatch and tail.commit is not None:
-            return Refused(reason="stale", message=f"{why}; it was committed at seq {tail.seq}")
-    return Refused(reason="fenced", message=why)
+            return Contradicted(
+                reason="stale", message=f"{why}; it was committed at seq {tail.seq}"
+            )
+    return Contradicted(reason="fenced", message=why)
 
 
 def _same_outcome(a: StepOutcome, b: StepOutcome) -> bool:

@@ -499,14 +499,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         )
         # A cancelled run drops the event: nothing to check it against (the
         # step's journal ends in a cancel record, which no report names).
-        if not cancelled and await self._refused(event):
+        if not cancelled and await self._contradicted(event):
             return pb.ReportResponse(stale=True)
         await publish_outcome(self.store, lease, event)
         return pb.ReportResponse(
             cancelled=cancelled, stale=not cancelled and self._stale(stored, event)
         )
 
-    async def _refused(self, event: ipb.HistoryEvent) -> bool:
+    async def _contradicted(self, event: ipb.HistoryEvent) -> bool:
         """Check a report against the step's journal: raise ``Fenced``, or return
         True (stale: publish nothing), unless the journal allows it."""
         report = convert.event_to_input(event)
@@ -557,7 +557,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         tail = await self.journal.last_written(run_id, step_id)
         return convert.journal_mark(tail.record, tail.delivery) if tail is not None else None
 
-    def _answer(self, run_id: str, step_id: str, refused: m.Refused | None) -> bool:
+    def _answer(self, run_id: str, step_id: str, refused: m.Contradicted | None) -> bool:
         """Raise ``Fenced`` for a fenced refusal; whether the call is stale."""
         if refused is None:
             return False

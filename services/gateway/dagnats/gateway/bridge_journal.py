@@ -36,7 +36,7 @@ _MODE = {"steer": 1, "follow_up": 2}
 @router.post("/read", summary="Claim (first action), then this iteration's records and state")
 async def read(b: BackendDep, body: bm.TokenBody) -> bm.ReadResult:
     t, claimed = await ops.claim(b, BridgeToken.decode(body.token))
-    if claimed is not None and not claimed.more_from_seq:
+    if claimed is not None and not claimed.more_from_seq and not claimed.state_follows:
         records = list(claimed.records)
         state = claimed.state if claimed.has_state else None
     else:  # not claimed now, or the claim's answer held only some of the records

@@ -257,10 +257,5 @@ async def state_of(b: Backend, t: BridgeToken) -> bytes | None:
         return t.state
     if t.writer is None or not t.has_state:
         return None
-    base = t.writer.base_seq
-    async with records_from(b, t, base, limit=1) as records:
-        async for record in records:
-            if record.seq == base and record.commit.has_state:
-                return record.commit.state
-            break
-    return None
+    # Rebuilt from its chain: the base commit may store it as a delta.
+    return await b.journal.state(t.run_id, t.step_id, at_seq=t.writer.base_seq)

@@ -12,7 +12,8 @@ from dagnats.core.errors import InvalidArgument
 from dagnats.core.settings import env_file, env_seconds
 from dagnats.sdk import Credentials
 
-# Defaults a user can rely on; each is documented in the README.
+# Defaults a user can rely on; each is documented in the settings reference
+# (generated from dagnats.core.catalogue) and docs/how-to/http-api.md.
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 # The largest request body accepted, in bytes: an input's content is capped

@@ -29,7 +29,7 @@ from dagnats.core.ids import (
 )
 from dagnats.core.payload import encode
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.gateway import journal_stream, live_stream, run_watch, runs_stream
+from dagnats.gateway import approvals, journal_stream, live_stream, run_watch, runs_stream
 from dagnats.gateway.auth import api_auth
 from dagnats.gateway.backend import BackendDep
 from dagnats.inputs.rules import MAX_WAIT
@@ -37,6 +37,7 @@ from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk import InputMode
 from dagnats.sdk.views import (
     check_dict,
+    decode_payload,
     input_dict,
     record_dict,
     run_dict,
@@ -83,6 +84,30 @@ class SubmitInput(_Body):
     )
     mode: Literal["steer", "follow_up"] = "steer"
     content: Any = Field(description="any JSON value")
+
+
+class DecideApproval(_Body):
+    call: str = Field(
+        min_length=1,
+        max_length=512,
+        description="the waiting call's key: run.step.iteration.position",
+    )
+    digest: str = Field(
+        min_length=1, max_length=128, description="the digest of the call the approver saw"
+    )
+    decision: Literal["approve", "deny"]
+    reason: str = Field(default="", max_length=4096, description="a denial's reaches the model")
+    approver: str = Field(default="", max_length=256, description="who decides, as recorded")
+    args: Any = Field(
+        default=None,
+        description="edited arguments to run instead (approve only): a new digest, "
+        "approved by this act",
+    )
+    request_id: str = Field(
+        default="",
+        max_length=256,
+        description="the caller's id; a repeat returns the original (default: one per act)",
+    )
 
 
 def _run_id(run_id: str) -> str:
@@ -300,6 +325,52 @@ async def submit_input(
     return JSONResponse(input_dict(item), status_code=201 if created else 200)
 
 
+@router.get(
+    "/runs/{run_id}/steps/{step_id}/approvals",
+    tags=["approvals"],
+    summary="List the tool calls waiting for approval, with their arguments",
+)
+async def list_approvals(b: BackendDep, run_id: ValidRun, step_id: ValidStep) -> dict[str, Any]:
+    await _require_step(b, run_id, step_id)
+    return {"approvals": await approvals.waiting(b.journal, run_id, step_id)}
+
+
+@router.post(
+    "/runs/{run_id}/steps/{step_id}/approvals",
+    tags=["approvals"],
+    summary="Approve or deny a tool call waiting for approval",
+    description=(
+        "The approval is bound to the call's arguments: `digest` must be the digest of "
+        "the waiting call (as listed), else the answer is 409 with the reason and nothing "
+        "changes. `args` approves edited arguments instead. The decision reaches the step "
+        "as an input of mode `approval` and is recorded in its journal when the call runs."
+    ),
+    status_code=201,
+    responses={200: {"description": "a repeat of the request_id; the original is returned"}},
+)
+async def decide_approval(
+    b: BackendDep, run_id: ValidRun, step_id: ValidStep, body: DecideApproval
+) -> JSONResponse:
+    act = approvals.act(
+        run_id,
+        step_id,
+        call=body.call,
+        digest=body.digest,
+        approve=body.decision == "approve",
+        approver=body.approver,
+        reason=body.reason,
+        args=body.args,
+        edited="args" in body.model_fields_set and body.args is not None,
+    )
+    if body.request_id:
+        check_request_id(body.request_id)
+    await _require_step(b, run_id, step_id)
+    decided = await approvals.decide(
+        b.client, b.journal, run_id, step_id, act, request_id=body.request_id
+    )
+    return JSONResponse(decided.to_dict(), status_code=201 if decided.created else 200)
+
+
 @router.get("/runs/{run_id}/steps/{step_id}/inputs", tags=["inputs"], summary="List inputs")
 async def list_inputs(b: BackendDep, run_id: ValidRun, step_id: ValidStep) -> dict[str, Any]:
     await _require_step(b, run_id, step_id)
@@ -402,6 +473,31 @@ async def read_journal(
             break
     next_from = records[-1]["seq"] + 1 if records else from_
     return JSONResponse({"records": records, "next": int(next_from)})
+
+
+@router.get(
+    "/runs/{run_id}/steps/{step_id}/state",
+    tags=["journal"],
+    summary="A step's state at a commit",
+    description=(
+        "The state of record a step's commit stored, rebuilt from its chain: a commit "
+        "stores the state whole (`state`) or as a delta against the commit before it "
+        "(`state_delta`: the first `keep` bytes of that state, then `tail`). `at` is the "
+        "commit's sequence; 0 (the default) is the step's last commit that ended an "
+        "iteration. Answers `seq`, `has_state` and `state` (null without one)."
+    ),
+)
+async def read_state(
+    b: BackendDep,
+    run_id: ValidRun,
+    step_id: ValidStep,
+    at: Annotated[int, Query(description=f"a commit's sequence, 0 to {MAX_SEQ}")] = 0,
+) -> JSONResponse:
+    check_seq(at, field="at")
+    await _require_step(b, run_id, step_id)
+    state = await b.journal.state(run_id, step_id, at_seq=at)
+    found = decode_payload(state) if state is not None else None
+    return JSONResponse({"seq": at, "has_state": state is not None, "state": found})
 
 
 _STREAM_EVENT_ID = re.compile(

@@ -9,7 +9,11 @@ from dagnats.inputs import rules
 from dagnats.inputs.rules import InputState, Mode, Status
 from dagnats.inputs.v1 import inputs_pb2 as pb
 
-_MODE = {pb.MODE_STEER: Mode.STEER, pb.MODE_FOLLOW_UP: Mode.FOLLOW_UP}
+_MODE = {
+    pb.MODE_STEER: Mode.STEER,
+    pb.MODE_FOLLOW_UP: Mode.FOLLOW_UP,
+    pb.MODE_APPROVAL: Mode.APPROVAL,
+}
 MODE_TO_PROTO = {v: k for k, v in _MODE.items()}
 _STATUS = {
     pb.STATUS_QUEUED: Status.QUEUED,

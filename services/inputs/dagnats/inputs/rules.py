@@ -65,6 +65,8 @@ class Mode(enum.Enum):
 
     STEER = "steer"
     FOLLOW_UP = "follow_up"
+    APPROVAL = "approval"
+    """An approval or denial of a tool call (its content names the call)."""
 
 
 class Status(enum.Enum):

@@ -43,6 +43,13 @@ Invariants, named by the rule a violation reports:
   ``interrupted`` (an honoured intent is a new intent, answered by its own writer).
 * ``input_placed_twice``: no input is placed twice (copies carried into a
   retry attempt excepted).
+* ``approval``: every call that ran under an approval ran with the approved
+  arguments: its digest is the digest of its name and input; the approval
+  names the digest of a call that asked for approval before it (the one the
+  approver saw), and that digest is the intent's own unless the approver
+  edited the arguments. A call that asked for approval never ran: its results
+  are ``awaiting_approval`` (or ``interrupted``, a crash before that was
+  stored), and an ``awaiting_approval`` result answers only such a call.
 * ``iteration_count``: the engine's iteration count of the step equals the
   number of continue commits. When the step is still running or was
   cancelled, the newest commit may be a continue whose event the engine has
@@ -58,6 +65,12 @@ Invariants, named by the rule a violation reports:
   continue commit of iteration ``n - 1``, and shows its output. A failed or
   cancelled step is not compared: the engine also ends steps on its own
   (timeouts, loop bounds, a cancel).
+* ``state_chain``: a commit that stores its state as a delta (the state
+  chain) applies to the state of its base commit (the commit that ended the
+  iteration before it): that commit carries a state, the delta keeps no more
+  of it than it holds, makes the size it says, and stands one further from
+  the snapshot; and the state the last commit makes is JSON. A base before
+  the first record the step still holds (retention) is not checked.
 
 Findings come in sequence order; findings that name no record (seq 0) last.
 A broken record is reported once per invariant it breaks: a duplicate commit
@@ -66,10 +79,14 @@ is a ``commit_count`` finding once, not again as a record after a commit.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar, assert_never
 
+from dagnats.core.approvals import call_digest
+from dagnats.core.errors import InvalidArgument
+from dagnats.core.statechain import ChainBroken, Rebuilt, StoredDelta, rebuild
 from dagnats.journal.model import (
     Action,
     AnyEntry,
@@ -93,8 +110,10 @@ Rule = Literal[
     "group_order",
     "unsafe_started_twice",
     "input_placed_twice",
+    "approval",
     "iteration_count",
     "outcome",
+    "state_chain",
 ]
 
 
@@ -175,6 +194,8 @@ def check_step(
         *_groups(records),
         *_unsafe_starts(records),
         *_placements(records),
+        *_state_chain(records),
+        *_approvals(records),
     ]
     if engine_iterations is not None:
         after = engine_iterations if engine_iterations_after is None else engine_iterations_after
@@ -246,6 +267,90 @@ def _chain(records: Sequence[AnyEntry]) -> Iterator[_Found]:
                 )
             yield r.seq, "chain", f"seq {r.seq} ({_kind(r)}) {why}"
         previous = r.seq
+
+
+# ---- the state chain -----------------------------------------------------------------
+
+
+def _state_chain(records: Sequence[AnyEntry]) -> Iterator[_Found]:
+    commits = {r.seq: r for r in records if isinstance(r, CommitEntry)}
+    chains: dict[int, tuple[int, int]] = {}  # a commit's seq -> its state's size, depth
+    first = records[0].seq if records else 0
+    last: CommitEntry | None = None
+    for c in commits.values():
+        if not c.has_state:
+            continue
+        if c.ends_iteration:
+            last = c
+        if c.state_delta is None:
+            chains[c.seq] = (len(c.state), 0)
+            continue
+        found = _applies(c, commits.get(c.base_seq), chains, first)
+        if found is not None:
+            yield c.seq, "state_chain", f"the commit at seq {c.seq} {found}"
+        chains[c.seq] = (c.state_delta.size, c.state_delta.depth)
+    if last is not None and last.state_delta is not None and _whole_chain(last, commits):
+        state = _state(last, commits)
+        if state is not None and not _is_json(state):
+            yield last.seq, "state_chain", f"the state at seq {last.seq} is not JSON"
+
+
+def _applies(
+    c: CommitEntry,
+    base: CommitEntry | None,
+    chains: Mapping[int, tuple[int, int]],
+    first: int,
+) -> str | None:
+    """Why ``c``'s delta does not apply to its base commit's state; None when it does."""
+    assert c.state_delta is not None
+    if base is None and c.base_seq < first:
+        return None  # the base went with the records retention removed
+    if base is None or not base.has_state or base.seq not in chains:
+        return f"stores a delta on seq {c.base_seq}, which holds no state"
+    size, depth = chains[base.seq]
+    d = c.state_delta
+    if d.delta.keep > size:
+        return f"keeps {d.delta.keep:,} bytes of the {size:,} of the state at seq {base.seq}"
+    if d.delta.size != d.size:
+        return f"makes {d.delta.size:,} bytes of state, but says {d.size:,}"
+    if d.depth != depth + 1:
+        return f"says it is delta {d.depth} after its snapshot, but it is delta {depth + 1}"
+    return None
+
+
+def _whole_chain(c: CommitEntry, commits: Mapping[int, CommitEntry]) -> bool:
+    """Whether every commit of ``c``'s chain back to its snapshot is held."""
+    while c.state_delta is not None:
+        base = commits.get(c.base_seq)
+        if base is None or not base.has_state:
+            return False
+        c = base
+    return True
+
+
+def _state(c: CommitEntry, commits: Mapping[int, CommitEntry]) -> bytes | None:
+    """The state ``c`` makes, rebuilt from its snapshot; None when its chain
+    does not apply (reported on the delta that breaks it)."""
+    deltas: list[StoredDelta] = []
+    while c.state_delta is not None:
+        deltas.append(c.state_delta)
+        c = commits[c.base_seq]
+    result = rebuild(c.state, deltas[::-1])
+    match result:
+        case Rebuilt(state=state):
+            return state
+        case ChainBroken():
+            return None
+        case _:
+            assert_never(result)
+
+
+def _is_json(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
 
 
 # ---- fencing -----------------------------------------------------------------------
@@ -556,6 +661,68 @@ def _placements(records: Sequence[AnyEntry]) -> list[tuple[int, Rule, str]]:
         else:
             first[r.request_id] = r.seq
     return found
+
+
+def _approvals(records: Sequence[AnyEntry]) -> Iterator[_Found]:
+    asked: list[IntentEntry] = []
+    intents = {r.seq: r for r in records if isinstance(r, IntentEntry)}
+    for r in records:
+        if isinstance(r, IntentEntry) and r.digest:
+            yield from _approved_arguments(r, asked)
+            if r.asks_approval:
+                asked.append(r)
+        elif isinstance(r, ResultEntry):
+            intent = intents.get(r.intent_seq)
+            if intent is None:
+                continue  # an orphan_result
+            if intent.asks_approval and not (r.awaiting_approval or r.interrupted):
+                yield (
+                    r.seq,
+                    "approval",
+                    f"tool {intent.name!r} at seq {intent.seq} asked for approval, but the "
+                    f"result at seq {r.seq} says it ran",
+                )
+            if r.awaiting_approval and not intent.asks_approval:
+                yield (
+                    r.seq,
+                    "approval",
+                    f"the result at seq {r.seq} awaits approval, but the intent at seq "
+                    f"{intent.seq} did not ask for one",
+                )
+
+
+def _approved_arguments(intent: IntentEntry, asked: Sequence[IntentEntry]) -> Iterator[_Found]:
+    """The finding on one intent with a digest, if any: it binds its
+    arguments, and one under an approval ran with what the approver approved."""
+    try:
+        digest = call_digest(intent.name, intent.input)
+    except InvalidArgument:
+        digest = "(input is not JSON)"
+    if digest != intent.digest:
+        yield (
+            intent.seq,
+            "approval",
+            f"tool intent {intent.name!r} at seq {intent.seq} has digest {intent.digest}, "
+            f"but its name and input digest to {digest}",
+        )
+        return  # one finding per record and rule
+    approval = intent.approval
+    if approval is None:
+        return
+    if not any(a.digest == approval.digest for a in asked):
+        yield (
+            intent.seq,
+            "approval",
+            f"tool intent {intent.name!r} at seq {intent.seq} runs under an approval of "
+            f"digest {approval.digest}, which no call asked for before it",
+        )
+    elif not approval.edited and approval.digest != intent.digest:
+        yield (
+            intent.seq,
+            "approval",
+            f"tool intent {intent.name!r} at seq {intent.seq} ran with digest {intent.digest}, "
+            f"but the approval was given for {approval.digest}",
+        )
 
 
 def _kind(r: AnyEntry) -> str:

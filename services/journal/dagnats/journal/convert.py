@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from dagnats.core.statechain import Delta, StoredDelta
 from dagnats.journal import model as jm
 from dagnats.journal.v1 import journal_pb2 as pb
 
@@ -69,6 +70,8 @@ def _intent_fields(i: pb.ToolIntent) -> dict[str, Any]:
         "safe": i.replay == pb.REPLAY_SAFE,
         "honours_seq": i.honours_seq,
         "honours_index": i.honours_index,
+        "digest": i.digest,
+        "approval": approval_mark(i.approval) if i.HasField("approval") else None,
     }
 
 
@@ -96,7 +99,21 @@ def _result_fields(r: pb.ToolResult) -> dict[str, Any]:
         "interrupted": r.interrupted,
         "partial": r.partial,
         "intent_index": r.intent_index,
+        "awaiting_approval": r.awaiting_approval,
     }
+
+
+def approval_mark(a: pb.Approval) -> jm.ApprovalMark:
+    return jm.ApprovalMark(
+        call=a.call,
+        digest=a.digest,
+        approved=a.approved,
+        approver=a.approver,
+        reason=a.reason,
+        decided_at=a.decided_at.ToNanoseconds() / 1e9,
+        request_id=a.request_id,
+        edited=a.edited,
+    )
 
 
 def entry(record: pb.Record) -> jm.AnyEntry:
@@ -126,6 +143,7 @@ def entry(record: pb.Record) -> jm.AnyEntry:
             action=_ACTION.get(c.action, jm.Action.FAIL),
             state=c.state,
             has_state=c.has_state,
+            state_delta=stored_delta(c) if c.HasField("state_delta") else None,
             output=c.output,
             error=c.error,
             reason=c.reason,
@@ -148,6 +166,12 @@ def entry(record: pb.Record) -> jm.AnyEntry:
     raise ValueError(f"record {record.seq} has no kind")
 
 
+def stored_delta(c: pb.Commit) -> StoredDelta:
+    """The state delta ``c`` stores (the state chain), as the rules read it."""
+    d = c.state_delta
+    return StoredDelta(delta=Delta(keep=d.keep, tail=d.tail), size=d.size, depth=d.depth)
+
+
 def result_to_proto(result: jm.ResultEntry) -> pb.ToolResult:
     return pb.ToolResult(
         intent_seq=result.intent_seq,
@@ -156,6 +180,7 @@ def result_to_proto(result: jm.ResultEntry) -> pb.ToolResult:
         interrupted=result.interrupted,
         partial=result.partial,
         intent_index=result.intent_index,
+        awaiting_approval=result.awaiting_approval,
     )
 
 
@@ -174,6 +199,7 @@ def largest_part(record: pb.Record) -> tuple[str, int]:
     size: what to tell the writer of a record too large to store."""
     parts = [
         ("the state", record.commit.state),
+        ("the state", record.commit.state_delta.tail),
         ("the step's output", record.commit.output),
         ("the tool's output", record.tool_result.output),
         ("the tool's output", record.leading_tool_result.output),

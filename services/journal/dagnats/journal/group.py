@@ -53,7 +53,13 @@ class ParallelGroups:
     ) -> pb.BeginToolsResponse:
         """Decide and begin the group of ``request`` (checked) for a writer."""
         calls = [
-            jm.ToolCall(name=c.name, input=c.input, safe=c.replay == pb.REPLAY_SAFE)
+            jm.ToolCall(
+                name=c.name,
+                input=c.input,
+                safe=c.replay == pb.REPLAY_SAFE,
+                digest=c.digest,
+                approval_id=c.approval.request_id if c.HasField("approval") else "",
+            )
             for c in request.calls
         ]
         entries = await self._writer.snapshot(token)
@@ -140,7 +146,10 @@ class ParallelGroups:
                     name=spec.name,
                     input=spec.input,
                     replay=spec.replay or pb.REPLAY_UNSAFE,
+                    digest=spec.digest,
                 )
+                if spec.HasField("approval"):
+                    intent.approval.CopyFrom(spec.approval)
                 if isinstance(decision, replay.Honour):
                     intent.honours_seq, intent.honours_index = decision.earlier.ref
                 new.append((i, intent))

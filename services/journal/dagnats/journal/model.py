@@ -14,6 +14,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from dagnats.core.statechain import StoredDelta
+
 
 class Action(enum.Enum):
     CONTINUE = "continue"
@@ -59,7 +61,25 @@ class ModelEntry(Entry):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ApprovalMark:
+    """An approver's decision carried by the intent it lets run (or denies):
+    the waiting call they named (``call``), the digest they saw, who, when."""
+
+    call: str
+    digest: str
+    approved: bool
+    approver: str = ""
+    reason: str = ""
+    decided_at: float = 0.0
+    request_id: str = ""
+    edited: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class IntentEntry(Entry):
+    """A tool intent. ``digest``: of a tool that needs approval (its name and
+    input); ``approval``: the decision it runs under, None while it asks."""
+
     position: int
     name: str
     input: bytes
@@ -69,6 +89,8 @@ class IntentEntry(Entry):
     index: int = 0
     group_size: int = 0
     group_position: int = 0
+    digest: str = ""
+    approval: ApprovalMark | None = None
 
     @property
     def ref(self) -> tuple[int, int]:
@@ -80,6 +102,11 @@ class IntentEntry(Entry):
     def in_group(self) -> bool:
         """Part of a parallel group (``group_size`` calls from ``group_position``)."""
         return self.group_size > 0
+
+    @property
+    def asks_approval(self) -> bool:
+        """Whether this intent asks for an approval and waits (it runs nothing)."""
+        return bool(self.digest) and self.approval is None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +128,7 @@ class ResultEntry(Entry):
     interrupted: bool = False
     partial: str = ""
     intent_index: int = 0
+    awaiting_approval: bool = False
 
     @property
     def intent_ref(self) -> tuple[int, int]:
@@ -113,6 +141,8 @@ class CommitEntry(Entry):
     action: Action
     state: bytes = b""
     has_state: bool = False
+    # With has_state: the state as a delta against the base commit's (the state chain).
+    state_delta: StoredDelta | None = None
     output: bytes = b""
     error: str = ""
     reason: str = ""
@@ -164,3 +194,18 @@ class ToolCall:
     name: str
     input: bytes
     safe: bool
+    digest: str = ""
+    approval_id: str = ""
+    """The request id of the approval the call runs under; empty for a call
+    that asks for one, or needs none."""
+
+    def same_as(self, intent: IntentEntry) -> bool:
+        """Whether ``intent`` records this call: the same tool and input, and
+        the same approval (a call that asks for one, a call under one)."""
+        approval_id = intent.approval.request_id if intent.approval is not None else ""
+        return (intent.name, intent.input, intent.digest, approval_id) == (
+            self.name,
+            self.input,
+            self.digest,
+            self.approval_id,
+        )

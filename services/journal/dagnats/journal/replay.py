@@ -56,6 +56,10 @@ place-inputs calls share one position counter):
   current declaration are both safe; otherwise the call gets an
   ``interrupted`` result carrying the partial output the holder wrote.
 * A different call at a recorded position is ``Mismatch``; nothing is written.
+  A call's approval is part of the call (a call that asks for one, a call
+  under one, and which approval); but a call under an approval at a position
+  that recorded the same call asking for one is its decision: ``RunNew`` there
+  (a redelivery placed the approval its earlier delivery had not).
 * At or past ``replay_positions`` of the claim's records, nothing is
   recorded: a model call there is ``CallModel`` whatever the attempt.
 * A new attempt (an engine retry) runs model calls and safe tools fresh, but a
@@ -63,7 +67,7 @@ place-inputs calls share one position counter):
   honours it: the earlier result (or ``interrupted``) is used and the tool is
   not started. Each earlier intent is honoured at most once.
 
-Cancellation (``cancel_of``, ``refused_write``): the engine appends a
+Cancellation (``cancel_of``, ``fenced_out_write``): the engine appends a
 cancel record to the journal of each step its run's end stopped, whatever the
 tail, before the cancel is answered; from then on the tail is always a cancel:
 
@@ -577,7 +581,7 @@ def decide_tool(
     """A tool call at ``position`` of ``attempt``; ``honoured`` lists earlier
     intents this writer honoured already (they are not in ``records``), and
     ``honoured_members`` those of parallel groups (``IntentEntry.ref``)."""
-    at = _at(records, attempt, position)
+    at = _at(records, attempt, position, call)
     if isinstance(at, ModelEntry):
         return Mismatch(reason=f"position {position} recorded a model call, not tool {call.name!r}")
     if isinstance(at, IntentEntry) and at.in_group:
@@ -588,7 +592,9 @@ def decide_tool(
             )
         )
     if isinstance(at, IntentEntry):
-        if (at.name, at.input) != (call.name, call.input):
+        if _decides_the_ask(records, at, call):
+            return RunNew()  # the approved (or denied) call, at the position that asked
+        if not call.same_as(at):
             return Mismatch(
                 reason=(
                     f"position {position} recorded tool {at.name!r} with other input; "
@@ -604,14 +610,39 @@ def decide_tool(
     return RunNew()
 
 
-def _at(records: Sequence[AnyEntry], attempt: int, position: int) -> AnyEntry | None:
-    for r in records:
-        if isinstance(r, ModelEntry | IntentEntry) and (r.attempt, r.position) == (
-            attempt,
-            position,
-        ):
-            return r
-    return None
+def _at(
+    records: Sequence[AnyEntry], attempt: int, position: int, call: ToolCall | None = None
+) -> AnyEntry | None:
+    """The call recorded at ``position``: the intent that records ``call``
+    when one does (a position that asked for approval holds the decided call
+    after the ask), else the first."""
+    found = [
+        r
+        for r in records
+        if isinstance(r, ModelEntry | IntentEntry)
+        and (r.attempt, r.position) == (attempt, position)
+    ]
+    same = [r for r in found if isinstance(r, IntentEntry) and call is not None and call.same_as(r)]
+    return (same or found or [None])[0]
+
+
+def _decides_the_ask(records: Sequence[AnyEntry], at: IntentEntry, call: ToolCall) -> bool:
+    """Whether ``call`` is the decision on the ask recorded at its position:
+    the same tool, input and digest, now under an approval, and no decision
+    recorded there yet (one position is decided once). A redelivery that placed
+    the approval the delivery before it had not yet gets it there."""
+    decided = any(
+        isinstance(r, IntentEntry)
+        and r.approval is not None
+        and (r.attempt, r.position) == (at.attempt, at.position)
+        for r in records
+    )
+    return (
+        at.asks_approval
+        and not decided
+        and bool(call.approval_id)
+        and (at.name, at.input, at.digest) == (call.name, call.input, call.digest)
+    )
 
 
 def _refs(honoured: Collection[int], members: Collection[tuple[int, int]]) -> set[tuple[int, int]]:
@@ -654,7 +685,7 @@ def _honourable(
             and r.attempt < attempt
             and not r.safe
             and r.honours_seq == 0
-            and (r.name, r.input) == (call.name, call.input)
+            and call.same_as(r)
             and r.ref not in used
         ):
             return r
@@ -703,7 +734,7 @@ def decide_tools(
     used = _refs(honoured, honoured_members)
     for i, call in enumerate(calls):
         here = position + i
-        at = _at(records, attempt, here)
+        at = _at(records, attempt, here, call)
         if at is None:
             earlier = _honourable(records, attempt, call, used)
             if earlier is None:
@@ -717,6 +748,16 @@ def decide_tools(
         if (mismatch := _group_mismatch(at, here, position, calls)) is not None:
             return mismatch
         assert isinstance(at, IntentEntry)
+        if _decides_the_ask(records, at, call):
+            decided.append(RunNew())  # the approved (or denied) call, where it asked
+            continue
+        if not call.same_as(at):
+            return Mismatch(
+                reason=(
+                    f"position {here} recorded tool {at.name!r} under another approval; "
+                    f"the handler now calls {call.name!r}"
+                )
+            )
         decision = _recorded(records, at, call)
         assert not isinstance(decision, Mismatch | Honour | RunNew)
         decided.append(decision)
@@ -786,7 +827,7 @@ def cancel_of(tail: Sequence[AnyEntry]) -> Cancelled | None:
     return None
 
 
-def refused_write(
+def fenced_out_write(
     *,
     tail: Sequence[AnyEntry],
     first: AnyEntry | None,
@@ -853,3 +894,57 @@ def why_fenced(
         if reason == "fenced":
             seen = reason
     return seen
+
+
+# ---- approvals ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AskedCall:
+    """A tool call that asked for approval (an intent with a digest and no
+    approval): its key, as an approver names it, and what it would run.
+    ``decided``: the intent that ran (or was denied) under an approval given
+    for its digest after it asked, if one did."""
+
+    key: str
+    intent: IntentEntry
+    decided: IntentEntry | None = None
+
+
+def call_key(run_id: str, step_id: str, intent: IntentEntry) -> str:
+    """The idempotency key of the call ``intent`` records."""
+    return f"{run_id}.{step_id}.{intent.iteration}.{intent.position}"
+
+
+def asked_calls(run_id: str, step_id: str, records: Sequence[AnyEntry]) -> list[AskedCall]:
+    """Every call of the step that asked for approval, in order, each with the
+    decision that followed it: the first intent after it carrying an approval
+    of its digest (the approver may have named this key, or a later ask of the
+    same call after a retry; the digest binds them all)."""
+    asked: list[AskedCall] = []
+    for r in records:
+        if isinstance(r, IntentEntry) and r.asks_approval and not r.honours_seq:
+            decided = next(
+                (
+                    d
+                    for d in records
+                    if isinstance(d, IntentEntry)
+                    and d.seq > r.seq
+                    and d.approval is not None
+                    and d.approval.digest == r.digest
+                ),
+                None,
+            )
+            asked.append(AskedCall(key=call_key(run_id, step_id, r), intent=r, decided=decided))
+    return asked
+
+
+def waiting_calls(run_id: str, step_id: str, records: Sequence[AnyEntry]) -> list[AskedCall]:
+    """The calls that wait for approval now: asked and not decided, the newest
+    ask of each digest only (a call asked again by a later iteration waits
+    under its newest key; an approval of an older one still applies)."""
+    newest: dict[str, AskedCall] = {}
+    for call in asked_calls(run_id, step_id, records):
+        if call.decided is None:
+            newest[call.intent.digest] = call
+    return sorted(newest.values(), key=lambda c: c.intent.seq)

@@ -20,15 +20,16 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, assert_never
 
-from dagnats.core import errors
+from dagnats.core import errors, statechain
+from dagnats.core.approvals import call_digest, is_digest
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
 from dagnats.core.ids import check_lease, check_run_id, check_token, check_worker_id
 from dagnats.core.payload import check_json
 from dagnats.core.seam import seam
-from dagnats.core.settings import env_seconds
+from dagnats.core.settings import env_int, env_seconds
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.inputs.store import InputStore
-from dagnats.journal import audit, convert, replay, session, stream
+from dagnats.journal import audit, convert, replay, session, state, stream
 from dagnats.journal import model as jm
 from dagnats.journal.group import ParallelGroups
 from dagnats.journal.limits import MAX_ANSWER_BYTES
@@ -51,6 +52,12 @@ MAX_PAGE = 1000
 # Steps whose latest holder a replica remembers for refusing fenced chunks;
 # past it the oldest is forgotten (the watchers' rules still drop its chunks).
 MAX_HOLDERS = 100_000
+# What a step's state may grow to (the state chain): a commit of a larger one
+# is refused with its size.
+STATE_MAX_BYTES = env_int("DAGNATS_STATE_MAX_BYTES", statechain.STATE_MAX_BYTES)
+# A claim's answer carries a state up to this size; a larger one is read with
+# ReadState.
+STATE_IN_ANSWER = MAX_ANSWER_BYTES // 2
 # Seconds a stopping service waits for the settles it owes.
 SETTLE_GRACE = env_seconds("DAGNATS_SETTLE_GRACE", 10.0)
 # The commit wait: longest a commit waits for the engine's decision on its
@@ -122,6 +129,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         # The writer of the newest claim this replica made, per step: a chunk of
         # any other writer is a fenced holder's and is refused.
         self._holders: dict[tuple[str, str], str] = {}
+        self._state_max_bytes = STATE_MAX_BYTES
 
     # ---- claim ---------------------------------------------------------------------
 
@@ -315,10 +323,24 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         else:
             previous = await self.store.get(base)
         if previous is not None and previous.commit.has_state:
-            claimed.state = previous.commit.state
-            claimed.has_state = True
+            await self._claimed_state(claimed, previous)
         _page(claimed, records)
         return pb.ClaimResponse(claimed=claimed)
+
+    async def _claimed_state(self, claimed: pb.Claimed, previous: pb.Record) -> None:
+        """The state of ``previous``, the commit that ended the iteration before,
+        into ``claimed``: rebuilt from its chain (one snapshot and the deltas
+        after it), and left for ReadState when the answer would not hold it."""
+        claimed.has_state = True
+        claimed.state_chain.CopyFrom(state.chain_of(previous.commit))
+        if claimed.state_chain.size > STATE_IN_ANSWER:
+            # Too large for the answer: the holder may hold it already (the
+            # worker keeps it), else reads it with ReadState; not rebuilt here.
+            claimed.state_follows = True
+            return
+        found = await state.state_at(self.store, previous)
+        assert found is not None  # previous carried a state
+        claimed.state = found.state
 
     async def _now_holding(self, token: pb.WriterToken) -> None:
         """``token``'s writer holds its step from ``token.last_seq`` on: its
@@ -430,9 +452,14 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if not request.name or len(request.name) > 256:
             raise errors.InvalidArgument("name must be 1-256 characters", field="name")
         check_json(request.input, field="input", allow_empty=False)
+        _check_approval(token, request)
         model = _leading_model(request)
         call = jm.ToolCall(
-            name=request.name, input=request.input, safe=request.replay == pb.REPLAY_SAFE
+            name=request.name,
+            input=request.input,
+            safe=request.replay == pb.REPLAY_SAFE,
+            digest=request.digest,
+            approval_id=request.approval.request_id if request.HasField("approval") else "",
         )
         entries = await self._writer.snapshot(token)
         decision = replay.decide_tool(
@@ -525,6 +552,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                     "name must be 1-256 characters", field=f"calls[{i}].name"
                 )
             check_json(call.input, field=f"calls[{i}].input", allow_empty=False)
+            _check_approval(token, call, at=f"calls[{i}].")
         model = None
         if request.HasField("model"):
             if request.model.position != request.position - 1:
@@ -565,7 +593,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         token = check_writer_token(request.token)
         check_position(request.position)
         if request.mode not in MODES:
-            raise errors.InvalidArgument("mode must be 1 (steer) or 2 (follow-up)", field="mode")
+            raise errors.InvalidArgument(
+                "mode must be 1 (steer), 2 (follow-up) or 50 (approval)", field="mode"
+            )
         if self._placement is None:
             raise errors.Unavailable("this journal service has no inputs store")
         return await self._placement.place(token, request)
@@ -588,7 +618,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if commit.output:
             check_json(commit.output, field="commit.output", allow_empty=False)
         if commit.has_state:
-            check_json(commit.state, field="commit.state", allow_empty=False)
+            _check_state(commit, self._state_max_bytes)
         if commit.action == pb.ACTION_PAUSE and commit.pause.ToNanoseconds() <= 0:
             raise errors.InvalidArgument("commit.pause must be positive", field="commit.pause")
         lease = check_lease(request.lease) if request.lease else ""
@@ -743,6 +773,45 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         for record in await self.store.read(run_id, step_id, after=after, limit=limit):
             yield pb.ReadResponse(record=record)
 
+    async def ReadState(
+        self, request: pb.ReadStateRequest, context: Context
+    ) -> AsyncIterator[pb.ReadStateResponse]:
+        try:
+            run_id = check_run_id(request.run_id)
+            step_id = check_token(request.step_id, field="step_id")
+            await self._run(run_id)
+            commit = await self._commit_at(run_id, step_id, request.at_seq)
+            found = await state.state_at(self.store, commit)
+        except errors.DagnatsError as err:
+            await abort_with(context, err)
+            return
+        if found is None:
+            yield pb.ReadStateResponse(commit_seq=commit.seq, has_state=False)
+            return
+        for answer in state.chunks(found, commit.seq):
+            yield answer
+
+    async def _commit_at(self, run_id: str, step_id: str, at_seq: int) -> pb.Record:
+        """The commit of ``run_id``'s step ``step_id`` at ``at_seq``; 0: its
+        last commit that ended an iteration."""
+        if at_seq:
+            record = await self.store.get(at_seq)
+            if (
+                record is None
+                or (record.run_id, record.step_id) != (run_id, step_id)
+                or not record.HasField("commit")
+            ):
+                raise errors.NotFound(
+                    f"no commit of step {step_id!r} at sequence {at_seq}", field="at_seq"
+                )
+            return record
+        tail = await self.store.tail(run_id, step_id)
+        base = 0 if tail is None else (tail.seq if _ends_iteration(tail) else tail.base_seq)
+        record = await self.store.get(base) if base else None
+        if record is None:
+            raise errors.NotFound(f"step {step_id!r} has no commit yet", field="step_id")
+        return record
+
     @domain_errors
     async def Check(self, request: pb.CheckRequest, context: Context) -> pb.CheckResponse:
         run_id = check_run_id(request.run_id)
@@ -842,6 +911,11 @@ def _entries(tail: pb.Record | None) -> tuple[jm.AnyEntry, ...]:
 SESSION_CALLS = session.behaviours(JournalServicer)
 
 
+def _ends_iteration(record: pb.Record) -> bool:
+    entry = convert.entry(record)
+    return isinstance(entry, jm.CommitEntry) and entry.ends_iteration
+
+
 def _keepable(commit: pb.Commit) -> bool:
     """Whether a commit may keep its task for the next iteration: a continue
     that does not wait (a wait frees the worker)."""
@@ -854,14 +928,50 @@ def _keepable(commit: pb.Commit) -> bool:
 
 
 def _intent(request: pb.BeginToolRequest) -> pb.Record:
-    return pb.Record(
-        tool_intent=pb.ToolIntent(
-            position=request.position,
-            name=request.name,
-            input=request.input,
-            replay=request.replay or pb.REPLAY_UNSAFE,
-        )
+    intent = pb.ToolIntent(
+        position=request.position,
+        name=request.name,
+        input=request.input,
+        replay=request.replay or pb.REPLAY_UNSAFE,
+        digest=request.digest,
     )
+    if request.HasField("approval"):
+        intent.approval.CopyFrom(request.approval)
+    return pb.Record(tool_intent=intent)
+
+
+def _check_approval(
+    token: pb.WriterToken, request: pb.BeginToolRequest | pb.ToolCallSpec, *, at: str = ""
+) -> None:
+    """Refuse a tool call whose approval fields do not bind its arguments: a
+    digest other than its name's and input's, an approval without a digest,
+    or an approval of another step's call or of a digest the call does not
+    have (unless the approver edited the arguments). ``at`` prefixes the
+    fields named in errors (a parallel group's call)."""
+    if request.digest and request.digest != call_digest(request.name, request.input):
+        raise errors.InvalidArgument(
+            f"digest {request.digest} is not the digest of tool {request.name!r} with this input",
+            field=at + "digest",
+        )
+    if not request.HasField("approval"):
+        return
+    approval = request.approval
+    if not request.digest:
+        raise errors.InvalidArgument("an approved call needs its digest", field=at + "digest")
+    if not approval.call.startswith(f"{token.run_id}.{token.step_id}."):
+        raise errors.InvalidArgument(
+            f"approval.call {approval.call!r} is not a call of this step",
+            field=at + "approval.call",
+        )
+    if not is_digest(approval.digest):
+        raise errors.InvalidArgument(
+            "approval.digest is not a digest", field=at + "approval.digest"
+        )
+    if not approval.edited and approval.digest != request.digest:
+        raise errors.InvalidArgument(
+            f"the approval is for digest {approval.digest}, not this call's {request.digest}",
+            field=at + "approval.digest",
+        )
 
 
 def _leading_model(request: pb.BeginToolRequest) -> pb.ModelCall | None:
@@ -890,6 +1000,12 @@ def _tool_result(
     """The result to store for a finished call (FinishTool's, or one that rides
     a commit); ``field`` prefixes the names in errors."""
     _check_intent_seq(token, request.intent_seq, field + "intent_seq")
+    if request.awaiting_approval:
+        return pb.ToolResult(
+            intent_seq=request.intent_seq,
+            intent_index=request.intent_index,
+            awaiting_approval=True,
+        )
     if request.interrupted:
         partial = replay.cut_partial(request.partial)
         return pb.ToolResult(
@@ -910,6 +1026,32 @@ def _tool_result(
 
 def _honoured_members(token: pb.WriterToken) -> list[tuple[int, int]]:
     return [(m.seq, m.index) for m in token.honoured_members]
+
+
+def _check_state(commit: pb.Commit, limit: int) -> None:
+    """A commit's state, whole (JSON) or a delta (the state chain), checked at
+    the edge: a delta's size is what it keeps and adds, and no state is past
+    ``limit``."""
+    if not commit.HasField("state_delta"):
+        check_json(commit.state, field="commit.state", allow_empty=False)
+        size = len(commit.state)
+    else:
+        delta = commit.state_delta
+        if commit.state:
+            raise errors.InvalidArgument(
+                "a commit carries its state whole or as a delta, not both", field="commit.state"
+            )
+        if delta.size != delta.keep + len(delta.tail) or delta.depth < 1:
+            raise errors.InvalidArgument(
+                f"commit.state_delta makes {delta.keep + len(delta.tail):,} bytes, says "
+                f"{delta.size:,}, at depth {delta.depth} (at least 1)",
+                field="commit.state_delta",
+            )
+        size = delta.size
+    if size > limit:
+        raise errors.StateTooLarge(
+            statechain.StateOverLimit(size, limit).message(), field="commit.state"
+        )
 
 
 def _page(claimed: pb.Claimed, records: list[pb.Record]) -> None:

@@ -51,7 +51,7 @@ class JournalWriter:
         Raises:
             Fenced: another writer's record follows ``token.last_seq``.
             RunCancelled: the run was cancelled; nothing was written, but for
-                a tool result the record carries (see ``replay.refused_write``).
+                a tool result the record carries (see ``replay.fenced_out_write``).
         """
         self._stamp(token, record)
         try:
@@ -60,7 +60,7 @@ class JournalWriter:
             # A result stored after a cancel leaves the writer's tail where
             # it was: its next write is refused by the fence, and decided again.
             return self._stored(
-                token, record, await self._refused(token, record, refused), moved=False
+                token, record, await self._fenced_out(token, record, refused), moved=False
             )
         return self._stored(token, record, seq, moved=True)
 
@@ -110,7 +110,7 @@ class JournalWriter:
         tracing.inject(headers)
         record.trace_context.update(headers)
 
-    async def _refused(
+    async def _fenced_out(
         self, token: pb.WriterToken, record: pb.Record, refused: errors.Fenced
     ) -> int:
         """The fence refused ``record``: raise ``Fenced`` as it did, or
@@ -124,7 +124,7 @@ class JournalWriter:
             raise refused
         after = await self.store.read(run_id, step_id, after=token.last_seq, limit=1)
         result = None if token.HasField("claim") else _carried_result(record)
-        decision = replay.refused_write(
+        decision = replay.fenced_out_write(
             tail=tail_entries,
             first=convert.entry(after[0]) if after else None,
             writer=token.writer,

@@ -4,6 +4,7 @@
 
 import { ApiError, follow, path } from "./api.js";
 import { badge, fill, h, say, short } from "./dom.js";
+import { approvalsPanel } from "./approvals.js";
 import { inputsPanel } from "./inputs.js";
 import { waitText } from "./run.js";
 import { Timeline } from "./timeline.js";
@@ -23,6 +24,7 @@ export function stepPage(view, { run: runId, step: stepId }, crumbs) {
   const live = h("ol", { class: "timeline live", id: "live" });
   const timeline = new Timeline(records, live);
   const inputs = inputsPanel(runId, stepId);
+  const approvals = approvalsPanel(runId, stepId);
   let linger = null;
 
   fill(
@@ -38,7 +40,7 @@ export function stepPage(view, { run: runId, step: stepId }, crumbs) {
         records,
         live,
       ),
-      inputs.el,
+      h("div", { class: "side" }, approvals.el, inputs.el),
     ),
   );
 
@@ -65,6 +67,7 @@ export function stepPage(view, { run: runId, step: stepId }, crumbs) {
         if (type === "record") {
           timeline.record(data);
           if (data.kind === "input_placed") inputs.placed(data.input_placed.request_id);
+          if (data.kind === "tool_intent" || data.kind === "commit") approvals.refresh();
         } else if (type === "end") {
           timeline.end(data);
           // The tokens come on another connection and may trail the journal:
@@ -102,5 +105,6 @@ export function stepPage(view, { run: runId, step: stepId }, crumbs) {
     journal.close();
     run.close();
     inputs.stop();
+    approvals.stop();
   };
 }

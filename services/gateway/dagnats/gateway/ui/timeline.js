@@ -111,6 +111,17 @@ export class Timeline {
     return [
       h("p", {}, "Tool ", h("strong", { class: "tool-name" }, t.name), ` (call position ${t.position}) `, badge(replay, replay), " ", h("span", { class: "tool-state" }, badge("running", "running"))),
       t.honours_seq ? h("p", { class: "hint" }, `Honours intent #${t.honours_seq} of an earlier attempt: it is not run again.`) : null,
+      t.digest && !t.approval ? h("p", { class: "hint approval-asked" }, "Needs approval of digest ", h("code", {}, t.digest)) : null,
+      t.approval
+        ? h(
+            "p",
+            { class: "hint approval-given" },
+            badge(t.approval.approved ? "approved" : "denied", t.approval.approved ? "completed" : "failed"),
+            ` by ${t.approval.approver || "someone"} for call ${t.approval.call}`,
+            t.approval.edited ? " with edited arguments" : "",
+            t.approval.reason ? `: ${t.approval.reason}` : "",
+          )
+        : null,
       jsonBlock(t.input, "input"),
       h("div", { class: "so-far", hidden: true }, h("p", { class: "hint" }, "Output so far:"), h("pre", { class: "partial" })),
     ];
@@ -165,7 +176,10 @@ export class Timeline {
     const label = intent ? intent.label : `#${r.intent_seq}`;
     let state;
     let body;
-    if (r.interrupted) {
+    if (r.awaiting_approval) {
+      state = badge("awaiting approval", "waiting");
+      body = [h("p", {}, `${name} (#${r.intent_seq}) waits for approval; it did not run.`)];
+    } else if (r.interrupted) {
       state = badge("interrupted", "interrupted");
       body = [
         h("p", {}, badge("interrupted", "interrupted"), ` ${name} (${label}) was started by a holder that did not finish it; it is not run again.`),
@@ -200,7 +214,12 @@ export class Timeline {
     if (c.pause) out.push(h("p", {}, `pause ${c.pause}`));
     if (c.error) out.push(h("pre", { class: "error-text" }, c.reason ? `${c.reason}: ${c.error}` : c.error));
     if (c.action === "continue" || c.action === "complete") out.push(jsonBlock(c.output, "output"));
-    if (c.has_state) out.push(jsonBlock(c.state, "state"));
+    if (c.state_delta) {
+      // The state chain: the state as what this turn changed of the one before.
+      const d = c.state_delta;
+      out.push(h("p", { class: "state-delta" }, `state: the first ${d.keep} bytes of the one before, then ${d.tail.length} characters (${d.size} bytes in all; delta ${d.depth} after its snapshot)`));
+      out.push(h("pre", { class: "state-tail" }, d.tail));
+    } else if (c.has_state) out.push(jsonBlock(c.state, "state"));
     return out;
   }
 

@@ -33,6 +33,10 @@ class _ModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Mode.ValueType],
     """Joins the current run after the next tool round."""
     MODE_FOLLOW_UP: _Mode.ValueType  # 2
     """Starts the next turn after the agent gives a final answer."""
+    MODE_APPROVAL: _Mode.ValueType  # 50
+    """An approval or a denial of a tool call waiting for approval; its content
+    names the call and the digest approved (taken by the approvals edge).
+    """
 
 class Mode(_Mode, metaclass=_ModeEnumTypeWrapper):
     """Mode says where an input enters the conversation."""
@@ -43,6 +47,10 @@ MODE_STEER: Mode.ValueType  # 1
 """Joins the current run after the next tool round."""
 MODE_FOLLOW_UP: Mode.ValueType  # 2
 """Starts the next turn after the agent gives a final answer."""
+MODE_APPROVAL: Mode.ValueType  # 50
+"""An approval or a denial of a tool call waiting for approval; its content
+names the call and the digest approved (taken by the approvals edge).
+"""
 Global___Mode: _TypeAlias = Mode  # noqa: Y015
 
 class _Status:

@@ -167,6 +167,8 @@ class ToolIntent(_message.Message):
     REPLAY_FIELD_NUMBER: _builtins.int
     HONOURS_SEQ_FIELD_NUMBER: _builtins.int
     HONOURS_INDEX_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    APPROVAL_FIELD_NUMBER: _builtins.int
     position: _builtins.int
     """Position of the call in the attempt."""
     name: _builtins.str
@@ -179,6 +181,17 @@ class ToolIntent(_message.Message):
     """Sequence of an earlier attempt's intent this call honours instead of running."""
     honours_index: _builtins.int
     """With honours_seq: the honoured intent's index in its record (a group's)."""
+    digest: _builtins.str
+    """The digest of name and input ("sha256:" and the hex sha256 of the
+    canonical JSON of {"name": name, "input": input}) of a tool that needs
+    approval; empty for any other tool.
+    """
+    @_builtins.property
+    def approval(self) -> Global___Approval:
+        """The approval this call runs (or is denied) under. Unset with a digest:
+        the call asks for approval and waits (its result says awaiting_approval).
+        """
+
     def __init__(
         self,
         *,
@@ -188,10 +201,12 @@ class ToolIntent(_message.Message):
         replay: Global___Replay.ValueType = ...,
         honours_seq: _builtins.int = ...,
         honours_index: _builtins.int = ...,
+        digest: _builtins.str = ...,
+        approval: Global___Approval | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["honours_index", b"honours_index", "honours_seq", b"honours_seq", "input", b"input", "name", b"name", "position", b"position", "replay", b"replay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "digest", b"digest", "honours_index", b"honours_index", "honours_seq", b"honours_seq", "input", b"input", "name", b"name", "position", b"position", "replay", b"replay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -263,6 +278,63 @@ class IntentRef(_message.Message):
 Global___IntentRef: _TypeAlias = IntentRef  # noqa: Y015
 
 @_typing.final
+class Approval(_message.Message):
+    """Approval is one approver's decision on a tool call that waited for approval:
+    who, when, and which call and digest they saw. An intent carrying it is the
+    call the decision lets run (or denies): its digest is the approved one.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    APPROVED_FIELD_NUMBER: _builtins.int
+    APPROVER_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    DECIDED_AT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EDITED_FIELD_NUMBER: _builtins.int
+    call: _builtins.str
+    """Idempotency key of the waiting call the approver named."""
+    digest: _builtins.str
+    """The digest the approver saw: the waiting call's."""
+    approved: _builtins.bool
+    """True: approved; false: denied."""
+    approver: _builtins.str
+    """Who decided, as the edge that took the approval authenticated them."""
+    reason: _builtins.str
+    """The approver's reason (a denial's reaches the model)."""
+    request_id: _builtins.str
+    """Request id of the approval input that carried the decision."""
+    edited: _builtins.bool
+    """True when the approver edited the arguments: the intent's input is theirs,
+    and its digest is a new one, approved by this act.
+    """
+    @_builtins.property
+    def decided_at(self) -> _timestamp_pb2.Timestamp:
+        """When the approval was submitted."""
+
+    def __init__(
+        self,
+        *,
+        call: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        approved: _builtins.bool = ...,
+        approver: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        decided_at: _timestamp_pb2.Timestamp | None = ...,
+        request_id: _builtins.str = ...,
+        edited: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decided_at", b"decided_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approved", b"approved", "approver", b"approver", "call", b"call", "decided_at", b"decided_at", "digest", b"digest", "edited", b"edited", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Approval: _TypeAlias = Approval  # noqa: Y015
+
+@_typing.final
 class ToolOutput(_message.Message):
     """ToolOutput is partial output of a running tool."""
 
@@ -304,6 +376,7 @@ class ToolResult(_message.Message):
     INTERRUPTED_FIELD_NUMBER: _builtins.int
     PARTIAL_FIELD_NUMBER: _builtins.int
     INTENT_INDEX_FIELD_NUMBER: _builtins.int
+    AWAITING_APPROVAL_FIELD_NUMBER: _builtins.int
     intent_seq: _builtins.int
     """Sequence of the intent it answers."""
     output: _builtins.bytes
@@ -316,6 +389,10 @@ class ToolResult(_message.Message):
     """Partial output that holder wrote."""
     intent_index: _builtins.int
     """Index of the intent in its record (a parallel group's); 0 for one call."""
+    awaiting_approval: _builtins.bool
+    """True when the intent asks for approval and the call waits for it: the
+    tool did not run.
+    """
     def __init__(
         self,
         *,
@@ -325,10 +402,11 @@ class ToolResult(_message.Message):
         interrupted: _builtins.bool = ...,
         partial: _builtins.str = ...,
         intent_index: _builtins.int = ...,
+        awaiting_approval: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "intent_index", b"intent_index", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_approval", b"awaiting_approval", "error", b"error", "intent_index", b"intent_index", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -350,6 +428,7 @@ class Commit(_message.Message):
     WAIT_DELAY_FIELD_NUMBER: _builtins.int
     WAIT_UNTIL_FIELD_NUMBER: _builtins.int
     WAIT_UNTIL_INPUT_FIELD_NUMBER: _builtins.int
+    STATE_DELTA_FIELD_NUMBER: _builtins.int
     action: Global___Action.ValueType
     """The next action."""
     state: _builtins.bytes
@@ -376,6 +455,13 @@ class Commit(_message.Message):
     def wait_until(self) -> _timestamp_pb2.Timestamp:
         """With continue: wake the next iteration at this time."""
 
+    @_builtins.property
+    def state_delta(self) -> Global___StateDelta:
+        """With has_state: the state as a delta against the state of the commit
+        that ended the iteration before (the record's base_seq), instead of the
+        whole state in state (the state chain). A commit carries one or the other.
+        """
+
     def __init__(
         self,
         *,
@@ -389,14 +475,86 @@ class Commit(_message.Message):
         wait_delay: _duration_pb2.Duration | None = ...,
         wait_until: _timestamp_pb2.Timestamp | None = ...,
         wait_until_input: _builtins.bool = ...,
+        state_delta: Global___StateDelta | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause", "wait_delay", b"wait_delay", "wait_until", b"wait_until"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause", "state_delta", b"state_delta", "wait_delay", b"wait_delay", "wait_until", b"wait_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "error", b"error", "has_state", b"has_state", "output", b"output", "pause", b"pause", "reason", b"reason", "state", b"state", "wait_delay", b"wait_delay", "wait_until", b"wait_until", "wait_until_input", b"wait_until_input"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "error", b"error", "has_state", b"has_state", "output", b"output", "pause", b"pause", "reason", b"reason", "state", b"state", "state_delta", b"state_delta", "wait_delay", b"wait_delay", "wait_until", b"wait_until", "wait_until_input", b"wait_until_input"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Commit: _TypeAlias = Commit  # noqa: Y015
+
+@_typing.final
+class StateDelta(_message.Message):
+    """StateDelta is a state as a change of the state before it: that state's first
+    keep bytes, then tail. A claim rebuilds the state from the last commit whose
+    state is whole (a snapshot) and the deltas after it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEEP_FIELD_NUMBER: _builtins.int
+    TAIL_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    DEPTH_FIELD_NUMBER: _builtins.int
+    CHAIN_BYTES_FIELD_NUMBER: _builtins.int
+    keep: _builtins.int
+    """Bytes of the state before that are kept, from its start."""
+    tail: _builtins.bytes
+    """Bytes that follow them."""
+    size: _builtins.int
+    """Size of the state it makes: keep plus the tail's length."""
+    depth: _builtins.int
+    """Deltas since the snapshot, this one included (1 for the first)."""
+    chain_bytes: _builtins.int
+    """Bytes of the tails since the snapshot, this one's included."""
+    def __init__(
+        self,
+        *,
+        keep: _builtins.int = ...,
+        tail: _builtins.bytes = ...,
+        size: _builtins.int = ...,
+        depth: _builtins.int = ...,
+        chain_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_bytes", b"chain_bytes", "depth", b"depth", "keep", b"keep", "size", b"size", "tail", b"tail"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StateDelta: _TypeAlias = StateDelta  # noqa: Y015
+
+@_typing.final
+class StateChain(_message.Message):
+    """StateChain says where a commit's state stands in its chain."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIZE_FIELD_NUMBER: _builtins.int
+    DEPTH_FIELD_NUMBER: _builtins.int
+    CHAIN_BYTES_FIELD_NUMBER: _builtins.int
+    size: _builtins.int
+    """Size of the state."""
+    depth: _builtins.int
+    """Deltas since the snapshot (0: the state is a snapshot)."""
+    chain_bytes: _builtins.int
+    """Bytes of their tails."""
+    def __init__(
+        self,
+        *,
+        size: _builtins.int = ...,
+        depth: _builtins.int = ...,
+        chain_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_bytes", b"chain_bytes", "depth", b"depth", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StateChain: _TypeAlias = StateChain  # noqa: Y015
 
 @_typing.final
 class InputPlaced(_message.Message):
@@ -414,7 +572,7 @@ class InputPlaced(_message.Message):
     request_id: _builtins.str
     """The caller's request id."""
     mode: _builtins.int
-    """1 steer, 2 follow-up (dagnats.inputs.v1.Mode)."""
+    """1 steer, 2 follow-up, 50 approval (dagnats.inputs.v1.Mode)."""
     content: _builtins.bytes
     """Content (JSON)."""
     carried: _builtins.bool
@@ -793,6 +951,8 @@ class Claimed(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     HAS_STATE_FIELD_NUMBER: _builtins.int
     MORE_FROM_SEQ_FIELD_NUMBER: _builtins.int
+    STATE_CHAIN_FIELD_NUMBER: _builtins.int
+    STATE_FOLLOWS_FIELD_NUMBER: _builtins.int
     state: _builtins.bytes
     """State of the last commit that carried state, if any."""
     has_state: _builtins.bool
@@ -801,6 +961,10 @@ class Claimed(_message.Message):
     """0 when records holds every record of the iteration. Otherwise the answer
     would not fit: the rest are read with Read(from_seq = more_from_seq),
     through token.snapshot_seq, keeping the records of this iteration.
+    """
+    state_follows: _builtins.bool
+    """With has_state: the state is larger than an answer holds and is not in
+    state; read it with ReadState(at_seq = token.base_seq).
     """
     @_builtins.property
     def token(self) -> Global___WriterToken:
@@ -812,6 +976,12 @@ class Claimed(_message.Message):
         fit the answer (see more_from_seq).
         """
 
+    @_builtins.property
+    def state_chain(self) -> Global___StateChain:
+        """With has_state: where the state stands in its chain, so the holder's
+        commit stores a delta or a snapshot (the state chain).
+        """
+
     def __init__(
         self,
         *,
@@ -820,10 +990,12 @@ class Claimed(_message.Message):
         state: _builtins.bytes = ...,
         has_state: _builtins.bool = ...,
         more_from_seq: _builtins.int = ...,
+        state_chain: Global___StateChain | None = ...,
+        state_follows: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["state_chain", b"state_chain", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_state", b"has_state", "more_from_seq", b"more_from_seq", "records", b"records", "state", b"state", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_state", b"has_state", "more_from_seq", b"more_from_seq", "records", b"records", "state", b"state", "state_chain", b"state_chain", "state_follows", b"state_follows", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1021,6 +1193,8 @@ class BeginToolRequest(_message.Message):
     INPUT_FIELD_NUMBER: _builtins.int
     REPLAY_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    APPROVAL_FIELD_NUMBER: _builtins.int
     position: _builtins.int
     """Position of the call."""
     name: _builtins.str
@@ -1029,6 +1203,10 @@ class BeginToolRequest(_message.Message):
     """Tool input (JSON)."""
     replay: Global___Replay.ValueType
     """Declared replay safety."""
+    digest: _builtins.str
+    """The digest of name and input, for a tool that needs approval (see
+    ToolIntent.digest); the journal refuses a digest that does not match.
+    """
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """The writer."""
@@ -1041,6 +1219,10 @@ class BeginToolRequest(_message.Message):
         neither; make the two calls apart then.
         """
 
+    @_builtins.property
+    def approval(self) -> Global___Approval:
+        """The approval the call runs (or is denied) under; unset to ask for one."""
+
     def __init__(
         self,
         *,
@@ -1050,10 +1232,12 @@ class BeginToolRequest(_message.Message):
         input: _builtins.bytes = ...,
         replay: Global___Replay.ValueType = ...,
         model: Global___ModelCall | None = ...,
+        digest: _builtins.str = ...,
+        approval: Global___Approval | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "token", b"token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "model", b"model", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "model", b"model", "name", b"name", "position", b"position", "replay", b"replay", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "digest", b"digest", "input", b"input", "model", b"model", "name", b"name", "position", b"position", "replay", b"replay", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1164,22 +1348,34 @@ class ToolCallSpec(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     INPUT_FIELD_NUMBER: _builtins.int
     REPLAY_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    APPROVAL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Tool name."""
     input: _builtins.bytes
     """Tool input (JSON)."""
     replay: Global___Replay.ValueType
     """Declared replay safety."""
+    digest: _builtins.str
+    """The digest of name and input, for a call that needs approval (see
+    ToolIntent.digest); the journal refuses a digest that does not match.
+    """
+    @_builtins.property
+    def approval(self) -> Global___Approval:
+        """The approval the call runs (or is denied) under; unset to ask for one."""
+
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         input: _builtins.bytes = ...,
         replay: Global___Replay.ValueType = ...,
+        digest: _builtins.str = ...,
+        approval: Global___Approval | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "name", b"name", "replay", b"replay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "digest", b"digest", "input", b"input", "name", b"name", "replay", b"replay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1288,6 +1484,7 @@ class FinishToolRequest(_message.Message):
     INTERRUPTED_FIELD_NUMBER: _builtins.int
     PARTIAL_FIELD_NUMBER: _builtins.int
     INTENT_INDEX_FIELD_NUMBER: _builtins.int
+    AWAITING_APPROVAL_FIELD_NUMBER: _builtins.int
     intent_seq: _builtins.int
     """Intent it answers."""
     output: _builtins.bytes
@@ -1302,6 +1499,8 @@ class FinishToolRequest(_message.Message):
     """With interrupted: the partial output the tool had reported."""
     intent_index: _builtins.int
     """Index of the intent in its record (a parallel group's)."""
+    awaiting_approval: _builtins.bool
+    """True: the intent asks for approval and waits for it; nothing ran."""
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """The writer."""
@@ -1316,10 +1515,11 @@ class FinishToolRequest(_message.Message):
         interrupted: _builtins.bool = ...,
         partial: _builtins.str = ...,
         intent_index: _builtins.int = ...,
+        awaiting_approval: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "intent_index", b"intent_index", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_approval", b"awaiting_approval", "error", b"error", "intent_index", b"intent_index", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1361,7 +1561,7 @@ class PlaceInputsRequest(_message.Message):
     position: _builtins.int
     """Position of the call."""
     mode: _builtins.int
-    """1 steer, 2 follow-up (dagnats.inputs.v1.Mode)."""
+    """1 steer, 2 follow-up, 50 approval (dagnats.inputs.v1.Mode)."""
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """The writer."""
@@ -1685,6 +1885,78 @@ class ReadResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReadResponse: _TypeAlias = ReadResponse  # noqa: Y015
+
+@_typing.final
+class ReadStateRequest(_message.Message):
+    """ReadStateRequest names a commit whose state to read."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    AT_SEQ_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run."""
+    step_id: _builtins.str
+    """The step."""
+    at_seq: _builtins.int
+    """Sequence of the commit; 0 reads the step's last commit that ended an
+    iteration.
+    """
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        step_id: _builtins.str = ...,
+        at_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_seq", b"at_seq", "run_id", b"run_id", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadStateRequest: _TypeAlias = ReadStateRequest  # noqa: Y015
+
+@_typing.final
+class ReadStateResponse(_message.Message):
+    """ReadStateResponse is one chunk of the state, in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    COMMIT_SEQ_FIELD_NUMBER: _builtins.int
+    CHAIN_FIELD_NUMBER: _builtins.int
+    HAS_STATE_FIELD_NUMBER: _builtins.int
+    chunk: _builtins.bytes
+    """The next bytes of the state (JSON)."""
+    size: _builtins.int
+    """Size of the whole state (every chunk)."""
+    commit_seq: _builtins.int
+    """Sequence of the commit whose state it is."""
+    has_state: _builtins.bool
+    """False when the commit carried no state (then no chunk follows)."""
+    @_builtins.property
+    def chain(self) -> Global___StateChain:
+        """Where the state stands in its chain."""
+
+    def __init__(
+        self,
+        *,
+        chunk: _builtins.bytes = ...,
+        size: _builtins.int = ...,
+        commit_seq: _builtins.int = ...,
+        chain: Global___StateChain | None = ...,
+        has_state: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chain", b"chain"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain", b"chain", "chunk", b"chunk", "commit_seq", b"commit_seq", "has_state", b"has_state", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadStateResponse: _TypeAlias = ReadStateResponse  # noqa: Y015
 
 @_typing.final
 class CheckRequest(_message.Message):

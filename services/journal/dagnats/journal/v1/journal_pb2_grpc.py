@@ -127,6 +127,11 @@ class JournalServiceStub:
                 request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckRequest.SerializeToString,
                 response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckResponse.FromString,
                 _registered_method=True)
+        self.ReadState = channel.unary_stream(
+                '/dagnats.journal.v1.JournalService/ReadState',
+                request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.ReadStateRequest.SerializeToString,
+                response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.ReadStateResponse.FromString,
+                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/dagnats.journal.v1.JournalService/Session',
                 request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.SessionRequest.SerializeToString,
@@ -270,6 +275,14 @@ class JournalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadState(self, request, context):
+        """ReadState streams the state of record at a commit, rebuilt from its
+        chain (one snapshot and the deltas after it), in chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Session(self, request_iterator, context):
         """Session carries the calls above, from Claim to Commit, of one dispatch over
         one stream: the same requests, rules and answers, without the cost of a
@@ -363,6 +376,11 @@ def add_JournalServiceServicer_to_server(servicer, server):
                     servicer.Check,
                     request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckRequest.FromString,
                     response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckResponse.SerializeToString,
+            ),
+            'ReadState': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadState,
+                    request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.ReadStateRequest.FromString,
+                    response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.ReadStateResponse.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -737,6 +755,33 @@ class JournalService:
             '/dagnats.journal.v1.JournalService/Check',
             dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckRequest.SerializeToString,
             dagnats_dot_journal_dot_v1_dot_journal__pb2.CheckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dagnats.journal.v1.JournalService/ReadState',
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.ReadStateRequest.SerializeToString,
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.ReadStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -98,6 +98,10 @@ class JournalServiceStub:
     """Read streams the records of a step from a sequence."""
     Check: _grpc.UnaryUnaryMultiCallable[_journal_pb2.CheckRequest, _journal_pb2.CheckResponse]
     """Check audits the journal of a run."""
+    ReadState: _grpc.UnaryStreamMultiCallable[_journal_pb2.ReadStateRequest, _journal_pb2.ReadStateResponse]
+    """ReadState streams the state of record at a commit, rebuilt from its
+    chain (one snapshot and the deltas after it), in chunks.
+    """
     Session: _grpc.StreamStreamMultiCallable[_journal_pb2.SessionRequest, _journal_pb2.SessionResponse]
     """Session carries the calls above, from Claim to Commit, of one dispatch over
     one stream: the same requests, rules and answers, without the cost of a
@@ -188,6 +192,10 @@ class JournalServiceAsyncStub(JournalServiceStub):
     """Read streams the records of a step from a sequence."""
     Check: _aio.UnaryUnaryMultiCallable[_journal_pb2.CheckRequest, _journal_pb2.CheckResponse]  # type: ignore[assignment]
     """Check audits the journal of a run."""
+    ReadState: _aio.UnaryStreamMultiCallable[_journal_pb2.ReadStateRequest, _journal_pb2.ReadStateResponse]  # type: ignore[assignment]
+    """ReadState streams the state of record at a commit, rebuilt from its
+    chain (one snapshot and the deltas after it), in chunks.
+    """
     Session: _aio.StreamStreamMultiCallable[_journal_pb2.SessionRequest, _journal_pb2.SessionResponse]  # type: ignore[assignment]
     """Session carries the calls above, from Claim to Commit, of one dispatch over
     one stream: the same requests, rules and answers, without the cost of a
@@ -347,6 +355,16 @@ class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_journal_pb2.CheckResponse, _abc.Awaitable[_journal_pb2.CheckResponse]]:
         """Check audits the journal of a run."""
+
+    @_abc_1.abstractmethod
+    def ReadState(
+        self,
+        request: _journal_pb2.ReadStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_journal_pb2.ReadStateResponse], _abc.AsyncIterator[_journal_pb2.ReadStateResponse]]:
+        """ReadState streams the state of record at a commit, rebuilt from its
+        chain (one snapshot and the deltas after it), in chunks.
+        """
 
     @_abc_1.abstractmethod
     def Session(

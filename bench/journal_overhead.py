@@ -1,6 +1,6 @@
 """Per-iteration journal overhead of a journaled agent, against a raw JetStream floor.
 
-Run with ``make bench`` or ``python -m tests.bench [--iterations N]``.
+Run with ``make bench`` or ``python -m bench.journal_overhead [--iterations N]``.
 
 One scripted agent turn per iteration (claim, model, one unsafe tool, commit),
 with a model and a tool that return at once and are timed apart. The journal
@@ -367,7 +367,7 @@ async def _measure(url: str, nc: NATS, iterations: int, warmup: int) -> Results:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.journal_overhead", description=__doc__)
     parser.add_argument("--iterations", type=int, default=200, help="timed iterations")
     parser.add_argument("--warmup", type=int, default=20, help="iterations of each untimed run")
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 its first answer with many runs stored, against ``ListRuns`` in the same run,
 and how soon a follower sees a new run.
 
-usage: python -m tests.bench_runs_feed   (BENCH_FEED_RUNS: runs stored, 2000)
+usage: python -m bench.bench_runs_feed   (BENCH_FEED_RUNS: runs stored, 2000)
 
 One process: nats-server, the engine and the client (``LocalStack``). The
 runs are of a workflow no worker takes, so they stay running and nothing but

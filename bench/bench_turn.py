@@ -1,7 +1,7 @@
 """The agent-turn workload through the product as a user deploys it, beside
 the raw JetStream floor measured in the same run.
 
-Run with ``make bench`` or ``python -m tests.bench_turn``.
+Run with ``make bench`` or ``python -m bench.bench_turn``.
 
 The workload is the peers' (``BENCH_K`` = 50 iterations a run; each one
 journaled model call and one journaled unsafe tool call, both returning at
@@ -10,14 +10,18 @@ once: two journaled steps an iteration). Four processes, as deployed:
 - ``dagnats dev --no-demo`` (the engine, the journal and inputs services and
   the gateway in one process; free ports; a temporary data directory), which
   starts nats-server with ``sync_interval: always`` as its child;
-- a worker process (``python -m tests.bench_turn worker``) running the
+- a worker process (``python -m bench.bench_turn worker``) running the
   journaled handler, told nothing but the engine's address: on the services'
   host, its journal calls and its polls go to the local socket its polls
   name (ADR 45, 46, 49); with ``BENCH_DEPLOY=grpc`` on gRPC, as a worker on another host sends
   them (``DAGNATS_LOCAL_SOCKET=off``); with
   ``BENCH_DEPLOY=services`` the handler runs in the ``dagnats dev`` process
   instead (``--handlers``, ADR 44) and the worker process serves only the
-  queued baseline;
+  queued baseline; with ``BENCH_DEPLOY=split`` the services run apart as
+  docker-compose runs them (``dagnats serve engine``, ``serve journal`` and
+  ``serve inputs``, three processes on one nats-server with ``sync_interval:
+  always`` that this process starts; no gateway), and the worker dials all
+  three on gRPC;
 - this process, the client: ``Client.run`` starts a run and waits for its
   result on the run's ``WatchRun`` push; on the services' host, so after its
   first run on gRPC it watches on the local socket the first answer named
@@ -78,8 +82,16 @@ WHERE = {
     "worker": "its own process",
     "grpc": "its own process, journal calls on gRPC",
     "services": "the services' process",
+    "split": "its own process, on gRPC to the services apart (serve engine, journal, inputs)",
 }
-VARIANTS = {"worker": "dev", "grpc": "dev-worker-on-grpc", "services": "dev-handlers-in-services"}
+VARIANTS = {
+    "worker": "dev",
+    "grpc": "dev-worker-on-grpc",
+    "services": "dev-handlers-in-services",
+    "split": "split-services",
+}
+# The services of the split deployment, each ``dagnats serve NAME`` of its own.
+SPLIT = ("engine", "journal", "inputs")
 DEPLOYMENTS = tuple(WHERE)
 # Seconds without a stored message before the traced runs (see ``fsyncs``).
 RECONCILE_STILL = 11.0
@@ -139,7 +151,8 @@ class Params:
 
     @property
     def variant(self) -> str:
-        """The record's variant: ``dev``, ``dev-worker-on-grpc`` or ``dev-handlers-in-services``."""
+        """The record's variant: ``dev``, ``dev-worker-on-grpc``,
+        ``dev-handlers-in-services`` or ``split-services``."""
         return VARIANTS[self.deploy]
 
     def peers(self) -> dict[str, int]:
@@ -241,15 +254,42 @@ def sync_calls(counts: Mapping[str, int]) -> int:
     return sum(n for name, n in counts.items() if name in SYNC_CALLS)
 
 
-class Strace:
-    """``strace -f -c`` on one process for the length of a block."""
+_STRACE_CALL = re.compile(r"^(?:\d+\s+)?(\w+)\(\d+<([^>]*)>")
 
-    def __init__(self, pid: int, out: Path) -> None:
-        self.pid, self.out = pid, out
+
+def parse_strace_calls(text: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Calls by syscall, and by the file they were made on, from ``strace
+    -f -y`` lines; a JetStream store's file is named from its stream
+    (``HISTORY/obs/engine``: a consumer's state, ``KV_RUNS/msgs``: stored
+    messages)."""
+    calls: Counter[str] = Counter()
+    files: Counter[str] = Counter()
+    for line in text.splitlines():
+        if (call := _STRACE_CALL.match(line)) is None:
+            continue
+        calls[call.group(1)] += 1
+        path = call.group(2)
+        _, streams, rest = path.partition("/streams/")
+        if streams:
+            parts = rest.split("/")
+            path = "/".join(parts[:3] if len(parts) > 2 and parts[1] == "obs" else parts[:2])
+        files[path] += 1
+    return dict(calls), dict(files)
+
+
+class Strace:
+    """``strace -f -c`` on one process for the length of a block; with
+    ``files``, ``strace -f -y`` instead, which also says the file of each
+    call (``self.files``)."""
+
+    def __init__(self, pid: int, out: Path, files: bool = False) -> None:
+        self.pid, self.out, self.by_file = pid, out, files
         self.counts: dict[str, int] = {}
+        self.files: dict[str, int] = {}
 
     async def __aenter__(self) -> Strace:
-        args = ["strace", "-f", "-c", "-o", str(self.out), "-e", f"trace={','.join(SYNC_CALLS)}"]
+        how = ["-y"] if self.by_file else ["-c"]
+        args = ["strace", "-f", *how, "-o", str(self.out), "-e", f"trace={','.join(SYNC_CALLS)}"]
         self.proc = await asyncio.create_subprocess_exec(
             *args, "-p", str(self.pid), stderr=subprocess.DEVNULL
         )
@@ -259,7 +299,10 @@ class Strace:
     async def __aexit__(self, *exc: object) -> None:
         self.proc.send_signal(signal.SIGINT)
         await asyncio.wait_for(self.proc.wait(), 30)
-        self.counts = parse_strace_summary(self.out.read_text())
+        if self.by_file:
+            self.counts, self.files = parse_strace_calls(self.out.read_text())
+        else:
+            self.counts = parse_strace_summary(self.out.read_text())
 
 
 def _traced(pid: int) -> bool:
@@ -301,10 +344,59 @@ def stream_seqs(jsz: Mapping[str, Any]) -> dict[str, int]:
     return stream_field(jsz, "last_seq")
 
 
-def per_iteration(before: Mapping[str, int], after: Mapping[str, int], n: int) -> dict[str, float]:
-    """What grew between two counts, per iteration; unchanged keys left out."""
+def stream_states(jsz: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """The last sequence and the messages held of every stream: a message
+    stored moves the one, one removed (a work queue's ack, a purge) the other."""
+    held = stream_field(jsz, "messages")
+    return {name: (seq, held[name]) for name, seq in stream_seqs(jsz).items()}
+
+
+def per_iteration(
+    before: Mapping[str, float], after: Mapping[str, float], n: int, digits: int = 2
+) -> dict[str, float]:
+    """What grew between two counts, per iteration (to ``digits``
+    decimals); unchanged keys left out."""
     grew = {key: (after.get(key, 0) - before.get(key, 0)) / n for key in after}
-    return {key: round(v, 2) for key, v in sorted(grew.items()) if v}
+    return {key: round(v, digits) for key, v in sorted(grew.items()) if v}
+
+
+# ---- the services' counters: which routes the iterations took ----------------------------
+
+_SAMPLE = re.compile(r'^(\w+?)(_total)?(?:\{event="([^"]*)"\})?\s+([-+\d.eE]+)$')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The counters of a ``/metrics`` page (Prometheus' text format): the
+    engine's events by their name (``kept_unwritten``, ``guess_missed``...),
+    every other counter by its family (``dagnats_local_socket_polls``);
+    gauges and the ``_created`` stamps left out."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or (sample := _SAMPLE.match(line.strip())) is None:
+            continue
+        name, total, event, value = sample.groups()
+        if total:
+            key = event if event is not None else name
+            found[key] = found.get(key, 0.0) + float(value)
+    return found
+
+
+def scrape(urls: Mapping[str, str]) -> dict[str, float]:
+    """The counters of every services' process at once, summed by name."""
+    found: Counter[str] = Counter()
+    for url in urls.values():
+        with urllib.request.urlopen(url, timeout=5) as response:
+            found.update(parse_metrics(response.read().decode()))
+    return dict(found)
+
+
+def phase_iterations(p: Params, phase: str) -> int:
+    """The iterations a phase of ``phases`` runs, its warm-ups included."""
+    if phase == "seq":
+        return (p.warmup + p.runs) * p.k
+    if phase == "thr":
+        return (p.thr_rounds + 1) * p.c * p.k
+    return 3 + p.start_runs
 
 
 # ---- the workload -----------------------------------------------------------------------
@@ -351,18 +443,22 @@ def turn_handler() -> Callable[[Any], Awaitable[None]]:
     return turn
 
 
-# The handlers of ``dagnats dev --handlers tests.bench_turn:HANDLERS``.
+# The handlers of ``dagnats dev --handlers bench.bench_turn:HANDLERS``.
 HANDLERS = {TASK: turn_handler()}
 
 
 async def serve_worker(
-    targets: Sequence[str], handlers: Mapping[str, Callable[[Any], Awaitable[None]]], c: int
+    targets: Sequence[str],
+    handlers: Mapping[str, Callable[[Any], Awaitable[None]]],
+    c: int,
+    apart: Mapping[str, str] | None = None,
 ) -> None:
     """The worker process: a ``Worker`` of concurrency ``c`` on each engine
     in ``targets``, until SIGTERM. A task type ending in ``QUEUED`` gets a
     worker of its own that sends every iteration through the task queue
     (``kept_iterations=0``), the way before ADR 31, for a baseline measured
-    in the same run."""
+    in the same run. ``apart`` names the journal's and the inputs service's
+    addresses when they run apart from the engine (``journal``, ``inputs``)."""
     from dagnats.sdk import Worker
 
     stop = asyncio.Event()
@@ -376,6 +472,8 @@ async def serve_worker(
                     handlers={task_type: handler},
                     concurrency=c,
                     poll_wait=5.0,
+                    journal_target=(apart or {}).get("journal"),
+                    inputs_target=(apart or {}).get("inputs"),
                     **(queued if task_type.endswith(QUEUED) else {}),
                 )
                 await workers.enter_async_context(worker)
@@ -390,10 +488,13 @@ def spawn_worker(
     c: int,
     log: Path,
     local_socket: str | None = None,
+    apart: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``python -m module worker TARGET[,TARGET] TASK C``, its output into
-    ``log``; with ``local_socket``, its journal calls go there."""
+    """``python -m module worker TARGET[,TARGET] TASK C [journal=ADDR inputs=ADDR]``,
+    its output into ``log``; with ``local_socket``, its journal calls go
+    there; with ``apart``, to the services' addresses it names."""
     args = [sys.executable, "-m", module, "worker", ",".join(targets), task, str(c)]
+    args += [f"{name}={target}" for name, target in (apart or {}).items()]
     env = {k: v for k, v in os.environ.items() if k != "DAGNATS_LOCAL_SOCKET"}
     if local_socket is not None:
         env["DAGNATS_LOCAL_SOCKET"] = local_socket
@@ -573,6 +674,20 @@ class Stack:
     monitor: str
     logs: Path
     local_socket: str | None  # the local socket of ``dagnats dev``
+    metrics: dict[str, str] = field(default_factory=dict)  # a services' process: its /metrics
+    # The split's journal and inputs processes (``dev`` is then its engine's),
+    # and the nats-server this process started for them.
+    apart: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+    nats: Any = None  # dagnats.core.natsserver.NatsServer
+
+    def processes(self) -> dict[str, subprocess.Popen[Any]]:
+        """The product's processes by name, the worker last."""
+        first = "engine" if self.apart else "dagnats dev"
+        return {first: self.dev, **self.apart, "worker": self.worker}
+
+    def routes(self) -> dict[str, float]:
+        """The services' counters now (see ``parse_metrics``)."""
+        return scrape(self.metrics)
 
     def socket_connections(self) -> int:
         """Connections open on the local socket now (``/proc/net/unix``
@@ -583,8 +698,13 @@ class Stack:
         return max(sum(line.endswith(" " + self.local_socket) for line in lines) - 1, 0)
 
     def cpu(self) -> dict[str, float]:
+        services = {name: cpu_seconds(proc.pid) for name, proc in self.apart.items()}
+        if services:
+            services = {"engine": cpu_seconds(self.dev.pid), **services}
+        else:
+            services = {"services(engine+journal+gateway)": cpu_seconds(self.dev.pid)}
         return {
-            "services(engine+journal+gateway)": cpu_seconds(self.dev.pid),
+            **services,
             "nats-server": cpu_seconds(self.nats_pid),
             "worker": cpu_seconds(self.worker.pid),
             "client": cpu_seconds(os.getpid()),
@@ -598,6 +718,7 @@ class Measured:
     start: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
     strace: dict[str, Any] | None = None
+    routes: dict[str, dict[str, float]] = field(default_factory=dict)  # by phase, per iteration
 
 
 def progress(text: str) -> None:
@@ -646,19 +767,21 @@ async def phases(
         progress(f"{name} start {p.start_runs} runs")
 
 
-async def stored_nothing_for(monitor: str, still: float, most: float) -> None:
+async def stored_nothing_for(monitor: str, still: float, most: float) -> float:
     """Wait until no stream of the server has stored a message for ``still``
     seconds (an engine's writes left over from the runs before: kept
-    iterations, outboxes, clean-up), at most ``most`` seconds."""
+    iterations, outboxes, clean-up), at most ``most`` seconds; the seconds
+    waited."""
     loop = asyncio.get_running_loop()
     end = loop.time() + most
     url = f"{monitor}/jsz?streams=true"
-    last, since = stream_seqs(get_json(url)), loop.time()
+    last, since = stream_states(get_json(url)), loop.time()
     while loop.time() < end and loop.time() - since < still:
         await asyncio.sleep(0.1)
-        seqs = stream_seqs(get_json(url))
+        seqs = stream_states(get_json(url))
         if seqs != last:
             last, since = seqs, loop.time()
+    return round(loop.time() - end + most, 1)
 
 
 async def fsyncs(
@@ -668,22 +791,33 @@ async def fsyncs(
     run: Callable[[int], Awaitable[Any]],
     logs: Path,
     label: str,
+    routes: Callable[[], dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """fsync-family calls of ``pid`` per step: idle (once the store is
-    still), sequential runs, one round of C."""
+    still), sequential runs, one round of C; with ``routes``, the services'
+    counters per iteration of the traced runs (which routes they took)."""
+    counted = routes or dict
     idle_s, seq_runs = 3.0, 4
     # Still for longer than the reconciler's period (10 s by default), so the
     # outbox clears it defers for the runs before are not counted as these
     # runs' (nor as idle).
-    await stored_nothing_for(monitor, still=RECONCILE_STILL, most=45.0)
-    async with Strace(pid, logs / f"strace-{label}-idle.txt") as idle:
+    waited = await stored_nothing_for(monitor, still=RECONCILE_STILL, most=45.0)
+    jsz = f"{monitor}/jsz?streams=true"
+    idle_before = get_json(jsz)
+    async with Strace(pid, logs / f"strace-{label}-idle.txt", files=True) as idle:
         await asyncio.sleep(idle_s)  # the idle baseline's length
+    idle_after = get_json(jsz)
+    idle_stored = per_iteration(stream_seqs(idle_before), stream_seqs(idle_after), 1)
+    held = stream_field(idle_before, "messages"), stream_field(idle_after, "messages")
+    before = counted()
     async with Strace(pid, logs / f"strace-{label}.txt") as seq:
         wall = 0.0
         for _ in range(seq_runs):
             wall += await timed(lambda: run(p.k))
+    between = counted()
     async with Strace(pid, logs / f"strace-{label}-conc.txt") as conc:
         conc_wall = await timed(lambda: asyncio.gather(*(run(p.k) for _ in range(p.c))))
+    after = counted()
     steps, conc_steps = seq_runs * p.k * STEPS_PER_ITER, p.c * p.k * STEPS_PER_ITER
     return {
         "label": label,
@@ -694,12 +828,20 @@ async def fsyncs(
         "idle_counts_3s": idle.counts,
         "sync_calls_per_step": sync_calls(seq.counts) / steps,
         "idle_sync_calls_per_s": sync_calls(idle.counts) / idle_s,
+        # Writes while idle, by stream; and how long the store took to go
+        # still before (45 s: it did not).
+        "idle_stored": idle_stored,
+        "idle_held_change": per_iteration(*held, 1),
+        "idle_sync_calls_by_file": idle.files,
+        "waited_for_still_s": waited,
+        "routes_per_iteration": per_iteration(before, between, seq_runs * p.k, 3),
         "concurrent": {
             "runs": p.c,
             "steps": conc_steps,
             "traced_wall_s": conc_wall,
             "counts": conc.counts,
             "sync_calls_per_step": sync_calls(conc.counts) / conc_steps,
+            "routes_per_iteration": per_iteration(between, after, p.c * p.k, 3),
         },
     }
 
@@ -707,8 +849,8 @@ async def fsyncs(
 async def messages(stack: Stack, run: Callable[[int], Awaitable[Any]], k: int) -> dict[str, Any]:
     """Messages of one iteration, from two untimed runs of ``k``: nats-server's
     counters and each stream's appends, then clients' messages by kind."""
+    from bench.journal_overhead import traffic
     from dagnats.core import jetstream as jsx
-    from tests.bench import traffic
 
     varz = f"{stack.monitor}/varz"
     jsz = f"{stack.monitor}/jsz?streams=true"
@@ -729,7 +871,7 @@ async def messages(stack: Stack, run: Callable[[int], Awaitable[Any]], k: int) -
     }
 
 
-def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") -> Stack:
+def start_stack(data: Path, p: Params, worker_module: str = "bench.bench_turn") -> Stack:
     """``dagnats dev --no-demo`` with its data in ``data``, and the worker
     process ``python -m worker_module worker`` on its engine."""
     from tests.stack import start_dev
@@ -738,7 +880,7 @@ def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") 
     logs.mkdir(parents=True)
     flags = ["--no-demo"]
     if p.deploy == "services":  # the handler in the services' process (ADR 44)
-        flags += ["--handlers", "tests.bench_turn:HANDLERS", "--handler-concurrency", str(p.c)]
+        flags += ["--handlers", "bench.bench_turn:HANDLERS", "--handler-concurrency", str(p.c)]
     dev = start_dev(data / "dev", *flags, stderr=logs / "dev.err")
     info = json.loads((data / "dev" / "dev.json").read_text())
     conf = (data / "dev" / "nats" / "nats-server.conf").read_text()
@@ -761,6 +903,72 @@ def start_stack(data: Path, p: Params, worker_module: str = "tests.bench_turn") 
         f"http://{http[1]}",
         logs,
         info.get("local_socket"),
+        metrics={"services": info["metrics"]} if "metrics" in info else {},
+    )
+
+
+def serve_one(
+    name: str, nats: Any, logs: Path, metrics: bool, env: Mapping[str, str] | None = None
+) -> tuple[subprocess.Popen[str], str, str | None]:
+    """``dagnats serve NAME`` on a free port against ``nats`` (a started
+    ``NatsServer``), its stderr into ``logs``, in ``env`` (this process's by
+    default); the process, its address and, with ``metrics``, its
+    ``/metrics`` URL, once it printed them."""
+    args = [sys.executable, "-m", "dagnats.cli.main", "serve", name, "--port", "0"]
+    args += ["--nats", nats.url, "--nats-monitor", nats.monitor_url]
+    args += ["--metrics-port", "0"] if metrics else []
+    with (logs / f"{name}.err").open("w") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    assert proc.stdout is not None
+    target = url = None
+    for line in proc.stdout:
+        if " serving on " in line:
+            target = line.split()[-1]
+        elif line.startswith("metrics on "):
+            url = line.split()[-1]
+        if target is not None and (url is not None or not metrics):
+            return proc, target, url
+    proc.kill()
+    proc.wait()
+    raise SystemExit(f"dagnats serve {name} did not start: {(logs / f'{name}.err').read_text()}")
+
+
+async def start_split(data: Path, p: Params, worker_module: str = "bench.bench_turn") -> Stack:
+    """The split deployment, the services apart on one host: a
+    nats-server (``sync_interval: always``), ``dagnats serve engine``,
+    ``serve journal`` and ``serve inputs`` each a process of its own, and the
+    worker process dialling all three on gRPC."""
+    from dagnats.core.natsserver import NatsServer
+
+    logs = data / "logs"
+    logs.mkdir(parents=True)
+    nats = await NatsServer.start(data / "nats", sync_always=True)
+    served: dict[str, tuple[subprocess.Popen[str], str, str | None]] = {}
+    try:
+        for name in SPLIT:
+            served[name] = serve_one(name, nats, logs, metrics=name != "inputs")
+    except BaseException:
+        for proc, _, _ in served.values():
+            stop_process(proc)
+        await nats.stop()
+        raise
+    targets = {name: target for name, (_, target, _) in served.items()}
+    apart = {name: targets[name] for name in ("journal", "inputs")}
+    worker = spawn_worker(
+        worker_module, [targets["engine"]], TASK, p.c, logs / "worker.log", "off", apart
+    )
+    return Stack(
+        served["engine"][0],
+        worker,
+        nats.pid,
+        targets["engine"],
+        nats.url,
+        nats.monitor_url,
+        logs,
+        None,
+        metrics={name: url for name, (_, _, url) in served.items() if url is not None},
+        apart={name: served[name][0] for name in ("journal", "inputs")},
+        nats=nats,
     )
 
 
@@ -769,7 +977,8 @@ def _cmdline(pid: int) -> str:
 
 
 def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> None:
-    """Stop ``proc`` with ``sig``, killing it after 20 s."""
+    """Stop ``proc`` with ``sig``, killing it after 20 s; its output pipe,
+    if any, is closed."""
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
@@ -777,10 +986,15 @@ def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> None
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def stop_stack(stack: Stack) -> None:
-    for proc in (stack.worker, stack.dev):
+    """Stop the worker, then the services (the nats-server of a split one
+    is stopped by ``measure``, which started it)."""
+    processes: list[subprocess.Popen[Any]] = [stack.worker, *stack.apart.values(), stack.dev]
+    for proc in processes:
         stop_process(proc)
 
 
@@ -790,7 +1004,7 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
     from dagnats.sdk import Client
     from tests.stack import loop_workflow
 
-    stack = start_stack(data, p)
+    stack = await start_split(data, p) if p.deploy == "split" else start_stack(data, p)
     try:
         nc = await nats.connect(stack.nats_url, name="bench-floor")
         js = nc.jetstream()
@@ -826,7 +1040,11 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
             for phase in ("seq", "thr", "start"):
                 progress(f"phase {phase}")
                 await phases("floor", p, floor.run, floor_cpu, base, phase)
+                before = stack.routes()
                 await phases("dagnats", p, dagnats_run, stack.cpu, ours, phase)
+                ours.routes[phase] = per_iteration(
+                    before, stack.routes(), phase_iterations(p, phase), 3
+                )
                 if p.queued:
                     await phases("queued", p, queued_run, stack.cpu, queued, phase)
             # The worker's idle sessions and polls, and the client's idle watches.
@@ -839,7 +1057,13 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
                     stack.nats_pid, stack.monitor, p, floor.run, stack.logs, "floor"
                 )
                 ours.strace = await fsyncs(
-                    stack.nats_pid, stack.monitor, p, dagnats_run, stack.logs, "dagnats"
+                    stack.nats_pid,
+                    stack.monitor,
+                    p,
+                    dagnats_run,
+                    stack.logs,
+                    "dagnats",
+                    stack.routes,
                 )
                 if p.queued:
                     queued.strace = await fsyncs(
@@ -854,7 +1078,7 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
             elif p.profile:
                 progress("py-spy is not installed (pip install py-spy): no profiles")
         await nc.close()
-        for proc, name in ((stack.worker, "worker"), (stack.dev, "dagnats dev")):
+        for name, proc in stack.processes().items():
             if proc.poll() is not None:
                 raise SystemExit(f"{name} exited early (logs in {stack.logs})")
         return {
@@ -867,6 +1091,8 @@ async def measure(p: Params, data: Path) -> dict[str, Any]:
         }
     finally:
         stop_stack(stack)
+        if stack.nats is not None:
+            await stack.nats.stop()
 
 
 # ---- the report -------------------------------------------------------------------------
@@ -955,6 +1181,21 @@ def format_table(
     return "\n".join(lines)
 
 
+def format_routes(rec: Mapping[str, Any]) -> str:
+    """The services' counters per iteration of each phase: which routes the
+    iterations took (a kept iteration left unwritten, a guess that missed, a
+    commit's event applied in the engine's process...), the traced phases too."""
+    phases: dict[str, Mapping[str, float]] = dict(rec.get("routes_per_iteration", {}))
+    if "strace" in rec:
+        phases["fsyncs, sequential"] = rec["strace"].get("routes_per_iteration", {})
+        phases["fsyncs, C at once"] = rec["strace"]["concurrent"].get("routes_per_iteration", {})
+    lines = ["routes the iterations took (the services' counters, per iteration):"]
+    for phase, counters in phases.items():
+        shown = ", ".join(f"{name} {n:g}" for name, n in counters.items()) or "none counted"
+        lines.append(f"  {phase:19} {shown}")
+    return "\n".join(lines)
+
+
 def print_profiles(found: Mapping[str, Any]) -> None:
     print(f"\npy-spy (CPU ms per step while sampled: {found['cpu_ms_per_step_while_sampled']})")
     for name, prof in found["files"].items():
@@ -991,14 +1232,15 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["worker"]:
         targets, task, concurrency = args[1].split(","), args[2], int(args[3])
+        apart = dict(arg.partition("=")[::2] for arg in args[4:])
         handlers = {task: turn_handler()}
         if not task.endswith(QUEUED):
             handlers[task + QUEUED] = turn_handler()
-        asyncio.run(serve_worker(targets, handlers, concurrency))
+        asyncio.run(serve_worker(targets, handlers, concurrency, apart))
         return
     if args:
         raise SystemExit(
-            f"usage: python -m tests.bench_turn (knobs: BENCH_* variables); got {args}"
+            f"usage: python -m bench.bench_turn (knobs: BENCH_* variables); got {args}"
         )
     p = Params.from_env(os.environ)
     out_dir = Path(os.environ.get("BENCH_OUT", "/tmp/peers-results"))
@@ -1006,7 +1248,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="dagnats-bench-turn-") as tmp:
         got = asyncio.run(measure(p, Path(tmp)))
     head = _git_head()
-    settings = {"server": "nats-server from dagnats dev, sync_interval: always", "commit": head}
+    server = "nats-server of the bench" if p.deploy == "split" else "nats-server from dagnats dev"
+    settings = {"server": f"{server}, sync_interval: always", "commit": head}
     ours = record(
         "dagnats",
         p.variant,
@@ -1016,6 +1259,7 @@ def main(argv: list[str] | None = None) -> None:
             "versions": {"dagnats": head},
             "settings": settings,
             "messages_per_iteration": got["messages"],
+            "routes_per_iteration": got["dagnats"].routes,
             **({"profiles": got["profiles"]} if got["profiles"] else {}),
             **({"strace": got["dagnats"].strace} if got["dagnats"].strace else {}),
         },
@@ -1036,7 +1280,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{p.start_runs} K=1 runs; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; "
         f"dagnats {head}, handler in {WHERE[p.deploy]}; {time.perf_counter() - started:.0f}s"
     )
-    if p.deploy != "services":
+    if p.deploy in ("worker", "grpc"):
         print(
             "connections open on the local socket (the worker's, the client's watches): "
             f"{got['on_socket']}"
@@ -1068,8 +1312,13 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"\nfsync-family calls, {rec['system']}: {st['counts']} over {st['steps']} "
                 f"steps; C at once: {st['concurrent']['counts']}; "
-                f"idle {st['idle_sync_calls_per_s']:.1f}/s"
+                f"idle {st['idle_sync_calls_per_s']:.1f}/s (stored while idle: "
+                f"{st.get('idle_stored') or 'nothing'}, messages held changed: "
+                f"{st.get('idle_held_change') or 'none'}; fsynced while idle: "
+                f"{st.get('idle_sync_calls_by_file') or 'nothing'}; "
+                f"still after {st.get('waited_for_still_s')}s)"
             )
+    print("\n" + format_routes(ours))
     if got["profiles"]:
         print_profiles(got["profiles"])
     for path in paths:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # `make bench-peers PEERS=<dir>`: the agent-turn workload on the peers (Restate,
-# raw JetStream, DBOS on SQLite) and on dagnats' three deployments, in
+# raw JetStream, DBOS on SQLite) and on dagnats' four deployments (the
+# services in one process, three ways to run the handler; the services apart
+# as docker-compose runs them, BENCH_DEPLOY=split), in
 # PASSES interleaved passes (3), the order turned each pass so that no
 # system always runs first after another's, each run started once the
 # machine's 1-minute load is under SETTLE_LOAD (0.6; at most SETTLE_MAX
@@ -9,7 +11,7 @@
 # need. Every record goes to BENCH_OUT (a new folder under /tmp by default),
 # and the tables side by side to its summary.md.
 set -euo pipefail
-[ -d "${1:-}" ] || { echo "usage: bench_beside_peers.sh <the peer benchmarks' folder>; got '${1:-}'" >&2; exit 2; }
+[ -d "${1:-}" ] || { echo "usage: beside_peers.sh <the peer benchmarks' folder>; got '${1:-}'" >&2; exit 2; }
 PEERS=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PASSES=${PASSES:-3}
@@ -47,7 +49,7 @@ one() {  # one system's run in pass $pass
     nats-always) BENCH_PASS=$pass "$py" "$PEERS/bench_nats.py" always --strace ;;
     dbos-sqlite) BENCH_PASS=$pass "$py" "$PEERS/bench_dbos.py" sqlite --strace ;;
     dagnats-*) (cd "$HERE" && BENCH_PASS=$pass BENCH_DEPLOY=${system#dagnats-} \
-      .venv/bin/python -m tests.bench_turn) ;;
+      .venv/bin/python -m bench.bench_turn) ;;
   esac >"$log" 2>&1 || say "  $system failed: see $log"
 }
 
@@ -58,7 +60,7 @@ say "installing the peers (run_all.sh's setup); records in $BENCH_OUT"
 export BENCH_SEQ_RUNS=${BENCH_SEQ_RUNS:-20} BENCH_WARMUP=${BENCH_WARMUP:-3}
 export BENCH_START_RUNS=${BENCH_START_RUNS:-50} BENCH_THR_ROUNDS=${BENCH_THR_ROUNDS:-5}
 export BENCH_K=${BENCH_K:-50} BENCH_C=${BENCH_C:-20} BENCH_RUNS=${BENCH_SEQ_RUNS}
-systems=(restate dagnats-worker nats-always dagnats-grpc dbos-sqlite dagnats-services)
+systems=(restate dagnats-worker nats-always dagnats-grpc dbos-sqlite dagnats-services dagnats-split)
 for pass in $(seq 1 "$PASSES"); do
   k=$(((pass - 1) % ${#systems[@]}))
   order=("${systems[@]:k}" "${systems[@]:0:k}")  # turned one place a pass

@@ -1,6 +1,6 @@
 """How many fsyncs nats-server makes for what the product asks of it.
 
-``python -m tests.jetstream_fsyncs [N]`` (``make jetstream-facts``) starts a
+``python -m bench.jetstream_fsyncs [N]`` (``make jetstream-facts``) starts a
 nats-server of the pinned version with ``sync_interval: always`` and another
 with the default, attaches ``strace -f -c`` to it, and for N messages (200)
 counts the sync calls of: a publish to a limits stream (the journal,
@@ -31,8 +31,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 
+from bench.bench_turn import Strace, sync_calls
 from dagnats.core.natsserver import NatsServer
-from tests.bench_turn import Strace, sync_calls
 
 
 async def counted(server: NatsServer, out: Path, work: Callable[[], Awaitable[None]]) -> int:

@@ -2,12 +2,12 @@
 below the noise that separates two passes of ``make bench``.
 
 Run with ``make bench-pair BASE=<another checkout>`` (for example after
-``git worktree add ../base main``), or ``python -m tests.bench_pair BASE``.
+``git worktree add ../base main``), or ``python -m bench.bench_pair BASE``.
 
 Each side is a process of its own, with its checkout first on ``PYTHONPATH``
 (every component's source root, so its code shadows the editable install)
 and as its working directory. It starts that checkout's stack as
-``tests.bench_turn`` deploys it (``dagnats dev --no-demo`` with nats-server
+``bench.bench_turn`` deploys it (``dagnats dev --no-demo`` with nats-server
 at ``sync_interval: always``, a worker process) and waits for orders on its
 standard input. Both stacks are up at once; the driver has them run the same
 unit of work in turn, this checkout first in every other pair, so that both
@@ -20,7 +20,9 @@ see the machine alike:
 
 It reports each side's median, and the median of the ratio of each pair
 (this checkout over BASE) with how often this checkout did better. The
-base checkout needs ``tests.bench_turn`` (ADR 30 on). Knobs:
+base checkout needs the turn bench (ADR 30 on): ``bench.bench_turn``, or
+``tests.bench_turn`` in a checkout from before the benchmarks left ``tests/``
+(``turn_module`` looks). Knobs:
 ``BENCH_PAIRS_SEQ`` (40), ``BENCH_PAIRS_THR`` (8), ``BENCH_PAIRS_START``
 (100), ``BENCH_K`` and ``BENCH_C``; a count of 0 leaves that measure out.
 Nothing asserts on time.
@@ -51,9 +53,22 @@ def source_roots(tree: Path) -> list[Path]:
     return [root for root in roots if (root / "dagnats").is_dir()]
 
 
+# Where a checkout keeps the turn bench: ``bench/`` now, ``tests/`` before.
+TURN_MODULES = ("bench.bench_turn", "tests.bench_turn")
+
+
+def turn_module(tree: Path) -> str | None:
+    """The module of checkout ``tree`` that deploys the turn bench's stack,
+    found by its file; None when the checkout has none."""
+    for module in TURN_MODULES:
+        if (tree / (module.replace(".", "/") + ".py")).is_file():
+            return module
+    return None
+
+
 def counts(env: Mapping[str, str]) -> dict[str, int]:
     """Pairs per measure, from ``BENCH_PAIRS_*``; a bad one stops with its name."""
-    from tests.bench_turn import knob
+    from bench.bench_turn import knob
 
     defaults = {"seq": 40, "thr": 8, "start": 100}
     return {m: knob(env, f"BENCH_PAIRS_{m.upper()}", n, 0) for m, n in defaults.items()}
@@ -110,21 +125,26 @@ async def side(root: Path) -> None:
     """Serve orders on stdin with the stack of checkout ``root``: one JSON
     line of results per order line, until an empty line."""
     import asyncio
+    import importlib
     import tempfile
 
     sys.path.insert(0, str(root))
     from dagnats.sdk import Client
-    from tests.bench_turn import TASK, Params, start_stack, stop_stack
     from tests.stack import loop_workflow
 
-    p = Params.from_env(os.environ)
-    stack = start_stack(Path(tempfile.mkdtemp(prefix="bench-pair-")), p)
+    module = turn_module(root)
+    if module is None:
+        raise SystemExit(f"{root} has no turn bench")
+    bt = importlib.import_module(module)
+    task = bt.TASK
+    p = bt.Params.from_env(os.environ)
+    stack = bt.start_stack(Path(tempfile.mkdtemp(prefix="bench-pair-")), p)
     try:
         async with Client(stack.engine) as client:
-            await client.register_workflow(loop_workflow(TASK, TASK, max_iterations=10_000))
+            await client.register_workflow(loop_workflow(task, task, max_iterations=10_000))
 
             async def run(k: int) -> None:
-                await client.run(TASK, {"k": k}, timeout=120 + k)
+                await client.run(task, {"k": k}, timeout=120 + k)
 
             await asyncio.gather(*(run(p.k) for _ in range(p.c)))  # warm
             print("ready", flush=True)
@@ -150,7 +170,7 @@ async def side(root: Path) -> None:
                     flush=True,
                 )
     finally:
-        stop_stack(stack)
+        bt.stop_stack(stack)
 
 
 # ---- the driver ----------------------------------------------------------------------------
@@ -226,10 +246,10 @@ def main(argv: Sequence[str]) -> None:
         asyncio.run(side(Path(argv[2])))
         return
     if len(argv) != 2:
-        raise SystemExit("usage: python -m tests.bench_pair BASE  (another checkout)")
+        raise SystemExit("usage: python -m bench.bench_pair BASE  (another checkout)")
     base_tree = Path(argv[1]).resolve()
-    if not (base_tree / "tests" / "bench_turn.py").is_file():
-        raise SystemExit(f"{base_tree} is no checkout with tests/bench_turn.py")
+    if turn_module(base_tree) is None:
+        raise SystemExit(f"{base_tree} is no checkout with bench/bench_turn.py (or tests/)")
     n = counts(os.environ)
     sides: list[Side] = []
     rows: list[Paired] = []

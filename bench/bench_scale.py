@@ -1,11 +1,11 @@
 """What waiting agents, wakes, long runs and a second engine cost, through
 the product as a user deploys it.
 
-Run with ``make bench-scale`` or ``python -m tests.bench_scale``.
+Run with ``make bench-scale`` or ``python -m bench.bench_scale``.
 
-The processes are ``make bench``'s (``tests/bench_turn.py``): ``dagnats dev
+The processes are ``make bench``'s (``bench/bench_turn.py``): ``dagnats dev
 --no-demo``, which starts nats-server (``sync_interval: always``) as its child;
-a worker process (``python -m tests.bench_scale worker``: the agent-turn
+a worker process (``python -m bench.bench_scale worker``: the agent-turn
 handler, and a handler that waits for input); this process as the client.
 In order, on that one server:
 
@@ -58,14 +58,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import bench_turn as bt
 from dagnats.core.jetstream import KV_ACTIVE_RUNS, KV_RUNS
 from dagnats.engine.store import INDEX_THROUGH
 from dagnats.engine.v1 import engine_pb2 as pb
-from tests import bench_turn as bt
 
 WAIT_TASK = "bench-scale-wait"  # the waiting handler's task type and workflow
 STEP = "agent"  # the step of ``loop_workflow``
-MODULE = "tests.bench_scale"
+MODULE = "bench.bench_scale"
 AFTER_ROUND = 5  # wakes right after a round of the workload
 MESSAGES_K = 20  # iterations of the untimed runs that count messages
 

@@ -2,7 +2,7 @@
 run as one parallel group (``j.tools``) and, in the same run, one at a time
 (``j.tool``, five positions).
 
-Run with ``python -m tests.bench_parallel``. A nats-server (``sync_interval:
+Run with ``python -m bench.bench_parallel``. A nats-server (``sync_interval:
 always``), the engine with the journal service, and a worker in this
 process on gRPC. One ``agent_loop`` run of ``2 * BENCH_ROUNDS`` iterations;
 each iteration asks the model (answered at once) for five ``sleep`` calls of

@@ -1,6 +1,6 @@
 """How soon a handler hears that its run was cancelled.
 
-Run with ``make bench`` or ``python -m tests.bench_cancel [--cancels N]``.
+Run with ``make bench`` or ``python -m bench.bench_cancel [--cancels N]``.
 
 A journaled handler is inside an unsafe tool call when its run is cancelled
 with ``Client.cancel_run``; measured is the time from the call to the moment

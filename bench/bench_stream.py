@@ -1,7 +1,7 @@
 """What live token streams deliver and cost, through one gateway on loopback.
 
 Run with ``make bench`` (after the journal bench) or ``python -m
-tests.bench_stream [--readers N] [--tokens N] [--turns N]``.
+bench.bench_stream [--readers N] [--tokens N] [--turns N]``.
 
 Three measurements, in one process and one event loop (nats-server aside):
 
@@ -214,7 +214,7 @@ async def bench(readers: int, tokens: int, turns: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.bench_stream", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_stream", description=__doc__)
     parser.add_argument("--readers", type=int, default=1000)
     parser.add_argument("--tokens", type=int, default=20000)
     parser.add_argument("--turns", type=int, default=50)

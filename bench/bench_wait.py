@@ -1,7 +1,7 @@
 """How soon a client learns that a run ended: a K=1 run, start to result seen.
 
 Run with ``make bench`` (after the other benches) or ``python -m
-tests.bench_wait [--runs N]``.
+bench.bench_wait [--runs N]``.
 
 A one-iteration run whose handler completes at once, ``--runs`` times each
 way, the two ways taking turns so both see the machine in the same state:
@@ -89,7 +89,7 @@ async def bench(runs: int) -> dict[str, list[tuple[float, float]]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.bench_wait", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_wait", description=__doc__)
     parser.add_argument("--runs", type=int, default=50, help="timed runs of each way")
     args = parser.parse_args(argv)
     if args.runs < 2:

@@ -1,0 +1,418 @@
+"""Approvals of a tool call, bound to its arguments, end to end: a tool that
+needs approval waits holding no worker, an approval of other arguments is
+refused and changes nothing, approve runs the tool once, deny gives the model
+the denial as the tool's result, and edited arguments run instead."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dagnats.core.approvals import call_digest, canonical_json
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.gateway import GatewayConfig, start_gateway
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, Worker
+from tests.helpers import wait_for
+from tests.matrix import child_env, lines, reap
+from tests.stack import FAST, loop_workflow, steps_by_id, unique
+from tests.test_cli import adagnats
+from tests.test_journal import journal_check, read_journal
+from tests.test_journal_api import as_its_worker, refused_field
+
+EMAIL = {"to": "bob@example.com", "body": "the invoice is attached"}
+
+
+def approval_agent(runs: list[Any]) -> Callable[[TaskContext], Awaitable[None]]:
+    """A handler whose model asks for ``send_email``, a tool that needs
+    approval; it saves the model's response before the call, so the iteration
+    after the wait makes the same call, and completes with the tool's result."""
+
+    async def send_email(run: ToolRun) -> Any:
+        runs.append(run.call.input)
+        return {"sent": True, "to": run.call.input["to"]}
+
+    async def handler(tc: TaskContext) -> None:
+        j = await tc.journal()
+        state = await tc.load_checkpoint() or {}
+        if "call" not in state:
+
+            async def model() -> Any:
+                return {"tool": "send_email", "input": EMAIL}
+
+            state["call"] = await j.model(model)
+            await tc.checkpoint(state)
+        call = ToolCall(name=state["call"]["tool"], input=state["call"]["input"])
+        result = await j.tool(call, Replay.UNSAFE, send_email, approval=True)
+        await tc.complete({"output": result.output, "error": result.error})
+
+    return handler
+
+
+async def start(client: Client, task: str) -> str:
+    name = unique("approvewf")
+    await client.register_workflow(loop_workflow(name, task))
+    return (await client.start_run(name, "send the invoice")).run_id
+
+
+async def waiting(http: httpx.AsyncClient, run_id: str) -> list[dict[str, Any]]:
+    answer = await http.get(f"/runs/{run_id}/steps/agent/approvals")
+    assert answer.status_code == 200, answer.text
+    approvals: list[dict[str, Any]] = answer.json()["approvals"]
+    return approvals
+
+
+async def step_waits_for_input(client: Client, run_id: str) -> bool:
+    step = steps_by_id(await client.get_run(run_id))["agent"]
+    return step.status == pb.STEP_STATUS_WAITING and step.waiting_for_input
+
+
+async def asked(client: Client, http: httpx.AsyncClient, run_id: str) -> dict[str, Any]:
+    """The one call waiting, once the step waits for its approval."""
+    await wait_for(lambda: step_waits_for_input(client, run_id), timeout=20)
+    [call] = await waiting(http, run_id)
+    return call
+
+
+@contextlib.asynccontextmanager
+async def a_call_waiting(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> AsyncIterator[tuple[str, dict[str, Any], list[Any]]]:
+    """A run of :func:`approval_agent` with a worker, once its call waits:
+    the run, the call as listed, and the inputs the tool ran with."""
+    task, runs = unique("approve"), list[Any]()
+    async with Worker(engine.target, handlers={task: approval_agent(runs)}):
+        run_id = await start(client, task)
+        yield run_id, await asked(client, http, run_id), runs
+
+
+async def ended(client: Client, run_id: str) -> pb.Run:
+    async def done() -> bool:
+        return (await client.get_run(run_id)).status != pb.RUN_STATUS_RUNNING
+
+    await wait_for(done, timeout=20)
+    return await client.get_run(run_id)
+
+
+def output_of(run: pb.Run) -> Any:
+    return json.loads(steps_by_id(run)["agent"].output)
+
+
+async def decide(
+    http: httpx.AsyncClient, run_id: str, call: dict[str, Any], decision: str, **fields: Any
+) -> httpx.Response:
+    """POST the approvals of the run's step: ``decision`` on ``call`` as listed."""
+    body = {"call": call["call"], "digest": call["digest"], "decision": decision, **fields}
+    return await http.post(f"/runs/{run_id}/steps/agent/approvals", json=body)
+
+
+async def approved_intents(engine: EngineServer, run_id: str) -> list[jpb.ToolIntent]:
+    records = await read_journal(engine, run_id, "agent")
+    return [
+        r.tool_intent
+        for r in records
+        if r.WhichOneof("kind") == "tool_intent" and r.tool_intent.HasField("approval")
+    ]
+
+
+async def test_an_approval_of_the_digest_runs_the_tool_once(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        assert call["tool"] == "send_email" and call["args"] == EMAIL
+        assert call["digest"] == call_digest("send_email", canonical_json(EMAIL))
+        assert runs == []  # waiting: the tool did not run
+        answer = await decide(http, run_id, call, "approve", approver="alice")
+        assert answer.status_code == 201, answer.text
+        run = await ended(client, run_id)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert output_of(run) == {"output": {"sent": True, "to": EMAIL["to"]}, "error": ""}
+    assert runs == [EMAIL]
+    [intent] = await approved_intents(engine, run_id)
+    assert (intent.approval.approver, intent.approval.approved) == ("alice", True)
+    assert intent.approval.call == call["call"] and intent.approval.digest == call["digest"]
+    assert intent.digest == call["digest"] and intent.approval.decided_at.seconds > 0
+    assert list((await journal_check(engine, run_id)).violations) == []
+    assert await waiting(http, run_id) == []
+
+
+async def test_an_approval_of_other_arguments_is_refused_and_changes_nothing(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        path = f"/runs/{run_id}/steps/agent/approvals"
+        other = call_digest("send_email", canonical_json({**EMAIL, "to": "eve@example.com"}))
+        refused = await decide(http, run_id, {**call, "digest": other}, "approve")
+        assert refused.status_code == 409, refused.text
+        assert "not the ones approved" in refused.json()["message"]
+        unknown = call["call"].rsplit(".", 1)[0] + ".99"
+        missing = await decide(http, run_id, {**call, "call": unknown}, "approve")
+        assert missing.status_code == 404, missing.text
+        for bad in (
+            {"call": "not-a-key", "digest": call["digest"], "decision": "approve"},
+            {"call": call["call"], "digest": "md5:abc", "decision": "approve"},
+            {"call": call["call"], "digest": call["digest"], "decision": "maybe"},
+            {"call": call["call"], "digest": call["digest"], "decision": "deny", "args": {}},
+        ):
+            answer = await http.post(path, json=bad)
+            assert answer.status_code == 400, (bad, answer.text)
+        no_run = await http.post(
+            f"/runs/{run_id[:-1]}x/steps/agent/approvals",
+            json={"call": call["call"], "digest": call["digest"], "decision": "approve"},
+        )
+        assert no_run.status_code in (400, 404), no_run.text
+        inputs = await http.get(f"/runs/{run_id}/steps/agent/inputs")
+        assert inputs.json()["inputs"] == []  # nothing was queued
+        assert await step_waits_for_input(client, run_id)
+        assert runs == [] and await waiting(http, run_id) == [call]
+        await client.cancel_run(run_id)
+
+
+async def test_a_denial_reaches_the_model_as_the_tools_result(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        answer = await decide(
+            http, run_id, call, "deny", reason="not to external addresses", approver="bob"
+        )
+        assert answer.status_code == 201, answer.text
+        run = await ended(client, run_id)
+    assert runs == []  # the tool never ran
+    denial = {"denied": True, "reason": "not to external addresses"}
+    assert output_of(run) == {"output": denial, "error": ""}
+    [intent] = await approved_intents(engine, run_id)
+    assert (intent.approval.approved, intent.approval.approver) == (False, "bob")
+    assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_edited_arguments_are_a_new_intent_approved_by_the_act(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        edited = {**EMAIL, "to": "billing@example.com"}
+        answer = await decide(http, run_id, call, "approve", args=edited)
+        assert answer.status_code == 201, answer.text
+        new_digest = call_digest("send_email", canonical_json(edited))
+        assert answer.json()["digest"] == new_digest and answer.json()["edited"]
+        run = await ended(client, run_id)
+    assert runs == [edited]
+    assert output_of(run)["output"] == {"sent": True, "to": "billing@example.com"}
+    [intent] = await approved_intents(engine, run_id)
+    assert intent.digest == new_digest and intent.approval.edited
+    assert intent.approval.digest == call["digest"]
+    assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_the_journal_refuses_an_approval_of_another_digest(engine: EngineServer) -> None:
+    """A worker cannot store a call under an approval given for other
+    arguments, nor a digest that is not its call's: refused whole, nothing
+    written."""
+    async with as_its_worker(engine, "approvejournal") as (run, stub):
+        claimed = await stub.Claim(
+            jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+        )
+        token = claimed.claimed.token
+        data = canonical_json(EMAIL)
+        digest = call_digest("send_email", data)
+        other = call_digest("send_email", canonical_json({**EMAIL, "to": "eve"}))
+        key = f"{run.run_id}.agent.0.0"
+
+        def begin(**fields: Any) -> Any:
+            return stub.BeginTool(
+                jpb.BeginToolRequest(
+                    token=token, position=0, name="send_email", input=data,
+                    replay=jpb.REPLAY_UNSAFE, **fields,
+                )
+            )  # fmt: skip
+
+        approval = jpb.Approval(call=key, digest=other, approved=True)
+        assert await refused_field(begin(digest=digest, approval=approval)) == "approval.digest"
+        assert await refused_field(begin(digest=other)) == "digest"
+        elsewhere = jpb.Approval(call=f"{run.run_id}.other.0.0", digest=digest, approved=True)
+        assert await refused_field(begin(digest=digest, approval=elsewhere)) == "approval.call"
+        assert await refused_field(begin(approval=approval)) == "digest"
+        records = await read_journal(engine, run.run_id, "agent")
+        assert [r.WhichOneof("kind") for r in records] == ["claim"]
+
+
+# ---- crashes and restarts -----------------------------------------------------------
+
+APPROVAL_WORKER = Path(__file__).parent / "workers" / "approval_worker.py"
+
+
+def approval_worker(
+    target: str, task: str, state: Path, stop_at: str = ""
+) -> subprocess.Popen[bytes]:
+    """:mod:`tests.workers.approval_worker` in a process of its own."""
+    state.mkdir(exist_ok=True)
+    args = [sys.executable, str(APPROVAL_WORKER), target, task, str(state), stop_at]
+    with open(state / "worker.log", "ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+
+
+@pytest.mark.parametrize(
+    "seam",
+    [
+        "after_approval_intent",  # the ask stored, not yet answered awaiting_approval
+        "after_approval_placed:2",  # the approval placed, the call not yet made
+        "after_intent:2",  # the approved call's intent stored, the tool not yet started
+        "approved_tool_returned",  # the tool ran, its result stored nowhere
+    ],
+)
+async def test_a_worker_killed_at_an_approval_seam_never_runs_the_tool_twice(
+    seam: str, client: Client, http: httpx.AsyncClient, engine: EngineServer, tmp_path: Path
+) -> None:
+    task = unique("approvecrash")
+    first = approval_worker(engine.target, task, tmp_path / "a", seam)
+    second = None
+    try:
+        run_id = await start(client, task)
+        if seam == "after_approval_intent":
+            await wait_for(lambda: (tmp_path / "a" / "hit").exists(), timeout=30)
+            first.kill()  # SIGKILL at the seam
+            second = approval_worker(engine.target, task, tmp_path / "b")
+        call = await asked(client, http, run_id)
+        assert (await decide(http, run_id, call, "approve", approver="carol")).status_code == 201
+        if seam != "after_approval_intent":
+            await wait_for(lambda: (tmp_path / "a" / "hit").exists(), timeout=30)
+            first.kill()
+            second = approval_worker(engine.target, task, tmp_path / "b")
+        run = await ended(client, run_id)
+    finally:
+        reap(first, second)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    runs = lines(tmp_path / "a", "runs") + lines(tmp_path / "b", "runs")
+    if seam == "approved_tool_returned":
+        # It ran once, and its holder died before the result was stored: the
+        # successor answers the intent interrupted and does not run it again.
+        assert len(runs) == 1
+        assert output_of(run)["output"] is None
+    elif seam == "after_intent:2":
+        assert len(runs) == 0  # the intent was stored, the tool never started: interrupted
+    else:
+        assert len(runs) == 1
+        assert output_of(run)["output"] == {"sent": True, "to": EMAIL["to"]}
+    assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_a_holder_frozen_after_the_approved_tool_ran_is_fenced_when_it_wakes(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer, tmp_path: Path
+) -> None:
+    """SIGSTOP after the approved tool returned, past the lease: the successor
+    answers the call interrupted and does not run it; the frozen holder,
+    thawed, stops and stores nothing more. The tool ran once."""
+    task = unique("approvezombie")
+    first = approval_worker(engine.target, task, tmp_path / "a", "approved_tool_returned")
+    second = None
+    try:
+        run_id = await start(client, task)
+        call = await asked(client, http, run_id)
+        assert (await decide(http, run_id, call, "approve")).status_code == 201
+        await wait_for(lambda: (tmp_path / "a" / "hit").exists(), timeout=30)
+        first.send_signal(signal.SIGSTOP)
+        second = approval_worker(engine.target, task, tmp_path / "b")
+        run = await ended(client, run_id)
+        first.send_signal(signal.SIGCONT)
+        # Thawed, it learns a successor holds the step (its write is fenced,
+        # or its keep-alive finds the successor's claim and stops it).
+        await wait_for(
+            lambda: lines(tmp_path / "a", "turns")[-1:] in (["Fenced"], ["CancelledError"]),
+            timeout=30,
+            message="the thawed holder's turn stops",
+        )
+    finally:
+        reap(first, second)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert len(lines(tmp_path / "a", "runs") + lines(tmp_path / "b", "runs")) == 1
+    assert output_of(run)["output"] is None  # the successor's answer: interrupted
+    assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_a_waiting_approval_survives_the_worker_and_a_restart_of_every_service(
+    nats_server: Any, tmp_path: Path
+) -> None:
+    """The step waits holding no worker and nothing in memory: the worker is
+    killed and every service restarted while it waits, and the approval
+    given afterwards runs the tool once."""
+    task = unique("approverestart")
+    engine = await start_engine(nats_server.url, config=FAST)
+    worker = approval_worker(engine.target, task, tmp_path / "a")
+    try:
+        async with Client(engine.target) as client:
+            run_id = await start(client, task)
+            await wait_for(lambda: step_waits_for_input(client, run_id), timeout=30)
+        worker.kill()
+        worker.wait()
+        await engine.stop()
+        engine = await start_engine(nats_server.url, config=FAST)
+        gateway = await start_gateway(GatewayConfig(engine_target=engine.target, port=0))
+        worker = approval_worker(engine.target, task, tmp_path / "b")
+        try:
+            async with (
+                Client(engine.target) as client,
+                httpx.AsyncClient(base_url=gateway.url, timeout=30.0) as http,
+            ):
+                call = await asked(client, http, run_id)
+                answer = await decide(http, run_id, call, "approve")
+                assert answer.status_code == 201, answer.text
+                run = await ended(client, run_id)
+        finally:
+            await gateway.stop()
+    finally:
+        reap(worker)
+        await engine.stop()
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert lines(tmp_path / "a", "runs") == [] and len(lines(tmp_path / "b", "runs")) == 1
+
+
+async def test_the_cli_lists_refuses_another_digest_and_approves(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    env = {"DAGNATS_ENGINE": engine.target}
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        listed = await adagnats("run", "approvals", run_id, "--step", "agent", "--json", env=env)
+        assert listed.returncode == 0, listed.stderr
+        assert json.loads(listed.stdout) == [call]
+        text = await adagnats("run", "approvals", run_id, "--step", "agent", env=env)
+        assert call["call"] in text.stdout and '"bob@example.com"' in text.stdout
+        other = call_digest("send_email", canonical_json({**EMAIL, "to": "eve@example.com"}))
+        base = ("--step", "agent", "--call", call["call"])
+        refused = await adagnats("run", "approve", run_id, *base, "--digest", other, env=env)
+        assert refused.returncode == 1 and "not the ones approved" in refused.stderr
+        assert runs == [] and await waiting(http, run_id) == [call]
+        approved = await adagnats(
+            "run", "approve", run_id, *base, "--digest", call["digest"], "--approver", "dana",
+            env=env,
+        )  # fmt: skip
+        assert approved.returncode == 0, approved.stderr
+        assert f"approved {call['call']} with digest {call['digest']}" in approved.stdout
+        run = await ended(client, run_id)
+    assert run.status == pb.RUN_STATUS_COMPLETED and runs == [EMAIL]
+    [intent] = await approved_intents(engine, run_id)
+    assert intent.approval.approver == "dana"
+
+
+async def test_the_cli_denies_with_a_reason_for_the_digest_it_shows(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    env = {"DAGNATS_ENGINE": engine.target}
+    async with a_call_waiting(client, http, engine) as (run_id, call, runs):
+        denied = await adagnats(
+            "run", "deny", run_id, "--step", "agent", "--call", call["call"],
+            "--reason", "wrong recipient", env=env,
+        )  # fmt: skip
+        assert denied.returncode == 0, denied.stderr
+        assert '"bob@example.com"' in denied.stdout  # the arguments it decided on
+        run = await ended(client, run_id)
+    assert runs == []
+    assert output_of(run)["output"] == {"denied": True, "reason": "wrong recipient"}
