@@ -118,7 +118,8 @@ class J:
     def group(self, *, p: int, calls: list[ToolCall], size: int = 0, start: int = -1) -> J:
         """One record holding the intents of a parallel group's ``calls`` from
         position ``p`` (of a group of ``size`` calls from ``start``: by
-        default these calls alone)."""
+        default these calls alone); a call's digest and approval (its
+        ``approval_id``, as ``_pay`` marks it) are its intent's."""
         seq = self._next_seq()
         it, at = self._dispatch
         for index, call in enumerate(calls):
@@ -138,6 +139,8 @@ class J:
                     index=index,
                     group_size=size or len(calls),
                     group_position=p if start < 0 else start,
+                    digest=call.digest,
+                    approval=_mark(call.approval_id) if call.approval_id else None,
                 )
             )
         return self
@@ -1268,13 +1271,13 @@ PAY = b'{"cents": 500}'
 PAY_DIGEST = "sha256:" + "a" * 64
 
 
+def _mark(request_id: str) -> ApprovalMark:
+    return ApprovalMark(call="r.agent.0.1", digest=PAY_DIGEST, approved=True, request_id=request_id)
+
+
 def _pay(j: J, *, p: int, approval: str = "") -> IntentEntry:
     """An intent of ``pay`` at ``p``: asking for approval, or under ``approval``."""
-    mark = (
-        ApprovalMark(call="r.agent.0.1", digest=PAY_DIGEST, approved=True, request_id=approval)
-        if approval
-        else None
-    )
+    mark = _mark(approval) if approval else None
     j._add(
         IntentEntry, position=p, name="pay", input=PAY, safe=False, digest=PAY_DIGEST,
         approval=mark,
@@ -1323,3 +1326,63 @@ def test_a_call_under_another_approval_than_recorded_is_a_mismatch() -> None:
     assert isinstance(decision, Mismatch)
     asking = ToolCall(name="pay", input=PAY, safe=False, digest=PAY_DIGEST)
     assert isinstance(decide_tool(j.of(0), attempt=1, position=1, call=asking), UseResult)
+
+
+# ---- approvals inside a parallel group ------------------------------------------------
+
+ASKING = ToolCall(name="pay", input=PAY, safe=False, digest=PAY_DIGEST)
+
+
+def test_each_call_of_a_group_is_decided_with_its_approval_as_if_alone() -> None:
+    # A group of three whose second call asked for approval: the others ran,
+    # the ask was answered awaiting_approval.
+    asking_group = [SEARCH_A, ASKING, SEARCH_B]
+    j = J().claim().model(p=0).group(p=1, calls=asking_group)
+    seq = j.last.seq
+    ask = [e for e in j.entries if isinstance(e, IntentEntry)][1]
+    assert ask.asks_approval and ask.index == 1
+    j.result(intent=seq, index=0, output=b'{"hits": 1}')
+    first = j.last_result
+    j._add(ResultEntry, intent_seq=seq, intent_index=1, awaiting_approval=True)
+    awaiting = j.last_result
+    j.result(intent=seq, index=2, output=b'{"hits": 2}')
+    third = j.last_result
+    j.claim()
+    # The same group, still asking: every call has its result, the ask its awaiting one.
+    assert decide_tools(j.of(0), attempt=1, position=1, calls=asking_group) == Group(
+        calls=(UseResult(result=first), UseResult(result=awaiting), UseResult(result=third))
+    )
+    # A redelivery that placed the approval: the decided call runs where it asked.
+    approved_group = [SEARCH_A, _under("approval-1"), SEARCH_B]
+    assert decide_tools(j.of(0), attempt=1, position=1, calls=approved_group) == Group(
+        calls=(UseResult(result=first), RunNew(), UseResult(result=third))
+    )
+    # Its intent stored (a record of the group's, index 0 in it), it is that
+    # call's from then on: interrupted before its result, then its result.
+    j.group(p=2, calls=[_under("approval-1")], size=3, start=1)
+    decided = j.last_intent
+    assert (decided.index, decided.approval) == (0, _mark("approval-1"))
+    j.claim()
+    assert decide_tools(j.of(0), attempt=1, position=1, calls=approved_group) == Group(
+        calls=(
+            UseResult(result=first),
+            Interrupt(intent=decided, partial=""),
+            UseResult(result=third),
+        )
+    )
+    j.result(intent=decided.seq, index=0, output=b'{"paid": true}')
+    paid = j.last_result
+    assert decide_tools(j.claim().of(0), attempt=1, position=1, calls=approved_group) == Group(
+        calls=(UseResult(result=first), UseResult(result=paid), UseResult(result=third))
+    )
+    # Under another approval than the one recorded: a mismatch, as alone.
+    other = [SEARCH_A, _under("approval-2"), SEARCH_B]
+    decision = decide_tools(j.of(0), attempt=1, position=1, calls=other)
+    assert isinstance(decision, Mismatch) and "position 2" in decision.reason
+
+
+def test_a_call_of_a_group_that_now_needs_approval_where_none_was_asked_is_a_mismatch() -> None:
+    plain = ToolCall(name="pay", input=PAY, safe=False)
+    j = J().claim().model(p=0).group(p=1, calls=[SEARCH_A, plain]).claim()
+    decision = decide_tools(j.of(0), attempt=1, position=1, calls=[SEARCH_A, ASKING])
+    assert isinstance(decision, Mismatch) and "position 2" in decision.reason

@@ -166,11 +166,15 @@ class DurableAgent:
                         waiting = _approval_in(err)
                         if waiting is None:
                             raise
-                        # The history up to the request the response answered:
-                        # the next round sends it again and replays the response.
-                        before = [m for m in run.all_messages() if m.kind == "request"][-1]
+                        # The history up to the request the response answered
+                        # (not the tool returns of a parallel group stopped by
+                        # it): the next round sends it again and replays the
+                        # response.
                         history = run.all_messages()
-                        cut = len(history) - history[::-1].index(before)
+                        answered = len(history) - 1
+                        while history[answered].kind != "response":
+                            answered -= 1
+                        cut = answered
                         return _Round(
                             messages=history[:cut], answered=False, waiting=waiting, resume=resume
                         )

@@ -665,14 +665,14 @@ def _placements(records: Sequence[AnyEntry]) -> list[tuple[int, Rule, str]]:
 
 def _approvals(records: Sequence[AnyEntry]) -> Iterator[_Found]:
     asked: list[IntentEntry] = []
-    intents = {r.seq: r for r in records if isinstance(r, IntentEntry)}
+    intents = {r.ref: r for r in records if isinstance(r, IntentEntry)}
     for r in records:
         if isinstance(r, IntentEntry) and r.digest:
             yield from _approved_arguments(r, asked)
             if r.asks_approval:
                 asked.append(r)
         elif isinstance(r, ResultEntry):
-            intent = intents.get(r.intent_seq)
+            intent = intents.get(r.intent_ref)  # a parallel group's by its index
             if intent is None:
                 continue  # an orphan_result
             if intent.asks_approval and not (r.awaiting_approval or r.interrupted):
