@@ -1302,6 +1302,39 @@ GUARDS = (
         how="a worker may store a call under an approval given for other arguments",
         tests=("tests/test_approvals.py::test_the_journal_refuses_an_approval_of_another_digest",),
     ),
+    Guard(
+        name="a parallel group's call needing approval waits: ApprovalPending once the others ran",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="        if waiting:\n",
+        removed="        if False:\n",
+        how="a group's call that asked for approval is handed to the handler as a result",
+        tests=(
+            "tests/test_approvals.py::"
+            "test_a_group_runs_its_other_calls_while_one_waits_then_the_approved_one_once",
+        ),
+    ),
+    Guard(
+        name="the decided call of a parallel group runs at the position that asked",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="        if _decides_the_ask(records, at, call):\n            decided.append(",
+        removed="        if False:\n            decided.append(",
+        how="an approval placed by a redelivery of the iteration that asked is a mismatch",
+        tests=(
+            "tests/test_replay.py::"
+            "test_each_call_of_a_group_is_decided_with_its_approval_as_if_alone",
+        ),
+    ),
+    Guard(
+        name="journal check matches a parallel group's approval result to its own call",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="            intent = intents.get(r.intent_ref)  # a parallel group's by its index\n",
+        removed="            intent = intents.get((r.intent_seq, 0))\n",
+        how="a group's awaiting_approval result is checked against its first call's intent",
+        tests=(
+            "tests/test_approvals.py::"
+            "test_a_group_runs_its_other_calls_while_one_waits_then_the_approved_one_once",
+        ),
+    ),
 )
 
 

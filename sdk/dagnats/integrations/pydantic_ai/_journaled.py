@@ -31,7 +31,9 @@ Invariants:
   and the results its calls already had, so the iteration the approval wakes
   replays the response (no model request) and runs none of those calls again.
   An approved call runs with ``ctx.tool_call_approved``; a denial reaches the
-  model as the tool's return, ``{"denied": true, "reason": ...}``.
+  model as the tool's return, ``{"denied": true, "reason": ...}``. In a
+  parallel group such a call waits while the group's others run; their
+  results are kept in the :class:`Resume` before the round stops.
 """
 
 from __future__ import annotations

@@ -722,6 +722,9 @@ def decide_tools(
     a recorded intent without one runs again only if both declarations are
     safe (else ``Interrupt``), a new call honours an earlier attempt's unsafe
     intent of the same name and input (each at most once), else ``RunNew``.
+    A call's approval is part of the call, and a call under an approval at
+    the position of the group where it asked for one is its decision
+    (``RunNew``), as for a call alone.
     The group as a whole must be the one recorded there: a model call, a call
     made alone, or a group of another size or start at any of its positions,
     or a call of another name or input, is ``Mismatch``, and nothing is
