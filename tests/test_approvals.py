@@ -427,7 +427,9 @@ GROUP = [
 ]
 
 
-def group_agent(runs: list[tuple[str, Any]]) -> Callable[[TaskContext], Awaitable[None]]:
+def group_agent(
+    runs: list[tuple[str, Any]], needs: frozenset[str] = frozenset({"send_email"})
+) -> Callable[[TaskContext], Awaitable[None]]:
     """A handler whose model asks for three tools at once, the third needing
     approval: one parallel group. When the group waits, it keeps the results
     the others had, so the iteration the approval wakes makes only the call
@@ -453,7 +455,7 @@ def group_agent(runs: list[tuple[str, Any]]) -> Callable[[TaskContext], Awaitabl
                 ToolCall(name=state["calls"][i]["tool"], input=state["calls"][i]["input"]),
                 Replay.UNSAFE,
                 tool,
-                state["calls"][i]["tool"] == "send_email",
+                state["calls"][i]["tool"] in needs,
             )
             for i in todo
         ]
@@ -530,4 +532,26 @@ async def test_a_denied_call_of_a_group_gives_the_denial_as_its_result(
     denial = {"denied": True, "reason": "not today"}
     assert output_of(run) == [{"done": "lookup"}, {"done": "attach"}, denial]
     assert sorted(runs) == sorted(GROUP[:2])  # the denied tool never ran
+    assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_two_calls_of_a_group_waiting_are_both_named_and_each_approved_on_its_own(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    task, runs = unique("approvetwo"), list[tuple[str, Any]]()
+    needs = frozenset({"attach", "send_email"})
+    async with Worker(engine.target, handlers={task: group_agent(runs, needs)}):
+        run_id = await start(client, task)
+        await wait_for(lambda: step_waits_for_input(client, run_id), timeout=20)
+        calls = await waiting(http, run_id)
+        assert [c["tool"] for c in calls] == ["attach", "send_email"]
+        assert runs == [GROUP[0]]  # only the call needing none ran
+        output = json.loads(steps_by_id(await client.get_run(run_id))["agent"].output)
+        assert [w["call"] for w in output["awaiting_approvals"]] == [c["call"] for c in calls]
+        for call in calls:
+            assert (await decide(http, run_id, call, "approve")).status_code == 201
+        run = await ended(client, run_id)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert output_of(run) == [{"done": "lookup"}, {"done": "attach"}, {"done": "send_email"}]
+    assert sorted(runs) == sorted(GROUP)
     assert list((await journal_check(engine, run_id)).violations) == []
