@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup chromium dev test docs docs-serve lint breaking fmt proto proto-check bench bench-state bench-scale bench-pair bench-peers jetstream-facts test-guards test-chaos clean
+.PHONY: help setup chromium dev test docs docs-serve lint breaking fmt proto proto-check bench bench-state bench-parallel bench-scale bench-pair bench-peers jetstream-facts test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -110,9 +110,13 @@ bench: setup ## journal overhead and the agent-turn workload against raw JetStre
 	BENCH_DEPLOY=services $(PY) -m bench.bench_turn
 	BENCH_DEPLOY=split $(PY) -m bench.bench_turn
 	$(PY) -m bench.bench_state
+	$(PY) -m bench.bench_parallel
 
 bench-state: setup ## a conversation growing 20 KB a turn for 1,000 turns: turn time and journal bytes
 	$(PY) -m bench.bench_state
+
+bench-parallel: setup ## five 200 ms tools of one response: a parallel group against one at a time
+	$(PY) -m bench.bench_parallel
 
 # BENCH_WAITERS (10,000), BENCH_WAKES, BENCH_LONG_K, BENCH_CLUSTER=0... scale it down.
 bench-scale: setup ## 10,000 waiting runs, wake latency, iteration 1,000, two engines, R3 cluster

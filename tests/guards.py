@@ -326,8 +326,9 @@ GUARDS = (
     Guard(
         name="a tool output too large answers its intent and raises",
         file="sdk/dagnats/sdk/_journal.py",
-        guard="            )\n            raise\n        return result\n",
-        removed="            )\n        return result\n",
+        guard="            await self._locked(finish(stored), then)\n            raise\n"
+        "        return result\n",
+        removed="            await self._locked(finish(stored), then)\n        return result\n",
         how="the handler goes on as if the tool's error were its result, and the run ends"
         " without saying why",
         tests=(
@@ -350,16 +351,16 @@ GUARDS = (
     Guard(
         name="replay rule for unsafe tools",
         file="services/journal/dagnats/journal/replay.py",
-        guard="        if at.safe and call.safe:\n",
-        removed="        if True:\n",
+        guard="    if at.safe and call.safe:\n",
+        removed="    if True:\n",
         how="an intent without a result is run again whatever its declaration",
         tests=("tests/test_journal.py::test_crash_after_unsafe_intent_records_interrupted",),
     ),
     Guard(
         name="replay rule for safe tools",
         file="services/journal/dagnats/journal/replay.py",
-        guard="        if at.safe and call.safe:\n",
-        removed="        if False:\n",
+        guard="    if at.safe and call.safe:\n",
+        removed="    if False:\n",
         how="a safe intent without a result is never run again",
         tests=("tests/test_journal.py::test_crash_after_safe_intent_runs_it_again",),
     ),
@@ -1112,6 +1113,94 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="a parallel group of another size or start at a recorded group is a mismatch",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    if (at.group_position, at.group_size) != (position, len(calls)):\n",
+        removed="    if False:\n",
+        how="a handler that now asks for fewer or more calls replays the recorded ones as its own",
+        tests=("tests/test_replay.py::test_another_group_at_a_recorded_group_is_a_mismatch",),
+    ),
+    Guard(
+        name="a call made alone where a parallel group was recorded is a mismatch",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    if isinstance(at, IntentEntry) and at.in_group:\n",
+        removed="    if False:\n",
+        how="a single call takes a group member's result as its own",
+        tests=(
+            "tests/test_replay.py::"
+            "test_a_group_where_one_call_was_made_alone_is_a_mismatch_both_ways",
+        ),
+    ),
+    Guard(
+        name="a parallel group where a call was made alone is a mismatch",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="    if not at.in_group:\n",
+        removed="    if False:\n",
+        how="a group takes a single call's result as its member's",
+        tests=(
+            "tests/test_replay.py::"
+            "test_a_group_where_one_call_was_made_alone_is_a_mismatch_both_ways",
+        ),
+    ),
+    Guard(
+        name="a parallel group's result after a cancel answers its own call by index",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="        if isinstance(entry, ResultEntry) and entry.intent_ref == "
+        "(result_for, result_index):\n",
+        removed="        if isinstance(entry, ResultEntry) and entry.intent_seq == result_for:\n",
+        how="a second call of a group finishing after the cancel is taken as stored already",
+        tests=(
+            "tests/test_replay.py::"
+            "test_a_second_result_of_a_group_after_a_cancel_is_stored_after_the_first",
+        ),
+    ),
+    Guard(
+        name="the results of a parallel group are stored as they finish, never left pending",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="        if stop is None and raised is None and result.ByteSize() "
+        "<= PENDING_BYTES:\n",
+        removed="        if raised is None and result.ByteSize() <= PENDING_BYTES:\n",
+        how="one pending entry holds one result: the group's other results are lost",
+        tests=(
+            "tests/test_parallel_tools.py::"
+            "test_a_group_runs_at_once_and_answers_in_the_responses_order",
+        ),
+    ),
+    Guard(
+        name="journal check finds a parallel group's call that ran before all its intents",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="            if isinstance(r, OutputEntry | ResultEntry) and r.intent_ref in refs "
+        "and r.seq < last:\n",
+        removed="            if False:\n",
+        how="a group whose calls started before its last intent was stored passes the audit",
+        tests=(
+            "tests/test_audit.py::"
+            "test_a_call_of_a_group_that_ran_before_the_groups_last_intent_was_stored",
+        ),
+    ),
+    Guard(
+        name="journal check finds an unsafe call (parallel group or alone) started twice",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="        if intent is None or r.writer == intent.writer:\n",
+        removed="        if True:\n",
+        how="a successor that ran an unsafe call again passes the audit",
+        tests=(
+            "tests/test_audit.py::test_an_unsafe_call_of_a_group_run_again_by_a_successor",
+            "tests/test_audit.py::test_an_unsafe_call_alone_with_output_from_a_successor",
+        ),
+    ),
+    Guard(
+        name="the calls pydantic-ai starts together wait for each other: one parallel group",
+        file="sdk/dagnats/integrations/pydantic_ai/_journaled.py",
+        guard="        waiting = not gathered.expected <= gathered.members.keys()\n",
+        removed="        waiting = False\n",
+        how="a call that reaches the toolset a loop turn late runs as a group of its own",
+        tests=(
+            "tests/test_pydantic_ai_parallel.py::"
+            "test_a_call_that_reaches_the_toolset_a_loop_turn_late_joins_its_group",
+        ),
+    ),
+    Guard(
         name="the state chain refuses a state past the size setting",
         file="core/dagnats/core/statechain.py",
         guard="    if size > settings.state_max_bytes:\n",
@@ -1212,6 +1301,39 @@ GUARDS = (
         removed="    if False:\n",
         how="a worker may store a call under an approval given for other arguments",
         tests=("tests/test_approvals.py::test_the_journal_refuses_an_approval_of_another_digest",),
+    ),
+    Guard(
+        name="a parallel group's call needing approval waits: ApprovalPending once the others ran",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="        if waiting:\n",
+        removed="        if False:\n",
+        how="a group's call that asked for approval is handed to the handler as a result",
+        tests=(
+            "tests/test_approvals.py::"
+            "test_a_group_runs_its_other_calls_while_one_waits_then_the_approved_one_once",
+        ),
+    ),
+    Guard(
+        name="the decided call of a parallel group runs at the position that asked",
+        file="services/journal/dagnats/journal/replay.py",
+        guard="        if _decides_the_ask(records, at, call):\n            decided.append(",
+        removed="        if False:\n            decided.append(",
+        how="an approval placed by a redelivery of the iteration that asked is a mismatch",
+        tests=(
+            "tests/test_replay.py::"
+            "test_each_call_of_a_group_is_decided_with_its_approval_as_if_alone",
+        ),
+    ),
+    Guard(
+        name="journal check matches a parallel group's approval result to its own call",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="            intent = intents.get(r.intent_ref)  # a parallel group's by its index\n",
+        removed="            intent = intents.get((r.intent_seq, 0))\n",
+        how="a group's awaiting_approval result is checked against its first call's intent",
+        tests=(
+            "tests/test_approvals.py::"
+            "test_a_group_runs_its_other_calls_while_one_waits_then_the_approved_one_once",
+        ),
     ),
 )
 

@@ -14,9 +14,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import grpc.aio
+
 from dagnats.core.natsserver import free_port
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
+from dagnats.sdk import Client, run_output
 from tests.helpers import wait_for
-from tests.stack import FAST
+from tests.stack import FAST, loop_workflow, steps_by_id, unique
+from tests.workers import agent
 
 WORKERS = Path(__file__).parent / "workers"
 MATRIX_WORKER = WORKERS / "matrix_worker.py"
@@ -67,6 +74,8 @@ def spawn_worker(
     standby: bool = False,
     stream: bool = False,
     apart: bool = False,
+    group: str = "",
+    journal: str = "",
 ) -> subprocess.Popen[bytes]:
     """A matrix worker process (see ``tests/workers/matrix_worker.py``); it
     writes ``state/ready-<name or crash or 'clean'>`` once it polls (with
@@ -84,6 +93,10 @@ def spawn_worker(
         args.append("--standby")
     if stream:
         args.append("--stream")
+    if group:
+        args += ["--group", group]
+    if journal:
+        args += ["--journal", journal]
     with open(state / f"worker-{name or crash or 'clean'}.log", "wb") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
 
@@ -213,3 +226,115 @@ class EngineProcess:
             self.thaw()
         else:
             await self.start()
+
+
+# ---- parallel groups ------------------------------------------------------------
+
+
+def group_starts(state: Path) -> Counter[str]:
+    """Starts of each call of the group, by ``tool n`` (its place)."""
+    return Counter(" ".join(line.split()[::2][:2]) for line in lines(state, "starts") if line)
+
+
+async def crash_in_group(
+    target: str,
+    successor_target: str,
+    client: Client,
+    state: Path,
+    seam: str,
+    kind: str,
+    mode: str,
+    *,
+    journal: str = "",
+) -> tuple[pb.Run, int]:
+    """Run a group agent whose holder stops at ``seam`` of iteration 0 and is
+    killed or frozen; a standby successor finishes the run (a frozen holder
+    is thawed then, and its turn waited for). Returns the run and the pid of
+    the holder."""
+    task, name = unique("gmatrix"), unique("gmatrixwf")
+    await client.register_workflow(loop_workflow(name, task))
+    crash = f"{seam}:0"
+    crasher = spawn_worker(target, task, state, crash, group=kind, journal=journal)
+    successor = spawn_worker(
+        successor_target, task, state, standby=True, group=kind, journal=journal
+    )
+    try:
+        await wait_for(lambda: (state / f"ready-{crash}").exists(), timeout=30)
+        run = await client.start_run(name, {"ask": "weather"})
+        await wait_for(lambda: (state / "hit").exists(), timeout=30, message="seam not reached")
+        if mode == "kill":
+            crasher.kill()
+            crasher.wait()
+        else:
+            os.kill(crasher.pid, signal.SIGSTOP)
+        await activate(successor, state, "clean")
+        done = await client.wait_for_run(run.run_id, timeout=60)
+        if mode == "stall":
+            os.kill(crasher.pid, signal.SIGCONT)
+            await wait_for(
+                lambda: zombie_turn(state, crasher.pid, 0),
+                timeout=30,
+                message="the zombie never finished its turn",
+            )
+    finally:
+        reap(crasher, successor)
+    return done, crasher.pid
+
+
+async def group_outcome(
+    target: str, done: pb.Run, crasher: int, state: Path, seam: str, kind: str, mode: str
+) -> None:
+    """What every group case must end with: the crash-free answer, a clean
+    journal, each unsafe call started at most once, the stored results
+    reused, the safe calls without one run again, the unsafe ones without
+    one interrupted, and a zombie fenced."""
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    assert run_output(done) == "done"
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = jgrpc.JournalServiceStub(channel)
+        check = await stub.Check(jpb.CheckRequest(run_id=done.run_id))
+        records = [
+            r.record async for r in stub.Read(jpb.ReadRequest(run_id=done.run_id, step_id="agent"))
+        ]
+    assert list(check.violations) == [], check.violations
+    assert steps_by_id(done)["agent"].iterations == 1
+    assert lines(state, "model").count("0") == 1, "the response rode the group's intents"
+    stored = 0 if seam == "after_group_intents" else int(seam.rpartition("@")[2])
+    starts = group_starts(state)
+    calls = agent.GROUPS[kind]
+    (group,) = [r for r in records if r.HasField("tool_intents")]
+    results = {
+        r.tool_result.intent_index: r.tool_result
+        for r in records
+        if r.HasField("tool_result") and r.tool_result.intent_seq == group.seq
+    }
+    for n, call in enumerate(calls):
+        key = f"{call['tool']} {n}"
+        unsafe = call["tool"] == "send"
+        # The holder started every call unless it stopped before any started;
+        # frozen there, it starts them once thawed, and is fenced at its first write.
+        ran_by_holder = seam != "after_group_intents" or mode == "stall"
+        if unsafe:
+            assert starts[key] <= 1, f"the unsafe call {key} started {starts[key]} times"
+        if n < stored:
+            assert starts[key] == 1 and not results[n].interrupted, f"{key}: its result reused"
+        elif unsafe:
+            assert results[n].interrupted, f"{key}: no result, so interrupted"
+        else:
+            assert starts[key] == (2 if ran_by_holder else 1), f"{key} ran {starts[key]} times"
+    if mode == "stall":
+        outcome = zombie_turn(state, crasher, 0)
+        log = (state / f"worker-{seam}:0.log").read_text()
+        fenced = outcome == "Fenced" or (
+            outcome == "CancelledError" and "a successor holds the step" in log
+        )
+        assert fenced, f"a zombie inside a group must be fenced, got {outcome}"
+        late = [
+            r
+            for r in records
+            if r.HasField("tool_result")
+            and r.seq
+            > max(c.seq for c in records if c.HasField("claim") or c.HasField("leading_claim"))
+            and r.writer == group.writer
+        ]
+        assert late == [], "the zombie stored no result after its successor's claim"

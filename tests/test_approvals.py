@@ -22,7 +22,7 @@ from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway import GatewayConfig, start_gateway
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, Worker
+from dagnats.sdk import ApprovalPending, Client, Replay, TaskContext, ToolCall, ToolRun, Worker
 from tests.helpers import wait_for
 from tests.matrix import child_env, lines, reap
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
@@ -416,3 +416,142 @@ async def test_the_cli_denies_with_a_reason_for_the_digest_it_shows(
         run = await ended(client, run_id)
     assert runs == []
     assert output_of(run)["output"] == {"denied": True, "reason": "wrong recipient"}
+
+
+# ---- a call of a parallel group that needs approval ---------------------------------------
+
+GROUP = [
+    ("lookup", {"who": "bob"}),
+    ("attach", {"file": "invoice.pdf"}),
+    ("send_email", EMAIL),
+]
+
+
+def group_agent(
+    runs: list[tuple[str, Any]], needs: frozenset[str] = frozenset({"send_email"})
+) -> Callable[[TaskContext], Awaitable[None]]:
+    """A handler whose model asks for three tools at once, the third needing
+    approval: one parallel group. When the group waits, it keeps the results
+    the others had, so the iteration the approval wakes makes only the call
+    that waited; it completes with the three results in the response's order."""
+
+    async def tool(run: ToolRun) -> Any:
+        runs.append((run.call.name, run.call.input))
+        return {"done": run.call.name}
+
+    async def handler(tc: TaskContext) -> None:
+        j = await tc.journal()
+        state = await tc.load_checkpoint() or {}
+        if "calls" not in state:
+
+            async def model() -> Any:
+                return [{"tool": name, "input": args} for name, args in GROUP]
+
+            state = {"calls": await j.model(model), "results": {}}
+            await tc.checkpoint(state)
+        todo = [i for i in range(len(state["calls"])) if str(i) not in state["results"]]
+        group = [
+            (
+                ToolCall(name=state["calls"][i]["tool"], input=state["calls"][i]["input"]),
+                Replay.UNSAFE,
+                tool,
+                state["calls"][i]["tool"] in needs,
+            )
+            for i in todo
+        ]
+        try:
+            results = await j.tools(group)
+        except ApprovalPending as waiting:
+            for i, result in zip(todo, waiting.results, strict=True):
+                if not result.awaiting_approval:
+                    state["results"][str(i)] = result.output
+            await tc.checkpoint(state)
+            raise
+        for i, result in zip(todo, results, strict=True):
+            state["results"][str(i)] = result.output
+        await tc.complete([state["results"][str(i)] for i in range(len(state["calls"]))])
+
+    return handler
+
+
+@contextlib.asynccontextmanager
+async def a_group_waiting(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> AsyncIterator[tuple[str, dict[str, Any], list[tuple[str, Any]]]]:
+    """A run of :func:`group_agent` with a worker, once its third call waits."""
+    task, runs = unique("approvegroup"), list[tuple[str, Any]]()
+    async with Worker(engine.target, handlers={task: group_agent(runs)}):
+        run_id = await start(client, task)
+        yield run_id, await asked(client, http, run_id), runs
+
+
+async def group_intents(engine: EngineServer, run_id: str) -> list[jpb.ToolIntent]:
+    records = await read_journal(engine, run_id, "agent")
+    return [
+        intent
+        for r in records
+        if r.WhichOneof("kind") == "tool_intents"
+        for intent in r.tool_intents.intents
+    ]
+
+
+async def test_a_group_runs_its_other_calls_while_one_waits_then_the_approved_one_once(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    async with a_group_waiting(client, http, engine) as (run_id, call, runs):
+        # Waiting, holding no worker: the two others ran once, the third not.
+        assert (call["tool"], call["args"]) == ("send_email", EMAIL)
+        assert call["digest"] == call_digest("send_email", canonical_json(EMAIL))
+        assert sorted(runs) == sorted(GROUP[:2])
+        intents = await group_intents(engine, run_id)
+        assert [(i.name, bool(i.digest)) for i in intents] == [
+            ("lookup", False),
+            ("attach", False),
+            ("send_email", True),
+        ]
+        answer = await decide(http, run_id, call, "approve", approver="alice")
+        assert answer.status_code == 201, answer.text
+        run = await ended(client, run_id)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert output_of(run) == [{"done": "lookup"}, {"done": "attach"}, {"done": "send_email"}]
+    assert sorted(runs) == sorted(GROUP)  # each tool ran once
+    [decided] = [i for i in await group_intents(engine, run_id) if i.HasField("approval")]
+    assert (decided.name, decided.approval.approver) == ("send_email", "alice")
+    assert decided.approval.digest == call["digest"]
+    assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_a_denied_call_of_a_group_gives_the_denial_as_its_result(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    async with a_group_waiting(client, http, engine) as (run_id, call, runs):
+        answer = await decide(http, run_id, call, "deny", reason="not today", approver="bob")
+        assert answer.status_code == 201, answer.text
+        run = await ended(client, run_id)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    denial = {"denied": True, "reason": "not today"}
+    assert output_of(run) == [{"done": "lookup"}, {"done": "attach"}, denial]
+    assert sorted(runs) == sorted(GROUP[:2])  # the denied tool never ran
+    assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_two_calls_of_a_group_waiting_are_both_named_and_each_approved_on_its_own(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    task, runs = unique("approvetwo"), list[tuple[str, Any]]()
+    needs = frozenset({"attach", "send_email"})
+    async with Worker(engine.target, handlers={task: group_agent(runs, needs)}):
+        run_id = await start(client, task)
+        await wait_for(lambda: step_waits_for_input(client, run_id), timeout=20)
+        calls = await waiting(http, run_id)
+        assert [c["tool"] for c in calls] == ["attach", "send_email"]
+        assert runs == [GROUP[0]]  # only the call needing none ran
+        output = json.loads(steps_by_id(await client.get_run(run_id))["agent"].output)
+        assert [w["call"] for w in output["awaiting_approvals"]] == [c["call"] for c in calls]
+        for call in calls:
+            assert (await decide(http, run_id, call, "approve")).status_code == 201
+        run = await ended(client, run_id)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert output_of(run) == [{"done": "lookup"}, {"done": "attach"}, {"done": "send_email"}]
+    assert sorted(runs) == sorted(GROUP)
+    assert list((await journal_check(engine, run_id)).violations) == []

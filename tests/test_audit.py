@@ -711,6 +711,155 @@ def test_a_record_after_the_cancel_that_is_no_cancel_breaks_the_chain_or_the_fen
     assert "chain" in rules(check_step("agent", j.entries))
 
 
+# ---- parallel groups ----------------------------------------------------------------
+
+
+def group(j: Journal, calls: list[tuple[str, bool]], *, size: int = 0, start: int = -1) -> int:
+    """One record holding the intents of a parallel group's ``calls`` (name,
+    safe) at the writer's next positions; its sequence."""
+    writer = j._current
+    iteration, attempt = j._dispatch[writer]
+    seq = j.tail + 1
+    first = j._position[writer]
+    for index, (name, safe) in enumerate(calls):
+        j.entries.append(
+            IntentEntry(
+                seq=seq,
+                iteration=iteration,
+                attempt=attempt,
+                writer=writer,
+                expected_seq=seq - 1,
+                leading=index < len(calls) - 1,
+                position=j._next(writer),
+                name=name,
+                input=b"{}",
+                safe=safe,
+                index=index,
+                group_size=size or len(calls),
+                group_position=first if start < 0 else start,
+            )
+        )
+    return seq
+
+
+def group_result(
+    j: Journal, seq: int, index: int, *, by: str = "", interrupted: bool = False
+) -> int:
+    writer = by or j._current
+    return j._add(
+        ResultEntry,
+        writer,
+        None,
+        intent_seq=seq,
+        intent_index=index,
+        output=b"" if interrupted else b'"ok"',
+        interrupted=interrupted,
+    )
+
+
+CALLS = [("search", True), ("send", False), ("search", True)]
+
+
+def test_a_finished_group_answered_in_any_order_is_sound() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    j.model()
+    seq = group(j, CALLS)
+    for index in (2, 0, 1):
+        group_result(j, seq, index)
+    j.model()
+    j.commit("complete")
+    assert check_step("agent", j.entries) == []
+
+
+def test_a_group_taken_over_with_its_unsafe_call_interrupted_is_sound() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    j.model()
+    seq = group(j, CALLS)
+    group_result(j, seq, 0)
+    j.claim("w2", 0)
+    group_result(j, seq, 1, interrupted=True)
+    group_result(j, seq, 2)
+    j.model()
+    j.commit("complete")
+    assert check_step("agent", j.entries) == []
+
+
+def test_a_groups_call_left_unanswered() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    seq = group(j, CALLS)
+    group_result(j, seq, 0)
+    group_result(j, seq, 2)
+    j.commit("complete")
+    finding = only(check_step("agent", j.entries), "unanswered_intent")
+    assert "'send'" in finding.message
+
+
+def test_a_result_for_an_index_the_group_does_not_have() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    seq = group(j, CALLS)
+    for index in range(3):
+        group_result(j, seq, index)
+    stray = group_result(j, seq, 3)
+    j.commit("complete")
+    assert only(check_step("agent", j.entries), "orphan_result").seq == stray
+
+
+def test_a_call_of_a_group_that_ran_before_the_groups_last_intent_was_stored() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    seq = group(j, CALLS[:2], size=3)
+    early = group_result(j, seq, 0)
+    later = group(j, CALLS[2:], size=3, start=0)
+    group_result(j, seq, 1)
+    group_result(j, later, 0)
+    j.commit("complete")
+    finding = only(check_step("agent", j.entries), "group_order")
+    assert finding.seq == early and f"(seq {later})" in finding.message
+
+
+def test_a_group_with_two_intents_at_one_position() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    seq = group(j, CALLS)
+    j._position["w1"] = 0
+    again = group(j, CALLS)
+    for s in (seq, again):
+        for index in range(3):
+            group_result(j, s, index)
+    j.commit("complete")
+    findings = check_step("agent", j.entries)
+    assert set(rules(findings)) == {"group_order"}
+    assert all(f.seq == again for f in findings)
+
+
+def test_an_unsafe_call_of_a_group_run_again_by_a_successor() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    seq = group(j, CALLS)
+    j.claim("w2", 0)
+    rerun = group_result(j, seq, 1)
+    group_result(j, seq, 0)
+    group_result(j, seq, 2)
+    j.commit("complete")
+    finding = only(check_step("agent", j.entries), "unsafe_started_twice")
+    assert finding.seq == rerun and "'send'" in finding.message
+
+
+def test_an_unsafe_call_alone_with_output_from_a_successor() -> None:
+    j = Journal()
+    j.claim("w1", 0)
+    charge = j.intent("charge")
+    j.claim("w2", 0)
+    started = j.output(charge)
+    j.result(charge, interrupted=True)
+    j.commit("complete")
+    assert only(check_step("agent", j.entries), "unsafe_started_twice").seq == started
+
+
 # ---- approvals bound to their arguments -------------------------------------------------
 
 SEND = b'{"to":"bob"}'

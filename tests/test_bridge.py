@@ -186,6 +186,65 @@ async def test_a_journaled_run_over_the_bridge(
     assert await check(engine, run_id) == []
 
 
+async def test_a_parallel_group_over_the_bridge_and_its_redelivery(
+    engine: EngineServer, client: Client, http: httpx.AsyncClient
+) -> None:
+    # The worker begins the three calls of one response at once, reports
+    # output of one, finishes the two safe ones, then dies; the redelivery
+    # reuses those results and gets the unsafe one interrupted; another group
+    # at that position is a replay mismatch.
+    task, run_id = await start(client)
+    token = (await call(http, "journal/read", token=(await poll(http, task))["token"]))["token"]
+    calls = [
+        {"name": "search", "input": {"q": "a"}, "replay": "safe"},
+        {"name": "send", "input": {"to": "ops"}},
+        {"name": "search", "input": {"q": "b"}, "replay": "safe"},
+    ]
+    begun = await call(http, "journal/tools/begin", token=token, calls=calls)
+    assert begun["position"] == 0
+    assert [c["position"] for c in begun["calls"]] == [0, 1, 2]
+    assert [c["key"] for c in begun["calls"]] == [f"{run_id}.agent.0.{n}" for n in range(3)]
+    assert all(c["run"] for c in begun["calls"])
+    seq = begun["calls"][0]["intent_seq"]
+    assert [(c["intent_seq"], c["intent_index"]) for c in begun["calls"]] == [
+        (seq, 0),
+        (seq, 1),
+        (seq, 2),
+    ]
+    token = (
+        await call(
+            http,
+            "journal/tool/output",
+            token=begun["token"],
+            chunk="sending;",
+            intent_seq=seq,
+            intent_index=1,
+        )
+    )["token"]
+    await call(
+        http,
+        "journal/tools/finish",
+        token=token,
+        results=[
+            {"intent_seq": seq, "intent_index": 2, "output": {"hits": 2}},
+            {"intent_seq": seq, "intent_index": 0, "output": {"hits": 0}},
+        ],
+    )
+    leased = await poll(http, task, worker="w2")  # the lease ran out: redelivered
+    token = (await call(http, "journal/read", token=leased["token"]))["token"]
+    other = await call(http, "journal/tools/begin", 409, token=token, calls=calls[:2])
+    error(other, "replay_mismatch")
+    again = await call(http, "journal/tools/begin", token=token, calls=calls)
+    assert [c["run"] for c in again["calls"]] == [False, False, False]
+    views = [c["result"] for c in again["calls"]]
+    assert views[0]["output"] == {"hits": 0} and views[2]["output"] == {"hits": 2}
+    assert views[1]["interrupted"] and views[1]["partial"] == "sending;"
+    await call(http, "resolve", token=again["token"], outcome="complete", output="done")
+    run = await client.wait_for_run(run_id, timeout=30)
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert await check(engine, run_id) == []
+
+
 # ---- (2) and (3): stalled workers and finished tasks ---------------------------------------
 
 

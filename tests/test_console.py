@@ -332,6 +332,38 @@ async def test_the_journal_shows_records_live_tokens_and_an_interrupted_unsafe_t
     assert effects["output"] == {"interrupted": True, "partial": PARTIAL}
 
 
+async def test_a_parallel_group_shows_as_one_entry_its_calls_each_with_their_fate(
+    page: Page, http: httpx.AsyncClient, dev: DevProcess, state: Path, tmp_path: Path
+) -> None:
+    agent = spawn_agent(dev, JOURNAL_TASK, state)
+    try:
+        await ready(agent, state)
+        run_id = await start(http, JOURNAL_WORKFLOW, "group")
+        await page.goto(f"/ui/#/runs/{run_id}/steps/agent")
+        timeline = page.locator("#timeline")
+        group = timeline.locator("li.k-tool_intents")
+        await expect(group).to_have_count(1, timeout=WAIT)
+        await expect(timeline.locator("li.k-tool_intent")).to_have_count(0)
+        calls = group.locator("li.group-call")
+        await expect(calls).to_have_count(3)
+        await expect(calls.locator(".tool-name")).to_have_text(["search", "send", "search"])
+        await expect(calls.nth(1).locator('[data-badge="unsafe"]')).to_be_visible()
+        # The searches return while the send runs, its output so far shown.
+        await expect(calls.nth(0).locator(".tool-state")).to_contain_text("returned", timeout=WAIT)
+        await expect(calls.nth(2).locator(".tool-state")).to_contain_text("returned", timeout=WAIT)
+        await expect(calls.nth(1).locator(".tool-state")).to_have_text("running")
+        await expect(calls.nth(1).locator(".partial")).to_have_text(PARTIAL, timeout=WAIT)
+        await shot(page, tmp_path, "group-running")
+        await release(state, run_id, "send")
+        await expect(calls.nth(1).locator(".tool-state")).to_contain_text("returned", timeout=WAIT)
+        await expect(page.locator("#step-status")).to_have_text("completed", timeout=WAIT)
+        await shot(page, tmp_path, "group-finished")
+    finally:
+        reap(agent)
+    done = (await http.get(f"/runs/{run_id}")).json()
+    assert done["output"] == [{"found": "a"}, {"sent": True}, {"found": "b"}]
+
+
 # ---- 3. inputs ----------------------------------------------------------------------
 
 

@@ -29,6 +29,8 @@ from tests.matrix import (
     MATRIX,
     WORKER_SEAMS,
     activate,
+    crash_in_group,
+    group_outcome,
     lines,
     reap,
     spawn_worker,
@@ -140,3 +142,34 @@ async def test_crash_point(
         if seam not in ("before_claim", "after_event"):
             assert fenced, f"a zombie with writes left must be fenced, got {outcome}"
     CASES[where, f"{seam}/{mode}"] += 1
+
+
+# Seams inside a parallel group of three calls (``tests/workers/agent.py``,
+# ``GROUPS``), on iteration 0: its intents stored and no call started; one
+# result stored (between results); two stored (after some results).
+GROUP_SEAMS = ("after_group_intents", "after_group_result@1", "after_group_result@2")
+GROUP_POINTS = [
+    (seam, kind, mode)
+    for seam in GROUP_SEAMS
+    for kind in ("safe", "unsafe", "mixed")
+    for mode in ("kill", "stall")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("seam", "kind", "mode"), GROUP_POINTS)
+async def test_crash_point_in_a_parallel_group(
+    engine: EngineServer,
+    second_engine: EngineServer,
+    client: Client,
+    where: str,
+    tmp_path: Path,
+    seam: str,
+    kind: str,
+    mode: str,
+) -> None:
+    done, crasher = await crash_in_group(
+        engine.target, second_engine.target, client, tmp_path, seam, kind, mode
+    )
+    await group_outcome(engine.target, done, crasher, tmp_path, seam, kind, mode)
+    CASES[where, f"{seam}/{kind}/{mode}"] += 1

@@ -25,6 +25,7 @@ import pytest
 import pytest_asyncio
 
 from dagnats.cli.main import build_parser
+from dagnats.sdk import JournalClient
 from dagnats.sdk.testing import LocalStack
 from tests.stack import FAST
 
@@ -251,6 +252,21 @@ async def test_streaming_example_reads_the_tokens_then_the_stored_response(
 
 
 # Where the site is named.
+
+
+# How-to: a response's tool calls at once.
+
+
+async def test_parallel_tools_example_answers_from_one_group_of_calls(
+    stack: LocalStack,
+) -> None:
+    answer, run_id = await load("parallel_tools").main(stack.target)
+    assert answer == "Lisbon 21 °C, Porto 20 °C, Faro 24 °C"
+    async with JournalClient(stack.target) as journal:
+        records = [r async for r in journal.read(run_id, "agent")]
+        assert not (await journal.check(run_id)).violations
+    (group,) = [r for r in records if r.HasField("tool_intents")]
+    assert [i.name for i in group.tool_intents.intents] == ["weather"] * 3 + ["notify"]
 
 
 def test_the_cli_and_the_console_name_the_address_docs_serve_serves() -> None:

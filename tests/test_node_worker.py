@@ -76,7 +76,7 @@ class NodeWorkers:
         self.hanging = state / "hanging"
 
     def spawn(
-        self, name: str, *, hang: bool = False, token_chars: int = 8
+        self, name: str, *, hang: bool = False, token_chars: int = 8, parallel: bool = False
     ) -> subprocess.Popen[bytes]:
         env = {
             **os.environ,
@@ -92,6 +92,8 @@ class NodeWorkers:
         }
         if hang:
             env["HANG_IN_TOOL_MARKER"] = str(self.hanging)
+        if parallel:
+            env["MODEL_PARALLEL"] = "1"
         with open(self.state / f"{name}.log", "wb") as out:
             proc = subprocess.Popen(
                 [self.node, str(EXAMPLE / "main.js"), self.task],
@@ -187,6 +189,36 @@ async def test_node_worker_killed_inside_the_unsafe_tool(
     assert lines(workers.model_calls) == ["turn 0", "turn 1"], "the recorded reply was reused"
     (result,) = await tool_results(engine, run.run_id)
     assert result.interrupted and result.partial == PARTIAL
+
+
+async def test_node_worker_killed_inside_a_parallel_group(
+    client: Client, engine: EngineServer, node: str, tmp_path: Path, processes: Processes
+) -> None:
+    # One response asks for the safe lookup and the unsafe charge at once; the
+    # worker is killed inside the charge, after the lookup's result is stored.
+    task, name = await start(client)
+    workers = NodeWorkers(node, engine.target, task, tmp_path, processes)
+    first = workers.spawn("first", hang=True, parallel=True)
+    run = await client.start_run(name, INPUT)
+
+    async def hanging_after_the_lookup() -> bool:
+        workers.alive(first)
+        return workers.hanging.exists() and len(await tool_results(engine, run.run_id)) == 1
+
+    await wait_for(hanging_after_the_lookup, timeout=30, message="the group never started")
+    first.kill()
+    first.wait()
+    second = workers.spawn("second", parallel=True)
+    await finish(client, engine, run.run_id, workers, second)
+    keys = [f"{run.run_id}.agent.0.1", f"{run.run_id}.agent.0.2"]
+    assert sorted(lines(workers.starts)) == sorted(
+        [f"lookup_order {keys[0]}", f"charge_card {keys[1]}"]
+    ), "each call started once: the lookup's result reused, the charge not run again"
+    records = await read_journal(engine, run.run_id)
+    (group,) = [r for r in records if r.WhichOneof("kind") == "tool_intents"]
+    assert [i.name for i in group.tool_intents.intents] == ["lookup_order", "charge_card"]
+    lookup, charge = sorted(await tool_results(engine, run.run_id), key=lambda r: r.intent_index)
+    assert not lookup.interrupted and charge.interrupted and charge.partial == PARTIAL
 
 
 async def test_node_worker_reports_a_turn_committed_by_a_crashed_holder(

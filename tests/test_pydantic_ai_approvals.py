@@ -22,7 +22,7 @@ from dagnats.sdk import Client, Worker, run_output
 from tests.providers import FakeProvider, Reply
 from tests.stack import unique
 from tests.test_approvals import asked, decide, start
-from tests.test_journal import journal_check
+from tests.test_journal import journal_check, read_journal
 from tests.test_pydantic_ai import chat_model, messages, openai_client
 
 MAIL = {"to": "ops@example.com", "body": "21 °C"}
@@ -126,4 +126,72 @@ async def test_approval_required_raised_by_a_tool_is_an_approval_with_edited_arg
     assert run.status == pb.RUN_STATUS_COMPLETED, run.error
     assert sent == [edited]
     assert json.loads(run_output(run)) == "sent to ops@example.com"
+    assert list((await journal_check(engine, run_id)).violations) == []
+
+
+def three_at_once(seen: list[list[ModelMessage]]) -> FunctionModel:
+    """Asks for three tools in one response, ``send_email`` last; then answers
+    with the tool returns it got, in order."""
+
+    def respond(history: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        seen.append(history)
+        returns = [
+            p.content
+            for m in history
+            for p in getattr(m, "parts", ())
+            if getattr(p, "part_kind", "") == "tool-return"
+        ]
+        if not returns:
+            return ModelResponse(
+                parts=[
+                    ToolCallPart("lookup", {"who": "ops"}, tool_call_id="call-1"),
+                    ToolCallPart("weather", {"city": "Paris"}, tool_call_id="call-2"),
+                    ToolCallPart("send_email", MAIL, tool_call_id="call-3"),
+                ]
+            )
+        return ModelResponse(parts=[TextPart(json.dumps(returns))])
+
+    return FunctionModel(respond)
+
+
+async def test_in_parallel_mode_the_others_run_while_the_call_needing_approval_waits(
+    client: Client, http: httpx.AsyncClient, engine: EngineServer
+) -> None:
+    task, seen = unique("pyaigroup"), list[list[ModelMessage]]()
+    ran: list[str] = []
+    agent = mail_agent(three_at_once(seen), sent := list[dict[str, Any]]())
+
+    @agent.tool_plain
+    async def lookup(who: str) -> str:
+        """Find someone's address."""
+        ran.append("lookup")
+        return f"{who}@example.com"
+
+    @agent.tool_plain
+    async def weather(city: str) -> str:
+        """The weather in a city."""
+        ran.append("weather")
+        return "21 °C"
+
+    handler = durable_agent(agent, follow_up_window=None, tool_calls="parallel")
+    async with Worker(engine.target, handlers={task: handler}, poll_wait=0.5):
+        run_id = await start(client, task)
+        call = await asked(client, http, run_id)
+        assert (call["tool"], call["args"]) == ("send_email", MAIL)
+        assert sorted(ran) == ["lookup", "weather"] and sent == []
+        records = await read_journal(engine, run_id, "agent")
+        [group] = [r.tool_intents for r in records if r.WhichOneof("kind") == "tool_intents"]
+        assert [(i.name, bool(i.digest)) for i in group.intents] == [
+            ("lookup", False),
+            ("weather", False),
+            ("send_email", True),
+        ]
+        assert (await decide(http, run_id, call, "approve")).status_code == 201
+        run = await client.wait_for_run(run_id, timeout=30)
+    assert run.status == pb.RUN_STATUS_COMPLETED, run.error
+    # The model got all three returns, in its response's order; the two that
+    # ran before the wait did not run again, the approved one ran once.
+    assert json.loads(run_output(run)) == ["ops@example.com", "21 °C", "sent to ops@example.com"]
+    assert sorted(ran) == ["lookup", "weather"] and sent == [MAIL]
+    assert len(seen) == 2  # the asking response was replayed, not requested again
     assert list((await journal_check(engine, run_id)).violations) == []

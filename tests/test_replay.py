@@ -35,6 +35,7 @@ from dagnats.journal.replay import (
     ClaimDecision,
     ClaimSeen,
     FencedWrite,
+    Group,
     Honour,
     Interrupt,
     Mismatch,
@@ -60,6 +61,7 @@ from dagnats.journal.replay import (
     decide_claim,
     decide_model,
     decide_tool,
+    decide_tools,
     deliveries_without_progress,
     fenced_out_write,
     partial_output,
@@ -108,8 +110,40 @@ class J:
             IntentEntry, position=p, name=name, input=input, safe=safe, honours_seq=honours
         )
 
-    def output(self, chunk: str, *, intent: int | None = None) -> J:
-        return self._add(OutputEntry, intent_seq=intent or self._last_intent(), chunk=chunk)
+    def output(self, chunk: str, *, intent: int | None = None, index: int = 0) -> J:
+        return self._add(
+            OutputEntry, intent_seq=intent or self._last_intent(), chunk=chunk, intent_index=index
+        )
+
+    def group(self, *, p: int, calls: list[ToolCall], size: int = 0, start: int = -1) -> J:
+        """One record holding the intents of a parallel group's ``calls`` from
+        position ``p`` (of a group of ``size`` calls from ``start``: by
+        default these calls alone); a call's digest and approval (its
+        ``approval_id``, as ``_pay`` marks it) are its intent's."""
+        seq = self._next_seq()
+        it, at = self._dispatch
+        for index, call in enumerate(calls):
+            self.entries.append(
+                IntentEntry(
+                    seq=seq,
+                    iteration=it,
+                    attempt=at,
+                    writer=self._writer,
+                    expected_seq=seq - 1,
+                    base_seq=self._base,
+                    leading=index < len(calls) - 1,
+                    position=p + index,
+                    name=call.name,
+                    input=call.input,
+                    safe=call.safe,
+                    index=index,
+                    group_size=size or len(calls),
+                    group_position=p if start < 0 else start,
+                    digest=call.digest,
+                    approval=_mark(call.approval_id) if call.approval_id else None,
+                )
+            )
+        return self
 
     def result(
         self,
@@ -119,6 +153,7 @@ class J:
         error: str = "",
         interrupted: bool = False,
         partial: str = "",
+        index: int = 0,
     ) -> J:
         return self._add(
             ResultEntry,
@@ -127,6 +162,7 @@ class J:
             error=error,
             interrupted=interrupted,
             partial=partial,
+            intent_index=index,
         )
 
     def commit(self, action: Action) -> J:
@@ -166,8 +202,11 @@ class J:
     def _last_intent(self) -> int:
         return next(e.seq for e in reversed(self.entries) if isinstance(e, IntentEntry))
 
+    def _next_seq(self) -> int:
+        return (self.entries[-1].seq if self.entries else 0) + 1
+
     def _add(self, kind: type[AnyEntry], **fields: object) -> J:
-        seq = len(self.entries) + 1
+        seq = self._next_seq()
         it, at = self._dispatch
         entry = kind(
             seq=seq,
@@ -1052,19 +1091,193 @@ def test_a_write_refused_without_a_cancel_is_fenced_as_before() -> None:
     )
 
 
+# ---- parallel groups ------------------------------------------------------------------
+
+SEARCH_A, SEND, SEARCH_B = (
+    safe("search", b'{"q": "a"}'),
+    unsafe("send"),
+    safe("search", b'{"q": "b"}'),
+)
+GROUP = [SEARCH_A, SEND, SEARCH_B]
+
+
+def test_a_new_group_runs_every_call() -> None:
+    j = J().claim().model(p=0)
+    decision = decide_tools(j.of(0), attempt=1, position=1, calls=GROUP)
+    assert decision == Group(calls=(RunNew(), RunNew(), RunNew()))
+
+
+def test_an_empty_group_is_refused() -> None:
+    assert isinstance(decide_tools(J().claim().of(0), attempt=1, position=0, calls=[]), Mismatch)
+
+
+def test_each_call_of_a_recorded_group_follows_the_rules_alone() -> None:
+    # The first search finished; the send and the second search did not: the
+    # result is reused, the unsafe send comes back interrupted with its own
+    # partial output (not a sibling's), the safe search runs again.
+    j = J().claim().model(p=0).group(p=1, calls=GROUP)
+    intents = [e for e in j.entries if isinstance(e, IntentEntry)]
+    j.output("sending;", intent=intents[1].seq, index=1)
+    j.output("searching b;", intent=intents[2].seq, index=2)
+    j.result(intent=intents[0].seq, index=0, output=b'{"hits": 1}')
+    first = j.last_result
+    j.claim()
+    decision = decide_tools(j.of(0), attempt=1, position=1, calls=GROUP)
+    assert decision == Group(
+        calls=(
+            UseResult(result=first),
+            Interrupt(intent=intents[1], partial="sending;"),
+            RunAgain(intent=intents[2]),
+        )
+    )
+
+
+def test_results_answer_their_own_call_by_index_not_by_completion_order() -> None:
+    j = J().claim().model(p=0).group(p=1, calls=GROUP)
+    seq = j.last.seq
+    j.result(intent=seq, index=2, output=b'{"third": true}')
+    third = j.last_result
+    j.result(intent=seq, index=0, output=b'{"first": true}')
+    first = j.last_result
+    decision = decide_tools(j.claim().of(0), attempt=1, position=1, calls=GROUP)
+    assert isinstance(decision, Group)
+    assert decision.calls[0] == UseResult(result=first)
+    assert decision.calls[2] == UseResult(result=third)
+    assert isinstance(decision.calls[1], Interrupt)
+
+
+def test_a_group_split_over_records_runs_the_calls_whose_intent_was_not_stored() -> None:
+    # A crash between the group's two intent records: none of its calls started.
+    j = J().claim().model(p=0).group(p=1, calls=GROUP[:2], size=3)
+    first, send = [e for e in j.entries if isinstance(e, IntentEntry)]
+    decision = decide_tools(j.claim().of(0), attempt=1, position=1, calls=GROUP)
+    assert decision == Group(
+        calls=(RunAgain(intent=first), Interrupt(intent=send, partial=""), RunNew())
+    )
+
+
+@pytest.mark.parametrize(
+    ("calls", "why"),
+    [
+        (GROUP[:2], "parallel group of 3 calls from position 1; the handler now makes 2"),
+        ([*GROUP, SEARCH_A], "parallel group of 3 calls from position 1; the handler now makes 4"),
+        ([SEARCH_A, unsafe("send", b'{"to": "x"}'), SEARCH_B], "recorded tool 'send' with other"),
+        ([SEARCH_A, SEARCH_B, SEND], "recorded tool 'send' with other input"),
+    ],
+    ids=["fewer calls", "more calls", "other input", "other order"],
+)
+def test_another_group_at_a_recorded_group_is_a_mismatch(calls: list[ToolCall], why: str) -> None:
+    j = J().claim().model(p=0).group(p=1, calls=GROUP).claim()
+    decision = decide_tools(j.of(0), attempt=1, position=1, calls=calls)
+    assert isinstance(decision, Mismatch) and why in decision.reason
+
+
+def test_a_group_where_one_call_was_made_alone_is_a_mismatch_both_ways() -> None:
+    alone = J().claim().model(p=0).intent(p=1, name="search", input=SEARCH_A.input, safe=True)
+    decision = decide_tools(alone.claim().of(0), attempt=1, position=1, calls=GROUP)
+    assert isinstance(decision, Mismatch) and "called alone" in decision.reason
+    grouped = J().claim().model(p=0).group(p=1, calls=GROUP).claim()
+    single = decide_tool(grouped.of(0), attempt=1, position=1, call=SEARCH_A)
+    assert isinstance(single, Mismatch) and "parallel group of 3" in single.reason
+
+
+def test_a_group_at_a_model_response_is_a_mismatch() -> None:
+    j = J().claim().model(p=0).model(p=1).claim()
+    decision = decide_tools(j.of(0), attempt=1, position=1, calls=GROUP)
+    assert isinstance(decision, Mismatch) and "model call" in decision.reason
+
+
+def test_a_group_starting_elsewhere_is_a_mismatch() -> None:
+    j = J().claim().model(p=0).group(p=1, calls=GROUP).claim()
+    decision = decide_tools(j.of(0), attempt=1, position=2, calls=GROUP[1:])
+    assert isinstance(decision, Mismatch) and "from position 1" in decision.reason
+
+
+def test_a_new_attempt_honours_each_unsafe_call_of_an_earlier_group_once() -> None:
+    twice = [SEND, SEND]
+    j = J().claim(at=1).model(p=0).group(p=1, calls=twice)
+    seq = j.last.seq
+    j.result(intent=seq, index=0, output=b'{"n": 1}')
+    r0 = j.last_result
+    j.result(intent=seq, index=1, output=b'{"n": 2}')
+    r1 = j.last_result
+    earlier = [e for e in j.entries if isinstance(e, IntentEntry)]
+    j.commit(Action.FAIL).claim(at=2).model(p=0)
+    decision = decide_tools(j.of(0), attempt=2, position=1, calls=twice)
+    assert decision == Group(
+        calls=(Honour(earlier=earlier[0], result=r0), Honour(earlier=earlier[1], result=r1))
+    )
+    # One was honoured already by this writer: only the other is left.
+    decision = decide_tools(
+        j.of(0), attempt=2, position=1, calls=twice, honoured_members=[earlier[0].ref]
+    )
+    assert decision == Group(calls=(Honour(earlier=earlier[1], result=r1), RunNew()))
+
+
+def test_a_new_attempts_claim_closes_each_unanswered_call_of_a_group() -> None:
+    j = J().claim(at=1).model(p=0).group(p=1, calls=GROUP)
+    seq = j.last.seq
+    j.result(intent=seq, index=1)
+    j.commit(Action.FAIL)
+    decision = claim(j, attempt=2)
+    assert isinstance(decision, Proceed)
+    assert [(i.seq, i.index) for i in decision.close] == [(seq, 0), (seq, 2)]
+
+
+def test_a_second_result_of_a_group_after_a_cancel_is_stored_after_the_first() -> None:
+    writer_j = J().claim().model(p=0).group(p=1, calls=GROUP)
+    seq, writer = writer_j.last.seq, writer_j.last.writer
+    cancel = CancelEntry(seq=seq + 1, iteration=0, attempt=1, writer="", reason="stop")
+    copy = replace(cancel, seq=seq + 2, writer=writer)
+    kept_first: list[AnyEntry] = [
+        ResultEntry(
+            seq=seq + 2, iteration=0, attempt=1, writer=writer, leading=True, intent_seq=seq
+        ),
+        copy,
+    ]
+    decision = fenced_out_write(
+        tail=kept_first, first=cancel, writer=writer, result_for=seq, result_index=1
+    )
+    assert decision == StoreAfterCancel(after=seq + 2, cancel=copy)
+    again = fenced_out_write(
+        tail=kept_first, first=cancel, writer=writer, result_for=seq, result_index=0
+    )
+    assert again == StoredAfterCancel(seq=seq + 2)
+
+
+def test_a_groups_records_read_back_as_one_intent_per_call() -> None:
+    record = pb.Record(
+        seq=7,
+        tool_intents=pb.ToolIntents(
+            intents=[
+                pb.ToolIntent(position=1, name="search", input=b"{}", replay=pb.REPLAY_SAFE),
+                pb.ToolIntent(position=2, name="send", input=b"{}", replay=pb.REPLAY_UNSAFE),
+            ],
+            group_size=2,
+            group_position=1,
+        ),
+    )
+    found = convert.entries(record)
+    assert [(e.seq, e.index, e.leading) for e in found if isinstance(e, IntentEntry)] == [
+        (7, 0, True),
+        (7, 1, False),
+    ]
+    assert [e.safe for e in found if isinstance(e, IntentEntry)] == [True, False]
+
+
 # ---- approvals: a call's approval is part of the call ---------------------------------
 
 PAY = b'{"cents": 500}'
 PAY_DIGEST = "sha256:" + "a" * 64
 
 
+def _mark(request_id: str) -> ApprovalMark:
+    return ApprovalMark(call="r.agent.0.1", digest=PAY_DIGEST, approved=True, request_id=request_id)
+
+
 def _pay(j: J, *, p: int, approval: str = "") -> IntentEntry:
     """An intent of ``pay`` at ``p``: asking for approval, or under ``approval``."""
-    mark = (
-        ApprovalMark(call="r.agent.0.1", digest=PAY_DIGEST, approved=True, request_id=approval)
-        if approval
-        else None
-    )
+    mark = _mark(approval) if approval else None
     j._add(
         IntentEntry, position=p, name="pay", input=PAY, safe=False, digest=PAY_DIGEST,
         approval=mark,
@@ -1113,3 +1326,63 @@ def test_a_call_under_another_approval_than_recorded_is_a_mismatch() -> None:
     assert isinstance(decision, Mismatch)
     asking = ToolCall(name="pay", input=PAY, safe=False, digest=PAY_DIGEST)
     assert isinstance(decide_tool(j.of(0), attempt=1, position=1, call=asking), UseResult)
+
+
+# ---- approvals inside a parallel group ------------------------------------------------
+
+ASKING = ToolCall(name="pay", input=PAY, safe=False, digest=PAY_DIGEST)
+
+
+def test_each_call_of_a_group_is_decided_with_its_approval_as_if_alone() -> None:
+    # A group of three whose second call asked for approval: the others ran,
+    # the ask was answered awaiting_approval.
+    asking_group = [SEARCH_A, ASKING, SEARCH_B]
+    j = J().claim().model(p=0).group(p=1, calls=asking_group)
+    seq = j.last.seq
+    ask = [e for e in j.entries if isinstance(e, IntentEntry)][1]
+    assert ask.asks_approval and ask.index == 1
+    j.result(intent=seq, index=0, output=b'{"hits": 1}')
+    first = j.last_result
+    j._add(ResultEntry, intent_seq=seq, intent_index=1, awaiting_approval=True)
+    awaiting = j.last_result
+    j.result(intent=seq, index=2, output=b'{"hits": 2}')
+    third = j.last_result
+    j.claim()
+    # The same group, still asking: every call has its result, the ask its awaiting one.
+    assert decide_tools(j.of(0), attempt=1, position=1, calls=asking_group) == Group(
+        calls=(UseResult(result=first), UseResult(result=awaiting), UseResult(result=third))
+    )
+    # A redelivery that placed the approval: the decided call runs where it asked.
+    approved_group = [SEARCH_A, _under("approval-1"), SEARCH_B]
+    assert decide_tools(j.of(0), attempt=1, position=1, calls=approved_group) == Group(
+        calls=(UseResult(result=first), RunNew(), UseResult(result=third))
+    )
+    # Its intent stored (a record of the group's, index 0 in it), it is that
+    # call's from then on: interrupted before its result, then its result.
+    j.group(p=2, calls=[_under("approval-1")], size=3, start=1)
+    decided = j.last_intent
+    assert (decided.index, decided.approval) == (0, _mark("approval-1"))
+    j.claim()
+    assert decide_tools(j.of(0), attempt=1, position=1, calls=approved_group) == Group(
+        calls=(
+            UseResult(result=first),
+            Interrupt(intent=decided, partial=""),
+            UseResult(result=third),
+        )
+    )
+    j.result(intent=decided.seq, index=0, output=b'{"paid": true}')
+    paid = j.last_result
+    assert decide_tools(j.claim().of(0), attempt=1, position=1, calls=approved_group) == Group(
+        calls=(UseResult(result=first), UseResult(result=paid), UseResult(result=third))
+    )
+    # Under another approval than the one recorded: a mismatch, as alone.
+    other = [SEARCH_A, _under("approval-2"), SEARCH_B]
+    decision = decide_tools(j.of(0), attempt=1, position=1, calls=other)
+    assert isinstance(decision, Mismatch) and "position 2" in decision.reason
+
+
+def test_a_call_of_a_group_that_now_needs_approval_where_none_was_asked_is_a_mismatch() -> None:
+    plain = ToolCall(name="pay", input=PAY, safe=False)
+    j = J().claim().model(p=0).group(p=1, calls=[SEARCH_A, plain]).claim()
+    decision = decide_tools(j.of(0), attempt=1, position=1, calls=[SEARCH_A, ASKING])
+    assert isinstance(decision, Mismatch) and "position 2" in decision.reason

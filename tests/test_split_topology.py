@@ -40,7 +40,7 @@ from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, InputMode, Replay, TaskContext, ToolCall, Worker, run_output
 from tests.helpers import wait_for
 from tests.journal_agent import SCRIPT, ConversationModel, Tools
-from tests.matrix import EngineProcess
+from tests.matrix import EngineProcess, crash_in_group, group_outcome
 from tests.stack import loop_workflow, steps_by_id, unique
 
 ANSWER = {"answer": "done", "steers": [{"n": 1}]}
@@ -199,3 +199,31 @@ async def test_a_service_process_killed_mid_iteration_is_started_again(
     await asyncio.wait_for(restarting, 30)
     assert victim.starts == before + 1, "killed and started again once"
     assert tools.starts["send_email"] == 1, "the unsafe tool started once"
+
+
+# A few of the crash matrix's parallel-group cases on this topology: the
+# worker dials the journal process for its journal calls.
+GROUP_CASES = [
+    ("after_group_intents", "mixed", "stall"),
+    ("after_group_result@1", "mixed", "kill"),
+    ("after_group_result@2", "unsafe", "stall"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("seam", "kind", "mode"), GROUP_CASES)
+async def test_a_worker_stopped_inside_a_parallel_group(
+    split: Split, tmp_path: Path, seam: str, kind: str, mode: str
+) -> None:
+    async with Client(split.engine.target, inputs_target=split.inputs.target) as client:
+        done, crasher = await crash_in_group(
+            split.engine.target,
+            split.engine.target,
+            client,
+            tmp_path,
+            seam,
+            kind,
+            mode,
+            journal=split.journal.target,
+        )
+    await group_outcome(split.journal.target, done, crasher, tmp_path, seam, kind, mode)

@@ -1,7 +1,8 @@
 // The agent: one turn of a tool-using agent per iteration of an agent_loop
 // step, journaled, as in tests/workers/matrix_worker.py and the spec's
-// handler. The model is scripted and the one tool, charge_card, is unsafe:
-// running it twice would charge twice.
+// handler. The model is scripted; charge_card is unsafe (running it twice
+// would charge twice), lookup_order safe. With `parallel`, the model asks for
+// both in one response and they run at once, as one parallel group.
 
 import { appendFileSync, writeFileSync } from 'node:fs';
 import { PermanentError } from './lib/errors.js';
@@ -22,6 +23,22 @@ export function agentTurn({ model, tools }) {
       await tc.complete(reply.answer); // commits; the journal publishes the event
       return;
     }
+    if (reply.tools) {
+      // The calls of one response, at once; every intent stored before any starts.
+      const calls = reply.tools.map(({ tool: name, input }) => {
+        const tool = tools[name];
+        if (!tool) throw new PermanentError(`the model asked for an unknown tool: ${name}`);
+        return { call: { name, input }, replay: tool.replay, fn: tool.run };
+      });
+      const results = await j.tools(calls);
+      const outcomes = results.map(({ output, error, interrupted, partial }, i) => {
+        log(`${tc.runId}: ${reply.tools[i].tool} ${interrupted ? 'interrupted' : 'done'}`);
+        return { output, error, interrupted, partial };
+      });
+      tc.checkpoint([...history, { reply, outcomes }]);
+      await tc.continue({ tools: reply.tools.map((t) => t.tool) });
+      return;
+    }
     const tool = tools[reply.tool];
     if (!tool) throw new PermanentError(`the model asked for an unknown tool: ${reply.tool}`);
     // A call an earlier holder started and did not finish comes back
@@ -40,15 +57,19 @@ export function agentTurn({ model, tools }) {
 // line to `callsFile`, so a test can tell a reused response from a new request.
 // It streams its reply's text `tokenChars` characters a token, all at once:
 // faster than any link drains them.
-export function scriptedModel({ callsFile, tokenChars = 8 } = {}) {
+export function scriptedModel({ callsFile, tokenChars = 8, parallel = false } = {}) {
   return async (history, stream) => {
     const turns = history.filter((entry) => entry?.reply).length;
     if (callsFile) appendFileSync(callsFile, `turn ${turns}\n`);
     const { order = 'A-1001', amount_cents = 4200 } = history[0] ?? {};
+    const charge = { tool: 'charge_card', input: { order, amount_cents } };
+    const lookup = { tool: 'lookup_order', input: { order } };
     const reply =
-      turns === 0
-        ? { tool: 'charge_card', input: { order, amount_cents } }
-        : { answer: `Order ${order}: payment submitted.` };
+      turns > 0
+        ? { answer: `Order ${order}: payment submitted.` }
+        : parallel
+          ? { tools: [lookup, charge] }
+          : charge;
     // A real model streams its tokens; this one streams its reply's JSON text.
     const text = JSON.stringify(reply);
     for (let i = 0; i < text.length; i += tokenChars) stream?.put(text.slice(i, i + tokenChars));
@@ -73,6 +94,17 @@ export function chargeCard({ startsFile, hangMarker } = {}) {
       }
       // A real payment API would take call.key as its idempotency key.
       return { charged: true, order, amount_cents, charge_id: call.key };
+    },
+  };
+}
+
+// The safe tool: reads the order. Each start appends a line to `startsFile`.
+export function lookupOrder({ startsFile } = {}) {
+  return {
+    replay: Replay.SAFE,
+    async run({ call }) {
+      if (startsFile) appendFileSync(startsFile, `${call.name} ${call.key}\n`);
+      return { order: call.input.order, status: 'open' };
     },
   };
 }

@@ -11,6 +11,8 @@
 //   TOOL_STARTS_FILE     append a line per start of the unsafe tool here
 //   MODEL_CALLS_FILE     append a line per model request here
 //   MODEL_TOKEN_CHARS    characters per streamed token of the model (default 8)
+//   MODEL_PARALLEL       1: the model asks for lookup_order and charge_card in
+//                        one response, run at once (a parallel group)
 //   HANG_IN_TOOL_MARKER  the first start of the tool creates this file and
 //                        hangs (later starts, in any process, do not)
 //   WORKER_CONCURRENCY   most handlers at once (default 4)
@@ -22,7 +24,7 @@
 //   DAGNATS_TLS_KEY
 
 import { readFileSync } from 'node:fs';
-import { agentTurn, chargeCard, scriptedModel } from './agent.js';
+import { agentTurn, chargeCard, lookupOrder, scriptedModel } from './agent.js';
 import { Worker, log } from './lib/worker.js';
 
 const env = process.env;
@@ -33,12 +35,14 @@ const turn = agentTurn({
   model: scriptedModel({
     callsFile: env.MODEL_CALLS_FILE,
     tokenChars: Number(env.MODEL_TOKEN_CHARS || 8),
+    parallel: env.MODEL_PARALLEL === '1',
   }),
   tools: {
     charge_card: chargeCard({
       startsFile: env.TOOL_STARTS_FILE,
       hangMarker: env.HANG_IN_TOOL_MARKER,
     }),
+    lookup_order: lookupOrder({ startsFile: env.TOOL_STARTS_FILE }),
   },
 });
 const worker = new Worker(target, {

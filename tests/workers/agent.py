@@ -71,3 +71,55 @@ async def turn(
     entry = {"reply": reply, "output": result.output, "interrupted": result.interrupted}
     await tc.checkpoint([*history, entry])
     await tc.continue_()
+
+
+# Parallel groups: the first reply asks for three calls at once, of one kind;
+# the second answers. ``n`` is the call's place in the response.
+GROUPS: dict[str, list[dict[str, Any]]] = {
+    "safe": [{"tool": "search", "input": {"q": f"city {n}", "n": n}} for n in range(3)],
+    "unsafe": [{"tool": "send", "input": {"to": f"team {n}", "n": n}} for n in range(3)],
+    "mixed": [
+        {"tool": "search", "input": {"q": "city 0", "n": 0}},
+        {"tool": "send", "input": {"to": "team 1", "n": 1}},
+        {"tool": "search", "input": {"q": "city 2", "n": 2}},
+    ],
+}
+GROUP_ITERATIONS = 1  # the continues before the answer
+
+
+def group_reply_for(history: list[Any], kind: str) -> dict[str, Any]:
+    """The model's reply in a group run: the group first, then the answer."""
+    turns = sum(1 for m in history if isinstance(m, dict) and "reply" in m)
+    return {"tools": GROUPS[kind]} if turns == 0 else {"answer": ANSWER}
+
+
+async def group_turn(
+    tc: TaskContext,
+    j: Journal,
+    history: list[Any],
+    *,
+    model: ModelFn,
+    tool: Callable[[ToolRun], Awaitable[Any]],
+) -> None:
+    """One turn of a group run: ask the model, then answer, or run the calls
+    it asks for at once (``j.tools``), checkpoint and continue."""
+    reply = await j.model(lambda: model(history, None))
+    if "answer" in reply:
+        await tc.complete(reply["answer"])
+        return
+    calls = [
+        (
+            ToolCall(name=c["tool"], input=c["input"]),
+            Replay.SAFE if c["tool"] == "search" else Replay.UNSAFE,
+            tool,
+        )
+        for c in reply["tools"]
+    ]
+    results = await j.tools(calls)
+    entry = {
+        "reply": reply,
+        "outputs": [r.output for r in results],
+        "interrupted": [r.interrupted for r in results],
+    }
+    await tc.checkpoint([*history, entry])
+    await tc.continue_()

@@ -20,6 +20,9 @@ so the test decides when the agent goes on, and nothing polls.
   successor's replay answers the intent ``interrupted``); then a streamed
   model call that fails halfway (abandoned); then completes with the tool's
   result.
+- ``group``: three tool calls at once (a parallel group: safe ``search``,
+  unsafe ``send``, safe ``search``), the second stopping at ``send`` until
+  released; then completes with their outputs.
 """
 
 from __future__ import annotations
@@ -120,12 +123,33 @@ def main(target: str, task: str, state: Path) -> None:
             await j.streamed_model(failing)
         await tc.complete({"interrupted": result.interrupted, "partial": result.partial})
 
+    async def group_script(tc: TaskContext) -> None:
+        j = await tc.journal()
+
+        async def search(run: ToolRun) -> Any:
+            return {"found": run.call.input["q"]}
+
+        async def send(run: ToolRun) -> Any:
+            await run.report(PARTIAL)
+            await gate(state, tc, "send")
+            return {"sent": True}
+
+        results = await j.tools(
+            [
+                (ToolCall(name="search", input={"q": "a"}), Replay.SAFE, search),
+                (ToolCall(name="send", input={"to": "ops"}), Replay.UNSAFE, send),
+                (ToolCall(name="search", input={"q": "b"}), Replay.SAFE, search),
+            ]
+        )
+        await tc.complete([r.output for r in results])
+
     scripts = {
         "wait": wait_script,
         "delay": wait_script_timed,
         "until": wait_script_timed,
         "inputs": inputs_script,
         "journal": journal_script,
+        "group": group_script,
     }
 
     async def turn(tc: TaskContext) -> None:

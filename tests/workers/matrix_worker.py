@@ -1,7 +1,8 @@
 """A worker process for the crash-point matrix.
 
 usage: matrix_worker.py TARGET TASK STATE [CRASH] [--gate N] [--inputs] [--name NAME]
-                        [--standby] [--stream] [--apart]
+                        [--standby] [--stream] [--apart] [--group KIND]
+                        [--journal TARGET]
 
 It runs the scripted agent of ``tests/workers/agent.py`` (a safe tool, an
 unsafe tool, a safe tool, an answer). Tools count their starts and effects in files in STATE,
@@ -22,7 +23,13 @@ streams its reply's JSON text (``j.streamed_model``), passing the seams
 and logs each token it puts to STATE/tokens. ``--apart``: the agent
 heartbeats after its model call and after its tool, so the response and the
 result are stored in records of their own (``after_model``, ``after_result``)
-rather than with its next call's.
+rather than with its next call's. ``--group KIND``: the agent's first reply
+asks for a parallel group of three calls (``agent.GROUPS``: safe, unsafe or
+mixed), run with ``j.tools``; with CRASH, the calls finish in the response's
+order, each once the one before it has its result stored, so a crash at the n-th
+``after_group_result`` (CRASH="after_group_result@n:0") has the first n
+results stored and no other; once the crash seam is hit no call returns.
+``--journal TARGET``: the journal service's address (the split topology).
 """
 
 from __future__ import annotations
@@ -67,30 +74,50 @@ def main(args: argparse.Namespace) -> None:
     state: Path = args.state
     current = {"iteration": -1}
     seam_name, _, at = args.crash.partition(":")
+    seam_name, _, nth = seam_name.partition("@")
+    hits = {"n": 0}
     fired = False
     thawed = asyncio.Event()
     released = asyncio.Event()
+    stored = asyncio.Condition()  # results of the group stored in this process
+    results = {"n": 0}
 
     async def hook(name: str) -> None:
         nonlocal fired
+        if name == "after_group_result":
+            async with stored:
+                results["n"] += 1
+                stored.notify_all()
         if fired or name != seam_name or current["iteration"] != int(at or -1):
+            return
+        hits["n"] += 1
+        if hits["n"] < int(nth or 1):
             return
         fired = True
         asyncio.get_running_loop().add_signal_handler(signal.SIGCONT, thawed.set)
+        async with stored:
+            stored.notify_all()  # the group's other calls stop where they are
         (state / "hit").write_text(name)
         await thawed.wait()  # killed here, or frozen and thawed
 
-    if seam_name:
+    if seam_name or args.group:
         seam.install(hook)
 
     async def tool(run: ToolRun) -> Any:
-        log(state, "starts", f"{run.call.name} {current['iteration']}")
+        log(state, "starts", f"{run.call.name} {current['iteration']}{_nth(run)}")
         await seam.seam("inside_tool")
-        log(state, "effects", f"{run.call.name} {current['iteration']}")
+        if args.group and seam_name:  # the holder that stops runs every call, in order
+            async with stored:  # the calls finish in the response's order
+                await stored.wait_for(lambda: results["n"] >= int(_nth(run) or 0) or fired)
+            if fired:
+                await thawed.wait()  # the holder stopped: no other call returns
+        log(state, "effects", f"{run.call.name} {current['iteration']}{_nth(run)}")
         return {"tool": run.call.name, "ok": True}
 
     async def model(history: list[Any], stream: TokenStream | None) -> Any:
         log(state, "model", str(current["iteration"]))
+        if args.group:
+            return agent.group_reply_for(history, args.group)
         reply = agent.reply_for(history)
         if stream is not None:
             tokens = agent.reply_tokens(reply)
@@ -118,9 +145,12 @@ def main(args: argparse.Namespace) -> None:
                 for placed in await j.place_inputs(InputMode.STEER):
                     log(state, "placed", f"{pid} {tc.iteration} {placed.request_id}")
                     history = [*history, {"input": placed.content}]
-            await agent.turn(
-                tc, j, history, model=model, tool=tool, streamed=args.stream, apart=args.apart
-            )
+            if args.group:
+                await agent.group_turn(tc, j, history, model=model, tool=tool)
+            else:
+                await agent.turn(
+                    tc, j, history, model=model, tool=tool, streamed=args.stream, apart=args.apart
+                )
         except BaseException as signal:
             log(state, "turns", f"{pid} {tc.iteration} {type(signal).__name__}")
             raise
@@ -135,7 +165,13 @@ def main(args: argparse.Namespace) -> None:
             loop.add_signal_handler(signal.SIGUSR2, go.set)
             (state / f"standby-{label}").write_text("1")
             await go.wait()
-        async with Worker(args.target, handlers={args.task: turn}, poll_wait=0.5, concurrency=1):
+        async with Worker(
+            args.target,
+            handlers={args.task: turn},
+            poll_wait=0.5,
+            concurrency=1,
+            journal_target=args.journal,
+        ):
             (state / f"ready-{label}").write_text("1")
             await asyncio.Event().wait()
 
@@ -154,7 +190,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--standby", action="store_true")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--apart", action="store_true")
+    parser.add_argument("--group", default="")
+    parser.add_argument("--journal", default=None)
     return parser.parse_args(argv)
+
+
+def _nth(run: ToolRun) -> str:
+    """`` n``: a group call's place in the response; empty for a call alone."""
+    n = run.call.input.get("n") if isinstance(run.call.input, dict) else None
+    return "" if n is None else f" {n}"
 
 
 if __name__ == "__main__":

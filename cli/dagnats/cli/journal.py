@@ -138,7 +138,11 @@ def record_line(record: pb.Record) -> str:
         entries.append(("claim", record.leading_claim))
     if leading:
         entries.append((leading.removeprefix("leading_"), getattr(record, leading)))
-    entries.append((kind, getattr(record, kind) if kind != "unknown" else None))
+    if kind == "tool_intents":  # a parallel group: a line per call, in the response's order
+        group = record.tool_intents
+        entries += [(f"tool_intent[{i}]", intent) for i, intent in enumerate(group.intents)]
+    else:
+        entries.append((kind, getattr(record, kind) if kind != "unknown" else None))
     return "\n".join(
         f"{record.seq:>6}  {record.iteration}/{record.attempt:<3} {name:<11}  "
         f"{_summary(name, body)}  (writer {record.writer})"
@@ -152,12 +156,12 @@ def _summary(kind: str, body: Any) -> str:
             return f"worker {body.worker_id or '-'} delivery {body.delivery}"
         case "model":
             return f"#{body.position} {_preview(body.response)}"
-        case "tool_intent":
+        case "tool_intent" | str() if kind.startswith("tool_intent["):
             safety = "safe" if body.replay == pb.REPLAY_SAFE else "unsafe"
             honours = f" honours seq {body.honours_seq}" if body.honours_seq else ""
             return f"#{body.position} {body.name} {_preview(body.input)} {safety}{honours}"
         case "tool_output":
-            return f"intent {body.intent_seq}: {_shorten(json.dumps(body.chunk))}"
+            return f"intent {_intent(body)}: {_shorten(json.dumps(body.chunk))}"
         case "tool_result":
             return _result_summary(body)
         case "commit":
@@ -167,13 +171,18 @@ def _summary(kind: str, body: Any) -> str:
     return "-"
 
 
+def _intent(body: pb.ToolResult | pb.ToolOutput) -> str:
+    """``14``, or ``14[2]`` for the third call of a parallel group's record."""
+    return f"{body.intent_seq}[{body.intent_index}]" if body.intent_index else str(body.intent_seq)
+
+
 def _result_summary(r: pb.ToolResult) -> str:
     if r.interrupted:
         partial = f" after {_shorten(json.dumps(r.partial))}" if r.partial else ""
-        return f"intent {r.intent_seq}: interrupted{partial}"
+        return f"intent {_intent(r)}: interrupted{partial}"
     if r.error:
-        return f"intent {r.intent_seq}: error {_shorten(json.dumps(r.error))}"
-    return f"intent {r.intent_seq}: {_preview(r.output)}"
+        return f"intent {_intent(r)}: error {_shorten(json.dumps(r.error))}"
+    return f"intent {_intent(r)}: {_preview(r.output)}"
 
 
 def _commit_summary(c: pb.Commit) -> str:

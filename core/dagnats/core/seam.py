@@ -10,7 +10,10 @@ its response waits to ride the next journal call), ``after_model`` (a response
 stored in a record of its own), ``after_intent`` (an intent stored, with the
 response that asked for it when that rode along), ``result_pending`` (a tool
 returned; its result waits to ride the commit), ``after_result`` (a result
-stored in a record of its own), ``after_inputs_placed``,
+stored in a record of its own), ``after_group_intents`` (every intent of a
+parallel group stored, none of its calls started), ``after_group_result``
+(one result of a parallel group stored; its other calls may be running),
+``after_inputs_placed``,
 ``after_approval_intent`` (a call needing approval stored its ask, not yet
 answered ``awaiting_approval``), ``after_approval_placed`` (the step's
 approval inputs placed by the dispatch's first call needing one, the call not

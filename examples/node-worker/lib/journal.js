@@ -12,6 +12,8 @@
 //   tool calls alike, in the order the handler makes them.
 // - One call at a time: calls are matched by position, so a second call while
 //   one is running throws ConcurrentJournalUse instead of recording a race.
+//   The calls of one model response run at once as one call, `tools`: a
+//   parallel group, one position per call in the response's order.
 // - Every write carries the WriterToken the previous write returned. Journal
 //   RPCs, the heartbeat's CheckTail included, go out one at a time so that none
 //   carries a token an earlier one of ours has already outdated.
@@ -105,9 +107,42 @@ export class Journal {
     });
   }
 
-  async #run(call, intentSeq, fn) {
-    const report = (chunk) =>
-      this.#send('toolOutput', (token) => ({ token, intent_seq: intentSeq, chunk }));
+  // Runs the tool calls of one model response at once: a parallel group.
+  // `calls` is [{ call, replay, fn }] in the response's order; they take that
+  // many positions. Every intent is stored (one BeginTools) before any call
+  // starts, each result as its call finishes; the results come back in the
+  // order of `calls`, each as `tool` returns it. On a replay each call follows
+  // the rules of one call alone; another group at the position is a
+  // ReplayMismatch. A call's thrown error is its own result; a signal
+  // (Fenced, the run cancelled) stops the group.
+  async tools(calls) {
+    if (calls.length === 0) return [];
+    return this.#turn(async (first) => {
+      this.#position += calls.length - 1;
+      const specs = calls.map(({ call, replay }) => ({
+        name: call.name,
+        input: encode(call.input),
+        replay,
+      }));
+      const begun = await this.#send('beginTools', (token) => ({
+        token,
+        position: first,
+        calls: specs,
+      }));
+      return Promise.all(
+        calls.map(({ call, fn }, i) => {
+          const answer = begun.calls[i];
+          if (!answer.run) return { ...resultOf(answer.result), replayed: true };
+          const keyed = { ...call, key: answer.key };
+          return this.#run(keyed, answer.intent_seq, fn, answer.intent_index ?? 0);
+        }),
+      );
+    });
+  }
+
+  async #run(call, intentSeq, fn, intentIndex = 0) {
+    const at = { intent_seq: intentSeq, intent_index: intentIndex };
+    const report = (chunk) => this.#send('toolOutput', (token) => ({ token, ...at, chunk }));
     let value;
     let error = '';
     try {
@@ -129,14 +164,14 @@ export class Journal {
       }
     }
     try {
-      await this.#send('finishTool', (token) => ({ token, intent_seq: intentSeq, output, error }));
+      await this.#send('finishTool', (token) => ({ token, ...at, output, error }));
     } catch (err) {
       if (!(err instanceof DagnatsError) || err.code !== 'record_too_large') throw err;
       // The tool ran and its output cannot be stored: answer its intent with
       // that error (a retry honours it rather than run an unsafe tool again),
       // then throw: every delivery would be refused the same way.
       const refused = `tool result not recorded: ${err.message}`;
-      await this.#send('finishTool', (token) => ({ token, intent_seq: intentSeq, error: refused }));
+      await this.#send('finishTool', (token) => ({ token, ...at, error: refused }));
       throw err;
     }
     if (invalid) throw invalid;

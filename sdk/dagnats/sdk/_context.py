@@ -439,8 +439,10 @@ class TaskContext:
         """End the iteration of a tool call waiting for approval: a continue
         with the state saved so far that waits for an input, holding no worker
         (the approval wakes it); at once, when inputs are queued already."""
-        waiting = {"call": pending.key, "digest": pending.digest, "tool": pending.name}
-        output = {"awaiting_approval": waiting}
+        waiting = [{"call": p.key, "digest": p.digest, "tool": p.name} for p in pending.waiting]
+        output: dict[str, Any] = {"awaiting_approval": waiting[0]}
+        if len(waiting) > 1:  # several calls of a parallel group
+            output["awaiting_approvals"] = waiting
         try:
             await self.continue_(output, until_input=True)
         except InputsQueued:

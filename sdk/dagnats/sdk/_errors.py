@@ -43,7 +43,8 @@ it alone: acknowledging would take the task from its successor).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import grpc
 import grpc.aio
@@ -112,14 +113,30 @@ class ApprovalPending(BaseException):
         digest: The digest of its name and arguments (an approval names it too).
         name: The tool.
         input: Its arguments (JSON-decoded).
+        waiting: Every call that waits, this one first: more than one for a
+            parallel group (``Journal.tools``) with several calls needing one.
+        results: For a parallel group, its results in the order of its calls
+            (``ToolResult``; the waiting ones ``awaiting_approval``), all
+            stored before this was raised; empty for a call alone.
     """
 
-    def __init__(self, *, key: str, digest: str, name: str, input: object) -> None:
+    def __init__(
+        self,
+        *,
+        key: str,
+        digest: str,
+        name: str,
+        input: object,
+        others: Sequence[ApprovalPending] = (),
+        results: Sequence[Any] = (),
+    ) -> None:
         super().__init__(f"tool call {key} ({name}) waits for approval of digest {digest}")
         self.key = key
         self.digest = digest
         self.name = name
         self.input = input
+        self.waiting: tuple[ApprovalPending, ...] = (self, *others)
+        self.results: tuple[Any, ...] = tuple(results)
 
 
 class PermanentError(Exception):
@@ -176,7 +193,8 @@ class RestartLimit(JournalSignal):
 
 class ConcurrentJournalUse(RuntimeError):
     """Two asyncio tasks used one journal handle at once. Calls are replayed by
-    position, so they must be made one at a time."""
+    position, so they must be made one at a time; the tool calls of one model
+    response run at once through ``Journal.tools`` (a parallel group)."""
 
 
 class InputsQueued(DagnatsError):

@@ -10,7 +10,11 @@ Invariants:
 - Positions count every journaled call of the dispatch from 0, model and tool
   calls alike, in the order the handler makes them.
 - One asyncio task at a time: calls are matched by position, so concurrent use
-  raises ``ConcurrentJournalUse`` instead of recording a race.
+  raises ``ConcurrentJournalUse`` instead of recording a race. The calls of
+  one model response run at once as one call, ``tools`` (a parallel group):
+  one position each, in the response's order, every intent stored before any
+  starts, each result stored as its call finishes, never held back as the
+  pending entry.
 - One RPC at a time, each with the newest token: the worker's keep-alive
   (``hold``) and a tool's ``report`` run beside the handler's calls, and a call
   made with the token a write in flight is about to replace would find that
@@ -43,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, assert_never, cast
 
@@ -128,6 +132,10 @@ class ToolRun:
 
 
 ToolFn = Callable[[ToolRun], Awaitable[Any]]
+
+GroupCall = tuple[ToolCall, Replay, ToolFn] | tuple[ToolCall, Replay, ToolFn, bool]
+"""One call of :meth:`Journal.tools`: ``(call, replay, fn)``, or
+``(call, replay, fn, True)`` for a call that needs approval."""
 ModelFn = Callable[[], Awaitable[Any]]
 StreamedModelFn = Callable[[TokenStream], Awaitable[Any]]
 
@@ -343,15 +351,27 @@ class Journal:
     async def _tool_with_approval(self, call: ToolCall, fn: ToolFn) -> ToolResult:
         """:meth:`tool` for a call that needs approval: the approval placed for
         its digest decides, else it asks and waits (``ApprovalPending``)."""
+        call, fn, digest, mark = await self._under_approval(call, fn)
+        if mark is None:
+            t, position = self._token, self._position
+            key = f"{t.run_id}.{t.step_id}.{t.iteration}.{position}"
+            await self._tool(call, Replay.UNSAFE, fn, digest=digest)
+            raise ApprovalPending(key=key, digest=digest, name=call.name, input=call.input)
+        return await self._tool(call, Replay.UNSAFE, fn, digest=digest, approval=mark)
+
+    async def _under_approval(
+        self, call: ToolCall, fn: ToolFn
+    ) -> tuple[ToolCall, ToolFn, str, jpb.Approval | None]:
+        """How a call that needs approval is made: the call (the approver's
+        arguments, if edited), what runs (a denial's only returns it), its
+        digest, and the approval it runs under; no approval placed for its
+        digest: the call itself, which asks (no approval)."""
         data = encode(call.input, field="input")
         digest = approvals.call_digest(call.name, data)
         decision, request_id = await self._approval_for(call.name, data, digest)
         match decision:
             case None | approvals.ApprovalRefused():
-                t, position = self._token, self._position
-                key = f"{t.run_id}.{t.step_id}.{t.iteration}.{position}"
-                await self._tool(call, Replay.UNSAFE, fn, digest=digest)
-                raise ApprovalPending(key=key, digest=digest, name=call.name, input=call.input)
+                return call, fn, digest, None
             case approvals.Approved() | approvals.Edited():
                 edited = isinstance(decision, approvals.Edited)
                 runs = replace(call, input=decode(decision.input, field="args"))
@@ -362,16 +382,14 @@ class Journal:
                     return output
 
                 mark = self._mark(decision, request_id, approved=True, edited=edited)
-                return await self._tool(
-                    runs, Replay.UNSAFE, approved, digest=decision.digest, approval=mark
-                )
+                return runs, approved, decision.digest, mark
             case approvals.Denied(reason=reason):
 
                 async def denied(_run: ToolRun) -> Any:
                     return approvals.denial_output(reason)  # the tool does not run
 
                 mark = self._mark(decision, request_id, approved=False, edited=False)
-                return await self._tool(call, Replay.UNSAFE, denied, digest=digest, approval=mark)
+                return call, denied, digest, mark
             case _:
                 assert_never(decision)
 
@@ -464,24 +482,160 @@ class Journal:
                 return _result(begin.result, replayed=True)
             await seam("after_intent")
             if digest and approval is None:
-                await seam("after_approval_intent")  # asked; not yet answered awaiting
-                await self._write(
-                    lambda t: self._rpc.finish_tool(
-                        jpb.FinishToolRequest(
-                            token=t, intent_seq=begin.intent_seq, awaiting_approval=True
-                        )
-                    )
-                )
-                return ToolResult(awaiting_approval=True)
+                return await self._awaiting(begin.intent_seq)
             return await self._run(call, begin.intent_seq, fn)
 
-    async def _run(self, call: ToolCall, intent_seq: int, fn: ToolFn) -> ToolResult:
+    async def _awaiting(self, intent_seq: int, intent_index: int = 0) -> ToolResult:
+        """Answer the intent of a call that asked for approval: it waits, nothing ran."""
+        await seam("after_approval_intent")  # asked; not yet answered awaiting
+        await self._write(
+            lambda t: self._rpc.finish_tool(
+                jpb.FinishToolRequest(
+                    token=t,
+                    intent_seq=intent_seq,
+                    intent_index=intent_index,
+                    awaiting_approval=True,
+                )
+            )
+        )
+        return ToolResult(awaiting_approval=True)
+
+    async def tools(self, calls: Sequence[GroupCall]) -> list[ToolResult]:
+        """Run the tool calls of one model response concurrently, durably: a
+        parallel group. Give them in the response's order, each as
+        ``(call, replay, fn)``, or ``(call, replay, fn, True)`` for a call that
+        needs approval (as :meth:`tool` with ``approval=True``); they take
+        that many positions, in that order, whatever order they finish in.
+
+        Every call's intent is stored before any call starts (in one record
+        when they fit, with the response that asked for them when that is
+        pending); each call gets its own ``key``; each result is stored as it
+        finishes; the results come back in the order of ``calls``. On a replay
+        each call follows the rules of :meth:`tool` alone: a recorded result
+        is reused, a safe call without one runs again, an unsafe one comes
+        back ``interrupted``; a different group at this position (another
+        count, name or input) is ``ReplayMismatch``.
+
+        A call that needs approval and has none placed for its digest asks:
+        its intent carries the digest, it is answered ``awaiting_approval``,
+        and the group's other calls run; once their results are stored,
+        :class:`ApprovalPending` is raised, naming every waiting call
+        (``waiting``) and carrying the group's results (``results``). The
+        next iteration makes the group again, and each such call finds its
+        approval (or denial) by its digest.
+
+        A call's exception is its own result: the others still run. A signal
+        (``Fenced``, ``RunCancelled``) or an unrecordable output stops the
+        group: its running calls are cancelled, and it raises that.
+
+        Raises:
+            InvalidArgument: an input or an output is not JSON.
+            RecordTooLarge: an output is larger than a journal record holds.
+            ReplayMismatch: another group, or another call, is recorded here.
+            ApprovalPending: a call needs approval and has none.
+            Fenced: a successor holds the step.
+            RunCancelled: the run was cancelled.
+        """
+        if not calls:
+            return []
+        made: list[_GroupMember] = []
+        for member in calls:
+            call, replay, fn = member[0], member[1], member[2]
+            if len(member) == 4 and member[-1] is True:  # the call needs approval
+                call, fn, digest, mark = await self._under_approval(call, fn)
+                made.append(_GroupMember(call, Replay.UNSAFE, fn, digest, mark))
+            else:
+                made.append(_GroupMember(call, replay, fn))
+        with self._turn() as first:
+            self._position += len(calls) - 1  # one position per call
+            specs = [m.spec(field=f"calls[{i}].input") for i, m in enumerate(made)]
+
+            def begin_tools(
+                token: jpb.WriterToken, pending: _Pending | None
+            ) -> Awaitable[jpb.BeginToolsResponse]:
+                request = jpb.BeginToolsRequest(token=token, position=first, calls=specs)
+                if pending is not None and pending.model is not None:
+                    request.model.CopyFrom(pending.model)  # one record: response, then intents
+                return self._rpc.begin_tools(request)
+
+            def carries(pending: _Pending) -> bool:  # the response that asked for the group
+                return pending.model is not None and pending.model.position == first - 1
+
+            begun = await self._carrying(begin_tools, carries, self._advance)
+            await seam("after_group_intents")
+            results = await self._run_group(made, begun)
+        waiting = [
+            ApprovalPending(key=answer.key, digest=m.digest, name=m.call.name, input=m.call.input)
+            for m, answer in zip(made, begun.calls, strict=True)
+            if m.asks
+        ]
+        if waiting:
+            first_waiting, *others = waiting
+            raise ApprovalPending(
+                key=first_waiting.key,
+                digest=first_waiting.digest,
+                name=first_waiting.name,
+                input=first_waiting.input,
+                others=others,
+                results=results,
+            )
+        return results
+
+    async def _run_group(
+        self, made: Sequence[_GroupMember], begun: jpb.BeginToolsResponse
+    ) -> list[ToolResult]:
+        """Run the calls ``begun`` says to run, at once; the results in order.
+        A call that asks for approval is answered ``awaiting_approval``."""
+        results: list[ToolResult | None] = [None] * len(made)
+        running: dict[asyncio.Task[ToolResult], int] = {}
+        stop = _GroupStop()
+        for i, (m, answer) in enumerate(zip(made, begun.calls, strict=True)):
+            if not answer.run:
+                results[i] = _result(answer.result, replayed=True)
+                continue
+            if m.asks:
+                member = self._awaiting(answer.intent_seq, answer.intent_index)
+            else:
+                keyed = replace(m.call, key=answer.key)
+                member = self._run(
+                    keyed, answer.intent_seq, m.fn, intent_index=answer.intent_index, stop=stop
+                )
+            running[asyncio.ensure_future(member)] = i
+        try:
+            pending = set(running)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if (err := task.exception()) is not None:
+                        stop.signal = err
+                        raise err
+                    results[running[task]] = task.result()
+        except BaseException:
+            for task in running:
+                task.cancel()
+            await asyncio.wait(running)  # each answers its intent, if it may
+            raise
+        return [r for r in results if r is not None]
+
+    async def _run(
+        self,
+        call: ToolCall,
+        intent_seq: int,
+        fn: ToolFn,
+        *,
+        intent_index: int = 0,
+        stop: _GroupStop | None = None,
+    ) -> ToolResult:
+        """Run a begun call; ``stop``: it is one of a parallel group, whose
+        result is stored at once (a pending entry is one call's)."""
         reported: list[str] = []
 
         async def report(chunk: str) -> None:
             await self._write(
                 lambda t: self._rpc.tool_output(
-                    jpb.ToolOutputRequest(token=t, intent_seq=intent_seq, chunk=chunk)
+                    jpb.ToolOutputRequest(
+                        token=t, intent_seq=intent_seq, chunk=chunk, intent_index=intent_index
+                    )
                 ),
                 lambda _: reported.append(chunk),  # stored, even if the caller was cancelled
             )
@@ -491,26 +645,30 @@ class Journal:
             output = await fn(ToolRun(call=call, _report=report))
         except Exception as err:  # the tool's own error is part of its result
             error = f"{type(err).__name__}: {err}"
-        except (asyncio.CancelledError, RunCancelled) as stop:
+        except (asyncio.CancelledError, RunCancelled) as halt:
             # Stopped by its run's cancel (heard, or the journal's refusal of
-            # its output), not by a worker that gives up: answer the intent.
-            if self._cancellation.is_set() or isinstance(stop, RunCancelled):
-                await self._interrupted(intent_seq, "".join(reported))
+            # its output or of a call of its group), not by a worker that
+            # gives up: answer the intent.
+            cancelled = stop is not None and isinstance(stop.signal, RunCancelled)
+            if self._cancellation.is_set() or isinstance(halt, RunCancelled) or cancelled:
+                await self._interrupted(intent_seq, "".join(reported), intent_index)
             raise
         else:
             try:
                 data = encode(output, field="output")
             except InvalidArgument as err:
                 error, raised = f"tool output is not JSON: {err.message}", err
-        result = jpb.ToolResult(intent_seq=intent_seq, output=data, error=error)
-        if raised is None and result.ByteSize() <= PENDING_BYTES:
+        result = jpb.ToolResult(
+            intent_seq=intent_seq, output=data, error=error, intent_index=intent_index
+        )
+        if stop is None and raised is None and result.ByteSize() <= PENDING_BYTES:
             await seam("result_pending")  # the tool returned; its intent is unanswered
             self._hold_back(_Pending(result=result))
         else:
             async with self._sending:
                 await self._store_pending()
                 result = await self._store_result(result, self._advance)
-            await seam("after_result")
+            await seam("after_result" if stop is None else "after_group_result")
         if raised is not None:
             raise raised
         data, error = result.output, result.error
@@ -524,7 +682,12 @@ class Journal:
         def finish(
             r: jpb.ToolResult,
         ) -> Callable[[jpb.WriterToken], Awaitable[jpb.FinishToolResponse]]:
-            request = jpb.FinishToolRequest(intent_seq=r.intent_seq, output=r.output, error=r.error)
+            request = jpb.FinishToolRequest(
+                intent_seq=r.intent_seq,
+                intent_index=r.intent_index,
+                output=r.output,
+                error=r.error,
+            )
 
             def send(t: jpb.WriterToken) -> Awaitable[jpb.FinishToolResponse]:
                 request.token.CopyFrom(t)
@@ -540,13 +703,14 @@ class Journal:
             # rather than run an unsafe tool again), then raise: another
             # delivery or attempt would be refused the same way.
             error = f"tool result not recorded: {err.message}"
-            await self._locked(
-                finish(jpb.ToolResult(intent_seq=result.intent_seq, error=error)), then
+            stored = jpb.ToolResult(
+                intent_seq=result.intent_seq, intent_index=result.intent_index, error=error
             )
+            await self._locked(finish(stored), then)
             raise
         return result
 
-    async def _interrupted(self, intent_seq: int, partial: str) -> None:
+    async def _interrupted(self, intent_seq: int, partial: str, intent_index: int = 0) -> None:
         """Answer the intent of a tool its run's cancellation stopped: the run
         ends with a commit, and nothing answers an intent after that."""
         if self._fenced:
@@ -555,7 +719,11 @@ class Journal:
             await self._write(
                 lambda t: self._rpc.finish_tool(
                     jpb.FinishToolRequest(
-                        token=t, intent_seq=intent_seq, interrupted=True, partial=partial
+                        token=t,
+                        intent_seq=intent_seq,
+                        intent_index=intent_index,
+                        interrupted=True,
+                        partial=partial,
                     )
                 )
             )
@@ -836,6 +1004,42 @@ async def _answer(answer: asyncio.Future[R], call: Awaitable[R]) -> None:
     else:
         if not answer.done():
             answer.set_result(result)
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupMember:
+    """One call of a parallel group as it is made: with a ``digest`` and no
+    ``approval``, it asks for approval (``asks``) and runs nothing."""
+
+    call: ToolCall
+    replay: Replay
+    fn: ToolFn
+    digest: str = ""
+    approval: jpb.Approval | None = None
+
+    @property
+    def asks(self) -> bool:
+        return bool(self.digest) and self.approval is None
+
+    def spec(self, *, field: str) -> jpb.ToolCallSpec:
+        spec = jpb.ToolCallSpec(
+            name=self.call.name,
+            input=encode(self.call.input, field=field),
+            replay=jpb.REPLAY_SAFE if self.replay is Replay.SAFE else jpb.REPLAY_UNSAFE,
+            digest=self.digest,
+        )
+        if self.approval is not None:
+            spec.approval.CopyFrom(self.approval)
+        return spec
+
+
+class _GroupStop:
+    """What stopped a parallel group: the signal one of its calls raised."""
+
+    __slots__ = ("signal",)
+
+    def __init__(self) -> None:
+        self.signal: BaseException | None = None
 
 
 class _Turn:

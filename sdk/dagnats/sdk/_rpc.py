@@ -500,6 +500,9 @@ class EngineRpc:
     async def begin_tool(self, request: jpb.BeginToolRequest) -> jpb.BeginToolResponse:
         return await self._call(self._journal().BeginTool, request, idempotent=True)
 
+    async def begin_tools(self, request: jpb.BeginToolsRequest) -> jpb.BeginToolsResponse:
+        return await self._call(self._journal().BeginTools, request, idempotent=True)
+
     async def tool_output(self, request: jpb.ToolOutputRequest) -> jpb.ToolOutputResponse:
         return await self._call(self._journal().ToolOutput, request, idempotent=True)
 

@@ -82,6 +82,10 @@ def record_dict(record: jpb.Record) -> dict[str, Any]:
                 data[name][field] = decode_payload(getattr(getattr(record, name), field))
     if kind == "tool_intent":
         data[kind]["replay"] = enum_name(jpb.Replay, record.tool_intent.replay)
+    if kind == "tool_intents":  # a parallel group's intents
+        for intent, stored in zip(data[kind]["intents"], record.tool_intents.intents, strict=True):
+            intent["input"] = decode_payload(stored.input)
+            intent["replay"] = enum_name(jpb.Replay, stored.replay)
     if kind == "commit":
         data[kind]["action"] = enum_name(jpb.Action, record.commit.action)
         if record.commit.HasField("state_delta"):

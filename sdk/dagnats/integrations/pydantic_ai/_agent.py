@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic_ai.agent import AbstractAgent
 from pydantic_ai.messages import ModelMessage, UserContent
@@ -40,6 +40,9 @@ from dagnats.sdk import (
     Replay,
     TaskContext,
 )
+
+ToolCalls = Literal["parallel", "sequential"]
+"""How the tool calls of one model response run."""
 
 FOLLOW_UP_WINDOW = 3600.0
 """Seconds an answered step waits for a follow-up, by default."""
@@ -75,6 +78,7 @@ class DurableAgent:
     follow_up_window: float | None = FOLLOW_UP_WINDOW
     prompt: Callable[[Any], str | Sequence[UserContent]] = content_text
     deps: Callable[[TaskContext], Any] | None = None
+    tool_calls: ToolCalls = "parallel"
 
     async def __call__(self, tc: TaskContext) -> None:
         try:
@@ -134,10 +138,16 @@ class DurableAgent:
         or until a tool call waits for approval (``resume`` replays such a
         round's response and reuses its results)."""
         resume = resume or Resume()
-        journaled = Journaled(journal=j, declared=self.replay, stream=self.stream, resume=resume)
+        journaled = Journaled(
+            journal=j,
+            declared=self.replay,
+            stream=self.stream,
+            resume=resume,
+            parallel=self.tool_calls == "parallel",
+        )
         deps = self.deps(tc) if self.deps is not None else None
-        # Journaled calls are matched by position: tool calls one at a time.
-        with AbstractAgent.parallel_tool_call_execution_mode("sequential"):
+        # The calls pydantic-ai starts together run as one parallel group.
+        with AbstractAgent.parallel_tool_call_execution_mode(self.tool_calls):
             async with self.agent.iter(
                 prompt, message_history=messages, deps=deps, capabilities=[journaled]
             ) as run:
@@ -156,11 +166,15 @@ class DurableAgent:
                         waiting = _approval_in(err)
                         if waiting is None:
                             raise
-                        # The history up to the request the response answered:
-                        # the next round sends it again and replays the response.
-                        before = [m for m in run.all_messages() if m.kind == "request"][-1]
+                        # The history up to the request the response answered
+                        # (not the tool returns of a parallel group stopped by
+                        # it): the next round sends it again and replays the
+                        # response.
                         history = run.all_messages()
-                        cut = len(history) - history[::-1].index(before)
+                        answered = len(history) - 1
+                        while history[answered].kind != "response":
+                            answered -= 1
+                        cut = answered
                         return _Round(
                             messages=history[:cut], answered=False, waiting=waiting, resume=resume
                         )
@@ -177,6 +191,7 @@ def durable_agent(
     follow_up_window: float | None = FOLLOW_UP_WINDOW,
     prompt: Callable[[Any], str | Sequence[UserContent]] = content_text,
     deps: Callable[[TaskContext], Any] | None = None,
+    tool_calls: ToolCalls = "parallel",
 ) -> DurableAgent:
     """A handler that runs ``agent`` durably, one round per iteration of an
     ``agent_loop`` step; register it with a ``Worker``.
@@ -197,6 +212,10 @@ def durable_agent(
         prompt: The run's input as the first user prompt (default: a string
             as is, ``{"text": ...}`` as its text, anything else as JSON).
         deps: Builds the agent's dependencies for each dispatch.
+        tool_calls: ``"parallel"``: the tool calls of one model response run
+            at once, as one parallel group (``Journal.tools``: every intent
+            stored before any starts, each result as it finishes);
+            ``"sequential"``: one at a time, in the response's order.
 
     Returns:
         ``async def handler(tc)``.
@@ -209,6 +228,7 @@ def durable_agent(
         follow_up_window=follow_up_window,
         prompt=prompt,
         deps=deps,
+        tool_calls=tool_calls,
     )
 
 

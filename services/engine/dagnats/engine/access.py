@@ -91,6 +91,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     _JOURNAL + "BeginModel": _W,
     _JOURNAL + "RecordModel": _W,
     _JOURNAL + "BeginTool": _W,
+    _JOURNAL + "BeginTools": _W,
     _JOURNAL + "ToolOutput": _W,
     _JOURNAL + "FinishTool": _W,
     _JOURNAL + "CheckTail": _W,

@@ -3,7 +3,10 @@
 The first action on a task claims its journal. The replay actions are the
 SDK journal handle's calls: ``model/begin`` then (unless a response is
 recorded) ``model/record``; ``tool/begin`` then (when told to run)
-``tool/output`` and ``tool/finish``; ``inputs/place``. ``append`` writes a
+``tool/output`` and ``tool/finish``; ``tools/begin`` for a parallel group
+(every intent stored before it answers), then ``tools/finish`` with the
+results of the calls that finished (``tool/output`` names a call by its
+``intent_seq`` and ``intent_index``); ``inputs/place``. ``append`` writes a
 record the worker built itself, through the same RPCs, so it obeys the same
 replay rules. Positions are counted in the token: each begun call, placement
 or appended model or intent takes the next one, unless an append names it.
@@ -156,13 +159,17 @@ def _result_view(result: jpb.ToolResult) -> bm.ToolResultView:
 @router.post("/tool/output", summary="Record partial output of the running tool")
 async def tool_output(b: BackendDep, body: bm.ToolOutputBody) -> bm.TokenResult:
     t = BridgeToken.decode(body.token)
-    t = await _tool_output(b, t, _intent(t, body.intent_seq), body.chunk)
+    t = await _tool_output(b, t, _intent(t, body.intent_seq), body.chunk, body.intent_index)
     return bm.TokenResult(token=t.encode())
 
 
-async def _tool_output(b: Backend, t: BridgeToken, intent_seq: int, chunk: str) -> BridgeToken:
+async def _tool_output(
+    b: Backend, t: BridgeToken, intent_seq: int, chunk: str, index: int = 0
+) -> BridgeToken:
     assert t.writer is not None
-    request = jpb.ToolOutputRequest(token=t.writer, intent_seq=intent_seq, chunk=chunk)
+    request = jpb.ToolOutputRequest(
+        token=t.writer, intent_seq=intent_seq, chunk=chunk, intent_index=index
+    )
     out = await ops.writing(b, t, b.rpc.tool_output(request), intent_seq=intent_seq)
     return replace(t, writer=out.token)
 
@@ -184,6 +191,7 @@ async def tool_finish(b: BackendDep, body: bm.ToolFinishBody) -> bm.TokenResult:
         raise InvalidArgument("`partial` goes with `interrupted`", field="partial")
     else:
         result = _finished(intent_seq, body.output, body.error)
+    result.intent_index = body.intent_index
     t = await _finish_tool(b, t, result)
     return bm.TokenResult(token=t.encode())
 
@@ -206,6 +214,60 @@ def _intent(t: BridgeToken, given: int | None) -> int:
     if t.writer is None or not intent:
         raise Conflict("no tool call is running: call /bridge/journal/tool/begin first")
     return intent
+
+
+# ---- parallel groups ------------------------------------------------------------------------
+
+
+@router.post(
+    "/tools/begin",
+    summary="Record the intents of a parallel group (the tool calls of one model response)",
+)
+async def tools_begin(b: BackendDep, body: bm.ToolsBeginBody) -> bm.ToolsBeginResult:
+    t, _ = await ops.claim(b, BridgeToken.decode(body.token))
+    assert t.writer is not None
+    position = t.position
+    request = jpb.BeginToolsRequest(
+        token=t.writer,
+        position=position,
+        calls=[
+            jpb.ToolCallSpec(
+                name=c.name,
+                input=encode(c.input, field=f"calls[{i}].input"),
+                replay=_REPLAY[c.replay],
+            )
+            for i, c in enumerate(body.calls)
+        ],
+    )
+    begun = await ops.writing(b, t, b.rpc.begin_tools(request))
+    t = replace(t, writer=begun.token, position=position + len(body.calls), intent_seq=0)
+    return bm.ToolsBeginResult(
+        token=t.encode(),
+        position=position,
+        calls=[
+            bm.ToolsBeginCall(
+                position=position + i,
+                key=answer.key,
+                run=answer.run,
+                intent_seq=_intent_of(answer),
+                intent_index=answer.intent_index,
+                result=None if answer.run else _result_view(answer.result),
+            )
+            for i, answer in enumerate(begun.calls)
+        ],
+    )
+
+
+@router.post("/tools/finish", summary="Record the results of calls of a parallel group")
+async def tools_finish(b: BackendDep, body: bm.ToolsFinishBody) -> bm.TokenResult:
+    t = BridgeToken.decode(body.token)
+    if t.writer is None:
+        raise Conflict("no tool call is running: call /bridge/journal/tools/begin first")
+    for result in body.results:
+        finish = _finished(result.intent_seq, result.output, result.error)
+        finish.intent_index = result.intent_index
+        t = await _finish_tool(b, t, finish)
+    return bm.TokenResult(token=t.encode())
 
 
 # ---- inputs -------------------------------------------------------------------------------

@@ -176,10 +176,59 @@ class ToolBeginResult(BaseModel):
     result: ToolResultView | None = None
 
 
+class ToolsCall(BaseModel):
+    """One call of a parallel group, as the model's response asked for it."""
+
+    name: Text = Field(min_length=1, max_length=256)
+    input: Any = None
+    replay: Literal["safe", "unsafe"] = Field(
+        default="unsafe", description="safe: running it twice is harmless"
+    )
+
+
+class ToolsBeginBody(_Body):
+    token: Token
+    calls: list[ToolsCall] = Field(
+        min_length=1, max_length=128, description="the calls, in the model response's order"
+    )
+
+
+class ToolsBeginCall(BaseModel):
+    position: int
+    key: str = Field(description="{run}.{step}.{iteration}.{position}: an idempotency key")
+    run: bool = Field(description="true: run the tool, then finish it; false: use `result`")
+    intent_seq: int
+    intent_index: int = Field(description="the intent's index in its record (with intent_seq)")
+    result: ToolResultView | None = None
+
+
+class ToolsBeginResult(BaseModel):
+    token: str
+    position: int = Field(description="position of the group's first call")
+    calls: list[ToolsBeginCall] = Field(description="one answer per call, in the request's order")
+
+
+class ToolsResult(BaseModel):
+    """The result of one call of a parallel group."""
+
+    intent_seq: RecordSeq
+    intent_index: int = Field(default=0, ge=0, le=127)
+    output: Any = None
+    error: Text = Field(default="", description="the tool's own error; part of its result")
+
+
+class ToolsFinishBody(_Body):
+    token: Token
+    results: list[ToolsResult] = Field(
+        min_length=1, max_length=128, description="results of calls that finished, in any order"
+    )
+
+
 class ToolOutputBody(_Body):
     token: Token
     chunk: Text
     intent_seq: RecordSeq | None = Field(default=None, description="default: the begun tool call")
+    intent_index: int = Field(default=0, ge=0, le=127, description="a parallel group's call")
 
 
 class ToolFinishBody(_Body):
@@ -193,6 +242,7 @@ class ToolFinishBody(_Body):
     )
     partial: Text = Field(default="", description="with `interrupted`: the output it reported")
     intent_seq: RecordSeq | None = Field(default=None, description="default: the begun tool call")
+    intent_index: int = Field(default=0, ge=0, le=127, description="a parallel group's call")
 
 
 class PlaceInputsBody(_Body):

@@ -32,7 +32,15 @@ Invariants, named by the rule a violation reports:
   be running, and the intents of earlier attempts of its iteration while that
   dispatch is still closing them (it has written only claims and results).
 * ``double_result``: no tool intent has more than one result.
-* ``orphan_result``: every tool result answers (``intent_seq``) a tool intent.
+* ``orphan_result``: every tool result answers (``intent_seq``, and
+  ``intent_index`` in a parallel group's record) a tool intent.
+* ``group_order``: a parallel group's intents are all stored before any of
+  its calls starts: every output and result of a call of the group comes
+  after the last intent record of the group (of its dispatch), and the group
+  holds one intent per position, within its ``group_size`` positions.
+* ``unsafe_started_twice``: an unsafe call starts at most once: no writer but
+  the intent's writes output for it, or answers it with anything but
+  ``interrupted`` (an honoured intent is a new intent, answered by its own writer).
 * ``input_placed_twice``: no input is placed twice (copies carried into a
   retry attempt excepted).
 * ``approval``: every call that ran under an approval ran with the approved
@@ -99,6 +107,8 @@ Rule = Literal[
     "unanswered_intent",
     "double_result",
     "orphan_result",
+    "group_order",
+    "unsafe_started_twice",
     "input_placed_twice",
     "approval",
     "iteration_count",
@@ -181,6 +191,8 @@ def check_step(
         *_fencing(records),
         *_commits(records),
         *_answers(records),
+        *_groups(records),
+        *_unsafe_starts(records),
         *_placements(records),
         *_state_chain(records),
         *_approvals(records),
@@ -433,14 +445,20 @@ def _after_commit_message(record: AnyEntry, commit: CommitEntry) -> str:
 
 
 def _answers(records: Sequence[AnyEntry]) -> Iterator[_Found]:
-    by_seq = {r.seq: r for r in records if not r.leading}  # an intent is never leading
-    results = _group([r for r in records if isinstance(r, ResultEntry)], lambda r: r.intent_seq)
+    by_seq = {r.seq: r for r in records if not r.leading}  # what a record is, by its kind
+    intents = {r.ref: r for r in records if isinstance(r, IntentEntry)}
+    results = _group([r for r in records if isinstance(r, ResultEntry)], lambda r: r.intent_ref)
     pending = _may_still_be_answered(records)
     for r in records:
         if isinstance(r, ResultEntry):
-            target = by_seq.get(r.intent_seq)
-            if not isinstance(target, IntentEntry):
-                what = "not in the journal" if target is None else f"a {_kind(target)}"
+            if r.intent_ref not in intents:
+                target = by_seq.get(r.intent_seq)
+                if target is None:
+                    what = "not in the journal"
+                elif isinstance(target, IntentEntry):
+                    what = f"a parallel group's record with no intent at index {r.intent_index}"
+                else:
+                    what = f"a {_kind(target)}"
                 yield (
                     r.seq,
                     "orphan_result",
@@ -448,8 +466,8 @@ def _answers(records: Sequence[AnyEntry]) -> Iterator[_Found]:
                     "not a tool intent",
                 )
         elif isinstance(r, IntentEntry):
-            answers = results.get(r.seq, [])
-            if not answers and r.seq not in pending:
+            answers = results.get(r.ref, [])
+            if not answers and r.ref not in pending:
                 yield (
                     r.seq,
                     "unanswered_intent",
@@ -465,8 +483,9 @@ def _answers(records: Sequence[AnyEntry]) -> Iterator[_Found]:
                 )
 
 
-def _may_still_be_answered(records: Sequence[AnyEntry]) -> set[int]:
-    """Seqs of the intents a running step may still answer (see the docstring)."""
+def _may_still_be_answered(records: Sequence[AnyEntry]) -> set[tuple[int, int]]:
+    """The intents (``IntentEntry.ref``) a running step may still answer (see
+    the docstring)."""
     claims = [r for r in records if isinstance(r, ClaimEntry)]
     if not claims:
         return set()
@@ -483,12 +502,65 @@ def _may_still_be_answered(records: Sequence[AnyEntry]) -> set[int]:
     # stored; a holder that crashed in between leaves them to the next claim.
     closing = all(isinstance(r, ClaimEntry | ResultEntry) for r in records if r.seq > first)
     return {
-        r.seq
+        r.ref
         for r in records
         if isinstance(r, IntentEntry)
         and r.iteration == iteration
         and (r.attempt == attempt or (closing and r.attempt < attempt))
     }
+
+
+def _groups(records: Sequence[AnyEntry]) -> Iterator[_Found]:
+    """``group_order``: a parallel group's intents before any of its calls ran."""
+    members = [r for r in records if isinstance(r, IntentEntry) and r.in_group]
+    groups = _group(members, lambda r: (r.iteration, r.attempt, r.group_position))
+    for (iteration, attempt, start), intents in groups.items():
+        last = max(r.seq for r in intents)
+        refs = {r.ref for r in intents}
+        size = intents[0].group_size
+        positions = _group(intents, lambda r: r.position)
+        for position, at in positions.items():
+            if not start <= position < start + size:
+                yield (
+                    at[0].seq,
+                    "group_order",
+                    f"tool intent {at[0].name!r} at seq {at[0].seq} is at position {position}, "
+                    f"outside its parallel group's {start}..{start + size - 1}",
+                )
+            elif len(at) > 1:
+                yield (
+                    at[1].seq,
+                    "group_order",
+                    f"position {position} of the parallel group of iteration {iteration} "
+                    f"attempt {attempt} has {len(at)} intents ({_seqs(at)})",
+                )
+        for r in records:
+            if isinstance(r, OutputEntry | ResultEntry) and r.intent_ref in refs and r.seq < last:
+                yield (
+                    r.seq,
+                    "group_order",
+                    f"{_kind(r)} at seq {r.seq} answers a call of the parallel group at "
+                    f"position {start} before the group's last intent (seq {last}) was stored",
+                )
+
+
+def _unsafe_starts(records: Sequence[AnyEntry]) -> Iterator[_Found]:
+    """``unsafe_started_twice``: only an unsafe intent's own writer ran it."""
+    unsafe = {r.ref: r for r in records if isinstance(r, IntentEntry) and not r.safe}
+    for r in records:
+        if not isinstance(r, OutputEntry | ResultEntry):
+            continue
+        intent = unsafe.get(r.intent_ref)
+        if intent is None or r.writer == intent.writer:
+            continue
+        if isinstance(r, ResultEntry) and r.interrupted:
+            continue
+        yield (
+            r.seq,
+            "unsafe_started_twice",
+            f"{_kind(r)} at seq {r.seq} by another writer than unsafe tool intent "
+            f"{intent.name!r} at seq {intent.seq}'s: the call started again",
+        )
 
 
 # ---- the engine's count --------------------------------------------------------------
@@ -593,14 +665,14 @@ def _placements(records: Sequence[AnyEntry]) -> list[tuple[int, Rule, str]]:
 
 def _approvals(records: Sequence[AnyEntry]) -> Iterator[_Found]:
     asked: list[IntentEntry] = []
-    intents = {r.seq: r for r in records if isinstance(r, IntentEntry)}
+    intents = {r.ref: r for r in records if isinstance(r, IntentEntry)}
     for r in records:
         if isinstance(r, IntentEntry) and r.digest:
             yield from _approved_arguments(r, asked)
             if r.asks_approval:
                 asked.append(r)
         elif isinstance(r, ResultEntry):
-            intent = intents.get(r.intent_seq)
+            intent = intents.get(r.intent_ref)  # a parallel group's by its index
             if intent is None:
                 continue  # an orphan_result
             if intent.asks_approval and not (r.awaiting_approval or r.interrupted):

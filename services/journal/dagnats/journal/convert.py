@@ -37,8 +37,42 @@ def entries(record: pb.Record) -> list[jm.AnyEntry]:
     elif record.HasField("leading_tool_result"):
         r = record.leading_tool_result
         found.append(jm.ResultEntry(**_head(record), leading=True, **_result_fields(r)))
+    if record.HasField("tool_intents"):
+        found.extend(group_intents(record))
+        return found
     found.append(entry(record))
     return found
+
+
+def group_intents(record: pb.Record) -> list[jm.IntentEntry]:
+    """The intents of a parallel group's record, in order; all but the last
+    are ``leading`` (stored ahead of another entry of the record)."""
+    g = record.tool_intents
+    last = len(g.intents) - 1
+    return [
+        jm.IntentEntry(
+            **_head(record),
+            leading=index < last,
+            **_intent_fields(i),
+            index=index,
+            group_size=g.group_size,
+            group_position=g.group_position,
+        )
+        for index, i in enumerate(g.intents)
+    ]
+
+
+def _intent_fields(i: pb.ToolIntent) -> dict[str, Any]:
+    return {
+        "position": i.position,
+        "name": i.name,
+        "input": i.input,
+        "safe": i.replay == pb.REPLAY_SAFE,
+        "honours_seq": i.honours_seq,
+        "honours_index": i.honours_index,
+        "digest": i.digest,
+        "approval": approval_mark(i.approval) if i.HasField("approval") else None,
+    }
 
 
 def all_entries(records: Iterable[pb.Record]) -> list[jm.AnyEntry]:
@@ -64,6 +98,7 @@ def _result_fields(r: pb.ToolResult) -> dict[str, Any]:
         "error": r.error,
         "interrupted": r.interrupted,
         "partial": r.partial,
+        "intent_index": r.intent_index,
         "awaiting_approval": r.awaiting_approval,
     }
 
@@ -93,20 +128,12 @@ def entry(record: pb.Record) -> jm.AnyEntry:
     if kind == "model":
         return jm.ModelEntry(**head, position=record.model.position, response=record.model.response)
     if kind == "tool_intent":
-        i = record.tool_intent
-        return jm.IntentEntry(
-            **head,
-            position=i.position,
-            name=i.name,
-            input=i.input,
-            safe=i.replay == pb.REPLAY_SAFE,
-            honours_seq=i.honours_seq,
-            digest=i.digest,
-            approval=approval_mark(i.approval) if i.HasField("approval") else None,
-        )
+        return jm.IntentEntry(**head, **_intent_fields(record.tool_intent))
     if kind == "tool_output":
         o = record.tool_output
-        return jm.OutputEntry(**head, intent_seq=o.intent_seq, chunk=o.chunk)
+        return jm.OutputEntry(
+            **head, intent_seq=o.intent_seq, chunk=o.chunk, intent_index=o.intent_index
+        )
     if kind == "tool_result":
         return jm.ResultEntry(**head, **_result_fields(record.tool_result))
     if kind == "commit":
@@ -134,6 +161,8 @@ def entry(record: pb.Record) -> jm.AnyEntry:
         )
     if kind == "cancel":
         return jm.CancelEntry(**head, reason=record.cancel.reason)
+    if kind == "tool_intents":
+        return group_intents(record)[-1]
     raise ValueError(f"record {record.seq} has no kind")
 
 
@@ -150,6 +179,7 @@ def result_to_proto(result: jm.ResultEntry) -> pb.ToolResult:
         error=result.error,
         interrupted=result.interrupted,
         partial=result.partial,
+        intent_index=result.intent_index,
         awaiting_approval=result.awaiting_approval,
     )
 
@@ -177,6 +207,7 @@ def largest_part(record: pb.Record) -> tuple[str, int]:
         ("the model's response", record.model.response),
         ("the model's response", record.leading_model.response),
         ("the tool call's input", record.tool_intent.input),
+        ("the tool calls' inputs", b"".join(i.input for i in record.tool_intents.intents)),
         ("the failure's error", record.commit.error.encode()),
         ("the tool's partial output", record.tool_output.chunk.encode()),
         ("the input's content", record.input_placed.content),

@@ -85,8 +85,23 @@ class IntentEntry(Entry):
     input: bytes
     safe: bool
     honours_seq: int = 0
+    honours_index: int = 0
+    index: int = 0
+    group_size: int = 0
+    group_position: int = 0
     digest: str = ""
     approval: ApprovalMark | None = None
+
+    @property
+    def ref(self) -> tuple[int, int]:
+        """The intent's identity: its record's sequence, and its index in that
+        record (a parallel group's record holds several; 0 otherwise)."""
+        return (self.seq, self.index)
+
+    @property
+    def in_group(self) -> bool:
+        """Part of a parallel group (``group_size`` calls from ``group_position``)."""
+        return self.group_size > 0
 
     @property
     def asks_approval(self) -> bool:
@@ -98,6 +113,11 @@ class IntentEntry(Entry):
 class OutputEntry(Entry):
     intent_seq: int
     chunk: str
+    intent_index: int = 0
+
+    @property
+    def intent_ref(self) -> tuple[int, int]:
+        return (self.intent_seq, self.intent_index)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,7 +127,13 @@ class ResultEntry(Entry):
     error: str = ""
     interrupted: bool = False
     partial: str = ""
+    intent_index: int = 0
     awaiting_approval: bool = False
+
+    @property
+    def intent_ref(self) -> tuple[int, int]:
+        """The intent it answers (see ``IntentEntry.ref``)."""
+        return (self.intent_seq, self.intent_index)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

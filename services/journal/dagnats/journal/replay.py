@@ -412,12 +412,11 @@ def _same_delivery(a: ClaimEntry, b: ClaimEntry) -> bool:
     )
 
 
-def partial_output(records: Sequence[AnyEntry], intent_seq: int) -> str:
+def partial_output(records: Sequence[AnyEntry], intent_seq: int, intent_index: int = 0) -> str:
     """What a tool reported while it ran, in order, cut to fit a record."""
+    ref = (intent_seq, intent_index)
     return cut_partial(
-        "".join(
-            r.chunk for r in records if isinstance(r, OutputEntry) and r.intent_seq == intent_seq
-        )
+        "".join(r.chunk for r in records if isinstance(r, OutputEntry) and r.intent_ref == ref)
     )
 
 
@@ -433,11 +432,11 @@ def cut_partial(text: str, limit: int = MAX_PARTIAL_BYTES) -> str:
 
 
 def _unanswered(records: Sequence[AnyEntry], *, before_attempt: int) -> list[IntentEntry]:
-    answered = {r.intent_seq for r in records if isinstance(r, ResultEntry)}
+    answered = {r.intent_ref for r in records if isinstance(r, ResultEntry)}
     return [
         r
         for r in records
-        if isinstance(r, IntentEntry) and r.attempt < before_attempt and r.seq not in answered
+        if isinstance(r, IntentEntry) and r.attempt < before_attempt and r.ref not in answered
     ]
 
 
@@ -577,12 +576,21 @@ def decide_tool(
     position: int,
     call: ToolCall,
     honoured: Collection[int] = (),
+    honoured_members: Collection[tuple[int, int]] = (),
 ) -> ToolDecision:
     """A tool call at ``position`` of ``attempt``; ``honoured`` lists earlier
-    intents this writer honoured already (they are not in ``records``)."""
+    intents this writer honoured already (they are not in ``records``), and
+    ``honoured_members`` those of parallel groups (``IntentEntry.ref``)."""
     at = _at(records, attempt, position, call)
     if isinstance(at, ModelEntry):
         return Mismatch(reason=f"position {position} recorded a model call, not tool {call.name!r}")
+    if isinstance(at, IntentEntry) and at.in_group:
+        return Mismatch(
+            reason=(
+                f"position {position} recorded a parallel group of {at.group_size} calls; "
+                f"the handler now calls {call.name!r} alone"
+            )
+        )
     if isinstance(at, IntentEntry):
         if _decides_the_ask(records, at, call):
             return RunNew()  # the approved (or denied) call, at the position that asked
@@ -593,15 +601,10 @@ def decide_tool(
                     f"the handler now calls {call.name!r}"
                 )
             )
-        result = _result_of(records, at.seq)
-        if result is not None:
-            return UseResult(result=result)
-        if at.safe and call.safe:
-            return RunAgain(intent=at)
-        return Interrupt(intent=at, partial=partial_output(records, at.seq))
-    earlier = _honourable(records, attempt, call, honoured)
+        return _recorded(records, at, call)
+    earlier = _honourable(records, attempt, call, _refs(honoured, honoured_members))
     if earlier is not None:
-        result = _result_of(records, earlier.seq)
+        result = _result_of(records, earlier.ref)
         assert result is not None, "a claim answers every earlier-attempt intent"
         return Honour(earlier=earlier, result=result)
     return RunNew()
@@ -642,17 +645,39 @@ def _decides_the_ask(records: Sequence[AnyEntry], at: IntentEntry, call: ToolCal
     )
 
 
-def _result_of(records: Sequence[AnyEntry], intent_seq: int) -> ResultEntry | None:
+def _refs(honoured: Collection[int], members: Collection[tuple[int, int]]) -> set[tuple[int, int]]:
+    return {(seq, 0) for seq in honoured} | set(members)
+
+
+def _recorded(records: Sequence[AnyEntry], at: IntentEntry, call: ToolCall) -> ToolDecision:
+    """A call whose intent ``at`` (the same call) is recorded at its position:
+    its result, else run again if both declarations are safe, else interrupted."""
+    result = _result_of(records, at.ref)
+    if result is not None:
+        return UseResult(result=result)
+    if at.safe and call.safe:
+        return RunAgain(intent=at)
+    return Interrupt(intent=at, partial=partial_output(records, at.seq, at.index))
+
+
+def _result_of(records: Sequence[AnyEntry], ref: tuple[int, int]) -> ResultEntry | None:
     for r in records:
-        if isinstance(r, ResultEntry) and r.intent_seq == intent_seq:
+        if isinstance(r, ResultEntry) and r.intent_ref == ref:
             return r
     return None
 
 
 def _honourable(
-    records: Sequence[AnyEntry], attempt: int, call: ToolCall, honoured: Collection[int]
+    records: Sequence[AnyEntry],
+    attempt: int,
+    call: ToolCall,
+    honoured: Collection[tuple[int, int]],
 ) -> IntentEntry | None:
-    used = {r.honours_seq for r in records if isinstance(r, IntentEntry) and r.attempt == attempt}
+    used = {
+        (r.honours_seq, r.honours_index)
+        for r in records
+        if isinstance(r, IntentEntry) and r.attempt == attempt
+    }
     used.update(honoured)
     for r in records:
         if (
@@ -661,9 +686,112 @@ def _honourable(
             and not r.safe
             and r.honours_seq == 0
             and call.same_as(r)
-            and r.seq not in used
+            and r.ref not in used
         ):
             return r
+    return None
+
+
+# ---- parallel groups ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Group:
+    """What each call of a parallel group does, in the response's order: one
+    call's decision each, as if it were made alone at its position."""
+
+    calls: tuple[UseResult | RunAgain | Interrupt | Honour | RunNew, ...]
+
+
+GroupDecision = Group | Mismatch
+
+
+def decide_tools(
+    records: Sequence[AnyEntry],
+    *,
+    attempt: int,
+    position: int,
+    calls: Sequence[ToolCall],
+    honoured: Collection[int] = (),
+    honoured_members: Collection[tuple[int, int]] = (),
+) -> GroupDecision:
+    """A parallel group of ``calls`` at positions ``position``, ``position + 1``,
+    ... (the model response's order) of ``attempt``.
+
+    Each call follows the rules of one call alone: a recorded result is reused,
+    a recorded intent without one runs again only if both declarations are
+    safe (else ``Interrupt``), a new call honours an earlier attempt's unsafe
+    intent of the same name and input (each at most once), else ``RunNew``.
+    A call's approval is part of the call, and a call under an approval at
+    the position of the group where it asked for one is its decision
+    (``RunNew``), as for a call alone.
+    The group as a whole must be the one recorded there: a model call, a call
+    made alone, or a group of another size or start at any of its positions,
+    or a call of another name or input, is ``Mismatch``, and nothing is
+    written. Positions without an intent are new calls: a group's intents may
+    take several records, and a crash may fall between them.
+    """
+    if not calls:
+        return Mismatch(reason="a parallel group needs at least one call")
+    decided: list[UseResult | RunAgain | Interrupt | Honour | RunNew] = []
+    used = _refs(honoured, honoured_members)
+    for i, call in enumerate(calls):
+        here = position + i
+        at = _at(records, attempt, here, call)
+        if at is None:
+            earlier = _honourable(records, attempt, call, used)
+            if earlier is None:
+                decided.append(RunNew())
+                continue
+            result = _result_of(records, earlier.ref)
+            assert result is not None, "a claim answers every earlier-attempt intent"
+            used.add(earlier.ref)
+            decided.append(Honour(earlier=earlier, result=result))
+            continue
+        if (mismatch := _group_mismatch(at, here, position, calls)) is not None:
+            return mismatch
+        assert isinstance(at, IntentEntry)
+        if _decides_the_ask(records, at, call):
+            decided.append(RunNew())  # the approved (or denied) call, where it asked
+            continue
+        if not call.same_as(at):
+            return Mismatch(
+                reason=(
+                    f"position {here} recorded tool {at.name!r} under another approval; "
+                    f"the handler now calls {call.name!r}"
+                )
+            )
+        decision = _recorded(records, at, call)
+        assert not isinstance(decision, Mismatch | Honour | RunNew)
+        decided.append(decision)
+    return Group(calls=tuple(decided))
+
+
+def _group_mismatch(
+    at: AnyEntry, here: int, position: int, calls: Sequence[ToolCall]
+) -> Mismatch | None:
+    """Why the entry recorded at ``here`` is not this group's call there."""
+    call = calls[here - position]
+    if not isinstance(at, IntentEntry):
+        return Mismatch(reason=f"position {here} recorded a model call, not tool {call.name!r}")
+    if not at.in_group:
+        return Mismatch(
+            reason=f"position {here} recorded tool {at.name!r} called alone, not a parallel group"
+        )
+    if (at.group_position, at.group_size) != (position, len(calls)):
+        return Mismatch(
+            reason=(
+                f"position {here} recorded a parallel group of {at.group_size} calls from "
+                f"position {at.group_position}; the handler now makes {len(calls)} from {position}"
+            )
+        )
+    if (at.name, at.input) != (call.name, call.input):
+        return Mismatch(
+            reason=(
+                f"position {here} recorded tool {at.name!r} with other input; "
+                f"the handler now calls {call.name!r}"
+            )
+        )
     return None
 
 
@@ -708,6 +836,7 @@ def fenced_out_write(
     first: AnyEntry | None,
     writer: str,
     result_for: int,
+    result_index: int = 0,
 ) -> RefusedWrite:
     """What a write the fence refused must do.
 
@@ -718,6 +847,8 @@ def fenced_out_write(
         writer: The writer's nonce.
         result_for: The intent a tool result the write carries answers; 0
             when it carries none. The service checked that the writer saw it.
+        result_index: The index of that intent in its record (a parallel
+            group's); 0 otherwise.
     """
     cancelled = cancel_of(tail)
     if cancelled is None:
@@ -725,7 +856,7 @@ def fenced_out_write(
     if not result_for or not (isinstance(first, CancelEntry) and first.by_engine):
         return cancelled  # no result, or a successor wrote before the cancel
     for entry in tail:
-        if isinstance(entry, ResultEntry) and entry.intent_seq == result_for:
+        if isinstance(entry, ResultEntry) and entry.intent_ref == (result_for, result_index):
             if entry.writer != writer:
                 return cancelled
             return StoredAfterCancel(seq=entry.seq)

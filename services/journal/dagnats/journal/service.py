@@ -31,6 +31,7 @@ from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.inputs.store import InputStore
 from dagnats.journal import audit, convert, replay, session, state, stream
 from dagnats.journal import model as jm
+from dagnats.journal.group import ParallelGroups
 from dagnats.journal.limits import MAX_ANSWER_BYTES
 from dagnats.journal.peers import Runs, Tasks
 from dagnats.journal.placement import MODES, InputPlacement
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 # Calls (model, tool, place-inputs) one dispatch may journal; a step that needs
 # more has outgrown a per-step journal (the spec's "bounded calls per iteration").
 MAX_POSITIONS = 1000
+# Calls of one parallel group: as many as one model response asks for.
+MAX_GROUP_CALLS = 128
 MAX_RESTART_LIMIT = 1000
 MAX_PAGE = 1000
 # Steps whose latest holder a replica remembers for refusing fenced chunks;
@@ -122,6 +125,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         self._writer = JournalWriter(store, clock=clock)
         self._settling: set[asyncio.Task[None]] = set()
         self._placement = InputPlacement(self._writer, inputs) if inputs is not None else None
+        self._groups = ParallelGroups(self._writer, self._store_model)
         # The writer of the newest claim this replica made, per step: a chunk of
         # any other writer is a fenced holder's and is refused.
         self._holders: dict[tuple[str, str], str] = {}
@@ -278,8 +282,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         for intent in close:
             interrupted = pb.ToolResult(
                 intent_seq=intent.seq,
+                intent_index=intent.index,
                 interrupted=True,
-                partial=replay.partial_output(entries, intent.seq),
+                partial=replay.partial_output(entries, intent.seq, intent.index),
             )
             token, closed = await self._writer.append(token, pb.Record(tool_result=interrupted))
             records.append(closed)
@@ -463,6 +468,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             position=request.position,
             call=call,
             honoured=token.honoured,
+            honoured_members=_honoured_members(token),
         )
         if isinstance(decision, replay.Mismatch):
             raise errors.ReplayMismatch(decision.reason)  # and nothing is written
@@ -530,12 +536,42 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         return await self._store_model(token, model, intent)
 
     @domain_errors
+    async def BeginTools(
+        self, request: pb.BeginToolsRequest, context: Context
+    ) -> pb.BeginToolsResponse:
+        token = check_writer_token(request.token)
+        if not request.calls or len(request.calls) > MAX_GROUP_CALLS:
+            raise errors.InvalidArgument(
+                f"a parallel group has 1-{MAX_GROUP_CALLS} calls", field="calls"
+            )
+        check_position(request.position)
+        check_position(request.position + len(request.calls) - 1)
+        for i, call in enumerate(request.calls):
+            if not call.name or len(call.name) > 256:
+                raise errors.InvalidArgument(
+                    "name must be 1-256 characters", field=f"calls[{i}].name"
+                )
+            check_json(call.input, field=f"calls[{i}].input", allow_empty=False)
+            _check_approval(token, call, at=f"calls[{i}].")
+        model = None
+        if request.HasField("model"):
+            if request.model.position != request.position - 1:
+                raise errors.InvalidArgument(
+                    f"model.position must be position - 1 ({request.position - 1})",
+                    field="model.position",
+                )
+            model = _model_call(request.model.position, request.model.response, field="model.")
+        return await self._groups.begin(token, request, model)
+
+    @domain_errors
     async def ToolOutput(
         self, request: pb.ToolOutputRequest, context: Context
     ) -> pb.ToolOutputResponse:
         token = check_writer_token(request.token)
         _check_intent_seq(token, request.intent_seq)
-        output = pb.ToolOutput(intent_seq=request.intent_seq, chunk=request.chunk)
+        output = pb.ToolOutput(
+            intent_seq=request.intent_seq, chunk=request.chunk, intent_index=request.intent_index
+        )
         token, _ = await self._writer.append(token, pb.Record(tool_output=output))
         return pb.ToolOutputResponse(token=token)
 
@@ -904,31 +940,37 @@ def _intent(request: pb.BeginToolRequest) -> pb.Record:
     return pb.Record(tool_intent=intent)
 
 
-def _check_approval(token: pb.WriterToken, request: pb.BeginToolRequest) -> None:
+def _check_approval(
+    token: pb.WriterToken, request: pb.BeginToolRequest | pb.ToolCallSpec, *, at: str = ""
+) -> None:
     """Refuse a tool call whose approval fields do not bind its arguments: a
     digest other than its name's and input's, an approval without a digest,
     or an approval of another step's call or of a digest the call does not
-    have (unless the approver edited the arguments)."""
+    have (unless the approver edited the arguments). ``at`` prefixes the
+    fields named in errors (a parallel group's call)."""
     if request.digest and request.digest != call_digest(request.name, request.input):
         raise errors.InvalidArgument(
             f"digest {request.digest} is not the digest of tool {request.name!r} with this input",
-            field="digest",
+            field=at + "digest",
         )
     if not request.HasField("approval"):
         return
     approval = request.approval
     if not request.digest:
-        raise errors.InvalidArgument("an approved call needs its digest", field="digest")
+        raise errors.InvalidArgument("an approved call needs its digest", field=at + "digest")
     if not approval.call.startswith(f"{token.run_id}.{token.step_id}."):
         raise errors.InvalidArgument(
-            f"approval.call {approval.call!r} is not a call of this step", field="approval.call"
+            f"approval.call {approval.call!r} is not a call of this step",
+            field=at + "approval.call",
         )
     if not is_digest(approval.digest):
-        raise errors.InvalidArgument("approval.digest is not a digest", field="approval.digest")
+        raise errors.InvalidArgument(
+            "approval.digest is not a digest", field=at + "approval.digest"
+        )
     if not approval.edited and approval.digest != request.digest:
         raise errors.InvalidArgument(
             f"the approval is for digest {approval.digest}, not this call's {request.digest}",
-            field="approval.digest",
+            field=at + "approval.digest",
         )
 
 
@@ -959,13 +1001,31 @@ def _tool_result(
     a commit); ``field`` prefixes the names in errors."""
     _check_intent_seq(token, request.intent_seq, field + "intent_seq")
     if request.awaiting_approval:
-        return pb.ToolResult(intent_seq=request.intent_seq, awaiting_approval=True)
+        return pb.ToolResult(
+            intent_seq=request.intent_seq,
+            intent_index=request.intent_index,
+            awaiting_approval=True,
+        )
     if request.interrupted:
         partial = replay.cut_partial(request.partial)
-        return pb.ToolResult(intent_seq=request.intent_seq, interrupted=True, partial=partial)
+        return pb.ToolResult(
+            intent_seq=request.intent_seq,
+            intent_index=request.intent_index,
+            interrupted=True,
+            partial=partial,
+        )
     if not request.error:
         check_json(request.output, field=field + "output", allow_empty=False)
-    return pb.ToolResult(intent_seq=request.intent_seq, output=request.output, error=request.error)
+    return pb.ToolResult(
+        intent_seq=request.intent_seq,
+        intent_index=request.intent_index,
+        output=request.output,
+        error=request.error,
+    )
+
+
+def _honoured_members(token: pb.WriterToken) -> list[tuple[int, int]]:
+    return [(m.seq, m.index) for m in token.honoured_members]
 
 
 def _check_state(commit: pb.Commit, limit: int) -> None:

@@ -129,6 +129,7 @@ class JournalWriter:
             first=convert.entry(after[0]) if after else None,
             writer=token.writer,
             result_for=result.intent_seq if result is not None else 0,
+            result_index=result.intent_index if result is not None else 0,
         )
         match decision:
             case replay.FencedWrite():

@@ -13,7 +13,10 @@
 //   holder had not committed (its dispatch was still open);
 // - a tool intent's fate: running until its result, then returned, failed, or
 //   interrupted (started by a holder that did not finish it) with the partial
-//   output that holder wrote.
+//   output that holder wrote;
+// - a parallel group (the tool calls of one model response, run at once) is
+//   one entry, its calls in the response's order, each with its own fate; an
+//   intent is named by its record's sequence and its index in that record.
 
 import { badge, fill, h, jsonBlock, short, when } from "./dom.js";
 
@@ -23,7 +26,7 @@ export class Timeline {
     this.live = live; // <ol> of previews in flight
     this.seen = new Map(); // seq -> element
     this.models = new Map(); // seq -> the element of the record's model response
-    this.intents = new Map(); // intent seq -> { el, name }
+    this.intents = new Map(); // "seq.index" of an intent -> { el, name }
     this.holder = null; // the last claim whose writer has not committed: { writer, seq, el }
     this.iteration = null;
     this.streams = new Map(); // stream id -> preview
@@ -125,23 +128,52 @@ export class Timeline {
   }
 
   _after_tool_intent(rec, el) {
-    this.intents.set(rec.seq, { el, name: rec.tool_intent.name });
+    this.intents.set(`${rec.seq}.0`, { el, name: rec.tool_intent.name, label: `#${rec.seq}` });
+  }
+
+  _tool_intents(rec) {
+    const g = rec.tool_intents;
+    const calls = g.intents.map((t, index) => {
+      const replay = t.replay === "safe" ? "safe" : "unsafe";
+      return h(
+        "li",
+        { class: "group-call", "data-index": index, "data-position": t.position },
+        h("p", {}, "Tool ", h("strong", { class: "tool-name" }, t.name), ` (call position ${t.position}) `, badge(replay, replay), " ", h("span", { class: "tool-state" }, badge("running", "running"))),
+        t.honours_seq ? h("p", { class: "hint" }, `Honours intent #${t.honours_seq} of an earlier attempt: it is not run again.`) : null,
+        jsonBlock(t.input, "input"),
+        h("div", { class: "so-far", hidden: true }, h("p", { class: "hint" }, "Output so far:"), h("pre", { class: "partial" })),
+      );
+    });
+    const part = g.intents.length < g.group_size ? ` (${g.intents.length} of them in this record)` : "";
+    return [
+      h("p", {}, badge("parallel", "parallel"), ` ${g.group_size} tool calls of one model response, run at once from call position ${g.group_position}${part}`),
+      h("ol", { class: "group-calls" }, ...calls),
+    ];
+  }
+
+  _after_tool_intents(rec, el) {
+    el.querySelectorAll(".group-call").forEach((call, index) => {
+      const { name, position } = rec.tool_intents.intents[index];
+      this.intents.set(`${rec.seq}.${index}`, { el: call, name, label: `#${rec.seq}, call position ${position}` });
+    });
   }
 
   _tool_output(rec) {
     const o = rec.tool_output;
-    const intent = this.intents.get(o.intent_seq);
+    const intent = this.intents.get(`${o.intent_seq}.${o.intent_index ?? 0}`);
     if (intent) {
       intent.el.querySelector(".so-far").hidden = false;
       intent.el.querySelector(".partial").textContent += o.chunk;
     }
-    return [h("p", {}, `Partial output of ${intent ? intent.name + " " : ""}#${o.intent_seq}: `), h("pre", { class: "chunk" }, o.chunk)];
+    const label = intent ? `${intent.name} (${intent.label})` : `#${o.intent_seq}`;
+    return [h("p", {}, `Partial output of ${label}: `), h("pre", { class: "chunk" }, o.chunk)];
   }
 
   _tool_result(rec) {
     const r = rec.tool_result;
-    const intent = this.intents.get(r.intent_seq);
+    const intent = this.intents.get(`${r.intent_seq}.${r.intent_index ?? 0}`);
     const name = intent ? intent.name : "tool";
+    const label = intent ? intent.label : `#${r.intent_seq}`;
     let state;
     let body;
     if (r.awaiting_approval) {
@@ -150,16 +182,16 @@ export class Timeline {
     } else if (r.interrupted) {
       state = badge("interrupted", "interrupted");
       body = [
-        h("p", {}, badge("interrupted", "interrupted"), ` ${name} (#${r.intent_seq}) was started by a holder that did not finish it; it is not run again.`),
+        h("p", {}, badge("interrupted", "interrupted"), ` ${name} (${label}) was started by a holder that did not finish it; it is not run again.`),
         h("p", {}, "Partial output it wrote:"),
         h("pre", { class: "partial-output" }, r.partial || "(none)"),
       ];
     } else if (r.error) {
       state = badge("tool error", "failed");
-      body = [h("p", {}, `${name} (#${r.intent_seq}) failed: `), h("pre", { class: "error-text" }, r.error)];
+      body = [h("p", {}, `${name} (${label}) failed: `), h("pre", { class: "error-text" }, r.error)];
     } else {
       state = badge("returned", "completed");
-      body = [h("p", {}, `${name} (#${r.intent_seq}) returned`), jsonBlock(r.output, "output")];
+      body = [h("p", {}, `${name} (${label}) returned`), jsonBlock(r.output, "output")];
     }
     if (intent) fill(intent.el.querySelector(".tool-state"), state, ` → #${rec.seq}`);
     return body;
@@ -285,6 +317,7 @@ const KIND = {
   claim: "claim",
   model: "model call",
   tool_intent: "tool intent",
+  tool_intents: "parallel tool calls",
   tool_output: "tool output",
   tool_result: "tool result",
   input_placed: "input placed",

@@ -166,6 +166,7 @@ class ToolIntent(_message.Message):
     INPUT_FIELD_NUMBER: _builtins.int
     REPLAY_FIELD_NUMBER: _builtins.int
     HONOURS_SEQ_FIELD_NUMBER: _builtins.int
+    HONOURS_INDEX_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
     APPROVAL_FIELD_NUMBER: _builtins.int
     position: _builtins.int
@@ -178,6 +179,8 @@ class ToolIntent(_message.Message):
     """Declared replay safety."""
     honours_seq: _builtins.int
     """Sequence of an earlier attempt's intent this call honours instead of running."""
+    honours_index: _builtins.int
+    """With honours_seq: the honoured intent's index in its record (a group's)."""
     digest: _builtins.str
     """The digest of name and input ("sha256:" and the hex sha256 of the
     canonical JSON of {"name": name, "input": input}) of a tool that needs
@@ -197,16 +200,82 @@ class ToolIntent(_message.Message):
         input: _builtins.bytes = ...,
         replay: Global___Replay.ValueType = ...,
         honours_seq: _builtins.int = ...,
+        honours_index: _builtins.int = ...,
         digest: _builtins.str = ...,
         approval: Global___Approval | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "digest", b"digest", "honours_seq", b"honours_seq", "input", b"input", "name", b"name", "position", b"position", "replay", b"replay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "digest", b"digest", "honours_index", b"honours_index", "honours_seq", b"honours_seq", "input", b"input", "name", b"name", "position", b"position", "replay", b"replay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ToolIntent: _TypeAlias = ToolIntent  # noqa: Y015
+
+@_typing.final
+class ToolIntents(_message.Message):
+    """ToolIntents is the intents of a parallel group: calls of one model response
+    run together, at consecutive positions in the response's order. Every intent
+    of the group is stored before any of its calls starts: in one record, or in
+    several back to back when one record cannot hold them all. An intent's
+    identity is the record's sequence and its index in intents.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INTENTS_FIELD_NUMBER: _builtins.int
+    GROUP_SIZE_FIELD_NUMBER: _builtins.int
+    GROUP_POSITION_FIELD_NUMBER: _builtins.int
+    group_size: _builtins.int
+    """How many calls the whole group has (all its records together)."""
+    group_position: _builtins.int
+    """Position of the group's first call."""
+    @_builtins.property
+    def intents(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolIntent]:
+        """The intents, in the response's order; positions consecutive."""
+
+    def __init__(
+        self,
+        *,
+        intents: _abc.Iterable[Global___ToolIntent] | None = ...,
+        group_size: _builtins.int = ...,
+        group_position: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_position", b"group_position", "group_size", b"group_size", "intents", b"intents"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolIntents: _TypeAlias = ToolIntents  # noqa: Y015
+
+@_typing.final
+class IntentRef(_message.Message):
+    """IntentRef names one intent: its record's sequence and its index in that
+    record (0 but for a parallel group's record).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Sequence of the intent's record."""
+    index: _builtins.int
+    """Index of the intent in its record."""
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IntentRef: _TypeAlias = IntentRef  # noqa: Y015
 
 @_typing.final
 class Approval(_message.Message):
@@ -273,19 +342,23 @@ class ToolOutput(_message.Message):
 
     INTENT_SEQ_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    INTENT_INDEX_FIELD_NUMBER: _builtins.int
     intent_seq: _builtins.int
     """Sequence of the intent."""
     chunk: _builtins.str
     """The chunk (UTF-8 text)."""
+    intent_index: _builtins.int
+    """Index of the intent in its record (a parallel group's); 0 for one call."""
     def __init__(
         self,
         *,
         intent_seq: _builtins.int = ...,
         chunk: _builtins.str = ...,
+        intent_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "intent_seq", b"intent_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "intent_index", b"intent_index", "intent_seq", b"intent_seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -302,6 +375,7 @@ class ToolResult(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     INTERRUPTED_FIELD_NUMBER: _builtins.int
     PARTIAL_FIELD_NUMBER: _builtins.int
+    INTENT_INDEX_FIELD_NUMBER: _builtins.int
     AWAITING_APPROVAL_FIELD_NUMBER: _builtins.int
     intent_seq: _builtins.int
     """Sequence of the intent it answers."""
@@ -313,6 +387,8 @@ class ToolResult(_message.Message):
     """True when the tool was started by a holder that did not finish it."""
     partial: _builtins.str
     """Partial output that holder wrote."""
+    intent_index: _builtins.int
+    """Index of the intent in its record (a parallel group's); 0 for one call."""
     awaiting_approval: _builtins.bool
     """True when the intent asks for approval and the call waits for it: the
     tool did not run.
@@ -325,11 +401,12 @@ class ToolResult(_message.Message):
         error: _builtins.str = ...,
         interrupted: _builtins.bool = ...,
         partial: _builtins.str = ...,
+        intent_index: _builtins.int = ...,
         awaiting_approval: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_approval", b"awaiting_approval", "error", b"error", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_approval", b"awaiting_approval", "error", b"error", "intent_index", b"intent_index", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -563,6 +640,7 @@ class Record(_message.Message):
     COMMIT_FIELD_NUMBER: _builtins.int
     INPUT_PLACED_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
+    TOOL_INTENTS_FIELD_NUMBER: _builtins.int
     LEADING_MODEL_FIELD_NUMBER: _builtins.int
     LEADING_TOOL_RESULT_FIELD_NUMBER: _builtins.int
     LEADING_CLAIM_FIELD_NUMBER: _builtins.int
@@ -631,6 +709,10 @@ class Record(_message.Message):
         """
 
     @_builtins.property
+    def tool_intents(self) -> Global___ToolIntents:
+        """The intents of a parallel group (or of its part that fits this record)."""
+
+    @_builtins.property
     def leading_model(self) -> Global___ModelCall:
         """A model response, at a position before kind's."""
 
@@ -668,15 +750,16 @@ class Record(_message.Message):
         commit: Global___Commit | None = ...,
         input_placed: Global___InputPlaced | None = ...,
         cancel: Global___Cancel | None = ...,
+        tool_intents: Global___ToolIntents | None = ...,
         leading_model: Global___ModelCall | None = ...,
         leading_tool_result: Global___ToolResult | None = ...,
         leading_claim: Global___Claim | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "claim", b"claim", "commit", b"commit", "input_placed", b"input_placed", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "claim", b"claim", "commit", b"commit", "input_placed", b"input_placed", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_intents", b"tool_intents", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "cancel", b"cancel", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "cancel", b"cancel", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_intents", b"tool_intents", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["claim", "model", "tool_intent", "tool_output", "tool_result", "commit", "input_placed", "cancel"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["claim", "model", "tool_intent", "tool_output", "tool_result", "commit", "input_placed", "cancel", "tool_intents"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     _WhichOneofReturnType_leading: _TypeAlias = _typing.Literal["leading_model", "leading_tool_result"]  # noqa: Y015
     _WhichOneofArgType_leading: _TypeAlias = _typing.Literal["leading", b"leading"]  # noqa: Y015
@@ -705,6 +788,7 @@ class WriterToken(_message.Message):
     BASE_SEQ_FIELD_NUMBER: _builtins.int
     SNAPSHOT_SEQ_FIELD_NUMBER: _builtins.int
     HONOURED_FIELD_NUMBER: _builtins.int
+    HONOURED_MEMBERS_FIELD_NUMBER: _builtins.int
     DELIVERY_FIELD_NUMBER: _builtins.int
     CLAIM_FIELD_NUMBER: _builtins.int
     REPLAY_POSITIONS_FIELD_NUMBER: _builtins.int
@@ -743,6 +827,12 @@ class WriterToken(_message.Message):
         """Earlier-attempt intents this writer honoured."""
 
     @_builtins.property
+    def honoured_members(self) -> _containers.RepeatedCompositeFieldContainer[Global___IntentRef]:
+        """Earlier-attempt intents of parallel groups this writer honoured (one
+        call's are in honoured).
+        """
+
+    @_builtins.property
     def claim(self) -> Global___Claim:
         """A claim not stored yet: the holder was handed this dispatch with the
         commit before it (NextDispatch.token), or claimed it with
@@ -764,13 +854,14 @@ class WriterToken(_message.Message):
         base_seq: _builtins.int = ...,
         snapshot_seq: _builtins.int = ...,
         honoured: _abc.Iterable[_builtins.int] | None = ...,
+        honoured_members: _abc.Iterable[Global___IntentRef] | None = ...,
         delivery: _builtins.int = ...,
         claim: Global___Claim | None = ...,
         replay_positions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "delivery", b"delivery", "honoured", b"honoured", "iteration", b"iteration", "last_seq", b"last_seq", "replay_positions", b"replay_positions", "run_id", b"run_id", "snapshot_seq", b"snapshot_seq", "step_id", b"step_id", "writer", b"writer", "written", b"written"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "delivery", b"delivery", "honoured", b"honoured", "honoured_members", b"honoured_members", "iteration", b"iteration", "last_seq", b"last_seq", "replay_positions", b"replay_positions", "run_id", b"run_id", "snapshot_seq", b"snapshot_seq", "step_id", b"step_id", "writer", b"writer", "written", b"written"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1163,6 +1254,7 @@ class BeginToolResponse(_message.Message):
     INTENT_SEQ_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
     KEY_FIELD_NUMBER: _builtins.int
+    INTENT_INDEX_FIELD_NUMBER: _builtins.int
     run: _builtins.bool
     """True: run the tool, then call FinishTool with intent_seq."""
     intent_seq: _builtins.int
@@ -1174,6 +1266,8 @@ class BeginToolResponse(_message.Message):
     """The call's idempotency key, {run}.{step}.{iteration}.{position}: the same on
     every delivery and attempt. Pass it to any system that deduplicates.
     """
+    intent_index: _builtins.int
+    """Index of the intent in its record (a parallel group's; with intent_seq)."""
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """Token for the next write."""
@@ -1190,14 +1284,132 @@ class BeginToolResponse(_message.Message):
         intent_seq: _builtins.int = ...,
         result: Global___ToolResult | None = ...,
         key: _builtins.str = ...,
+        intent_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["intent_seq", b"intent_seq", "key", b"key", "result", b"result", "run", b"run", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["intent_index", b"intent_index", "intent_seq", b"intent_seq", "key", b"key", "result", b"result", "run", b"run", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BeginToolResponse: _TypeAlias = BeginToolResponse  # noqa: Y015
+
+@_typing.final
+class BeginToolsRequest(_message.Message):
+    """BeginToolsRequest asks to run the calls of a parallel group: the tool calls
+    of one model response, at consecutive positions from position, in the
+    response's order. Every intent the group needs is stored before the answer.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    CALLS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    position: _builtins.int
+    """Position of the first call."""
+    @_builtins.property
+    def token(self) -> Global___WriterToken:
+        """The writer."""
+
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallSpec]:
+        """The calls, in the response's order (position, position + 1, ...)."""
+
+    @_builtins.property
+    def model(self) -> Global___ModelCall:
+        """The response of the model call at position - 1, not yet recorded: stored
+        with the group's first intent record.
+        """
+
+    def __init__(
+        self,
+        *,
+        token: Global___WriterToken | None = ...,
+        position: _builtins.int = ...,
+        calls: _abc.Iterable[Global___ToolCallSpec] | None = ...,
+        model: Global___ModelCall | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "token", b"token"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "model", b"model", "position", b"position", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginToolsRequest: _TypeAlias = BeginToolsRequest  # noqa: Y015
+
+@_typing.final
+class ToolCallSpec(_message.Message):
+    """ToolCallSpec is one call of a parallel group as the handler makes it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    INPUT_FIELD_NUMBER: _builtins.int
+    REPLAY_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    APPROVAL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Tool name."""
+    input: _builtins.bytes
+    """Tool input (JSON)."""
+    replay: Global___Replay.ValueType
+    """Declared replay safety."""
+    digest: _builtins.str
+    """The digest of name and input, for a call that needs approval (see
+    ToolIntent.digest); the journal refuses a digest that does not match.
+    """
+    @_builtins.property
+    def approval(self) -> Global___Approval:
+        """The approval the call runs (or is denied) under; unset to ask for one."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        input: _builtins.bytes = ...,
+        replay: Global___Replay.ValueType = ...,
+        digest: _builtins.str = ...,
+        approval: Global___Approval | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "digest", b"digest", "input", b"input", "name", b"name", "replay", b"replay"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallSpec: _TypeAlias = ToolCallSpec  # noqa: Y015
+
+@_typing.final
+class BeginToolsResponse(_message.Message):
+    """BeginToolsResponse answers each call of the group, in the request's order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token(self) -> Global___WriterToken:
+        """Token for the next write."""
+
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___BeginToolResponse]:
+        """One answer per call."""
+
+    def __init__(
+        self,
+        *,
+        token: Global___WriterToken | None = ...,
+        calls: _abc.Iterable[Global___BeginToolResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginToolsResponse: _TypeAlias = BeginToolsResponse  # noqa: Y015
 
 @_typing.final
 class ToolOutputRequest(_message.Message):
@@ -1208,10 +1420,13 @@ class ToolOutputRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     INTENT_SEQ_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    INTENT_INDEX_FIELD_NUMBER: _builtins.int
     intent_seq: _builtins.int
     """Intent the output belongs to."""
     chunk: _builtins.str
     """The chunk."""
+    intent_index: _builtins.int
+    """Index of the intent in its record (a parallel group's)."""
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """The writer."""
@@ -1222,10 +1437,11 @@ class ToolOutputRequest(_message.Message):
         token: Global___WriterToken | None = ...,
         intent_seq: _builtins.int = ...,
         chunk: _builtins.str = ...,
+        intent_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "intent_seq", b"intent_seq", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "intent_index", b"intent_index", "intent_seq", b"intent_seq", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1267,6 +1483,7 @@ class FinishToolRequest(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     INTERRUPTED_FIELD_NUMBER: _builtins.int
     PARTIAL_FIELD_NUMBER: _builtins.int
+    INTENT_INDEX_FIELD_NUMBER: _builtins.int
     AWAITING_APPROVAL_FIELD_NUMBER: _builtins.int
     intent_seq: _builtins.int
     """Intent it answers."""
@@ -1280,6 +1497,8 @@ class FinishToolRequest(_message.Message):
     """
     partial: _builtins.str
     """With interrupted: the partial output the tool had reported."""
+    intent_index: _builtins.int
+    """Index of the intent in its record (a parallel group's)."""
     awaiting_approval: _builtins.bool
     """True: the intent asks for approval and waits for it; nothing ran."""
     @_builtins.property
@@ -1295,11 +1514,12 @@ class FinishToolRequest(_message.Message):
         error: _builtins.str = ...,
         interrupted: _builtins.bool = ...,
         partial: _builtins.str = ...,
+        intent_index: _builtins.int = ...,
         awaiting_approval: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_approval", b"awaiting_approval", "error", b"error", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_approval", b"awaiting_approval", "error", b"error", "intent_index", b"intent_index", "intent_seq", b"intent_seq", "interrupted", b"interrupted", "output", b"output", "partial", b"partial", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1863,6 +2083,7 @@ class SessionRequest(_message.Message):
     CHECK_TAIL_FIELD_NUMBER: _builtins.int
     PLACE_INPUTS_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    BEGIN_TOOLS_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Chosen by the client and echoed in the answer."""
     @_builtins.property
@@ -1905,6 +2126,10 @@ class SessionRequest(_message.Message):
     def commit(self) -> Global___CommitRequest:
         """See Commit."""
 
+    @_builtins.property
+    def begin_tools(self) -> Global___BeginToolsRequest:
+        """See BeginTools."""
+
     def __init__(
         self,
         *,
@@ -1919,12 +2144,13 @@ class SessionRequest(_message.Message):
         check_tail: Global___CheckTailRequest | None = ...,
         place_inputs: Global___PlaceInputsRequest | None = ...,
         commit: Global___CommitRequest | None = ...,
+        begin_tools: Global___BeginToolsRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "call", b"call", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "call", b"call", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "call", b"call", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "call", b"call", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "check_tail", "place_inputs", "commit"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "check_tail", "place_inputs", "commit", "begin_tools"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -1946,6 +2172,7 @@ class SessionResponse(_message.Message):
     CHECK_TAIL_FIELD_NUMBER: _builtins.int
     PLACE_INPUTS_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    BEGIN_TOOLS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """The request's id."""
@@ -1986,6 +2213,10 @@ class SessionResponse(_message.Message):
         """See Commit."""
 
     @_builtins.property
+    def begin_tools(self) -> Global___BeginToolsResponse:
+        """See BeginTools."""
+
+    @_builtins.property
     def error(self) -> Global___SessionError:
         """The call failed as its own RPC would have."""
 
@@ -2002,13 +2233,14 @@ class SessionResponse(_message.Message):
         check_tail: Global___CheckTailResponse | None = ...,
         place_inputs: Global___PlaceInputsResponse | None = ...,
         commit: Global___CommitResponse | None = ...,
+        begin_tools: Global___BeginToolsResponse | None = ...,
         error: Global___SessionError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "check_tail", "place_inputs", "commit", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "check_tail", "place_inputs", "commit", "begin_tools", "error"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

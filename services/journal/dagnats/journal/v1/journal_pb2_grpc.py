@@ -87,6 +87,11 @@ class JournalServiceStub:
                 request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolRequest.SerializeToString,
                 response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolResponse.FromString,
                 _registered_method=True)
+        self.BeginTools = channel.unary_unary(
+                '/dagnats.journal.v1.JournalService/BeginTools',
+                request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolsRequest.SerializeToString,
+                response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolsResponse.FromString,
+                _registered_method=True)
         self.ToolOutput = channel.unary_unary(
                 '/dagnats.journal.v1.JournalService/ToolOutput',
                 request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.ToolOutputRequest.SerializeToString,
@@ -213,6 +218,14 @@ class JournalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginTools(self, request, context):
+        """BeginTools applies the replay rules to each call of a parallel group and
+        stores every intent the group needs before it answers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ToolOutput(self, request, context):
         """ToolOutput stores partial output of a running tool.
         """
@@ -323,6 +336,11 @@ def add_JournalServiceServicer_to_server(servicer, server):
                     servicer.BeginTool,
                     request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolRequest.FromString,
                     response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolResponse.SerializeToString,
+            ),
+            'BeginTools': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginTools,
+                    request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolsRequest.FromString,
+                    response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolsResponse.SerializeToString,
             ),
             'ToolOutput': grpc.unary_unary_rpc_method_handler(
                     servicer.ToolOutput,
@@ -521,6 +539,33 @@ class JournalService:
             '/dagnats.journal.v1.JournalService/BeginTool',
             dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolRequest.SerializeToString,
             dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginTools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dagnats.journal.v1.JournalService/BeginTools',
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolsRequest.SerializeToString,
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolsResponse.FromString,
             options,
             channel_credentials,
             insecure,

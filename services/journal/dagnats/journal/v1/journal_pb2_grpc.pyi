@@ -80,6 +80,10 @@ class JournalServiceStub:
     """RecordModel stores a model response at a position."""
     BeginTool: _grpc.UnaryUnaryMultiCallable[_journal_pb2.BeginToolRequest, _journal_pb2.BeginToolResponse]
     """BeginTool applies the replay rules to a tool call."""
+    BeginTools: _grpc.UnaryUnaryMultiCallable[_journal_pb2.BeginToolsRequest, _journal_pb2.BeginToolsResponse]
+    """BeginTools applies the replay rules to each call of a parallel group and
+    stores every intent the group needs before it answers.
+    """
     ToolOutput: _grpc.UnaryUnaryMultiCallable[_journal_pb2.ToolOutputRequest, _journal_pb2.ToolOutputResponse]
     """ToolOutput stores partial output of a running tool."""
     FinishTool: _grpc.UnaryUnaryMultiCallable[_journal_pb2.FinishToolRequest, _journal_pb2.FinishToolResponse]
@@ -170,6 +174,10 @@ class JournalServiceAsyncStub(JournalServiceStub):
     """RecordModel stores a model response at a position."""
     BeginTool: _aio.UnaryUnaryMultiCallable[_journal_pb2.BeginToolRequest, _journal_pb2.BeginToolResponse]  # type: ignore[assignment]
     """BeginTool applies the replay rules to a tool call."""
+    BeginTools: _aio.UnaryUnaryMultiCallable[_journal_pb2.BeginToolsRequest, _journal_pb2.BeginToolsResponse]  # type: ignore[assignment]
+    """BeginTools applies the replay rules to each call of a parallel group and
+    stores every intent the group needs before it answers.
+    """
     ToolOutput: _aio.UnaryUnaryMultiCallable[_journal_pb2.ToolOutputRequest, _journal_pb2.ToolOutputResponse]  # type: ignore[assignment]
     """ToolOutput stores partial output of a running tool."""
     FinishTool: _aio.UnaryUnaryMultiCallable[_journal_pb2.FinishToolRequest, _journal_pb2.FinishToolResponse]  # type: ignore[assignment]
@@ -281,6 +289,16 @@ class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_journal_pb2.BeginToolResponse, _abc.Awaitable[_journal_pb2.BeginToolResponse]]:
         """BeginTool applies the replay rules to a tool call."""
+
+    @_abc_1.abstractmethod
+    def BeginTools(
+        self,
+        request: _journal_pb2.BeginToolsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_journal_pb2.BeginToolsResponse, _abc.Awaitable[_journal_pb2.BeginToolsResponse]]:
+        """BeginTools applies the replay rules to each call of a parallel group and
+        stores every intent the group needs before it answers.
+        """
 
     @_abc_1.abstractmethod
     def ToolOutput(
