@@ -1,8 +1,10 @@
 """The documentation site: it builds with no broken link, its generated
-reference matches the code, and every example the tutorial shows runs.
+reference matches the code, and every example the tutorial and the how-to
+guides show runs.
 
 The examples live in docs/examples/ and the pages include them, so what runs
-here is what a reader copies. They run against one LocalStack (with the
+here is what a reader copies; a page of the tutorial or the how-to guides
+with a Python block of its own fails a test. They run against one LocalStack (with the
 gateway) shared by the module, as `make dev` would serve them; the crash
 example runs as processes of its own, as a reader runs it.
 """
@@ -25,7 +27,7 @@ import pytest
 import pytest_asyncio
 
 from dagnats.cli.main import build_parser
-from dagnats.sdk import JournalClient
+from dagnats.sdk import JournalClient, run_output
 from dagnats.sdk.testing import LocalStack
 from tests.stack import FAST
 
@@ -38,6 +40,7 @@ def load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"docs_example_{name}", EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: a dataclass looks its module up
     spec.loader.exec_module(module)
     return module
 
@@ -95,6 +98,42 @@ def section_lines(source: str, section: str) -> list[str]:
         return []
     body = text.split(start, 1)[1].split(end, 1)[0]
     return [line for line in body.splitlines() if line.strip()]
+
+
+# A fenced Python block, possibly indented under a list item.
+PYTHON_BLOCK = re.compile(r"^[ \t]*```(?:python|py)\b[^\n]*\n(.*?)^[ \t]*```", re.M | re.S)
+
+
+def examples_this_module_runs() -> set[str]:
+    """The docs examples a test of this module loads or runs as a process."""
+    source = Path(__file__).read_text()
+    loaded = re.findall(r'\bload\("(\w+)"\)', source)
+    started = re.findall(r'EXAMPLES / "(\w+)\.py"', source)
+    return {f"{name}.py" for name in [*loaded, *started]}
+
+
+def test_every_python_block_of_the_tutorial_and_how_tos_is_an_example_a_test_runs() -> None:
+    """A reader copies the tutorial's and the how-to guides' Python: each block
+    is only includes of sections of docs/examples/ files that this module
+    runs, so an example that stops working fails here, not in a reader's hands."""
+    docs, ran = ROOT / "docs", examples_this_module_runs()
+    pages = sorted([*(docs / "tutorial").glob("*.md"), *(docs / "how-to").glob("*.md")])
+    problems, blocks = [], 0
+    for page in pages:
+        for block in PYTHON_BLOCK.findall(page.read_text()):
+            blocks += 1
+            for line in block.strip().splitlines():
+                found = SNIPPET.fullmatch(line.strip())
+                if found is None:
+                    problems.append(f"{page.name}: inline code, not an example: {line.strip()!r}")
+                    break
+                source, section = found.groups()
+                if not section_lines(source, section):
+                    problems.append(f"{page.name}: {source}:{section} is empty or missing")
+                elif source not in ran:
+                    problems.append(f"{page.name}: no test of this module runs {source}")
+    assert blocks > 20, "the blocks were not found: has the fence syntax changed?"
+    assert problems == []
 
 
 def test_every_tutorial_page_includes_its_examples() -> None:
@@ -288,3 +327,51 @@ async def test_approvals_example_runs_the_tool_once_the_digest_is_approved(
     output = await approvals.main(stack.target, stack.gateway_url)
     assert output == {"paid": 1200, "key": output["key"]}
     assert approvals.PAID == [{"to": "acme", "cents": 1200}]
+
+
+async def test_approvals_group_example_runs_the_others_then_the_approved_call_once(
+    stack: LocalStack,
+) -> None:
+    example = load("approvals_group")
+    output = await example.main(stack.target, stack.gateway_url)
+    assert output == [
+        {"email": "bob@example.com"},
+        {"attached": "invoice.pdf"},
+        {"sent": "bob"},
+    ]
+    assert sorted(example.RAN[:2]) == ["attach", "lookup"]  # they ran while it waited
+    assert example.RAN[2:] == ["send_email"]
+
+
+async def test_approvals_pydantic_example_sends_the_email_once_approved(
+    stack: LocalStack,
+) -> None:
+    example = load("approvals_pydantic")
+    done = await example.main(stack.target, stack.gateway_url)
+    assert run_output(done) == "ops has been told."
+    assert example.SENT == [{"to": "ops@example.com", "body": "Lisbon: 21 C"}]
+
+
+# How-to: write workers and workflows.
+
+
+async def test_checkpoint_agent_example_keeps_its_history_in_the_checkpoint(
+    stack: LocalStack,
+) -> None:
+    assert await load("checkpoint_agent").main(stack.target) == "It is 21 C in Lisbon."
+
+
+async def test_run_and_wait_example_gets_the_output_the_changes_and_the_failure(
+    stack: LocalStack,
+) -> None:
+    found = await load("run_and_wait").main(stack.target)
+    assert found["answer"] == {"answer": "you said 'hi'"}
+    assert run_output(found["done"]) == {"answer": "you said 'again?'"}
+    assert found["failed"].status == "failed" and "asked to fail" in found["failed"].error
+
+
+async def test_models_example_asks_the_stand_in_and_runs_its_tool(
+    stack: LocalStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DAGNATS_MODEL", raising=False)
+    assert await load("models_agent").main(stack.target) == "It is 21 C in Lisbon."

@@ -38,7 +38,9 @@ async def payer(tc: TaskContext) -> None:
         await tc.checkpoint(state)  # saved first: the next iteration makes the same call
     call = ToolCall(name="pay", input=state["call"])
     # Waits, holding no worker, until a person approves these exact arguments.
+    # --8<-- [start:tool]
     result = await j.tool(call, Replay.UNSAFE, pay, approval=True)
+    # --8<-- [end:tool]
     await tc.complete(result.output)  # a denial is {"denied": true, "reason": ...}
 
 

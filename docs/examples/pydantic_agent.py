@@ -69,11 +69,13 @@ WORKFLOW = {
 
 async def main(engine: str = ENGINE) -> Any:
     # DAGNATS_MODEL names a real model (provider:model[@base-url]); else the stand-in.
+    # --8<-- [start:worker]
     model = model_from_env() or FunctionModel(scripted)
     handler = durable_agent(make_agent(model), follow_up_window=None)  # end at the answer
     async with model, Client(engine) as client, Worker(engine, handlers={"weather": handler}):
         await client.register_workflow(WORKFLOW)
         answer = await client.run("weather", "How warm is it in Lisbon? Tell ops.", timeout=300)
+        # --8<-- [end:worker]
         print(f"answer: {answer}")
         return answer
 
