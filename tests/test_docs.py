@@ -101,7 +101,7 @@ def section_lines(source: str, section: str) -> list[str]:
 
 
 # A fenced Python block, possibly indented under a list item.
-PYTHON_BLOCK = re.compile(r"^[ \t]*```(?:python|py)\b[^\n]*\n(.*?)^[ \t]*```", re.M | re.S)
+PYTHON_BLOCK = re.compile(r"^[ \t]*```[ \t]*(?:python|py)\b[^\n]*\n(.*?)^[ \t]*```", re.M | re.S)
 
 
 def examples_this_module_runs() -> set[str]:

@@ -58,12 +58,11 @@ WORKFLOW = {
 
 
 async def main(engine: str = ENGINE) -> Any:
-    async with Client(engine) as client:
-        await client.register_workflow(WORKFLOW)
-        # --8<-- [start:worker]
-        async with Worker(engine, handlers={"my-agent": turn}):
-            answer = await client.run("my-agent", "How warm is Lisbon?", timeout=60)
-        # --8<-- [end:worker]
+    # --8<-- [start:worker]
+    async with Client(engine) as client, Worker(engine, handlers={"my-agent": turn}):
+        await client.register_workflow(WORKFLOW)  # its one agent_loop step's task is my-agent
+        answer = await client.run("my-agent", "How warm is Lisbon?", timeout=60)
+    # --8<-- [end:worker]
     print(f"answer: {answer}")
     return answer
 
