@@ -28,7 +28,7 @@ from typing import Any
 
 from dagnats.core import seam
 from dagnats.sdk import TaskContext, Worker
-from tests.test_approvals import MATRIX_SAFE, approval_agent, group_agent
+from tests.approval_agents import MATRIX_SAFE, approval_agent, group_agent
 
 
 class Runs(list[Any]):
