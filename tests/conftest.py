@@ -151,13 +151,14 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         return
     places = sorted({where for where, _ in cases}, reverse=True)
     rows = sorted({row for _, row in cases})
+    width = max(30, *(len(row) + 2 for row in rows))
     terminalreporter.section("crash-point matrix: cases run")
-    terminalreporter.write_line(f"{'seam/mode':<30}" + "".join(f"{p:>16}" for p in places))
+    terminalreporter.write_line(f"{'seam/mode':<{width}}" + "".join(f"{p:>16}" for p in places))
     for row in rows:
         counts = "".join(f"{cases[p, row]:>16}" for p in places)
-        terminalreporter.write_line(f"{row:<30}{counts}")
+        terminalreporter.write_line(f"{row:<{width}}{counts}")
     totals = "".join(f"{sum(n for (p, _), n in cases.items() if p == pl):>16}" for pl in places)
-    terminalreporter.write_line(f"{'total':<30}{totals}")
+    terminalreporter.write_line(f"{'total':<{width}}{totals}")
 
 
 def _soak_summary(terminalreporter: Any) -> None:

@@ -1314,6 +1314,21 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="a parallel group's call that asked waits even when its ask was replayed",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="results=[waits if m.asks else r for m, r in zip(made, results, strict=True)],\n",
+        removed="results=results,\n",
+        how=(
+            "a group whose holder stopped between a call's ask and its answer hands the"
+            " successor's handler that call interrupted, and the approval is never used"
+        ),
+        tests=(
+            "tests/test_approvals.py::"
+            "test_an_approval_keeps_its_guarantees_with_its_holder_stopped_at_each_seam"
+            "[group-after_approval_intent-kill]",
+        ),
+    ),
+    Guard(
         name="the decided call of a parallel group runs at the position that asked",
         file="services/journal/dagnats/journal/replay.py",
         guard="        if _decides_the_ask(records, at, call):\n            decided.append(",

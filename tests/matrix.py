@@ -54,6 +54,28 @@ WORKER_SEAMS = (
 )
 APART = frozenset({"after_model", "after_result"})
 
+# The approval seams the matrix stops a holder at (``tests/test_approvals.py``),
+# for a single call needing approval and for such a call inside a parallel
+# group of three: the ask stored, not yet answered ``awaiting_approval``; the
+# approval placed by the iteration it woke, the call not yet made; the
+# approved call's intent stored (a group's, its intents), the tool not yet
+# started; the approved tool returned, its result stored nowhere. ``:2`` is
+# the seam's second pass, the iteration the approval woke.
+APPROVAL_SEAMS = {
+    "call": (
+        "after_approval_intent",
+        "after_approval_placed:2",
+        "after_intent:2",
+        "approved_tool_returned",
+    ),
+    "group": (
+        "after_approval_intent",
+        "after_approval_placed:2",
+        "after_group_intents:2",
+        "approved_tool_returned",
+    ),
+}
+
 # (where, "seam/mode") -> cases run; printed by conftest.pytest_terminal_summary.
 CASES: Counter[tuple[str, str]] = Counter()
 

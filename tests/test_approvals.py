@@ -16,47 +16,30 @@ from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 
 from dagnats.core.approvals import call_digest, canonical_json
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway import GatewayConfig, start_gateway
 from dagnats.journal.v1 import journal_pb2 as jpb
-from dagnats.sdk import ApprovalPending, Client, Replay, TaskContext, ToolCall, ToolRun, Worker
+from dagnats.sdk import Client, Worker
+from tests.approval_agents import EMAIL, GROUP, approval_agent, group_agent
 from tests.helpers import wait_for
-from tests.matrix import child_env, lines, reap
+from tests.matrix import APPROVAL_SEAMS, CASES, MATRIX, activate, child_env, lines, reap
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
 from tests.test_cli import adagnats
 from tests.test_journal import journal_check, read_journal
 from tests.test_journal_api import as_its_worker, refused_field
 
-EMAIL = {"to": "bob@example.com", "body": "the invoice is attached"}
 
-
-def approval_agent(runs: list[Any]) -> Callable[[TaskContext], Awaitable[None]]:
-    """A handler whose model asks for ``send_email``, a tool that needs
-    approval; it saves the model's response before the call, so the iteration
-    after the wait makes the same call, and completes with the tool's result."""
-
-    async def send_email(run: ToolRun) -> Any:
-        runs.append(run.call.input)
-        return {"sent": True, "to": run.call.input["to"]}
-
-    async def handler(tc: TaskContext) -> None:
-        j = await tc.journal()
-        state = await tc.load_checkpoint() or {}
-        if "call" not in state:
-
-            async def model() -> Any:
-                return {"tool": "send_email", "input": EMAIL}
-
-            state["call"] = await j.model(model)
-            await tc.checkpoint(state)
-        call = ToolCall(name=state["call"]["tool"], input=state["call"]["input"])
-        result = await j.tool(call, Replay.UNSAFE, send_email, approval=True)
-        await tc.complete({"output": result.output, "error": result.error})
-
-    return handler
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
+    """The module's engine, with the crash matrix's one-second leases: a
+    holder stopped at a seam loses its task a second after its last heartbeat."""
+    server = await start_engine(nats_server.url, config=MATRIX)
+    yield server
+    await server.stop()
 
 
 async def start(client: Client, task: str) -> str:
@@ -251,91 +234,14 @@ APPROVAL_WORKER = Path(__file__).parent / "workers" / "approval_worker.py"
 
 
 def approval_worker(
-    target: str, task: str, state: Path, stop_at: str = ""
+    target: str, task: str, state: Path, stop_at: str = "", *flags: str
 ) -> subprocess.Popen[bytes]:
-    """:mod:`tests.workers.approval_worker` in a process of its own."""
+    """:mod:`tests.workers.approval_worker` in a process of its own; ``flags``
+    as its usage says (``--group``, ``--standby``, ``--journal TARGET``...)."""
     state.mkdir(exist_ok=True)
-    args = [sys.executable, str(APPROVAL_WORKER), target, task, str(state), stop_at]
+    args = [sys.executable, str(APPROVAL_WORKER), target, task, str(state), stop_at, *flags]
     with open(state / "worker.log", "ab") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
-
-
-@pytest.mark.parametrize(
-    "seam",
-    [
-        "after_approval_intent",  # the ask stored, not yet answered awaiting_approval
-        "after_approval_placed:2",  # the approval placed, the call not yet made
-        "after_intent:2",  # the approved call's intent stored, the tool not yet started
-        "approved_tool_returned",  # the tool ran, its result stored nowhere
-    ],
-)
-async def test_a_worker_killed_at_an_approval_seam_never_runs_the_tool_twice(
-    seam: str, client: Client, http: httpx.AsyncClient, engine: EngineServer, tmp_path: Path
-) -> None:
-    task = unique("approvecrash")
-    first = approval_worker(engine.target, task, tmp_path / "a", seam)
-    second = None
-    try:
-        run_id = await start(client, task)
-        if seam == "after_approval_intent":
-            await wait_for(lambda: (tmp_path / "a" / "hit").exists(), timeout=30)
-            first.kill()  # SIGKILL at the seam
-            second = approval_worker(engine.target, task, tmp_path / "b")
-        call = await asked(client, http, run_id)
-        assert (await decide(http, run_id, call, "approve", approver="carol")).status_code == 201
-        if seam != "after_approval_intent":
-            await wait_for(lambda: (tmp_path / "a" / "hit").exists(), timeout=30)
-            first.kill()
-            second = approval_worker(engine.target, task, tmp_path / "b")
-        run = await ended(client, run_id)
-    finally:
-        reap(first, second)
-    assert run.status == pb.RUN_STATUS_COMPLETED
-    runs = lines(tmp_path / "a", "runs") + lines(tmp_path / "b", "runs")
-    if seam == "approved_tool_returned":
-        # It ran once, and its holder died before the result was stored: the
-        # successor answers the intent interrupted and does not run it again.
-        assert len(runs) == 1
-        assert output_of(run)["output"] is None
-    elif seam == "after_intent:2":
-        assert len(runs) == 0  # the intent was stored, the tool never started: interrupted
-    else:
-        assert len(runs) == 1
-        assert output_of(run)["output"] == {"sent": True, "to": EMAIL["to"]}
-    assert list((await journal_check(engine, run_id)).violations) == []
-
-
-async def test_a_holder_frozen_after_the_approved_tool_ran_is_fenced_when_it_wakes(
-    client: Client, http: httpx.AsyncClient, engine: EngineServer, tmp_path: Path
-) -> None:
-    """SIGSTOP after the approved tool returned, past the lease: the successor
-    answers the call interrupted and does not run it; the frozen holder,
-    thawed, stops and stores nothing more. The tool ran once."""
-    task = unique("approvezombie")
-    first = approval_worker(engine.target, task, tmp_path / "a", "approved_tool_returned")
-    second = None
-    try:
-        run_id = await start(client, task)
-        call = await asked(client, http, run_id)
-        assert (await decide(http, run_id, call, "approve")).status_code == 201
-        await wait_for(lambda: (tmp_path / "a" / "hit").exists(), timeout=30)
-        first.send_signal(signal.SIGSTOP)
-        second = approval_worker(engine.target, task, tmp_path / "b")
-        run = await ended(client, run_id)
-        first.send_signal(signal.SIGCONT)
-        # Thawed, it learns a successor holds the step (its write is fenced,
-        # or its keep-alive finds the successor's claim and stops it).
-        await wait_for(
-            lambda: lines(tmp_path / "a", "turns")[-1:] in (["Fenced"], ["CancelledError"]),
-            timeout=30,
-            message="the thawed holder's turn stops",
-        )
-    finally:
-        reap(first, second)
-    assert run.status == pb.RUN_STATUS_COMPLETED
-    assert len(lines(tmp_path / "a", "runs") + lines(tmp_path / "b", "runs")) == 1
-    assert output_of(run)["output"] is None  # the successor's answer: interrupted
-    assert list((await journal_check(engine, run_id)).violations) == []
 
 
 async def test_a_waiting_approval_survives_the_worker_and_a_restart_of_every_service(
@@ -420,59 +326,6 @@ async def test_the_cli_denies_with_a_reason_for_the_digest_it_shows(
 
 # ---- a call of a parallel group that needs approval ---------------------------------------
 
-GROUP = [
-    ("lookup", {"who": "bob"}),
-    ("attach", {"file": "invoice.pdf"}),
-    ("send_email", EMAIL),
-]
-
-
-def group_agent(
-    runs: list[tuple[str, Any]], needs: frozenset[str] = frozenset({"send_email"})
-) -> Callable[[TaskContext], Awaitable[None]]:
-    """A handler whose model asks for three tools at once, the third needing
-    approval: one parallel group. When the group waits, it keeps the results
-    the others had, so the iteration the approval wakes makes only the call
-    that waited; it completes with the three results in the response's order."""
-
-    async def tool(run: ToolRun) -> Any:
-        runs.append((run.call.name, run.call.input))
-        return {"done": run.call.name}
-
-    async def handler(tc: TaskContext) -> None:
-        j = await tc.journal()
-        state = await tc.load_checkpoint() or {}
-        if "calls" not in state:
-
-            async def model() -> Any:
-                return [{"tool": name, "input": args} for name, args in GROUP]
-
-            state = {"calls": await j.model(model), "results": {}}
-            await tc.checkpoint(state)
-        todo = [i for i in range(len(state["calls"])) if str(i) not in state["results"]]
-        group = [
-            (
-                ToolCall(name=state["calls"][i]["tool"], input=state["calls"][i]["input"]),
-                Replay.UNSAFE,
-                tool,
-                state["calls"][i]["tool"] in needs,
-            )
-            for i in todo
-        ]
-        try:
-            results = await j.tools(group)
-        except ApprovalPending as waiting:
-            for i, result in zip(todo, waiting.results, strict=True):
-                if not result.awaiting_approval:
-                    state["results"][str(i)] = result.output
-            await tc.checkpoint(state)
-            raise
-        for i, result in zip(todo, results, strict=True):
-            state["results"][str(i)] = result.output
-        await tc.complete([state["results"][str(i)] for i in range(len(state["calls"]))])
-
-    return handler
-
 
 @contextlib.asynccontextmanager
 async def a_group_waiting(
@@ -555,3 +408,155 @@ async def test_two_calls_of_a_group_waiting_are_both_named_and_each_approved_on_
     assert output_of(run) == [{"done": "lookup"}, {"done": "attach"}, {"done": "send_email"}]
     assert sorted(runs) == sorted(GROUP)
     assert list((await journal_check(engine, run_id)).violations) == []
+
+
+# ---- the approval seams' crash matrix -----------------------------------------------
+
+
+async def approve_once_asked(
+    client: Client, http: httpx.AsyncClient, run_id: str
+) -> dict[str, Any]:
+    call = await asked(client, http, run_id)
+    answer = await decide(http, run_id, call, "approve", approver="carol")
+    assert answer.status_code == 201, answer.text
+    return call
+
+
+async def stopped_at(
+    client: Client,
+    http: httpx.AsyncClient,
+    target: str,
+    state: Path,
+    seam: str,
+    mode: str,
+    records: Callable[[str], Awaitable[list[jpb.Record]]],
+    *flags: str,
+) -> tuple[str, pb.Run]:
+    """Run an approval agent whose holder stops at ``seam`` and is killed
+    (``kill``) or frozen past its lease (``stall``); a standby successor
+    finishes the run, the approval given when its call waits. A frozen
+    holder is thawed once the run ended, and must write nothing more to the
+    step's journal (``records``). Returns the run's id and the run."""
+    task = unique("approvematrix")
+    holder = approval_worker(target, task, state / "a", seam, *flags)
+    successor = approval_worker(target, task, state / "b", "", "--standby", *flags)
+    try:
+        run_id = await start(client, task)
+        asks = seam == "after_approval_intent"  # stopped before the step waits
+        if not asks:
+            await approve_once_asked(client, http, run_id)
+        await wait_for(lambda: (state / "a" / "hit").exists(), timeout=30, message=seam)
+        holder.send_signal(signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+        await activate(successor, state / "b", "clean")
+        if asks:
+            await approve_once_asked(client, http, run_id)
+        run = await ended(client, run_id)
+        if mode == "stall":
+            written = len(await records(run_id))
+            holder.send_signal(signal.SIGCONT)
+            # Thawed, it learns a successor holds the step: its write is
+            # fenced, or its keep-alive finds the successor's claim and stops it.
+            await wait_for(
+                lambda: lines(state / "a", "turns")[-1:] in (["Fenced"], ["CancelledError"]),
+                timeout=30,
+                message="the thawed holder's turn stops",
+            )
+            after = len(await records(run_id))
+            assert after == written, "the thawed holder wrote nothing more"
+    finally:
+        reap(holder, successor)
+    return run_id, run
+
+
+def approved_once(records: list[jpb.Record]) -> None:
+    """The approval is recorded once, on the call's one approved intent."""
+    intents = [r.tool_intent for r in records if r.HasField("tool_intent")]
+    intents += [i for r in records if r.HasField("tool_intents") for i in r.tool_intents.intents]
+    [decided] = [i for i in intents if i.HasField("approval")]
+    assert (decided.name, decided.approval.approver) == ("send_email", "carol")
+    assert decided.approval.approved and decided.digest == decided.approval.digest
+
+
+def assert_call_outcome(seam: str, mode: str, output: Any, expected: Any, starts: int) -> None:
+    """What the approved call ends with: its holder stopped before the
+    approved intent was stored, the crash-free answer and one start; after
+    it, the intent answered interrupted and never run by the successor (a
+    frozen holder, thawed, may start it before its first write is fenced)."""
+    if seam.startswith("after_approval"):
+        assert (output, starts) == (expected, 1)
+    elif seam == "approved_tool_returned":
+        assert (output, starts) == (None, 1)  # it ran; its holder stopped before storing it
+    else:
+        assert output is None
+        assert starts <= (1 if mode == "stall" else 0), f"the approved tool started {starts} times"
+
+
+def assert_group_others(
+    seam: str, outputs: list[Any], starts: dict[str, int], records: list[jpb.Record]
+) -> None:
+    """The group's two other calls: stopped after their iteration, each ran
+    once and its result is the answer's. Stopped while the group asked, the
+    safe call ran again only if its holder's result was not stored, and the
+    unsafe one at most once, interrupted when it has none."""
+    lookup, attach, _ = outputs
+    if seam != "after_approval_intent":
+        assert (lookup, attach) == ({"done": "lookup"}, {"done": "attach"})
+        assert (starts["lookup"], starts["attach"]) == (1, 1)
+        return
+    group = next(r for r in records if r.HasField("tool_intents"))
+    stored = {
+        r.tool_result.intent_index: r
+        for r in records
+        if r.HasField("tool_result") and r.tool_result.intent_seq == group.seq
+    }
+    assert lookup == {"done": "lookup"}
+    assert starts["lookup"] == (1 if stored[0].writer == group.writer else 2)
+    assert starts["attach"] <= 1
+    if stored[1].tool_result.interrupted:
+        assert attach is None
+    else:
+        assert (attach, starts["attach"]) == ({"done": "attach"}, 1)
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+@pytest.mark.parametrize(
+    ("shape", "seam"), [(shape, seam) for shape, seams in APPROVAL_SEAMS.items() for seam in seams]
+)
+async def test_an_approval_keeps_its_guarantees_with_its_holder_stopped_at_each_seam(
+    shape: str,
+    seam: str,
+    mode: str,
+    client: Client,
+    http: httpx.AsyncClient,
+    engine: EngineServer,
+    tmp_path: Path,
+) -> None:
+    """The holder of the step killed (SIGKILL), or frozen past its lease and
+    thawed (SIGSTOP, SIGCONT), at each approval seam, with the call alone or
+    the third of a parallel group: the crash-free answer, the approved tool
+    started at most once, the group's safe call run again only when its
+    result was not stored and its unsafe call at most once, the approval
+    recorded once, a clean journal, and a thawed holder fenced."""
+    group = shape == "group"
+
+    def records(run_id: str) -> Awaitable[list[jpb.Record]]:
+        return read_journal(engine, run_id, "agent")
+
+    flags = ("--group",) if group else ()
+    run_id, run = await stopped_at(
+        client, http, engine.target, tmp_path, seam, mode, records, *flags
+    )
+    CASES["one server", f"{seam}/approval {shape}/{mode}"] += 1
+    assert run.status == pb.RUN_STATUS_COMPLETED, run.error
+    started = lines(tmp_path / "a", "runs") + lines(tmp_path / "b", "runs")
+    journal = await records(run_id)
+    approved_once(journal)
+    assert list((await journal_check(engine, run_id)).violations) == []
+    expected: Any = {"done": "send_email"} if group else {"sent": True, "to": EMAIL["to"]}
+    if not group:
+        assert_call_outcome(seam, mode, output_of(run)["output"], expected, len(started))
+        return
+    outputs = output_of(run)
+    starts = {name: sum(line.startswith(f"('{name}',") for line in started) for name, _ in GROUP}
+    assert_call_outcome(seam, mode, outputs[2], expected, starts["send_email"])
+    assert_group_others(seam, outputs, starts, journal)

@@ -30,18 +30,22 @@ from pathlib import Path
 from typing import Any
 
 import grpc.aio
+import httpx
 import pytest
 import pytest_asyncio
 
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.gateway import GatewayConfig, start_gateway
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, InputMode, Replay, TaskContext, ToolCall, Worker, run_output
+from tests.approval_agents import EMAIL
 from tests.helpers import wait_for
 from tests.journal_agent import SCRIPT, ConversationModel, Tools
-from tests.matrix import EngineProcess, crash_in_group, group_outcome
+from tests.matrix import CASES, EngineProcess, crash_in_group, group_outcome, lines
 from tests.stack import loop_workflow, steps_by_id, unique
+from tests.test_approvals import approved_once, assert_call_outcome, output_of, stopped_at
 
 ANSWER = {"answer": "done", "steers": [{"n": 1}]}
 
@@ -227,3 +231,51 @@ async def test_a_worker_stopped_inside_a_parallel_group(
             journal=split.journal.target,
         )
     await group_outcome(split.journal.target, done, crasher, tmp_path, seam, kind, mode)
+
+
+# Two of the approval crash matrix's cases on this topology, a call alone:
+# the holder killed once the approval was placed (through the journal process,
+# from the inputs process), the call not yet made; and frozen past its lease
+# once the approved tool returned, then thawed.
+APPROVAL_CASES = [("after_approval_placed:2", "kill"), ("approved_tool_returned", "stall")]
+
+
+@pytest.mark.parametrize(("seam", "mode"), APPROVAL_CASES)
+async def test_an_approved_call_with_its_holder_stopped_across_the_three_processes(
+    split: Split, tmp_path: Path, seam: str, mode: str
+) -> None:
+    gateway = await start_gateway(
+        GatewayConfig(
+            engine_target=split.engine.target,
+            journal_target=split.journal.target,
+            inputs_target=split.inputs.target,
+            port=0,
+        )
+    )
+    try:
+        async with (
+            Client(split.engine.target, inputs_target=split.inputs.target) as client,
+            httpx.AsyncClient(base_url=gateway.url, timeout=30.0) as http,
+        ):
+            run_id, run = await stopped_at(
+                client,
+                http,
+                split.engine.target,
+                tmp_path,
+                seam,
+                mode,
+                lambda run_id: read_journal(split.journal.target, run_id),
+                "--journal",
+                split.journal.target,
+                "--inputs",
+                split.inputs.target,
+            )
+    finally:
+        await gateway.stop()
+    CASES["split topology", f"{seam}/approval call/{mode}"] += 1
+    assert run.status == pb.RUN_STATUS_COMPLETED, run.error
+    starts = len(lines(tmp_path / "a", "runs") + lines(tmp_path / "b", "runs"))
+    expected = {"sent": True, "to": EMAIL["to"]}
+    assert_call_outcome(seam, mode, output_of(run)["output"], expected, starts)
+    approved_once(await read_journal(split.journal.target, run_id))
+    assert await violations(split.journal.target, run_id) == []

@@ -571,13 +571,18 @@ class Journal:
         ]
         if waiting:
             first_waiting, *others = waiting
+            # A call that asks waits, whatever its replayed ask was answered
+            # (interrupted, when the holder that asked stopped before answering
+            # it awaiting): it never ran, and waits for its approval as a call
+            # alone does.
+            waits = ToolResult(awaiting_approval=True)
             raise ApprovalPending(
                 key=first_waiting.key,
                 digest=first_waiting.digest,
                 name=first_waiting.name,
                 input=first_waiting.input,
                 others=others,
-                results=results,
+                results=[waits if m.asks else r for m, r in zip(made, results, strict=True)],
             )
         return results
 
