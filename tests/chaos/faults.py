@@ -38,6 +38,7 @@ class LossyPublish:
         self._faults = faults
         self.rate = rate
         self.active = True
+        self.subjects: Counter[str] = Counter()  # the acks lost, by subject
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._js, name)
@@ -46,6 +47,7 @@ class LossyPublish:
         ack = await self._js.publish(subject, payload, **kwargs)
         if self.active and self._rng.random() < self.rate:
             self._faults["lost-ack"] += 1
+            self.subjects[subject] += 1
             raise nats.errors.TimeoutError
         return ack
 

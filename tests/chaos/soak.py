@@ -22,7 +22,11 @@ The seed fixes the schedule (which fault, when, against which target); the
 interleavings it meets still vary, so a replay repeats the pressure, not
 every instant. After each run: the answer, ``journal check``, the iteration
 count, at most one start of the unsafe tool, and every input placed once or
-answered as unanswered. At the end, over the whole ``AGENT_JOURNAL`` stream:
+answered as unanswered. Alongside them, within the same faults, one
+conversation of ``conversation_turns`` turns: each turn appends a message to
+the step's state through the state chain; after it, the state holds every
+turn's message once, in order, and ``journal check`` (the chain's rule
+included) is clean. At the end, over the whole ``AGENT_JOURNAL`` stream:
 no Msg-Id stored twice, every record the journal store acknowledged stored
 at its sequence, and each record's expected sequence equal to the previous
 record's sequence on its subject.
@@ -60,7 +64,7 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
-from dagnats.sdk import Client, run_output
+from dagnats.sdk import Client, JournalClient, run_output
 from tests.chaos import worker as chaos_worker
 from tests.chaos.faults import JournalTap, LossyPublish, instrumented_journal
 from tests.helpers import wait_for
@@ -90,6 +94,7 @@ class SoakConfig:
     lost_ack_rate: float = 0.03
     fault_gap: tuple[float, float] = (0.3, 1.2)
     run_deadline: float = 120.0
+    conversation_turns: int = 2000
 
     @property
     def replicas(self) -> int:
@@ -109,6 +114,7 @@ class Report:
     inputs: Counter[str] = dataclasses.field(default_factory=Counter)
     engine: Counter[str] = dataclasses.field(default_factory=Counter)
     socket: Counter[str] = dataclasses.field(default_factory=Counter)
+    conversation: Conversation | None = None
     violations: list[str] = dataclasses.field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -130,9 +136,35 @@ class Report:
             f"inputs: {inputs}",
             f"engine counters: {engine}",
             f"the first engine's local socket carried: {socket}",
+            *([self.conversation.line()] if self.conversation else []),
             f"violations: {len(self.violations)}",
             *(f"  {v}" for v in self.violations[:50]),
         ]
+
+
+@dataclasses.dataclass
+class Conversation:
+    """The soak's long conversation: how far it got, and what it went through."""
+
+    turns: int = 0
+    run_id: str = ""
+    claims: int = 0  # its turns that rebuilt the state from the chain
+    ended: bool = False
+    state_bytes: int = 0
+    seconds: float = 0.0
+    faults: Counter[str] = dataclasses.field(default_factory=Counter)
+    # Worker faults that hit the process running its turns, copies of its
+    # task, and the acks lost on its own writes.
+    aimed: Counter[str] = dataclasses.field(default_factory=Counter)
+
+    def line(self) -> str:
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
+        aimed = ", ".join(f"{k} {v}" for k, v in sorted(self.aimed.items())) or "none"
+        return (
+            f"conversation: {self.turns} turns in {self.seconds:.0f}s, {self.claims} claims, "
+            f"final state {self.state_bytes} bytes; faults "
+            f"during it: {faults}; on its worker or its writes: {aimed}"
+        )
 
 
 class Soak:
@@ -151,12 +183,13 @@ class Soak:
         self.workers: list[subprocess.Popen[bytes]] = []
         self.stalled: set[int] = set()
         self.node_down: int | None = None
-        self.in_flight: set[str] = set()
+        self.in_flight: dict[str, str] = {}  # run -> its step's task
         self.pending: set[asyncio.Task[None]] = set()
         self.task = f"chaos-{seed}"
         self.workflow = f"chaos-{seed}"
         self.targets: list[str] = []
         self.worker_logs = 0
+        self.lossy: list[LossyPublish] = []
 
     # ---- the whole soak ------------------------------------------------------------
 
@@ -205,9 +238,16 @@ class Soak:
                 )
             lossy = [self._lossy_engine(i, e) for i, e in enumerate(engines)]
             lossy += [self._lossy_inputs(i, e) for i, e in enumerate(engines)]
+            self.lossy = [*lossy, *tap.publishers]
             self.targets = [e.target for e in engines]
             clients = [Client(t) for t in self.targets]
             await clients[0].register_workflow(loop_workflow(self.workflow, self.task))
+            talk = loop_workflow(
+                chaos_worker.conversation_task(self.workflow),
+                chaos_worker.conversation_task(self.task),
+                max_iterations=c.conversation_turns + 5,
+            )
+            await clients[0].register_workflow(talk)
             for i in range(c.workers):
                 self._spawn_worker(i)
             await wait_for(self._all_ready, timeout=60, message="chaos workers polling")
@@ -215,6 +255,7 @@ class Soak:
                 asyncio.create_task(self._driver(i, clients[i % 2], engines[i % 2].target))
                 for i in range(c.runs_in_flight)
             ]
+            drivers.append(asyncio.create_task(self._conversation(clients[1], engines[1].target)))
             nemesis = asyncio.create_task(self._nemesis())
             await asyncio.sleep(c.seconds)  # the soak's length, not a synchronisation
             self.stop.set()
@@ -295,7 +336,7 @@ class Soak:
             lambda: client.start_run(self.workflow, {"run": label}, idempotency_key=key)
         )
         run_id = run.run_id
-        self.in_flight.add(run_id)
+        self.in_flight[run_id] = self.task
         submitted: list[str] = []
         count = self.choices.choice((0, 0, 1, 2))
         delays = [self.choices.uniform(0, 0.5) for _ in range(count)]
@@ -304,10 +345,73 @@ class Soak:
             done = await self._finished(client, run_id)
         finally:
             await inputs
-            self.in_flight.discard(run_id)
+            self.in_flight.pop(run_id, None)
         problems = await self._check(client, journal, run_id, done, submitted)
         self.report.runs += 1
         self.report.violations.extend(f"run {run_id} ({label}): {p}" for p in problems)
+
+    async def _conversation(self, client: Client, target: str) -> None:
+        """One conversation of ``conversation_turns`` turns through the faults,
+        then its checks: the state every turn appended, once each and in order."""
+        turns = self.config.conversation_turns
+        talk = Conversation()
+        self.report.conversation = talk
+        began, before = time.monotonic(), Counter(self.faults)
+        workflow = chaos_worker.conversation_task(self.workflow)
+        key = f"{self.config.seed}-conversation"
+        try:
+            run = await _retry(
+                lambda: client.start_run(workflow, {"turns": turns}, idempotency_key=key)
+            )
+            talk.run_id = run.run_id
+            self.in_flight[run.run_id] = chaos_worker.conversation_task(self.task)
+            try:
+                deadline = self.config.seconds + self.config.run_deadline
+                done = await client.wait_for_run(run.run_id, timeout=deadline)
+            finally:
+                self.in_flight.pop(run.run_id, None)
+            talk.seconds, talk.ended = time.monotonic() - began, True
+            talk.faults.update(Counter(self.faults) - before)
+            talk.aimed["lost-ack"] = sum(
+                n for p in self.lossy for subject, n in p.subjects.items() if run.run_id in subject
+            )
+            problems = await self._check_conversation(talk, target, done, turns)
+        except Exception as err:  # reported with the rest
+            problems = [f"{type(err).__name__}: {err}"]
+        self.report.violations.extend(f"the conversation: {p}" for p in problems)
+
+    async def _check_conversation(
+        self, talk: Conversation, target: str, done: pb.Run, turns: int
+    ) -> list[str]:
+        problems = []
+        if done.status != pb.RUN_STATUS_COMPLETED or run_output(done) != {"turns": turns}:
+            status = pb.RunStatus.Name(done.status)
+            problems.append(f"{status} with output {done.output!r}, error {done.error!r}")
+        iterations = steps_by_id(done)["agent"].iterations  # the continues
+        talk.turns = iterations + 1
+        if talk.turns != turns:
+            problems.append(f"the engine counted {iterations} iterations")
+        async with grpc.aio.insecure_channel(target) as channel:
+            journal = jgrpc.JournalServiceStub(channel)
+            check = await _retry(lambda: journal.Check(jpb.CheckRequest(run_id=done.run_id)))
+            request = jpb.ReadRequest(run_id=done.run_id, step_id="agent")
+            records = await _retry(lambda: _read_all(journal, request))
+        problems += [f"journal check: {v.rule} at {v.seq}: {v.message}" for v in check.violations]
+        talk.claims = sum(1 for r in records if r.HasField("claim") or r.HasField("leading_claim"))
+        async with JournalClient(target) as reader:
+            raw = await _retry(lambda: reader.state(done.run_id, "agent")) or b""
+        talk.state_bytes = len(raw)
+        state = json.loads(raw or b"{}")
+        want = [chaos_worker.conversation_message(n, n) for n in range(turns)]
+        got = state.get("messages", [])
+        if got != want or state.get("turns") != turns:
+            pairs = enumerate(zip(got, want, strict=False))
+            wrong = next((n for n, (a, b) in pairs if a != b), min(len(got), turns))
+            problems.append(
+                f"the final state holds {len(got)} messages (turns {state.get('turns')}); "
+                f"the first out of place is turn {wrong}"
+            )
+        return problems
 
     async def _submit(
         self, client: Client, run_id: str, delays: list[float], submitted: list[str]
@@ -428,6 +532,22 @@ class Soak:
     def _healthy(self) -> list[subprocess.Popen[bytes]]:
         return [p for p in self.workers if p.poll() is None and p.pid not in self.stalled]
 
+    def _victim(
+        self, kind: str, healthy: list[subprocess.Popen[bytes]], pick: float
+    ) -> subprocess.Popen[bytes]:
+        """The worker a kill or stall hits: one in four picks hits the process
+        running the conversation's turns, while it runs them, so the
+        conversation meets these faults too; the others fall where they may."""
+        talk = self.report.conversation
+        holder = self.state / "conversation.holder"
+        running = talk is not None and not talk.ended and holder.exists()
+        pid = int(holder.read_text() or 0) if running else 0
+        held = [p for p in healthy if p.pid == pid]
+        victim = held[0] if held and pick < 0.25 else healthy[int(pick * len(healthy))]
+        if talk is not None and victim.pid == pid:
+            talk.aimed[kind] += 1
+        return victim
+
     # ---- the nemesis -------------------------------------------------------------------
 
     async def _nemesis(self) -> None:
@@ -450,7 +570,7 @@ class Soak:
         healthy = self._healthy()
         if len(healthy) < 2:
             return
-        victim = healthy[int(pick * len(healthy))]
+        victim = self._victim("worker-kill", healthy, pick)
         _reap(victim)
         self.workers.remove(victim)
         self.faults["worker-kill"] += 1
@@ -461,7 +581,7 @@ class Soak:
         healthy = self._healthy()
         if len(healthy) < 2:
             return
-        victim = healthy[int(pick * len(healthy))]
+        victim = self._victim("worker-stall", healthy, pick)
         victim.send_signal(signal.SIGSTOP)
         self.stalled.add(victim.pid)
         self.faults["worker-stall"] += 1
@@ -477,13 +597,17 @@ class Soak:
         if not self.in_flight:
             return
         runs = sorted(self.in_flight)
-        subject = f"tasks.{self.task}.{runs[int(pick * len(runs))]}.agent"
+        run_id = runs[int(pick * len(runs))]
+        subject = f"tasks.{self.in_flight[run_id]}.{run_id}.agent"
         js = self.nc.jetstream()
         try:
             task = await js.get_last_msg(jsx.TASKS, subject)
         except nats.js.errors.NotFoundError:
             return  # between two dispatches
         self.faults["duplicate-delivery"] += 1
+        talk = self.report.conversation
+        if talk is not None and run_id == talk.run_id:
+            talk.aimed["duplicate-delivery"] += 1
         headers = dict(task.headers or {})
         headers["Nats-Msg-Id"] = f"{headers.get('Nats-Msg-Id', subject)}.dup{int(pick * 1e9)}"
         await js.publish(subject, task.data or b"", headers=headers)

@@ -5,7 +5,8 @@ suite): ``SEED`` replays a schedule (a random one is drawn and printed
 otherwise), ``CHAOS_SECONDS`` sets how long faults are injected (300), and
 ``CHAOS_TOPOLOGY`` picks ``server``, ``cluster`` or ``both`` (the default).
 The normal suite runs a short soak with a fixed seed on the cluster, where
-every kind of fault applies.
+every kind of fault applies. Both run a conversation of 2,000 turns within
+the faults.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ async def test_chaos_soak(topology: str, tmp_path: Path) -> None:
     report = await Soak(config, tmp_path).run()
     assert report.violations == [], "\n".join(report.lines())
     assert report.runs > 0
+    assert report.conversation is not None
+    assert report.conversation.turns == config.conversation_turns
 
 
 @pytest.mark.slow
@@ -50,3 +53,7 @@ async def test_short_soak_with_a_fixed_seed(tmp_path: Path) -> None:
     assert injected >= {"worker-kill", "worker-stall", "duplicate-delivery", "lost-ack"}
     assert injected & {"stepdown", "leader-kill"}
     assert report.runs >= 20
+    # The conversation ran all its turns, and kills and stalls hit its worker.
+    talk = report.conversation
+    assert talk is not None and talk.turns == config.conversation_turns == 2000
+    assert talk.aimed.keys() & {"worker-kill", "worker-stall"}, talk.line()
