@@ -92,7 +92,15 @@ def test_public_names_are_exactly_the_documented_ones() -> None:
 def test_testing_module_exports() -> None:
     import dagnats.sdk.testing as testing
 
-    assert set(testing.__all__) == {"LocalStack", "ScriptedModel", "ScriptExhausted"}
+    assert set(testing.__all__) == {
+        "Deployment",
+        "Divergence",
+        "LocalStack",
+        "ReplayReport",
+        "ScriptedModel",
+        "ScriptExhausted",
+        "replay",
+    }
 
 
 # Errors.

@@ -1,4 +1,4 @@
-"""``dagnats journal check`` and ``dagnats journal read``: the journal from a terminal.
+"""``dagnats journal check``, ``read``, ``export`` and ``replay``: the journal from a terminal.
 
 ``check`` prints the audit of a run's journal (one line per violation, then a
 summary) and exits 1 on any violation. ``read`` prints a step's records, one
@@ -8,19 +8,35 @@ record was printed (``dagnats.sdk.follow``, as the HTTP API's event stream).
 
 The journal service is reached through ``dagnats.sdk.JournalClient``; the
 JSON is ``dagnats.sdk.views.record_dict``, the same as the HTTP API's.
+
+``export`` writes a run's journal export (``dagnats.sdk.export``: JSON lines,
+the same bytes as the HTTP API's ``GET /runs/{run_id}/journal/export``) to a
+file or standard output. ``replay`` runs the handlers ``--handlers
+module:attr`` names against exported journals, or a deployment's runs
+(``--run``, ``--workflow``), with ``dagnats.sdk.testing.replay``: a line per
+divergence, then a summary; it exits 1 on any divergence, so CI can run it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
-from typing import Any
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
 
+from dagnats.cli.common import UsageError
 from dagnats.core.errors import InvalidArgument
-from dagnats.core.ids import parse_seq
+from dagnats.core.ids import check_run_id, parse_seq
 from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.sdk import Client, Credentials, JournalClient
+from dagnats.sdk.export import open_export
 from dagnats.sdk.follow import follow_step
+from dagnats.sdk.testing import Deployment, Divergence, ReplayReport, replay
 from dagnats.sdk.views import check_dict, record_dict
 
 # A person at a terminal is told within seconds that the engine is not there;
@@ -29,15 +45,18 @@ RETRY_FOR = 5.0
 
 # How much of a payload a record's one-line summary shows.
 PREVIEW = 60
+# Runs of a workflow ``journal replay --workflow`` replays at most.
+MAX_REPLAY_RUNS = 1000
 
 
 # ---- commands ----------------------------------------------------------------------
 
 
 def add_journal_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``journal check`` and ``journal read`` to the ``dagnats`` parser.
+    """Add ``journal check``, ``read``, ``export`` and ``replay`` to the
+    ``dagnats`` parser.
 
-    Both take ``--engine`` (the address that serves the journal; the caller
+    Each takes ``--engine`` (the address that serves the journal; the caller
     resolves the default) and ``--json``.
     """
     parser = sub.add_parser("journal", help="audit and read step journals")
@@ -53,6 +72,35 @@ def add_journal_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     read.add_argument(
         "--follow", action="store_true", help="keep printing new records until the step finishes"
     )
+    export = _with_options(
+        actions.add_parser("export", help="write a run's journal to a file (JSON lines)")
+    )
+    export.add_argument("run_id")
+    export.add_argument(
+        "-o", "--output", default="-", help="the file to write (default: standard output)"
+    )
+    replaying = _with_options(
+        actions.add_parser(
+            "replay",
+            help="replay handlers against recorded journals; exit 1 on a divergence",
+        )
+    )
+    replaying.add_argument(
+        "files", nargs="*", metavar="FILE", help="journal exports, or directories of *.jsonl"
+    )
+    replaying.add_argument(
+        "--handlers",
+        required=True,
+        metavar="MODULE:ATTR",
+        help="the new code: a mapping of task type to handler",
+    )
+    replaying.add_argument(
+        "--run", dest="runs", action="append", default=[], help="a run of the deployment"
+    )
+    replaying.add_argument("--workflow", default="", help="the deployment's newest runs of this")
+    replaying.add_argument(
+        "--limit", type=int, default=100, help=f"runs of --workflow (1-{MAX_REPLAY_RUNS})"
+    )
 
 
 async def run_journal(args: argparse.Namespace, target: str, credentials: Credentials) -> int:
@@ -61,7 +109,12 @@ async def run_journal(args: argparse.Namespace, target: str, credentials: Creden
     Raises:
         DagnatsError: the journal service failed the call.
     """
+    if args.action == "replay":
+        return await _replay(args, target, credentials)
     async with JournalClient(target, retry_for=RETRY_FOR, credentials=credentials) as journal:
+        if args.action == "export":
+            async with Client(target, retry_for=RETRY_FOR, credentials=credentials) as client:
+                return await _export(client, journal, args.run_id, args.output)
         if args.action == "check":
             return await _check(journal, args.run_id, as_json=args.json)
         if args.follow:
@@ -123,6 +176,63 @@ async def _follow(
         if isinstance(item, pb.Record):
             print(json.dumps(record_dict(item)) if as_json else record_line(item), flush=True)
     return 0
+
+
+async def _export(client: Client, journal: JournalClient, run_id: str, output: str) -> int:
+    """Write the export to ``output`` ("-": standard output); a file is
+    written beside it first and renamed once whole, so a failed export
+    leaves no file that looks whole."""
+    export = await open_export(client, journal, check_run_id(run_id))
+    with _output(output) as out:
+        async for line in export.lines(journal):
+            out.write(line)
+    return 0
+
+
+@contextlib.contextmanager
+def _output(output: str) -> Iterator[TextIO]:
+    if output == "-":
+        yield sys.stdout
+        return
+    path = Path(output)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        with partial.open("w", encoding="utf-8") as out:
+            yield out
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+async def _replay(args: argparse.Namespace, target: str, credentials: Credentials) -> int:
+    from dagnats.cli.handlers import load_handlers
+
+    handlers = load_handlers(args.handlers)
+    if not args.files and not args.runs and not args.workflow:
+        raise UsageError("journal replay needs exported FILEs, --run or --workflow")
+    if not 1 <= args.limit <= MAX_REPLAY_RUNS:
+        raise UsageError(f"--limit must be 1..{MAX_REPLAY_RUNS}, got {args.limit}")
+    reports: list[ReplayReport] = []
+    if args.files:
+        reports.append(await replay(args.files, handlers))
+    if args.runs or args.workflow:
+        runs = [check_run_id(r, field="--run") for r in args.runs]
+        where = Deployment(
+            target, run_ids=runs, workflow=args.workflow, limit=args.limit, credentials=credentials
+        )
+        reports.append(await replay(where, handlers))
+    divergences = [d for r in reports for d in r.divergences]
+    if args.json:
+        print(json.dumps({"divergences": [_divergence_dict(d) for d in divergences]}, indent=2))
+    else:
+        for report in reports:
+            for line in report.lines():
+                print(line)
+    return 1 if divergences else 0
+
+
+def _divergence_dict(divergence: Divergence) -> dict[str, Any]:
+    return dataclasses.asdict(divergence)
 
 
 # ---- one record ----------------------------------------------------------------------

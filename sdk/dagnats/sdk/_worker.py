@@ -468,7 +468,8 @@ class Worker:
                 running.cancel()
                 return
 
-    async def _conclude(self, tc: TaskContext, running: asyncio.Task[None], span: Span) -> None:
+    @staticmethod
+    async def _conclude(tc: TaskContext, running: asyncio.Task[None], span: Span) -> None:
         err = None if running.cancelled() else running.exception()
         if err is not None:
             span.record_exception(err)

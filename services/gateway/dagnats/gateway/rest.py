@@ -35,6 +35,7 @@ from dagnats.gateway.backend import BackendDep
 from dagnats.inputs.rules import MAX_WAIT
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk import InputMode
+from dagnats.sdk.export import MEDIA_TYPE, open_export
 from dagnats.sdk.views import (
     check_dict,
     decode_payload,
@@ -301,6 +302,29 @@ async def purge_run(b: BackendDep, run_id: ValidRun) -> Response:
 @router.get("/runs/{run_id}/journal/check", tags=["journal"], summary="Audit a run's journal")
 async def check_journal(b: BackendDep, run_id: ValidRun) -> dict[str, Any]:
     return check_dict(await b.journal.check(run_id))
+
+
+@router.get(
+    "/runs/{run_id}/journal/export",
+    tags=["journal"],
+    summary="A run's journal as a file: the journal export (JSON lines)",
+    description=(
+        "Every record of every journaled step of the run, as `dagnats journal export` writes "
+        "them: a header line (`format` `dagnats.journal`, `version` 1, the run, its workflow, "
+        "input and steps, each step's task type and input), a line per record (`step_id`, "
+        '`seq`, `record`: the record as protobuf JSON), then `{"end": true, "records": N}`. '
+        "It streams; an answer without its end line was cut short. 404 for a missing run or "
+        "a run none of whose steps has a journal. `dagnats.sdk.testing.replay` reads it."
+    ),
+    responses={200: {"content": {MEDIA_TYPE: {}}}},
+)
+async def export_journal(b: BackendDep, run_id: ValidRun) -> Response:
+    export = await open_export(b.client, b.journal, run_id)
+    return StreamingResponse(
+        export.lines(b.journal),
+        media_type=MEDIA_TYPE,
+        headers={"Content-Disposition": f'attachment; filename="{run_id}.jsonl"'},
+    )
 
 
 # ---- inputs -----------------------------------------------------------------------

@@ -12,6 +12,13 @@ It needs the ``server`` extra (``pip install 'dagnats[server]'``).
 ``ScriptedModel`` stands in for a model client: it answers each request with
 the next response of a script and remembers every request, so a test can tell
 a response replayed from the journal (no new request) from a new model call.
+
+``replay`` runs new handler code against recorded journals (``dagnats journal
+export`` files, or a deployment's runs) without calling any model or tool,
+and reports each call or commit that differs from the recording::
+
+    report = await replay("exports/", {"agent": new_handler})
+    assert report.ok, "\n".join(report.lines())
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 from dagnats.sdk._client import Client
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._worker import Handler, Worker
+from dagnats.sdk.testing._recorded import Divergence
+from dagnats.sdk.testing._replay import Deployment, ReplayReport, replay
 
 if TYPE_CHECKING:
     from dagnats.core.natsserver import NatsServer
@@ -36,7 +45,15 @@ if TYPE_CHECKING:
     from dagnats.engine.v1 import engine_pb2 as pb
     from dagnats.gateway import GatewayConfig, GatewayServer
 
-__all__ = ["LocalStack", "ScriptExhausted", "ScriptedModel"]
+__all__ = [
+    "Deployment",
+    "Divergence",
+    "LocalStack",
+    "ReplayReport",
+    "ScriptExhausted",
+    "ScriptedModel",
+    "replay",
+]
 
 T = TypeVar("T")
 

@@ -1,0 +1,245 @@
+"""Replay against new code before deploying: ``dagnats journal export`` and
+``dagnats.sdk.testing.replay``.
+
+Runs are recorded once per module on a real stack (a worker of the module's
+engine, three iterations each: a model call, a tool call, from the second a
+parallel group, the state carried by the commits); then new handler code is
+replayed against their journals, read from the deployment or from exported
+files, with no model and no tool called: an unchanged handler passes, a
+changed call order is reported at its position with both calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from dagnats.cli.main import main
+from dagnats.core.errors import InvalidArgument
+from dagnats.engine.server import EngineServer
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk import Client, JournalClient, Replay, TaskContext, ToolCall, ToolRun, Worker
+from dagnats.sdk.export import VERSION, read_export
+from dagnats.sdk.testing import Deployment, replay
+from tests.stack import loop_workflow, unique
+
+RUNS = 100
+ITERATIONS = 3
+
+
+def agent(counts: collections.Counter[str], *, swapped: bool = False, last: int = ITERATIONS - 1):
+    """The recorded handler, or new code: ``swapped`` calls the tool before
+    the model; ``last`` is the iteration that completes."""
+
+    async def think() -> Any:
+        counts["model"] += 1
+        return {"say": "thinking"}
+
+    async def lookup(run: ToolRun) -> Any:
+        counts["tool"] += 1
+        return {"found": run.call.input}
+
+    async def handler(tc: TaskContext) -> None:
+        journal = await tc.journal()
+        seen = (await tc.load_checkpoint() or {}).get("seen", [])
+        call = ToolCall(name="lookup", input={"q": tc.input["q"], "seen": len(seen)})
+        if swapped:
+            await journal.tool(call, Replay.SAFE, lookup)
+            reply = await journal.model(think)
+        else:
+            reply = await journal.model(think)
+            await journal.tool(call, Replay.SAFE, lookup)
+        if tc.iteration >= 1:
+            pair = [(ToolCall(name="fetch", input={"i": i}), Replay.SAFE, lookup) for i in range(2)]
+            await journal.tools(pair)
+        await tc.append_state("seen", [reply["say"]])
+        if tc.iteration >= last:
+            await tc.complete({"turns": tc.iteration + 1})
+        else:
+            await tc.continue_({"turn": tc.iteration})
+
+    return handler
+
+
+class Recorded:
+    def __init__(
+        self, workflow: str, task: str, run_ids: list[str], counts: collections.Counter[str]
+    ) -> None:
+        self.workflow, self.task, self.run_ids, self.counts = workflow, task, run_ids, counts
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def recorded(engine: EngineServer, client: Client) -> AsyncIterator[Recorded]:
+    """``RUNS`` runs of the handler, completed, recorded on the module's engine."""
+    workflow, task = unique("replayed"), TASK
+    await client.register_workflow(loop_workflow(workflow, task))
+    counts: collections.Counter[str] = collections.Counter()
+    async with Worker(engine.target, handlers={task: agent(counts)}, concurrency=32, poll_wait=1.0):
+        started = [await client.start_run(workflow, {"q": f"question {i}"}) for i in range(RUNS)]
+        ended = await asyncio.gather(*(client.wait_for_run(r.run_id, timeout=120) for r in started))
+    assert all(r.status == pb.RUN_STATUS_COMPLETED for r in ended), [r.error for r in ended]
+    yield Recorded(workflow, task, [r.run_id for r in started], counts)
+
+
+async def test_an_unchanged_handler_replays_every_recorded_run_without_a_model_or_tool(
+    engine: EngineServer, recorded: Recorded
+) -> None:
+    counts: collections.Counter[str] = collections.Counter()
+    source = Deployment(engine.target, workflow=recorded.workflow, limit=RUNS)
+    report = await replay(source, {recorded.task: agent(counts)})
+    assert report.ok, "\n".join(report.lines())
+    assert (report.runs, report.dispatches) == (RUNS, RUNS * ITERATIONS)
+    assert counts == {}, "the replay called a model or a tool"
+
+
+async def test_a_changed_call_order_is_reported_at_its_position_with_both_calls(
+    engine: EngineServer, recorded: Recorded
+) -> None:
+    counts: collections.Counter[str] = collections.Counter()
+    run_id = recorded.run_ids[0]
+    source = Deployment(engine.target, run_ids=[run_id])
+    report = await replay(source, {recorded.task: agent(counts, swapped=True)})
+    assert not report.ok
+    assert counts == {}
+    first = report.divergences[0]
+    assert (first.run_id, first.step_id, first.iteration, first.position) == (run_id, "agent", 0, 0)
+    assert first.kind == "different_call"
+    assert first.recorded == "a model call"
+    assert first.asked.startswith("tool 'lookup'")
+    assert len(report.divergences) == ITERATIONS  # each iteration's dispatch, at its position 0
+
+
+async def test_a_handler_that_ends_sooner_diverges_at_its_commit(
+    engine: EngineServer, recorded: Recorded
+) -> None:
+    source = Deployment(engine.target, run_ids=[recorded.run_ids[1]])
+    report = await replay(source, agent(collections.Counter(), last=1))
+    [changed] = report.divergences
+    assert (changed.iteration, changed.kind) == (1, "different_commit")
+    assert (changed.recorded, changed.asked) == ("a continue commit", "a complete commit")
+
+
+async def test_an_exported_file_replays_as_the_run_did(
+    engine: EngineServer, recorded: Recorded, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = recorded.run_ids[2]
+    path = tmp_path / f"{run_id}.jsonl"
+    assert await export(engine, run_id, path) == 0
+    exported = read_export(path.read_text().splitlines(), source=str(path))
+    async with JournalClient(engine.target) as journal:
+        stored = [r async for r in journal.read(run_id, "agent")]
+    assert [r.SerializeToString() for r in exported.steps[0].records] == [
+        r.SerializeToString() for r in stored
+    ]
+    assert exported.steps[0].input == {"q": "question 2"}
+    report = await replay(tmp_path, {recorded.task: agent(collections.Counter())})
+    assert report.ok and report.dispatches == ITERATIONS, report.lines()
+    # The command CI runs: zero for the unchanged handler, one for the changed order.
+    capsys.readouterr()
+    assert await cli(["journal", "replay", str(path), "--handlers", NEW_CODE_SPEC]) == 0
+    assert (
+        await cli(["journal", "replay", str(path), "--handlers", NEW_CODE_SPEC + "_SWAPPED"]) == 1
+    )
+    out = capsys.readouterr().out
+    assert f"run {run_id} step agent iteration 0 attempt 1 position 0: different_call" in out
+    assert "recorded a model call; the new code asked for tool 'lookup'" in out
+
+
+# The handlers ``dagnats journal replay --handlers`` loads, by task type.
+TASK = "replay-agent"
+NEW_CODE = {TASK: agent(collections.Counter())}
+NEW_CODE_SWAPPED = {TASK: agent(collections.Counter(), swapped=True)}
+NEW_CODE_SPEC = "tests.test_journal_replay:NEW_CODE"
+
+
+async def test_the_http_export_is_the_files_bytes(
+    engine: EngineServer, recorded: Recorded, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    run_id = recorded.run_ids[3]
+    path = tmp_path / "run.jsonl"
+    assert await export(engine, run_id, path) == 0
+    answer = await http.get(f"/runs/{run_id}/journal/export")
+    assert answer.status_code == 200
+    assert answer.headers["content-type"].startswith("application/x-ndjson")
+    assert answer.content == path.read_bytes()
+
+
+async def test_a_missing_run_or_journal_is_a_clear_error(
+    engine: EngineServer,
+    client: Client,
+    http: httpx.AsyncClient,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    missing = "0" * 32
+    answer = await http.get(f"/runs/{missing}/journal/export")
+    assert answer.status_code == 404
+    assert (await http.get("/runs/NOT-A-RUN/journal/export")).status_code == 400
+    workflow, task = unique("plain"), unique("plain")
+    await client.register_workflow(loop_workflow(workflow, task))
+
+    async def plain(tc: TaskContext) -> None:
+        await tc.complete("done")  # no journal
+
+    async with Worker(engine.target, handlers={task: plain}, poll_wait=1.0):
+        run = await client.run(workflow, {"q": 1}, timeout=60)
+    plain_id = (await client.list_runs(workflow=workflow, limit=1))[0].run_id
+    assert run == "done"
+    answer = await http.get(f"/runs/{plain_id}/journal/export")
+    assert answer.status_code == 404
+    assert "has no journal" in answer.json()["message"]
+    capsys.readouterr()
+    assert await cli(["journal", "export", plain_id, "--engine", engine.target]) == 1
+    assert f"run {plain_id} has no journal" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda lines: lines[:-1], "cut short"),
+        (lambda lines: ["not json", *lines[1:]], "not a dagnats journal export"),
+        (lambda lines: [_header(lines[0], version=VERSION + 1), *lines[1:]], "version 2 is not"),
+        (lambda lines: [lines[0], "{]", *lines[1:]], "line 2: not JSON"),
+        (lambda lines: [], "the file is empty"),
+    ],
+    ids=["cut-short", "not-an-export", "unknown-version", "corrupt-line", "empty"],
+)
+async def test_a_damaged_export_is_refused_naming_the_file_and_line(
+    engine: EngineServer,
+    recorded: Recorded,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    damage: Any,
+    message: str,
+) -> None:
+    good = tmp_path / "good.jsonl"
+    assert await export(engine, recorded.run_ids[4], good) == 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(f"{line}\n" for line in damage(good.read_text().splitlines())))
+    with pytest.raises(InvalidArgument, match=message) as raised:
+        await replay(bad, agent(collections.Counter()))
+    assert str(bad) in raised.value.message
+    capsys.readouterr()
+    assert await cli(["journal", "replay", str(bad), "--handlers", NEW_CODE_SPEC]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {bad}") and message in err
+
+
+async def export(engine: EngineServer, run_id: str, path: Path) -> int:
+    return await cli(["journal", "export", run_id, "-o", str(path), "--engine", engine.target])
+
+
+async def cli(args: list[str]) -> int:
+    """``dagnats ARGS`` (``main``, in a thread: it runs an event loop of its own)."""
+    return await asyncio.to_thread(main, args)
+
+
+def _header(line: str, **changes: Any) -> str:
+    return json.dumps({**json.loads(line), **changes})
