@@ -35,12 +35,22 @@ RUNS = 100
 ITERATIONS = 3
 
 
-def agent(counts: collections.Counter[str], *, swapped: bool = False, last: int = ITERATIONS - 1):
-    """The recorded handler, or new code: ``swapped`` calls the tool before
-    the model; ``last`` is the iteration that completes."""
+def agent(
+    counts: collections.Counter[str],
+    *,
+    change: str = "",
+    last: int = ITERATIONS - 1,
+    flaky: bool = False,
+) -> Any:
+    """The recorded handler, or new code with one ``change``: ``swapped``
+    (the tool before the model), ``renamed`` (another tool), ``extra`` (one
+    more model call), ``fewer`` (no tool call). ``last`` is the iteration that
+    completes; ``flaky``: the first attempt's model call fails."""
 
-    async def think() -> Any:
+    async def think(tc: TaskContext) -> Any:
         counts["model"] += 1
+        if flaky and tc.attempt == 1:
+            raise RuntimeError("the model is overloaded")
         return {"say": "thinking"}
 
     async def lookup(run: ToolRun) -> Any:
@@ -50,16 +60,18 @@ def agent(counts: collections.Counter[str], *, swapped: bool = False, last: int 
     async def handler(tc: TaskContext) -> None:
         journal = await tc.journal()
         seen = (await tc.load_checkpoint() or {}).get("seen", [])
-        call = ToolCall(name="lookup", input={"q": tc.input["q"], "seen": len(seen)})
-        if swapped:
+        name = "search" if change == "renamed" else "lookup"
+        call = ToolCall(name=name, input={"q": tc.input["q"], "seen": len(seen)})
+        if change == "swapped":
             await journal.tool(call, Replay.SAFE, lookup)
-            reply = await journal.model(think)
-        else:
-            reply = await journal.model(think)
+        reply = await journal.model(lambda: think(tc))
+        if change not in ("swapped", "fewer"):
             await journal.tool(call, Replay.SAFE, lookup)
         if tc.iteration >= 1:
             pair = [(ToolCall(name="fetch", input={"i": i}), Replay.SAFE, lookup) for i in range(2)]
             await journal.tools(pair)
+        if change == "extra":
+            await journal.model(lambda: think(tc))
         await tc.append_state("seen", [reply["say"]])
         if tc.iteration >= last:
             await tc.complete({"turns": tc.iteration + 1})
@@ -106,7 +118,7 @@ async def test_a_changed_call_order_is_reported_at_its_position_with_both_calls(
     counts: collections.Counter[str] = collections.Counter()
     run_id = recorded.run_ids[0]
     source = Deployment(engine.target, run_ids=[run_id])
-    report = await replay(source, {recorded.task: agent(counts, swapped=True)})
+    report = await replay(source, {recorded.task: agent(counts, change="swapped")})
     assert not report.ok
     assert counts == {}
     first = report.divergences[0]
@@ -125,6 +137,54 @@ async def test_a_handler_that_ends_sooner_diverges_at_its_commit(
     [changed] = report.divergences
     assert (changed.iteration, changed.kind) == (1, "different_commit")
     assert (changed.recorded, changed.asked) == ("a continue commit", "a complete commit")
+
+
+@pytest.mark.parametrize(
+    ("change", "position", "kind", "was", "asked"),
+    [
+        ("renamed", 1, "different_call", "tool 'lookup'", "tool 'search'"),
+        (
+            "extra",
+            2,
+            "unrecorded_call",
+            "nothing: the dispatch's calls end at position 1",
+            "a model",
+        ),
+        ("fewer", 1, "missing_calls", "tool 'lookup'", "a continue commit"),
+    ],
+)
+async def test_each_change_is_named_with_what_was_recorded_and_what_was_asked(
+    engine: EngineServer,
+    recorded: Recorded,
+    change: str,
+    position: int,
+    kind: str,
+    was: str,
+    asked: str,
+) -> None:
+    source = Deployment(engine.target, run_ids=[recorded.run_ids[5]])
+    report = await replay(source, agent(collections.Counter(), change=change))
+    first = report.divergences[0]
+    assert (first.iteration, first.position, first.kind) == (0, position, kind)
+    assert first.recorded.startswith(was) and first.asked.startswith(asked)
+
+
+async def test_a_failed_attempt_replays_to_its_recorded_end_and_its_retry_in_full(
+    engine: EngineServer, client: Client
+) -> None:
+    workflow, task = unique("flaky"), unique("flaky")
+    retry = {"max_attempts": 2, "backoff": "fixed", "initial_delay": "10ms", "max_delay": "10ms"}
+    await client.register_workflow(loop_workflow(workflow, task, retry=retry))
+    handler = agent(collections.Counter(), last=0, flaky=True)
+    async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+        run = await client.start_run(workflow, {"q": "again"})
+        done = await client.wait_for_run(run.run_id, timeout=60)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    report = await replay(Deployment(engine.target, run_ids=[run.run_id]), handler)
+    # Attempt 1 failed in its model call, which the journal never stored: its
+    # replay stops there. Attempt 2 is replayed through its commit.
+    assert report.ok, report.lines()
+    assert (report.dispatches, report.unfinished) == (2, 1)
 
 
 async def test_an_exported_file_replays_as_the_run_did(
@@ -156,7 +216,7 @@ async def test_an_exported_file_replays_as_the_run_did(
 # The handlers ``dagnats journal replay --handlers`` loads, by task type.
 TASK = "replay-agent"
 NEW_CODE = {TASK: agent(collections.Counter())}
-NEW_CODE_SWAPPED = {TASK: agent(collections.Counter(), swapped=True)}
+NEW_CODE_SWAPPED = {TASK: agent(collections.Counter(), change="swapped")}
 NEW_CODE_SPEC = "tests.test_journal_replay:NEW_CODE"
 
 
