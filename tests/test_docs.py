@@ -375,3 +375,23 @@ async def test_models_example_asks_the_stand_in_and_runs_its_tool(
 ) -> None:
     monkeypatch.delenv("DAGNATS_MODEL", raising=False)
     assert await load("models_agent").main(stack.target) == "It is 21 C in Lisbon."
+
+
+# How-to: replay recorded runs against new code.
+
+
+async def test_replay_example_passes_the_same_code_and_catches_the_reordered_calls(
+    stack: LocalStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ci = load("replay_in_ci")
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    same, changed = await ci.main(stack.target, recorded)
+    assert same.ok and same.dispatches == 3, same.lines()
+    first = changed.divergences[0]
+    assert (first.position, first.kind, first.recorded) == (0, "different_call", "a model call")
+    assert first.asked.startswith("tool 'weather'")
+    # The page's CI test, run where it looks for recorded/: it fails, naming the change.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(AssertionError, match="position 0: different_call"):
+        await ci.test_the_new_code_replays_the_recorded_runs()
