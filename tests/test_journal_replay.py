@@ -29,7 +29,9 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, JournalClient, Replay, TaskContext, ToolCall, ToolRun, Worker
 from dagnats.sdk.export import VERSION, read_export
 from dagnats.sdk.testing import Deployment, replay
+from tests.approval_agents import approval_agent, group_agent
 from tests.stack import loop_workflow, unique
+from tests.test_approvals import asked, decide, ended, start
 
 RUNS = 100
 ITERATIONS = 3
@@ -187,6 +189,24 @@ async def test_a_failed_attempt_replays_to_its_recorded_end_and_its_retry_in_ful
     assert (report.dispatches, report.unfinished) == (2, 1)
 
 
+@pytest.mark.parametrize("make", [approval_agent, group_agent], ids=["alone", "in-a-group"])
+async def test_a_run_that_waited_for_an_approval_replays_its_ask_and_its_approved_call(
+    engine: EngineServer, client: Client, http: httpx.AsyncClient, make: Any
+) -> None:
+    task = unique("approved")
+    async with Worker(engine.target, handlers={task: make([])}, poll_wait=1.0):
+        run_id = await start(client, task)
+        call = await asked(client, http, run_id)
+        assert (await decide(http, run_id, call, "approve", approver="carol")).status_code == 201
+        done = await ended(client, run_id)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    ran: list[Any] = []
+    report = await replay(Deployment(engine.target, run_ids=[run_id]), make(ran))
+    # The iteration that asked and waited, then the one the approval woke.
+    assert report.ok, report.lines()
+    assert report.dispatches == 2 and ran == []
+
+
 async def test_an_exported_file_replays_as_the_run_did(
     engine: EngineServer, recorded: Recorded, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -211,6 +231,13 @@ async def test_an_exported_file_replays_as_the_run_did(
     out = capsys.readouterr().out
     assert f"run {run_id} step agent iteration 0 attempt 1 position 0: different_call" in out
     assert "recorded a model call; the new code asked for tool 'lookup'" in out
+    swapped = ["journal", "replay", str(path), "--handlers", NEW_CODE_SPEC + "_SWAPPED", "--json"]
+    assert await cli(swapped) == 1
+    found = json.loads(capsys.readouterr().out)
+    assert (found["runs"], found["dispatches"]) == (1, ITERATIONS)
+    assert [(d["iteration"], d["position"], d["kind"]) for d in found["divergences"]] == [
+        (i, 0, "different_call") for i in range(ITERATIONS)
+    ]
 
 
 # The handlers ``dagnats journal replay --handlers`` loads, by task type.

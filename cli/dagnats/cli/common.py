@@ -1,14 +1,21 @@
-"""What the commands share: the data directory's names, the usage error, and
-how a run and JSON are printed."""
+"""What the commands share: the data directory's names, the usage error,
+how a run and JSON are printed, and the handlers ``--handlers module:attr``
+names (for ``serve all``, ``dev`` and ``journal replay``; importing them
+needs no server extra)."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk import Handler
 from dagnats.sdk.views import decode_payload, enum_name, run_dict
 
 DEFAULT_DATA_DIR = ".dagnats"
@@ -62,3 +69,40 @@ def stop_on_signals() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop)
+
+
+def load_handlers(spec: str) -> dict[str, Handler]:
+    """The handlers that ``module:attr`` names, imported with the working
+    directory on the import path (as ``python -m`` would have it).
+
+    Raises:
+        UsageError: the spec is malformed, the module does not import, or the
+            attribute is not a mapping of task type to callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"--handlers must be module:attribute, got {spec!r}")
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UsageError(f"--handlers: cannot import {module_name}: {err}") from None
+    found: Any = module
+    for part in attr.split("."):
+        if not hasattr(found, part):
+            raise UsageError(f"--handlers: {module_name} has no {attr}") from None
+        found = getattr(found, part)
+    if not isinstance(found, Mapping) or not found:
+        raise UsageError(
+            f"--handlers: {spec} must be a mapping of task type to handler, "
+            f"got {type(found).__name__}"
+        )
+    for task_type, handler in found.items():
+        if not isinstance(task_type, str) or not callable(handler):
+            raise UsageError(
+                f"--handlers: {spec} maps {task_type!r} to {type(handler).__name__}; "
+                "each task type (a string) needs an async handler"
+            )
+    return dict(found)

@@ -18,13 +18,10 @@ for code in other languages or code that must not share the process.
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from dagnats.cli.common import UsageError
+from dagnats.cli.common import UsageError, load_handlers
 from dagnats.engine.server import ServiceServer
 from dagnats.sdk import Credentials, Handler, Worker
 
@@ -44,43 +41,6 @@ def handlers_from_flags(spec: str | None, concurrency: int) -> dict[str, Handler
     if not 1 <= concurrency <= MAX_CONCURRENCY:
         raise UsageError(f"--handler-concurrency must be 1..{MAX_CONCURRENCY}, got {concurrency}")
     return load_handlers(spec)
-
-
-def load_handlers(spec: str) -> dict[str, Handler]:
-    """The handlers that ``module:attr`` names, imported with the working
-    directory on the import path (as ``python -m`` would have it).
-
-    Raises:
-        UsageError: the spec is malformed, the module does not import, or the
-            attribute is not a mapping of task type to callable.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(f"--handlers must be module:attribute, got {spec!r}")
-    cwd = str(Path.cwd())
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UsageError(f"--handlers: cannot import {module_name}: {err}") from None
-    found: Any = module
-    for part in attr.split("."):
-        if not hasattr(found, part):
-            raise UsageError(f"--handlers: {module_name} has no {attr}") from None
-        found = getattr(found, part)
-    if not isinstance(found, Mapping) or not found:
-        raise UsageError(
-            f"--handlers: {spec} must be a mapping of task type to handler, "
-            f"got {type(found).__name__}"
-        )
-    for task_type, handler in found.items():
-        if not isinstance(task_type, str) or not callable(handler):
-            raise UsageError(
-                f"--handlers: {spec} maps {task_type!r} to {type(handler).__name__}; "
-                "each task type (a string) needs an async handler"
-            )
-    return dict(found)
 
 
 def in_process_worker(

@@ -29,14 +29,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from dagnats.cli.common import UsageError
+from dagnats.cli.common import UsageError, load_handlers
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import check_run_id, parse_seq
 from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.sdk import Client, Credentials, JournalClient
 from dagnats.sdk.export import open_export
 from dagnats.sdk.follow import follow_step
-from dagnats.sdk.testing import Deployment, Divergence, ReplayReport, replay
+from dagnats.sdk.testing import Deployment, ReplayReport, replay
 from dagnats.sdk.views import check_dict, record_dict
 
 # A person at a terminal is told within seconds that the engine is not there;
@@ -205,8 +205,6 @@ def _output(output: str) -> Iterator[TextIO]:
 
 
 async def _replay(args: argparse.Namespace, target: str, credentials: Credentials) -> int:
-    from dagnats.cli.handlers import load_handlers
-
     handlers = load_handlers(args.handlers)
     if not args.files and not args.runs and not args.workflow:
         raise UsageError("journal replay needs exported FILEs, --run or --workflow")
@@ -223,7 +221,7 @@ async def _replay(args: argparse.Namespace, target: str, credentials: Credential
         reports.append(await replay(where, handlers))
     divergences = [d for r in reports for d in r.divergences]
     if args.json:
-        print(json.dumps({"divergences": [_divergence_dict(d) for d in divergences]}, indent=2))
+        print(json.dumps(_report_dict(reports), indent=2))
     else:
         for report in reports:
             for line in report.lines():
@@ -231,8 +229,15 @@ async def _replay(args: argparse.Namespace, target: str, credentials: Credential
     return 1 if divergences else 0
 
 
-def _divergence_dict(divergence: Divergence) -> dict[str, Any]:
-    return dataclasses.asdict(divergence)
+def _report_dict(reports: list[ReplayReport]) -> dict[str, Any]:
+    """The reports as one JSON object: the counts, and each divergence."""
+    return {
+        "runs": sum(r.runs for r in reports),
+        "dispatches": sum(r.dispatches for r in reports),
+        "unfinished": sum(r.unfinished for r in reports),
+        "skipped": [s for r in reports for s in r.skipped],
+        "divergences": [dataclasses.asdict(d) for r in reports for d in r.divergences],
+    }
 
 
 # ---- one record ----------------------------------------------------------------------
