@@ -1350,6 +1350,37 @@ GUARDS = (
             "test_a_group_runs_its_other_calls_while_one_waits_then_the_approved_one_once",
         ),
     ),
+    Guard(
+        name="a journal export cut short is refused",
+        file="sdk/dagnats/sdk/export.py",
+        guard=(
+            "        raise _bad(source, last, "
+            '"the export ends without its end line: it was cut short")\n'
+        ),
+        removed='        end = {"records": sum(len(r) for r in records.values())}\n',
+        how="a truncated export replays as a shorter run, and its missing dispatches pass unseen",
+        tests=(
+            "tests/test_journal_replay.py::"
+            "test_a_damaged_export_is_refused_naming_the_file_and_line[cut-short]",
+        ),
+    ),
+    Guard(
+        name="a replay runs no tool the recording did not",
+        file="sdk/dagnats/sdk/testing/_recorded.py",
+        guard=(
+            "            case replay.RunNew() | replay.Honour():\n"
+            '                raise self._diverge("unrecorded_call", position, asked)\n'
+        ),
+        removed=(
+            "            case replay.RunNew() | replay.Honour():\n"
+            "                return jpb.BeginToolResponse(token=request.token, run=True)\n"
+        ),
+        how="new code's extra tool call runs its tool during the replay, and passes",
+        tests=(
+            "tests/test_journal_replay.py::"
+            "test_each_change_is_named_with_what_was_recorded_and_what_was_asked[extra_tool]",
+        ),
+    ),
 )
 
 

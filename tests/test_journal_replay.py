@@ -46,7 +46,8 @@ def agent(
 ) -> Any:
     """The recorded handler, or new code with one ``change``: ``swapped``
     (the tool before the model), ``renamed`` (another tool), ``extra`` (one
-    more model call), ``fewer`` (no tool call). ``last`` is the iteration that
+    more model call), ``extra_tool`` (one more tool call), ``fewer`` (no tool
+    call). ``last`` is the iteration that
     completes; ``flaky``: the first attempt's model call fails."""
 
     async def think(tc: TaskContext) -> Any:
@@ -74,6 +75,8 @@ def agent(
             await journal.tools(pair)
         if change == "extra":
             await journal.model(lambda: think(tc))
+        if change == "extra_tool":
+            await journal.tool(ToolCall(name="notify", input={}), Replay.UNSAFE, lookup)
         await tc.append_state("seen", [reply["say"]])
         if tc.iteration >= last:
             await tc.complete({"turns": tc.iteration + 1})
@@ -145,15 +148,11 @@ async def test_a_handler_that_ends_sooner_diverges_at_its_commit(
     ("change", "position", "kind", "was", "asked"),
     [
         ("renamed", 1, "different_call", "tool 'lookup'", "tool 'search'"),
-        (
-            "extra",
-            2,
-            "unrecorded_call",
-            "nothing: the dispatch's calls end at position 1",
-            "a model",
-        ),
+        ("extra", 2, "unrecorded_call", "nothing: the calls end at position 1", "a model"),
+        ("extra_tool", 2, "unrecorded_call", "nothing: the calls end at position 1", "tool 'n"),
         ("fewer", 1, "missing_calls", "tool 'lookup'", "a continue commit"),
     ],
+    ids=["renamed", "extra", "extra_tool", "fewer"],
 )
 async def test_each_change_is_named_with_what_was_recorded_and_what_was_asked(
     engine: EngineServer,
@@ -165,7 +164,9 @@ async def test_each_change_is_named_with_what_was_recorded_and_what_was_asked(
     asked: str,
 ) -> None:
     source = Deployment(engine.target, run_ids=[recorded.run_ids[5]])
-    report = await replay(source, agent(collections.Counter(), change=change))
+    counts: collections.Counter[str] = collections.Counter()
+    report = await replay(source, agent(counts, change=change))
+    assert counts == {}, "the replay called a model or a tool"
     first = report.divergences[0]
     assert (first.iteration, first.position, first.kind) == (0, position, kind)
     assert first.recorded.startswith(was) and first.asked.startswith(asked)

@@ -341,7 +341,7 @@ def _recorded_at(
     ]
     if not here:
         if ended is not None and position >= ended:
-            return f"nothing: the dispatch's calls end at position {ended - 1}"
+            return f"nothing: the calls end at position {ended - 1}"
         return "no call at this position"
     match here[-1]:
         case jm.ModelEntry():
