@@ -288,6 +288,22 @@ async def test_a_missing_run_or_journal_is_a_clear_error(
     assert f"run {plain_id} has no journal" in capsys.readouterr().err
 
 
+async def test_fields_a_newer_writer_adds_are_ignored(
+    engine: EngineServer, recorded: Recorded, tmp_path: Path
+) -> None:
+    path = tmp_path / "newer.jsonl"
+    assert await export(engine, recorded.run_ids[6], path) == 0
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines[0]["settings"] = {"model": "another"}
+    for line in lines[1:-1]:
+        line["record"]["attested"] = True
+        if "model" in line["record"]:
+            line["record"]["model"]["usage"] = {"input_tokens": 12, "output_tokens": 3}
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = await replay(path, agent(collections.Counter()))
+    assert report.ok and report.dispatches == ITERATIONS, report.lines()
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
