@@ -29,7 +29,7 @@ before all the recorded calls were made. The call then raises
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, TypeVar, cast
 
 from google.protobuf.message import Message
@@ -124,26 +124,25 @@ class RecordedDispatch:
     source: str = ""
 
 
-@dataclass
 class RecordedSession:
     """A :class:`~dagnats.sdk._session.Session` answered by a recorded
-    dispatch's journal (see the module's docstring)."""
+    dispatch's journal (see the module's docstring).
 
-    dispatch: RecordedDispatch
-    divergences: list[Divergence] = field(default_factory=list)
-    committed: jpb.Commit | None = None
-    asked_through: int = -1
-    _entries: tuple[jm.AnyEntry, ...] = ()
-    _ended: bool = False
+    Attributes:
+        dispatch: The recorded dispatch.
+        divergences: What diverged (the replay stops at the first).
+        recorded_positions: One past the last position the dispatch recorded
+            a call at.
+    """
 
-    def __post_init__(self) -> None:
-        self._entries = tuple(convert.all_entries(self.dispatch.records))
-
-    @property
-    def recorded_positions(self) -> int:
-        """One past the last position this dispatch recorded a call at."""
-        mine = [e for e in self._entries if e.attempt == self.dispatch.attempt]
-        return replay.replay_positions(mine)
+    def __init__(self, dispatch: RecordedDispatch) -> None:
+        self.dispatch = dispatch
+        self.divergences: list[Divergence] = []
+        self._entries = tuple(convert.all_entries(dispatch.records))
+        mine = [e for e in self._entries if e.attempt == dispatch.attempt]
+        self.recorded_positions = replay.replay_positions(mine)
+        self._asked_through = -1  # the last position the new code asked for
+        self._ended = False
 
     async def call(
         self, method: str, request: Message, answer: type[R], trace_context: Mapping[str, str]
@@ -269,10 +268,9 @@ class RecordedSession:
                 raise self._diverge("different_call", position, asked, reason)
 
     def _commit(self, request: jpb.CommitRequest) -> jpb.CommitResponse:
-        self.committed = request.commit
         asked = f"a {_action(request.commit)} commit"
-        if self.asked_through + 1 < self.recorded_positions:
-            raise self._diverge("missing_calls", self.asked_through + 1, asked)
+        if self._asked_through + 1 < self.recorded_positions:
+            raise self._diverge("missing_calls", self._asked_through + 1, asked)
         if request.commit.action != self.dispatch.commit.action:
             recorded = f"a {_action(self.dispatch.commit)} commit"
             raise self._diverge("different_commit", -1, asked, recorded=recorded)
@@ -282,7 +280,7 @@ class RecordedSession:
     # ---- divergences -------------------------------------------------------------------
 
     def _asked(self, position: int) -> int:
-        self.asked_through = max(self.asked_through, position)
+        self._asked_through = max(self._asked_through, position)
         return position
 
     def _diverge(
