@@ -108,15 +108,13 @@ class ReplayReport:
         """The report in words: a line per divergence, then a summary."""
         found = [str(d) for d in self.divergences]
         found += [f"skipped: {s}" for s in self.skipped]
-        found.append(
+        summary = (
             f"replayed {self.dispatches} dispatch(es) of {self.runs} run(s): "
             f"{len(self.divergences)} divergence(s)"
-            + (
-                f", {self.unfinished} failed dispatch(es) replayed to their end"
-                if self.unfinished
-                else ""
-            )
         )
+        if self.unfinished:
+            summary += f", {self.unfinished} failed dispatch(es) replayed to their recorded end"
+        found.append(summary)
         return found
 
 
