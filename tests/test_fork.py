@@ -1,0 +1,224 @@
+"""Forking a run from a record of its journal, and diffing two runs.
+
+One source run of a two-step workflow (``prep``, then the journaled agent
+loop ``agent``) is forked at a model record, at a tool result and inside its
+unsafe tool's window (the intent stored, no result). Each fork replays the
+copied records: the scripted models' calls and the tools' log show that
+nothing before the fork point ran again; the fork that sets ``model=b``
+reaches the handler as ``tc.settings``, and a steer reaches it as a placed
+input. ``journal check`` is clean on every fork, and finds a copied prefix
+that was altered.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from dagnats.engine.server import EngineServer
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.sdk import (
+    Client,
+    InputMode,
+    JournalClient,
+    Replay,
+    TaskContext,
+    ToolCall,
+    ToolRun,
+    Worker,
+)
+from dagnats.sdk.testing import ScriptedModel
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+WORKFLOW = {
+    "name": "fork-agent",
+    "steps": [
+        {"id": "prep", "task": "fork-prep"},
+        {
+            "id": "agent",
+            "type": "agent_loop",
+            "task": "fork-agent",
+            "depends_on": ["prep"],
+            "agent_loop": {"max_iterations": 5},
+        },
+    ],
+}
+
+
+class Harness:
+    """The handlers, their models (one per setting) and the tools' log."""
+
+    def __init__(self) -> None:
+        self.models = {
+            name: ScriptedModel([{"text": f"{name}{i}"} for i in range(100)]) for name in "ab"
+        }
+        self.tools: list[tuple[str, str, Any]] = []  # (run, tool, input) per start
+        self.prep_runs: list[str] = []
+        self.settings: dict[str, dict[str, str]] = {}
+
+    async def prep(self, tc: TaskContext) -> None:
+        self.prep_runs.append(tc.run_id)
+        await tc.complete({"topic": tc.input["topic"]})
+
+    async def agent(self, tc: TaskContext) -> None:
+        self.settings[tc.run_id] = dict(tc.settings)
+        model = self.models[tc.settings.get("model", "a")]
+        j = await tc.journal()
+        steers = [p.content for p in await j.place_inputs(InputMode.STEER)]
+        first = await j.model(lambda: model([tc.run_id, tc.iteration, "first"]))
+
+        async def tool(run: ToolRun) -> Any:
+            self.tools.append((tc.run_id, run.call.name, run.call.input))
+            return {"ran": run.call.name}
+
+        call = ToolCall(name="search", input={"q": first["text"]})
+        searched = await j.tool(call, Replay.SAFE, tool)
+        sent = await j.tool(ToolCall(name="send", input={"to": "ops"}), Replay.UNSAFE, tool)
+        second = await j.model(lambda: model([tc.run_id, tc.iteration, "second"]))
+        state = await tc.load_checkpoint() or {"turns": []}
+        send = "interrupted" if sent.interrupted else sent.output["ran"]
+        state["turns"].append([first["text"], searched.output["ran"], send, second["text"]])
+        await tc.checkpoint(state)
+        out = {"turns": state["turns"], "steers": steers}
+        if tc.iteration < 1:
+            await tc.continue_(out)
+        else:
+            await tc.complete(out)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def harness(engine: EngineServer, client: Client) -> AsyncIterator[Harness]:
+    h = Harness()
+    await client.register_workflow(WORKFLOW)
+    handlers = {"fork-prep": h.prep, "fork-agent": h.agent}
+    async with Worker(engine.target, handlers=handlers, poll_wait=1.0):
+        yield h
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def journal(engine: EngineServer) -> AsyncIterator[JournalClient]:
+    async with JournalClient(engine.target) as j:
+        yield j
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def source(harness: Harness, client: Client) -> pb.Run:
+    run = await client.start_run("fork-agent", {"topic": "t"}, settings={"model": "a"})
+    return await client.wait_for_run(run.run_id)
+
+
+async def records(journal: JournalClient, run_id: str, step: str = "agent") -> list[jpb.Record]:
+    return [r async for r in journal.read(run_id, step)]
+
+
+def kinds(rs: list[jpb.Record]) -> list[str]:
+    return [f"{r.seq}:{r.iteration}.{r.attempt}:{r.WhichOneof('kind')}" for r in rs]
+
+
+async def test_source_runs_with_its_settings(
+    source: pb.Run, harness: Harness, journal: JournalClient
+) -> None:
+    assert source.status == pb.RUN_STATUS_COMPLETED, source.error
+    assert dict(source.settings) == {"model": "a"}
+    assert harness.settings[source.run_id] == {"model": "a"}
+    assert [r.WhichOneof("kind") for r in await records(journal, source.run_id)] == SHAPE
+
+
+# The source's journal of ``agent``: per iteration, the first response with
+# the safe tool's intent, its result, the unsafe tool's intent, its result,
+# and the second response with the commit.
+SHAPE = ["tool_intent", "tool_result", "tool_intent", "tool_result", "commit"] * 2
+
+
+def asked(harness: Harness, run_id: str) -> dict[str, list[tuple[int, str]]]:
+    """Each model's requests for ``run_id``: (iteration, which call)."""
+    return {
+        name: [(r[1], r[2]) for r in model.requests if r[0] == run_id]
+        for name, model in harness.models.items()
+    }
+
+
+def started(harness: Harness, run_id: str) -> list[str]:
+    return [name for run, name, _ in harness.tools if run == run_id]
+
+
+async def fork(
+    client: Client, source: pb.Run, journal: JournalClient, index: int, **changes: Any
+) -> tuple[pb.Run, list[jpb.Record]]:
+    """Fork ``source`` after its ``index``-th record of ``agent``; the
+    ended fork and its journal."""
+    at = (await records(journal, source.run_id))[index].seq
+    answer = await client.fork_run(source.run_id, "agent", at, **changes)
+    assert answer.created and answer.copied == index + 1
+    assert answer.run.forked_from.run_id == source.run_id
+    assert answer.run.forked_from.at_seq == at
+    ended = await client.wait_for_run(answer.run.run_id)
+    assert ended.status == pb.RUN_STATUS_COMPLETED, ended.error
+    check = await journal.check(ended.run_id)
+    assert list(check.violations) == []
+    return ended, await records(journal, ended.run_id)
+
+
+async def test_fork_at_a_model_record_with_another_model(
+    source: pb.Run, harness: Harness, client: Client, journal: JournalClient
+) -> None:
+    # Record 0 holds the first response (leading) and the safe tool's intent.
+    forked, rs = await fork(client, source, journal, 0, settings={"model": "b"})
+    assert harness.settings[forked.run_id] == {"model": "b"}
+    assert dict(forked.settings) == {"model": "b"}
+    # The first response is the source's; nothing asked model a again.
+    assert asked(harness, forked.run_id) == {
+        "a": [],
+        "b": [(0, "second"), (1, "first"), (1, "second")],
+    }
+    # The safe tool's intent had no result in the prefix: it runs again.
+    assert started(harness, forked.run_id) == ["search", "send", "search", "send"]
+    turns = run_output(forked)["turns"]
+    assert turns[0][0] == run_output(source)["turns"][0][0]
+    assert turns[0][3].startswith("b") and turns[1][0].startswith("b")
+    assert rs[1].WhichOneof("kind") == "fork"
+    assert rs[1].fork.copied == 1 and rs[1].fork.run_id == source.run_id
+    assert harness.prep_runs.count(forked.run_id) == 0  # carried over, not run
+
+
+async def test_fork_at_a_tool_result(
+    source: pb.Run, harness: Harness, client: Client, journal: JournalClient
+) -> None:
+    forked, _ = await fork(client, source, journal, 1)
+    assert asked(harness, forked.run_id)["a"] == [(0, "second"), (1, "first"), (1, "second")]
+    assert started(harness, forked.run_id) == ["send", "search", "send"]
+    assert run_output(forked)["turns"][0][:2] == run_output(source)["turns"][0][:2]
+
+
+async def test_fork_inside_the_unsafe_tools_window(
+    source: pb.Run, harness: Harness, client: Client, journal: JournalClient
+) -> None:
+    # Record 2 is the unsafe tool's intent; its result is not copied.
+    forked, rs = await fork(client, source, journal, 2)
+    assert started(harness, forked.run_id) == ["search", "send"]  # iteration 1 only
+    assert run_output(forked)["turns"][0][2] == "interrupted"
+    results = [r for r in rs if r.WhichOneof("kind") == "tool_result" and r.tool_result.interrupted]
+    assert len(results) == 1 and results[0].tool_result.intent_seq == rs[2].seq
+    assert asked(harness, forked.run_id)["a"] == [(0, "second"), (1, "first"), (1, "second")]
+
+
+async def test_fork_at_a_continue_with_a_steer_and_input(
+    source: pb.Run, harness: Harness, client: Client, journal: JournalClient
+) -> None:
+    forked, _ = await fork(client, source, journal, 4, steer={"say": "left"}, input={"topic": "u"})
+    out = run_output(forked)
+    assert out["steers"] == [{"say": "left"}]
+    assert out["turns"][0] == run_output(source)["turns"][0]  # the state of the commit
+    assert asked(harness, forked.run_id)["a"] == [(1, "first"), (1, "second")]
+    assert started(harness, forked.run_id) == ["search", "send"]
+    assert json.loads(forked.input) == {"topic": "u"}
+
+
+def run_output(run: pb.Run) -> Any:
+    return json.loads(run.output)
