@@ -12,6 +12,7 @@ that was altered.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,8 +20,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from dagnats.core import errors, seam
+from dagnats.core.ids import new_run_id
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.gateway.rundiff import run_diff
+from dagnats.journal.fork import moved
+from dagnats.journal.store import JournalStore
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import (
     Client,
@@ -32,6 +38,8 @@ from dagnats.sdk import (
     ToolRun,
     Worker,
 )
+from dagnats.sdk.diff import format_diff
+from dagnats.sdk.rpc import EngineRpc
 from dagnats.sdk.testing import ScriptedModel
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -222,3 +230,128 @@ async def test_fork_at_a_continue_with_a_steer_and_input(
 
 def run_output(run: pb.Run) -> Any:
     return json.loads(run.output)
+
+
+async def test_diff_of_two_forks(
+    source: pb.Run, harness: Harness, client: Client, journal: JournalClient, engine: EngineServer
+) -> None:
+    a, _ = await fork(client, source, journal, 1)
+    b, _ = await fork(client, source, journal, 1, settings={"model": "b"})
+    async with Client(engine.target) as c, JournalClient(engine.target) as j:
+        found = await run_diff(c, j, a.run_id, b.run_id)
+    agent = next(s for s in found["steps"] if s["step"] == "agent")
+    # The copied model response, the search and its result, then the same
+    # unsafe call and result (the same tool and input): five in common.
+    assert agent["common"] == 5
+    first = agent["rows"][0]
+    assert first["a"]["kind"] == first["b"]["kind"] == "model"
+    assert first["a"]["text"].startswith('model: {"text":"a')
+    assert first["b"]["text"].startswith('model: {"text":"b')
+    assert not found["outcome"]["same"]
+    assert found["outcome"]["a"]["status"] == found["outcome"]["b"]["status"] == "completed"
+    prep = next(s for s in found["steps"] if s["step"] == "prep")
+    assert prep["same"]
+    text = format_diff(found)
+    assert "step agent: 5 entries in common" in text and "outcome b: completed" in text
+
+
+async def test_bad_forks_are_refused(
+    source: pb.Run, client: Client, journal: JournalClient, engine: EngineServer
+) -> None:
+    rs = await records(journal, source.run_id)
+    other = "0" * 32
+    cases: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({"run_id": other}, errors.NotFound, "does not exist"),
+        ({"step_id": "nope"}, errors.NotFound, "no step 'nope'"),
+        ({"step_id": "prep"}, errors.InvalidArgument, "is not a record"),
+        ({"at_seq": 0}, errors.InvalidArgument, "at_seq is required"),
+        ({"at_seq": rs[-1].seq + 10_000}, errors.InvalidArgument, "is not a record"),
+        ({"at_seq": rs[-1].seq}, errors.InvalidArgument, r"commit \(complete\) that ends the step"),
+        ({"run_id": "nothex"}, errors.InvalidArgument, "run_id"),
+        ({"step_id": "a.b"}, errors.InvalidArgument, "step_id"),
+        ({"settings": {"a.b": "x"}}, errors.InvalidArgument, "settings name"),
+        ({"settings": {"m": "x" * 1025}}, errors.InvalidArgument, "longer than 1024"),
+        ({"steer": b"{"}, errors.InvalidArgument, "changes.steer"),
+        ({"input": b"nope"}, errors.InvalidArgument, "changes.input"),
+    ]
+    rpc = EngineRpc(engine.target, timeout=10.0)
+    try:
+        for change, error, message in cases:
+            fields: dict[str, Any] = {
+                "run_id": source.run_id,
+                "step_id": "agent",
+                "at_seq": rs[0].seq,
+                **change,
+            }
+            request = pb.ForkRunRequest(
+                run_id=fields["run_id"],
+                step_id=fields["step_id"],
+                at_seq=fields["at_seq"],
+                changes=pb.ForkChanges(
+                    settings=fields.get("settings", {}),
+                    steer=fields.get("steer", b""),
+                    input=fields.get("input", b""),
+                    has_input="input" in fields,
+                ),
+            )
+            with pytest.raises(error, match=message):
+                await rpc.fork_run(request)
+    finally:
+        await rpc.close()
+    # A purged source is gone: its fork is refused as not found.
+    done = await client.start_run("fork-agent", {"topic": "p"})
+    done = await client.wait_for_run(done.run_id)
+    at = (await records(journal, done.run_id))[0].seq
+    await client.purge_run(done.run_id)
+    with pytest.raises(errors.NotFound, match="does not exist"):
+        await client.fork_run(done.run_id, "agent", at)
+
+
+async def test_a_fork_stopped_half_way_is_finished_by_its_retry_and_an_altered_copy_is_found(
+    source: pb.Run, harness: Harness, client: Client, journal: JournalClient, engine: EngineServer
+) -> None:
+    rs = await records(journal, source.run_id)
+    stopped = asyncio.Event()
+
+    async def crash(name: str) -> None:
+        if name == "after_fork_first_copy" and not stopped.is_set():
+            stopped.set()
+            raise RuntimeError("crashed after the first copy")
+
+    seam.install(crash)
+    try:
+        with pytest.raises(errors.DagnatsError):
+            await client.fork_run(source.run_id, "agent", rs[2].seq, idempotency_key="half")
+    finally:
+        seam.install(None)
+    # No run was stored: nothing of the half-copied journal can be claimed.
+    listed = await client.list_runs(workflow="fork-agent", limit=100)
+    assert len(listed) == len({r.run_id for r in listed})
+    before = {r.run_id for r in listed}
+    answer = await client.fork_run(source.run_id, "agent", rs[2].seq, idempotency_key="half")
+    assert answer.created and answer.run.run_id not in before
+    again = await client.fork_run(source.run_id, "agent", rs[2].seq, idempotency_key="half")
+    assert not again.created and again.run.run_id == answer.run.run_id
+    ended = await client.wait_for_run(answer.run.run_id)
+    assert ended.status == pb.RUN_STATUS_COMPLETED
+    copied = await records(journal, ended.run_id)
+    assert [r.WhichOneof("kind") for r in copied[:4]] == [*SHAPE[:3], "fork"]
+    assert list((await journal.check(ended.run_id)).violations) == []
+    assert asked(harness, ended.run_id)["a"] == [(0, "second"), (1, "first"), (1, "second")]
+
+    # A copy altered between the crash and the retry: journal check finds it.
+    store = JournalStore(engine.nc)
+    target = new_run_id()
+    first = moved(rs[0], target, {})
+    seq = await store.append_copied(first, after=0, msg_id=f"{target}.agent.copy.0")
+    altered = moved(rs[1], target, {rs[0].seq: seq})
+    altered.tool_result.output = b'{"ran": "something else"}'
+    await store.append_copied(altered, after=seq, msg_id=f"{target}.agent.copy.1")
+    bound = await engine.engine.store.claim_run_key("fork-agent", "fork.altered", target)
+    assert bound == target
+    forged = await client.fork_run(source.run_id, "agent", rs[2].seq, idempotency_key="altered")
+    assert forged.run.run_id == target
+    await client.wait_for_run(target)
+    check = await journal.check(target)
+    assert [v.rule for v in check.violations] == ["fork_prefix"]
+    assert "are not the ones it copied" in check.violations[0].message

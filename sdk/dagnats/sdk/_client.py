@@ -33,9 +33,6 @@ def run_output(run: pb.Run) -> Any:
     return decode(run.output, field="output")
 
 
-_KEEP: Any = object()
-
-
 class Client:
     """Registers workflows and starts, watches, cancels and purges runs.
 
@@ -161,7 +158,7 @@ class Client:
         step_id: str,
         at_seq: int,
         *,
-        input: Any = _KEEP,
+        input: Any = None,
         settings: Mapping[str, str] | None = None,
         steer: Any = None,
         idempotency_key: str = "",
@@ -174,7 +171,7 @@ class Client:
             run_id: The source run (running or ended).
             step_id: The step whose journal is copied.
             at_seq: The last record copied.
-            input: The new run's input; the source's when not given.
+            input: The new run's input; None keeps the source's.
             settings: Settings set on top of the source's (an empty value
                 removes one).
             steer: A steering input (JSON-serialisable) the forked step places.
@@ -190,7 +187,7 @@ class Client:
             NotFound: no such run (or it was purged), or no such step.
         """
         changes = pb.ForkChanges(settings=check_settings(settings or {}))
-        if input is not _KEEP:
+        if input is not None:
             changes.input, changes.has_input = encode(input, field="input"), True
         if steer is not None:
             changes.steer = encode(steer, field="steer")
