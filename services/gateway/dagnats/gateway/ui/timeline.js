@@ -19,9 +19,11 @@
 //   intent is named by its record's sequence and its index in that record.
 
 import { badge, fill, h, jsonBlock, short, when } from "./dom.js";
+import { forkButton } from "./fork.js";
 
 export class Timeline {
-  constructor(records, live) {
+  constructor(records, live, where = null) {
+    this.where = where; // { run, step }: each record gets a "fork from here"
     this.list = records; // <ol> of records (and abandoned previews)
     this.live = live; // <ol> of previews in flight
     this.seen = new Map(); // seq -> element
@@ -68,6 +70,9 @@ export class Timeline {
       ),
       h("div", { class: "rec-body" }, body),
     );
+    if (this.where && rec.kind !== "cancel") {
+      el.querySelector(".rec-head").append(forkButton(this.where.run, this.where.step, rec.seq, el));
+    }
     if (!this.seen.has(rec.seq)) this.seen.set(rec.seq, el);
     if (rec.kind === "model") this.models.set(rec.seq, el);
     this.list.append(el);
@@ -88,6 +93,17 @@ export class Timeline {
         .append(h("p", { class: "fenced-by", "data-fenced-by": rec.seq }, badge("fenced", "fenced"), ` fenced by claim #${rec.seq} of writer `, short(rec.writer)));
     }
     return parts;
+  }
+
+  _fork(rec) {
+    const f = rec.fork;
+    return h(
+      "p",
+      { class: "forked" },
+      `The ${f.copied} records before this one are copies of run `,
+      h("a", { href: `#/runs/${encodeURIComponent(f.run_id)}/steps/${encodeURIComponent(f.step_id)}` }, short(f.run_id, 12)),
+      `'s records of step ${f.step_id} through #${f.at_seq}; the step resumes here.`,
+    );
   }
 
   _after_claim(rec, el) {
@@ -322,4 +338,5 @@ const KIND = {
   tool_result: "tool result",
   input_placed: "input placed",
   commit: "commit",
+  fork: "fork",
 };
