@@ -17,6 +17,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 
@@ -41,6 +42,7 @@ from dagnats.sdk import (
 from dagnats.sdk.diff import format_diff
 from dagnats.sdk.rpc import EngineRpc
 from dagnats.sdk.testing import ScriptedModel
+from tests.test_cli import adagnats
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -355,3 +357,91 @@ async def test_a_fork_stopped_half_way_is_finished_by_its_retry_and_an_altered_c
     check = await journal.check(target)
     assert [v.rule for v in check.violations] == ["fork_prefix"]
     assert "are not the ones it copied" in check.violations[0].message
+
+
+async def test_fork_and_diff_over_rest(
+    source: pb.Run, harness: Harness, http: httpx.AsyncClient, journal: JournalClient
+) -> None:
+    started = await http.post(
+        "/runs",
+        json={"workflow": "fork-agent", "input": {"topic": "r"}, "settings": {"model": "b"}},
+    )
+    assert started.status_code == 201 and started.json()["settings"] == {"model": "b"}
+    bad = await http.post("/runs", json={"workflow": "fork-agent", "settings": {"a b": "x"}})
+    assert bad.status_code == 400 and bad.json()["field"] == "settings name", bad.text
+    at = (await records(journal, source.run_id))[1].seq
+    body = {"step_id": "agent", "at_seq": at, "settings": {"model": "b"}, "idempotency_key": "rest"}
+    made = await http.post(f"/runs/{source.run_id}/fork", json=body)
+    assert made.status_code == 201, made.text
+    forked = made.json()
+    assert forked["forked_from"] == {"run_id": source.run_id, "step_id": "agent", "at_seq": at}
+    assert forked["copied"] == 2 and forked["settings"] == {"model": "b"}
+    again = await http.post(f"/runs/{source.run_id}/fork", json=body)
+    assert again.status_code == 200 and again.json()["run_id"] == forked["run_id"]
+    ended = await wait_rest(http, forked["run_id"])
+    assert ended["status"] == "completed"
+    diff = await http.get(f"/runs/{source.run_id}/diff/{forked['run_id']}")
+    assert diff.status_code == 200, diff.text
+    agent = next(s for s in diff.json()["steps"] if s["step"] == "agent")
+    assert agent["common"] == 5 and agent["rows"][0]["b"]["text"].startswith('model: {"text":"b')
+    for url, payload, status, field in [
+        (f"/runs/{source.run_id}/fork", {**body, "at_seq": 0}, 400, "at_seq"),
+        (f"/runs/{source.run_id}/fork", {**body, "step_id": "x.y"}, 400, "step_id"),
+        (f"/runs/{source.run_id}/fork", {**body, "step_id": "ghost"}, 404, "step_id"),
+        (f"/runs/{'0' * 32}/fork", body, 404, "run_id"),
+        ("/runs/nothex/fork", body, 400, "run_id"),
+    ]:
+        answer = await http.post(url, json={**payload, "idempotency_key": ""})
+        assert answer.status_code == status, (url, payload, answer.text)
+        assert field in answer.json().get("field", "") + answer.text
+    bad_diff = await http.get(f"/runs/{source.run_id}/diff/nothex")
+    assert bad_diff.status_code == 400 and bad_diff.json()["field"] == "other"
+    missing = await http.get(f"/runs/{source.run_id}/diff/{'0' * 32}")
+    assert missing.status_code == 404
+
+
+async def wait_rest(http: httpx.AsyncClient, run_id: str) -> dict[str, Any]:
+    found: dict[str, Any] = (await http.get(f"/runs/{run_id}", params={"wait": "10s"})).json()
+    return found
+
+
+async def test_fork_and_diff_from_the_cli(
+    source: pb.Run, harness: Harness, engine: EngineServer, journal: JournalClient
+) -> None:
+    env = {"DAGNATS_ENGINE": engine.target}
+    at = str((await records(journal, source.run_id))[4].seq)
+    forked = await adagnats(
+        "run",
+        "fork",
+        source.run_id,
+        "--step",
+        "agent",
+        "--at",
+        at,
+        "--set",
+        "model=b",
+        "--steer",
+        "go right",
+        "--wait",
+        "--json",
+        env=env,
+    )
+    assert forked.returncode == 0, forked.stderr
+    run = json.loads(forked.stdout)
+    assert run["status"] == "completed" and run["settings"] == {"model": "b"}
+    assert run["output"]["steers"] == ["go right"]
+    diff = await adagnats("run", "diff", source.run_id, run["run_id"], env=env)
+    assert diff.returncode == 0, diff.stderr
+    assert "step agent: 7 entries in common" in diff.stdout
+    assert "input steer" in diff.stdout and "outcome b: completed" in diff.stdout
+    for args, needle in [
+        (["run", "fork", source.run_id, "--step", "agent", "--at", "x"], "--at"),
+        (
+            ["run", "fork", source.run_id, "--step", "agent", "--at", at, "--set", "model"],
+            "name=value",
+        ),
+        (["run", "diff", source.run_id, "nothex"], "run_b"),
+        (["run", "start", "fork-agent", "--set", "a.b=c"], "--set name"),
+    ]:
+        failed = await adagnats(*args, env=env)
+        assert failed.returncode != 0 and needle in failed.stderr, (args, failed.stderr)
