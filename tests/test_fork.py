@@ -172,7 +172,15 @@ async def fork(
     assert ended.status == pb.RUN_STATUS_COMPLETED, ended.error
     check = await journal.check(ended.run_id)
     assert list(check.violations) == []
-    return ended, await records(journal, ended.run_id)
+    rs = await records(journal, ended.run_id)
+    # Its first delivery claimed it: nothing was lost to a fenced first record.
+    after = rs[index + 2 :]
+    claims = [r.claim if r.HasField("claim") else r.leading_claim for r in after]
+    assert [c.delivery for c in claims if c.delivery] == [1] * len(
+        [c for c in claims if c.delivery]
+    )
+    assert rs[index + 1].HasField("fork")
+    return ended, rs
 
 
 async def test_fork_at_a_model_record_with_another_model(
@@ -445,3 +453,18 @@ async def test_fork_and_diff_from_the_cli(
     ]:
         failed = await adagnats(*args, env=env)
         assert failed.returncode != 0 and needle in failed.stderr, (args, failed.stderr)
+
+
+async def test_forks_sent_at_once_with_one_key_make_one_run_with_one_copy(
+    source: pb.Run, harness: Harness, client: Client, journal: JournalClient
+) -> None:
+    at = (await records(journal, source.run_id))[3].seq
+    answers = await asyncio.gather(
+        *(client.fork_run(source.run_id, "agent", at, idempotency_key="at-once") for _ in range(4))
+    )
+    assert len({a.run.run_id for a in answers}) == 1
+    run_id = answers[0].run.run_id
+    await client.wait_for_run(run_id)
+    rs = await records(journal, run_id)
+    assert [r.WhichOneof("kind") for r in rs[:5]] == [*SHAPE[:4], "fork"]
+    assert list((await journal.check(run_id)).violations) == []
