@@ -42,6 +42,7 @@ from dagnats.sdk import (
 from dagnats.sdk.diff import format_diff
 from dagnats.sdk.rpc import EngineRpc
 from dagnats.sdk.testing import ScriptedModel
+from tests.helpers import wait_for
 from tests.test_cli import adagnats
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -97,7 +98,7 @@ class Harness:
         await tc.checkpoint(state)
         out = {"turns": state["turns"], "steers": steers}
         if tc.iteration < 1:
-            await tc.continue_(out)
+            await tc.continue_(out, until_input=tc.settings.get("wait") == "input")
         else:
             await tc.complete(out)
 
@@ -438,6 +439,8 @@ async def test_fork_and_diff_from_the_cli(
     run = json.loads(forked.stdout)
     assert run["status"] == "completed" and run["settings"] == {"model": "b"}
     assert run["output"]["steers"] == ["go right"]
+    read = await adagnats("journal", "read", run["run_id"], "agent", env=env)
+    assert f"5 records copied from run {source.run_id} step agent through seq {at}" in read.stdout
     diff = await adagnats("run", "diff", source.run_id, run["run_id"], env=env)
     assert diff.returncode == 0, diff.stderr
     assert "step agent: 7 entries in common" in diff.stdout
@@ -468,3 +471,24 @@ async def test_forks_sent_at_once_with_one_key_make_one_run_with_one_copy(
     rs = await records(journal, run_id)
     assert [r.WhichOneof("kind") for r in rs[:5]] == [*SHAPE[:4], "fork"]
     assert list((await journal.check(run_id)).violations) == []
+
+
+async def test_a_running_run_is_forked_from_what_it_has_stored(
+    harness: Harness, client: Client, journal: JournalClient
+) -> None:
+    run = await client.start_run("fork-agent", {"topic": "w"}, settings={"wait": "input"})
+
+    async def waiting() -> bool:
+        found = await client.get_run(run.run_id)
+        return found.steps[1].waiting_for_input
+
+    await wait_for(waiting, timeout=10, message="the source waits for an input")
+    rs = await records(journal, run.run_id)
+    answer = await client.fork_run(run.run_id, "agent", rs[1].seq, settings={"wait": ""})
+    assert dict(answer.run.settings) == {}  # an empty value removes a setting
+    forked = await client.wait_for_run(answer.run.run_id)
+    assert forked.status == pb.RUN_STATUS_COMPLETED, forked.error
+    assert list((await journal.check(forked.run_id)).violations) == []
+    still = await client.get_run(run.run_id)
+    assert still.status == pb.RUN_STATUS_RUNNING and still.steps[1].waiting_for_input
+    await client.cancel_run(run.run_id)
