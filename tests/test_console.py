@@ -436,7 +436,7 @@ async def test_a_run_is_forked_from_a_record_of_its_timeline_and_diffed_with_its
     await expect(sound).to_have_attribute("data-sound", "true", timeout=WAIT)
     await page.click("#diff-source")
     diff = page.locator('#diff .diff-step[data-step="agent"]')
-    await expect(diff.locator(".diff-common")).to_have_text("1 entries in common", timeout=WAIT)
+    await expect(diff.locator(".diff-common")).to_have_text("1 entry in common", timeout=WAIT)
     await expect(diff.locator("tbody tr").first).to_contain_text("turn back")
     await expect(diff.locator("tbody tr").first).to_contain_text("go on")
     await expect(page.locator("#outcome-a")).to_contain_text("turn back")

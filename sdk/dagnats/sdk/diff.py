@@ -100,7 +100,8 @@ def format_diff(diff: Mapping[str, Any], *, width: int = 60) -> str:
     lines = [f"a: run {diff['a']}", f"b: run {diff['b']}"]
     for step in diff["steps"]:
         same = " (the same)" if step["same"] else ""
-        lines.append(f"step {step['step']}: {step['common']} entries in common{same}")
+        common = step["common"]
+        lines.append(f"step {step['step']}: {common} {_entries(common)} in common{same}")
         for row in step["rows"]:
             left, right = (_cell(row[side], width) for side in ("a", "b"))
             lines.append(f"  {left:<{width + 8}} | {right}")
@@ -112,6 +113,10 @@ def format_diff(diff: Mapping[str, Any], *, width: int = 60) -> str:
     if outcome["same"]:
         lines.append("the outcomes are the same")
     return "\n".join(lines)
+
+
+def _entries(n: int) -> str:
+    return "entry" if n == 1 else "entries"
 
 
 def _cell(entry: Mapping[str, Any] | None, width: int) -> str:

@@ -129,7 +129,7 @@ function diffView(d) {
         "section",
         { class: "diff-step", "data-step": s.step },
         h("h2", {}, `Step ${s.step}`),
-        h("p", { class: "hint diff-common" }, `${s.common} entries in common`, s.same ? " — the same" : ""),
+        h("p", { class: "hint diff-common" }, `${s.common} ${s.common === 1 ? "entry" : "entries"} in common`, s.same ? " — the same" : ""),
         s.rows.length
           ? h(
               "table",

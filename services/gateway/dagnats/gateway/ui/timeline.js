@@ -44,10 +44,10 @@ export class Timeline {
       this.iteration = rec.iteration;
       this.list.append(h("li", { class: "iter", "data-iteration": rec.iteration }, `Iteration ${rec.iteration}`));
     }
-    if (rec.leading_claim) this._entry({ ...rec, kind: "claim", claim: rec.leading_claim, leading: null });
+    if (rec.leading_claim) this._entry({ ...rec, kind: "claim", claim: rec.leading_claim, leading: null, part: true });
     if (rec.leading) {
       const kind = rec.leading.replace(/^leading_/, "");
-      this._entry({ ...rec, kind, [kind]: rec[rec.leading], leading: null });
+      this._entry({ ...rec, kind, [kind]: rec[rec.leading], leading: null, part: true });
     }
     this._entry(rec);
     const stream = this.recordOf.get(rec.seq);
@@ -70,7 +70,7 @@ export class Timeline {
       ),
       h("div", { class: "rec-body" }, body),
     );
-    if (this.where && rec.kind !== "cancel") {
+    if (this.where && forkable(rec)) {
       el.querySelector(".rec-head").append(forkButton(this.where.run, this.where.step, rec.seq, el));
     }
     if (!this.seen.has(rec.seq)) this.seen.set(rec.seq, el);
@@ -327,6 +327,14 @@ export class Timeline {
     if (this.ended) this.list.insertBefore(p.el, this.ended);
     else this.list.append(p.el);
   }
+}
+
+// A record a run can resume after: its last entry (a record's leading entries
+// are copied with it), neither a cancel nor a commit that ends the step or its
+// attempt.
+function forkable(rec) {
+  if (rec.part || rec.kind === "cancel") return false;
+  return rec.kind !== "commit" || rec.commit.action === "continue";
 }
 
 const KIND = {
