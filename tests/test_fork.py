@@ -343,6 +343,7 @@ async def test_a_fork_stopped_half_way_is_finished_by_its_retry_and_an_altered_c
     assert answer.created and answer.run.run_id not in before
     again = await client.fork_run(source.run_id, "agent", rs[2].seq, idempotency_key="half")
     assert not again.created and again.run.run_id == answer.run.run_id
+    assert again.run.idempotency_key == "fork.half"
     ended = await client.wait_for_run(answer.run.run_id)
     assert ended.status == pb.RUN_STATUS_COMPLETED
     copied = await records(journal, ended.run_id)

@@ -141,10 +141,11 @@ class Forks:
             case replay.ResumeAt():
                 pass
         run_id = new_run_id()
-        if asked.key:
-            run_id = await self.engine.store.claim_run_key(
-                run.run.workflow, f"fork.{asked.key}", run_id
-            )
+        # A fork's key has a namespace of its own beside StartRun's; the run
+        # keeps it as its idempotency key, so that its purge releases it.
+        key = f"fork.{asked.key}" if asked.key else ""
+        if key:
+            run_id = await self.engine.store.claim_run_key(run.run.workflow, key, run_id)
             existing = await self.engine.read_run(run_id)
             if existing is not None:
                 if existing.record.outbox:
@@ -168,7 +169,7 @@ class Forks:
             input=origin_run.input if asked.input is None else asked.input,
             settings=tuple(sorted(merged(dict(origin_run.settings), asked.settings).items())),
             now=self.engine.clock(),
-            idempotency_key=asked.key,
+            idempotency_key=key,
         )
         trace_context: dict[str, str] = {}
         tracing.inject(trace_context)
