@@ -379,6 +379,15 @@ async def test_fork_and_diff_over_rest(
     assert started.status_code == 201 and started.json()["settings"] == {"model": "b"}
     bad = await http.post("/runs", json={"workflow": "fork-agent", "settings": {"a b": "x"}})
     assert bad.status_code == 400 and bad.json()["field"] == "settings name", bad.text
+    # An HTTP worker reads the run's settings in the task the bridge leases it.
+    await http.post(
+        "/workflows", json={"name": "fork-bridge", "steps": [{"id": "s", "task": "fb"}]}
+    )
+    bridged = await http.post("/runs", json={"workflow": "fork-bridge", "settings": {"model": "c"}})
+    polled = await http.post("/bridge/poll", json={"task_types": ["fb"], "wait": "10s"})
+    assert polled.status_code == 200, polled.text
+    assert polled.json()["tasks"][0]["task"]["settings"] == {"model": "c"}
+    await http.post(f"/runs/{bridged.json()['run_id']}/cancel", json={})
     at = (await records(journal, source.run_id))[1].seq
     body = {"step_id": "agent", "at_seq": at, "settings": {"model": "b"}, "idempotency_key": "rest"}
     made = await http.post(f"/runs/{source.run_id}/fork", json=body)
