@@ -502,3 +502,16 @@ async def test_a_running_run_is_forked_from_what_it_has_stored(
     still = await client.get_run(run.run_id)
     assert still.status == pb.RUN_STATUS_RUNNING and still.steps[1].waiting_for_input
     await client.cancel_run(run.run_id)
+
+
+async def test_a_fork_of_a_fork_copies_both_prefixes_and_checks_clean(
+    source: pb.Run, harness: Harness, client: Client, journal: JournalClient
+) -> None:
+    first, rs = await fork(client, source, journal, 1, settings={"model": "b"})
+    # After the first fork's own record: its claim, then its records; fork
+    # at the unsafe tool's result, past the copies and the fork record.
+    at = next(i for i, r in enumerate(rs) if r.HasField("tool_result") and i > 3)
+    second, rs2 = await fork(client, first, journal, at)
+    assert [r.HasField("fork") for r in rs2].count(True) == 2
+    assert asked(harness, second.run_id)["b"] == [(0, "second"), (1, "first"), (1, "second")]
+    assert started(harness, second.run_id) == ["search", "send"]

@@ -79,8 +79,8 @@ Invariants, named by the rule a violation reports:
   records through the fork's ``at_seq`` have that digest too (the edge
   computes both digests, ``journal.fork.prefix_digest``): a copy altered
   after the fork, or a fork record altered to match it, is found. A fork's
-  record is no writer's: it fences nothing, and nothing claims before it in
-  its own journal but the copies.
+  record is no writer's: it fences nothing. In a fork of a fork the last
+  fork record is the journal's own; the ones before it are copies.
 
 Findings come in sequence order; findings that name no record (seq 0) last.
 A broken record is reported once per invariant it breaks: a duplicate commit
@@ -392,9 +392,9 @@ def _fork_prefix(records: Sequence[AnyEntry], digests: ForkDigests | None) -> It
     forks = [r for r in records if isinstance(r, ForkEntry)]
     if not forks:
         return
-    fork, *others = forks
-    for other in others:
-        yield other.seq, "fork_prefix", f"seq {other.seq} is a second fork record"
+    # The last is this journal's own; any before it were copied with the
+    # prefix (a fork of a fork), and the digest covers them.
+    fork = forks[-1]
     before = len({r.seq for r in records if r.seq < fork.seq})
     if before != fork.copied:
         yield (

@@ -857,7 +857,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
     async def _fork_digests(self, records: list[pb.Record]) -> audit.ForkDigests | None:
         """The digests of a forked step's copied prefix: as this journal
         holds it, and as its source holds it while the source run exists."""
-        at = next((i for i, r in enumerate(records) if r.HasField("fork")), None)
+        # The last fork record is this journal's own (a fork of a fork copies
+        # its source's with the prefix).
+        at = next((i for i in reversed(range(len(records))) if records[i].HasField("fork")), None)
         if at is None:
             return None
         fork = records[at].fork
