@@ -449,6 +449,9 @@ async def test_fork_and_diff_from_the_cli(
     run = json.loads(forked.stdout)
     assert run["status"] == "completed" and run["settings"] == {"model": "b"}
     assert run["output"]["steers"] == ["go right"]
+    shown = await adagnats("run", "get", run["run_id"], env=env)
+    assert f"forked    from run {source.run_id} step agent at seq {at}" in shown.stdout
+    assert "settings  model=b" in shown.stdout
     read = await adagnats("journal", "read", run["run_id"], "agent", env=env)
     assert f"5 records copied from run {source.run_id} step agent through seq {at}" in read.stdout
     diff = await adagnats("run", "diff", source.run_id, run["run_id"], env=env)
