@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import assert_never
 
 from dagnats.core import errors, tracing
 from dagnats.core.errors import Fenced
@@ -115,37 +116,13 @@ class Forks:
             NotFound: no such run (or it was purged), or no such step.
         """
         asked = _checked(request)
-        source = await self.engine.read_run(asked.run_id)
-        if source is None:
-            raise errors.NotFound(
-                f"run {asked.run_id} does not exist (or was purged)", field="run_id"
-            )
-        run = source.record  # the run now
-        origin_run = record_from_proto(source.record)
-        if not origin_run.has_step(asked.step_id):
-            raise errors.NotFound(
-                f"run {asked.run_id} has no step {asked.step_id!r}", field="step_id"
-            )
-        if origin_run.workflow.step(asked.step_id).task is None:
-            raise errors.InvalidArgument(
-                f"step {asked.step_id!r} runs a child run, not a handler: it has no journal",
-                field="step_id",
-            )
-        records = await self.journal.read(
-            asked.run_id, asked.step_id, after=0, through=asked.at_seq
-        )
-        resume = replay.fork_point(jconvert.all_entries(records), asked.at_seq)
-        match resume:
-            case replay.NoResume(reason=reason):
-                raise errors.InvalidArgument(reason, field="at_seq")
-            case replay.ResumeAt():
-                pass
-        run_id = new_run_id()
+        source, records, resume = await self._source(asked)
         # A fork's key has a namespace of its own beside StartRun's; the run
         # keeps it as its idempotency key, so that its purge releases it.
         key = f"fork.{asked.key}" if asked.key else ""
+        run_id = new_run_id()
         if key:
-            run_id = await self.engine.store.claim_run_key(run.run.workflow, key, run_id)
+            run_id = await self.engine.store.claim_run_key(source.workflow.name, key, run_id)
             existing = await self.engine.read_run(run_id)
             if existing is not None:
                 if existing.record.outbox:
@@ -155,34 +132,62 @@ class Forks:
         await seam("after_fork_copied")
         if asked.steer:
             await self._steer(run_id, asked.step_id, asked.steer)
-        origin = m.ForkOrigin(run_id=asked.run_id, step_id=asked.step_id, at_seq=asked.at_seq)
         accepted = rules.fork_run(
-            origin_run,
+            source,
             run_id=run_id,
-            origin=origin,
+            origin=m.ForkOrigin(run_id=asked.run_id, step_id=asked.step_id, at_seq=asked.at_seq),
             resume=m.Resume(
                 iteration=resume.iteration,
                 attempt=resume.attempt,
                 iterations=resume.iteration,
                 output=resume.output,
             ),
-            input=origin_run.input if asked.input is None else asked.input,
-            settings=tuple(sorted(merged(dict(origin_run.settings), asked.settings).items())),
+            input=source.input if asked.input is None else asked.input,
+            settings=tuple(sorted(merged(dict(source.settings), asked.settings).items())),
             now=self.engine.clock(),
             idempotency_key=key,
         )
         trace_context: dict[str, str] = {}
         tracing.inject(trace_context)
         stored = await self.engine.create(accepted, trace_context)
-        log.info(
-            "run %s: forked from run %s step %s at seq %d (%d records)",
-            run_id,
-            asked.run_id,
-            asked.step_id,
-            asked.at_seq,
-            len(records),
-        )
+        log.info("run %s: forked from run %s at seq %d", run_id, asked.run_id, asked.at_seq)
         return Forked(stored=stored, created=True, copied=len(records))
+
+    async def _source(self, asked: _Asked) -> tuple[m.Run, list[jpb.Record], replay.ResumeAt]:
+        """The source run now, its step's records through ``at_seq``, and
+        where the forked step resumes.
+
+        Raises:
+            NotFound: no such run or step.
+            InvalidArgument: a step without a journal, or a record no run
+                resumes after.
+        """
+        stored = await self.engine.read_run(asked.run_id)
+        if stored is None:
+            raise errors.NotFound(
+                f"run {asked.run_id} does not exist (or was purged)", field="run_id"
+            )
+        source = record_from_proto(stored.record)
+        if not source.has_step(asked.step_id):
+            raise errors.NotFound(
+                f"run {asked.run_id} has no step {asked.step_id!r}", field="step_id"
+            )
+        if source.workflow.step(asked.step_id).task is None:
+            raise errors.InvalidArgument(
+                f"step {asked.step_id!r} runs a child run, not a handler: it has no journal",
+                field="step_id",
+            )
+        records = await self.journal.read(
+            asked.run_id, asked.step_id, after=0, through=asked.at_seq
+        )
+        decision = replay.fork_point(jconvert.all_entries(records), asked.at_seq)
+        match decision:
+            case replay.NoResume(reason=reason):
+                raise errors.InvalidArgument(reason, field="at_seq")
+            case replay.ResumeAt():
+                return source, records, decision
+            case _:
+                assert_never(decision)
 
     async def _copy(
         self, run_id: str, asked: _Asked, records: list[jpb.Record], resume: replay.ResumeAt
