@@ -283,3 +283,30 @@ def test_two_runs_diff_with_their_outcomes_and_as_text() -> None:
     assert "step s: 3 entries in common" in text
     assert 'model: {"text":"a"}' in text and 'model: {"text":"b"}' in text
     assert 'outcome b: completed {"x":2}' in text
+
+
+def test_every_sequence_a_record_names_moves_with_the_copy() -> None:
+    group = pb.Record(
+        seq=20,
+        expected_seq=15,
+        base_seq=10,
+        tool_intents=pb.ToolIntents(
+            intents=[pb.ToolIntent(name="a", honours_seq=12), pb.ToolIntent(name="b")]
+        ),
+    )
+    commit = pb.Record(
+        seq=22,
+        expected_seq=21,
+        base_seq=10,
+        commit=pb.Commit(action=pb.ACTION_CONTINUE),
+        leading_tool_result=pb.ToolResult(intent_seq=20, intent_index=1),
+    )
+    output = pb.Record(seq=21, expected_seq=20, tool_output=pb.ToolOutput(intent_seq=20))
+    seqs = {10: 110, 12: 112, 15: 115, 20: 120, 21: 121}
+    g = moved(group, "f", seqs)
+    assert (g.expected_seq, g.base_seq) == (115, 110)
+    assert [i.honours_seq for i in g.tool_intents.intents] == [112, 0]
+    assert moved(output, "f", seqs).tool_output.intent_seq == 120
+    c = moved(commit, "f", seqs)
+    assert (c.expected_seq, c.base_seq, c.leading_tool_result.intent_seq) == (121, 110, 120)
+    assert c.leading_tool_result.intent_index == 1 and c.seq == 0
