@@ -442,6 +442,12 @@ async def test_a_run_is_forked_from_a_record_of_its_timeline_and_diffed_with_its
     await expect(page.locator("#outcome-a")).to_contain_text("turn back")
     await expect(page.locator("#outcome-b")).to_contain_text("go on")
     await shot(page, tmp_path, "diff")
+    # Any two runs, from a run's page.
+    await page.goto(f"/ui/#/runs/{source}")
+    await page.fill("#diff-other", forked)
+    await page.click("#diff-go")
+    await expect(page).to_have_url(re.compile(rf"/ui/#/runs/{source}/diff/{forked}$"))
+    await expect(page.locator("#outcome-a")).to_contain_text("go on", timeout=WAIT)
     done = (await http.get(f"/runs/{forked}")).json()
     assert done["output"] == {"placed": ["turn back"]}
     assert done["forked_from"]["run_id"] == source

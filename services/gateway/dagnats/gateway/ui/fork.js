@@ -94,6 +94,20 @@ export function forkedFrom(run) {
   ];
 }
 
+/** A small form that opens the diff of run `runId` with another run. */
+export function diffControls(runId) {
+  const other = h("input", { id: "diff-other", placeholder: "another run's id", size: 34, "aria-label": "another run's id" });
+  const msg = h("span", { class: "msg", hidden: true });
+  const form = h("form", { class: "diff-with" }, "Compare with run ", other, " ", h("button", { type: "submit", id: "diff-go" }, "Diff"), " ", msg);
+  form.addEventListener("submit", (e) => {
+    e.preventDefault();
+    const id = other.value.trim();
+    if (!/^[0-9a-f]{32}$/.test(id)) return say(msg, "error", "A run id is 32 lowercase hex characters.");
+    location.hash = `#${path("runs", runId)}/diff/${id}`;
+  });
+  return form;
+}
+
 /** A run's settings, when it has any. */
 export function settingsFacts(run) {
   return Object.keys(run.settings ?? {}).length ? [h("dt", {}, "Settings"), h("dd", { id: "run-settings" }, settingsText(run.settings))] : null;

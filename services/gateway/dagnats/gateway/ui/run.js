@@ -3,7 +3,7 @@
 
 import { ApiError, follow, get, path, post } from "./api.js";
 import { badge, cell, fill, h, jsonBlock, say, short, when } from "./dom.js";
-import { forkedFrom, settingsFacts } from "./fork.js";
+import { diffControls, forkedFrom, settingsFacts } from "./fork.js";
 
 export function runPage(view, { run: runId }, crumbs) {
   crumbs(h("a", { href: "#/runs" }, "Runs"), " / ", h("span", {}, "run "), short(runId, 12));
@@ -19,7 +19,7 @@ export function runPage(view, { run: runId }, crumbs) {
 
   fill(
     view,
-    h("section", { class: "panel" }, head, actions, msg),
+    h("section", { class: "panel" }, head, actions, msg, diffControls(runId)),
     h(
       "section",
       { class: "panel" },
