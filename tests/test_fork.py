@@ -449,16 +449,7 @@ async def test_fork_and_diff_from_the_cli(
     run = json.loads(forked.stdout)
     assert run["status"] == "completed" and run["settings"] == {"model": "b"}
     assert run["output"]["steers"] == ["go right"]
-    shown = await adagnats("run", "get", run["run_id"], env=env)
-    assert f"forked    from run {source.run_id} step agent at seq {at}" in shown.stdout
-    assert "settings  model=b" in shown.stdout
-    read = await adagnats("journal", "read", run["run_id"], "agent", env=env)
-    assert f"5 records copied from run {source.run_id} step agent through seq {at}" in read.stdout
-    diff = await adagnats("run", "diff", source.run_id, run["run_id"], env=env)
-    assert diff.returncode == 0, diff.stderr
-    assert "step agent: 7 entries in common" in diff.stdout
-    assert "input steer" in diff.stdout and "outcome b: completed" in diff.stdout
-    for args, needle in [
+    refused = [
         (["run", "fork", source.run_id, "--step", "agent", "--at", "x"], "--at"),
         (
             ["run", "fork", source.run_id, "--step", "agent", "--at", at, "--set", "model"],
@@ -466,9 +457,22 @@ async def test_fork_and_diff_from_the_cli(
         ),
         (["run", "diff", source.run_id, "nothex"], "run_b"),
         (["run", "start", "fork-agent", "--set", "a.b=c"], "--set name"),
-    ]:
-        failed = await adagnats(*args, env=env)
-        assert failed.returncode != 0 and needle in failed.stderr, (args, failed.stderr)
+    ]
+    # Each command is a process of its own: run them side by side.
+    shown, read, diff, *failed = await asyncio.gather(
+        adagnats("run", "get", run["run_id"], env=env),
+        adagnats("journal", "read", run["run_id"], "agent", env=env),
+        adagnats("run", "diff", source.run_id, run["run_id"], env=env),
+        *(adagnats(*args, env=env) for args, _ in refused),
+    )
+    assert f"forked    from run {source.run_id} step agent at seq {at}" in shown.stdout
+    assert "settings  model=b" in shown.stdout
+    assert f"5 records copied from run {source.run_id} step agent through seq {at}" in read.stdout
+    assert diff.returncode == 0, diff.stderr
+    assert "step agent: 7 entries in common" in diff.stdout
+    assert "input steer" in diff.stdout and "outcome b: completed" in diff.stdout
+    for (args, needle), result in zip(refused, failed, strict=True):
+        assert result.returncode != 0 and needle in result.stderr, (args, result.stderr)
 
 
 async def test_forks_sent_at_once_with_one_key_make_one_run_with_one_copy(
