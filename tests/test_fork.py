@@ -133,8 +133,11 @@ def kinds(rs: list[jpb.Record]) -> list[str]:
 
 
 async def test_source_runs_with_its_settings(
-    source: pb.Run, harness: Harness, journal: JournalClient
+    source: pb.Run, harness: Harness, journal: JournalClient, client: Client
 ) -> None:
+    # One WatchRun that starts a run carries its settings too.
+    out = await client.run("fork-agent", {"topic": "s"}, settings={"model": "b"})
+    assert all(turn[0].startswith("b") for turn in out["turns"])
     assert source.status == pb.RUN_STATUS_COMPLETED, source.error
     assert dict(source.settings) == {"model": "a"}
     assert harness.settings[source.run_id] == {"model": "a"}

@@ -340,6 +340,7 @@ class Client:
         *,
         timeout: float = 60.0,  # noqa: ASYNC109
         idempotency_key: str = "",
+        settings: Mapping[str, str] | None = None,
     ) -> Any:
         """Start a run of ``workflow``, wait for it and return its output.
 
@@ -354,6 +355,7 @@ class Client:
                 after that, and a call with the same ``idempotency_key`` waits
                 for the same run.
             idempotency_key: A repeat with the same key waits for the first run.
+            settings: What its handlers read as ``TaskContext.settings``.
 
         Returns:
             The output of the completed run, JSON-decoded (None when it has none).
@@ -368,6 +370,7 @@ class Client:
             workflow=workflow,
             input=encode(input, field="input"),
             idempotency_key=idempotency_key,
+            settings=check_settings(settings or {}),
         )
         run = await self._wait(pb.WatchRunRequest(start=start, ended_only=True), timeout)
         if run.status != pb.RUN_STATUS_COMPLETED:
