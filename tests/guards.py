@@ -41,6 +41,48 @@ class Guard:
 
 GUARDS = (
     Guard(
+        name="a fork's copied record names the copies before it, not the source's records",
+        file="services/journal/dagnats/journal/fork.py",
+        guard="    copy.expected_seq = to(record.expected_seq)\n",
+        removed="    copy.expected_seq = record.expected_seq\n",
+        how="a forked journal's chain points into the source's sequences; journal check fails",
+        tests=("tests/test_fork.py::test_fork_inside_the_unsafe_tools_window",),
+    ),
+    Guard(
+        name="journal check compares a fork's copied prefix with the digest it recorded",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="    if digests.copied != fork.digest:\n",
+        removed="    if False:\n",
+        how="a copied prefix altered after the fork passes journal check",
+        tests=(
+            "tests/test_fork.py::"
+            "test_a_fork_stopped_half_way_is_finished_by_its_retry_and_an_altered_copy_is_found",
+            "tests/test_fork_rules.py::"
+            "test_an_altered_copy_a_forged_fork_record_and_a_wrong_count_are_found",
+        ),
+    ),
+    Guard(
+        name="journal check compares a fork's prefix with its source's records",
+        file="services/journal/dagnats/journal/audit.py",
+        guard="    if digests.source is not None and digests.source != fork.digest:\n",
+        removed="    if False:\n",
+        how="a fork record forged to match an altered copy passes journal check",
+        tests=(
+            "tests/test_fork_rules.py::"
+            "test_an_altered_copy_a_forged_fork_record_and_a_wrong_count_are_found",
+        ),
+    ),
+    Guard(
+        name="a forked step's first dispatch is not taken for an empty journal",
+        file="services/engine/dagnats/engine/service.py",
+        guard="    return (task.iteration, task.attempt, delivery) == (0, 1, 1) and not again "
+        "and not forked\n",
+        removed="    return (task.iteration, task.attempt, delivery) == (0, 1, 1) and not again\n",
+        how="a fork at iteration 0 claims with the lease on an empty tail; its first record is "
+        "fenced, and the step waits a lease for its redelivery",
+        tests=("tests/test_fork.py::test_fork_at_a_tool_result",),
+    ),
+    Guard(
         name="the local socket's file is created its owner's alone",
         file="services/engine/dagnats/engine/local_transport.py",
         guard="    mask = os.umask(0o177)\n",

@@ -402,6 +402,69 @@ async def test_a_steer_input_goes_queued_placed_done_and_a_withdrawn_one_shows_w
     assert done["output"] == {"placed": ["turn left"]}
 
 
+# ---- 3c. a fork and a diff -------------------------------------------------------
+
+
+async def test_a_run_is_forked_from_a_record_of_its_timeline_and_diffed_with_its_source(
+    page: Page, http: httpx.AsyncClient, agent: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    source = await start(http, WORKFLOW, "wait")
+    await wait_for_status(http, source, "waiting")
+    submitted = await http.post(
+        f"/runs/{source}/steps/agent/inputs",
+        json={"request_id": "go", "mode": "steer", "content": "go on"},
+    )
+    assert submitted.status_code == 201, submitted.text
+    await wait_for_status(http, source, "completed", run=True)
+    await page.goto(f"/ui/#/runs/{source}/steps/agent")
+    await expect(page.locator("#step-end")).to_contain_text("completed", timeout=WAIT)
+    # The continue that ended iteration 0 (it waited for an input).
+    commit = page.locator("#timeline li.k-commit").first
+    await commit.locator("button.fork-here").click()
+    form = commit.locator("form.fork-form")
+    await form.locator("textarea.fork-settings").fill("model=b")
+    await form.locator("input.fork-steer").fill("turn back")
+    await shot(page, tmp_path, "fork-form")
+    await form.locator("button.fork-submit").click()
+    await expect(page).to_have_url(re.compile(r"/ui/#/runs/[0-9a-f]{32}$"), timeout=WAIT)
+    forked = page.url.rsplit("/", 1)[1]
+    assert forked != source
+    await expect(page.locator("#run-status")).to_have_text("completed", timeout=WAIT)
+    await expect(page.locator("#forked-from")).to_contain_text(source[:12])
+    await expect(page.locator("#run-settings")).to_have_text("model=b")
+    sound = page.locator("#check-result")
+    await expect(sound).to_have_attribute("data-sound", "true", timeout=WAIT)
+    await page.click("#diff-source")
+    diff = page.locator('#diff .diff-step[data-step="agent"]')
+    await expect(diff.locator(".diff-common")).to_have_text("1 entry in common", timeout=WAIT)
+    await expect(diff.locator("tbody tr").first).to_contain_text("turn back")
+    await expect(diff.locator("tbody tr").first).to_contain_text("go on")
+    await expect(page.locator("#outcome-a")).to_contain_text("turn back")
+    await expect(page.locator("#outcome-b")).to_contain_text("go on")
+    await shot(page, tmp_path, "diff")
+    # Any two runs, from a run's page.
+    await page.goto(f"/ui/#/runs/{source}")
+    await page.fill("#diff-other", forked)
+    await page.click("#diff-go")
+    await expect(page).to_have_url(re.compile(rf"/ui/#/runs/{source}/diff/{forked}$"))
+    await expect(page.locator("#outcome-a")).to_contain_text("go on", timeout=WAIT)
+    done = (await http.get(f"/runs/{forked}")).json()
+    assert done["output"] == {"placed": ["turn back"]}
+    assert done["forked_from"]["run_id"] == source
+
+
+async def wait_for_status(
+    http: httpx.AsyncClient, run_id: str, status: str, *, run: bool = False
+) -> None:
+    """Wait until the run (``run``) or its step ``agent`` has ``status``."""
+
+    async def reached() -> bool:
+        found = (await http.get(f"/runs/{run_id}")).json()
+        return bool((found["status"] if run else found["steps"][0]["status"]) == status)
+
+    await wait_for(reached, timeout=WAIT / 1000, message=f"run {run_id} {status}")
+
+
 # ---- 3b. approvals -----------------------------------------------------------------
 
 

@@ -308,6 +308,18 @@ async def test_parallel_tools_example_answers_from_one_group_of_calls(
     assert [i.name for i in group.tool_intents.intents] == ["weather"] * 3 + ["notify"]
 
 
+# How-to: fork and diff a run.
+
+
+async def test_fork_and_diff_example_asks_only_the_other_model_after_the_fork(
+    stack: LocalStack,
+) -> None:
+    first, second, calls = await load("fork_and_diff").main(stack.target)
+    assert first == '"small says: 3 results for durable agents"'
+    assert second == '"large says: 3 results for durable agents"'
+    assert calls == ["small", "small", "large"]  # the fork asked nothing before its record
+
+
 def test_the_cli_and_the_console_name_the_address_docs_serve_serves() -> None:
     served = re.search(r"^DOCS_ADDR := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
     assert served is not None

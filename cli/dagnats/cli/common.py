@@ -38,6 +38,11 @@ def print_run(run: pb.Run, as_json: bool) -> None:
     print(f"run       {run.run_id}")
     print(f"workflow  {run.workflow}")
     print(f"status    {enum_name(pb.RunStatus, run.status)}")
+    if run.HasField("forked_from"):
+        o = run.forked_from
+        print(f"forked    from run {o.run_id} step {o.step_id} at seq {o.at_seq}")
+    if run.settings:
+        print(f"settings  {', '.join(f'{k}={v}' for k, v in sorted(run.settings.items()))}")
     if run.error:
         print(f"error     {run.error}")
     if run.output:

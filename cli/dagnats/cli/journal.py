@@ -283,6 +283,11 @@ def _summary(kind: str, body: Any) -> str:
             return _commit_summary(body)
         case "cancel":
             return _shorten(json.dumps(body.reason))
+        case "fork":
+            return (
+                f"{body.copied} records copied from run {body.run_id} step {body.step_id} "
+                f"through seq {body.at_seq}"
+            )
     return "-"
 
 

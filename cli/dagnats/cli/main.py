@@ -29,11 +29,14 @@ from dagnats.cli.common import (
 )
 from dagnats.cli.journal import RETRY_FOR, add_journal_commands, run_journal
 from dagnats.core.errors import DagnatsError, Unavailable
+from dagnats.core.ids import check_run_id, check_token, parse_seq
 from dagnats.core.natsauth import FLAGS as NATS_FLAGS
 from dagnats.core.natsauth import NatsSettings
+from dagnats.core.run_settings import parse_assignments
 from dagnats.core.settings import DEFAULT_PORTS, SERVICES
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Credentials
+from dagnats.sdk.diff import format_diff
 from dagnats.sdk.views import enum_name, run_dict, workflow_dict
 
 DEFAULT_ENGINE = "127.0.0.1:7233"
@@ -222,6 +225,29 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
     start.add_argument("--input", default=None, help="input as JSON")
     start.add_argument("--idempotency-key", default="")
     start.add_argument("--wait", action="store_true", help="wait for the run to finish")
+    start.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting its handlers read",
+    )
+    fork = _with_client_options(
+        sub.add_parser("fork", help="start a new run from a record of a run's journal")
+    )
+    fork.add_argument("run_id")
+    fork.add_argument("--step", required=True, help="the step whose journal to copy")
+    fork.add_argument("--at", required=True, help="the last record copied: its sequence")
+    fork.add_argument("--input", default=None, help="the new run's input as JSON")
+    fork.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="change a setting"
+    )
+    fork.add_argument("--steer", default=None, help="a steering input (JSON, or text)")
+    fork.add_argument("--idempotency-key", default="")
+    fork.add_argument("--wait", action="store_true", help="wait for the new run to finish")
+    diff = _with_client_options(sub.add_parser("diff", help="two runs' journals side by side"))
+    diff.add_argument("run_a")
+    diff.add_argument("run_b")
     for name in ("get", "watch", "purge"):
         _with_client_options(sub.add_parser(name, help=f"{name} a run")).add_argument("run_id")
     sub.choices["watch"].add_argument(
@@ -307,12 +333,19 @@ async def _run(args: argparse.Namespace) -> int:
             case "start":
                 payload = _parse_input(args.input)
                 run = await client.start_run(
-                    args.workflow, payload, idempotency_key=args.idempotency_key
+                    args.workflow,
+                    payload,
+                    idempotency_key=args.idempotency_key,
+                    settings=parse_assignments(args.set),
                 )
                 if args.wait:
                     run = await client.wait_for_run(run.run_id, timeout=WAIT_SECONDS)
                 print_run(run, args.json)
                 return 1 if run.status == pb.RUN_STATUS_FAILED else 0
+            case "fork":
+                return await _fork(client, args)
+            case "diff":
+                return await _diff(client, target, args)
             case "get":
                 print_run(await client.get_run(args.run_id), args.json)
             case "cancel":
@@ -342,6 +375,50 @@ async def _run(args: argparse.Namespace) -> int:
                     return 0
                 for r in runs:
                     print(f"{r.run_id}  {r.workflow:<20} {enum_name(pb.RunStatus, r.status)}")
+    return 0
+
+
+async def _fork(client: Any, args: argparse.Namespace) -> int:
+    """``run fork``: the new run, printed as ``run get`` prints one."""
+    steer = None
+    if args.steer is not None:
+        try:
+            steer = json.loads(args.steer)
+        except ValueError:
+            steer = args.steer  # plain text steers as a JSON string
+    answer = await client.fork_run(
+        args.run_id,
+        check_token(args.step, field="--step"),
+        parse_seq(args.at, field="--at"),
+        input=_parse_input(args.input),
+        settings=parse_assignments(args.set),
+        steer=steer,
+        idempotency_key=args.idempotency_key,
+    )
+    run = answer.run
+    if args.wait:
+        run = await client.wait_for_run(run.run_id, timeout=WAIT_SECONDS)
+    if not args.json:
+        print(f"forked from run {args.run_id} step {args.step} at seq {args.at}: ", end="")
+        print(f"{answer.copied} records copied")
+    print_run(run, args.json)
+    return 1 if run.status == pb.RUN_STATUS_FAILED else 0
+
+
+async def _diff(client: Any, target: str, args: argparse.Namespace) -> int:
+    """``run diff``: each step's entries in common, then the rest side by side."""
+    from dagnats.gateway.rundiff import run_diff
+    from dagnats.sdk import JournalClient
+
+    run_a = check_run_id(args.run_a, field="run_a")
+    run_b = check_run_id(args.run_b, field="run_b")
+    creds = credentials(args)
+    async with JournalClient(target, retry_for=RETRY_FOR, credentials=creds) as journal:
+        found = await run_diff(client, journal, run_a, run_b)
+    if args.json:
+        print(dumps(found))
+        return 0
+    print(format_diff(found))
     return 0
 
 

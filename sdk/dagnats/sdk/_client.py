@@ -14,6 +14,7 @@ from typing import Any, Self
 
 from dagnats.core.errors import DeadlineExceeded, Unavailable
 from dagnats.core.payload import decode, encode
+from dagnats.core.run_settings import check_settings
 from dagnats.core.status import FINAL_RUN_STATUSES
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
@@ -118,7 +119,12 @@ class Client:
     # Runs.
 
     async def start_run(
-        self, workflow: str, input: Any = None, *, idempotency_key: str = ""
+        self,
+        workflow: str,
+        input: Any = None,
+        *,
+        idempotency_key: str = "",
+        settings: Mapping[str, str] | None = None,
     ) -> pb.Run:
         """Start a run of ``workflow``.
 
@@ -127,21 +133,72 @@ class Client:
             input: The run's input (JSON-serialisable).
             idempotency_key: A repeat with the same key returns the first run.
                 Give one to make the call safe to retry after a timeout.
+            settings: What its handlers read as ``TaskContext.settings``.
 
         Returns:
             The run (the existing one when the key was used before).
 
         Raises:
-            InvalidArgument: ``input`` is not JSON; nothing was sent.
+            InvalidArgument: ``input`` is not JSON, or a setting is malformed;
+                nothing was sent.
             NotFound: no workflow has that name.
         """
         request = pb.StartRunRequest(
             workflow=workflow,
             input=encode(input, field="input"),
             idempotency_key=idempotency_key,
+            settings=check_settings(settings or {}),
         )
         response = await self._rpc.start_run(request)
         return response.run
+
+    async def fork_run(
+        self,
+        run_id: str,
+        step_id: str,
+        at_seq: int,
+        *,
+        input: Any = None,
+        settings: Mapping[str, str] | None = None,
+        steer: Any = None,
+        idempotency_key: str = "",
+    ) -> pb.ForkRunResponse:
+        """Start a new run from the record at ``at_seq`` of ``step_id``'s
+        journal in run ``run_id``: its journal starts with a copy of the
+        records through that one, so nothing before it runs again.
+
+        Args:
+            run_id: The source run (running or ended).
+            step_id: The step whose journal is copied.
+            at_seq: The last record copied.
+            input: The new run's input; None keeps the source's.
+            settings: Settings set on top of the source's (an empty value
+                removes one).
+            steer: A steering input (JSON-serialisable) the forked step places.
+            idempotency_key: A repeat with the same key answers the same run.
+
+        Returns:
+            The answer: the new run, whether this call made it, how many
+            records it copied.
+
+        Raises:
+            InvalidArgument: a malformed argument, or a record no run can
+                resume after (a cancel, a commit that ends the step).
+            NotFound: no such run (or it was purged), or no such step.
+        """
+        changes = pb.ForkChanges(settings=check_settings(settings or {}))
+        if input is not None:
+            changes.input, changes.has_input = encode(input, field="input"), True
+        if steer is not None:
+            changes.steer = encode(steer, field="steer")
+        request = pb.ForkRunRequest(
+            run_id=run_id,
+            step_id=step_id,
+            at_seq=at_seq,
+            changes=changes,
+            idempotency_key=idempotency_key,
+        )
+        return await self._rpc.fork_run(request)
 
     async def get_run(self, run_id: str) -> pb.Run:
         """The run and the state of its steps.
@@ -283,6 +340,7 @@ class Client:
         *,
         timeout: float = 60.0,  # noqa: ASYNC109
         idempotency_key: str = "",
+        settings: Mapping[str, str] | None = None,
     ) -> Any:
         """Start a run of ``workflow``, wait for it and return its output.
 
@@ -297,6 +355,7 @@ class Client:
                 after that, and a call with the same ``idempotency_key`` waits
                 for the same run.
             idempotency_key: A repeat with the same key waits for the first run.
+            settings: What its handlers read as ``TaskContext.settings``.
 
         Returns:
             The output of the completed run, JSON-decoded (None when it has none).
@@ -311,6 +370,7 @@ class Client:
             workflow=workflow,
             input=encode(input, field="input"),
             idempotency_key=idempotency_key,
+            settings=check_settings(settings or {}),
         )
         run = await self._wait(pb.WatchRunRequest(start=start, ended_only=True), timeout)
         if run.status != pb.RUN_STATUS_COMPLETED:

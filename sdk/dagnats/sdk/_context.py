@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -149,6 +149,12 @@ class TaskContext:
         if self._input is _UNSET:
             self._input = decode(self._task.input, field="input")
         return self._input
+
+    @property
+    def settings(self) -> Mapping[str, str]:
+        """The run's settings (``Run.settings``): what the run was started
+        (or forked) with, such as which model to call; empty when none."""
+        return self._task.settings
 
     @property
     def run_id(self) -> str:

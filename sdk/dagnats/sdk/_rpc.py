@@ -425,6 +425,12 @@ class EngineRpc:
     async def purge_run(self, request: pb.PurgeRunRequest) -> pb.PurgeRunResponse:
         return await self._call(self._connect().PurgeRun, request, idempotent=True)
 
+    async def fork_run(self, request: pb.ForkRunRequest) -> pb.ForkRunResponse:
+        # Retried only with an idempotency key, as StartRun.
+        return await self._call(
+            self._connect().ForkRun, request, idempotent=bool(request.idempotency_key)
+        )
+
     # The task API.
 
     async def poll_tasks(

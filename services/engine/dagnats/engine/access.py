@@ -79,6 +79,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     _ENGINE + "WatchRun": _C,
     _ENGINE + "WatchRuns": _C,
     _ENGINE + "CancelRun": _C,
+    _ENGINE + "ForkRun": _C,
     _ENGINE + "PurgeRun": _A,
     # The task API.
     _ENGINE + "PollTasks": _W,

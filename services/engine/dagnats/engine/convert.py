@@ -102,7 +102,13 @@ def run_to_proto(run: m.Run) -> pb.Run:
         parent_run_id=run.parent_run_id,
         parent_step_id=run.parent_step_id,
         idempotency_key=run.idempotency_key,
+        settings=dict(run.settings),
     )
+    if run.forked_from is not None:
+        origin = run.forked_from
+        msg.forked_from.CopyFrom(
+            pb.ForkOrigin(run_id=origin.run_id, step_id=origin.step_id, at_seq=origin.at_seq)
+        )
     msg.created_at.CopyFrom(timestamp(run.created_at))
     if run.finished_at is not None:
         msg.finished_at.CopyFrom(timestamp(run.finished_at))
@@ -150,7 +156,16 @@ def record_from_proto(record: ipb.RunRecord) -> m.Run:
         parent_step_id=msg.parent_step_id,
         idempotency_key=msg.idempotency_key,
         finished_at=seconds(msg.finished_at, msg.HasField("finished_at")),
+        settings=tuple(sorted(msg.settings.items())),
+        forked_from=_origin(msg),
     )
+
+
+def _origin(msg: pb.Run) -> m.ForkOrigin | None:
+    if not msg.HasField("forked_from"):
+        return None
+    o = msg.forked_from
+    return m.ForkOrigin(run_id=o.run_id, step_id=o.step_id, at_seq=o.at_seq)
 
 
 # ---- events -----------------------------------------------------------------------
@@ -258,6 +273,7 @@ def task_to_proto(effect: m.DispatchTask, trace_context: dict[str, str]) -> pb.T
         input=effect.input,
         workflow=effect.workflow,
         trace_context=trace_context,
+        settings=dict(effect.settings),
     )
 
 

@@ -145,6 +145,17 @@ class WorkflowDef:
         self.step(step_id)
         return tuple(step for step in self.steps if step_id in step.depends_on)
 
+    def ancestors(self, step_id: str) -> frozenset[str]:
+        """Return the steps ``step_id`` depends on, directly or through others."""
+        found: set[str] = set()
+        todo = list(self.step(step_id).depends_on)
+        while todo:
+            dep = todo.pop()
+            if dep not in found:
+                found.add(dep)
+                todo.extend(self.step(dep).depends_on)
+        return frozenset(found)
+
     def sinks(self) -> tuple[StepDef, ...]:
         """Return the steps nothing depends on, in definition order."""
         depended_on = {dep for step in self.steps for dep in step.depends_on}

@@ -65,6 +65,27 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ForkOrigin:
+    """The journal record a forked run was copied from: the source run, its
+    step, and the last record copied."""
+
+    run_id: str
+    step_id: str
+    at_seq: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resume:
+    """Where a forked step resumes: the dispatch its first claim replays,
+    the continues before it, and the output of the last of them."""
+
+    iteration: int
+    attempt: int
+    iterations: int
+    output: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Run:
     run_id: str
     workflow: WorkflowDef
@@ -78,6 +99,9 @@ class Run:
     parent_step_id: str = ""
     idempotency_key: str = ""
     finished_at: float | None = None
+    # Settings its handlers read, sorted by name; every task carries them.
+    settings: tuple[tuple[str, str], ...] = ()
+    forked_from: ForkOrigin | None = None
 
     def step(self, step_id: str) -> Step:
         for s in self.steps:
@@ -241,6 +265,7 @@ class DispatchTask:
     attempt: int
     input: bytes
     redispatch: int = 0
+    settings: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -69,12 +69,14 @@ from dagnats.engine.model import (
     Effect,
     Failed,
     FailureKind,
+    ForkOrigin,
     Identity,
     InputArrived,
     JournalMark,
     NotifyParent,
     Paused,
     PurgeLater,
+    Resume,
     RuleOptions,
     Run,
     RunInput,
@@ -105,6 +107,7 @@ def start_run(
     parent_run_id: str = "",
     parent_step_id: str = "",
     idempotency_key: str = "",
+    settings: tuple[tuple[str, str], ...] = (),
 ) -> Accepted:
     """A new run with its ready steps dispatched."""
     run = Run(
@@ -117,8 +120,52 @@ def start_run(
         parent_run_id=parent_run_id,
         parent_step_id=parent_step_id,
         idempotency_key=idempotency_key,
+        settings=settings,
     )
     return _advance(run, (), now)
+
+
+def fork_run(
+    source: Run,
+    *,
+    run_id: str,
+    origin: ForkOrigin,
+    resume: Resume,
+    input: bytes,
+    settings: tuple[tuple[str, str], ...],
+    now: float,
+    idempotency_key: str = "",
+) -> Accepted:
+    """A run forked from ``source`` at a record of ``origin.step_id``'s
+    journal: the steps the forked step depends on (directly or not) carried
+    over as completed, with their outputs; the forked step dispatched at
+    ``resume`` (its journal starts with the copied prefix, so its claim
+    replays what was recorded); every other step pending, and dispatched now
+    if it is ready."""
+    carried = source.workflow.ancestors(origin.step_id)
+    steps = tuple(
+        replace(s, kept_seq=0, redispatches=0) if s.step_id in carried else Step(step_id=s.step_id)
+        for s in source.steps
+    )
+    run = Run(
+        run_id=run_id,
+        workflow=source.workflow,
+        status=RunStatus.RUNNING,
+        input=input,
+        steps=steps,
+        created_at=now,
+        idempotency_key=idempotency_key,
+        settings=settings,
+        forked_from=origin,
+    )
+    step = replace(
+        run.step(origin.step_id),
+        started_at=now,
+        iterations=resume.iterations,
+        output=resume.output,
+    )
+    accepted = _dispatch(run, step, resume.iteration, resume.attempt, now, ())
+    return _advance(accepted.run, accepted.effects, now)
 
 
 def apply(
@@ -269,6 +316,7 @@ def dispatch_task(run: Run, step: Step) -> DispatchTask:
         attempt=step.attempt,
         input=step_input(run, step_def),
         redispatch=step.redispatches,
+        settings=run.settings,
     )
 
 

@@ -14,12 +14,14 @@ from dagnats.core.claims import lease_claim
 from dagnats.core.grpcutil import Context, abort_with, as_domain_error, domain_errors
 from dagnats.core.ids import check_lease, check_run_id, check_token, check_worker_id, new_run_id
 from dagnats.core.payload import check_json
+from dagnats.core.run_settings import check_settings
 from dagnats.core.status import step_status_from_proto
 from dagnats.core.timestamps import duration
 from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
 from dagnats.engine.cancels import CancelWatch
 from dagnats.engine.convert_workflow import stored_workflow, workflow_from_proto, workflow_to_proto
+from dagnats.engine.fork import Forks
 from dagnats.engine.processor import Engine
 from dagnats.engine.purge import purge_run
 from dagnats.engine.report import lease_position, outcome_event, publish_outcome
@@ -98,6 +100,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             engine.heard.on_other_write = self.watches.heard
         self.feed = RunFeed(engine.store)
         self.cancels = CancelWatch(engine.store)
+        self.forks = Forks(engine, journal)
 
     # ---- workflows ----------------------------------------------------------------
 
@@ -148,6 +151,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 f"idempotency_key is longer than {MAX_IDEMPOTENCY_KEY} characters",
                 field="idempotency_key",
             )
+        settings = check_settings(request.settings)
         run_id = new_run_id()
         workflow = stored_workflow(await self.store.get_workflow(name))
         if key:
@@ -163,10 +167,18 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             input=payload,
             now=self.engine.clock(),
             idempotency_key=key,
+            settings=tuple(sorted(settings.items())),
         )
         trace_context: dict[str, str] = {}
         tracing.inject(trace_context)
         return await self.engine.create(accepted, trace_context), True
+
+    @domain_errors
+    async def ForkRun(self, request: pb.ForkRunRequest, context: Context) -> pb.ForkRunResponse:
+        forked = await self.forks.fork(request)
+        return pb.ForkRunResponse(
+            run=forked.stored.record.run, created=forked.created, copied=forked.copied
+        )
 
     @domain_errors
     async def GetRun(self, request: pb.GetRunRequest, context: Context) -> pb.GetRunResponse:
@@ -653,7 +665,9 @@ def _first_dispatch(stored: StoredRun, task: pb.Task, delivery: int) -> bool:
     window that drops a duplicate (``rules.republishable``)."""
     record = stored.record.step_records.get(task.step_id)
     again = record is not None and (record.redispatches > 0 or record.kept_seq > 0)
-    return (task.iteration, task.attempt, delivery) == (0, 1, 1) and not again
+    # A forked step's journal starts with the copied prefix: not empty.
+    forked = stored.record.run.forked_from.step_id == task.step_id
+    return (task.iteration, task.attempt, delivery) == (0, 1, 1) and not again and not forked
 
 
 _background: set[asyncio.Task[Any]] = set()

@@ -110,6 +110,7 @@ def _leased(leased: pb.LeasedTask, body: bm.PollBody) -> bm.LeasedTaskView:
         workflow=task.workflow,
         input=decode_payload(task.input),
         trace_context=dict(task.trace_context),
+        settings=dict(task.settings),
     )
     return bm.LeasedTaskView(
         task=view,

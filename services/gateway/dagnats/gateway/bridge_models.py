@@ -101,6 +101,9 @@ class TaskView(BaseModel):
     workflow: str
     input: Any = Field(description="the step's input, any JSON value")
     trace_context: dict[str, str] = {}
+    settings: dict[str, str] = Field(
+        default={}, description="the run's settings its handler reads, such as which model"
+    )
 
 
 class LeasedTaskView(BaseModel):

@@ -28,10 +28,12 @@ from dagnats.core.ids import (
     parse_seq,
 )
 from dagnats.core.payload import encode
+from dagnats.core.run_settings import check_settings
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway import approvals, journal_stream, live_stream, run_watch, runs_stream
 from dagnats.gateway.auth import api_auth
 from dagnats.gateway.backend import BackendDep
+from dagnats.gateway.rundiff import run_diff
 from dagnats.inputs.rules import MAX_WAIT
 from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.sdk import InputMode
@@ -72,6 +74,25 @@ class StartRun(_Body):
     input: Any = Field(default=None, description="the run's input, any JSON value")
     idempotency_key: str = Field(
         default="", max_length=256, description="a repeat with the same key returns the first run"
+    )
+    settings: dict[str, str] = Field(
+        default_factory=dict,
+        description="settings its handlers read (`tc.settings`): at most 32 names of 1-64 "
+        "characters of A-Z a-z 0-9 _ -, each value at most 1024 bytes",
+    )
+
+
+class ForkRun(_Body):
+    step_id: str = Field(min_length=1, max_length=64, description="the step whose journal to copy")
+    at_seq: int = Field(ge=1, le=MAX_SEQ, description="the last record copied: its sequence")
+    input: Any = Field(default=None, description="the new run's input (null: the source's)")
+    settings: dict[str, str] = Field(
+        default_factory=dict,
+        description="settings set on top of the source's; an empty value removes one",
+    )
+    steer: Any = Field(default=None, description="a steering input the forked step places")
+    idempotency_key: str = Field(
+        default="", max_length=256, description="a repeat with the same key answers the same run"
     )
 
 
@@ -175,10 +196,57 @@ async def start_run(
     check_token(body.workflow, field="workflow")
     key = body.idempotency_key or idempotency_key
     request = pb.StartRunRequest(
-        workflow=body.workflow, input=encode(body.input, field="input"), idempotency_key=key
+        workflow=body.workflow,
+        input=encode(body.input, field="input"),
+        idempotency_key=key,
+        settings=check_settings(body.settings),
     )
     response = await b.api.start_run(request)
     return JSONResponse(run_dict(response.run), status_code=201 if response.created else 200)
+
+
+@router.post(
+    "/runs/{run_id}/fork",
+    tags=["runs"],
+    summary="Fork a run from a record of a step's journal",
+    status_code=201,
+    description=(
+        "A new run whose step `step_id` starts with a copy of this run's records of it through "
+        "`at_seq`: the recorded model responses and tool results are replayed, so nothing "
+        "before that record runs again; then it runs on with the changes (`input`, "
+        "`settings`, a `steer` input). The steps it depends on are carried over as "
+        "completed. Answers the new run and `copied`, the records copied; 200 when the "
+        "idempotency key named a fork made before."
+    ),
+    responses={200: {"description": "a fork with this idempotency key existed; it is returned"}},
+)
+async def fork_run(b: BackendDep, run_id: ValidRun, body: ForkRun) -> JSONResponse:
+    step_id = check_token(body.step_id, field="step_id")
+    answer = await b.client.fork_run(
+        run_id,
+        step_id,
+        check_seq(body.at_seq, field="at_seq"),
+        input=body.input,
+        settings=check_settings(body.settings),
+        steer=body.steer,
+        idempotency_key=body.idempotency_key,
+    )
+    found = {**run_dict(answer.run), "copied": answer.copied}
+    return JSONResponse(found, status_code=201 if answer.created else 200)
+
+
+@router.get(
+    "/runs/{run_id}/diff/{other}",
+    tags=["runs"],
+    summary="Two runs' journals side by side, from their common prefix",
+    description=(
+        "For each step, how many entries both journals share from the start (`common`) "
+        "and the rest side by side (`rows`, each with `a` and `b`: the entry's `seq`, "
+        "`kind`, `iteration` and `text`, or null); and both runs' outcomes."
+    ),
+)
+async def diff_runs(b: BackendDep, run_id: ValidRun, other: str) -> dict[str, Any]:
+    return await run_diff(b.client, b.journal, run_id, check_run_id(other, field="other"))
 
 
 @router.get("/runs", tags=["runs"], summary="List runs, newest first")

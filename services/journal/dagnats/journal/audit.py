@@ -72,6 +72,16 @@ Invariants, named by the rule a violation reports:
   the snapshot; and the state the last commit makes is JSON. A base before
   the first record the step still holds (retention) is not checked.
 
+* ``fork_prefix``: a forked run's journal starts with copies of its source's
+  records, ended by the fork's record (``ForkEntry``), which counts them and
+  names their digest. The records before it are as many as it says, their
+  digest is the one it names, and while the source run exists, the source's
+  records through the fork's ``at_seq`` have that digest too (the edge
+  computes both digests, ``journal.fork.prefix_digest``): a copy altered
+  after the fork, or a fork record altered to match it, is found. A fork's
+  record is no writer's: it fences nothing. In a fork of a fork the last
+  fork record is the journal's own; the ones before it are copies.
+
 Findings come in sequence order; findings that name no record (seq 0) last.
 A broken record is reported once per invariant it breaks: a duplicate commit
 is a ``commit_count`` finding once, not again as a record after a commit.
@@ -93,6 +103,7 @@ from dagnats.journal.model import (
     CancelEntry,
     ClaimEntry,
     CommitEntry,
+    ForkEntry,
     InputEntry,
     IntentEntry,
     ModelEntry,
@@ -114,6 +125,7 @@ Rule = Literal[
     "iteration_count",
     "outcome",
     "state_chain",
+    "fork_prefix",
 ]
 
 
@@ -150,6 +162,20 @@ class EngineStep:
     output: bytes
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForkDigests:
+    """The digests the ``fork_prefix`` rule compares with a fork's record.
+
+    Attributes:
+        copied: Of the records before the fork's record, as this journal holds them.
+        source: Of the source's records through the fork's ``at_seq``; None
+            when the source run is gone (purged).
+    """
+
+    copied: str
+    source: str | None
+
+
 # A finding before it is tied to its step.
 _Found = tuple[int, Rule, str]
 
@@ -162,6 +188,7 @@ def check_step(
     engine_iterations_after: int | None = None,
     settling: bool = False,
     engine_step: EngineStep | None = None,
+    fork: ForkDigests | None = None,
 ) -> list[Finding]:
     """Audit the journal of one step.
 
@@ -177,6 +204,7 @@ def check_step(
             have applied its newest continue commit.
         engine_step: The engine's status, iteration and output of the step;
             ``None`` skips the ``outcome`` rule.
+        fork: The digests of a forked step's copied prefix (``fork_prefix``).
 
     Returns:
         The findings, in sequence order; empty when the journal is sound.
@@ -202,6 +230,7 @@ def check_step(
         found.extend(_iteration_count(records, engine_iterations, after, settling=settling))
     if engine_step is not None:
         found.extend(_outcome(records, engine_step))
+    found.extend(_fork_prefix(records, fork))
     found.sort(key=lambda f: (f[0] == 0, f[0]))
     return [Finding(step_id=step_id, seq=seq, rule=rule, message=msg) for seq, rule, msg in found]
 
@@ -212,6 +241,7 @@ def check_run(
     settling: Collection[str] = (),
     engine_steps: Mapping[str, EngineStep] | None = None,
     iterations_after: Mapping[str, int] | None = None,
+    forks: Mapping[str, ForkDigests] | None = None,
 ) -> list[Finding]:
     """Audit the journals of a run, step by step (in step id order).
 
@@ -225,6 +255,7 @@ def check_run(
             step missing here skips ``outcome``.
         iterations_after: The iteration counts read again after the journals
             (see ``check_step``); a step missing here: its count before.
+        forks: The digests of each forked step's prefix (see ``check_step``).
 
     Returns:
         Every step's findings.
@@ -240,6 +271,7 @@ def check_run(
             engine_iterations_after=(iterations_after or {}).get(step_id),
             settling=step_id in settling,
             engine_step=engine_steps.get(step_id),
+            fork=(forks or {}).get(step_id),
         )
     ]
 
@@ -353,6 +385,42 @@ def _is_json(data: bytes) -> bool:
     return True
 
 
+# ---- a fork's prefix ------------------------------------------------------------------
+
+
+def _fork_prefix(records: Sequence[AnyEntry], digests: ForkDigests | None) -> Iterator[_Found]:
+    forks = [r for r in records if isinstance(r, ForkEntry)]
+    if not forks:
+        return
+    # The last is this journal's own; any before it were copied with the
+    # prefix (a fork of a fork), and the digest covers them.
+    fork = forks[-1]
+    before = len({r.seq for r in records if r.seq < fork.seq})
+    if before != fork.copied:
+        yield (
+            fork.seq,
+            "fork_prefix",
+            f"the fork at seq {fork.seq} copied {_plural(fork.copied, 'record')}, "
+            f"but {_plural(before, 'record')} come before it",
+        )
+    if digests is None:
+        return
+    if digests.copied != fork.digest:
+        yield (
+            fork.seq,
+            "fork_prefix",
+            f"the records before the fork at seq {fork.seq} are not the ones it copied "
+            f"(their digest is {digests.copied}, the fork recorded {fork.digest})",
+        )
+    if digests.source is not None and digests.source != fork.digest:
+        yield (
+            fork.seq,
+            "fork_prefix",
+            f"run {fork.source_run}'s records of step {fork.source_step} through seq "
+            f"{fork.at_seq} are not the ones the fork at seq {fork.seq} copied",
+        )
+
+
 # ---- fencing -----------------------------------------------------------------------
 
 
@@ -361,7 +429,7 @@ def _fencing(records: Sequence[AnyEntry]) -> Iterator[_Found]:
     fenced_by: dict[str, ClaimEntry] = {}
     last_claim: ClaimEntry | None = None
     for r in records:
-        if isinstance(r, CancelEntry) and r.by_engine:
+        if (isinstance(r, CancelEntry) and r.by_engine) or isinstance(r, ForkEntry):
             continue
         if r.writer in fenced_by:
             fence = fenced_by[r.writer]
@@ -743,6 +811,8 @@ def _kind(r: AnyEntry) -> str:
             return f"input {request_id!r} placed"
         case CancelEntry():
             return "cancel"
+        case ForkEntry(source_run=source):
+            return f"fork of run {source}"
         case _:
             assert_never(r)
 

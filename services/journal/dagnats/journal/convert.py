@@ -163,6 +163,16 @@ def entry(record: pb.Record) -> jm.AnyEntry:
         return jm.CancelEntry(**head, reason=record.cancel.reason)
     if kind == "tool_intents":
         return group_intents(record)[-1]
+    if kind == "fork":
+        f = record.fork
+        return jm.ForkEntry(
+            **head,
+            source_run=f.run_id,
+            source_step=f.step_id,
+            at_seq=f.at_seq,
+            copied=f.copied,
+            digest=f.digest,
+        )
     raise ValueError(f"record {record.seq} has no kind")
 
 

@@ -175,6 +175,21 @@ class CancelEntry(Entry):
         return not self.writer
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForkEntry(Entry):
+    """The end of a fork's copied prefix: the records before it are copies of
+    ``source_run``'s records of ``source_step`` through ``at_seq``
+    (``copied`` of them, whose digest is ``digest``). Written by the fork, no
+    writer's: it fences nothing, and its dispatch is the one the step resumes
+    at."""
+
+    source_run: str
+    source_step: str
+    at_seq: int
+    copied: int
+    digest: str
+
+
 AnyEntry = (
     ClaimEntry
     | ModelEntry
@@ -184,6 +199,7 @@ AnyEntry = (
     | CommitEntry
     | InputEntry
     | CancelEntry
+    | ForkEntry
 )
 
 

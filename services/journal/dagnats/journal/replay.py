@@ -95,6 +95,7 @@ from typing import Literal
 
 from dagnats.journal.limits import MAX_PARTIAL_BYTES
 from dagnats.journal.model import (
+    Action,
     AnyEntry,
     CancelEntry,
     ClaimEntry,
@@ -438,6 +439,68 @@ def _unanswered(records: Sequence[AnyEntry], *, before_attempt: int) -> list[Int
         for r in records
         if isinstance(r, IntentEntry) and r.attempt < before_attempt and r.ref not in answered
     ]
+
+
+# ---- a fork's resume point -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeAt:
+    """Where a step forked after a record resumes: the dispatch whose claim
+    replays the copied records (the record's own, or the next iteration's
+    after a continue), the continues before it, the output of the last of
+    them, and the commit its state is rebuilt from (``base_seq``)."""
+
+    iteration: int
+    attempt: int
+    output: bytes
+    base_seq: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NoResume:
+    """No run can resume after the record: why."""
+
+    reason: str
+
+
+ForkDecision = ResumeAt | NoResume
+
+
+def fork_point(records: Sequence[AnyEntry], at_seq: int) -> ForkDecision:
+    """Where a fork of a step's journal after the record at ``at_seq``
+    resumes. ``records``: the step's entries through ``at_seq``, in order.
+
+    A continue commit resumes at the next iteration, on its state; any other
+    record at its own dispatch, on the state of the commit before it, so its
+    claim replays the records of that dispatch copied before it. A cancel, or
+    a commit that ends the step or its attempt, has nothing to resume."""
+    at = [r for r in records if r.seq == at_seq]
+    if not at:
+        return NoResume(reason=f"seq {at_seq} is not a record of this step's journal")
+    last = at[-1]
+    match last:
+        case CancelEntry():
+            return NoResume(
+                reason=f"seq {at_seq} is the cancel that ended the run; fork at a record before it"
+            )
+        case CommitEntry(action=Action.CONTINUE):
+            return ResumeAt(
+                iteration=last.iteration + 1, attempt=1, output=last.output, base_seq=at_seq
+            )
+        case CommitEntry(action=action):
+            return NoResume(
+                reason=(
+                    f"seq {at_seq} is a commit ({action.value}) that ends the "
+                    f"{'attempt' if action in (Action.FAIL, Action.PAUSE) else 'step'}: "
+                    "fork at a record before it"
+                )
+            )
+    base = next((r for r in records if r.seq == last.base_seq), None)
+    output = base.output if isinstance(base, CommitEntry) else b""
+    return ResumeAt(
+        iteration=last.iteration, attempt=last.attempt, output=output, base_seq=last.base_seq
+    )
 
 
 # ---- model calls --------------------------------------------------------------------

@@ -31,6 +31,7 @@ from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.inputs.store import InputStore
 from dagnats.journal import audit, convert, replay, session, state, stream
 from dagnats.journal import model as jm
+from dagnats.journal.fork import prefix_digest
 from dagnats.journal.group import ParallelGroups
 from dagnats.journal.limits import MAX_ANSWER_BYTES
 from dagnats.journal.peers import Runs, Tasks
@@ -819,12 +820,15 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         # before the journals and again after them, brackets their count.
         run = await self._run(run_id)
         steps: dict[str, list[jm.AnyEntry]] = {}
+        forks: dict[str, audit.ForkDigests] = {}
         stored = 0
         for step in run.steps:
             records = await self.store.read(run_id, step.step_id, after=0)
             if records:
                 steps[step.step_id] = convert.all_entries(records)
                 stored += len(records)
+                if (digests := await self._fork_digests(records)) is not None:
+                    forks[step.step_id] = digests
         after = await self._run(run_id) if run.status == epb.RUN_STATUS_RUNNING else run
         iterations = {s.step_id: s.iterations for s in run.steps if s.step_id in steps}
         iterations_after = {s.step_id: s.iterations for s in after.steps if s.step_id in steps}
@@ -838,7 +842,9 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             for s in run.steps
             if s.step_id in steps
         }
-        findings = audit.check_run(steps, iterations, settling, engine_steps, iterations_after)
+        findings = audit.check_run(
+            steps, iterations, settling, engine_steps, iterations_after, forks
+        )
         return pb.CheckResponse(
             violations=[
                 pb.Violation(step_id=f.step_id, seq=f.seq, rule=f.rule, message=f.message)
@@ -847,6 +853,21 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             steps=len(steps),
             records=stored,
         )
+
+    async def _fork_digests(self, records: list[pb.Record]) -> audit.ForkDigests | None:
+        """The digests of a forked step's copied prefix: as this journal
+        holds it, and as its source holds it while the source run exists."""
+        # The last fork record is this journal's own (a fork of a fork copies
+        # its source's with the prefix).
+        at = next((i for i in reversed(range(len(records))) if records[i].HasField("fork")), None)
+        if at is None:
+            return None
+        fork = records[at].fork
+        source: str | None = None
+        if await self._runs.get_run(fork.run_id) is not None:
+            through = await self.store.read(fork.run_id, fork.step_id, after=0, through=fork.at_seq)
+            source = prefix_digest(through)
+        return audit.ForkDigests(copied=prefix_digest(records[:at]), source=source)
 
     # ---- helpers -------------------------------------------------------------------------
 

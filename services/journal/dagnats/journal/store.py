@@ -165,6 +165,43 @@ class JournalStore:
             detail=f"{subject}: another holder wrote after sequence {expected} (tail is {actual})",
         )
 
+    async def append_copied(self, record: pb.Record, *, after: int, msg_id: str) -> int:
+        """Append a fork's copy of a record to its step's subject after
+        ``after`` (0: an empty subject); returns its sequence. No writer
+        holds the step yet, so nothing but another copy of the same fork can
+        be there: a retry under the same ``msg_id`` answers the one stored.
+
+        Raises:
+            Fenced: another record follows ``after``.
+        """
+        subject = journal_subject(record.run_id, record.step_id)
+        headers = {
+            "Nats-Msg-Id": msg_id,
+            "Nats-Expected-Last-Subject-Sequence": str(after),
+            "Dagnats-Kind": record.WhichOneof("kind") or "unknown",
+            "Dagnats-Iteration": str(record.iteration),
+            "Dagnats-Attempt": str(record.attempt),
+        }
+        data = record.SerializeToString()
+
+        async def publish() -> int:
+            try:
+                ack = await self.js.publish(subject, data, headers=headers)
+            except nats.js.errors.APIError as err:
+                if err.err_code != WRONG_LAST_SEQUENCE:
+                    raise
+                tail = await self.tail(record.run_id, record.step_id)
+                raise Fenced(
+                    record.run_id,
+                    record.step_id,
+                    expected=after,
+                    actual=tail.seq if tail is not None else 0,
+                    detail=f"{subject}: another record follows sequence {after}",
+                ) from err
+            return int(ack.seq)
+
+        return await jsx.retry_transient(publish, "copy a record")
+
     async def tail(self, run_id: str, step_id: str) -> pb.Record | None:
         """The last record of a step, read from the stream leader."""
         subject = journal_subject(run_id, step_id)

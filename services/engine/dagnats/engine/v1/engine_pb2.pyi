@@ -426,6 +426,26 @@ class Run(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     RUN_ID_FIELD_NUMBER: _builtins.int
     WORKFLOW_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
@@ -438,6 +458,8 @@ class Run(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     FINISHED_AT_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    FORKED_FROM_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """Random lowercase hex id."""
     workflow: _builtins.str
@@ -468,6 +490,16 @@ class Run(_message.Message):
     def finished_at(self) -> _timestamp_pb2.Timestamp:
         """When the run finished."""
 
+    @_builtins.property
+    def settings(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Settings its handlers read (TaskContext.settings): short names to short
+        values, such as which model to call.
+        """
+
+    @_builtins.property
+    def forked_from(self) -> Global___ForkOrigin:
+        """Where a forked run came from; unset for any other run."""
+
     def __init__(
         self,
         *,
@@ -483,14 +515,46 @@ class Run(_message.Message):
         idempotency_key: _builtins.str = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         finished_at: _timestamp_pb2.Timestamp | None = ...,
+        settings: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        forked_from: Global___ForkOrigin | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "forked_from", b"forked_from"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "error", b"error", "finished_at", b"finished_at", "idempotency_key", b"idempotency_key", "input", b"input", "output", b"output", "parent_run_id", b"parent_run_id", "parent_step_id", b"parent_step_id", "run_id", b"run_id", "status", b"status", "steps", b"steps", "workflow", b"workflow"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "error", b"error", "finished_at", b"finished_at", "forked_from", b"forked_from", "idempotency_key", b"idempotency_key", "input", b"input", "output", b"output", "parent_run_id", b"parent_run_id", "parent_step_id", b"parent_step_id", "run_id", b"run_id", "settings", b"settings", "status", b"status", "steps", b"steps", "workflow", b"workflow"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Run: _TypeAlias = Run  # noqa: Y015
+
+@_typing.final
+class ForkOrigin(_message.Message):
+    """ForkOrigin names the journal record a run was forked from."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    AT_SEQ_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The source run."""
+    step_id: _builtins.str
+    """The step whose journal was copied."""
+    at_seq: _builtins.int
+    """The source record's sequence: the copy ends with it."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        step_id: _builtins.str = ...,
+        at_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_seq", b"at_seq", "run_id", b"run_id", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkOrigin: _TypeAlias = ForkOrigin  # noqa: Y015
 
 @_typing.final
 class RegisterWorkflowRequest(_message.Message):
@@ -639,25 +703,53 @@ class StartRunRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     WORKFLOW_FIELD_NUMBER: _builtins.int
     INPUT_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
     workflow: _builtins.str
     """Name of a registered workflow."""
     input: _builtins.bytes
     """Input (JSON); empty means null."""
     idempotency_key: _builtins.str
     """A repeat with the same key returns the first run instead of starting another."""
+    @_builtins.property
+    def settings(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Settings its handlers read: at most 32, each name one token of at most
+        64 characters ([A-Za-z0-9_-]), each value at most 1024 bytes of UTF-8.
+        """
+
     def __init__(
         self,
         *,
         workflow: _builtins.str = ...,
         input: _builtins.bytes = ...,
         idempotency_key: _builtins.str = ...,
+        settings: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "input", b"input", "workflow", b"workflow"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "input", b"input", "settings", b"settings", "workflow", b"workflow"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1027,6 +1119,138 @@ class PurgeRunResponse(_message.Message):
 Global___PurgeRunResponse: _TypeAlias = PurgeRunResponse  # noqa: Y015
 
 @_typing.final
+class ForkChanges(_message.Message):
+    """ForkChanges is what a fork changes of its source; each unset part is kept."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    INPUT_FIELD_NUMBER: _builtins.int
+    HAS_INPUT_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    STEER_FIELD_NUMBER: _builtins.int
+    input: _builtins.bytes
+    """The new run's input (JSON), when has_input; else the source's."""
+    has_input: _builtins.bool
+    """Whether input replaces the source's input."""
+    steer: _builtins.bytes
+    """A steering input (JSON) queued for the forked step before the new run
+    starts, placed by the handler's next place_inputs of mode steer.
+    """
+    @_builtins.property
+    def settings(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Settings set on top of the source's (an empty value removes one)."""
+
+    def __init__(
+        self,
+        *,
+        input: _builtins.bytes = ...,
+        has_input: _builtins.bool = ...,
+        settings: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        steer: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_input", b"has_input", "input", b"input", "settings", b"settings", "steer", b"steer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkChanges: _TypeAlias = ForkChanges  # noqa: Y015
+
+@_typing.final
+class ForkRunRequest(_message.Message):
+    """ForkRunRequest names a record of a step's journal and the changes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    AT_SEQ_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The source run."""
+    step_id: _builtins.str
+    """The step whose journal is copied."""
+    at_seq: _builtins.int
+    """Sequence of the last record copied: a record of that step's journal."""
+    idempotency_key: _builtins.str
+    """A repeat with the same key answers the same run (and finishes a copy
+    that a crash left half-way) instead of forking again.
+    """
+    @_builtins.property
+    def changes(self) -> Global___ForkChanges:
+        """What the new run changes."""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        step_id: _builtins.str = ...,
+        at_seq: _builtins.int = ...,
+        changes: Global___ForkChanges | None = ...,
+        idempotency_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_seq", b"at_seq", "changes", b"changes", "idempotency_key", b"idempotency_key", "run_id", b"run_id", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkRunRequest: _TypeAlias = ForkRunRequest  # noqa: Y015
+
+@_typing.final
+class ForkRunResponse(_message.Message):
+    """ForkRunResponse returns the new run."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    COPIED_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    """False when the idempotency key named a run forked before."""
+    copied: _builtins.int
+    """How many records of the source were copied."""
+    @_builtins.property
+    def run(self) -> Global___Run:
+        """The new run."""
+
+    def __init__(
+        self,
+        *,
+        run: Global___Run | None = ...,
+        created: _builtins.bool = ...,
+        copied: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copied", b"copied", "created", b"created", "run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkRunResponse: _TypeAlias = ForkRunResponse  # noqa: Y015
+
+@_typing.final
 class Task(_message.Message):
     """Task is one dispatch of a step to a worker."""
 
@@ -1034,6 +1258,26 @@ class Task(_message.Message):
 
     @_typing.final
     class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SettingsEntry(_message.Message):
         DESCRIPTOR: _descriptor.Descriptor
 
         KEY_FIELD_NUMBER: _builtins.int
@@ -1060,6 +1304,7 @@ class Task(_message.Message):
     INPUT_FIELD_NUMBER: _builtins.int
     WORKFLOW_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -1078,6 +1323,10 @@ class Task(_message.Message):
     def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """W3C trace context of the dispatch."""
 
+    @_builtins.property
+    def settings(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The run's settings (Run.settings)."""
+
     def __init__(
         self,
         *,
@@ -1089,10 +1338,11 @@ class Task(_message.Message):
         input: _builtins.bytes = ...,
         workflow: _builtins.str = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        settings: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "input", b"input", "iteration", b"iteration", "run_id", b"run_id", "step_id", b"step_id", "task_type", b"task_type", "trace_context", b"trace_context", "workflow", b"workflow"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "input", b"input", "iteration", b"iteration", "run_id", b"run_id", "settings", b"settings", "step_id", b"step_id", "task_type", b"task_type", "trace_context", b"trace_context", "workflow", b"workflow"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -85,6 +85,11 @@ class EngineServiceStub:
                 request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunRequest.SerializeToString,
                 response_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunResponse.FromString,
                 _registered_method=True)
+        self.ForkRun = channel.unary_unary(
+                '/dagnats.engine.v1.EngineService/ForkRun',
+                request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunRequest.SerializeToString,
+                response_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunResponse.FromString,
+                _registered_method=True)
         self.PollTasks = channel.unary_unary(
                 '/dagnats.engine.v1.EngineService/PollTasks',
                 request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.PollTasksRequest.SerializeToString,
@@ -203,6 +208,24 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkRun(self, request, context):
+        """ForkRun starts a new run from a point of a run's journal: the new run's
+        journal of that step starts with a copy of the source's records up to and
+        including at_seq, so its first claim replays the recorded model responses
+        and tool results and nothing before the fork point runs again; then it
+        runs on with the changes (another input, a steering input, settings).
+        The steps the forked step depends on are carried over as completed with
+        their outputs; every other step runs anew. The source may still run.
+        NOT_FOUND for an unknown (or purged) run or step, INVALID_ARGUMENT for an
+        at_seq that is not a record of the step's journal, or a record no run can
+        resume after (a cancel, a commit that ends the step or its attempt). A
+        repeat with the same idempotency key answers the run the first made,
+        finishing its copy when the first stopped half-way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PollTasks(self, request, context):
         """PollTasks waits up to a deadline for tasks of the given task types.
         """
@@ -299,6 +322,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.PurgeRun,
                     request_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunRequest.FromString,
                     response_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunResponse.SerializeToString,
+            ),
+            'ForkRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkRun,
+                    request_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunRequest.FromString,
+                    response_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunResponse.SerializeToString,
             ),
             'PollTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.PollTasks,
@@ -597,6 +625,33 @@ class EngineService:
             '/dagnats.engine.v1.EngineService/PurgeRun',
             dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunRequest.SerializeToString,
             dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dagnats.engine.v1.EngineService/ForkRun',
+            dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunRequest.SerializeToString,
+            dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

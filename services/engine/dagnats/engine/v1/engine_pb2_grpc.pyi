@@ -72,6 +72,20 @@ class EngineServiceStub:
     """CancelRun cancels a run and its child runs."""
     PurgeRun: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PurgeRunRequest, _engine_pb2.PurgeRunResponse]
     """PurgeRun deletes a finished run and everything stored for it."""
+    ForkRun: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ForkRunRequest, _engine_pb2.ForkRunResponse]
+    """ForkRun starts a new run from a point of a run's journal: the new run's
+    journal of that step starts with a copy of the source's records up to and
+    including at_seq, so its first claim replays the recorded model responses
+    and tool results and nothing before the fork point runs again; then it
+    runs on with the changes (another input, a steering input, settings).
+    The steps the forked step depends on are carried over as completed with
+    their outputs; every other step runs anew. The source may still run.
+    NOT_FOUND for an unknown (or purged) run or step, INVALID_ARGUMENT for an
+    at_seq that is not a record of the step's journal, or a record no run can
+    resume after (a cancel, a commit that ends the step or its attempt). A
+    repeat with the same idempotency key answers the run the first made,
+    finishing its copy when the first stopped half-way.
+    """
     PollTasks: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PollTasksRequest, _engine_pb2.PollTasksResponse]
     """PollTasks waits up to a deadline for tasks of the given task types."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_engine_pb2.HeartbeatRequest, _engine_pb2.HeartbeatResponse]
@@ -138,6 +152,20 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """CancelRun cancels a run and its child runs."""
     PurgeRun: _aio.UnaryUnaryMultiCallable[_engine_pb2.PurgeRunRequest, _engine_pb2.PurgeRunResponse]  # type: ignore[assignment]
     """PurgeRun deletes a finished run and everything stored for it."""
+    ForkRun: _aio.UnaryUnaryMultiCallable[_engine_pb2.ForkRunRequest, _engine_pb2.ForkRunResponse]  # type: ignore[assignment]
+    """ForkRun starts a new run from a point of a run's journal: the new run's
+    journal of that step starts with a copy of the source's records up to and
+    including at_seq, so its first claim replays the recorded model responses
+    and tool results and nothing before the fork point runs again; then it
+    runs on with the changes (another input, a steering input, settings).
+    The steps the forked step depends on are carried over as completed with
+    their outputs; every other step runs anew. The source may still run.
+    NOT_FOUND for an unknown (or purged) run or step, INVALID_ARGUMENT for an
+    at_seq that is not a record of the step's journal, or a record no run can
+    resume after (a cancel, a commit that ends the step or its attempt). A
+    repeat with the same idempotency key answers the run the first made,
+    finishing its copy when the first stopped half-way.
+    """
     PollTasks: _aio.UnaryUnaryMultiCallable[_engine_pb2.PollTasksRequest, _engine_pb2.PollTasksResponse]  # type: ignore[assignment]
     """PollTasks waits up to a deadline for tasks of the given task types."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_engine_pb2.HeartbeatRequest, _engine_pb2.HeartbeatResponse]  # type: ignore[assignment]
@@ -261,6 +289,26 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.PurgeRunResponse, _abc.Awaitable[_engine_pb2.PurgeRunResponse]]:
         """PurgeRun deletes a finished run and everything stored for it."""
+
+    @_abc_1.abstractmethod
+    def ForkRun(
+        self,
+        request: _engine_pb2.ForkRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.ForkRunResponse, _abc.Awaitable[_engine_pb2.ForkRunResponse]]:
+        """ForkRun starts a new run from a point of a run's journal: the new run's
+        journal of that step starts with a copy of the source's records up to and
+        including at_seq, so its first claim replays the recorded model responses
+        and tool results and nothing before the fork point runs again; then it
+        runs on with the changes (another input, a steering input, settings).
+        The steps the forked step depends on are carried over as completed with
+        their outputs; every other step runs anew. The source may still run.
+        NOT_FOUND for an unknown (or purged) run or step, INVALID_ARGUMENT for an
+        at_seq that is not a record of the step's journal, or a record no run can
+        resume after (a cancel, a commit that ends the step or its attempt). A
+        repeat with the same idempotency key answers the run the first made,
+        finishing its copy when the first stopped half-way.
+        """
 
     @_abc_1.abstractmethod
     def PollTasks(

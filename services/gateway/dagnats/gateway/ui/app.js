@@ -3,12 +3,14 @@
 //   #/runs?workflow=&status=      the runs, live; start a run
 //   #/runs/<run>                  a run: its steps, cancel, the journal check
 //   #/runs/<run>/steps/<step>     a step's journal, live tokens, its inputs
+//   #/runs/<a>/diff/<b>           two runs' journals side by side
 //
 // A page is a function (view, params, crumbs) that fills `view` and returns
 // the function that stops what it follows; leaving a page calls it.
 
 import { onUnauthenticated, token } from "./api.js";
 import { fill, h } from "./dom.js";
+import { diffPage } from "./fork.js";
 import { runPage } from "./run.js";
 import { runsPage } from "./runs.js";
 import { stepPage } from "./step.js";
@@ -29,6 +31,9 @@ function route() {
     return [runsPage, { workflow: params.get("workflow") ?? "", status: params.get("status") ?? "" }];
   }
   if (parts[0] === "runs" && parts.length === 2) return [runPage, { run: parts[1] }];
+  if (parts[0] === "runs" && parts[2] === "diff" && parts.length === 4) {
+    return [diffPage, { run: parts[1], other: parts[3] }];
+  }
   if (parts[0] === "runs" && parts[2] === "steps" && parts.length === 4) {
     return [stepPage, { run: parts[1], step: parts[3] }];
   }

@@ -3,6 +3,7 @@
 
 import { ApiError, follow, get, path, post } from "./api.js";
 import { badge, cell, fill, h, jsonBlock, say, short, when } from "./dom.js";
+import { diffControls, forkedFrom, settingsFacts } from "./fork.js";
 
 export function runPage(view, { run: runId }, crumbs) {
   crumbs(h("a", { href: "#/runs" }, "Runs"), " / ", h("span", {}, "run "), short(runId, 12));
@@ -18,7 +19,7 @@ export function runPage(view, { run: runId }, crumbs) {
 
   fill(
     view,
-    h("section", { class: "panel" }, head, actions, msg),
+    h("section", { class: "panel" }, head, actions, msg, diffControls(runId)),
     h(
       "section",
       { class: "panel" },
@@ -111,6 +112,8 @@ function runHead(run) {
           ]
         : null,
       run.idempotency_key ? [h("dt", {}, "Idempotency key"), h("dd", {}, run.idempotency_key)] : null,
+      forkedFrom(run),
+      settingsFacts(run),
       run.error ? [h("dt", {}, "Error"), h("dd", { class: "error-text", id: "run-error" }, run.error)] : null,
     ),
     jsonBlock(run.input, "Input"),

@@ -22,7 +22,7 @@ export function stepPage(view, { run: runId, step: stepId }, crumbs) {
   const tokensState = h("span", { class: "live-state", id: "tokens-live", title: "the live token stream" }, "tokens: connecting…");
   const records = h("ol", { class: "timeline", id: "timeline" });
   const live = h("ol", { class: "timeline live", id: "live" });
-  const timeline = new Timeline(records, live);
+  const timeline = new Timeline(records, live, { run: runId, step: stepId });
   const inputs = inputsPanel(runId, stepId);
   const approvals = approvalsPanel(runId, stepId);
   let linger = null;

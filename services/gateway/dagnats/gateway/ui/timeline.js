@@ -19,9 +19,11 @@
 //   intent is named by its record's sequence and its index in that record.
 
 import { badge, fill, h, jsonBlock, short, when } from "./dom.js";
+import { forkButton } from "./fork.js";
 
 export class Timeline {
-  constructor(records, live) {
+  constructor(records, live, where = null) {
+    this.where = where; // { run, step }: each record gets a "fork from here"
     this.list = records; // <ol> of records (and abandoned previews)
     this.live = live; // <ol> of previews in flight
     this.seen = new Map(); // seq -> element
@@ -42,10 +44,10 @@ export class Timeline {
       this.iteration = rec.iteration;
       this.list.append(h("li", { class: "iter", "data-iteration": rec.iteration }, `Iteration ${rec.iteration}`));
     }
-    if (rec.leading_claim) this._entry({ ...rec, kind: "claim", claim: rec.leading_claim, leading: null });
+    if (rec.leading_claim) this._entry({ ...rec, kind: "claim", claim: rec.leading_claim, leading: null, part: true });
     if (rec.leading) {
       const kind = rec.leading.replace(/^leading_/, "");
-      this._entry({ ...rec, kind, [kind]: rec[rec.leading], leading: null });
+      this._entry({ ...rec, kind, [kind]: rec[rec.leading], leading: null, part: true });
     }
     this._entry(rec);
     const stream = this.recordOf.get(rec.seq);
@@ -68,6 +70,9 @@ export class Timeline {
       ),
       h("div", { class: "rec-body" }, body),
     );
+    if (this.where && forkable(rec)) {
+      el.querySelector(".rec-head").append(forkButton(this.where.run, this.where.step, rec.seq, el));
+    }
     if (!this.seen.has(rec.seq)) this.seen.set(rec.seq, el);
     if (rec.kind === "model") this.models.set(rec.seq, el);
     this.list.append(el);
@@ -88,6 +93,17 @@ export class Timeline {
         .append(h("p", { class: "fenced-by", "data-fenced-by": rec.seq }, badge("fenced", "fenced"), ` fenced by claim #${rec.seq} of writer `, short(rec.writer)));
     }
     return parts;
+  }
+
+  _fork(rec) {
+    const f = rec.fork;
+    return h(
+      "p",
+      { class: "forked" },
+      `The ${f.copied} records before this one are copies of run `,
+      h("a", { href: `#/runs/${encodeURIComponent(f.run_id)}/steps/${encodeURIComponent(f.step_id)}` }, short(f.run_id, 12)),
+      `'s records of step ${f.step_id} through #${f.at_seq}; the step resumes here.`,
+    );
   }
 
   _after_claim(rec, el) {
@@ -313,6 +329,14 @@ export class Timeline {
   }
 }
 
+// A record a run can resume after: its last entry (a record's leading entries
+// are copied with it), neither a cancel nor a commit that ends the step or its
+// attempt.
+function forkable(rec) {
+  if (rec.part || rec.kind === "cancel") return false;
+  return rec.kind !== "commit" || rec.commit.action === "continue";
+}
+
 const KIND = {
   claim: "claim",
   model: "model call",
@@ -322,4 +346,5 @@ const KIND = {
   tool_result: "tool result",
   input_placed: "input placed",
   commit: "commit",
+  fork: "fork",
 };

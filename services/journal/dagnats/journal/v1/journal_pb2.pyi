@@ -130,6 +130,49 @@ class Cancel(_message.Message):
 Global___Cancel: _TypeAlias = Cancel  # noqa: Y015
 
 @_typing.final
+class Fork(_message.Message):
+    """Fork names the records a forked run's journal starts with: copies of the
+    source's records up to at_seq, their sequence fields moved to this journal.
+    It follows the last of them, with the dispatch the step resumes at.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    AT_SEQ_FIELD_NUMBER: _builtins.int
+    COPIED_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The source run."""
+    step_id: _builtins.str
+    """The source step."""
+    at_seq: _builtins.int
+    """Sequence of the last source record copied."""
+    copied: _builtins.int
+    """How many records were copied (the records before this one)."""
+    digest: _builtins.str
+    """"sha256:" and the hex sha256 of the copied records as the source holds
+    them (each sequence named by its record's place in the prefix).
+    """
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        step_id: _builtins.str = ...,
+        at_seq: _builtins.int = ...,
+        copied: _builtins.int = ...,
+        digest: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_seq", b"at_seq", "copied", b"copied", "digest", b"digest", "run_id", b"run_id", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Fork: _TypeAlias = Fork  # noqa: Y015
+
+@_typing.final
 class ModelCall(_message.Message):
     """ModelCall is a model response."""
 
@@ -641,6 +684,7 @@ class Record(_message.Message):
     INPUT_PLACED_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
     TOOL_INTENTS_FIELD_NUMBER: _builtins.int
+    FORK_FIELD_NUMBER: _builtins.int
     LEADING_MODEL_FIELD_NUMBER: _builtins.int
     LEADING_TOOL_RESULT_FIELD_NUMBER: _builtins.int
     LEADING_CLAIM_FIELD_NUMBER: _builtins.int
@@ -713,6 +757,12 @@ class Record(_message.Message):
         """The intents of a parallel group (or of its part that fits this record)."""
 
     @_builtins.property
+    def fork(self) -> Global___Fork:
+        """The end of a copied prefix: this journal starts with the source's
+        records, copied by a fork (the first record of the new run's own).
+        """
+
+    @_builtins.property
     def leading_model(self) -> Global___ModelCall:
         """A model response, at a position before kind's."""
 
@@ -751,15 +801,16 @@ class Record(_message.Message):
         input_placed: Global___InputPlaced | None = ...,
         cancel: Global___Cancel | None = ...,
         tool_intents: Global___ToolIntents | None = ...,
+        fork: Global___Fork | None = ...,
         leading_model: Global___ModelCall | None = ...,
         leading_tool_result: Global___ToolResult | None = ...,
         leading_claim: Global___Claim | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "claim", b"claim", "commit", b"commit", "input_placed", b"input_placed", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_intents", b"tool_intents", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "claim", b"claim", "commit", b"commit", "fork", b"fork", "input_placed", b"input_placed", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_intents", b"tool_intents", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "cancel", b"cancel", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_intents", b"tool_intents", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "cancel", b"cancel", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "fork", b"fork", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_intents", b"tool_intents", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["claim", "model", "tool_intent", "tool_output", "tool_result", "commit", "input_placed", "cancel", "tool_intents"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["claim", "model", "tool_intent", "tool_output", "tool_result", "commit", "input_placed", "cancel", "tool_intents", "fork"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     _WhichOneofReturnType_leading: _TypeAlias = _typing.Literal["leading_model", "leading_tool_result"]  # noqa: Y015
     _WhichOneofArgType_leading: _TypeAlias = _typing.Literal["leading", b"leading"]  # noqa: Y015
