@@ -241,6 +241,34 @@ async def test_an_exported_file_replays_as_the_run_did(
     ]
 
 
+async def test_a_run_replays_with_the_settings_it_ran_with(
+    engine: EngineServer, client: Client, tmp_path: Path
+) -> None:
+    """A handler that reads ``tc.settings`` is given the recorded run's: its
+    call at position 0 is the one the run made, not the default's."""
+
+    async def lookup(run: ToolRun) -> Any:
+        return {"found": run.call.input}
+
+    async def chooses(tc: TaskContext) -> None:
+        journal = await tc.journal()
+        call = ToolCall(name=tc.settings.get("tool", "lookup"), input={})
+        await journal.tool(call, Replay.SAFE, lookup)
+        await tc.complete({"used": call.name})
+
+    workflow, task = unique("replayed-settings"), unique("settings-agent")
+    await client.register_workflow(loop_workflow(workflow, task))
+    async with Worker(engine.target, handlers={task: chooses}, poll_wait=1.0):
+        run = await client.start_run(workflow, {"q": "x"}, settings={"tool": "search"})
+        done = await client.wait_for_run(run.run_id, timeout=60)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    path = tmp_path / f"{run.run_id}.jsonl"
+    assert await export(engine, run.run_id, path) == 0
+    assert read_export(path.read_text().splitlines()).settings == {"tool": "search"}
+    report = await replay(path, {task: chooses})
+    assert report.ok and report.dispatches == 1, report.lines()
+
+
 # The handlers ``dagnats journal replay --handlers`` loads, by task type.
 TASK = "replay-agent"
 NEW_CODE = {TASK: agent(collections.Counter())}

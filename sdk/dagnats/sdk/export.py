@@ -4,7 +4,9 @@ The export is JSON lines, one JSON object per line, UTF-8:
 
 1. **The header**: ``format`` (``"dagnats.journal"``), ``version`` (1),
    ``run_id``, ``workflow`` and ``workflow_version``, the run's ``status``,
-   ``input`` (its JSON value) and ``error``, and ``steps``: for each step
+   ``input`` (its JSON value), ``settings`` (the run settings its handlers
+   read as ``tc.settings``; absent from an older export: none) and
+   ``error``, and ``steps``: for each step
    of the run, in definition order, its ``step_id``, ``task_type`` (empty
    for a sub-workflow step), ``input`` (the JSON value its handler reads as
    ``tc.input``), ``status`` and ``journaled`` (whether it has records below).
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf import json_format
@@ -74,6 +76,8 @@ class ExportedRun:
     input: Any
     steps: tuple[ExportedStep, ...]
     source: str = ""
+    # The run's settings its handlers read (``tc.settings``).
+    settings: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def records(self) -> int:
@@ -137,6 +141,7 @@ async def open_export(client: Client, journal: JournalClient, run_id: str) -> Ex
         "workflow_version": definition.version,
         "status": enum_name(pb.RunStatus, run.status),
         "input": decode_payload(run.input),
+        "settings": dict(run.settings),
         "error": run.error,
         "steps": steps,
     }
@@ -215,6 +220,7 @@ def read_export(lines: Iterable[str], *, source: str = "export") -> ExportedRun:
         workflow=str(header.get("workflow", "")),
         status=str(header.get("status", "")),
         input=header.get("input"),
+        settings=_settings(header.get("settings"), source),
         steps=tuple(
             ExportedStep(
                 step_id=step_id,
@@ -275,6 +281,18 @@ def _record(source: str, number: int, item: Mapping[str, Any]) -> tuple[str, jpb
         raise _bad(source, number, f"not a journal record: {err}") from None
     record.seq = seq
     return step_id, record
+
+
+def _settings(value: Any, source: str) -> dict[str, str]:
+    """The header's run settings: none in an export written before runs had
+    them."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise _bad(source, 1, "the header's settings are not a map of names to strings")
+    return dict(value)
 
 
 def _bad(source: str, number: int, problem: str) -> InvalidArgument:

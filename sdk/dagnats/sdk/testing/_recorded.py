@@ -113,6 +113,7 @@ class RecordedDispatch:
     task_type: str
     workflow: str
     input: bytes
+    settings: Mapping[str, str]
     iteration: int
     attempt: int
     base_seq: int

@@ -263,6 +263,7 @@ def recorded_dispatches(run: ExportedRun, step: ExportedStep) -> list[RecordedDi
                 task_type=step.task_type,
                 workflow=run.workflow,
                 input=task_input,
+                settings=run.settings,
                 iteration=commit.iteration,
                 attempt=commit.attempt,
                 base_seq=commit.base_seq,
@@ -355,9 +356,8 @@ def _leased(dispatch: RecordedDispatch) -> pb.LeasedTask:
         attempt=dispatch.attempt,
         input=dispatch.input,
         workflow=dispatch.workflow,
+        settings=dispatch.settings,
     )
-    # Whatever else a task carries for its handler goes on ``task`` here,
-    # from the export's header (read_export).
     return pb.LeasedTask(task=task, lease="replay", delivery=1)
 
 
