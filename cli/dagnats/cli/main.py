@@ -25,6 +25,7 @@ from dagnats.cli.common import (
     UsageError,
     dumps,
     print_run,
+    print_usage,
     stop_on_signals,
 )
 from dagnats.cli.journal import RETRY_FOR, add_journal_commands, run_journal
@@ -34,7 +35,7 @@ from dagnats.core.natsauth import NatsSettings
 from dagnats.core.settings import DEFAULT_PORTS, SERVICES
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Credentials
-from dagnats.sdk.views import enum_name, run_dict, workflow_dict
+from dagnats.sdk.views import enum_name, run_dict, usage_dict, workflow_dict
 
 DEFAULT_ENGINE = "127.0.0.1:7233"
 # The exit code of a command whose reader closed the pipe (128 + SIGPIPE).
@@ -314,7 +315,12 @@ async def _run(args: argparse.Namespace) -> int:
                 print_run(run, args.json)
                 return 1 if run.status == pb.RUN_STATUS_FAILED else 0
             case "get":
-                print_run(await client.get_run(args.run_id), args.json)
+                run, usage = await client.get_run_and_usage(args.run_id)
+                if args.json:
+                    print(dumps({**run_dict(run), "usage": usage_dict(usage)}))
+                else:
+                    print_run(run, False)
+                    print_usage(usage)
             case "cancel":
                 print_run(await client.cancel_run(args.run_id, args.reason), args.json)
             case "purge":

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dagnats.core.status import StepStatus as StepStatus
+from dagnats.core.usage import Budget
 from dagnats.engine.definition import WorkflowDef
 
 DEFAULT_RUN_RETENTION = 30 * 24 * 3600.0
@@ -78,6 +79,7 @@ class Run:
     parent_step_id: str = ""
     idempotency_key: str = ""
     finished_at: float | None = None
+    budget: Budget | None = None  # what its model calls may spend (the usage ledger)
 
     def step(self, step_id: str) -> Step:
         for s in self.steps:
@@ -241,6 +243,7 @@ class DispatchTask:
     attempt: int
     input: bytes
     redispatch: int = 0
+    budget: Budget | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

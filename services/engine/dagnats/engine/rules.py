@@ -53,6 +53,7 @@ import json
 from dataclasses import replace
 
 from dagnats.core.subjects import is_task_subject
+from dagnats.core.usage import Budget
 from dagnats.engine.definition import StepDef, StepType, WorkflowDef, backoff_delay
 from dagnats.engine.model import (
     Accepted,
@@ -105,8 +106,10 @@ def start_run(
     parent_run_id: str = "",
     parent_step_id: str = "",
     idempotency_key: str = "",
+    budget: Budget | None = None,
 ) -> Accepted:
-    """A new run with its ready steps dispatched."""
+    """A new run with its ready steps dispatched; ``budget``: the run's own
+    (else its workflow's)."""
     run = Run(
         run_id=run_id,
         workflow=workflow,
@@ -117,6 +120,7 @@ def start_run(
         parent_run_id=parent_run_id,
         parent_step_id=parent_step_id,
         idempotency_key=idempotency_key,
+        budget=budget or workflow.budget,
     )
     return _advance(run, (), now)
 
@@ -269,6 +273,7 @@ def dispatch_task(run: Run, step: Step) -> DispatchTask:
         attempt=step.attempt,
         input=step_input(run, step_def),
         redispatch=step.redispatches,
+        budget=run.budget,
     )
 
 

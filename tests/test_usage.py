@@ -1,0 +1,323 @@
+"""The usage ledger and budgets through a real worker, the services and a
+nats-server: usage totals equal what the local provider servers reported
+(OpenAI's and Anthropic's wire formats), priced by the journal's price table;
+a handler's own usage; totals in ``GetRun``, REST and ``run get``; a budget
+that refuses the call that would start past it, under the fail policy and
+under the pause policy (an input raises it and the run goes on); and a
+fenced holder's call counted as fenced and charged once to the budget."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from dagnats.core import seam
+from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.sdk import (
+    Budget,
+    BudgetExceeded,
+    Client,
+    InputMode,
+    TaskContext,
+    Usage,
+    WithUsage,
+    Worker,
+)
+from dagnats.sdk.models import UserMessage, ask
+from tests.helpers import wait_for
+from tests.providers import MODEL, FakeProvider, Reply
+from tests.stack import FAST, loop_workflow, socket_dir, unique
+from tests.test_journal import NO_HEARTBEAT
+from tests.test_models import adapter
+
+# Per million tokens; the fake servers answer as MODEL.
+PRICES = {MODEL: {"input": 2.0, "output": 10.0, "cached": 0.5}}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(nats_server: Any) -> AsyncIterator[EngineServer]:
+    """The services with a price table (``DAGNATS_PRICES``)."""
+    os.environ["DAGNATS_PRICES"] = json.dumps(PRICES)
+    try:
+        with socket_dir() as sockets:
+            server = await start_engine(
+                nats_server.url, config=FAST, local_socket=sockets / "local.sock"
+            )
+            yield server
+            await server.stop()
+    finally:
+        del os.environ["DAGNATS_PRICES"]
+
+
+def micros(input_tokens: int, output_tokens: int, cached: int) -> int:
+    p = PRICES[MODEL]
+    fresh = input_tokens - cached
+    return round(fresh * p["input"] + cached * p["cached"] + output_tokens * p["output"])
+
+
+async def run_loop(
+    client: Client,
+    engine: EngineServer,
+    handler: Any,
+    *,
+    budget: Budget | None = None,
+    until: Any = None,
+    **worker: Any,
+) -> pb.Run:
+    task, name = unique("usage"), unique("usage-wf")
+    retry = {"max_attempts": 3, "initial_delay": 0.05, "max_delay": 0.1}
+    await client.register_workflow(loop_workflow(name, task, retry=retry))
+    async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0, **worker):
+        run = await client.start_run(name, budget=budget)
+        if until is not None:
+            await until(run.run_id)
+        return await client.wait_for_run(run.run_id, timeout=40)
+
+
+# ---- usage from the provider ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+async def test_usage_totals_equal_what_the_provider_reported(
+    provider: str, client: Client, engine: EngineServer, http: httpx.AsyncClient
+) -> None:
+    replies = [
+        Reply("first answer", cached=30),
+        Reply("second", tools=[("lookup", {"city": "Lisbon"})]),
+        Reply("the end of it", cached=5),
+    ]
+    async with FakeProvider(replies) as fake:
+        model = adapter(provider, fake, api_key="k")
+
+        async def turn(tc: TaskContext) -> None:
+            j = await tc.journal()
+            response = await ask(j, model, [UserMessage(content=f"turn {tc.iteration}")])
+            if tc.iteration < 2:
+                await tc.continue_(response.text)
+            else:
+                await tc.complete(response.text)
+
+        run = await run_loop(client, engine, turn)
+        await model.aclose()
+    assert run.status == pb.RUN_STATUS_COMPLETED
+
+    reported = [r.usage() for r in replies]
+    inputs, outputs, cached = (sum(u[i] for u in reported) for i in range(3))
+    cost = sum(micros(*u) for u in reported)
+    usage = await client.run_usage(run.run_id)
+    kept = usage.total.kept
+    assert (kept.calls, kept.input_tokens, kept.output_tokens, kept.cached_tokens) == (
+        3,
+        inputs,
+        outputs,
+        cached,
+    )
+    assert kept.cost_micros == cost
+    assert usage.total.spent == kept and usage.total.retried.calls == usage.total.fenced.calls == 0
+    [step] = usage.steps
+    assert step.step_id == "agent" and step.usage.spent == kept
+    assert dict(step.by_model) == {MODEL: kept}
+
+    # The same numbers over REST.
+    answer = (await http.get(f"/runs/{run.run_id}/usage")).json()
+    assert answer["total"]["kept"] == {
+        "calls": 3,
+        "input_tokens": inputs,
+        "output_tokens": outputs,
+        "cached_tokens": cached,
+        "cost": cost / 1e6,
+    }
+    assert answer["steps"][0]["by_model"][MODEL]["calls"] == 3
+
+
+async def test_a_handler_passes_the_usage_of_its_own_call(
+    client: Client, engine: EngineServer
+) -> None:
+    spent = Usage(input_tokens=1200, output_tokens=300, cached_tokens=200, model="my-model")
+
+    async def turn(tc: TaskContext) -> None:
+        j = await tc.journal()
+
+        async def call() -> WithUsage:
+            return WithUsage({"text": "hi"}, spent)
+
+        answer = await j.model(call)
+        await tc.complete(answer)
+
+    run = await run_loop(client, engine, turn)
+    assert run.status == pb.RUN_STATUS_COMPLETED and json.loads(run.output) == {"text": "hi"}
+    usage = await client.run_usage(run.run_id)
+    kept = usage.total.kept
+    assert (kept.input_tokens, kept.output_tokens, kept.cached_tokens) == (1200, 300, 200)
+    assert kept.cost_micros == 0  # the price table does not name my-model
+    assert list(usage.steps[0].by_model) == ["my-model"]
+
+
+# ---- budgets --------------------------------------------------------------------------
+
+CALL = Usage(input_tokens=10, output_tokens=5, model=MODEL)  # 15 tokens a call
+
+
+def looping(calls: list[int], *, turns: int) -> Any:
+    """A loop whose every iteration makes one model call of ``CALL``'s usage
+    and continues, completing after ``turns`` iterations; ``calls`` counts
+    the model functions run."""
+
+    async def turn(tc: TaskContext) -> None:
+        j = await tc.journal()
+
+        async def call() -> WithUsage:
+            calls.append(tc.iteration)
+            return WithUsage({"turn": tc.iteration}, CALL)
+
+        await j.model(call)
+        if tc.iteration + 1 < turns:
+            await tc.continue_(tc.iteration)
+        else:
+            await tc.complete("done")
+
+    return turn
+
+
+async def test_the_budget_refuses_the_call_that_would_start_past_it_and_the_run_fails(
+    client: Client, engine: EngineServer
+) -> None:
+    calls: list[int] = []
+    # 15 + 15 = 30 tokens after two calls: the third would start past 25.
+    run = await run_loop(client, engine, looping(calls, turns=5), budget=Budget(tokens=25))
+    assert run.status == pb.RUN_STATUS_FAILED
+    assert calls == [0, 1]  # the third call never ran
+    step = run.steps[0]
+    assert step.iteration == 2 and step.attempt == 1  # refused, not retried
+    assert BudgetExceeded.__name__ in step.error and "30 tokens of a budget of 25" in step.error
+    usage = await client.run_usage(run.run_id)
+    assert usage.total.spent.calls == 2 and usage.total.spent.input_tokens == 20
+
+
+async def test_the_budget_pauses_the_run_until_an_input_raises_it(
+    client: Client, engine: EngineServer
+) -> None:
+    calls: list[int] = []
+    budget = Budget(tokens=25, policy="pause")
+
+    async def raise_it(run_id: str) -> None:
+        async def waiting() -> bool:
+            step = (await client.get_run(run_id)).steps[0]
+            return step.waiting_for_input and step.iteration == 3
+
+        await wait_for(waiting, timeout=30)
+        assert calls == [0, 1]  # the refused iteration called nothing
+        run = await client.get_run(run_id)
+        assert json.loads(run.steps[0].output)["budget_exceeded"]["tokens"] == 30
+        raised = {"tokens": 40}
+        _, created = await client.submit_input(
+            run_id, "agent", "raise-1", raised, mode=InputMode.BUDGET
+        )
+        _, again = await client.submit_input(
+            run_id, "agent", "raise-1", raised, mode=InputMode.BUDGET
+        )
+        assert created and not again  # idempotent, as every input
+
+    run = await run_loop(client, engine, looping(calls, turns=6), budget=budget, until=raise_it)
+    # Two calls spent 30 tokens of 25: iteration 2's call was refused and the
+    # step waited as iteration 3. Raised to 65, iterations 3 to 5 call (75).
+    assert run.status == pb.RUN_STATUS_COMPLETED
+    assert calls == [0, 1, 3, 4, 5]
+    usage = await client.run_usage(run.run_id)
+    spent = usage.total.spent
+    assert spent.calls == 5 and spent.input_tokens + spent.output_tokens == 75
+
+
+async def test_a_bad_budget_or_raise_is_refused_at_the_edge(
+    client: Client, engine: EngineServer, http: httpx.AsyncClient
+) -> None:
+    name = unique("usage-wf")
+    await client.register_workflow(loop_workflow(name, unique("usage")))
+    bad = await http.post("/runs", json={"workflow": name, "budget": {"tokens": -1}})
+    assert bad.status_code == 400 and bad.json()["field"] == "budget.tokens"
+    bad = await http.post("/runs", json={"workflow": name, "budget": {"policy": "pause"}})
+    assert bad.status_code == 400 and bad.json()["field"] == "budget"
+    run = (await http.post("/runs", json={"workflow": name, "budget": {"tokens": 5}})).json()
+    assert (await client.get_run(run["run_id"])).budget.tokens == 5
+    bad = await http.post(
+        f"/runs/{run['run_id']}/steps/agent/inputs",
+        json={"request_id": "r", "mode": "budget", "content": {"tokens": "lots"}},
+    )
+    assert bad.status_code == 400 and bad.json()["field"] == "content"
+    await client.cancel_run(run["run_id"])
+
+
+# ---- a fenced holder ------------------------------------------------------------------
+
+
+async def test_a_fenced_call_is_counted_and_charged_once_to_the_budget(
+    client: Client, engine: EngineServer
+) -> None:
+    """The first delivery's handler stops between its model call and its record
+    (the seam ``model_pending``) and sends no heartbeat: its lease runs out, a
+    second delivery takes the step over and calls the model again. Let go, the
+    first one is fenced: its call's usage goes to the step's spent subject.
+    The second delivery's next call starts only because the fenced call is
+    charged once (15 + 15 = 30 < 31; charged twice it would be 45)."""
+    released, stalled, go_on = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    deliveries: list[int] = []
+    calls: list[int] = []
+
+    async def hook(name: str) -> None:
+        if name == "model_pending" and len(calls) == 1 and not stalled.is_set():
+            stalled.set()
+            await released.wait()
+
+    async def turn(tc: TaskContext) -> None:
+        deliveries.append(tc.delivery)
+        j = await tc.journal()
+
+        async def call() -> WithUsage:
+            calls.append(tc.delivery)
+            return WithUsage({"delivery": tc.delivery}, CALL)
+
+        await j.model(call)
+        if tc.delivery == 1:
+            await tc.complete("the zombie")  # fenced: the second delivery holds the step
+            return
+        await go_on.wait()
+        await j.model(call)
+        await tc.complete("the successor")
+
+    async def fence_the_first(run_id: str) -> None:
+        await wait_for(lambda: len(calls) >= 2, timeout=30)  # the successor called
+        released.set()
+
+        async def fenced() -> bool:
+            return (await client.run_usage(run_id)).total.fenced.calls == 1
+
+        await wait_for(fenced, timeout=20)
+        go_on.set()
+
+    seam.install(hook)
+    try:
+        run = await run_loop(
+            client,
+            engine,
+            turn,
+            budget=Budget(tokens=31),
+            until=fence_the_first,
+            heartbeat_interval=NO_HEARTBEAT,
+        )
+    finally:
+        seam.install(None)
+        released.set()
+    assert run.status == pb.RUN_STATUS_COMPLETED and json.loads(run.output) == "the successor"
+    assert calls == [1, 2, 2]
+    usage = await client.run_usage(run.run_id)
+    total = usage.total
+    assert (total.kept.calls, total.fenced.calls, total.spent.calls) == (2, 1, 3)
+    assert total.spent.input_tokens == 30 and total.spent.output_tokens == 15
