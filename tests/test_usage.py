@@ -11,16 +11,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 from dagnats.core import seam
+from dagnats.engine.metrics import serve_metrics
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.integrations.pydantic_ai import durable_agent
 from dagnats.sdk import (
     Budget,
     BudgetExceeded,
@@ -35,8 +39,11 @@ from dagnats.sdk.models import UserMessage, ask
 from tests.helpers import wait_for
 from tests.providers import MODEL, FakeProvider, Reply
 from tests.stack import FAST, loop_workflow, socket_dir, unique
+from tests.test_bridge import call, poll
+from tests.test_bridge import start as bridge_start
 from tests.test_journal import NO_HEARTBEAT
 from tests.test_models import adapter
+from tests.test_pydantic_ai import QUESTION, Tools, openai_client, script, weather_agent
 
 # Per million tokens; the fake servers answer as MODEL.
 PRICES = {MODEL: {"input": 2.0, "output": 10.0, "cached": 0.5}}
@@ -138,6 +145,61 @@ async def test_usage_totals_equal_what_the_provider_reported(
     assert answer["steps"][0]["by_model"][MODEL]["calls"] == 3
 
 
+async def test_a_pydantic_ai_agents_usage_totals_equal_what_the_provider_reported(
+    client: Client, engine: EngineServer
+) -> None:
+    replies = script()
+    replies[0].cached = 7
+    task, name = unique("usage-pyai"), unique("usage-pyai-wf")
+    await client.register_workflow(loop_workflow(name, task))
+    async with FakeProvider(replies) as provider, openai_client(provider) as api:
+        handler = durable_agent(weather_agent(api, Tools()), follow_up_window=None)
+        async with Worker(engine.target, handlers={task: handler}, poll_wait=1.0):
+            run = await client.start_run(name, QUESTION)
+            done = await client.wait_for_run(run.run_id, timeout=60)
+    assert done.status == pb.RUN_STATUS_COMPLETED
+    reported = [r.usage() for r in replies]
+    kept = (await client.run_usage(run.run_id)).total.kept
+    assert (kept.calls, kept.input_tokens, kept.output_tokens, kept.cached_tokens) == (
+        3,
+        *(sum(u[i] for u in reported) for i in range(3)),
+    )
+    assert kept.cost_micros == sum(micros(*u) for u in reported)
+
+    # Prometheus: the usage counters by workflow and model.
+    endpoint = serve_metrics(engine, "127.0.0.1", 0)
+    try:
+        wanted = {
+            ("dagnats_model_calls_total", ""): kept.calls,
+            ("dagnats_model_tokens_total", "input"): kept.input_tokens,
+            ("dagnats_model_tokens_total", "output"): kept.output_tokens,
+            ("dagnats_model_tokens_total", "cached"): kept.cached_tokens,
+            ("dagnats_model_cost_micros_total", ""): kept.cost_micros,
+        }
+
+        async def counted() -> bool:
+            return await usage_samples(endpoint.url, name, MODEL) == wanted
+
+        await wait_for(counted, timeout=10)
+    finally:
+        endpoint.stop()
+
+
+async def usage_samples(url: str, workflow: str, model: str) -> dict[tuple[str, str], float]:
+    def get() -> str:
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            text: str = answer.read().decode()
+            return text
+
+    text = await asyncio.to_thread(get)
+    return {
+        (sample.name, sample.labels.get("kind", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("workflow") == workflow and sample.labels.get("model") == model
+    }
+
+
 async def test_a_handler_passes_the_usage_of_its_own_call(
     client: Client, engine: EngineServer
 ) -> None:
@@ -159,6 +221,39 @@ async def test_a_handler_passes_the_usage_of_its_own_call(
     assert (kept.input_tokens, kept.output_tokens, kept.cached_tokens) == (1200, 300, 200)
     assert kept.cost_micros == 0  # the price table does not name my-model
     assert list(usage.steps[0].by_model) == ["my-model"]
+
+
+async def test_an_http_worker_records_the_usage_of_its_calls(
+    client: Client, engine: EngineServer, http: httpx.AsyncClient
+) -> None:
+    task, run_id = await bridge_start(client)
+    leased = await poll(http, task)
+    read = await call(http, "journal/read", token=leased["token"])
+    begin = await call(http, "journal/model/begin", token=read["token"])
+    spent = {"input_tokens": 500, "output_tokens": 40, "cached_tokens": 100, "model": MODEL}
+    token = await call(
+        http, "journal/model/record", token=begin["token"], response={"a": 1}, usage=spent
+    )
+    appended = await call(
+        http,
+        "journal/append",
+        token=token["token"],
+        record={"kind": "model", "response": {"b": 2}, "usage": {**spent, "output_tokens": 60}},
+    )
+    await call(http, "resolve", token=appended["token"], outcome="complete", output="ok")
+    bad = await http.post(
+        "/bridge/journal/model/record",
+        json={"token": begin["token"], "response": {}, "usage": {"input_tokens": -1}},
+    )
+    assert bad.status_code in (400, 422)
+    kept = (await client.run_usage(run_id)).total.kept
+    assert (kept.calls, kept.input_tokens, kept.output_tokens, kept.cached_tokens) == (
+        2,
+        1000,
+        100,
+        200,
+    )
+    assert kept.cost_micros == micros(500, 40, 100) + micros(500, 60, 100)
 
 
 # ---- budgets --------------------------------------------------------------------------

@@ -73,7 +73,17 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
 from pydantic_core import to_jsonable_python
 
-from dagnats.sdk import ApprovalPending, Journal, Replay, TokenStream, ToolCall, ToolResult, ToolRun
+from dagnats.sdk import (
+    ApprovalPending,
+    Journal,
+    Replay,
+    TokenStream,
+    ToolCall,
+    ToolResult,
+    ToolRun,
+    Usage,
+    WithUsage,
+)
 
 REPLAY_METADATA_KEY = "dagnats_replay"
 """The key of a tool's pydantic-ai ``metadata`` that declares its replay."""
@@ -218,7 +228,7 @@ class JournaledModel(WrapperModel):
                 response = await self.wrapped.request(
                     messages, model_settings, model_request_parameters
                 )
-                return dump_response(response)
+                return WithUsage(dump_response(response), spent(response))
 
             return load_response(await self._journal.model(ask))
 
@@ -229,7 +239,8 @@ class JournaledModel(WrapperModel):
                 async for event in response:
                     if (text := _text_of(event)) is not None:
                         live.put(text)
-                return dump_response(response.get())
+                whole = response.get()
+                return WithUsage(dump_response(whole), spent(whole))
 
         return load_response(await self._journal.streamed_model(streamed))
 
@@ -247,6 +258,19 @@ class JournaledModel(WrapperModel):
         yield CompletedStreamedResponse(
             response, model_request_parameters=model_request_parameters, replay_events=True
         )
+
+
+def spent(response: ModelResponse) -> Usage:
+    """What a pydantic-ai response's request spent, for the usage ledger:
+    its input tokens (those read from the prompt cache among them) and
+    output tokens, under the model that answered."""
+    usage = response.usage
+    return Usage(
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        cached_tokens=min(usage.cache_read_tokens, usage.input_tokens),
+        model=response.model_name or "",
+    )
 
 
 def _text_of(event: Any) -> str | None:

@@ -36,6 +36,7 @@ from dagnats.journal import audit, convert, ledger, replay, session, state, stre
 from dagnats.journal import model as jm
 from dagnats.journal.group import ParallelGroups
 from dagnats.journal.limits import MAX_ANSWER_BYTES
+from dagnats.journal.meter import UsageMeter
 from dagnats.journal.peers import Runs, Tasks
 from dagnats.journal.placement import MODES, InputPlacement
 from dagnats.journal.store import JournalStore
@@ -138,6 +139,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         # ledger); a bad one stops the service from starting, naming it.
         self._prices: Prices = parse_prices(os.environ.get("DAGNATS_PRICES", ""))
         self._ledgers = RunLedgers(store)
+        self.meter = UsageMeter(runs)
 
     # ---- claim ---------------------------------------------------------------------
 
@@ -445,6 +447,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         )
         record.time.GetCurrentTime()
         await self.store.append_spent(token, record)
+        self.meter.count(token.run_id, usage)
         return pb.RecordSpentResponse()
 
     @domain_errors
@@ -470,6 +473,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             record.leading_model.CopyFrom(model)
         token, stored = await self._writer.append(token, record)
         await self.store.publish_live(stream.committed_event(token, stored))
+        if model.HasField("usage"):
+            self.meter.count(token.run_id, model.usage)
         return token, stored
 
     # ---- live preview ----------------------------------------------------------------
