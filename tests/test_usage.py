@@ -41,6 +41,7 @@ from tests.providers import MODEL, FakeProvider, Reply
 from tests.stack import FAST, loop_workflow, socket_dir, unique
 from tests.test_bridge import call, poll
 from tests.test_bridge import start as bridge_start
+from tests.test_cli import adagnats
 from tests.test_journal import NO_HEARTBEAT
 from tests.test_models import adapter
 from tests.test_pydantic_ai import QUESTION, Tools, openai_client, script, weather_agent
@@ -295,6 +296,10 @@ async def test_the_budget_refuses_the_call_that_would_start_past_it_and_the_run_
     assert BudgetExceeded.__name__ in step.error and "30 tokens of a budget of 25" in step.error
     usage = await client.run_usage(run.run_id)
     assert usage.total.spent.calls == 2 and usage.total.spent.input_tokens == 20
+    got = await adagnats("run", "get", run.run_id, env={"DAGNATS_ENGINE": engine.target})
+    assert got.returncode == 0, got.stderr
+    assert "usage     2 calls, 20 in (0 cached), 10 out, cost 0.00014" in got.stdout
+    assert "calls: 2 kept, 0 retried, 0 fenced" in got.stdout
 
 
 async def test_the_budget_pauses_the_run_until_an_input_raises_it(
@@ -312,14 +317,14 @@ async def test_the_budget_pauses_the_run_until_an_input_raises_it(
         assert calls == [0, 1]  # the refused iteration called nothing
         run = await client.get_run(run_id)
         assert json.loads(run.steps[0].output)["budget_exceeded"]["tokens"] == 30
-        raised = {"tokens": 40}
-        _, created = await client.submit_input(
-            run_id, "agent", "raise-1", raised, mode=InputMode.BUDGET
-        )
+        env = {"DAGNATS_ENGINE": engine.target}
+        args = ("run", "raise-budget", run_id, "--step", "agent", "--tokens", "40")
+        raised = await adagnats(*args, "--request-id", "raise-1", env=env)
+        assert raised.returncode == 0, raised.stderr
         _, again = await client.submit_input(
-            run_id, "agent", "raise-1", raised, mode=InputMode.BUDGET
+            run_id, "agent", "raise-1", {"tokens": 40}, mode=InputMode.BUDGET
         )
-        assert created and not again  # idempotent, as every input
+        assert not again  # the same input: idempotent, as every input
 
     run = await run_loop(client, engine, looping(calls, turns=6), budget=budget, until=raise_it)
     # Two calls spent 30 tokens of 25: iteration 2's call was refused and the

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -34,8 +35,8 @@ from dagnats.core.natsauth import FLAGS as NATS_FLAGS
 from dagnats.core.natsauth import NatsSettings
 from dagnats.core.settings import DEFAULT_PORTS, SERVICES
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.sdk import Credentials
-from dagnats.sdk.views import enum_name, run_dict, usage_dict, workflow_dict
+from dagnats.sdk import Credentials, InputMode
+from dagnats.sdk.views import enum_name, input_dict, run_dict, usage_dict, workflow_dict
 
 DEFAULT_ENGINE = "127.0.0.1:7233"
 # The exit code of a command whose reader closed the pipe (128 + SIGPIPE).
@@ -223,6 +224,13 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
     start.add_argument("--input", default=None, help="input as JSON")
     start.add_argument("--idempotency-key", default="")
     start.add_argument("--wait", action="store_true", help="wait for the run to finish")
+    start.add_argument(
+        "--budget-tokens", type=int, default=0, help="most tokens its model calls may spend"
+    )
+    start.add_argument(
+        "--budget-cost", type=float, default=0.0, help="most cost (price table's currency)"
+    )
+    start.add_argument("--budget-policy", choices=("fail", "pause"), default="fail")
     for name in ("get", "watch", "purge"):
         _with_client_options(sub.add_parser(name, help=f"{name} a run")).add_argument("run_id")
     sub.choices["watch"].add_argument(
@@ -235,6 +243,14 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
     listing.add_argument("--workflow", default="")
     listing.add_argument("--status", choices=RUN_STATUSES, default=None)
     listing.add_argument("--limit", type=int, default=50)
+    raising = _with_client_options(
+        sub.add_parser("raise-budget", help="raise the budget of a run paused by it (an input)")
+    )
+    raising.add_argument("run_id")
+    raising.add_argument("--step", required=True, help="the step waiting for the raise")
+    raising.add_argument("--tokens", type=int, default=0)
+    raising.add_argument("--cost", type=float, default=0.0)
+    raising.add_argument("--request-id", default="", help="makes a repeat the same input")
     add_approval_commands(sub, _with_client_options)
 
 
@@ -308,7 +324,10 @@ async def _run(args: argparse.Namespace) -> int:
             case "start":
                 payload = _parse_input(args.input)
                 run = await client.start_run(
-                    args.workflow, payload, idempotency_key=args.idempotency_key
+                    args.workflow,
+                    payload,
+                    idempotency_key=args.idempotency_key,
+                    budget=_budget(args),
                 )
                 if args.wait:
                     run = await client.wait_for_run(run.run_id, timeout=WAIT_SECONDS)
@@ -321,6 +340,13 @@ async def _run(args: argparse.Namespace) -> int:
                 else:
                     print_run(run, False)
                     print_usage(usage)
+            case "raise-budget":
+                raised = {k: v for k, v in (("tokens", args.tokens), ("cost", args.cost)) if v}
+                request_id = args.request_id or f"budget-{secrets.token_hex(8)}"
+                item, _ = await client.submit_input(
+                    args.run_id, args.step, request_id, raised, mode=InputMode.BUDGET
+                )
+                print(dumps(input_dict(item)) if args.json else f"input {item.request_id} queued")
             case "cancel":
                 print_run(await client.cancel_run(args.run_id, args.reason), args.json)
             case "purge":
@@ -349,6 +375,15 @@ async def _run(args: argparse.Namespace) -> int:
                 for r in runs:
                     print(f"{r.run_id}  {r.workflow:<20} {enum_name(pb.RunStatus, r.status)}")
     return 0
+
+
+def _budget(args: argparse.Namespace) -> Any:
+    """``run start``'s budget, or None when it set no bound."""
+    if not args.budget_tokens and not args.budget_cost:
+        return None
+    from dagnats.sdk import Budget
+
+    return Budget(tokens=args.budget_tokens, cost=args.budget_cost, policy=args.budget_policy)
 
 
 def _parse_input(raw: str | None) -> Any:
