@@ -40,7 +40,15 @@ def run_dict(run: pb.Run) -> dict[str, Any]:
     data["input"] = decode_payload(run.input)
     data["output"] = decode_payload(run.output)
     data["steps"] = [_step_dict(step) for step in run.steps]
+    if run.HasField("budget"):
+        data["budget"] = budget_dict(run.budget)
     return data
+
+
+def budget_dict(budget: jpb.Budget) -> dict[str, Any]:
+    """A run's budget: its bounds (0: none) and its policy."""
+    policy = enum_name(jpb.BudgetPolicy, budget.policy) if budget.policy else "fail"
+    return {"tokens": budget.tokens, "cost": budget.cost_micros / 1_000_000, "policy": policy}
 
 
 def usage_dict(usage: pb.RunUsage) -> dict[str, Any]:
