@@ -46,6 +46,7 @@ from tests.test_journal import NO_HEARTBEAT
 from tests.test_models import adapter
 from tests.test_pydantic_ai import QUESTION, Tools, openai_client, script, weather_agent
 
+CALL = Usage(input_tokens=10, output_tokens=5, model=MODEL)  # 15 tokens a call
 # Per million tokens; the fake servers answer as MODEL.
 PRICES = {MODEL: {"input": 2.0, "output": 10.0, "cached": 0.5}}
 
@@ -256,10 +257,49 @@ async def test_an_http_worker_records_the_usage_of_its_calls(
     )
     assert kept.cost_micros == micros(500, 40, 100) + micros(500, 60, 100)
 
+    # With a budget, the bridge asks the journal to check it before each call.
+    task, name = unique("usage-bridge"), unique("usage-bridge-wf")
+    await client.register_workflow(loop_workflow(name, task))
+    run = await client.start_run(name, budget=Budget(tokens=500))
+    leased = await poll(http, task)
+    read = await call(http, "journal/read", token=leased["token"])
+    begin = await call(http, "journal/model/begin", token=read["token"])
+    token = await call(
+        http, "journal/model/record", token=begin["token"], response={"a": 1}, usage=spent
+    )
+    refused = await call(http, "journal/model/begin", status=409, token=token["token"])
+    assert (
+        refused["code"] == "budget_exceeded"
+        and "540 tokens of a budget of 500" in (refused["message"])
+    )
+    await client.cancel_run(run.run_id)
+
+
+async def test_a_retried_attempts_calls_are_counted_apart(
+    client: Client, engine: EngineServer
+) -> None:
+    calls: list[int] = []
+
+    async def turn(tc: TaskContext) -> None:
+        j = await tc.journal()
+
+        async def call() -> WithUsage:
+            calls.append(tc.attempt)
+            return WithUsage({"attempt": tc.attempt}, CALL)
+
+        await j.model(call)
+        if tc.attempt == 1:
+            raise RuntimeError("the tool after the model failed")  # retriable
+        await tc.complete("second time")
+
+    run = await run_loop(client, engine, turn)
+    assert run.status == pb.RUN_STATUS_COMPLETED and calls == [1, 2]
+    total = (await client.run_usage(run.run_id)).total
+    assert (total.kept.calls, total.retried.calls, total.spent.calls) == (1, 1, 2)
+    assert total.retried.input_tokens == CALL.input_tokens
+
 
 # ---- budgets --------------------------------------------------------------------------
-
-CALL = Usage(input_tokens=10, output_tokens=5, model=MODEL)  # 15 tokens a call
 
 
 def looping(calls: list[int], *, turns: int) -> Any:

@@ -86,8 +86,10 @@ async def _begin_model(
     b: Backend, t: BridgeToken, position: int
 ) -> tuple[BridgeToken, bytes | None]:
     assert t.writer is not None
-    request = jpb.BeginModelRequest(token=t.writer, position=position)
+    request = jpb.BeginModelRequest(token=t.writer, position=position, budget=t.budget)
     begin = await ops.writing(b, t, b.rpc.begin_model(request))
+    if begin.HasField("token"):  # the budget's check placed raises: the next token
+        t = replace(t, writer=begin.token)
     if begin.recorded:
         return replace(t, position=position + 1, model_position=None), begin.response
     return replace(t, position=position + 1, model_position=position), None
