@@ -42,7 +42,7 @@ from tests.stack import FAST, loop_workflow, socket_dir, unique
 from tests.test_bridge import call, poll
 from tests.test_bridge import start as bridge_start
 from tests.test_cli import adagnats
-from tests.test_journal import NO_HEARTBEAT
+from tests.test_journal import NO_HEARTBEAT, journal_check, read_journal
 from tests.test_models import adapter
 from tests.test_pydantic_ai import QUESTION, Tools, openai_client, script, weather_agent
 
@@ -374,6 +374,10 @@ async def test_the_budget_pauses_the_run_until_an_input_raises_it(
     usage = await client.run_usage(run.run_id)
     spent = usage.total.spent
     assert spent.calls == 5 and spent.input_tokens + spent.output_tokens == 75
+    # The raise is placed in the journal once, at the call it let through.
+    placed = [r for r in await read_journal(engine, run.run_id) if r.HasField("input_placed")]
+    assert [(p.iteration, p.input_placed.request_id) for p in placed] == [(3, "raise-1")]
+    assert list((await journal_check(engine, run.run_id)).violations) == []
 
 
 async def test_a_bad_budget_or_raise_is_refused_at_the_edge(
@@ -461,3 +465,4 @@ async def test_a_fenced_call_is_counted_and_charged_once_to_the_budget(
     total = usage.total
     assert (total.kept.calls, total.fenced.calls, total.spent.calls) == (2, 1, 3)
     assert total.spent.input_tokens == 30 and total.spent.output_tokens == 15
+    assert list((await journal_check(engine, run.run_id)).violations) == []
