@@ -53,7 +53,7 @@ import json
 from dataclasses import replace
 
 from dagnats.core.subjects import is_task_subject
-from dagnats.core.usage import Budget
+from dagnats.core.usage import Budget, Policy
 from dagnats.engine.definition import StepDef, StepType, WorkflowDef, backoff_delay
 from dagnats.engine.model import (
     Accepted,
@@ -273,8 +273,17 @@ def dispatch_task(run: Run, step: Step) -> DispatchTask:
         attempt=step.attempt,
         input=step_input(run, step_def),
         redispatch=step.redispatches,
-        budget=run.budget,
+        budget=_task_budget(run.budget, step_def),
     )
+
+
+def _task_budget(budget: Budget | None, step_def: StepDef) -> Budget | None:
+    """The run's budget as a step's task carries it: a pause waits with a
+    continue, which only an agent loop has, so a task step's refused call
+    fails it whatever the run's policy."""
+    if budget is None or step_def.type is StepType.AGENT_LOOP:
+        return budget
+    return replace(budget, policy=Policy.FAIL)
 
 
 def kept_decision(
