@@ -342,6 +342,8 @@ async def _run(args: argparse.Namespace) -> int:
                     print_usage(usage)
             case "raise-budget":
                 raised = {k: v for k, v in (("tokens", args.tokens), ("cost", args.cost)) if v}
+                if not raised:
+                    raise UsageError("give --tokens, --cost or both: what to add to the budget")
                 request_id = args.request_id or f"budget-{secrets.token_hex(8)}"
                 item, _ = await client.submit_input(
                     args.run_id, args.step, request_id, raised, mode=InputMode.BUDGET
