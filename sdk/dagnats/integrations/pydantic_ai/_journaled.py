@@ -228,7 +228,7 @@ class JournaledModel(WrapperModel):
                 response = await self.wrapped.request(
                     messages, model_settings, model_request_parameters
                 )
-                return WithUsage(dump_response(response), spent(response))
+                return with_usage(dump_response(response), response)
 
             return load_response(await self._journal.model(ask))
 
@@ -240,7 +240,7 @@ class JournaledModel(WrapperModel):
                     if (text := _text_of(event)) is not None:
                         live.put(text)
                 whole = response.get()
-                return WithUsage(dump_response(whole), spent(whole))
+                return with_usage(dump_response(whole), whole)
 
         return load_response(await self._journal.streamed_model(streamed))
 
@@ -258,6 +258,12 @@ class JournaledModel(WrapperModel):
         yield CompletedStreamedResponse(
             response, model_request_parameters=model_request_parameters, replay_events=True
         )
+
+
+def with_usage(dumped: Any, response: ModelResponse) -> Any:
+    """The record of a response: with its usage, when the model counted any."""
+    usage = spent(response)
+    return WithUsage(dumped, usage) if usage.tokens else dumped
 
 
 def spent(response: ModelResponse) -> Usage:

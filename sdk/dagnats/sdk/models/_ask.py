@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import replace
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 from dagnats.core.usage import Usage
 from dagnats.sdk._journal import Journal
@@ -56,8 +56,10 @@ async def ask(
         Fenced: a successor holds the step.
     """
 
-    async def call(live: TokenStream | None) -> WithUsage:
+    async def call(live: TokenStream | None) -> Any:
         response = await model.generate(messages, tools=tools, stream=live)
+        if not response.usage.tokens:  # a stand-in, or a server that counts nothing
+            return response.to_json()
         return WithUsage(response.to_json(), spent(response, model))
 
     if stream:
