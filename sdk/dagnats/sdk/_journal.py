@@ -31,6 +31,13 @@ Invariants:
   call sent at most ``FRESH_TAIL`` before and nothing is recorded at the
   position (``WriterToken.replay_positions``): that write was fenced on the
   tail, and a read would tell no more: a fresh write is the tail check (ADR 35).
+  Not when the run has a budget: then every new model call sends
+  ``BeginModel`` with it, and the journal refuses the call once the run spent
+  it (``BudgetExceeded``).
+- A model call's usage (``WithUsage``) is recorded with its response. A
+  handle the fence stops reports the usage of its calls to the step's spent
+  subject (``RecordSpent``), since the fence refused the records that would
+  have held it; the ledger charges a call it also finds stored once.
 - A model response or a tool result is not sent at once: it rides the next
   journal call in that call's record when that call can carry it (a tool
   call's intent after a response, the commit after either), and is stored on
