@@ -30,6 +30,7 @@ from dagnats.journal.model import (
     InputEntry,
     ModelEntry,
 )
+from dagnats.journal.usage import StepLedger
 
 U = Usage(input_tokens=100, output_tokens=20, cached_tokens=40, model="m", cost_micros=7)
 seq = iter(range(1, 10_000))
@@ -224,3 +225,38 @@ def test_budget_documents() -> None:
     for bad in ({}, {"tokens": 5, "policy": "later"}, {"cost": -1}, {"tokens": True}, [1]):
         with pytest.raises(InvalidArgument):
             parse_budget(bad)
+
+
+def test_a_step_ledger_that_folds_ended_iterations_charges_as_the_rules_do() -> None:
+    """The budget's reader keeps only the open iteration's entries and folds
+    each ended iteration into totals: the same charges as the whole step."""
+    other = Usage(input_tokens=3, output_tokens=4, model="n", cost_micros=1)
+    records: list[AnyEntry] = [
+        claim(0, 1),
+        model(0, 1, 0),
+        commit(0, 1, Action.FAIL),  # retried
+        claim(0, 2),
+        model(0, 2, 0, usage=other),
+        commit(0, 2, Action.CONTINUE),  # iteration 0 ends: folded
+        claim(1, 1, writer="z"),
+        model(1, 1, 0, writer="z"),
+        claim(1, 1, writer="s"),  # the successor fenced z
+        model(1, 1, 0, writer="s"),
+        commit(1, 1, Action.CONTINUE, writer="s"),
+        model(2, 1, 0),  # open
+        model(2, 1, 2, usage=other),
+    ]
+    spent = [
+        model(1, 1, 0, writer="z"),  # stored after all: counted once
+        model(1, 1, 2, writer="z"),  # refused by the fence
+        model(2, 1, 2),  # stored in the open iteration
+    ]
+    step = StepLedger()
+    for entry in records:
+        step.add(entry)
+    step.spent.extend(spent)
+    whole = ledger.charges(records, spent)
+    assert step.split() == ledger.split(whole)
+    assert step.by_model() == ledger.by_model(whole)
+    assert [e.iteration for e in step.open] == [2, 2]  # ended iterations folded
+    assert step.split().fenced.calls == 1 and step.split().retried.calls == 1

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import assert_never
 
@@ -93,13 +93,22 @@ class Split:
         )
 
 
-def charges(records: Sequence[AnyEntry], spent: Sequence[ModelEntry] = ()) -> list[Charge]:
+Call = tuple[str, int, int, int]  # writer, iteration, attempt, position
+
+
+def charges(
+    records: Sequence[AnyEntry],
+    spent: Sequence[ModelEntry] = (),
+    stored: Collection[Call] = (),
+) -> list[Charge]:
     """Each model call of one step, charged once: ``records`` are the step's
     entries (its journal subject), ``spent`` the model entries of its spent
-    subject. A call whose usage was not reported is not charged."""
+    subject; ``stored`` names calls of records charged already (a reader
+    that folded an ended iteration's charges), which a spent entry does not
+    charge again. A call whose usage was not reported is not charged."""
     retried = _retried_attempts(records)
     found: list[Charge] = []
-    seen: set[tuple[str, int, int, int]] = set()
+    seen: set[Call] = set(stored)
     for entry in records:
         if not isinstance(entry, ModelEntry):
             continue
@@ -202,7 +211,12 @@ def _retried_attempts(records: Sequence[AnyEntry]) -> set[tuple[int, int]]:
     return ended | later
 
 
-def _call(entry: ModelEntry) -> tuple[str, int, int, int]:
+def call_of(entry: ModelEntry) -> Call:
+    """The identity of a model call: its writer, dispatch and position."""
+    return _call(entry)
+
+
+def _call(entry: ModelEntry) -> Call:
     return (entry.writer, entry.iteration, entry.attempt, entry.position)
 
 

@@ -2,12 +2,14 @@
 read once and then only what was written since.
 
 The journal is the ledger (see :mod:`dagnats.journal.ledger` for its rules);
-this module reads it. :class:`RunLedgers` keeps, per run, the entries the
-rules need (model calls without their responses, claims, commits without
-their state, budget inputs) and the stream sequence read up to, so a budget
-check reads only the records written since the last one: the records of the
-run's other steps included, since a budget bounds the whole run. A process
-that lost its cache reads the run again: the stream is the truth.
+this module reads it. :class:`RunLedgers` keeps, per run, the stream
+sequence read up to, so a budget check reads only the records written since
+the last one (the records of the run's other steps included, since a budget
+bounds the whole run), and per step the entries the rules need of its open
+iteration (model calls without their responses, claims, commits without
+their state), the budget inputs, and an ended iteration's charges folded
+into totals (:class:`StepLedger`). A process that lost its cache reads the
+run again: the stream is the truth.
 """
 
 from __future__ import annotations
@@ -28,13 +30,49 @@ RUNS = 1024  # runs whose ledger a process keeps
 
 @dataclass(slots=True)
 class StepLedger:
-    """One step's entries, as the ledger's rules read them."""
+    """One step's ledger: the entries of its iterations not ended yet, as the
+    ledger's rules read them, and the charges of the ended ones folded into
+    totals (an ended iteration's calls are kept or retried for good), so a
+    long run's ledger holds its open iteration and a key per call."""
 
-    records: list[jm.AnyEntry] = field(default_factory=list)
+    open: list[jm.AnyEntry] = field(default_factory=list)
     spent: list[jm.ModelEntry] = field(default_factory=list)
+    raises: list[jm.InputEntry] = field(default_factory=list)
+    settled: ledger.Split = field(default_factory=ledger.Split)
+    settled_by_model: dict[str, Totals] = field(default_factory=dict)
+    stored: set[ledger.Call] = field(default_factory=set)
 
-    def charges(self) -> list[ledger.Charge]:
-        return ledger.charges(self.records, self.spent)
+    def add(self, entry: jm.AnyEntry) -> None:
+        """Take one entry of the step's journal, in order."""
+        match entry:
+            case jm.InputEntry():
+                self.raises.append(entry)
+            case jm.CommitEntry() if entry.ends_iteration:
+                self.open.append(entry)
+                self._fold(entry.iteration)
+            case _:
+                self.open.append(entry)
+
+    def _fold(self, iteration: int) -> None:
+        ended = [e for e in self.open if e.iteration == iteration]
+        self.open = [e for e in self.open if e.iteration != iteration]
+        folded = ledger.charges(ended)
+        self.settled = self.settled.plus(ledger.split(folded))
+        for name, totals in ledger.by_model(folded).items():
+            self.settled_by_model[name] = self.settled_by_model.get(name, Totals()).plus(totals)
+        self.stored.update(ledger.call_of(e) for e in ended if isinstance(e, jm.ModelEntry))
+
+    def _open_charges(self) -> list[ledger.Charge]:
+        return ledger.charges(self.open, self.spent, self.stored)
+
+    def split(self) -> ledger.Split:
+        return self.settled.plus(ledger.split(self._open_charges()))
+
+    def by_model(self) -> dict[str, Totals]:
+        totals = dict(self.settled_by_model)
+        for name, more in ledger.by_model(self._open_charges()).items():
+            totals[name] = totals.get(name, Totals()).plus(more)
+        return totals
 
 
 @dataclass(slots=True)
@@ -50,11 +88,11 @@ class RunLedger:
     def split(self) -> ledger.Split:
         total = ledger.Split()
         for step in self.steps.values():
-            total = total.plus(ledger.split(step.charges()))
+            total = total.plus(step.split())
         return total
 
     def raised(self) -> Raise:
-        return ledger.raises(e for s in self.steps.values() for e in s.records)
+        return ledger.raises(e for s in self.steps.values() for e in s.raises)
 
 
 class RunLedgers:
@@ -96,7 +134,7 @@ async def catch_up(store: JournalStore, run_id: str, into: RunLedger) -> None:
                 if isinstance(entry, jm.ModelEntry):
                     step.spent.append(replace(entry, response=b""))
             elif (kept := _kept(entry)) is not None:
-                step.records.append(kept)
+                step.add(kept)
 
 
 def _kept(entry: jm.AnyEntry) -> jm.AnyEntry | None:
@@ -121,12 +159,12 @@ def run_usage(found: RunLedger, step_order: list[str]) -> epb.RunUsage:
     answer = epb.RunUsage()
     total = ledger.Split()
     for step_id in steps:
-        charged = found.steps[step_id].charges()
-        step_split = ledger.split(charged)
+        step = found.steps[step_id]
+        step_split = step.split()
         total = total.plus(step_split)
         item = answer.steps.add(step_id=step_id)
         item.usage.CopyFrom(_split(step_split))
-        for name, totals in ledger.by_model(charged).items():
+        for name, totals in step.by_model().items():
             item.by_model[name].CopyFrom(_totals(totals))
     answer.total.CopyFrom(_split(total))
     return answer
