@@ -398,6 +398,17 @@ async def test_a_bad_budget_or_raise_is_refused_at_the_edge(
     assert bad.status_code == 400 and bad.json()["field"] == "content"
     await client.cancel_run(run["run_id"])
 
+    # A workflow's budget: shown with the workflow, taken by a run without its own.
+    budgeted = unique("usage-wf")
+    document = loop_workflow(budgeted, unique("usage"))
+    document["budget"] = {"cost": 0.25, "policy": "pause"}
+    await client.register_workflow(document)
+    shown = (await http.get(f"/workflows/{budgeted}")).json()
+    assert shown["budget"] == {"tokens": 0, "cost": 0.25, "policy": "pause"}
+    started = (await http.post("/runs", json={"workflow": budgeted})).json()
+    assert started["budget"] == {"tokens": 0, "cost": 0.25, "policy": "pause"}
+    await client.cancel_run(started["run_id"])
+
 
 # ---- a fenced holder ------------------------------------------------------------------
 

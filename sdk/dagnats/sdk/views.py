@@ -95,6 +95,8 @@ def workflow_dict(workflow: pb.Workflow) -> dict[str, Any]:
         data["default_retry"]["backoff"] = enum_name(
             pb.BackoffStrategy, workflow.default_retry.backoff
         )
+    if workflow.HasField("budget"):
+        data["budget"] = budget_dict(workflow.budget)
     return data
 
 
