@@ -1423,6 +1423,42 @@ GUARDS = (
             "test_each_change_is_named_with_what_was_recorded_and_what_was_asked[extra_tool]",
         ),
     ),
+    Guard(
+        name="the budget's check: a journal with a budget never skips BeginModel",
+        file="sdk/dagnats/sdk/_journal.py",
+        guard="            if self._budget is not None:  # the budget's check is never skipped\n",
+        removed="            if False:  # the budget's check is never skipped\n",
+        how="a model call on a fresh tail skips BeginModel, and none asks for the check: "
+        "the run spends past its budget",
+        tests=(
+            "tests/test_usage.py::"
+            "test_the_budget_refuses_the_call_that_would_start_past_it_and_the_run_fails",
+        ),
+    ),
+    Guard(
+        name="the budget's check: BeginModel refuses a call once the run spent its budget",
+        file="services/journal/dagnats/journal/service.py",
+        guard='        if request.HasField("budget"):\n'
+        "            return await self._within_budget(token, request)\n",
+        removed="",
+        how="the journal lets every model call start: the run spends past its budget",
+        tests=(
+            "tests/test_usage.py::"
+            "test_the_budget_refuses_the_call_that_would_start_past_it_and_the_run_fails",
+        ),
+    ),
+    Guard(
+        name="the usage ledger charges a fenced call once",
+        file="services/journal/dagnats/journal/ledger.py",
+        guard="        if entry.usage is None or _call(entry) in seen:\n",
+        removed="        if entry.usage is None:\n",
+        how="a fenced call reported twice, or stored after all, is charged twice to the "
+        "run's totals and to its budget's check",
+        tests=(
+            "tests/test_ledger.py::"
+            "test_a_fenced_call_is_charged_once_even_when_reported_twice_or_also_stored",
+        ),
+    ),
 )
 
 

@@ -49,6 +49,13 @@ class Reply:
     tools: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     tokens: list[str] | None = None  # how the text streams; words by default
     hold_after: int | None = None  # stream this many tokens, then wait for release()
+    cached: int = 0  # input tokens reported as read from the prompt cache
+
+    def usage(self) -> tuple[int, int, int]:
+        """(input, output, cached) tokens as the servers report this reply:
+        10 fresh input tokens plus the cached ones; a token per streamed piece
+        of text and per tool call out."""
+        return 10 + self.cached, len(self.stream_tokens()) + len(self.tools), self.cached
 
     def stream_tokens(self) -> list[str]:
         if self.tokens is not None:
@@ -225,7 +232,7 @@ class FakeProvider:
             for name, args in item.tools
         ]
         stop = "tool_use" if uses else "end_turn"
-        usage = {"input_tokens": 10, "output_tokens": len(item.stream_tokens()) + len(uses)}
+        usage = _anthropic_usage(item)
         message = {
             "id": mid,
             "type": "message",
@@ -247,7 +254,7 @@ class FakeProvider:
             **message,
             "content": [],
             "stop_reason": None,
-            "usage": {"input_tokens": 10, "output_tokens": 0},
+            "usage": {**_anthropic_usage(reply), "output_tokens": 0},
         }
         yield "message_start", {"type": "message_start", "message": start}
         index = 0
@@ -314,6 +321,23 @@ def _kind(item: Failure | None) -> str:
     )
 
 
-def _openai_usage(reply: Reply) -> dict[str, int]:
-    completion = len(reply.stream_tokens()) + len(reply.tools)
-    return {"prompt_tokens": 10, "completion_tokens": completion, "total_tokens": 10 + completion}
+def _openai_usage(reply: Reply) -> dict[str, Any]:
+    # prompt_tokens counts the cached tokens too; the details say how many.
+    prompt, completion, cached = reply.usage()
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _anthropic_usage(reply: Reply) -> dict[str, int]:
+    # input_tokens leaves out what was read from the cache (cache_read_input_tokens).
+    prompt, completion, cached = reply.usage()
+    return {
+        "input_tokens": prompt - cached,
+        "output_tokens": completion,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }

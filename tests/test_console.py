@@ -332,6 +332,25 @@ async def test_the_journal_shows_records_live_tokens_and_an_interrupted_unsafe_t
     assert effects["output"] == {"interrupted": True, "partial": PARTIAL}
 
 
+async def test_a_runs_usage_and_budget_show_on_its_page(
+    page: Page, http: httpx.AsyncClient, agent: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    body = {"workflow": WORKFLOW, "input": {"script": "usage"}, "budget": {"tokens": 200}}
+    response = await http.post("/runs", json=body)
+    assert response.status_code == 201, response.text
+    run_id = response.json()["run_id"]
+    await page.goto(f"/ui/#/runs/{run_id}")
+    await expect(page.locator("#run-status")).to_have_text("failed", timeout=WAIT)
+    await expect(page.locator("#run-budget")).to_have_text("200 tokens; fails when spent")
+    run = page.locator('#usage tr[data-usage="run"]')
+    await expect(run.locator(".calls")).to_have_text("2", timeout=WAIT)  # the third refused
+    await expect(run.locator(".input")).to_have_text("200")
+    await expect(run.locator(".output")).to_have_text("40")
+    await expect(run.locator(".kept")).to_have_text("2")
+    await expect(page.locator('#usage tr[data-usage="agent"] .calls')).to_have_text("2")
+    await shot(page, tmp_path, "run-usage")
+
+
 async def test_a_parallel_group_shows_as_one_entry_its_calls_each_with_their_fate(
     page: Page, http: httpx.AsyncClient, dev: DevProcess, state: Path, tmp_path: Path
 ) -> None:

@@ -27,6 +27,7 @@ import pytest
 import pytest_asyncio
 
 from dagnats.cli.main import build_parser
+from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import JournalClient, run_output
 from dagnats.sdk.testing import LocalStack
 from tests.stack import FAST
@@ -318,6 +319,16 @@ async def test_fork_and_diff_example_asks_only_the_other_model_after_the_fork(
     assert first == '"small says: 3 results for durable agents"'
     assert second == '"large says: 3 results for durable agents"'
     assert calls == ["small", "small", "large"]  # the fork asked nothing before its record
+# How-to: usage and budgets.
+
+
+async def test_usage_budget_example_pauses_then_goes_on_once_raised(stack: LocalStack) -> None:
+    status, usage = await load("usage_budget").main(stack.target)
+    assert status == pb.RUN_STATUS_COMPLETED
+    spent = usage.total.spent
+    # 1,200 tokens a call: two under 2,000, the third refused; raised to 5,000, one more.
+    assert (spent.calls, spent.input_tokens, spent.output_tokens) == (3, 3000, 600)
+    assert usage.total.kept == spent
 
 
 def test_the_cli_and_the_console_name_the_address_docs_serve_serves() -> None:

@@ -48,6 +48,16 @@ def example(cls: type[WireError]) -> WireError:
         return errors.Fenced("run1", "agent", expected=7, actual=9, detail="a successor wrote")
     if cls is errors.RunCancelled:
         return errors.RunCancelled("run1", "run run1 was cancelled: ü", step_id="agent")
+    if cls is errors.BudgetExceeded:
+        return errors.BudgetExceeded(
+            "run1",
+            step_id="agent",
+            tokens=30,
+            cost_micros=4,
+            budget_tokens=25,
+            budget_cost_micros=9,
+            detail="the run spent 30 tokens of a budget of 25: ü",
+        )
     assert issubclass(cls, errors.DagnatsError)
     return cls(f"a {cls.__name__} happened: ü", field="token.writer")
 

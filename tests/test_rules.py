@@ -713,3 +713,36 @@ def test_only_the_decision_that_ends_a_run_sets_its_purge() -> None:
     assert purges(done) == purge
     failed = m.Failed(error="x", kind=m.FailureKind.PERMANENT)
     assert purges(rules.apply(run, report("agent", 0, 1, failed), T0 + 5, options)) == purge
+
+
+def test_a_runs_budget_rides_its_tasks_and_a_task_step_never_pauses_for_it() -> None:
+    """A pause waits with a continue, which only an agent loop has: a task
+    step's task carries the budget with the fail policy."""
+    from dagnats.core.usage import Budget, Policy
+
+    both = wf(
+        [
+            {"id": "agent", "type": "agent_loop", "task": "agent"},
+            {"id": "once", "task": "once"},
+        ],
+        budget={"tokens": 100, "policy": "pause"},
+    )
+    first = start(both)
+    budgets = {e.step_id: e.budget for e in first.effects if isinstance(e, m.DispatchTask)}
+    assert budgets == {
+        "agent": Budget(tokens=100, policy=Policy.PAUSE),
+        "once": Budget(tokens=100, policy=Policy.FAIL),
+    }
+    own = rules.start_run(
+        run_id="r" * 32,
+        workflow=both,  # type: ignore[arg-type]
+        input=b"{}",
+        now=T0,
+        budget=Budget(cost_micros=5),
+    )
+    assert own.run.budget == Budget(cost_micros=5)  # the run's own, not the workflow's
+    assert start(LOOP).run.budget is None
+    # A registered workflow keeps its budget through its message.
+    from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
+
+    assert workflow_from_proto(workflow_to_proto(both)) == both  # type: ignore[arg-type]

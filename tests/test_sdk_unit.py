@@ -48,6 +48,8 @@ FAST_RETRY = RetryPolicy(budget=0.3, backoff=0.001, max_backoff=0.005)
 def test_public_names_are_exactly_the_documented_ones() -> None:
     assert set(dagnats.sdk.__all__) == {
         "ApprovalPending",
+        "Budget",
+        "BudgetExceeded",
         "Client",
         "Committed",
         "ConcurrentJournalUse",
@@ -81,6 +83,8 @@ def test_public_names_are_exactly_the_documented_ones() -> None:
         "ToolRun",
         "Unauthenticated",
         "Unavailable",
+        "Usage",
+        "WithUsage",
         "Worker",
         "run_output",
     }

@@ -43,6 +43,8 @@ from dagnats.sdk import (
     TokenStream,
     ToolCall,
     ToolRun,
+    Usage,
+    WithUsage,
     Worker,
 )
 
@@ -143,7 +145,20 @@ def main(target: str, task: str, state: Path) -> None:
         )
         await tc.complete([r.output for r in results])
 
+    async def usage_script(tc: TaskContext) -> None:
+        """Two model calls that report their usage, then a third that the
+        run's budget (set by the test) refuses: the step fails."""
+        j = await tc.journal()
+        for n in range(3):
+
+            async def call(n: int = n) -> WithUsage:
+                return WithUsage({"n": n}, Usage(input_tokens=100, output_tokens=20, model="m1"))
+
+            await j.model(call)
+        await tc.complete("not reached")
+
     scripts = {
+        "usage": usage_script,
         "wait": wait_script,
         "delay": wait_script_timed,
         "until": wait_script_timed,

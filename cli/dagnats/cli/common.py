@@ -55,6 +55,26 @@ def print_run(run: pb.Run, as_json: bool) -> None:
         print(line)
 
 
+def print_usage(usage: pb.RunUsage) -> None:
+    """A run's usage under its ``run get``: the run's, then each step's."""
+    print(f"usage     {usage_line(usage.total)}")
+    for step in usage.steps:
+        print(f"  usage {step.step_id:<15} {usage_line(step.usage)}")
+
+
+def usage_line(split: pb.UsageSplit) -> str:
+    """Spent tokens and cost, and what of it was kept, retried and fenced."""
+    spent = split.spent
+    line = (
+        f"{spent.calls} calls, {spent.input_tokens} in ({spent.cached_tokens} cached), "
+        f"{spent.output_tokens} out"
+    )
+    if spent.cost_micros:
+        line += f", cost {spent.cost_micros / 1_000_000:g}"
+    parts = [f"{getattr(split, k).calls} {k}" for k in ("kept", "retried", "fenced")]
+    return f"{line}; calls: {', '.join(parts)}"
+
+
 def stop_on_signals() -> None:
     """SIGTERM and SIGINT cancel the running task once, so that its
     ``finally`` blocks stop everything in order: SIGINT too when it came in

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from dagnats.cli.common import (
     UsageError,
     dumps,
     print_run,
+    print_usage,
     stop_on_signals,
 )
 from dagnats.cli.journal import RETRY_FOR, add_journal_commands, run_journal
@@ -35,9 +37,9 @@ from dagnats.core.natsauth import NatsSettings
 from dagnats.core.run_settings import parse_assignments
 from dagnats.core.settings import DEFAULT_PORTS, SERVICES
 from dagnats.engine.v1 import engine_pb2 as pb
-from dagnats.sdk import Credentials
+from dagnats.sdk import Credentials, InputMode
 from dagnats.sdk.diff import format_diff
-from dagnats.sdk.views import enum_name, run_dict, workflow_dict
+from dagnats.sdk.views import enum_name, input_dict, run_dict, usage_dict, workflow_dict
 
 DEFAULT_ENGINE = "127.0.0.1:7233"
 # The exit code of a command whose reader closed the pipe (128 + SIGPIPE).
@@ -232,6 +234,13 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="a setting its handlers read",
     )
+    start.add_argument(
+        "--budget-tokens", type=int, default=0, help="most tokens its model calls may spend"
+    )
+    start.add_argument(
+        "--budget-cost", type=float, default=0.0, help="most cost (price table's currency)"
+    )
+    start.add_argument("--budget-policy", choices=("fail", "pause"), default="fail")
     fork = _with_client_options(
         sub.add_parser("fork", help="start a new run from a record of a run's journal")
     )
@@ -260,6 +269,14 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
     listing.add_argument("--workflow", default="")
     listing.add_argument("--status", choices=RUN_STATUSES, default=None)
     listing.add_argument("--limit", type=int, default=50)
+    raising = _with_client_options(
+        sub.add_parser("raise-budget", help="raise the budget of a run paused by it (an input)")
+    )
+    raising.add_argument("run_id")
+    raising.add_argument("--step", required=True, help="the step waiting for the raise")
+    raising.add_argument("--tokens", type=int, default=0)
+    raising.add_argument("--cost", type=float, default=0.0)
+    raising.add_argument("--request-id", default="", help="makes a repeat the same input")
     add_approval_commands(sub, _with_client_options)
 
 
@@ -337,6 +354,7 @@ async def _run(args: argparse.Namespace) -> int:
                     payload,
                     idempotency_key=args.idempotency_key,
                     settings=parse_assignments(args.set),
+                    budget=_budget(args),
                 )
                 if args.wait:
                     run = await client.wait_for_run(run.run_id, timeout=WAIT_SECONDS)
@@ -347,7 +365,21 @@ async def _run(args: argparse.Namespace) -> int:
             case "diff":
                 return await _diff(client, target, args)
             case "get":
-                print_run(await client.get_run(args.run_id), args.json)
+                run, usage = await client.get_run_and_usage(args.run_id)
+                if args.json:
+                    print(dumps({**run_dict(run), "usage": usage_dict(usage)}))
+                else:
+                    print_run(run, False)
+                    print_usage(usage)
+            case "raise-budget":
+                raised = {k: v for k, v in (("tokens", args.tokens), ("cost", args.cost)) if v}
+                if not raised:
+                    raise UsageError("give --tokens, --cost or both: what to add to the budget")
+                request_id = args.request_id or f"budget-{secrets.token_hex(8)}"
+                item, _ = await client.submit_input(
+                    args.run_id, args.step, request_id, raised, mode=InputMode.BUDGET
+                )
+                print(dumps(input_dict(item)) if args.json else f"input {item.request_id} queued")
             case "cancel":
                 print_run(await client.cancel_run(args.run_id, args.reason), args.json)
             case "purge":
@@ -420,6 +452,15 @@ async def _diff(client: Any, target: str, args: argparse.Namespace) -> int:
         return 0
     print(format_diff(found))
     return 0
+
+
+def _budget(args: argparse.Namespace) -> Any:
+    """``run start``'s budget, or None when it set no bound."""
+    if not args.budget_tokens and not args.budget_cost:
+        return None
+    from dagnats.sdk import Budget
+
+    return Budget(tokens=args.budget_tokens, cost=args.budget_cost, policy=args.budget_policy)
 
 
 def _parse_input(raw: str | None) -> Any:

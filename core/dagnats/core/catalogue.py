@@ -434,4 +434,16 @@ SETTINGS: tuple[Setting, ...] = (
         "`provider:model@base-url` (`openai:gpt-4.1-mini` with `OPENAI_API_KEY`, "
         "`anthropic:claude-sonnet-4-5` with `ANTHROPIC_API_KEY`); unset: a stand-in",
     ),
+    Setting(
+        GENERAL,
+        ("DAGNATS_PRICES",),
+        "unset",
+        "the journal service's price table, which prices each model call it records (the "
+        "usage ledger, budgets by cost): a JSON object mapping a model's name to its prices "
+        'per million tokens, `{"gpt-4.1-mini": {"input": 0.4, "output": 1.6, '
+        '"cached": 0.1}}` (`cached`: cached input tokens, `input` when left out), in '
+        "one currency of your choice. A model named with a date suffix takes its longest "
+        "listed prefix's price; an unlisted model records no cost. A table that does not "
+        "parse stops the service at its start",
+    ),
 )

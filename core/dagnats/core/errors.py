@@ -24,8 +24,10 @@ sees a ``grpc.RpcError`` and a client gets the fields the service raised
             ├── DeadlineExceeded      an operation ran out of time
             ├── Unauthenticated       the call carried no valid credential
             ├── PermissionDenied      the credential's role may not make the call
-            └── ReplayMismatch        the handler made a different call at a
-                                      recorded position; nothing was written
+            ├── ReplayMismatch        the handler made a different call at a
+            │                         recorded position; nothing was written
+            └── BudgetExceeded        the run spent its budget: a model call is
+                                      refused; deterministic, never retried
 
 ``Fenced`` is a ``BaseException``, as the other journal signals are, so that an
 ``except Exception:`` in a handler cannot swallow it: a fenced holder must stop
@@ -127,6 +129,73 @@ class ReplayMismatch(DagnatsError):
     """The call at a position differs from the one the journal recorded there."""
 
     code = "replay_mismatch"
+
+
+class BudgetExceeded(DagnatsError):
+    """The run spent its budget: the journal refuses a new model call. As
+    deterministic as a replay mismatch: a retry would be refused the same way,
+    so the step fails, or waits for an input that raises the budget (the
+    run's budget policy).
+
+    Attributes:
+        run_id: The run.
+        step_id: The step whose model call was refused.
+        tokens: Tokens the run spent (input and output).
+        cost_micros: What the run spent, in millionths of the price table's currency.
+        budget_tokens: The token budget, raises included (0: none).
+        budget_cost_micros: The cost budget, raises included (0: none).
+    """
+
+    code = "budget_exceeded"
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        step_id: str = "",
+        tokens: int = 0,
+        cost_micros: int = 0,
+        budget_tokens: int = 0,
+        budget_cost_micros: int = 0,
+        detail: str = "",
+    ) -> None:
+        super().__init__(detail or f"run {run_id} spent its budget")
+        self.run_id = run_id
+        self.step_id = step_id
+        self.tokens = tokens
+        self.cost_micros = cost_micros
+        self.budget_tokens = budget_tokens
+        self.budget_cost_micros = budget_cost_micros
+
+    def details(self) -> dict[str, str]:
+        return {
+            "run_id": self.run_id,
+            "step_id": self.step_id,
+            "tokens": str(self.tokens),
+            "cost_micros": str(self.cost_micros),
+            "budget_tokens": str(self.budget_tokens),
+            "budget_cost_micros": str(self.budget_cost_micros),
+        }
+
+    @classmethod
+    def from_wire(
+        cls, message: str, field: str | None, details: Mapping[str, str]
+    ) -> BudgetExceeded:
+        def number(key: str) -> int:
+            try:
+                return int(details.get(key, "0"))
+            except ValueError:
+                return 0
+
+        return cls(
+            details.get("run_id", ""),
+            step_id=details.get("step_id", ""),
+            tokens=number("tokens"),
+            cost_micros=number("cost_micros"),
+            budget_tokens=number("budget_tokens"),
+            budget_cost_micros=number("budget_cost_micros"),
+            detail=message,
+        )
 
 
 class JournalSignal(BaseException):

@@ -41,6 +41,7 @@ STATUS_OF: dict[type[WireError], grpc.StatusCode] = {
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.ReplayMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.BudgetExceeded: grpc.StatusCode.FAILED_PRECONDITION,
     # Not UNAVAILABLE: clients retry that, and no retry creates a stream.
     errors.NotProvisioned: grpc.StatusCode.FAILED_PRECONDITION,
     errors.RunCancelled: grpc.StatusCode.FAILED_PRECONDITION,

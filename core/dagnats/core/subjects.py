@@ -11,6 +11,7 @@ these subjects belong to are configured in ``dagnats.core.jetstream``.
 | ``timers.<run>.<step>`` | ``SLEEP_TIMERS`` (work queue) |
 | ``timers.<run>`` | ``SLEEP_TIMERS``: an ended run's purge, its retention after its end |
 | ``journal.<run>.<step>`` | ``AGENT_JOURNAL``: a step's journal, fenced on this exact subject |
+| ``journal.<run>.<step>.spent`` | ``AGENT_JOURNAL``: usage of a step's fenced model calls |
 | ``dead.<subject>`` | ``DEAD_LETTERS``: a message the engine gave up on |
 | ``$KV.<bucket>.<key>`` | a key of a KV bucket |
 | ``dagnats.cancel.<run>`` | core NATS: a run was cancelled (at most once) |
@@ -79,6 +80,17 @@ def purge_timer_subject(run_id: str) -> str:
 def journal_subject(run_id: str, step_id: str) -> str:
     """A step's journal: its appends are fenced on this exact subject."""
     return f"journal.{run_id}.{step_id}"
+
+
+def spent_subject(run_id: str, step_id: str) -> str:
+    """What the model calls of a step's fenced holders spent (the usage
+    ledger): a subject of its own in the journal's stream, so the fence of the
+    step's subject does not refuse it, and the run's retention and purge
+    (``run_journal``) cover it."""
+    return f"journal.{run_id}.{step_id}.spent"
+
+
+SPENT = ".spent"
 
 
 def run_journal(run_id: str) -> str:

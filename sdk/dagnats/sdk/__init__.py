@@ -11,6 +11,7 @@ from dagnats.sdk._context import TaskContext
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import (
     ApprovalPending,
+    BudgetExceeded,
     Committed,
     ConcurrentJournalUse,
     Conflict,
@@ -43,10 +44,13 @@ from dagnats.sdk._journal import (
 )
 from dagnats.sdk._journal_client import JournalClient
 from dagnats.sdk._stream import TokenStream
+from dagnats.sdk._usage import Budget, Usage, WithUsage
 from dagnats.sdk._worker import Handler, Worker
 
 __all__ = [
     "ApprovalPending",
+    "Budget",
+    "BudgetExceeded",
     "Client",
     "Committed",
     "ConcurrentJournalUse",
@@ -80,6 +84,8 @@ __all__ = [
     "ToolRun",
     "Unauthenticated",
     "Unavailable",
+    "Usage",
+    "WithUsage",
     "Worker",
     "run_output",
 ]

@@ -22,6 +22,7 @@ from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import RunFailed
 from dagnats.sdk._journal import InputMode
 from dagnats.sdk._rpc import EngineRpc, RetryPolicy
+from dagnats.sdk._usage import Budget
 
 
 def run_output(run: pb.Run) -> Any:
@@ -125,6 +126,7 @@ class Client:
         *,
         idempotency_key: str = "",
         settings: Mapping[str, str] | None = None,
+        budget: Budget | None = None,
     ) -> pb.Run:
         """Start a run of ``workflow``.
 
@@ -134,6 +136,8 @@ class Client:
             idempotency_key: A repeat with the same key returns the first run.
                 Give one to make the call safe to retry after a timeout.
             settings: What its handlers read as ``TaskContext.settings``.
+            budget: What the run's model calls may spend (the workflow's
+                budget when None).
 
         Returns:
             The run (the existing one when the key was used before).
@@ -148,6 +152,7 @@ class Client:
             input=encode(input, field="input"),
             idempotency_key=idempotency_key,
             settings=check_settings(settings or {}),
+            budget=budget.to_proto() if budget is not None else None,
         )
         response = await self._rpc.start_run(request)
         return response.run
@@ -208,6 +213,25 @@ class Client:
         """
         response = await self._rpc.get_run(pb.GetRunRequest(run_id=run_id))
         return response.run
+
+    async def run_usage(self, run_id: str) -> pb.RunUsage:
+        """What the run's model calls spent, per step and in total: kept,
+        retried and fenced calls apart (``spent`` is all three), read from
+        the run's journals.
+
+        Raises:
+            NotFound: no run has that id.
+        """
+        return (await self.get_run_and_usage(run_id))[1]
+
+    async def get_run_and_usage(self, run_id: str) -> tuple[pb.Run, pb.RunUsage]:
+        """The run and its usage (see :meth:`run_usage`), in one call.
+
+        Raises:
+            NotFound: no run has that id.
+        """
+        response = await self._rpc.get_run(pb.GetRunRequest(run_id=run_id, with_usage=True))
+        return response.run, response.usage
 
     async def list_runs(
         self,
@@ -341,6 +365,7 @@ class Client:
         timeout: float = 60.0,  # noqa: ASYNC109
         idempotency_key: str = "",
         settings: Mapping[str, str] | None = None,
+        budget: Budget | None = None,
     ) -> Any:
         """Start a run of ``workflow``, wait for it and return its output.
 
@@ -356,6 +381,8 @@ class Client:
                 for the same run.
             idempotency_key: A repeat with the same key waits for the first run.
             settings: What its handlers read as ``TaskContext.settings``.
+            budget: What the run's model calls may spend (the workflow's
+                budget when None).
 
         Returns:
             The output of the completed run, JSON-decoded (None when it has none).
@@ -371,6 +398,7 @@ class Client:
             input=encode(input, field="input"),
             idempotency_key=idempotency_key,
             settings=check_settings(settings or {}),
+            budget=budget.to_proto() if budget is not None else None,
         )
         run = await self._wait(pb.WatchRunRequest(start=start, ended_only=True), timeout)
         if run.status != pb.RUN_STATUS_COMPLETED:

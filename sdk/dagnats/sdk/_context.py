@@ -47,6 +47,7 @@ from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._errors import (
     ApprovalPending,
+    BudgetExceeded,
     Committed,
     Fenced,
     InputsQueued,
@@ -257,6 +258,7 @@ class TaskContext:
                 token,
                 cancellation=self._cancellation,
                 checked_at=self._handed.checked_at,
+                budget=self._budget(),
             )
             self._held = self._handed.state
             await seam("after_claim")
@@ -268,11 +270,42 @@ class TaskContext:
         else:
             claimed, sent = await self._claim()
         self._journal = Journal(
-            self._session, claimed.token, cancellation=self._cancellation, checked_at=sent
+            self._session,
+            claimed.token,
+            cancellation=self._cancellation,
+            checked_at=sent,
+            budget=self._budget(),
         )
         self._held = await self._claimed_state(claimed)
         await seam("after_claim")
         return self._journal
+
+    def _budget(self) -> jpb.Budget | None:
+        """The run's budget, when its task carries one: every model call of the
+        journal then asks the journal to check it."""
+        return self._task.budget if self._task.HasField("budget") else None
+
+    def _pauses_for_budget(self) -> bool:
+        budget = self._budget()
+        return budget is not None and budget.policy == jpb.BUDGET_POLICY_PAUSE
+
+    async def _wait_for_budget(self, exceeded: BudgetExceeded) -> None:
+        """End the iteration whose model call the budget refused, under the
+        pause policy: a continue that waits for an input (of mode ``BUDGET``,
+        which the next model call's check places); at once, when inputs are
+        queued already. The next iteration starts from the state saved so far."""
+        output = {
+            "budget_exceeded": {
+                "tokens": exceeded.tokens,
+                "cost_micros": exceeded.cost_micros,
+                "budget_tokens": exceeded.budget_tokens,
+                "budget_cost_micros": exceeded.budget_cost_micros,
+            }
+        }
+        try:
+            await self.continue_(output, until_input=True)
+        except InputsQueued:
+            await self.continue_(output)
 
     async def _claimed_state(self, claimed: jpb.Claimed) -> HeldState:
         """The state the claim found, rebuilt by the journal from its chain:

@@ -29,6 +29,7 @@ either: the retry rules (``dagnats.sdk._rpc``) read their status.
         │   ├── Unauthenticated       the engine found no valid credential
         │   ├── PermissionDenied      the credential's role may not make the call
         │   ├── ReplayMismatch        a different call at a recorded position
+        │   ├── BudgetExceeded        the run spent its budget: a model call refused
         │   ├── InputsQueued          continue_(until_input=True) with inputs queued
         │   ├── RunFailed             Client.run: the run failed or was cancelled
         │   └── TaskAlreadySettled    a second continue_/complete/fail/pause on one task
@@ -50,6 +51,7 @@ import grpc
 import grpc.aio
 
 from dagnats.core.errors import (
+    BudgetExceeded,
     Conflict,
     DagnatsError,
     DeadlineExceeded,
@@ -76,6 +78,7 @@ from dagnats.journal.v1 import journal_pb2 as jpb
 
 __all__ = [
     "ApprovalPending",
+    "BudgetExceeded",
     "Committed",
     "ConcurrentJournalUse",
     "Conflict",

@@ -31,6 +31,13 @@ Invariants:
   call sent at most ``FRESH_TAIL`` before and nothing is recorded at the
   position (``WriterToken.replay_positions``): that write was fenced on the
   tail, and a read would tell no more: a fresh write is the tail check (ADR 35).
+  Not when the run has a budget: then every new model call sends
+  ``BeginModel`` with it, and the journal refuses the call once the run spent
+  it (``BudgetExceeded``).
+- A model call's usage (``WithUsage``) is recorded with its response. A
+  handle the fence stops reports the usage of its calls to the step's spent
+  subject (``RecordSpent``), since the fence refused the records that would
+  have held it; the ledger charges a call it also finds stored once.
 - A model response or a tool result is not sent at once: it rides the next
   journal call in that call's record when that call can carry it (a tool
   call's intent after a response, the commit after either), and is stored on
@@ -59,6 +66,7 @@ from dagnats.core.timestamps import timestamp
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk._errors import ApprovalPending, ConcurrentJournalUse, Fenced, RunCancelled
 from dagnats.sdk._stream import TokenStream
+from dagnats.sdk._usage import WithUsage, usage_to_proto
 
 if TYPE_CHECKING:
     from dagnats.sdk._session import JournalCalls
@@ -83,6 +91,9 @@ class InputMode(enum.Enum):
     APPROVAL = 50
     """Approves or denies a tool call that waits for approval (placed by
     :meth:`Journal.tool` for a call declared ``approval=True``)."""
+    BUDGET = 100
+    """Raises the run's budget by its content, ``{"tokens": N, "cost": X}``
+    (placed by the budget's check of the step's next model call)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,10 +197,12 @@ class Journal:
         *,
         cancellation: asyncio.Event | None = None,
         checked_at: float | None = None,
+        budget: jpb.Budget | None = None,
     ) -> None:
         """``checked_at``: event-loop time at which the call that stored
         ``token.last_seq`` for this writer was sent (its claim, or the commit
-        that handed it over); None when unknown."""
+        that handed it over); None when unknown. ``budget``: the run's, from
+        its task: every new model call asks the journal to check it."""
         self._rpc = rpc
         self._token = token
         self._checked_at = checked_at
@@ -204,6 +217,10 @@ class Journal:
         self._storing: asyncio.Task[None] | None = None  # the pending entry, on its own
         self._approvals: list[PlacedInput] | None = None  # placed by the first approval call
         self._used_approvals: set[str] = set()
+        self._budget = budget
+        # What this handle's model calls spent, by position: reported to the
+        # spent subject if the fence stops the handle (the usage ledger).
+        self._spent: dict[int, jpb.Usage] = {}
 
     @property
     def token(self) -> jpb.WriterToken:
@@ -227,6 +244,10 @@ class Journal:
     async def model(self, fn: ModelFn) -> Any:
         """The response recorded at this position, or ``await fn()`` recorded.
 
+        ``fn`` may return :class:`WithUsage` (the response and what the call
+        spent): the journal records the usage with the response, and the
+        call returns the response alone.
+
         The new response is stored with the handle's next call when that is the
         tool call it asks for or the commit, else on its own before that call,
         or as soon as the handler awaits anything else (see the module's
@@ -235,6 +256,7 @@ class Journal:
         Raises:
             ReplayMismatch: a tool call was recorded at this position.
             Fenced: a successor holds the step.
+            BudgetExceeded: the run spent its budget; nothing was called.
         """
         return await self._model(lambda _stream: fn(), streamed=False)
 
@@ -262,10 +284,14 @@ class Journal:
                 if live is not None:
                     await live.close(abandon=True)
                 raise
+            response, usage = _unwrapped(response)
             data = encode(response, field="response")
             if live is not None:
                 await live.close()  # every chunk is published before the record's marker
             model = jpb.ModelCall(position=position, response=data)
+            if usage is not None:
+                model.usage.CopyFrom(usage)
+                self._spent[position] = usage
             if model.ByteSize() <= PENDING_BYTES:
                 await seam("model_pending")  # answered, and stored nowhere yet
                 self._hold_back(_Pending(model=model))
@@ -283,10 +309,19 @@ class Journal:
             return jpb.BeginModelResponse(recorded=False)
 
         def begin(token: jpb.WriterToken) -> Awaitable[jpb.BeginModelResponse]:
+            if self._budget is not None:  # the budget's check is never skipped
+                request = jpb.BeginModelRequest(token=token, position=position, budget=self._budget)
+                return self._rpc.begin_model(request)
             if position >= token.replay_positions and self._tail_is_fresh():
                 return cleared()  # the holder's last write was the check
             return self._rpc.begin_model(jpb.BeginModelRequest(token=token, position=position))
 
+        def placed(answer: jpb.BeginModelResponse) -> None:
+            if answer.HasField("token"):  # the check placed budget raises
+                self._token = answer.token
+
+        if self._budget is not None:
+            return await self._send(begin, placed)
         return await self._send(begin, writes=False)
 
     def _tail_is_fresh(self) -> bool:
@@ -296,8 +331,11 @@ class Journal:
     def _record_model(
         self, model: jpb.ModelCall
     ) -> Callable[[jpb.WriterToken], Awaitable[jpb.RecordModelResponse]]:
+        usage = model.usage if model.HasField("usage") else None
         return lambda t: self._rpc.record_model(
-            jpb.RecordModelRequest(token=t, position=model.position, response=model.response)
+            jpb.RecordModelRequest(
+                token=t, position=model.position, response=model.response, usage=usage
+            )
         )
 
     def put_stream(self, chunk: Any) -> None:
@@ -988,12 +1026,38 @@ class Journal:
             answer = await rpc(self._token)
         except Fenced:
             self._fenced = True
+            await self._report_spent()
             raise
         if then is not None:
             then(answer)
         if self._token.last_seq != last:  # stored after the tail this handle held when sent
             self._checked_at = sent
         return answer
+
+    async def _report_spent(self) -> None:
+        """Report what this fenced handle's model calls spent to the step's
+        spent subject: each one, since which of them the journal stored is not
+        known here; the ledger charges a call stored in the step's journal and
+        reported too once. Best effort: a failure is logged."""
+        spent, self._spent = self._spent, {}
+        for position, usage in spent.items():
+            request = jpb.RecordSpentRequest(token=self._token, position=position, usage=usage)
+            try:
+                await self._rpc.record_spent(request)
+            except (DagnatsError, Fenced, RunCancelled) as err:
+                log.warning(
+                    "%s/%s: the usage of a fenced model call was not recorded: %s",
+                    self._token.run_id,
+                    self._token.step_id,
+                    err,
+                )
+
+
+def _unwrapped(response: Any) -> tuple[Any, jpb.Usage | None]:
+    """A model function's answer and its usage, when it returned ``WithUsage``."""
+    if isinstance(response, WithUsage):
+        return response.value, usage_to_proto(response.usage)
+    return response, None
 
 
 async def _answer(answer: asyncio.Future[R], call: Awaitable[R]) -> None:

@@ -503,6 +503,10 @@ class EngineRpc:
     async def record_model(self, request: jpb.RecordModelRequest) -> jpb.RecordModelResponse:
         return await self._call(self._journal().RecordModel, request, idempotent=True)
 
+    async def record_spent(self, request: jpb.RecordSpentRequest) -> jpb.RecordSpentResponse:
+        # Deduplicated by the call's identity (writer and position).
+        return await self._call(self._journal().RecordSpent, request, idempotent=True)
+
     async def begin_tool(self, request: jpb.BeginToolRequest) -> jpb.BeginToolResponse:
         return await self._call(self._journal().BeginTool, request, idempotent=True)
 

@@ -46,6 +46,7 @@ from dagnats.sdk._context import ASSUMED_LEASE, Handover, TaskContext, describe_
 from dagnats.sdk._credentials import Credentials
 from dagnats.sdk._errors import (
     ApprovalPending,
+    BudgetExceeded,
     Fenced,
     JournalSignal,
     PermanentError,
@@ -63,7 +64,7 @@ T = TypeVar("T")
 # Errors a handler raises that no retry can get past: an invalid argument (a
 # record too large for the journal among them) and a replay mismatch. The step
 # fails for good with the error's message.
-REFUSALS = (InvalidArgument, ReplayMismatch)
+REFUSALS = (InvalidArgument, ReplayMismatch, BudgetExceeded)
 
 NOT_SETTLED = "handler returned without calling continue_, complete, fail or pause"
 _MIN_HEARTBEAT = 0.05
@@ -492,6 +493,10 @@ class Worker:
         if isinstance(err, ApprovalPending):
             span.set_status(Status(StatusCode.OK))
             await _report(tc._wait_for_approval(err))
+        elif isinstance(err, BudgetExceeded) and tc._pauses_for_budget():
+            # The pause policy: the step waits for an input that raises it.
+            span.set_status(Status(StatusCode.OK))
+            await _report(tc._wait_for_budget(err))
         elif running.cancelled():
             await _report(tc.fail("handler was cancelled"))
         elif isinstance(err, PermanentError):

@@ -28,6 +28,7 @@ __all__ = [
     "input_dict",
     "record_dict",
     "run_dict",
+    "usage_dict",
     "workflow_dict",
 ]
 
@@ -39,7 +40,48 @@ def run_dict(run: pb.Run) -> dict[str, Any]:
     data["input"] = decode_payload(run.input)
     data["output"] = decode_payload(run.output)
     data["steps"] = [_step_dict(step) for step in run.steps]
+    if run.HasField("budget"):
+        data["budget"] = budget_dict(run.budget)
     return data
+
+
+def budget_dict(budget: jpb.Budget) -> dict[str, Any]:
+    """A run's budget: its bounds (0: none) and its policy."""
+    policy = enum_name(jpb.BudgetPolicy, budget.policy) if budget.policy else "fail"
+    return {"tokens": budget.tokens, "cost": budget.cost_micros / 1_000_000, "policy": policy}
+
+
+def usage_dict(usage: pb.RunUsage) -> dict[str, Any]:
+    """A run's usage: its total and each step's, every total with its counts
+    as numbers and its cost in the price table's currency (``cost``)."""
+    return {
+        "total": _split_dict(usage.total),
+        "steps": [
+            {
+                "step_id": step.step_id,
+                **_split_dict(step.usage),
+                "by_model": {name: _totals_dict(t) for name, t in sorted(step.by_model.items())},
+            }
+            for step in usage.steps
+        ],
+    }
+
+
+def _split_dict(split: pb.UsageSplit) -> dict[str, Any]:
+    return {kind: _totals_dict(getattr(split, kind)) for kind in USAGE_KINDS}
+
+
+USAGE_KINDS = ("spent", "kept", "retried", "fenced")
+
+
+def _totals_dict(totals: pb.UsageTotals) -> dict[str, Any]:
+    return {
+        "calls": totals.calls,
+        "input_tokens": totals.input_tokens,
+        "output_tokens": totals.output_tokens,
+        "cached_tokens": totals.cached_tokens,
+        "cost": totals.cost_micros / 1_000_000,
+    }
 
 
 def workflow_dict(workflow: pb.Workflow) -> dict[str, Any]:
@@ -53,6 +95,8 @@ def workflow_dict(workflow: pb.Workflow) -> dict[str, Any]:
         data["default_retry"]["backoff"] = enum_name(
             pb.BackoffStrategy, workflow.default_retry.backoff
         )
+    if workflow.HasField("budget"):
+        data["budget"] = budget_dict(workflow.budget)
     return data
 
 

@@ -73,7 +73,17 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
 from pydantic_core import to_jsonable_python
 
-from dagnats.sdk import ApprovalPending, Journal, Replay, TokenStream, ToolCall, ToolResult, ToolRun
+from dagnats.sdk import (
+    ApprovalPending,
+    Journal,
+    Replay,
+    TokenStream,
+    ToolCall,
+    ToolResult,
+    ToolRun,
+    Usage,
+    WithUsage,
+)
 
 REPLAY_METADATA_KEY = "dagnats_replay"
 """The key of a tool's pydantic-ai ``metadata`` that declares its replay."""
@@ -218,7 +228,7 @@ class JournaledModel(WrapperModel):
                 response = await self.wrapped.request(
                     messages, model_settings, model_request_parameters
                 )
-                return dump_response(response)
+                return with_usage(dump_response(response), response)
 
             return load_response(await self._journal.model(ask))
 
@@ -229,7 +239,8 @@ class JournaledModel(WrapperModel):
                 async for event in response:
                     if (text := _text_of(event)) is not None:
                         live.put(text)
-                return dump_response(response.get())
+                whole = response.get()
+                return with_usage(dump_response(whole), whole)
 
         return load_response(await self._journal.streamed_model(streamed))
 
@@ -247,6 +258,25 @@ class JournaledModel(WrapperModel):
         yield CompletedStreamedResponse(
             response, model_request_parameters=model_request_parameters, replay_events=True
         )
+
+
+def with_usage(dumped: Any, response: ModelResponse) -> Any:
+    """The record of a response: with its usage, when the model counted any."""
+    usage = spent(response)
+    return WithUsage(dumped, usage) if usage.tokens else dumped
+
+
+def spent(response: ModelResponse) -> Usage:
+    """What a pydantic-ai response's request spent, for the usage ledger:
+    its input tokens (those read from the prompt cache among them) and
+    output tokens, under the model that answered."""
+    usage = response.usage
+    return Usage(
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        cached_tokens=min(usage.cache_read_tokens, usage.input_tokens),
+        model=response.model_name or "",
+    )
 
 
 def _text_of(event: Any) -> str | None:

@@ -110,10 +110,7 @@ class AnthropicModel(ProviderModel):
             text=text,
             tool_calls=calls,
             stop_reason=STOP.get(message.stop_reason or "end_turn", StopReason.OTHER),
-            usage=Usage(
-                input_tokens=message.usage.input_tokens or 0,
-                output_tokens=message.usage.output_tokens or 0,
-            ),
+            usage=_usage(message.usage, message.usage.output_tokens or 0),
             model=message.model or self.model,
         )
 
@@ -125,14 +122,15 @@ class _Events(StreamReader):
         text: list[str] = []
         blocks: dict[int, dict[str, str]] = {}  # tool_use blocks by index
         stop, model = "end_turn", request["model"]
-        input_tokens = output_tokens = 0
+        started: Any = None
+        output_tokens = 0
         streamed = await client.messages.create(**request, stream=True)
         async with streamed as events:
             async for event in events:
                 match event.type:
                     case "message_start":
                         model = event.message.model or model
-                        input_tokens = event.message.usage.input_tokens or 0
+                        started = event.message.usage
                     case "content_block_start" if event.content_block.type == "tool_use":
                         block = event.content_block
                         blocks[event.index] = {"id": block.id, "name": block.name, "json": ""}
@@ -152,9 +150,24 @@ class _Events(StreamReader):
             text="".join(text),
             tool_calls=calls,
             stop_reason=STOP.get(stop, StopReason.OTHER),
-            usage=Usage(input_tokens=input_tokens, output_tokens=output_tokens),
+            usage=_usage(started, output_tokens),
             model=model,
         )
+
+
+def _usage(usage: Any, output_tokens: int) -> Usage:
+    """Anthropic counts the input read from the prompt cache, and the input
+    written to it, apart from ``input_tokens``: all three are input here, the
+    first also cached."""
+    if usage is None:
+        return Usage(output_tokens=output_tokens)
+    read = getattr(usage, "cache_read_input_tokens", None) or 0
+    written = getattr(usage, "cache_creation_input_tokens", None) or 0
+    return Usage(
+        input_tokens=(usage.input_tokens or 0) + read + written,
+        output_tokens=output_tokens,
+        cached_tokens=read,
+    )
 
 
 def to_anthropic(messages: Sequence[Message]) -> tuple[str, list[dict[str, Any]]]:

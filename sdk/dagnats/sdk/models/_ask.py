@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from dataclasses import replace
 from types import ModuleType
 from typing import Any, Protocol
 
+from dagnats.core.usage import Usage
 from dagnats.sdk._journal import Journal
 from dagnats.sdk._stream import TokenStream
+from dagnats.sdk._usage import WithUsage
 from dagnats.sdk.models._shapes import Message, ModelResponse, ToolSpec
 
 
@@ -53,15 +56,24 @@ async def ask(
         Fenced: a successor holds the step.
     """
 
-    async def call(live: TokenStream | None) -> dict[str, Any]:
+    async def call(live: TokenStream | None) -> Any:
         response = await model.generate(messages, tools=tools, stream=live)
-        return response.to_json()
+        if not response.usage.tokens:  # a stand-in, or a server that counts nothing
+            return response.to_json()
+        return WithUsage(response.to_json(), spent(response, model))
 
     if stream:
         recorded = await j.streamed_model(call)
     else:
         recorded = await j.model(lambda: call(None))
     return ModelResponse.from_json(recorded)
+
+
+def spent(response: ModelResponse, model: ChatModel) -> Usage:
+    """What a response's call spent, for the usage ledger: the provider's
+    counts, under the model that answered (the one asked when unnamed)."""
+    named = response.model or model.name.partition(":")[2] or model.name
+    return replace(response.usage, model=named)
 
 
 def require(module: str, *, extra: str, what: str) -> ModuleType:

@@ -207,4 +207,10 @@ def _stop(reason: str | None, calls: tuple[ToolUse, ...]) -> StopReason:
 def _usage(usage: Any) -> Usage:
     if usage is None:
         return Usage()
-    return Usage(input_tokens=usage.prompt_tokens or 0, output_tokens=usage.completion_tokens or 0)
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", 0) if details is not None else 0
+    return Usage(
+        input_tokens=usage.prompt_tokens or 0,
+        output_tokens=usage.completion_tokens or 0,
+        cached_tokens=cached or 0,
+    )

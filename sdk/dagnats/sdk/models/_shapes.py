@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dagnats.core.errors import InvalidArgument
+from dagnats.core.usage import Usage as Usage
 from dagnats.sdk._journal import ToolResult
 
 
@@ -76,14 +77,6 @@ class ToolUse:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Usage:
-    """Tokens the request read and the response wrote, as the provider counted."""
-
-    input_tokens: int = 0
-    output_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelResponse:
     """One model response: what the journal records for a model call."""
 
@@ -105,6 +98,7 @@ class ModelResponse:
             "usage": {
                 "input_tokens": self.usage.input_tokens,
                 "output_tokens": self.usage.output_tokens,
+                "cached_tokens": self.usage.cached_tokens,
             },
             "model": self.model,
         }
@@ -136,6 +130,7 @@ class ModelResponse:
             usage=Usage(
                 input_tokens=_count(usage, "input_tokens", "response.usage"),
                 output_tokens=_count(usage, "output_tokens", "response.usage"),
+                cached_tokens=_count(usage, "cached_tokens", "response.usage"),
             ),
             model=_text(obj, "model", "response"),
         )

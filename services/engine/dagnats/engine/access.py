@@ -91,6 +91,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     _JOURNAL + "Claim": _W,
     _JOURNAL + "BeginModel": _W,
     _JOURNAL + "RecordModel": _W,
+    _JOURNAL + "RecordSpent": _W,
     _JOURNAL + "BeginTool": _W,
     _JOURNAL + "BeginTools": _W,
     _JOURNAL + "ToolOutput": _W,

@@ -4,6 +4,7 @@ and the store that touches generated types for runs and events."""
 
 from __future__ import annotations
 
+from dagnats.core.budget_wire import budget_from_proto, budget_to_proto
 from dagnats.core.outcomes import outcome_of
 from dagnats.core.status import step_status_from_proto, step_status_to_proto
 from dagnats.core.subjects import (
@@ -109,6 +110,8 @@ def run_to_proto(run: m.Run) -> pb.Run:
         msg.forked_from.CopyFrom(
             pb.ForkOrigin(run_id=origin.run_id, step_id=origin.step_id, at_seq=origin.at_seq)
         )
+    if run.budget is not None:
+        msg.budget.CopyFrom(budget_to_proto(run.budget))
     msg.created_at.CopyFrom(timestamp(run.created_at))
     if run.finished_at is not None:
         msg.finished_at.CopyFrom(timestamp(run.finished_at))
@@ -158,6 +161,7 @@ def record_from_proto(record: ipb.RunRecord) -> m.Run:
         finished_at=seconds(msg.finished_at, msg.HasField("finished_at")),
         settings=tuple(sorted(msg.settings.items())),
         forked_from=_origin(msg),
+        budget=budget_from_proto(msg.budget) if msg.HasField("budget") else None,
     )
 
 
@@ -264,6 +268,13 @@ def timer_to_proto(effect: m.SetTimer, trace_context: dict[str, str]) -> ipb.Tim
 
 
 def task_to_proto(effect: m.DispatchTask, trace_context: dict[str, str]) -> pb.Task:
+    task = _task(effect, trace_context)
+    if effect.budget is not None:
+        task.budget.CopyFrom(budget_to_proto(effect.budget))
+    return task
+
+
+def _task(effect: m.DispatchTask, trace_context: dict[str, str]) -> pb.Task:
     return pb.Task(
         run_id=effect.run_id,
         step_id=effect.step_id,

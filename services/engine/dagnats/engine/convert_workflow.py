@@ -23,7 +23,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from dagnats.core.budget_wire import budget_to_proto, check_budget
 from dagnats.core.timestamps import duration, duration_seconds
+from dagnats.core.usage import budget_mapping
 from dagnats.engine.definition import (
     AgentLoopBounds,
     Backoff,
@@ -80,6 +82,7 @@ def workflow_to_proto(wf: WorkflowDef) -> engine_pb2.Workflow:
         version=wf.version,
         steps=[_step_to_proto(step) for step in wf.steps],
         default_retry=None if wf.default_retry is None else _retry_to_proto(wf.default_retry),
+        budget=None if wf.budget is None else budget_to_proto(wf.budget),
     )
 
 
@@ -101,6 +104,7 @@ def workflow_from_proto(msg: engine_pb2.Workflow) -> WorkflowDef:
             "version": msg.version or None,
             "steps": [_step_mapping(step) for step in msg.steps],
             "default_retry": _retry_mapping(msg.default_retry),
+            "budget": budget_mapping(check_budget(msg.budget)) if msg.HasField("budget") else None,
         }
     )
 

@@ -31,6 +31,7 @@ import yaml
 from dagnats.core.durations import parse_duration
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import check_token
+from dagnats.core.usage import Budget, budget_mapping, parse_budget
 from dagnats.engine.graph import (
     check_acyclic,
     check_dependencies_known,
@@ -116,6 +117,7 @@ class WorkflowDef:
     version: str = ""
     steps: tuple[StepDef, ...]
     default_retry: RetryPolicy | None = None
+    budget: Budget | None = None  # of each run that sets none of its own
 
     def step(self, step_id: str) -> StepDef:
         """Return the step with id ``step_id``.
@@ -220,7 +222,7 @@ def _positive_duration(value: Any, field: str) -> float:
 # ---------------------------------------------------------------------------------------
 # Parsing
 
-_WORKFLOW_KEYS = ("name", "version", "steps", "default_retry")
+_WORKFLOW_KEYS = ("name", "version", "steps", "default_retry", "budget")
 _STEP_KEYS = ("id", "type", "task", "workflow", "depends_on", "retry", "timeout", "agent_loop")
 _RETRY_KEYS = ("max_attempts", "backoff", "initial_delay", "max_delay")
 _LOOP_KEYS = ("max_iterations", "max_duration", "loop_delay")
@@ -294,6 +296,7 @@ def parse_mapping(data: Mapping[str, Any]) -> WorkflowDef:
         version=version or "",
         steps=_parse_steps(_required(data, "steps", "")),
         default_retry=_optional(data, "default_retry", "", _parse_retry),
+        budget=_optional(data, "budget", "", parse_budget),
     )
 
 
@@ -498,6 +501,8 @@ def to_mapping(wf: WorkflowDef) -> dict[str, Any]:
         data["version"] = wf.version
     if wf.default_retry is not None:
         data["default_retry"] = _retry_mapping(wf.default_retry)
+    if wf.budget is not None:
+        data["budget"] = budget_mapping(wf.budget)
     data["steps"] = [_step_mapping(step) for step in wf.steps]
     return data
 

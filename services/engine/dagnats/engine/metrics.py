@@ -30,6 +30,7 @@ from dagnats.core.settings import host_port
 
 if TYPE_CHECKING:
     from dagnats.engine.server import ServiceServer
+    from dagnats.journal.meter import UsageMeter
 
 
 class ServicesCollector(Collector):
@@ -54,6 +55,9 @@ class ServicesCollector(Collector):
             for name, count in sorted(dict(engine.counters).items()):
                 events.add_metric([name], count)
             yield events
+        journal = self._server.journal
+        if journal is not None:
+            yield from usage_metrics(journal.meter)
         sockets = self._server.local_socket
         if sockets is not None:
             for what, count in (
@@ -71,6 +75,36 @@ class ServicesCollector(Collector):
                 "Connections open on the local socket now.",
                 value=len(sockets.connections),
             )
+
+
+def usage_metrics(meter: UsageMeter) -> Iterator[Metric]:
+    """What the model calls this journal service stored spent, by workflow
+    and model: calls, tokens by kind, and cost in millionths of the price
+    table's currency."""
+    calls = CounterMetricFamily(
+        "dagnats_model_calls",
+        "Model calls whose usage the journal recorded, fenced ones included.",
+        labels=["workflow", "model"],
+    )
+    for (workflow, model), count in sorted(meter.calls.items()):
+        calls.add_metric([workflow, model], count)
+    yield calls
+    tokens = CounterMetricFamily(
+        "dagnats_model_tokens",
+        "Tokens of those calls, by kind: input (cached included), output, cached.",
+        labels=["workflow", "model", "kind"],
+    )
+    for (workflow, model, kind), count in sorted(meter.tokens.items()):
+        tokens.add_metric([workflow, model, kind], count)
+    yield tokens
+    cost = CounterMetricFamily(
+        "dagnats_model_cost_micros",
+        "Cost of those calls priced by DAGNATS_PRICES, in millionths of its currency.",
+        labels=["workflow", "model"],
+    )
+    for (workflow, model), count in sorted(meter.cost_micros.items()):
+        cost.add_metric([workflow, model], count)
+    yield cost
 
 
 @dataclass(slots=True)

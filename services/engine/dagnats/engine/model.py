@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dagnats.core.status import StepStatus as StepStatus
+from dagnats.core.usage import Budget
 from dagnats.engine.definition import WorkflowDef
 
 DEFAULT_RUN_RETENTION = 30 * 24 * 3600.0
@@ -102,6 +103,7 @@ class Run:
     # Settings its handlers read, sorted by name; every task carries them.
     settings: tuple[tuple[str, str], ...] = ()
     forked_from: ForkOrigin | None = None
+    budget: Budget | None = None  # what its model calls may spend (the usage ledger)
 
     def step(self, step_id: str) -> Step:
         for s in self.steps:
@@ -266,6 +268,7 @@ class DispatchTask:
     input: bytes
     redispatch: int = 0
     settings: tuple[tuple[str, str], ...] = ()
+    budget: Budget | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

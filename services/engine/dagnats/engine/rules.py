@@ -53,6 +53,7 @@ import json
 from dataclasses import replace
 
 from dagnats.core.subjects import is_task_subject
+from dagnats.core.usage import Budget, Policy
 from dagnats.engine.definition import StepDef, StepType, WorkflowDef, backoff_delay
 from dagnats.engine.model import (
     Accepted,
@@ -108,8 +109,10 @@ def start_run(
     parent_step_id: str = "",
     idempotency_key: str = "",
     settings: tuple[tuple[str, str], ...] = (),
+    budget: Budget | None = None,
 ) -> Accepted:
-    """A new run with its ready steps dispatched."""
+    """A new run with its ready steps dispatched; ``budget``: the run's own
+    (else its workflow's)."""
     run = Run(
         run_id=run_id,
         workflow=workflow,
@@ -121,6 +124,7 @@ def start_run(
         parent_step_id=parent_step_id,
         idempotency_key=idempotency_key,
         settings=settings,
+        budget=budget or workflow.budget,
     )
     return _advance(run, (), now)
 
@@ -317,7 +321,17 @@ def dispatch_task(run: Run, step: Step) -> DispatchTask:
         input=step_input(run, step_def),
         redispatch=step.redispatches,
         settings=run.settings,
+        budget=_task_budget(run.budget, step_def),
     )
+
+
+def _task_budget(budget: Budget | None, step_def: StepDef) -> Budget | None:
+    """The run's budget as a step's task carries it: a pause waits with a
+    continue, which only an agent loop has, so a task step's refused call
+    fails it whatever the run's policy."""
+    if budget is None or step_def.type is StepType.AGENT_LOOP:
+        return budget
+    return replace(budget, policy=Policy.FAIL)
 
 
 def kept_decision(

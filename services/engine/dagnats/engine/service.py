@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
+from dagnats.core.budget_wire import check_budget
 from dagnats.core.claims import lease_claim
 from dagnats.core.grpcutil import Context, abort_with, as_domain_error, domain_errors
 from dagnats.core.ids import check_lease, check_run_id, check_token, check_worker_id, new_run_id
@@ -34,6 +35,7 @@ from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.engine.watch import RunWatches
 from dagnats.journal.service import MAX_RESTART_LIMIT
 from dagnats.journal.store import JournalStore
+from dagnats.journal.usage import read_ledger, run_usage
 from dagnats.journal.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 field="idempotency_key",
             )
         settings = check_settings(request.settings)
+        budget = check_budget(request.budget) if request.HasField("budget") else None
         run_id = new_run_id()
         workflow = stored_workflow(await self.store.get_workflow(name))
         if key:
@@ -168,6 +171,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             now=self.engine.clock(),
             idempotency_key=key,
             settings=tuple(sorted(settings.items())),
+            budget=budget,
         )
         trace_context: dict[str, str] = {}
         tracing.inject(trace_context)
@@ -186,7 +190,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         stored = await self.engine.read_run(run_id)  # with kept iterations not written yet
         if stored is None:
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
-        return pb.GetRunResponse(run=stored.record.run)
+        answer = pb.GetRunResponse(run=stored.record.run)
+        if request.with_usage:  # read from the run's journals: the usage ledger
+            found = await read_ledger(self.journal, run_id)
+            steps = [s.step_id for s in stored.record.run.steps]
+            answer.usage.CopyFrom(run_usage(found, steps))
+        return answer
 
     async def WatchRun(
         self, request: pb.WatchRunRequest, context: Context

@@ -100,6 +100,7 @@ def _leased(leased: pb.LeasedTask, body: bm.PollBody) -> bm.LeasedTaskView:
         delivery=leased.delivery or 1,
         worker_id=body.worker_id,
         restart_limit=body.restart_limit,
+        budget=task.budget if task.HasField("budget") else None,
     )
     view = bm.TaskView(
         run_id=task.run_id,

@@ -86,8 +86,10 @@ async def _begin_model(
     b: Backend, t: BridgeToken, position: int
 ) -> tuple[BridgeToken, bytes | None]:
     assert t.writer is not None
-    request = jpb.BeginModelRequest(token=t.writer, position=position)
+    request = jpb.BeginModelRequest(token=t.writer, position=position, budget=t.budget)
     begin = await ops.writing(b, t, b.rpc.begin_model(request))
+    if begin.HasField("token"):  # the budget's check placed raises: the next token
+        t = replace(t, writer=begin.token)
     if begin.recorded:
         return replace(t, position=position + 1, model_position=None), begin.response
     return replace(t, position=position + 1, model_position=position), None
@@ -98,13 +100,18 @@ async def model_record(b: BackendDep, body: bm.ModelRecordBody) -> bm.TokenResul
     t = BridgeToken.decode(body.token)
     if t.writer is None or t.model_position is None:
         raise Conflict("no model call is begun: call /bridge/journal/model/begin first")
-    t = await _record_model(b, t, t.model_position, encode(body.response, field="response"))
+    data = encode(body.response, field="response")
+    t = await _record_model(b, t, t.model_position, data, body.usage)
     return bm.TokenResult(token=t.encode())
 
 
-async def _record_model(b: Backend, t: BridgeToken, position: int, data: bytes) -> BridgeToken:
+async def _record_model(
+    b: Backend, t: BridgeToken, position: int, data: bytes, usage: bm.UsageBody | None
+) -> BridgeToken:
     assert t.writer is not None
     request = jpb.RecordModelRequest(token=t.writer, position=position, response=data)
+    if usage is not None:
+        request.usage.CopyFrom(jpb.Usage(**usage.model_dump()))
     recorded = await ops.writing(b, t, b.rpc.record_model(request))
     return replace(t, writer=recorded.token, model_position=None)
 
@@ -311,7 +318,7 @@ async def append(b: BackendDep, body: bm.AppendBody) -> bm.AppendResult:
             t, recorded = await _begin_model(b, t, position)
             if recorded is None:
                 data = encode(record.response, field="record.response")
-                t = await _record_model(b, t, position, data)
+                t = await _record_model(b, t, position, data, record.usage)
             return bm.AppendResult(
                 token=t.encode(),
                 kind=record.kind,

@@ -147,9 +147,21 @@ class ModelBeginResult(BaseModel):
     response: Any = None
 
 
+class UsageBody(_Body):
+    """What a model call spent, as the provider reported it."""
+
+    input_tokens: int = Field(default=0, ge=0, description="tokens read, cached ones included")
+    output_tokens: int = Field(default=0, ge=0, description="tokens written")
+    cached_tokens: int = Field(default=0, ge=0, description="of input_tokens, read from a cache")
+    model: str = Field(default="", max_length=256, description="the model that answered")
+
+
 class ModelRecordBody(_Body):
     token: Token
     response: Any = Field(description="the model's response, any JSON value")
+    usage: UsageBody | None = Field(
+        default=None, description="what the call spent (the run's usage ledger)"
+    )
 
 
 class ToolBeginBody(_Body):
@@ -269,6 +281,9 @@ class ModelRecord(_Body):
     kind: Literal["model"]
     position: Position | None = Field(default=None, description="default: the next position")
     response: Any
+    usage: UsageBody | None = Field(
+        default=None, description="what the call spent (the run's usage ledger)"
+    )
 
 
 class ToolIntentRecord(_Body):

@@ -58,6 +58,8 @@ class BridgeToken:
         model_position: Position of a begun model call awaiting its response.
         intent_seq: Intent of a begun tool call awaiting its result.
         state: A checkpoint saved since the claim (JSON), for the next commit.
+        budget: The run's budget, from its task: every model call asks the
+            journal to check it.
     """
 
     lease: str
@@ -74,6 +76,7 @@ class BridgeToken:
     model_position: int | None = None
     intent_seq: int = 0
     state: bytes | None = None
+    budget: jpb.Budget | None = None
 
     def encode(self) -> str:
         """The token's text, as the worker sends it back."""
@@ -88,6 +91,8 @@ class BridgeToken:
             "wk": self.worker_id,
             "rl": self.restart_limit,
         }
+        if self.budget is not None:
+            data["bg"] = base64.b64encode(self.budget.SerializeToString()).decode()
         if self.writer is not None:
             data["w"] = base64.b64encode(self.writer.SerializeToString()).decode()
             data["hs"] = self.has_state
@@ -130,6 +135,7 @@ class BridgeToken:
             model_position=_get(data, "mp", int, None),
             intent_seq=_get(data, "is", int, 0),
             state=_state(data.get("st")),
+            budget=_budget(data.get("bg")),
         )
         return _checked(token)
 
@@ -155,6 +161,17 @@ def _writer(value: Any) -> jpb.WriterToken | None:
         return jpb.WriterToken.FromString(base64.b64decode(value, validate=True))
     except (binascii.Error, ValueError, DecodeError):
         raise _invalid("'w' is not a writer token") from None
+
+
+def _budget(value: Any) -> jpb.Budget | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _invalid("'bg' must be a string")
+    try:
+        return jpb.Budget.FromString(base64.b64decode(value, validate=True))
+    except (binascii.Error, ValueError, DecodeError):
+        raise _invalid("'bg' is not a budget") from None
 
 
 def _state(value: Any) -> bytes | None:

@@ -26,6 +26,7 @@ STATUS_OF: dict[type[errors.DagnatsError], int] = {
     errors.NotFound: 404,
     errors.Conflict: 409,
     errors.ReplayMismatch: 409,
+    errors.BudgetExceeded: 409,
     errors.Unavailable: 503,
     errors.DeadlineExceeded: 504,
     # The engine refused the gateway's own credential (DAGNATS_GATEWAY_*_TOKEN):

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from dagnats.core.budget_wire import budget_to_proto
 from dagnats.core.durations import parse_duration
 from dagnats.core.errors import InvalidArgument, NotFound
 from dagnats.core.ids import (
@@ -29,6 +30,7 @@ from dagnats.core.ids import (
 )
 from dagnats.core.payload import encode
 from dagnats.core.run_settings import check_settings
+from dagnats.core.usage import parse_budget
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.gateway import approvals, journal_stream, live_stream, run_watch, runs_stream
 from dagnats.gateway.auth import api_auth
@@ -44,6 +46,7 @@ from dagnats.sdk.views import (
     input_dict,
     record_dict,
     run_dict,
+    usage_dict,
     workflow_dict,
 )
 
@@ -80,6 +83,13 @@ class StartRun(_Body):
         description="settings its handlers read (`tc.settings`): at most 32 names of 1-64 "
         "characters of A-Z a-z 0-9 _ -, each value at most 1024 bytes",
     )
+    budget: dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            'what the run\'s model calls may spend: {"tokens": N, "cost": X, "policy": '
+            '"fail" | "pause"}; the workflow\'s budget when unset'
+        ),
+    )
 
 
 class ForkRun(_Body):
@@ -104,8 +114,10 @@ class SubmitInput(_Body):
     request_id: str = Field(
         min_length=1, max_length=256, description="the caller's id; a repeat returns the original"
     )
-    mode: Literal["steer", "follow_up"] = "steer"
-    content: Any = Field(description="any JSON value")
+    mode: Literal["steer", "follow_up", "budget"] = "steer"
+    content: Any = Field(
+        description='any JSON value; for `budget`, {"tokens": N, "cost": X} to add to the budget'
+    )
 
 
 class DecideApproval(_Body):
@@ -201,6 +213,8 @@ async def start_run(
         idempotency_key=key,
         settings=check_settings(body.settings),
     )
+    if body.budget is not None:
+        request.budget.CopyFrom(budget_to_proto(parse_budget(body.budget)))
     response = await b.api.start_run(request)
     return JSONResponse(run_dict(response.run), status_code=201 if response.created else 200)
 
@@ -331,6 +345,23 @@ async def get_run(
 
 
 @router.get(
+    "/runs/{run_id}/usage",
+    tags=["runs"],
+    summary="What a run's model calls spent, per step and in total",
+    description=(
+        "Read from the run's journals (the usage ledger): for the run and each step, "
+        "`spent` (every call), `kept` (calls whose response the journal keeps), `retried` "
+        "(calls of an attempt a retry replaced) and `fenced` (calls of a holder the fence "
+        "stopped), each with `calls`, `input_tokens` (cached ones included), "
+        "`output_tokens`, `cached_tokens` and `cost` (priced calls only, in the currency "
+        "of the journal's price table); each step's spent usage `by_model`."
+    ),
+)
+async def get_run_usage(b: BackendDep, run_id: ValidRun) -> dict[str, Any]:
+    return usage_dict(await b.client.run_usage(run_id))
+
+
+@router.get(
     "/runs/{run_id}/events",
     tags=["runs"],
     summary="A run's changes, as server-sent events",
@@ -397,7 +428,11 @@ async def export_journal(b: BackendDep, run_id: ValidRun) -> Response:
 
 # ---- inputs -----------------------------------------------------------------------
 
-_MODES = {"steer": InputMode.STEER, "follow_up": InputMode.FOLLOW_UP}
+_MODES = {
+    "steer": InputMode.STEER,
+    "follow_up": InputMode.FOLLOW_UP,
+    "budget": InputMode.BUDGET,
+}
 
 
 @router.post(

@@ -13,6 +13,7 @@ _MODE = {
     pb.MODE_STEER: Mode.STEER,
     pb.MODE_FOLLOW_UP: Mode.FOLLOW_UP,
     pb.MODE_APPROVAL: Mode.APPROVAL,
+    pb.MODE_BUDGET: Mode.BUDGET,
 }
 MODE_TO_PROTO = {v: k for k, v in _MODE.items()}
 _STATUS = {

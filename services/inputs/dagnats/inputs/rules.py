@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import check_request_id, check_run_id, check_token
 from dagnats.core.status import StepStatus as StepStatus
+from dagnats.core.usage import parse_raise
 
 MAX_CONTENT_BYTES = 64 * 1024
 MAX_WAIT = 60.0
@@ -67,6 +68,8 @@ class Mode(enum.Enum):
     FOLLOW_UP = "follow_up"
     APPROVAL = "approval"
     """An approval or denial of a tool call (its content names the call)."""
+    BUDGET = "budget"
+    """Raises the run's budget (its content says by how much)."""
 
 
 class Status(enum.Enum):
@@ -403,6 +406,8 @@ def check_submission(
     if mode is None:
         raise InvalidArgument("mode must be steer or follow_up", field="mode")
     check_content(content, max_bytes=max_bytes)
+    if mode is Mode.BUDGET:
+        parse_raise(json.loads(content or b"null"))  # checked JSON above
     return Submission(
         run_id=run_id, step_id=step_id, request_id=request_id, mode=mode, content=content
     )

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dagnats.core.statechain import Delta, StoredDelta
+from dagnats.core.usage import Usage
 from dagnats.journal import model as jm
 from dagnats.journal.v1 import journal_pb2 as pb
 
@@ -32,7 +33,13 @@ def entries(record: pb.Record) -> list[jm.AnyEntry]:
     if record.HasField("leading_model"):
         m = record.leading_model
         found.append(
-            jm.ModelEntry(**_head(record), leading=True, position=m.position, response=m.response)
+            jm.ModelEntry(
+                **_head(record),
+                leading=True,
+                position=m.position,
+                response=m.response,
+                usage=usage_of(m),
+            )
         )
     elif record.HasField("leading_tool_result"):
         r = record.leading_tool_result
@@ -126,7 +133,8 @@ def entry(record: pb.Record) -> jm.AnyEntry:
             **head, delivery=record.claim.delivery, worker_id=record.claim.worker_id
         )
     if kind == "model":
-        return jm.ModelEntry(**head, position=record.model.position, response=record.model.response)
+        m = record.model
+        return jm.ModelEntry(**head, position=m.position, response=m.response, usage=usage_of(m))
     if kind == "tool_intent":
         return jm.IntentEntry(**head, **_intent_fields(record.tool_intent))
     if kind == "tool_output":
@@ -224,3 +232,17 @@ def largest_part(record: pb.Record) -> tuple[str, int]:
     ]
     name, data = max(parts, key=lambda part: len(part[1]))
     return name, len(data)
+
+
+def usage_of(model: pb.ModelCall) -> Usage | None:
+    """What a recorded model call spent, when its record says."""
+    if not model.HasField("usage"):
+        return None
+    u = model.usage
+    return Usage(
+        input_tokens=u.input_tokens,
+        output_tokens=u.output_tokens,
+        cached_tokens=u.cached_tokens,
+        model=u.model,
+        cost_micros=u.cost_micros if u.priced else None,
+    )

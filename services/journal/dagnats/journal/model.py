@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass
 
 from dagnats.core.statechain import StoredDelta
+from dagnats.core.usage import Usage
 
 
 class Action(enum.Enum):
@@ -58,6 +59,7 @@ class ClaimEntry(Entry):
 class ModelEntry(Entry):
     position: int
     response: bytes
+    usage: Usage | None = None  # what the call spent, when reported
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,7 +23,7 @@ from dagnats.journal.limits import MAX_PLACED_BYTES
 from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.journal.writer import JournalWriter, fenced
 
-MODES = {1: "STEER", 2: "FOLLOW_UP", 50: "APPROVAL"}
+MODES = {1: "STEER", 2: "FOLLOW_UP", 50: "APPROVAL", 100: "BUDGET"}
 
 log = logging.getLogger("dagnats.journal")
 

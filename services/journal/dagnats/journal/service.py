@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -22,21 +23,25 @@ from typing import Any, assert_never
 
 from dagnats.core import errors, statechain
 from dagnats.core.approvals import call_digest, is_digest
+from dagnats.core.budget_wire import check_budget
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
 from dagnats.core.ids import check_lease, check_run_id, check_token, check_worker_id
 from dagnats.core.payload import check_json
 from dagnats.core.seam import seam
 from dagnats.core.settings import env_int, env_seconds
+from dagnats.core.usage import Policy, Prices, Usage, parse_prices, price
 from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.inputs.store import InputStore
-from dagnats.journal import audit, convert, replay, session, state, stream
+from dagnats.journal import audit, convert, ledger, replay, session, state, stream
 from dagnats.journal import model as jm
 from dagnats.journal.fork import prefix_digest
 from dagnats.journal.group import ParallelGroups
 from dagnats.journal.limits import MAX_ANSWER_BYTES
+from dagnats.journal.meter import UsageMeter
 from dagnats.journal.peers import Runs, Tasks
 from dagnats.journal.placement import MODES, InputPlacement
 from dagnats.journal.store import JournalStore
+from dagnats.journal.usage import RunLedgers
 from dagnats.journal.v1 import journal_pb2 as pb
 from dagnats.journal.v1 import journal_pb2_grpc as pb_grpc
 from dagnats.journal.writer import JournalWriter, cancelled
@@ -131,6 +136,11 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         # any other writer is a fenced holder's and is refused.
         self._holders: dict[tuple[str, str], str] = {}
         self._state_max_bytes = STATE_MAX_BYTES
+        # The price table a model call's usage is priced with (the usage
+        # ledger); a bad one stops the service from starting, naming it.
+        self._prices: Prices = parse_prices(os.environ.get("DAGNATS_PRICES", ""))
+        self._ledgers = RunLedgers(store)
+        self.meter = UsageMeter(runs)
 
     # ---- claim ---------------------------------------------------------------------
 
@@ -370,14 +380,86 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             case replay.Mismatch(reason=reason):
                 raise errors.ReplayMismatch(reason)
         await self._writer.check_tail(token)  # a fenced holder must not spend a model call
+        if request.HasField("budget"):
+            return await self._within_budget(token, request)
         return pb.BeginModelResponse(recorded=False)
+
+    async def _within_budget(
+        self, token: pb.WriterToken, request: pb.BeginModelRequest
+    ) -> pb.BeginModelResponse:
+        """Refuse a new model call once the run spent its budget (its raises
+        added). Under the pause policy a call found over budget first places
+        the step's queued budget inputs at its position, then decides again.
+
+        Raises:
+            BudgetExceeded: the run spent its budget.
+        """
+        budget = check_budget(request.budget)
+        found = await self._ledgers.read(token.run_id)
+        decision = ledger.decide_budget(found.spent(), budget.raised(found.raised()))
+        answer = pb.BeginModelResponse(recorded=False)
+        if isinstance(decision, ledger.OverBudget) and budget.policy is Policy.PAUSE:
+            placed = await self._place_raises(token, request.position)
+            if placed is not None:
+                answer.token.CopyFrom(placed)
+                found = await self._ledgers.read(token.run_id)
+                decision = ledger.decide_budget(found.spent(), budget.raised(found.raised()))
+        match decision:
+            case ledger.WithinBudget():
+                return answer
+            case ledger.OverBudget(spent=spent, budget=limit, reason=reason):
+                raise errors.BudgetExceeded(
+                    token.run_id,
+                    step_id=token.step_id,
+                    tokens=spent.tokens,
+                    cost_micros=spent.cost_micros,
+                    budget_tokens=limit.tokens,
+                    budget_cost_micros=limit.cost_micros,
+                    detail=reason,
+                )
+            case _:
+                assert_never(decision)
+
+    async def _place_raises(self, token: pb.WriterToken, position: int) -> pb.WriterToken | None:
+        """Place the step's queued budget inputs at ``position`` (exactly once,
+        as any placement); the writer's next token when any was placed."""
+        if self._placement is None:
+            return None
+        request = pb.PlaceInputsRequest(token=token, position=position, mode=ledger.BUDGET_MODE)
+        placed = await self._placement.place(token, request)
+        return placed.token if placed.inputs else None
+
+    @domain_errors
+    async def RecordSpent(
+        self, request: pb.RecordSpentRequest, context: Context
+    ) -> pb.RecordSpentResponse:
+        """Store what a fenced holder's model call spent on the step's spent
+        subject (the fence refuses its record on the step's own)."""
+        token = check_writer_token(request.token)
+        check_position(request.position)
+        usage = priced(request.usage, self._prices, field="usage")
+        record = pb.Record(
+            run_id=token.run_id,
+            step_id=token.step_id,
+            iteration=token.iteration,
+            attempt=token.attempt,
+            writer=token.writer,
+            model=pb.ModelCall(position=request.position, usage=usage),
+        )
+        record.time.GetCurrentTime()
+        await self.store.append_spent(token, record)
+        self.meter.count(token.run_id, usage)
+        return pb.RecordSpentResponse()
 
     @domain_errors
     async def RecordModel(
         self, request: pb.RecordModelRequest, context: Context
     ) -> pb.RecordModelResponse:
         token = check_writer_token(request.token)
-        model = _model_call(request.position, request.response, field="")
+        usage = request.usage if request.HasField("usage") else None
+        model = _model_call(
+            request.position, request.response, field="", usage=usage, prices=self._prices
+        )
         token, _ = await self._store_model(token, model)
         return pb.RecordModelResponse(token=token)
 
@@ -392,6 +474,8 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             record.leading_model.CopyFrom(model)
         token, stored = await self._writer.append(token, record)
         await self.store.publish_live(stream.committed_event(token, stored))
+        if model.HasField("usage"):
+            self.meter.count(token.run_id, model.usage)
         return token, stored
 
     # ---- live preview ----------------------------------------------------------------
@@ -454,7 +538,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             raise errors.InvalidArgument("name must be 1-256 characters", field="name")
         check_json(request.input, field="input", allow_empty=False)
         _check_approval(token, request)
-        model = _leading_model(request)
+        model = _leading_model(request, self._prices)
         call = jm.ToolCall(
             name=request.name,
             input=request.input,
@@ -561,7 +645,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
                     f"model.position must be position - 1 ({request.position - 1})",
                     field="model.position",
                 )
-            model = _model_call(request.model.position, request.model.response, field="model.")
+            model = _leading(request.model, self._prices)
         return await self._groups.begin(token, request, model)
 
     @domain_errors
@@ -626,7 +710,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         record = pb.Record(commit=commit)
         match request.WhichOneof("leading"):
             case "model":
-                model = _model_call(request.model.position, request.model.response, field="model.")
+                model = _leading(request.model, self._prices)
                 token, record = await self._store_model(token, model, record)
             case "tool_result":
                 result = _tool_result(token, request.tool_result, field="tool_result.")
@@ -995,7 +1079,7 @@ def _check_approval(
         )
 
 
-def _leading_model(request: pb.BeginToolRequest) -> pb.ModelCall | None:
+def _leading_model(request: pb.BeginToolRequest, prices: Prices) -> pb.ModelCall | None:
     """The model response a tool call's intent is to be stored with, checked."""
     if not request.HasField("model"):
         return None
@@ -1005,14 +1089,64 @@ def _leading_model(request: pb.BeginToolRequest) -> pb.ModelCall | None:
             "an intent is stored with is the call's just before it",
             field="model.position",
         )
-    return _model_call(request.model.position, request.model.response, field="model.")
+    return _leading(request.model, prices)
 
 
-def _model_call(position: int, response: bytes, *, field: str) -> pb.ModelCall:
+def _leading(model: pb.ModelCall, prices: Prices) -> pb.ModelCall:
+    """A leading model response to store, checked and priced."""
+    usage = model.usage if model.HasField("usage") else None
+    return _model_call(model.position, model.response, field="model.", usage=usage, prices=prices)
+
+
+def _model_call(
+    position: int,
+    response: bytes,
+    *,
+    field: str,
+    usage: pb.Usage | None = None,
+    prices: Prices | None = None,
+) -> pb.ModelCall:
     """A model response to store; ``field`` prefixes the names in errors."""
     check_position(position)
     check_json(response, field=field + "response", allow_empty=False)
-    return pb.ModelCall(position=position, response=response)
+    model = pb.ModelCall(position=position, response=response)
+    if usage is not None:
+        model.usage.CopyFrom(priced(usage, prices or {}, field=field + "usage"))
+    return model
+
+
+def priced(usage: pb.Usage, prices: Prices, *, field: str) -> pb.Usage:
+    """A call's usage, checked, with its cost from the price table when the
+    table names its model (the table's price wins over a cost sent with it).
+
+    Raises:
+        InvalidArgument: a negative count, more cached tokens than input
+            tokens, a model name over 256 characters, a negative cost.
+    """
+    counts = {
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "cost_micros": usage.cost_micros,
+    }
+    for name, value in counts.items():
+        if value < 0:
+            raise errors.InvalidArgument(f"{field}.{name} must be >= 0", field=f"{field}.{name}")
+    if usage.cached_tokens > usage.input_tokens:
+        raise errors.InvalidArgument(
+            f"{field}.cached_tokens counts input tokens: at most input_tokens",
+            field=f"{field}.cached_tokens",
+        )
+    if len(usage.model) > 256:
+        raise errors.InvalidArgument(
+            f"{field}.model is over 256 characters", field=f"{field}.model"
+        )
+    out = pb.Usage()
+    out.CopyFrom(usage)
+    cost = price(convert.usage_of(pb.ModelCall(usage=usage)) or Usage(), prices)
+    if cost is not None:
+        out.cost_micros, out.priced = cost, True
+    return out
 
 
 def _tool_result(

@@ -38,7 +38,12 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Fenced, NotProvisioned, RecordTooLarge, Unavailable
 from dagnats.core.settings import env_seconds
-from dagnats.core.subjects import journal_subject, live_stream_subject, run_journal
+from dagnats.core.subjects import (
+    journal_subject,
+    live_stream_subject,
+    run_journal,
+    spent_subject,
+)
 from dagnats.journal import convert
 from dagnats.journal.limits import HEADER_ROOM, MAX_RECORD_BYTES
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -284,6 +289,37 @@ class JournalStore:
             records.append(_decode(msg.data, msg.seq))
             seq = int(msg.seq or 0) + 1
         return records
+
+    async def read_run(self, run_id: str, *, after: int = 0) -> list[tuple[str, pb.Record]]:
+        """Every record of a run's journals with ``seq > after``, each with its
+        step and whether it is on the step's spent subject: ``(subject tail,
+        record)``, the tail being ``<step>`` or ``<step>.spent``."""
+        prefix = run_journal(run_id)[:-1]  # journal.<run>.
+        found: list[tuple[str, pb.Record]] = []
+        seq = after + 1
+        while True:
+            try:
+                msg = await self._get_msg(seq=seq, subject=run_journal(run_id), next=True)
+            except nats.js.errors.NotFoundError as err:
+                _unless_stream_missing(err)
+                return found
+            found.append((str(msg.subject).removeprefix(prefix), _decode(msg.data, msg.seq)))
+            seq = int(msg.seq or 0) + 1
+
+    async def append_spent(self, token: pb.WriterToken, record: pb.Record) -> None:
+        """Store what a fenced holder's model call spent on the step's spent
+        subject: not fenced (its holder is out), deduplicated by the call's
+        identity (writer and position) within the stream's duplicate window;
+        the ledger's rules charge a call found twice once."""
+        position = record.model.position
+        msg_id = f"{token.run_id}.{token.step_id}.spent.{token.writer}.{position}"
+        await jsx.publish(
+            self.js,
+            spent_subject(token.run_id, token.step_id),
+            record.SerializeToString(),
+            msg_id=msg_id,
+            headers={"Dagnats-Kind": "spent"},
+        )
 
     async def follow(self, run_id: str, step_id: str, *, from_seq: int) -> AsyncIterator[pb.Record]:
         """Records from ``from_seq`` on, then each new one as it is written. The

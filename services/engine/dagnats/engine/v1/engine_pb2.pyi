@@ -314,6 +314,7 @@ class Workflow(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
     DEFAULT_RETRY_FIELD_NUMBER: _builtins.int
+    BUDGET_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name; one NATS token."""
     version: _builtins.str
@@ -326,6 +327,10 @@ class Workflow(_message.Message):
     def default_retry(self) -> Global___RetryPolicy:
         """Retry policy for steps without their own."""
 
+    @_builtins.property
+    def budget(self) -> _journal_pb2.Budget:
+        """The budget of each run that sets none of its own."""
+
     def __init__(
         self,
         *,
@@ -333,10 +338,11 @@ class Workflow(_message.Message):
         version: _builtins.str = ...,
         steps: _abc.Iterable[Global___Step] | None = ...,
         default_retry: Global___RetryPolicy | None = ...,
+        budget: _journal_pb2.Budget | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["default_retry", b"default_retry"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "default_retry", b"default_retry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_retry", b"default_retry", "name", b"name", "steps", b"steps", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "default_retry", b"default_retry", "name", b"name", "steps", b"steps", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -460,6 +466,7 @@ class Run(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     SETTINGS_FIELD_NUMBER: _builtins.int
     FORKED_FROM_FIELD_NUMBER: _builtins.int
+    BUDGET_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """Random lowercase hex id."""
     workflow: _builtins.str
@@ -500,6 +507,10 @@ class Run(_message.Message):
     def forked_from(self) -> Global___ForkOrigin:
         """Where a forked run came from; unset for any other run."""
 
+    @_builtins.property
+    def budget(self) -> _journal_pb2.Budget:
+        """What the run's model calls may spend (its own, or its workflow's)."""
+
     def __init__(
         self,
         *,
@@ -517,10 +528,11 @@ class Run(_message.Message):
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         settings: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         forked_from: Global___ForkOrigin | None = ...,
+        budget: _journal_pb2.Budget | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "forked_from", b"forked_from"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "created_at", b"created_at", "finished_at", b"finished_at", "forked_from", b"forked_from"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "error", b"error", "finished_at", b"finished_at", "forked_from", b"forked_from", "idempotency_key", b"idempotency_key", "input", b"input", "output", b"output", "parent_run_id", b"parent_run_id", "parent_step_id", b"parent_step_id", "run_id", b"run_id", "settings", b"settings", "status", b"status", "steps", b"steps", "workflow", b"workflow"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "created_at", b"created_at", "error", b"error", "finished_at", b"finished_at", "forked_from", b"forked_from", "idempotency_key", b"idempotency_key", "input", b"input", "output", b"output", "parent_run_id", b"parent_run_id", "parent_step_id", b"parent_step_id", "run_id", b"run_id", "settings", b"settings", "status", b"status", "steps", b"steps", "workflow", b"workflow"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -727,6 +739,7 @@ class StartRunRequest(_message.Message):
     INPUT_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     SETTINGS_FIELD_NUMBER: _builtins.int
+    BUDGET_FIELD_NUMBER: _builtins.int
     workflow: _builtins.str
     """Name of a registered workflow."""
     input: _builtins.bytes
@@ -739,6 +752,10 @@ class StartRunRequest(_message.Message):
         64 characters ([A-Za-z0-9_-]), each value at most 1024 bytes of UTF-8.
         """
 
+    @_builtins.property
+    def budget(self) -> _journal_pb2.Budget:
+        """What the run's model calls may spend; the workflow's budget when unset."""
+
     def __init__(
         self,
         *,
@@ -746,10 +763,11 @@ class StartRunRequest(_message.Message):
         input: _builtins.bytes = ...,
         idempotency_key: _builtins.str = ...,
         settings: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        budget: _journal_pb2.Budget | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "input", b"input", "settings", b"settings", "workflow", b"workflow"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "idempotency_key", b"idempotency_key", "input", b"input", "settings", b"settings", "workflow", b"workflow"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -790,16 +808,20 @@ class GetRunRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
+    WITH_USAGE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run id."""
+    with_usage: _builtins.bool
+    """Also read the run's journals for its usage (GetRunResponse.usage)."""
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
+        with_usage: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "with_usage", b"with_usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -812,22 +834,193 @@ class GetRunResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def run(self) -> Global___Run:
         """The run."""
+
+    @_builtins.property
+    def usage(self) -> Global___RunUsage:
+        """What the run's model calls spent, with with_usage."""
 
     def __init__(
         self,
         *,
         run: Global___Run | None = ...,
+        usage: Global___RunUsage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetRunResponse: _TypeAlias = GetRunResponse  # noqa: Y015
+
+@_typing.final
+class UsageTotals(_message.Message):
+    """UsageTotals adds up the usage of some model calls."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    COST_MICROS_FIELD_NUMBER: _builtins.int
+    calls: _builtins.int
+    """Model calls."""
+    input_tokens: _builtins.int
+    """Tokens read, cached ones included."""
+    output_tokens: _builtins.int
+    """Tokens written."""
+    cached_tokens: _builtins.int
+    """Of input_tokens, those read from a prompt cache."""
+    cost_micros: _builtins.int
+    """Cost in millionths of the price table's currency (priced calls only)."""
+    def __init__(
+        self,
+        *,
+        calls: _builtins.int = ...,
+        input_tokens: _builtins.int = ...,
+        output_tokens: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
+        cost_micros: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "calls", b"calls", "cost_micros", b"cost_micros", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UsageTotals: _TypeAlias = UsageTotals  # noqa: Y015
+
+@_typing.final
+class UsageSplit(_message.Message):
+    """UsageSplit is what some model calls spent, by what became of them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEPT_FIELD_NUMBER: _builtins.int
+    RETRIED_FIELD_NUMBER: _builtins.int
+    FENCED_FIELD_NUMBER: _builtins.int
+    SPENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def kept(self) -> Global___UsageTotals:
+        """Calls whose response the step's journal keeps (replayed, not called again)."""
+
+    @_builtins.property
+    def retried(self) -> Global___UsageTotals:
+        """Calls of an attempt that a retry replaced: spent, not kept."""
+
+    @_builtins.property
+    def fenced(self) -> Global___UsageTotals:
+        """Calls of a holder the fence stopped: spent, their response refused."""
+
+    @_builtins.property
+    def spent(self) -> Global___UsageTotals:
+        """All three: what was spent."""
+
+    def __init__(
+        self,
+        *,
+        kept: Global___UsageTotals | None = ...,
+        retried: Global___UsageTotals | None = ...,
+        fenced: Global___UsageTotals | None = ...,
+        spent: Global___UsageTotals | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fenced", b"fenced", "kept", b"kept", "retried", b"retried", "spent", b"spent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fenced", b"fenced", "kept", b"kept", "retried", b"retried", "spent", b"spent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UsageSplit: _TypeAlias = UsageSplit  # noqa: Y015
+
+@_typing.final
+class StepUsage(_message.Message):
+    """StepUsage is one step's usage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ByModelEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___UsageTotals: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___UsageTotals | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    BY_MODEL_FIELD_NUMBER: _builtins.int
+    step_id: _builtins.str
+    """The step."""
+    @_builtins.property
+    def usage(self) -> Global___UsageSplit:
+        """Its usage."""
+
+    @_builtins.property
+    def by_model(self) -> _containers.MessageMap[_builtins.str, Global___UsageTotals]:
+        """Its spent usage by model."""
+
+    def __init__(
+        self,
+        *,
+        step_id: _builtins.str = ...,
+        usage: Global___UsageSplit | None = ...,
+        by_model: _abc.Mapping[_builtins.str, Global___UsageTotals] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["by_model", b"by_model", "step_id", b"step_id", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepUsage: _TypeAlias = StepUsage  # noqa: Y015
+
+@_typing.final
+class RunUsage(_message.Message):
+    """RunUsage is a run's usage, in total and per step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def total(self) -> Global___UsageSplit:
+        """The whole run."""
+
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepUsage]:
+        """Each step with a journal, in definition order."""
+
+    def __init__(
+        self,
+        *,
+        total: Global___UsageSplit | None = ...,
+        steps: _abc.Iterable[Global___StepUsage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["total", b"total"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["steps", b"steps", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunUsage: _TypeAlias = RunUsage  # noqa: Y015
 
 @_typing.final
 class WatchRunRequest(_message.Message):
@@ -1305,6 +1498,7 @@ class Task(_message.Message):
     WORKFLOW_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     SETTINGS_FIELD_NUMBER: _builtins.int
+    BUDGET_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -1327,6 +1521,10 @@ class Task(_message.Message):
     def settings(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """The run's settings (Run.settings)."""
 
+    @_builtins.property
+    def budget(self) -> _journal_pb2.Budget:
+        """The run's budget: the worker's model calls ask the journal to check it."""
+
     def __init__(
         self,
         *,
@@ -1339,10 +1537,11 @@ class Task(_message.Message):
         workflow: _builtins.str = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         settings: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        budget: _journal_pb2.Budget | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "input", b"input", "iteration", b"iteration", "run_id", b"run_id", "settings", b"settings", "step_id", b"step_id", "task_type", b"task_type", "trace_context", b"trace_context", "workflow", b"workflow"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "budget", b"budget", "input", b"input", "iteration", b"iteration", "run_id", b"run_id", "settings", b"settings", "step_id", b"step_id", "task_type", b"task_type", "trace_context", b"trace_context", "workflow", b"workflow"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,6 +4,7 @@
 import { ApiError, follow, get, path, post } from "./api.js";
 import { badge, cell, fill, h, jsonBlock, say, short, when } from "./dom.js";
 import { diffControls, forkedFrom, settingsFacts } from "./fork.js";
+import { usagePanel } from "./usage.js";
 
 export function runPage(view, { run: runId }, crumbs) {
   crumbs(h("a", { href: "#/runs" }, "Runs"), " / ", h("span", {}, "run "), short(runId, 12));
@@ -15,6 +16,7 @@ export function runPage(view, { run: runId }, crumbs) {
   const commits = new Map(); // step -> {key, commit}: the wait a waiting step was given
   let current = null;
   let checked = "";
+  const usage = usagePanel(runId);
   fill(actions, cancelControls(runId, msg));
 
   fill(
@@ -45,6 +47,7 @@ export function runPage(view, { run: runId }, crumbs) {
         ),
       ),
     ),
+    usage.section,
     h("section", { class: "panel" }, h("div", { class: "bar" }, h("h2", {}, "Journal check"), h("button", { type: "button", id: "check-again", onclick: () => audit() }, "Check again")), check),
   );
 
@@ -68,6 +71,7 @@ export function runPage(view, { run: runId }, crumbs) {
     if (checked !== state) {
       checked = state;
       audit();
+      usage.refresh();
     }
   };
 
@@ -114,11 +118,17 @@ function runHead(run) {
       run.idempotency_key ? [h("dt", {}, "Idempotency key"), h("dd", {}, run.idempotency_key)] : null,
       forkedFrom(run),
       settingsFacts(run),
+      run.budget ? [h("dt", {}, "Budget"), h("dd", { id: "run-budget" }, budgetText(run.budget))] : null,
       run.error ? [h("dt", {}, "Error"), h("dd", { class: "error-text", id: "run-error" }, run.error)] : null,
     ),
     jsonBlock(run.input, "Input"),
     run.status === "completed" ? jsonBlock(run.output, "Output") : null,
   ];
+}
+
+function budgetText(budget) {
+  const bounds = [budget.tokens ? `${budget.tokens} tokens` : null, budget.cost ? `cost ${budget.cost}` : null];
+  return `${bounds.filter(Boolean).join(", ")}; ${budget.policy === "pause" ? "pauses" : "fails"} when spent`;
 }
 
 function cancelControls(runId, msg) {

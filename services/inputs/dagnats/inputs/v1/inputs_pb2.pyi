@@ -37,6 +37,11 @@ class _ModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Mode.ValueType],
     """An approval or a denial of a tool call waiting for approval; its content
     names the call and the digest approved (taken by the approvals edge).
     """
+    MODE_BUDGET: _Mode.ValueType  # 100
+    """Raises the run's budget: its content is {"tokens": N, "cost": X} (either
+    or both, added to the budget; cost in the price table's currency). Placed
+    by the journal when the budget refuses a model call of the step.
+    """
 
 class Mode(_Mode, metaclass=_ModeEnumTypeWrapper):
     """Mode says where an input enters the conversation."""
@@ -50,6 +55,11 @@ MODE_FOLLOW_UP: Mode.ValueType  # 2
 MODE_APPROVAL: Mode.ValueType  # 50
 """An approval or a denial of a tool call waiting for approval; its content
 names the call and the digest approved (taken by the approvals edge).
+"""
+MODE_BUDGET: Mode.ValueType  # 100
+"""Raises the run's budget: its content is {"tokens": N, "cost": X} (either
+or both, added to the budget; cost in the price table's currency). Placed
+by the journal when the budget refuses a model call of the step.
 """
 Global___Mode: _TypeAlias = Mode  # noqa: Y015
 

@@ -81,6 +81,30 @@ ACTION_PAUSE: Action.ValueType  # 5
 """Run this iteration again after a delay."""
 Global___Action: _TypeAlias = Action  # noqa: Y015
 
+class _BudgetPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BudgetPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BudgetPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BUDGET_POLICY_UNSPECIFIED: _BudgetPolicy.ValueType  # 0
+    """Not set: as FAIL."""
+    BUDGET_POLICY_FAIL: _BudgetPolicy.ValueType  # 1
+    """The step fails for good (the refusal is deterministic)."""
+    BUDGET_POLICY_PAUSE: _BudgetPolicy.ValueType  # 2
+    """The step waits for an input of mode BUDGET that raises the budget."""
+
+class BudgetPolicy(_BudgetPolicy, metaclass=_BudgetPolicyEnumTypeWrapper):
+    """BudgetPolicy says what a run does when its budget refuses a model call."""
+
+BUDGET_POLICY_UNSPECIFIED: BudgetPolicy.ValueType  # 0
+"""Not set: as FAIL."""
+BUDGET_POLICY_FAIL: BudgetPolicy.ValueType  # 1
+"""The step fails for good (the refusal is deterministic)."""
+BUDGET_POLICY_PAUSE: BudgetPolicy.ValueType  # 2
+"""The step waits for an input of mode BUDGET that raises the budget."""
+Global___BudgetPolicy: _TypeAlias = BudgetPolicy  # noqa: Y015
+
 @_typing.final
 class Claim(_message.Message):
     """Claim fences every earlier holder of the step."""
@@ -180,23 +204,105 @@ class ModelCall(_message.Message):
 
     POSITION_FIELD_NUMBER: _builtins.int
     RESPONSE_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
     position: _builtins.int
     """Position of the call in the attempt."""
     response: _builtins.bytes
     """The response (JSON)."""
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """What the call spent, as the provider reported it; unset when unknown."""
+
     def __init__(
         self,
         *,
         position: _builtins.int = ...,
         response: _builtins.bytes = ...,
+        usage: Global___Usage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["position", b"position", "response", b"response"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["position", b"position", "response", b"response", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelCall: _TypeAlias = ModelCall  # noqa: Y015
+
+@_typing.final
+class Usage(_message.Message):
+    """Usage is what one model call spent, as its provider reported it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    COST_MICROS_FIELD_NUMBER: _builtins.int
+    PRICED_FIELD_NUMBER: _builtins.int
+    input_tokens: _builtins.int
+    """Tokens the request read, cached ones included."""
+    output_tokens: _builtins.int
+    """Tokens the response wrote."""
+    cached_tokens: _builtins.int
+    """Of input_tokens, those read from the provider's prompt cache."""
+    model: _builtins.str
+    """The model that answered, as the provider named it."""
+    cost_micros: _builtins.int
+    """The cost in millionths of the price table's currency; set by the journal
+    service when its price table (DAGNATS_PRICES) names the model.
+    """
+    priced: _builtins.bool
+    """True when cost_micros was set from a price table."""
+    def __init__(
+        self,
+        *,
+        input_tokens: _builtins.int = ...,
+        output_tokens: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
+        model: _builtins.str = ...,
+        cost_micros: _builtins.int = ...,
+        priced: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "cost_micros", b"cost_micros", "input_tokens", b"input_tokens", "model", b"model", "output_tokens", b"output_tokens", "priced", b"priced"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Usage: _TypeAlias = Usage  # noqa: Y015
+
+@_typing.final
+class Budget(_message.Message):
+    """Budget bounds what a run's model calls may spend: a model call that would
+    start once the run spent as much is refused (BudgetExceeded).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    COST_MICROS_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    tokens: _builtins.int
+    """Most tokens (input plus output); 0 means no bound on tokens."""
+    cost_micros: _builtins.int
+    """Most cost, in millionths of the price table's currency; 0 means no bound."""
+    policy: Global___BudgetPolicy.ValueType
+    """What the run does when a call is refused."""
+    def __init__(
+        self,
+        *,
+        tokens: _builtins.int = ...,
+        cost_micros: _builtins.int = ...,
+        policy: Global___BudgetPolicy.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_micros", b"cost_micros", "policy", b"policy", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Budget: _TypeAlias = Budget  # noqa: Y015
 
 @_typing.final
 class ToolIntent(_message.Message):
@@ -1130,21 +1236,29 @@ class BeginModelRequest(_message.Message):
 
     TOKEN_FIELD_NUMBER: _builtins.int
     POSITION_FIELD_NUMBER: _builtins.int
+    BUDGET_FIELD_NUMBER: _builtins.int
     position: _builtins.int
     """Position of the call."""
     @_builtins.property
     def token(self) -> Global___WriterToken:
         """The writer."""
 
+    @_builtins.property
+    def budget(self) -> Global___Budget:
+        """The run's budget, as its task carried it: the call is refused
+        (BudgetExceeded) when the run spent as much already. Unset: no check.
+        """
+
     def __init__(
         self,
         *,
         token: Global___WriterToken | None = ...,
         position: _builtins.int = ...,
+        budget: Global___Budget | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["position", b"position", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "position", b"position", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1158,19 +1272,27 @@ class BeginModelResponse(_message.Message):
 
     RECORDED_FIELD_NUMBER: _builtins.int
     RESPONSE_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     recorded: _builtins.bool
     """True when recorded; response holds it."""
     response: _builtins.bytes
     """The recorded response (JSON)."""
+    @_builtins.property
+    def token(self) -> Global___WriterToken:
+        """Set when the call placed budget raises (inputs of mode BUDGET) at its
+        position: the token for the next write.
+        """
+
     def __init__(
         self,
         *,
         recorded: _builtins.bool = ...,
         response: _builtins.bytes = ...,
+        token: Global___WriterToken | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["recorded", b"recorded", "response", b"response"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["recorded", b"recorded", "response", b"response", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1185,6 +1307,7 @@ class RecordModelRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     POSITION_FIELD_NUMBER: _builtins.int
     RESPONSE_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
     position: _builtins.int
     """Position of the call."""
     response: _builtins.bytes
@@ -1193,20 +1316,79 @@ class RecordModelRequest(_message.Message):
     def token(self) -> Global___WriterToken:
         """The writer."""
 
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """What the call spent."""
+
     def __init__(
         self,
         *,
         token: Global___WriterToken | None = ...,
         position: _builtins.int = ...,
         response: _builtins.bytes = ...,
+        usage: Global___Usage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["position", b"position", "response", b"response", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["position", b"position", "response", b"response", "token", b"token", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RecordModelRequest: _TypeAlias = RecordModelRequest  # noqa: Y015
+
+@_typing.final
+class RecordSpentRequest(_message.Message):
+    """RecordSpentRequest stores what a model call of a fenced holder spent: its
+    response is refused by the fence, so its usage goes to the step's spent
+    subject (journal.<run>.<step>.spent), deduplicated by writer and position.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    position: _builtins.int
+    """Position of the call."""
+    @_builtins.property
+    def token(self) -> Global___WriterToken:
+        """The fenced writer's last token."""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """What the call spent."""
+
+    def __init__(
+        self,
+        *,
+        token: Global___WriterToken | None = ...,
+        position: _builtins.int = ...,
+        usage: Global___Usage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["position", b"position", "token", b"token", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordSpentRequest: _TypeAlias = RecordSpentRequest  # noqa: Y015
+
+@_typing.final
+class RecordSpentResponse(_message.Message):
+    """RecordSpentResponse answers RecordSpentRequest."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordSpentResponse: _TypeAlias = RecordSpentResponse  # noqa: Y015
 
 @_typing.final
 class RecordModelResponse(_message.Message):
@@ -2135,6 +2317,7 @@ class SessionRequest(_message.Message):
     PLACE_INPUTS_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     BEGIN_TOOLS_FIELD_NUMBER: _builtins.int
+    RECORD_SPENT_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Chosen by the client and echoed in the answer."""
     @_builtins.property
@@ -2181,6 +2364,10 @@ class SessionRequest(_message.Message):
     def begin_tools(self) -> Global___BeginToolsRequest:
         """See BeginTools."""
 
+    @_builtins.property
+    def record_spent(self) -> Global___RecordSpentRequest:
+        """See RecordSpent."""
+
     def __init__(
         self,
         *,
@@ -2196,12 +2383,13 @@ class SessionRequest(_message.Message):
         place_inputs: Global___PlaceInputsRequest | None = ...,
         commit: Global___CommitRequest | None = ...,
         begin_tools: Global___BeginToolsRequest | None = ...,
+        record_spent: Global___RecordSpentRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "call", b"call", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "call", b"call", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "place_inputs", b"place_inputs", "record_model", b"record_model", "record_spent", b"record_spent", "tool_output", b"tool_output"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "call", b"call", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "tool_output", b"tool_output", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "call", b"call", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "finish_tool", b"finish_tool", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "record_spent", b"record_spent", "tool_output", b"tool_output", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "check_tail", "place_inputs", "commit", "begin_tools"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "check_tail", "place_inputs", "commit", "begin_tools", "record_spent"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -2224,6 +2412,7 @@ class SessionResponse(_message.Message):
     PLACE_INPUTS_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     BEGIN_TOOLS_FIELD_NUMBER: _builtins.int
+    RECORD_SPENT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """The request's id."""
@@ -2268,6 +2457,10 @@ class SessionResponse(_message.Message):
         """See BeginTools."""
 
     @_builtins.property
+    def record_spent(self) -> Global___RecordSpentResponse:
+        """See RecordSpent."""
+
+    @_builtins.property
     def error(self) -> Global___SessionError:
         """The call failed as its own RPC would have."""
 
@@ -2285,13 +2478,14 @@ class SessionResponse(_message.Message):
         place_inputs: Global___PlaceInputsResponse | None = ...,
         commit: Global___CommitResponse | None = ...,
         begin_tools: Global___BeginToolsResponse | None = ...,
+        record_spent: Global___RecordSpentResponse | None = ...,
         error: Global___SessionError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "place_inputs", b"place_inputs", "record_model", b"record_model", "record_spent", b"record_spent", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_model", b"begin_model", "begin_tool", b"begin_tool", "begin_tools", b"begin_tools", "check_tail", b"check_tail", "claim", b"claim", "commit", b"commit", "error", b"error", "finish_tool", b"finish_tool", "id", b"id", "place_inputs", b"place_inputs", "record_model", b"record_model", "record_spent", b"record_spent", "result", b"result", "tool_output", b"tool_output"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "check_tail", "place_inputs", "commit", "begin_tools", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["claim", "begin_model", "record_model", "begin_tool", "tool_output", "finish_tool", "check_tail", "place_inputs", "commit", "begin_tools", "record_spent", "error"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

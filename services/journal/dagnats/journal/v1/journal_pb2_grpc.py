@@ -82,6 +82,11 @@ class JournalServiceStub:
                 request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordModelRequest.SerializeToString,
                 response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordModelResponse.FromString,
                 _registered_method=True)
+        self.RecordSpent = channel.unary_unary(
+                '/dagnats.journal.v1.JournalService/RecordSpent',
+                request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordSpentRequest.SerializeToString,
+                response_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordSpentResponse.FromString,
+                _registered_method=True)
         self.BeginTool = channel.unary_unary(
                 '/dagnats.journal.v1.JournalService/BeginTool',
                 request_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.BeginToolRequest.SerializeToString,
@@ -211,6 +216,13 @@ class JournalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordSpent(self, request, context):
+        """Stores what a fenced holder's model call spent (the usage ledger).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def BeginTool(self, request, context):
         """BeginTool applies the replay rules to a tool call.
         """
@@ -331,6 +343,11 @@ def add_JournalServiceServicer_to_server(servicer, server):
                     servicer.RecordModel,
                     request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordModelRequest.FromString,
                     response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordModelResponse.SerializeToString,
+            ),
+            'RecordSpent': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordSpent,
+                    request_deserializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordSpentRequest.FromString,
+                    response_serializer=dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordSpentResponse.SerializeToString,
             ),
             'BeginTool': grpc.unary_unary_rpc_method_handler(
                     servicer.BeginTool,
@@ -512,6 +529,33 @@ class JournalService:
             '/dagnats.journal.v1.JournalService/RecordModel',
             dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordModelRequest.SerializeToString,
             dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordSpent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dagnats.journal.v1.JournalService/RecordSpent',
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordSpentRequest.SerializeToString,
+            dagnats_dot_journal_dot_v1_dot_journal__pb2.RecordSpentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -78,6 +78,8 @@ class JournalServiceStub:
     """
     RecordModel: _grpc.UnaryUnaryMultiCallable[_journal_pb2.RecordModelRequest, _journal_pb2.RecordModelResponse]
     """RecordModel stores a model response at a position."""
+    RecordSpent: _grpc.UnaryUnaryMultiCallable[_journal_pb2.RecordSpentRequest, _journal_pb2.RecordSpentResponse]
+    """Stores what a fenced holder's model call spent (the usage ledger)."""
     BeginTool: _grpc.UnaryUnaryMultiCallable[_journal_pb2.BeginToolRequest, _journal_pb2.BeginToolResponse]
     """BeginTool applies the replay rules to a tool call."""
     BeginTools: _grpc.UnaryUnaryMultiCallable[_journal_pb2.BeginToolsRequest, _journal_pb2.BeginToolsResponse]
@@ -172,6 +174,8 @@ class JournalServiceAsyncStub(JournalServiceStub):
     """
     RecordModel: _aio.UnaryUnaryMultiCallable[_journal_pb2.RecordModelRequest, _journal_pb2.RecordModelResponse]  # type: ignore[assignment]
     """RecordModel stores a model response at a position."""
+    RecordSpent: _aio.UnaryUnaryMultiCallable[_journal_pb2.RecordSpentRequest, _journal_pb2.RecordSpentResponse]  # type: ignore[assignment]
+    """Stores what a fenced holder's model call spent (the usage ledger)."""
     BeginTool: _aio.UnaryUnaryMultiCallable[_journal_pb2.BeginToolRequest, _journal_pb2.BeginToolResponse]  # type: ignore[assignment]
     """BeginTool applies the replay rules to a tool call."""
     BeginTools: _aio.UnaryUnaryMultiCallable[_journal_pb2.BeginToolsRequest, _journal_pb2.BeginToolsResponse]  # type: ignore[assignment]
@@ -281,6 +285,14 @@ class JournalServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_journal_pb2.RecordModelResponse, _abc.Awaitable[_journal_pb2.RecordModelResponse]]:
         """RecordModel stores a model response at a position."""
+
+    @_abc_1.abstractmethod
+    def RecordSpent(
+        self,
+        request: _journal_pb2.RecordSpentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_journal_pb2.RecordSpentResponse, _abc.Awaitable[_journal_pb2.RecordSpentResponse]]:
+        """Stores what a fenced holder's model call spent (the usage ledger)."""
 
     @_abc_1.abstractmethod
     def BeginTool(
