@@ -319,6 +319,8 @@ async def test_fork_and_diff_example_asks_only_the_other_model_after_the_fork(
     assert first == '"small says: 3 results for durable agents"'
     assert second == '"large says: 3 results for durable agents"'
     assert calls == ["small", "small", "large"]  # the fork asked nothing before its record
+
+
 # How-to: usage and budgets.
 
 

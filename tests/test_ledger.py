@@ -27,6 +27,7 @@ from dagnats.journal.model import (
     AnyEntry,
     ClaimEntry,
     CommitEntry,
+    ForkEntry,
     InputEntry,
     ModelEntry,
 )
@@ -260,3 +261,48 @@ def test_a_step_ledger_that_folds_ended_iterations_charges_as_the_rules_do() -> 
     assert step.by_model() == ledger.by_model(whole)
     assert [e.iteration for e in step.open] == [2, 2]  # ended iterations folded
     assert step.split().fenced.calls == 1 and step.split().retried.calls == 1
+
+
+def fork(iteration: int, attempt: int) -> ForkEntry:
+    return ForkEntry(
+        seq=next(seq),
+        iteration=iteration,
+        attempt=attempt,
+        writer="",
+        source_run="a" * 32,
+        source_step="agent",
+        at_seq=1,
+        copied=1,
+        digest="sha256:0",
+    )
+
+
+@pytest.mark.parametrize("resumes", ["mid_iteration", "next_iteration"])
+def test_a_forks_copied_calls_are_copied_not_spent_by_the_forked_run(resumes: str) -> None:
+    """The calls before a fork record are the source run's: charged copied,
+    never to the forked run's spending, its budget or its models' totals;
+    a fork of a fork copies its source's fork record too, and only the last
+    one ends the copy. Read whole or folded iteration by iteration, alike."""
+    copied: list[AnyEntry] = [
+        claim(0, 1, writer="s"),
+        model(0, 1, 0, writer="s"),
+        fork(0, 1),  # the source was itself a fork: its prefix is copied too
+        commit(0, 1, Action.CONTINUE, writer="s"),
+        claim(1, 1, writer="s"),
+        model(1, 1, 0, writer="s"),
+    ]
+    if resumes == "mid_iteration":
+        records = [*copied, fork(1, 1), claim(1, 2), model(1, 2, 1)]
+    else:
+        records = [*copied, commit(1, 1, Action.CONTINUE, writer="s"), fork(2, 1)]
+        records += [claim(2, 1), model(2, 1, 0)]
+    whole = ledger.charges(records)
+    assert [c.spend for c in whole] == [ledger.Spend.COPIED] * 2 + [ledger.Spend.KEPT]
+    split = ledger.split(whole)
+    assert (split.copied.calls, split.kept.calls, split.spent.calls) == (2, 1, 1)
+    assert ledger.by_model(whole) == {"m": Totals().add(U)}
+    step = StepLedger()
+    for entry in records:
+        step.add(entry)
+    assert step.split() == split
+    assert step.by_model() == ledger.by_model(whole)

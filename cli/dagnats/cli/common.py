@@ -63,7 +63,8 @@ def print_usage(usage: pb.RunUsage) -> None:
 
 
 def usage_line(split: pb.UsageSplit) -> str:
-    """Spent tokens and cost, and what of it was kept, retried and fenced."""
+    """Spent tokens and cost, what of it was kept, retried and fenced, and
+    the calls a fork copied (its source's spending)."""
     spent = split.spent
     line = (
         f"{spent.calls} calls, {spent.input_tokens} in ({spent.cached_tokens} cached), "
@@ -72,6 +73,8 @@ def usage_line(split: pb.UsageSplit) -> str:
     if spent.cost_micros:
         line += f", cost {spent.cost_micros / 1_000_000:g}"
     parts = [f"{getattr(split, k).calls} {k}" for k in ("kept", "retried", "fenced")]
+    if split.copied.calls:
+        parts.append(f"{split.copied.calls} copied by a fork")
     return f"{line}; calls: {', '.join(parts)}"
 
 

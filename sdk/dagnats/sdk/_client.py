@@ -216,8 +216,9 @@ class Client:
 
     async def run_usage(self, run_id: str) -> pb.RunUsage:
         """What the run's model calls spent, per step and in total: kept,
-        retried and fenced calls apart (``spent`` is all three), read from
-        the run's journals.
+        retried and fenced calls apart (``spent`` is all three), and the
+        calls a fork copied from its source (``copied``: not spent by this
+        run), read from the run's journals.
 
         Raises:
             NotFound: no run has that id.

@@ -71,7 +71,7 @@ def _split_dict(split: pb.UsageSplit) -> dict[str, Any]:
     return {kind: _totals_dict(getattr(split, kind)) for kind in USAGE_KINDS}
 
 
-USAGE_KINDS = ("spent", "kept", "retried", "fenced")
+USAGE_KINDS = ("spent", "kept", "retried", "fenced", "copied")
 
 
 def _totals_dict(totals: pb.UsageTotals) -> dict[str, Any]:

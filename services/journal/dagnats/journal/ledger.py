@@ -17,8 +17,12 @@ Every call is charged once, as one of a closed set of kinds (:class:`Spend`):
   comes from the spent subject. The same call (writer, dispatch, position)
   found in the step's records, or twice on the spent subject, is charged
   once: a fenced call is never charged twice.
+- ``COPIED``: its record is one a fork copied from its source run (the
+  records before the journal's last fork record): the source spent it, so
+  the forked run's replay reuses it and spends nothing.
 
-A budget counts every kind: what was spent, not only what was kept.
+A budget counts every kind but ``COPIED``: what this run spent, not only
+what it kept.
 """
 
 from __future__ import annotations
@@ -26,12 +30,19 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import assert_never
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.usage import Budget, Raise, Totals, Usage, parse_raise
-from dagnats.journal.model import AnyEntry, ClaimEntry, CommitEntry, InputEntry, ModelEntry
+from dagnats.journal.model import (
+    AnyEntry,
+    ClaimEntry,
+    CommitEntry,
+    ForkEntry,
+    InputEntry,
+    ModelEntry,
+)
 
 # InputPlaced.mode of an input that raises the run's budget (inputs.v1.MODE_BUDGET).
 BUDGET_MODE = 100
@@ -43,6 +54,7 @@ class Spend(enum.Enum):
     KEPT = "kept"
     RETRIED = "retried"
     FENCED = "fenced"
+    COPIED = "copied"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,11 +70,13 @@ class Charge:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Split:
-    """Totals by kind; ``spent`` is all of them."""
+    """Totals by kind; ``spent`` is all of them but ``copied`` (the source
+    run's)."""
 
     kept: Totals = field(default_factory=Totals)
     retried: Totals = field(default_factory=Totals)
     fenced: Totals = field(default_factory=Totals)
+    copied: Totals = field(default_factory=Totals)
 
     @property
     def spent(self) -> Totals:
@@ -71,17 +85,13 @@ class Split:
     def add(self, charge: Charge) -> Split:
         match charge.spend:
             case Spend.KEPT:
-                return Split(
-                    kept=self.kept.add(charge.usage), retried=self.retried, fenced=self.fenced
-                )
+                return replace(self, kept=self.kept.add(charge.usage))
             case Spend.RETRIED:
-                return Split(
-                    kept=self.kept, retried=self.retried.add(charge.usage), fenced=self.fenced
-                )
+                return replace(self, retried=self.retried.add(charge.usage))
             case Spend.FENCED:
-                return Split(
-                    kept=self.kept, retried=self.retried, fenced=self.fenced.add(charge.usage)
-                )
+                return replace(self, fenced=self.fenced.add(charge.usage))
+            case Spend.COPIED:
+                return replace(self, copied=self.copied.add(charge.usage))
             case _:
                 assert_never(charge.spend)
 
@@ -90,6 +100,7 @@ class Split:
             kept=self.kept.plus(other.kept),
             retried=self.retried.plus(other.retried),
             fenced=self.fenced.plus(other.fenced),
+            copied=self.copied.plus(other.copied),
         )
 
 
@@ -107,15 +118,21 @@ def charges(
     that folded an ended iteration's charges), which a spent entry does not
     charge again. A call whose usage was not reported is not charged."""
     retried = _retried_attempts(records)
+    copied = _copied(records)
     found: list[Charge] = []
     seen: set[Call] = set(stored)
-    for entry in records:
+    for index, entry in enumerate(records):
         if not isinstance(entry, ModelEntry):
             continue
         seen.add(_call(entry))
         if entry.usage is None:
             continue
-        kind = Spend.RETRIED if entry.dispatch in retried else Spend.KEPT
+        if index < copied:
+            kind = Spend.COPIED
+        elif entry.dispatch in retried:
+            kind = Spend.RETRIED
+        else:
+            kind = Spend.KEPT
         found.append(_charge(kind, entry, entry.usage))
     for entry in spent:
         if entry.usage is None or _call(entry) in seen:
@@ -123,6 +140,15 @@ def charges(
         seen.add(_call(entry))
         found.append(_charge(Spend.FENCED, entry, entry.usage))
     return found
+
+
+def _copied(records: Sequence[AnyEntry]) -> int:
+    """How many of ``records`` a fork copied: those before the journal's own
+    fork record, its last (a fork of a fork copies its source's too)."""
+    for index in range(len(records) - 1, -1, -1):
+        if isinstance(records[index], ForkEntry):
+            return index
+    return 0
 
 
 def split(found: Iterable[Charge]) -> Split:
@@ -134,9 +160,12 @@ def split(found: Iterable[Charge]) -> Split:
 
 
 def by_model(found: Iterable[Charge]) -> dict[str, Totals]:
-    """Every charge added up per model."""
+    """Every charge this run spent (not a fork's copied calls) added up per
+    model."""
     totals: dict[str, Totals] = {}
     for charge in found:
+        if charge.spend is Spend.COPIED:
+            continue
         name = charge.usage.model
         totals[name] = totals.get(name, Totals()).add(charge.usage)
     return totals

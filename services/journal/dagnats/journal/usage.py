@@ -50,6 +50,13 @@ class StepLedger:
             case jm.CommitEntry() if entry.ends_iteration:
                 self.open.append(entry)
                 self._fold(entry.iteration)
+            case jm.ForkEntry():
+                # Every call before it is a copy of the source run's: what
+                # ended iterations charged is copied, not spent; the open
+                # iteration's are charged copied by the rules.
+                self.settled = ledger.Split(copied=self.settled.spent.plus(self.settled.copied))
+                self.settled_by_model = {}
+                self.open.append(entry)
             case _:
                 self.open.append(entry)
 
@@ -175,6 +182,7 @@ def _split(split: ledger.Split) -> epb.UsageSplit:
         kept=_totals(split.kept),
         retried=_totals(split.retried),
         fenced=_totals(split.fenced),
+        copied=_totals(split.copied),
         spent=_totals(split.spent),
     )
 

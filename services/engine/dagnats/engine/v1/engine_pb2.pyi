@@ -905,6 +905,7 @@ class UsageSplit(_message.Message):
     RETRIED_FIELD_NUMBER: _builtins.int
     FENCED_FIELD_NUMBER: _builtins.int
     SPENT_FIELD_NUMBER: _builtins.int
+    COPIED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def kept(self) -> Global___UsageTotals:
         """Calls whose response the step's journal keeps (replayed, not called again)."""
@@ -919,7 +920,13 @@ class UsageSplit(_message.Message):
 
     @_builtins.property
     def spent(self) -> Global___UsageTotals:
-        """All three: what was spent."""
+        """Kept, retried and fenced: what this run spent."""
+
+    @_builtins.property
+    def copied(self) -> Global___UsageTotals:
+        """Calls a fork copied from its source run: replayed, spent by the source,
+        not by this run (nor counted by its budget).
+        """
 
     def __init__(
         self,
@@ -928,10 +935,11 @@ class UsageSplit(_message.Message):
         retried: Global___UsageTotals | None = ...,
         fenced: Global___UsageTotals | None = ...,
         spent: Global___UsageTotals | None = ...,
+        copied: Global___UsageTotals | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fenced", b"fenced", "kept", b"kept", "retried", b"retried", "spent", b"spent"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["copied", b"copied", "fenced", b"fenced", "kept", b"kept", "retried", b"retried", "spent", b"spent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fenced", b"fenced", "kept", b"kept", "retried", b"retried", "spent", b"spent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copied", b"copied", "fenced", b"fenced", "kept", b"kept", "retried", b"retried", "spent", b"spent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,5 +1,5 @@
 // A run's usage (GET /runs/{id}/usage): what its model calls spent, for the
-// run and each step: tokens and cost, and how many calls were kept, retried
+// run and each step: tokens and cost, and how many calls were kept, retried,
 // (an attempt a retry replaced) and fenced (a holder the fence stopped).
 
 import { ApiError, get, path } from "./api.js";
@@ -24,7 +24,7 @@ export function usagePanel(runId) {
 }
 
 function usageTable(usage) {
-  const heads = ["", "Calls", "Input", "Cached", "Output", "Cost", "Kept", "Retried", "Fenced"];
+  const heads = ["", "Calls", "Input", "Cached", "Output", "Cost", "Kept", "Retried", "Fenced", "Copied"];
   const row = (label, id, split) =>
     h(
       "tr",
@@ -38,6 +38,7 @@ function usageTable(usage) {
       cell("Kept", { class: "kept" }, String(split.kept.calls)),
       cell("Retried", { class: "retried" }, String(split.retried.calls)),
       cell("Fenced", { class: "fenced" }, String(split.fenced.calls)),
+      cell("Copied", { class: "copied" }, String(split.copied.calls)),
     );
   return h(
     "div",
