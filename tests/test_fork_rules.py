@@ -13,6 +13,7 @@ import pytest
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.run_settings import check_settings, merged, parse_assignments
+from dagnats.core.usage import Budget, Policy
 from dagnats.engine import rules
 from dagnats.engine.definition import parse_document
 from dagnats.engine.model import DispatchTask, ForkOrigin, Resume, StepStatus
@@ -175,7 +176,10 @@ steps:
 
 
 def test_a_forked_run_carries_its_dependencies_and_dispatches_the_step_at_its_resume() -> None:
-    source = rules.start_run(run_id="s" * 32, workflow=WORKFLOW, input=b"{}", now=1.0).run
+    budget = Budget(tokens=5000, policy=Policy.PAUSE)
+    source = rules.start_run(
+        run_id="s" * 32, workflow=WORKFLOW, input=b"{}", now=1.0, budget=budget
+    ).run
     done = replace(source.step("prep"), status=StepStatus.COMPLETED, output=b'{"p": 1}')
     source = replace(source, steps=tuple(done if s.step_id == "prep" else s for s in source.steps))
     accepted = rules.fork_run(
@@ -203,6 +207,7 @@ def test_a_forked_run_carries_its_dependencies_and_dispatches_the_step_at_its_re
     tasks = [e for e in accepted.effects if isinstance(e, DispatchTask)]
     assert sorted(t.step_id for t in tasks) == ["agent", "side"]
     assert all(t.settings == (("model", "b"),) for t in tasks)
+    assert run.budget == budget and all(t.budget is not None for t in tasks)
     agent_task = next(t for t in tasks if t.step_id == "agent")
     assert (agent_task.iteration, agent_task.input) == (2, b'{"p": 1}')
 

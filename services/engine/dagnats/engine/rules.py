@@ -145,7 +145,7 @@ def fork_run(
     over as completed, with their outputs; the forked step dispatched at
     ``resume`` (its journal starts with the copied prefix, so its claim
     replays what was recorded); every other step pending, and dispatched now
-    if it is ready."""
+    if it is ready. It keeps the source's budget."""
     carried = source.workflow.ancestors(origin.step_id)
     steps = tuple(
         replace(s, kept_seq=0, redispatches=0) if s.step_id in carried else Step(step_id=s.step_id)
@@ -161,6 +161,7 @@ def fork_run(
         idempotency_key=idempotency_key,
         settings=settings,
         forked_from=origin,
+        budget=source.budget,  # bounds what the fork spends: its copied calls are the source's
     )
     step = replace(
         run.step(origin.step_id),
