@@ -425,6 +425,9 @@ class EngineRpc:
     async def purge_run(self, request: pb.PurgeRunRequest) -> pb.PurgeRunResponse:
         return await self._call(self._connect().PurgeRun, request, idempotent=True)
 
+    async def upgrade_run(self, request: pb.UpgradeRunRequest) -> pb.UpgradeRunResponse:
+        return await self._call(self._connect().UpgradeRun, request, idempotent=True)
+
     # The task API.
 
     async def poll_tasks(

@@ -53,6 +53,8 @@ def workflow_dict(workflow: pb.Workflow) -> dict[str, Any]:
         data["default_retry"]["backoff"] = enum_name(
             pb.BackoffStrategy, workflow.default_retry.backoff
         )
+    if workflow.build_policy:
+        data["build_policy"] = enum_name(pb.BuildPolicy, workflow.build_policy)
     return data
 
 

@@ -80,6 +80,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     _ENGINE + "WatchRuns": _C,
     _ENGINE + "CancelRun": _C,
     _ENGINE + "PurgeRun": _A,
+    _ENGINE + "UpgradeRun": _A,
     # The task API.
     _ENGINE + "PollTasks": _W,
     _ENGINE + "Heartbeat": _W,

@@ -54,6 +54,9 @@ class Step:
     # The TASKS message that carries the current dispatch, kept by its holder
     # from the iteration before (the kept task); 0: the dispatch's own message.
     kept_seq: int = 0
+    # The worker build whose commit the step recorded (the pinned policy
+    # sends its later dispatches to that build); "": none yet, or unversioned.
+    build: str = ""
     output: bytes = b""
     error: str = ""
     child_run_id: str = ""
@@ -151,6 +154,8 @@ class StepReport:
     # The reporter keeps its task message (this sequence) for the next
     # iteration, if that is dispatched at once (the kept task); 0: released.
     kept_seq: int = 0
+    # The build of the worker whose commit this is; "": unversioned.
+    build: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,7 +196,22 @@ class TaskVanished:
     attempt: int
 
 
-RunInput = StepReport | TimerFired | ChildEnded | CancelRequested | TaskVanished | InputArrived
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpgradeRequested:
+    """An operator moves the run's steps to worker build ``build``."""
+
+    build: str
+
+
+RunInput = (
+    StepReport
+    | TimerFired
+    | ChildEnded
+    | CancelRequested
+    | TaskVanished
+    | InputArrived
+    | UpgradeRequested
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -241,6 +261,8 @@ class DispatchTask:
     attempt: int
     input: bytes
     redispatch: int = 0
+    # The worker build the task goes to (its subject names it); "": any worker.
+    build: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

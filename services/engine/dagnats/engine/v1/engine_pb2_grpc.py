@@ -85,6 +85,11 @@ class EngineServiceStub:
                 request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunRequest.SerializeToString,
                 response_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunResponse.FromString,
                 _registered_method=True)
+        self.UpgradeRun = channel.unary_unary(
+                '/dagnats.engine.v1.EngineService/UpgradeRun',
+                request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunRequest.SerializeToString,
+                response_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunResponse.FromString,
+                _registered_method=True)
         self.PollTasks = channel.unary_unary(
                 '/dagnats.engine.v1.EngineService/PollTasks',
                 request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.PollTasksRequest.SerializeToString,
@@ -203,6 +208,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpgradeRun(self, request, context):
+        """UpgradeRun moves a running run's steps to another worker build: each
+        step's later dispatches go to workers of that build, and a step whose
+        task waits for its old build is dispatched again to the new one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PollTasks(self, request, context):
         """PollTasks waits up to a deadline for tasks of the given task types.
         """
@@ -299,6 +313,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.PurgeRun,
                     request_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunRequest.FromString,
                     response_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunResponse.SerializeToString,
+            ),
+            'UpgradeRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpgradeRun,
+                    request_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunRequest.FromString,
+                    response_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunResponse.SerializeToString,
             ),
             'PollTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.PollTasks,
@@ -597,6 +616,33 @@ class EngineService:
             '/dagnats.engine.v1.EngineService/PurgeRun',
             dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunRequest.SerializeToString,
             dagnats_dot_engine_dot_v1_dot_engine__pb2.PurgeRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpgradeRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dagnats.engine.v1.EngineService/UpgradeRun',
+            dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunRequest.SerializeToString,
+            dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,11 @@ class EngineServiceStub:
     """CancelRun cancels a run and its child runs."""
     PurgeRun: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PurgeRunRequest, _engine_pb2.PurgeRunResponse]
     """PurgeRun deletes a finished run and everything stored for it."""
+    UpgradeRun: _grpc.UnaryUnaryMultiCallable[_engine_pb2.UpgradeRunRequest, _engine_pb2.UpgradeRunResponse]
+    """UpgradeRun moves a running run's steps to another worker build: each
+    step's later dispatches go to workers of that build, and a step whose
+    task waits for its old build is dispatched again to the new one.
+    """
     PollTasks: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PollTasksRequest, _engine_pb2.PollTasksResponse]
     """PollTasks waits up to a deadline for tasks of the given task types."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_engine_pb2.HeartbeatRequest, _engine_pb2.HeartbeatResponse]
@@ -138,6 +143,11 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """CancelRun cancels a run and its child runs."""
     PurgeRun: _aio.UnaryUnaryMultiCallable[_engine_pb2.PurgeRunRequest, _engine_pb2.PurgeRunResponse]  # type: ignore[assignment]
     """PurgeRun deletes a finished run and everything stored for it."""
+    UpgradeRun: _aio.UnaryUnaryMultiCallable[_engine_pb2.UpgradeRunRequest, _engine_pb2.UpgradeRunResponse]  # type: ignore[assignment]
+    """UpgradeRun moves a running run's steps to another worker build: each
+    step's later dispatches go to workers of that build, and a step whose
+    task waits for its old build is dispatched again to the new one.
+    """
     PollTasks: _aio.UnaryUnaryMultiCallable[_engine_pb2.PollTasksRequest, _engine_pb2.PollTasksResponse]  # type: ignore[assignment]
     """PollTasks waits up to a deadline for tasks of the given task types."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_engine_pb2.HeartbeatRequest, _engine_pb2.HeartbeatResponse]  # type: ignore[assignment]
@@ -261,6 +271,17 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.PurgeRunResponse, _abc.Awaitable[_engine_pb2.PurgeRunResponse]]:
         """PurgeRun deletes a finished run and everything stored for it."""
+
+    @_abc_1.abstractmethod
+    def UpgradeRun(
+        self,
+        request: _engine_pb2.UpgradeRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.UpgradeRunResponse, _abc.Awaitable[_engine_pb2.UpgradeRunResponse]]:
+        """UpgradeRun moves a running run's steps to another worker build: each
+        step's later dispatches go to workers of that build, and a step whose
+        task waits for its old build is dispatched again to the new one.
+        """
 
     @_abc_1.abstractmethod
     def PollTasks(
