@@ -612,7 +612,9 @@ GUARDS = (
             "            if not await self.store.task_in_flight("
             "subject, prefix, kept_seq=kept, kept_on=on):\n"
         ),
-        removed="            if not await self.store.task_in_flight(subject, prefix, kept_on=on):\n",
+        removed=(
+            "            if not await self.store.task_in_flight(subject, prefix, kept_on=on):\n"
+        ),
         how="the reconciler looks for a kept dispatch's own task, finds none, dispatches anew",
         tests=("tests/test_kept_task.py::test_the_reconciler_leaves_a_kept_task_in_flight",),
     ),
@@ -639,7 +641,8 @@ GUARDS = (
         name="the reconciler finds a pinned step's kept message on the unpinned lane",
         file="services/engine/dagnats/engine/processor.py",
         guard=(
-            '            unpinned = task_subject(task_type, run.run_id, step.step_id) if build else ""\n'
+            "            unpinned = task_subject(task_type, run.run_id, step.step_id)"
+            ' if build else ""\n'
         ),
         removed='            unpinned = ""\n',
         how="a pinned step's kept loop is taken for a vanished task and dispatched again",

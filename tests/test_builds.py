@@ -17,6 +17,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from typing import Any
 
+import httpx
 import pytest
 
 from dagnats.core.errors import Conflict, InvalidArgument, NotFound
@@ -26,6 +27,7 @@ from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, Worker
 from tests.helpers import wait_for
 from tests.stack import loop_workflow, steps_by_id, unique
+from tests.test_cli import adagnats
 from tests.test_journal import journal_check
 
 ORDERS = {"A": ("lookup", "draft"), "B": ("draft", "lookup")}
@@ -223,8 +225,12 @@ async def test_a_run_whose_build_is_gone_waits_until_upgraded(
         await give_input(client, run_id)
         await wait_for(lambda: _waiting_for_build(client, run_id), timeout=30)
         assert b.iterations_of(run_id) == []
-        moved = await client.upgrade_run(run_id, "B")
-        assert steps_by_id(moved)["agent"].build_id == "B"
+        env = {"DAGNATS_ENGINE": engine.target}
+        shown = await adagnats("run", "get", run_id, env=env)
+        assert "build A  waiting for build A" in shown.stdout, shown.stdout + shown.stderr
+        moved = await adagnats("run", "upgrade", run_id, "--build", "B", "--json", env=env)
+        assert moved.returncode == 0, moved.stderr
+        assert json.loads(moved.stdout)["steps"][0]["build_id"] == "B"
         await wait_for(lambda: ended(client, run_id), timeout=30)
     run = await client.get_run(run_id)
     assert run.status == pb.RUN_STATUS_COMPLETED, run.error
@@ -259,3 +265,32 @@ async def test_a_bad_build_id_is_refused_at_every_edge(engine: EngineServer) -> 
         Worker(engine.target, handlers={"t": Build("A").handler}, build_id="a.b")
     with pytest.raises(InvalidArgument, match="build_id"):
         Worker(engine.target, handlers={"t": Build("A").handler}, build_id="x" * 65)
+
+
+async def test_a_bridge_worker_declares_its_build_and_takes_its_pinned_tasks(
+    client: Client, http: httpx.AsyncClient
+) -> None:
+    task, name = await workflow(client, "bridge")
+    run_id = (await client.start_run(name, "hello")).run_id
+
+    async def poll(build: str, wait: str = "10s") -> list[Any]:
+        body = {"task_types": [task], "wait": wait, "worker_id": "w", "build_id": build}
+        response = await http.post("/bridge/poll", json=body)
+        assert response.status_code == 200, response.text
+        return list(response.json()["tasks"])
+
+    [first] = await poll("A")
+    read = (await http.post("/bridge/journal/read", json={"token": first["token"]})).json()
+    body = {"token": read["token"], "outcome": "continue", "output": {"turn": 0}}
+    assert (await http.post("/bridge/resolve", json=body)).status_code == 200
+
+    async def pinned_to_a() -> bool:
+        return (await agent(client, run_id)).build_id == "A"
+
+    await wait_for(pinned_to_a, timeout=30)
+    assert await poll("", wait="0.3s") == [] and await poll("B", wait="0.3s") == []
+    [pinned] = await poll("A")
+    assert (pinned["task"]["run_id"], pinned["task"]["iteration"]) == (run_id, 1)
+    bad = await http.post("/bridge/poll", json={"task_types": [task], "build_id": "v1.2"})
+    assert bad.status_code == 400 and "build_id" in bad.text
+    await client.cancel_run(run_id)

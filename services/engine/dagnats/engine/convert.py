@@ -284,6 +284,7 @@ def journal_mark(record: jpb.Record, delivery: int) -> m.JournalMark:
         attempt=record.attempt,
         commit=commit,
         delivery=delivery,
+        build=record.commit.build_id,
     )
 
 

@@ -225,6 +225,7 @@ class JournalMark:
         commit: For a commit, the outcome it records; None for any other kind.
         delivery: Delivery count of its writer's task (the claim's); 0 when
             the claim did not say.
+        build: For a commit, its writer's build; "" for none.
     """
 
     seq: int
@@ -232,6 +233,8 @@ class JournalMark:
     attempt: int
     commit: StepOutcome | None = None
     delivery: int = 0
+    # For a commit, the build of the worker that wrote it ("": unversioned).
+    build: str = ""
 
     @property
     def dispatch(self) -> tuple[int, int]:

@@ -260,7 +260,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         else:
             stored = await self.store.require_run(check_run_id(request.run_id))
         async for state in self.watches.follow(stored, ended_only=request.ended_only):
-            yield pb.WatchRunResponse(run=state.record.run, revision=state.revision)
+            run = await self._with_waits_for_builds(state)
+            yield pb.WatchRunResponse(run=run, revision=state.revision)
 
     @domain_errors
     async def ListRuns(self, request: pb.ListRunsRequest, context: Context) -> pb.ListRunsResponse:
@@ -616,6 +617,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 at = await self.journal.written_at(event.run_id, event.step_id, event.journal_seq)
                 named = convert.journal_mark(at.record, at.delivery) if at else None
         refused = rules.check_journal_report(report, tail, named)
+        if named is not None:
+            event.build_id = named.build  # the commit's build, as its own event carries it
         return self._answer(event.run_id, event.step_id, refused)
 
     async def _check_holder(self, lease: str, *, releasing: bool) -> None:
