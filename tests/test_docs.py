@@ -375,3 +375,13 @@ async def test_models_example_asks_the_stand_in_and_runs_its_tool(
 ) -> None:
     monkeypatch.delenv("DAGNATS_MODEL", raising=False)
     assert await load("models_agent").main(stack.target) == "It is 21 C in Lisbon."
+
+
+# How-to: new handler code under runs in flight.
+
+
+async def test_builds_example_keeps_a_run_on_its_build_and_moves_one_whose_build_left(
+    stack: LocalStack,
+) -> None:
+    sent = await load("builds").main(stack.target)
+    assert sent == {"first": "2026-12-01", "second": "2026-12-06"}
