@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from dagnats.core.errors import Conflict, InvalidArgument, NotFound
+from dagnats.core import seam
+from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument, NotFound
 from dagnats.core.subjects import task_consumer
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -159,15 +160,23 @@ async def test_an_iteration_cut_short_waits_for_its_build_and_is_never_replayed_
             run_id = (await client.start_run(name, "hello")).run_id
             await wait_for(a.held.is_set, timeout=30)
             await stack.enter_async_context(worker(engine, task, b))
+            dies = DieOnce("after_moved_to_lane")
+            seam.install(dies)
+            stack.callback(seam.install, None)
             await stopping.stop(grace=0)
         # A's worker stopped under iteration 1 (its first tool stored, no
         # commit), which it ran on the task message it kept from iteration 0,
         # a message of the unpinned lane. When its lease runs out, B's poll
         # gets it, and the engine moves it to build A's lane instead of
-        # leasing it: it waits there, visibly, while B polls on.
+        # leasing it: it waits there, visibly, while B polls on. The first
+        # move dies between the dispatch on A's lane and the message's
+        # acknowledgement: the message comes back, finds the dispatch on the
+        # lane, and is only settled. One copy, on A's lane.
         await wait_for(
             lambda: _on_lane(engine, task, "A"), timeout=30, message="moved to build A's lane"
         )
+        await wait_for(lambda: _lane_empty(engine, task, ""), timeout=30, message="settled")
+        assert dies.hit and await _on_lane(engine, task, "A")
         assert await _waiting_for_build(client, run_id)
         step = await agent(client, run_id)
         assert step.status == pb.STEP_STATUS_RUNNING and step.build_id == "A"
@@ -201,6 +210,55 @@ async def test_a_pinned_steps_kept_loop_keeps_its_message_past_the_reconciler(
     run = await client.get_run(run_id)
     assert run.status == pb.RUN_STATUS_COMPLETED, run.error
     assert a.iterations_of(run_id) == [0, 1]
+
+
+class DieOnce:
+    """A seam hook: the service dies (raises) at ``name``, once."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.hit = False
+
+    async def __call__(self, at: str) -> None:
+        if at == self.name and not self.hit:
+            self.hit = True
+            raise RuntimeError(f"the engine died at {self.name}")
+
+
+async def _lane_empty(engine: EngineServer, task: str, build: str) -> bool:
+    info = await engine.nc.jetstream().consumer_info("TASKS", task_consumer(task, build))
+    return info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def test_an_upgrade_that_dies_before_its_purge_leaves_one_dispatch_that_counts(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await workflow(client, "upgradedies")
+    a, b, again = Build("A"), Build("B"), Build("A")
+    async with worker(engine, task, a):
+        run_id = (await client.start_run(name, "hello")).run_id
+        await wait_for(lambda: waiting_for_input(client, run_id), timeout=30)
+    await give_input(client, run_id)
+    await wait_for(lambda: _on_lane(engine, task, "A"), timeout=30)
+    dies = DieOnce("after_upgrade_stored")
+    seam.install(dies)
+    try:
+        with pytest.raises(DagnatsError):
+            await client.upgrade_run(run_id, "B")
+    finally:
+        seam.install(None)
+    assert dies.hit
+    # Moved, and the old copy left on A's lane: a worker of A that polls
+    # finds it off its step's lane, the dispatch on B's, and settles it.
+    assert (await agent(client, run_id)).build_id == "B"
+    async with worker(engine, task, again):
+        await wait_for(lambda: _lane_empty(engine, task, "A"), timeout=30)
+    assert again.iterations_of(run_id) == []
+    async with worker(engine, task, b):
+        await wait_for(lambda: ended(client, run_id), timeout=30)
+    run = await client.get_run(run_id)
+    assert run.status == pb.RUN_STATUS_COMPLETED and built_by(run) == "B"
+    assert b.iterations_of(run_id) == [1]
 
 
 async def _on_lane(engine: EngineServer, task: str, build: str) -> bool:

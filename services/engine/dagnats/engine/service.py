@@ -21,6 +21,7 @@ from dagnats.core.ids import (
     new_run_id,
 )
 from dagnats.core.payload import check_json
+from dagnats.core.seam import seam
 from dagnats.core.status import step_status_from_proto
 from dagnats.core.subjects import lane_build, task_consumer, task_subject
 from dagnats.core.timestamps import duration
@@ -220,6 +221,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         run, decision = result
         if isinstance(decision, m.Dropped) and run.status.terminal:
             raise errors.Conflict(f"run {run_id} is {run.status.value}; it cannot be upgraded")
+        await seam("after_upgrade_stored")
         await self._clear_old_lanes(before, build)
         return pb.UpgradeRunResponse(run=convert.run_to_proto(run))
 
@@ -533,6 +535,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 step_id=step_id, iteration=task.iteration, attempt=task.attempt
             )
             await self.engine.apply(run_id, vanished)
+            await seam("after_moved_to_lane")
         await msg.ack()
 
     def _run_awaited(self, msg: Delivery) -> float | None:
