@@ -17,6 +17,8 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from typing import Any
 
+import grpc
+import grpc.aio
 import httpx
 import pytest
 
@@ -25,6 +27,9 @@ from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument, NotFoun
 from dagnats.core.subjects import task_consumer
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
+from dagnats.journal.v1 import journal_pb2 as jpb
+from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, Replay, TaskContext, ToolCall, ToolRun, Worker
 from tests.helpers import wait_for
 from tests.stack import loop_workflow, steps_by_id, unique
@@ -323,6 +328,25 @@ async def test_a_bad_build_id_is_refused_at_every_edge(engine: EngineServer) -> 
         Worker(engine.target, handlers={"t": Build("A").handler}, build_id="a.b")
     with pytest.raises(InvalidArgument, match="build_id"):
         Worker(engine.target, handlers={"t": Build("A").handler}, build_id="x" * 65)
+    token = jpb.WriterToken(
+        run_id="0" * 32, step_id="agent", iteration=0, attempt=1, writer="0" * 16
+    )
+    commit = jpb.Commit(action=jpb.ACTION_CONTINUE, build_id="tasks.>")
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        engine_api, journal_api = (
+            pb_grpc.EngineServiceStub(channel),
+            jgrpc.JournalServiceStub(channel),
+        )
+        calls: list[tuple[Any, Any, str]] = [
+            (engine_api.PollTasks, pb.PollTasksRequest(task_types=["t"], build_id="*"), "build_id"),
+            (engine_api.UpgradeRun, pb.UpgradeRunRequest(run_id="0" * 32), "build_id"),
+            (journal_api.Commit, jpb.CommitRequest(token=token, commit=commit), "commit.build_id"),
+        ]
+        for call, request, field in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(request)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in (refused.value.details() or "")
 
 
 async def test_a_bridge_worker_declares_its_build_and_takes_its_pinned_tasks(

@@ -740,8 +740,8 @@ def _on_upgrade(run: Run, upgrade: UpgradeRequested, now: float) -> Decision:
         redispatch = (
             step.status is StepStatus.RUNNING
             and not step.child_run_id
-            and pinned_build(run, step)
-            and run.workflow.step(step.step_id).task
+            and bool(pinned_build(run, step))
+            and run.workflow.step(step.step_id).task is not None
         )
         if redispatch:
             step = replace(step, redispatches=step.redispatches + 1)
