@@ -215,7 +215,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         run_id = check_run_id(request.run_id)
         build = check_token(request.build_id, field="build_id")
         before = await self.engine.read_run(run_id)
-        result = await self.engine.apply(run_id, m.UpgradeRequested(build=build))
+        upgrade = m.UpgradeRequested(build=build)
+        result = None if before is None else await self.engine.apply(run_id, upgrade)
         if before is None or result is None:
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
         run, decision = result
