@@ -188,15 +188,18 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def _with_waits_for_builds(self, stored: StoredRun) -> pb.Run:
         """The run, each step whose task waits on its pinned build's lane with
         no worker of that build there marked ``waiting_for_build`` (a copy:
-        the stored run may be this engine's guess). A run with no pinned
-        running step is returned as it is, with no read."""
-        run = stored.record.run
+        the stored run may be this engine's guess). A step running on a kept
+        message is not: its holder runs it, and a message its dead holder
+        left is moved to the lane by the next poll that finds it. A run with
+        no pinned running step is returned as it is, with no read."""
+        run, records = stored.record.run, stored.record.step_records
         pinned = [
             (i, build, task)
             for i, step in enumerate(run.steps)
             if step.status == pb.STEP_STATUS_RUNNING
             and (build := convert.pinned_build_of(stored.record, step))
             and (task := _task_type(stored.record.workflow, step.step_id))
+            and not (step.step_id in records and records[step.step_id].kept_seq)
         ]
         if not pinned:
             return run
