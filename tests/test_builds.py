@@ -235,6 +235,31 @@ async def _lane_empty(engine: EngineServer, task: str, build: str) -> bool:
     return info.num_pending == 0 and info.num_ack_pending == 0
 
 
+async def test_a_pinned_dispatch_stored_and_never_published_goes_out_on_its_builds_lane(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await workflow(client, "outbox")
+    a, b = Build("A"), Build("B")
+    async with worker(engine, task, a):
+        run_id = (await client.start_run(name, "hello")).run_id
+        await wait_for(lambda: waiting_for_input(client, run_id), timeout=30)
+        async with worker(engine, task, b):
+            # The engine dies between the write that records the input's
+            # dispatch (in the run's outbox) and its publish: the outbox,
+            # published by whoever reads the run next, names A's lane.
+            dies = DieOnce("after_dispatch_saved")
+            seam.install(dies)
+            try:
+                await give_input(client, run_id)
+                await wait_for(lambda: ended(client, run_id), timeout=30)
+            finally:
+                seam.install(None)
+    run = await client.get_run(run_id)
+    assert dies.hit and run.status == pb.RUN_STATUS_COMPLETED, run.error
+    assert built_by(run) == "A" and a.iterations_of(run_id) == [0, 1]
+    assert b.iterations_of(run_id) == []
+
+
 async def test_an_upgrade_that_dies_before_its_purge_leaves_one_dispatch_that_counts(
     client: Client, engine: EngineServer
 ) -> None:
