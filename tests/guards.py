@@ -652,11 +652,48 @@ GUARDS = (
         file="services/engine/dagnats/engine/processor.py",
         guard=(
             "            if not await self.store.task_in_flight("
-            "subject, prefix, kept_seq=step.kept_seq):\n"
+            "subject, prefix, kept_seq=kept, kept_on=on):\n"
         ),
-        removed="            if not await self.store.task_in_flight(subject, prefix):\n",
+        removed=(
+            "            if not await self.store.task_in_flight(subject, prefix, kept_on=on):\n"
+        ),
         how="the reconciler looks for a kept dispatch's own task, finds none, dispatches anew",
         tests=("tests/test_kept_task.py::test_the_reconciler_leaves_a_kept_task_in_flight",),
+    ),
+    Guard(
+        name="a pinned step's dispatch goes to its build's lane",
+        file="services/engine/dagnats/engine/rules.py",
+        guard="        build=pinned_build(run, step),\n",
+        removed='        build="",\n',
+        how="a pinned step's next dispatch goes to any worker, of any build",
+        tests=("tests/test_builds.py::test_a_run_whose_build_is_gone_waits_until_upgraded",),
+    ),
+    Guard(
+        name="a message off its pinned step's lane is moved, not leased",
+        file="services/engine/dagnats/engine/service.py",
+        guard="        if pin := _misplaced(stored, current, msg.subject, build):\n",
+        removed='        if pin := "":\n',
+        how="a pinned step's kept message, delivered again, is leased to a worker of any build",
+        tests=(
+            "tests/test_builds.py::"
+            "test_an_iteration_cut_short_waits_for_its_build_and_is_never_replayed_by_another",
+            "tests/test_builds.py::"
+            "test_an_upgrade_that_dies_before_its_purge_leaves_one_dispatch_that_counts",
+        ),
+    ),
+    Guard(
+        name="the reconciler finds a pinned step's kept message on the unpinned lane",
+        file="services/engine/dagnats/engine/processor.py",
+        guard=(
+            "            unpinned = task_subject(task_type, run.run_id, step.step_id)"
+            ' if build else ""\n'
+        ),
+        removed='            unpinned = ""\n',
+        how="a pinned step's kept loop is taken for a vanished task and dispatched again",
+        tests=(
+            "tests/test_builds.py::"
+            "test_a_pinned_steps_kept_loop_keeps_its_message_past_the_reconciler",
+        ),
     ),
     Guard(
         name="a dispatch handed over with a commit stores its claim with its first record",

@@ -40,10 +40,12 @@ import httpx
 import pytest
 from playwright.async_api import Browser, Page, Request, async_playwright, expect
 
+from dagnats.sdk import Worker
 from tests.helpers import wait_for
 from tests.matrix import lines, reap
 from tests.stack import DevProcess, start_dev
 from tests.test_approvals import approval_worker
+from tests.test_builds import Build
 from tests.workers.console_worker import FAILING, PARTIAL, REPLY, words
 
 TOKEN = "console-token-7f3a"
@@ -597,6 +599,43 @@ async def test_a_run_is_cancelled_from_its_page_and_without_a_token_the_page_ask
     assert errors == [], errors
     async with httpx.AsyncClient(base_url=dev.gateway) as anonymous:
         assert (await anonymous.get(f"/runs/{run_id}")).status_code == 401
+
+
+# ---- a run waiting for its build ----------------------------------------------------
+
+
+async def test_a_run_waiting_for_its_build_shows_it_and_moves_to_another_build(
+    page: Page, http: httpx.AsyncClient, dev: DevProcess, tmp_path: Path
+) -> None:
+    name, task = "console-builds", "console-builds-task"
+    assert (await http.post("/workflows", json=loop(name, task))).status_code == 200
+    a, b = Build("A"), Build("B")
+    async with Worker(dev.engine, handlers={task: a.handler}, build_id="A", poll_wait=1.0):
+        run_id = await start(http, name, "")
+
+        async def waits_for_input() -> bool:
+            step = (await http.get(f"/runs/{run_id}")).json()["steps"][0]
+            return bool(step.get("waiting_for_input"))
+
+        await wait_for(waits_for_input, timeout=30)
+    go = {"request_id": "go", "content": "go"}
+    assert (await http.post(f"/runs/{run_id}/steps/agent/inputs", json=go)).status_code == 201
+    await page.goto(f"/ui/#/runs/{run_id}")
+    row = page.locator('tr[data-step-id="agent"]')
+    await expect(row.locator('[data-wait="build"]')).to_have_text(
+        "waiting for build A", timeout=WAIT
+    )
+    await shot(page, tmp_path, "waiting-for-build")
+    async with Worker(dev.engine, handlers={task: b.handler}, build_id="B", poll_wait=1.0):
+        bad = await http.post(f"/runs/{run_id}/upgrade", json={"build_id": "v1.2"})
+        assert bad.status_code == 400 and "build_id" in bad.text
+        moved = await http.post(f"/runs/{run_id}/upgrade", json={"build_id": "B"})
+        assert moved.status_code == 200 and moved.json()["steps"][0]["build_id"] == "B"
+        await expect(row).to_have_attribute("data-status", "completed", timeout=WAIT)
+    await expect(row).to_have_attribute("data-build", "B")
+    assert b.iterations_of(run_id) == [1]
+    gone = await http.post(f"/runs/{run_id}/upgrade", json={"build_id": "C"})
+    assert gone.status_code == 409
 
 
 # ---- the files ----------------------------------------------------------------------

@@ -420,3 +420,13 @@ async def test_replay_example_passes_the_same_code_and_catches_the_reordered_cal
     monkeypatch.chdir(tmp_path)
     with pytest.raises(AssertionError, match="position 0: different_call"):
         await ci.test_the_new_code_replays_the_recorded_runs()
+
+
+# How-to: new handler code under runs in flight.
+
+
+async def test_builds_example_keeps_a_run_on_its_build_and_moves_one_whose_build_left(
+    stack: LocalStack,
+) -> None:
+    sent = await load("builds").main(stack.target)
+    assert sent == {"first": "2026-12-01", "second": "2026-12-06"}

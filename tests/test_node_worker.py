@@ -76,7 +76,13 @@ class NodeWorkers:
         self.hanging = state / "hanging"
 
     def spawn(
-        self, name: str, *, hang: bool = False, token_chars: int = 8, parallel: bool = False
+        self,
+        name: str,
+        *,
+        hang: bool = False,
+        token_chars: int = 8,
+        parallel: bool = False,
+        build: str = "",
     ) -> subprocess.Popen[bytes]:
         env = {
             **os.environ,
@@ -94,6 +100,8 @@ class NodeWorkers:
             env["HANG_IN_TOOL_MARKER"] = str(self.hanging)
         if parallel:
             env["MODEL_PARALLEL"] = "1"
+        if build:
+            env["DAGNATS_BUILD_ID"] = build
         with open(self.state / f"{name}.log", "wb") as out:
             proc = subprocess.Popen(
                 [self.node, str(EXAMPLE / "main.js"), self.task],
@@ -159,9 +167,10 @@ async def test_node_worker_completes_a_durable_run(
 ) -> None:
     task, name = await start(client)
     workers = NodeWorkers(node, engine.target, task, tmp_path, processes)
-    worker = workers.spawn("worker")
+    worker = workers.spawn("worker", build="node-1")
     run = await client.start_run(name, INPUT)
-    await finish(client, engine, run.run_id, workers, worker)
+    done = await finish(client, engine, run.run_id, workers, worker)
+    assert steps_by_id(done)["agent"].build_id == "node-1"  # its polls and commits name it
     assert lines(workers.starts) == [f"charge_card {run.run_id}.agent.0.1"]
     assert lines(workers.model_calls) == ["turn 0", "turn 1"]
     (result,) = await tool_results(engine, run.run_id)

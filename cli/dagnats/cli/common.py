@@ -50,6 +50,10 @@ def print_run(run: pb.Run, as_json: bool) -> None:
     for step in run.steps:
         line = f"  step {step.step_id:<16} {enum_name(pb.StepStatus, step.status):<10}"
         line += f" iteration {step.iteration} attempt {step.attempt}"
+        if step.build_id:
+            line += f"  build {step.build_id}"
+        if step.waiting_for_build:
+            line += f"  waiting for build {step.build_id}"
         if step.error:
             line += f"  error: {step.error}"
         print(line)

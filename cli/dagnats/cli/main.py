@@ -265,6 +265,11 @@ def _run_commands(parser: argparse.ArgumentParser) -> None:
     cancel = _with_client_options(sub.add_parser("cancel", help="cancel a run"))
     cancel.add_argument("run_id")
     cancel.add_argument("--reason", default="")
+    upgrade = _with_client_options(
+        sub.add_parser("upgrade", help="move a running run to another worker build")
+    )
+    upgrade.add_argument("run_id")
+    upgrade.add_argument("--build", required=True, help="the build its steps go to")
     listing = _with_client_options(sub.add_parser("list", help="list runs"))
     listing.add_argument("--workflow", default="")
     listing.add_argument("--status", choices=RUN_STATUSES, default=None)
@@ -382,6 +387,8 @@ async def _run(args: argparse.Namespace) -> int:
                 print(dumps(input_dict(item)) if args.json else f"input {item.request_id} queued")
             case "cancel":
                 print_run(await client.cancel_run(args.run_id, args.reason), args.json)
+            case "upgrade":
+                print_run(await client.upgrade_run(args.run_id, args.build), args.json)
             case "purge":
                 await client.purge_run(args.run_id)
                 print(f"run {args.run_id} purged")

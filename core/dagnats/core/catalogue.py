@@ -67,6 +67,15 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         GENERAL,
+        ("DAGNATS_BUILD_ID",),
+        "unset",
+        "The SDK's `Worker`: the build of the worker's code (`Worker(build_id=...)`), one "
+        "token of at most 64 characters; a step's first commit records it, and under the "
+        "workflow's `pinned` policy the step's later dispatches go only to workers of that "
+        "build. Unset: an unversioned worker, which takes only unpinned tasks",
+    ),
+    Setting(
+        GENERAL,
         ("DAGNATS_LOCAL_SOCKET",),
         "unset",
         "`dagnats serve journal` or `all`: also take the journal's calls (with the "

@@ -30,6 +30,7 @@ _RUN_ID = re.compile(r"[0-9a-f]{32}")
 # with <domain>.<account hash> after ACK and a trailing random token.
 _LEASE = re.compile(
     r"\$JS\.ACK\.(?:[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.)?TASKS\.tasks-[A-Za-z0-9_-]{1,64}"
+    r"(?:@[A-Za-z0-9_-]{1,64})?"
     r"(?:\.[0-9]+){5}(?:\.[A-Za-z0-9_-]+)?"
 )
 
@@ -55,6 +56,13 @@ def check_token(value: str, *, field: str) -> str:
             field=field,
         )
     return value
+
+
+def check_build_id(value: str, *, field: str = "build_id") -> str:
+    """Return ``value`` if it is a worker build id: empty (an unversioned
+    worker) or one token of at most 64 safe characters, since it names a
+    lane of task subjects and its consumer."""
+    return check_token(value, field=field) if value else value
 
 
 def check_worker_id(value: str, *, field: str = "worker_id") -> str:

@@ -36,9 +36,12 @@ while it is written, so there both are stored), ``after_dispatch_published``
 replace), ``before_first_tasks`` (a new run's first tasks about to be
 published while the run is written: raising here stores the run alone),
 ``after_kept_unwritten`` (a kept iteration decided and not written: the run
-as stored is behind the journal: the deferred write) and ``before_event_applied`` (an event is
+as stored is behind the journal: the deferred write), ``before_event_applied`` (an event is
 taken from the history, or a commit's event from core NATS, not yet applied
-nor acknowledged).
+nor acknowledged), ``after_upgrade_stored`` (a run moved to another build
+is stored, its steps' old lanes not yet purged) and ``after_moved_to_lane``
+(a message off its pinned step's lane dispatched again on the lane, the
+message not yet acknowledged).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ these subjects belong to are configured in ``dagnats.core.jetstream``.
 
 | subject | stream or kind |
 |---|---|
-| ``tasks.<type>.<run>.<step>`` | ``TASKS`` (work queue), one durable consumer per type |
+| ``tasks.<lane>.<run>.<step>`` | ``TASKS`` (work queue), one durable consumer per lane |
 | ``history.<run>`` | ``HISTORY``: a run's lifecycle events |
 | ``timers.<run>.<step>`` | ``SLEEP_TIMERS`` (work queue) |
 | ``timers.<run>`` | ``SLEEP_TIMERS``: an ended run's purge, its retention after its end |
@@ -18,6 +18,9 @@ these subjects belong to are configured in ``dagnats.core.jetstream``.
 | ``dagnats.stream.<run>.<step>`` | core NATS: the live token preview of a step |
 | ``dagnats.engine.commit-events`` | core NATS, queue ``engines``: a journal commit's event |
 | ``api.inputs.{submit,get,withdraw}`` | core NATS request-reply: the inputs endpoints |
+
+A task's lane (``task_lane``) is its type, for a task any worker may take,
+or its type at a build (``<type>@<build>``), for a step pinned to a build.
 """
 
 from __future__ import annotations
@@ -32,10 +35,29 @@ COMMIT_EVENTS = "dagnats.engine.commit-events"
 DIRECT_QUEUE = "engines"
 
 
-def task_subject(task_type: str, run_id: str, step_id: str) -> str:
-    """The subject of a step's tasks: one per step, so the stream's last
-    message on it says whether a task of the step is in flight."""
-    return f"tasks.{task_type}.{run_id}.{step_id}"
+BUILD_MARK = "@"
+
+
+def task_lane(task_type: str, build: str = "") -> str:
+    """The token of a task's subject that its consumer filters on: the task
+    type, for a task any worker may take; the type at a build
+    (``<type>@<build>``), for a step pinned to that build. ``@`` is in no
+    token (``dagnats.core.ids``), so the two lanes never overlap, and every
+    other part of a task's subject is the same on both."""
+    return f"{task_type}{BUILD_MARK}{build}" if build else task_type
+
+
+def lane_build(subject: str) -> str:
+    """The build a task's subject is pinned to ("": the unpinned lane)."""
+    lane = subject.split(".", 2)[1]
+    return lane.partition(BUILD_MARK)[2]
+
+
+def task_subject(task_type: str, run_id: str, step_id: str, build: str = "") -> str:
+    """The subject of a step's tasks on one lane: one per step and lane, so
+    the stream's last message on it says whether a task of the step is in
+    flight there."""
+    return f"tasks.{task_lane(task_type, build)}.{run_id}.{step_id}"
 
 
 def is_task_subject(subject: str) -> bool:
@@ -43,19 +65,19 @@ def is_task_subject(subject: str) -> bool:
     return subject.startswith("tasks.")
 
 
-def task_filter(task_type: str) -> str:
-    """Every task of one type: the filter of its consumer."""
-    return f"tasks.{task_type}.>"
+def task_filter(task_type: str, build: str = "") -> str:
+    """Every task of one lane: the filter of its consumer."""
+    return f"tasks.{task_lane(task_type, build)}.>"
 
 
 def run_tasks(run_id: str) -> str:
-    """Every task of a run, of any type."""
+    """Every task of a run, of any type and lane."""
     return f"tasks.*.{run_id}.>"
 
 
-def task_consumer(task_type: str) -> str:
-    """The durable consumer of one task type (the lease names it)."""
-    return f"tasks-{task_type}"
+def task_consumer(task_type: str, build: str = "") -> str:
+    """The durable consumer of one lane (the lease names it)."""
+    return f"tasks-{task_lane(task_type, build)}"
 
 
 def history_subject(run_id: str) -> str:

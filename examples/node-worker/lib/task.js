@@ -35,6 +35,7 @@ export class TaskContext {
   #leased;
   #rpc;
   #workerId;
+  #buildId; // stamped on each commit: the engine pins the step to it
   #restartLimit;
   #journal = null;
   #session = null; // the journal calls' stream, from the claim to the commit
@@ -44,11 +45,12 @@ export class TaskContext {
   #cancelled = false;
   #stop = new AbortController();
 
-  constructor(leased, rpc, { workerId, restartLimit }) {
+  constructor(leased, rpc, { workerId, restartLimit, buildId = '' }) {
     this.#leased = leased;
     this.#rpc = rpc;
     this.#workerId = workerId;
     this.#restartLimit = restartLimit;
+    this.#buildId = buildId;
   }
 
   // The task.
@@ -214,7 +216,11 @@ export class TaskContext {
   }
 
   #commitOf(field, outcome) {
-    const commit = { has_state: this.#state !== null, state: this.#state ?? Buffer.alloc(0) };
+    const commit = {
+      has_state: this.#state !== null,
+      state: this.#state ?? Buffer.alloc(0),
+      build_id: this.#buildId,
+    };
     switch (field) {
       case 'continue':
         return { ...commit, action: 'ACTION_CONTINUE', output: outcome.output };

@@ -57,6 +57,8 @@ export class Worker {
       heartbeatInterval = null,
       restartLimit = 5,
       workerId = `${hostname()}-${process.pid}-${randomBytes(3).toString('hex')}`,
+      // The build of this code: a step's first commit pins it to this build.
+      buildId = process.env.DAGNATS_BUILD_ID ?? '',
     },
   ) {
     this.#rpc = new EngineRpc(target, { timeout: rpcTimeout });
@@ -66,6 +68,7 @@ export class Worker {
     this.#heartbeatInterval = heartbeatInterval;
     this.#restartLimit = restartLimit;
     this.workerId = workerId;
+    this.buildId = buildId;
   }
 
   // Polls and runs handlers until stop().
@@ -113,6 +116,7 @@ export class Worker {
       max_tasks: maxTasks,
       wait: duration(this.#pollWait),
       worker_id: this.workerId,
+      build_id: this.buildId,
     };
     // The engine holds a poll up to pollWait, so the deadline is on top of that.
     const deadline = this.#pollWait + this.#rpc.timeout;
@@ -134,6 +138,7 @@ export class Worker {
     const tc = new TaskContext(leased, this.#rpc, {
       workerId: this.workerId,
       restartLimit: this.#restartLimit,
+      buildId: this.buildId,
     });
     log(`leased ${name(tc)} delivery ${tc.delivery}`);
     const handler = this.#handlers[tc.taskType];

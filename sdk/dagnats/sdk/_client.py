@@ -296,6 +296,24 @@ class Client:
         response = await self._rpc.cancel_run(pb.CancelRunRequest(run_id=run_id, reason=reason))
         return response.run
 
+    async def upgrade_run(self, run_id: str, build_id: str) -> pb.Run:
+        """Move a running run to worker build ``build_id``: each step that
+        recorded a build goes to that one, and a pinned step whose task
+        waits for its old build is dispatched again to the new one. Its next
+        iterations replay nothing of the old build's iterations; an
+        iteration cut short on the old build is replayed by the new code.
+
+        Returns:
+            The run after the move.
+
+        Raises:
+            InvalidArgument: a malformed run id or build id.
+            NotFound: no run has that id.
+            Conflict: the run has ended.
+        """
+        request = pb.UpgradeRunRequest(run_id=run_id, build_id=build_id)
+        return (await self._rpc.upgrade_run(request)).run
+
     async def purge_run(self, run_id: str) -> None:
         """Delete a finished run and everything stored for it.
 

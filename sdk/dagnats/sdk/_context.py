@@ -112,8 +112,10 @@ class TaskContext:
         leased_at: float | None = None,
         keep_task: bool = False,
         handed: Handover | None = None,
+        build_id: str = "",
     ) -> None:
-        """``leased_at``: event-loop time the poll that leased the task was sent
+        """``build_id``: the worker's build, stamped on each commit.
+        ``leased_at``: event-loop time the poll that leased the task was sent
         (now, when not given); the lease is counted from there. ``keep_task``: a
         journaled continue without a wait keeps the task for the next
         iteration (``next_task``). ``handed``: this dispatch's journal, handed
@@ -124,6 +126,7 @@ class TaskContext:
         self._lease = Lease(self.lease_duration or ASSUMED_LEASE, since=self._leased_at)
         self._settle_done = False
         self._worker_id = worker_id
+        self._build_id = build_id
         self._restart_limit = restart_limit
         self._journal: Journal | None = None
         self._session: JournalSession | None = None
@@ -628,6 +631,7 @@ class TaskContext:
                 # answers once it is stored, then publishes its event and
                 # releases the task.
                 commit = commit_of(outcome, None)
+                commit.build_id = self._build_id  # the engine pins the step to it
                 # Asks to keep the task for the next iteration, which the
                 # worker then runs on this lease; the journal service grants
                 # it to a continue that does not wait: the kept task.
@@ -644,6 +648,7 @@ class TaskContext:
                     # resumes from a failure's state (a retry loads the commit
                     # that ended the iteration before), so it goes without it.
                     commit = _small_failure(commit)
+                    commit.build_id = self._build_id
                     nxt = await self._journal.commit(commit, lease=self._leased.lease)
                 if commit.has_state and commit.action == jpb.ACTION_CONTINUE:
                     self._held.committed(chain_of(commit), self._journal.token.last_seq)

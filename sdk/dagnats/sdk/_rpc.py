@@ -431,6 +431,9 @@ class EngineRpc:
             self._connect().ForkRun, request, idempotent=bool(request.idempotency_key)
         )
 
+    async def upgrade_run(self, request: pb.UpgradeRunRequest) -> pb.UpgradeRunResponse:
+        return await self._call(self._connect().UpgradeRun, request, idempotent=True)
+
     # The task API.
 
     async def poll_tasks(

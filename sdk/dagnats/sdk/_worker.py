@@ -39,7 +39,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from dagnats.core import tracing
 from dagnats.core.errors import Conflict, DagnatsError, InvalidArgument, ReplayMismatch
-from dagnats.core.ids import check_token, check_worker_id
+from dagnats.core.ids import check_build_id, check_token, check_worker_id
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk._cancels import CancelWatch
 from dagnats.sdk._context import ASSUMED_LEASE, Handover, TaskContext, describe_error
@@ -54,6 +54,8 @@ from dagnats.sdk._errors import (
 )
 from dagnats.sdk._rpc import EngineRpc
 from dagnats.sdk._session import Session
+
+BUILD_ID_ENV = "DAGNATS_BUILD_ID"
 
 log = logging.getLogger("dagnats.sdk")
 
@@ -118,6 +120,13 @@ class Worker:
             place of the two above. The services pass their own when they run
             the handlers in their process (their method table, called in the
             process: ``dagnats.engine.local_transport.LocalSession``).
+        build_id: The build of this worker's code, one token of at most 64
+            characters (``A-Z a-z 0-9 _ -``), such as a release or a commit;
+            by default ``DAGNATS_BUILD_ID``, else none. A step's first
+            commit records its worker's build, and under the workflow's
+            ``pinned`` policy (the default) the step's later dispatches go
+            only to workers of that build. A worker without one takes only
+            unpinned tasks, as before builds existed.
 
     Raises:
         InvalidArgument: a task type is not one NATS token, or a number is out of range.
@@ -140,6 +149,7 @@ class Worker:
         kept_iterations: int = 64,
         local_socket: str | None = None,
         journal_sessions: Callable[[], Session] | None = None,
+        build_id: str | None = None,
     ) -> None:
         _check_options(handlers, concurrency, poll_wait, rpc_timeout, heartbeat_interval)
         if not 0 <= kept_iterations <= 1_000_000:
@@ -158,6 +168,9 @@ class Worker:
         self._poll_wait = poll_wait
         self._heartbeat_interval = heartbeat_interval
         self._worker_id = check_worker_id(worker_id or _default_worker_id())
+        self._build_id = check_build_id(
+            os.environ.get(BUILD_ID_ENV, "") if build_id is None else build_id
+        )
         self._rpc = EngineRpc(
             target,
             timeout=rpc_timeout,
@@ -290,6 +303,7 @@ class Worker:
             # engine's process serves the journal too (the claim with the lease).
             claim_journal=True,
             restart_limit=self._restart_limit,
+            build_id=self._build_id,
         )
         # The engine holds a poll up to poll_wait, so the deadline is on top of that.
         deadline = self._poll_wait + self._rpc.timeout
@@ -367,6 +381,7 @@ class Worker:
             leased,
             self._rpc,
             worker_id=self._worker_id,
+            build_id=self._build_id,
             restart_limit=self._restart_limit,
             leased_at=leased_at,
             keep_task=keep_task,

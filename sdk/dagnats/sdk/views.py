@@ -97,6 +97,8 @@ def workflow_dict(workflow: pb.Workflow) -> dict[str, Any]:
         )
     if workflow.HasField("budget"):
         data["budget"] = budget_dict(workflow.budget)
+    if workflow.build_policy:
+        data["build_policy"] = enum_name(pb.BuildPolicy, workflow.build_policy)
     return data
 
 

@@ -81,6 +81,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     _ENGINE + "CancelRun": _C,
     _ENGINE + "ForkRun": _C,
     _ENGINE + "PurgeRun": _A,
+    _ENGINE + "UpgradeRun": _A,
     # The task API.
     _ENGINE + "PollTasks": _W,
     _ENGINE + "Heartbeat": _W,

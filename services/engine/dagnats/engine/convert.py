@@ -59,6 +59,7 @@ def step_to_proto(step: m.Step) -> pb.StepState:
         error=step.error,
         child_run_id=step.child_run_id,
         waiting_for_input=step.waiting_for_input,
+        build_id=step.build,
     )
     for name in ("started_at", "dispatched_at", "finished_at", "wake_at"):
         value = getattr(step, name)
@@ -88,6 +89,7 @@ def step_from_proto(msg: pb.StepState, record: ipb.StepRecord | None) -> m.Step:
         finished_at=opt("finished_at"),
         wake_at=opt("wake_at"),
         waiting_for_input=msg.waiting_for_input,
+        build=msg.build_id,
     )
 
 
@@ -231,6 +233,7 @@ def event_to_input(event: ipb.HistoryEvent) -> m.RunInput | None:
         outcome=outcome,
         journal_seq=event.journal_seq,
         kept_seq=event.kept_seq,
+        build=event.build_id,
     )
 
 
@@ -308,7 +311,14 @@ def journal_mark(record: jpb.Record, delivery: int) -> m.JournalMark:
         attempt=record.attempt,
         commit=commit,
         delivery=delivery,
+        build=record.commit.build_id,
     )
+
+
+def pinned_build_of(record: ipb.RunRecord, step: pb.StepState) -> str:
+    """``rules.pinned_build`` of a stored run's step, read from the record."""
+    upgrade = record.workflow.build_policy == pb.BUILD_POLICY_UPGRADE
+    return "" if upgrade else step.build_id
 
 
 def task_msg_id(run_id: str, step_id: str, iteration: int, attempt: int) -> str:
@@ -326,7 +336,7 @@ def outbox_entry(effect: m.Effect, headers: dict[str, str], now: float) -> ipb.O
             msg_id = task_msg_id(effect.run_id, effect.step_id, effect.iteration, effect.attempt)
             if effect.redispatch:
                 msg_id += f".r{effect.redispatch}"
-            subject = task_subject(effect.task_type, effect.run_id, effect.step_id)
+            subject = task_subject(effect.task_type, effect.run_id, effect.step_id, effect.build)
             return ipb.OutboxEntry(
                 subject=subject, data=task.SerializeToString(), msg_id=msg_id, headers=headers
             )

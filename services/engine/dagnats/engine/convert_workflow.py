@@ -29,6 +29,7 @@ from dagnats.core.usage import budget_mapping
 from dagnats.engine.definition import (
     AgentLoopBounds,
     Backoff,
+    BuildPolicy,
     RetryPolicy,
     StepDef,
     StepType,
@@ -57,6 +58,17 @@ _STEP_TYPE_FROM_PROTO: dict[int, str] = {
     engine_pb2.STEP_TYPE_UNSPECIFIED: StepType.TASK.value,
     **{number: step_type.value for step_type, number in _STEP_TYPE_TO_PROTO.items()},
 }
+# The default, pinned, is stored as unset: a definition that does not
+# choose is stored as it was before the policy existed.
+_BUILD_POLICY_TO_PROTO: dict[BuildPolicy, engine_pb2.BuildPolicy.ValueType] = {
+    BuildPolicy.PINNED: engine_pb2.BUILD_POLICY_UNSPECIFIED,
+    BuildPolicy.UPGRADE: engine_pb2.BUILD_POLICY_UPGRADE,
+}
+_BUILD_POLICY_FROM_PROTO: dict[int, str] = {
+    engine_pb2.BUILD_POLICY_UNSPECIFIED: BuildPolicy.PINNED.value,
+    engine_pb2.BUILD_POLICY_PINNED: BuildPolicy.PINNED.value,
+    engine_pb2.BUILD_POLICY_UPGRADE: BuildPolicy.UPGRADE.value,
+}
 _BACKOFF_TO_PROTO: dict[Backoff, engine_pb2.BackoffStrategy.ValueType] = {
     Backoff.FIXED: engine_pb2.BACKOFF_STRATEGY_FIXED,
     Backoff.LINEAR: engine_pb2.BACKOFF_STRATEGY_LINEAR,
@@ -83,6 +95,7 @@ def workflow_to_proto(wf: WorkflowDef) -> engine_pb2.Workflow:
         steps=[_step_to_proto(step) for step in wf.steps],
         default_retry=None if wf.default_retry is None else _retry_to_proto(wf.default_retry),
         budget=None if wf.budget is None else budget_to_proto(wf.budget),
+        build_policy=_BUILD_POLICY_TO_PROTO[wf.build_policy],
     )
 
 
@@ -105,6 +118,7 @@ def workflow_from_proto(msg: engine_pb2.Workflow) -> WorkflowDef:
             "steps": [_step_mapping(step) for step in msg.steps],
             "default_retry": _retry_mapping(msg.default_retry),
             "budget": budget_mapping(check_budget(msg.budget)) if msg.HasField("budget") else None,
+            "build_policy": _BUILD_POLICY_FROM_PROTO.get(msg.build_policy, msg.build_policy),
         }
     )
 

@@ -64,6 +64,16 @@ class StepType(Enum):
     SUB_WORKFLOW = "sub_workflow"
 
 
+class BuildPolicy(Enum):
+    """Which worker build runs a step's later dispatches, once a build
+    committed the step: ``pinned``, that build's workers while any poll; or
+    ``upgrade``, any worker (the next iteration may run newer code, and its
+    replay is the handler's responsibility)."""
+
+    PINNED = "pinned"
+    UPGRADE = "upgrade"
+
+
 class Backoff(Enum):
     """How the delay between attempts grows."""
 
@@ -118,6 +128,7 @@ class WorkflowDef:
     steps: tuple[StepDef, ...]
     default_retry: RetryPolicy | None = None
     budget: Budget | None = None  # of each run that sets none of its own
+    build_policy: BuildPolicy = BuildPolicy.PINNED
 
     def step(self, step_id: str) -> StepDef:
         """Return the step with id ``step_id``.
@@ -222,7 +233,7 @@ def _positive_duration(value: Any, field: str) -> float:
 # ---------------------------------------------------------------------------------------
 # Parsing
 
-_WORKFLOW_KEYS = ("name", "version", "steps", "default_retry", "budget")
+_WORKFLOW_KEYS = ("name", "version", "steps", "default_retry", "budget", "build_policy")
 _STEP_KEYS = ("id", "type", "task", "workflow", "depends_on", "retry", "timeout", "agent_loop")
 _RETRY_KEYS = ("max_attempts", "backoff", "initial_delay", "max_delay")
 _LOOP_KEYS = ("max_iterations", "max_duration", "loop_delay")
@@ -276,7 +287,8 @@ def parse_mapping(data: Mapping[str, Any]) -> WorkflowDef:
     """Validate a decoded document (or a mapping built from a message) into a definition.
 
     Args:
-        data: the workflow fields: ``name``, ``version``, ``steps``, ``default_retry``.
+        data: the workflow fields: ``name``, ``version``, ``steps``, ``default_retry``,
+            ``build_policy``.
 
     Returns:
         The validated definition, steps in definition order.
@@ -297,7 +309,12 @@ def parse_mapping(data: Mapping[str, Any]) -> WorkflowDef:
         steps=_parse_steps(_required(data, "steps", "")),
         default_retry=_optional(data, "default_retry", "", _parse_retry),
         budget=_optional(data, "budget", "", parse_budget),
+        build_policy=_optional(data, "build_policy", "", _build_policy) or BuildPolicy.PINNED,
     )
+
+
+def _build_policy(value: Any, field: str) -> BuildPolicy:
+    return _choice(BuildPolicy, value, field)
 
 
 def _parse_steps(value: Any) -> tuple[StepDef, ...]:
@@ -503,6 +520,8 @@ def to_mapping(wf: WorkflowDef) -> dict[str, Any]:
         data["default_retry"] = _retry_mapping(wf.default_retry)
     if wf.budget is not None:
         data["budget"] = budget_mapping(wf.budget)
+    if wf.build_policy is not BuildPolicy.PINNED:
+        data["build_policy"] = wf.build_policy.value
     data["steps"] = [_step_mapping(step) for step in wf.steps]
     return data
 

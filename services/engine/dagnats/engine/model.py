@@ -55,6 +55,9 @@ class Step:
     # The TASKS message that carries the current dispatch, kept by its holder
     # from the iteration before (the kept task); 0: the dispatch's own message.
     kept_seq: int = 0
+    # The worker build whose commit the step recorded (the pinned policy
+    # sends its later dispatches to that build); "": none yet, or unversioned.
+    build: str = ""
     output: bytes = b""
     error: str = ""
     child_run_id: str = ""
@@ -177,6 +180,8 @@ class StepReport:
     # The reporter keeps its task message (this sequence) for the next
     # iteration, if that is dispatched at once (the kept task); 0: released.
     kept_seq: int = 0
+    # The build of the worker whose commit this is; "": unversioned.
+    build: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -217,7 +222,22 @@ class TaskVanished:
     attempt: int
 
 
-RunInput = StepReport | TimerFired | ChildEnded | CancelRequested | TaskVanished | InputArrived
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpgradeRequested:
+    """An operator moves the run's steps to worker build ``build``."""
+
+    build: str
+
+
+RunInput = (
+    StepReport
+    | TimerFired
+    | ChildEnded
+    | CancelRequested
+    | TaskVanished
+    | InputArrived
+    | UpgradeRequested
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,6 +251,7 @@ class JournalMark:
         commit: For a commit, the outcome it records; None for any other kind.
         delivery: Delivery count of its writer's task (the claim's); 0 when
             the claim did not say.
+        build: For a commit, its writer's build; "" for none.
     """
 
     seq: int
@@ -238,6 +259,8 @@ class JournalMark:
     attempt: int
     commit: StepOutcome | None = None
     delivery: int = 0
+    # For a commit, the build of the worker that wrote it ("": unversioned).
+    build: str = ""
 
     @property
     def dispatch(self) -> tuple[int, int]:
@@ -269,6 +292,8 @@ class DispatchTask:
     redispatch: int = 0
     settings: tuple[tuple[str, str], ...] = ()
     budget: Budget | None = None
+    # The worker build the task goes to (its subject names it); "": any worker.
+    build: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

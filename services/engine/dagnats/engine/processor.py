@@ -962,9 +962,12 @@ class Engine:
         """The running steps whose current dispatch has no task in flight."""
         found = []
         for step, task_type in rules.awaiting_a_task(run):
-            subject = task_subject(task_type, run.run_id, step.step_id)
+            build = rules.pinned_build(run, step)
+            subject = task_subject(task_type, run.run_id, step.step_id, build)
+            unpinned = task_subject(task_type, run.run_id, step.step_id) if build else ""
             prefix = convert.task_msg_id(run.run_id, step.step_id, step.iteration, step.attempt)
-            if not await self.store.task_in_flight(subject, prefix, kept_seq=step.kept_seq):
+            kept, on = step.kept_seq, unpinned
+            if not await self.store.task_in_flight(subject, prefix, kept_seq=kept, kept_on=on):
                 found.append((run.run_id, step.step_id, step.iteration, step.attempt))
         return found
 

@@ -85,7 +85,7 @@ def outcome_event(
 def commit_event(commit: jpb.Record, now: float) -> ipb.HistoryEvent:
     """The lifecycle event of a stored journal commit (``commit.seq`` set)."""
     _, outcome = outcome_of(commit.commit)
-    return outcome_event(
+    event = outcome_event(
         run_id=commit.run_id,
         step_id=commit.step_id,
         iteration=commit.iteration,
@@ -94,6 +94,8 @@ def commit_event(commit: jpb.Record, now: float) -> ipb.HistoryEvent:
         outcome=outcome,
         now=now,
     )
+    event.build_id = commit.commit.build_id  # the step's build (pinned)
+    return event
 
 
 def outcome_msg_id(event: ipb.HistoryEvent) -> str:

@@ -54,7 +54,7 @@ from dataclasses import replace
 
 from dagnats.core.subjects import is_task_subject
 from dagnats.core.usage import Budget, Policy
-from dagnats.engine.definition import StepDef, StepType, WorkflowDef, backoff_delay
+from dagnats.engine.definition import BuildPolicy, StepDef, StepType, WorkflowDef, backoff_delay
 from dagnats.engine.model import (
     Accepted,
     AnnounceCancel,
@@ -93,6 +93,7 @@ from dagnats.engine.model import (
     TaskVanished,
     TimerFired,
     TimerKind,
+    UpgradeRequested,
     Wait,
 )
 
@@ -196,6 +197,8 @@ def _apply(run: Run, event: RunInput, now: float) -> Decision:
             return _on_input(run, event, now)
         case TaskVanished():
             return _on_vanished(run, event, now)
+        case UpgradeRequested():
+            return _on_upgrade(run, event, now)
 
 
 def _purged_after_end(decision: Decision, now: float, options: RuleOptions) -> Decision:
@@ -262,15 +265,51 @@ def _on_report(run: Run, report: StepReport, now: float) -> Decision:
             )
         )
     step_def = run.workflow.step(step.step_id)
+    step, kept_seq = _with_build(run.workflow, step, report)
     match report.outcome:
         case Continued(output=output, wait=wait):
-            return _on_continue(run, step, step_def, output, wait, now, report.kept_seq)
+            return _on_continue(run, step, step_def, output, wait, now, kept_seq)
         case Completed(output=output):
             return _complete_step(run, step, output, now)
         case Failed() as failed:
             return _fail_attempt(run, step, failed, now)
         case Paused(duration=duration):
             return _wait(run, step, step.iteration, step.attempt + 1, now + duration, ())
+
+
+def _with_build(workflow: WorkflowDef, step: Step, report: StepReport) -> tuple[Step, int]:
+    """``step`` with the build of an accepted commit recorded, and the task
+    message its next iteration may keep. Pinned: the first build that
+    commits the step stays its build, and a commit of another build (the
+    step was moved to a new build while the old one held it) keeps no
+    message: the next dispatch is published to the step's build. Upgrade:
+    the step records the latest build. An unversioned commit on an
+    unversioned step changes nothing."""
+    if not report.build and not step.build:
+        return step, report.kept_seq
+    if workflow.build_policy is BuildPolicy.UPGRADE:
+        return replace(step, build=report.build or step.build), report.kept_seq
+    if not step.build:
+        return replace(step, build=report.build), report.kept_seq
+    return step, report.kept_seq if report.build == step.build else 0
+
+
+def pinned_build(run: Run, step: Step) -> str:
+    """The build whose workers alone may run ``step``'s dispatches: its
+    recorded build under the pinned policy; "" when any worker may."""
+    return step.build if run.workflow.build_policy is BuildPolicy.PINNED else ""
+
+
+def leasable_on_lane(pin: str, lane_build: str, worker_build: str) -> bool:
+    """Whether a message of the current dispatch of a step pinned to ``pin``
+    ("": to none; ``pinned_build``), found on the lane of ``lane_build`` ("":
+    the unpinned lane), may be leased to a worker of ``worker_build``: the
+    step is pinned to no build, or the message is on its build's lane, or
+    the worker is of that build. Otherwise the message is misplaced (a kept
+    message of a pinned step redelivered on the unpinned lane, or one left
+    on an old build's lane by a move): it is dispatched again on the step's
+    lane and settled, never given back."""
+    return not pin or pin in (lane_build, worker_build)
 
 
 def _ends_iteration(outcome: StepOutcome) -> bool:
@@ -323,6 +362,7 @@ def dispatch_task(run: Run, step: Step) -> DispatchTask:
         redispatch=step.redispatches,
         settings=run.settings,
         budget=_task_budget(run.budget, step_def),
+        build=pinned_build(run, step),
     )
 
 
@@ -368,10 +408,12 @@ def carries_kept_loop_on(run: Run, decision: Decision, step_id: str, kept_seq: i
     can take it from the journal (the deferred write)."""
     if not isinstance(decision, Accepted) or decision.effects or not run.has_step(step_id):
         return False
+    before, after = run.step(step_id), decision.run.step(step_id)
     return (
         decision.run.status is RunStatus.RUNNING
-        and carried_on(run.step(step_id), kept_seq)
-        and carried_on(decision.run.step(step_id), kept_seq)
+        and carried_on(before, kept_seq)
+        and carried_on(after, kept_seq)
+        and before.build == after.build
     )
 
 
@@ -744,6 +786,35 @@ def _on_vanished(run: Run, gone: TaskVanished, now: float) -> Decision:
         return Dropped(reason=f"step {step.step_id} has moved on")
     step = replace(step, redispatches=step.redispatches + 1)
     return _dispatch(run, step, step.iteration, step.attempt, now, ())
+
+
+def _on_upgrade(run: Run, upgrade: UpgradeRequested, now: float) -> Decision:
+    """Move every step that recorded a build to ``upgrade.build``. A pinned
+    step whose task is out is dispatched again (the same dispatch, one more
+    re-dispatch) on the new build's lane; the message on the old lane no
+    longer matches its step's lane and is settled wherever it is found."""
+    effects: tuple[Effect, ...] = ()
+    moved = False
+    for step in run.steps:
+        if not step.build or step.build == upgrade.build or step.status.finished:
+            continue
+        moved = True
+        step = replace(step, build=upgrade.build)
+        redispatch = (
+            step.status is StepStatus.RUNNING
+            and not step.child_run_id
+            and bool(pinned_build(run, step))
+            and run.workflow.step(step.step_id).task is not None
+        )
+        if redispatch:
+            step = replace(step, redispatches=step.redispatches + 1)
+            accepted = _dispatch(run, step, step.iteration, step.attempt, now, effects)
+            run, effects = accepted.run, accepted.effects
+        else:
+            run = _with_step(run, step)
+    if not moved:
+        return Dropped(reason=f"no step of run {run.run_id} runs on another build")
+    return Accepted(run=run, effects=effects)
 
 
 # ---- transitions shared by the rules above -----------------------------------------

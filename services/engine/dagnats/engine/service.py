@@ -13,10 +13,19 @@ from dagnats.core import jetstream as jsx
 from dagnats.core.budget_wire import check_budget
 from dagnats.core.claims import lease_claim
 from dagnats.core.grpcutil import Context, abort_with, as_domain_error, domain_errors
-from dagnats.core.ids import check_lease, check_run_id, check_token, check_worker_id, new_run_id
+from dagnats.core.ids import (
+    check_build_id,
+    check_lease,
+    check_run_id,
+    check_token,
+    check_worker_id,
+    new_run_id,
+)
 from dagnats.core.payload import check_json
 from dagnats.core.run_settings import check_settings
+from dagnats.core.seam import seam
 from dagnats.core.status import step_status_from_proto
+from dagnats.core.subjects import lane_build, task_consumer, task_subject
 from dagnats.core.timestamps import duration
 from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
@@ -190,12 +199,68 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         stored = await self.engine.read_run(run_id)  # with kept iterations not written yet
         if stored is None:
             raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
-        answer = pb.GetRunResponse(run=stored.record.run)
+        answer = pb.GetRunResponse(run=await self._with_waits_for_builds(stored))
         if request.with_usage:  # read from the run's journals: the usage ledger
             found = await read_ledger(self.journal, run_id)
             steps = [s.step_id for s in stored.record.run.steps]
             answer.usage.CopyFrom(run_usage(found, steps))
         return answer
+
+    async def _with_waits_for_builds(self, stored: StoredRun) -> pb.Run:
+        """The run, each step whose task waits on its pinned build's lane with
+        no worker of that build there marked ``waiting_for_build`` (a copy:
+        the stored run may be this engine's guess). A step running on a kept
+        message is not: its holder runs it, and a message its dead holder
+        left is moved to the lane by the next poll that finds it. A run with
+        no pinned running step is returned as it is, with no read."""
+        run, records = stored.record.run, stored.record.step_records
+        pinned = [
+            (i, build, task)
+            for i, step in enumerate(run.steps)
+            if step.status == pb.STEP_STATUS_RUNNING
+            and (build := convert.pinned_build_of(stored.record, step))
+            and (task := _task_type(stored.record.workflow, step.step_id))
+            and not (step.step_id in records and records[step.step_id].kept_seq)
+        ]
+        if not pinned:
+            return run
+        marked = pb.Run()
+        marked.CopyFrom(run)
+        for i, build, task in pinned:
+            lease = self.engine.config.task_ack_wait
+            present = await self.store.build_present(task, build, lease)
+            marked.steps[i].waiting_for_build = not present
+        return marked
+
+    @domain_errors
+    async def UpgradeRun(
+        self, request: pb.UpgradeRunRequest, context: Context
+    ) -> pb.UpgradeRunResponse:
+        run_id = check_run_id(request.run_id)
+        build = check_token(request.build_id, field="build_id")
+        before = await self.engine.read_run(run_id)
+        upgrade = m.UpgradeRequested(build=build)
+        result = None if before is None else await self.engine.apply(run_id, upgrade)
+        if before is None or result is None:
+            raise errors.NotFound(f"run {run_id} does not exist", field="run_id")
+        run, decision = result
+        if isinstance(decision, m.Dropped) and run.status.terminal:
+            raise errors.Conflict(f"run {run_id} is {run.status.value}; it cannot be upgraded")
+        await seam("after_upgrade_stored")
+        await self._clear_old_lanes(before, build)
+        return pb.UpgradeRunResponse(run=convert.run_to_proto(run))
+
+    async def _clear_old_lanes(self, before: StoredRun, build: str) -> None:
+        """Purge what the moved steps' old lanes hold of them, once the move
+        is stored: the dispatch is on the new lane, so the old message is a
+        copy. A crash before this leaves it to the lease, which settles a
+        message off its step's lane, or to the run's purge."""
+        for step in before.record.run.steps:
+            old = convert.pinned_build_of(before.record, step)
+            task = _task_type(before.record.workflow, step.step_id)
+            if old and old != build and task and step.status == pb.STEP_STATUS_RUNNING:
+                subject = task_subject(task, before.record.run.run_id, step.step_id, old)
+                await self.store.purge_subject(jsx.TASKS, subject)
 
     async def WatchRun(
         self, request: pb.WatchRunRequest, context: Context
@@ -222,7 +287,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         else:
             stored = await self.store.require_run(check_run_id(request.run_id))
         async for state in self.watches.follow(stored, ended_only=request.ended_only):
-            yield pb.WatchRunResponse(run=state.record.run, revision=state.revision)
+            run = await self._with_waits_for_builds(state)
+            yield pb.WatchRunResponse(run=run, revision=state.revision)
 
     @domain_errors
     async def ListRuns(self, request: pb.ListRunsRequest, context: Context) -> pb.ListRunsResponse:
@@ -316,35 +382,48 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 f"restart_limit must be 0..{MAX_RESTART_LIMIT}", field="restart_limit"
             )
         check_worker_id(request.worker_id)
+        build = check_build_id(request.build_id)
         wait = request.wait.ToNanoseconds() / 1e9 if request.HasField("wait") else DEFAULT_POLL_WAIT
         wait = min(max(wait, 0.05), MAX_POLL_WAIT)
         if request.cancel_watch:
             runs = _cancel_watch(request)
             return pb.PollTasksResponse(cancelled_runs=await self.cancels.wait(runs, wait))
-        for task_type in types:
-            await self._ensure_consumer(task_type)
-        msgs = await self._fetch(types, max_tasks, wait)
+        # A worker of a build takes its build's lane of each type too: the
+        # tasks of steps pinned to it.
+        lanes = [(t, b) for t in types for b in dict.fromkeys(("", build))]
+        for task_type, lane in lanes:
+            await self._ensure_consumer(task_type, lane)
+        msgs = await self._fetch(lanes, max_tasks, wait)
         claiming = request if request.claim_journal and self.claims is not None else None
         try:
             leased = [
-                t for t in await asyncio.gather(*(self._lease(m, claiming) for m in msgs)) if t
+                t
+                for t in await asyncio.gather(*(self._lease(m, claiming, build) for m in msgs))
+                if t
             ]
         except asyncio.CancelledError:
             await self.store.give_back(msgs)  # the caller left: no one will read these leases
             raise
         return pb.PollTasksResponse(tasks=leased, local_socket=self.local_socket)
 
-    async def _ensure_consumer(self, task_type: str) -> None:
-        if task_type not in self._consumers:
-            await self.store.ensure_task_consumer(task_type, self.engine.config.task_ack_wait)
-            self._consumers.add(task_type)
+    async def _ensure_consumer(self, task_type: str, build: str = "") -> None:
+        name = task_consumer(task_type, build)
+        if name not in self._consumers:
+            ack_wait = self.engine.config.task_ack_wait
+            await self.store.ensure_task_consumer(task_type, ack_wait, build)
+            self._consumers.add(name)
 
-    async def _fetch(self, types: list[str], max_tasks: int, wait: float) -> list[Delivery]:
-        """Wait for tasks of any of the types. Once one type answers, the pulls
+    async def _fetch(
+        self, lanes: list[tuple[str, str]], max_tasks: int, wait: float
+    ) -> list[Delivery]:
+        """Wait for tasks of any of the lanes (a task type, and a task type at
+        the worker's build). Once one lane answers, the pulls
         of the others are withdrawn and whatever reached them is released at
         once (nak), not held; so is everything when the caller leaves (the
         poll is cancelled) first."""
-        fetches = [asyncio.create_task(self.store.pull_tasks(t, max_tasks, wait)) for t in types]
+        fetches = [
+            asyncio.create_task(self.store.pull_tasks(t, max_tasks, wait, b)) for t, b in lanes
+        ]
         got: list[Delivery] = []
         pending = set(fetches)
         try:
@@ -387,11 +466,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         giving.add_done_callback(_background.discard)
 
     async def _lease(
-        self, msg: Delivery, claiming: pb.PollTasksRequest | None = None
+        self, msg: Delivery, claiming: pb.PollTasksRequest | None = None, build: str = ""
     ) -> pb.LeasedTask | None:
         """Turn a task message into a lease, or settle it at once when its run
-        ended or its step moved on (a stale duplicate). With ``claiming`` (the
-        poll, which asked), a first delivery's journal is claimed with it."""
+        ended or its step moved on (a stale duplicate), or when it is off its
+        step's lane for a worker of ``build`` (moved to the lane). With
+        ``claiming`` (the poll, which asked), a first delivery's journal is
+        claimed with it."""
         task = pb.Task.FromString(msg.data)
         # The run as this engine last wrote it, when it says the task is
         # current: the engine that dispatched the task usually leases it. A
@@ -422,6 +503,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if current is None:
             log.info("run %s step %s: task no longer current; settled", task.run_id, task.step_id)
             await msg.ack()
+            return None
+        assert stored is not None
+        if pin := _misplaced(stored, current, msg.subject, build):
+            await self._move_to_lane(current, msg, pin)
             return None
         log.info(
             "run %s step %s: leased (%d, %d) delivery %d",
@@ -458,6 +543,25 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         except Exception as err:  # the worker's own claim tries again, and answers
             log.info("run %s step %s: no claim with the lease: %r", task.run_id, task.step_id, err)
             return None
+
+    async def _move_to_lane(self, task: pb.Task, msg: Delivery, build: str) -> None:
+        """Put a message of a step pinned to ``build``, found off that build's
+        lane, on the lane: its dispatch is made again there (as a vanished
+        task's is), unless the lane holds it already, then this message is
+        settled. Never given back: a delivery counts toward the restart
+        limit. A crash between the two leaves this message to be found again,
+        and the lane holding the dispatch."""
+        run_id, step_id = task.run_id, task.step_id
+        subject = task_subject(task.task_type, run_id, step_id, build)
+        msg_id = convert.task_msg_id(run_id, step_id, task.iteration, task.attempt)
+        if not await self.store.task_in_flight(subject, msg_id):
+            log.info("run %s step %s: moved to the lane of build %s", run_id, step_id, build)
+            vanished = m.TaskVanished(
+                step_id=step_id, iteration=task.iteration, attempt=task.attempt
+            )
+            await self.engine.apply(run_id, vanished)
+            await seam("after_moved_to_lane")
+        await msg.ack()
 
     def _run_awaited(self, msg: Delivery) -> float | None:
         """How long to give back a task whose run is not stored (None: settle it)."""
@@ -541,6 +645,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 at = await self.journal.written_at(event.run_id, event.step_id, event.journal_seq)
                 named = convert.journal_mark(at.record, at.delivery) if at else None
         refused = rules.check_journal_report(report, tail, named)
+        if named is not None:
+            event.build_id = named.build  # the commit's build, as its own event carries it
         return self._answer(event.run_id, event.step_id, refused)
 
     async def _check_holder(self, lease: str, *, releasing: bool) -> None:
@@ -663,6 +769,22 @@ def _current_task(stored: StoredRun | None, task: pb.Task, seq: int) -> pb.Task 
     kept.CopyFrom(task)
     kept.iteration, kept.attempt = carried.iteration, carried.attempt
     return kept
+
+
+def _misplaced(stored: StoredRun, task: pb.Task, subject: str, build: str) -> str:
+    """The build ``task``'s step is pinned to, when the message on ``subject``
+    may not be leased to a worker of ``build`` (``rules.leasable_on_lane``);
+    "" when it may. An unpinned step reads nothing more."""
+    step = next((s for s in stored.record.run.steps if s.step_id == task.step_id), None)
+    if step is None or not step.build_id:
+        return ""
+    pin = convert.pinned_build_of(stored.record, step)
+    return "" if rules.leasable_on_lane(pin, lane_build(subject), build) else pin
+
+
+def _task_type(workflow: pb.Workflow, step_id: str) -> str:
+    """The task type of a step of ``workflow`` ("": it runs none)."""
+    return next((s.task for s in workflow.steps if s.id == step_id), "")
 
 
 def _first_dispatch(stored: StoredRun, task: pb.Task, delivery: int) -> bool:

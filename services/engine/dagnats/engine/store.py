@@ -14,6 +14,7 @@ import logging
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import nats.errors
@@ -683,17 +684,21 @@ class EngineStore:
                 raise
             raise Unavailable(f"could not publish to {entry.subject}: {err!r}") from err
 
-    async def task_in_flight(self, subject: str, msg_id: str, *, kept_seq: int = 0) -> bool:
+    async def task_in_flight(
+        self, subject: str, msg_id: str, *, kept_seq: int = 0, kept_on: str = ""
+    ) -> bool:
         """Whether the task queue still holds the dispatch ``msg_id`` (or a
-        re-dispatch of it), i.e. no worker has acknowledged it; or, ``kept_seq``,
-        the message a holder kept for the dispatch (the kept task)."""
+        re-dispatch of it) on ``subject``, i.e. no worker has acknowledged it;
+        or, ``kept_seq``, the message a holder kept for the dispatch (the kept
+        task), on ``subject`` or on ``kept_on`` (a pinned step's message kept
+        from a dispatch on the unpinned lane)."""
         where: dict[str, Any] = {"seq": kept_seq} if kept_seq else {"subject": subject}
         try:
             msg = await self._msg(jsx.TASKS, "read a task", **where)
         except (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError):
             return False
         if kept_seq:
-            return msg.subject == subject
+            return msg.subject in (subject, kept_on)
         headers = msg.headers or {}
         stored_id = str(headers.get("Nats-Msg-Id", ""))
         return stored_id == msg_id or stored_id.startswith(msg_id + ".r")
@@ -745,13 +750,15 @@ class EngineStore:
         )
         await _retry(lambda: self.js.add_consumer(stream, config), f"create {durable}")
 
-    async def ensure_task_consumer(self, task_type: str, ack_wait: float) -> None:
+    async def ensure_task_consumer(self, task_type: str, ack_wait: float, build: str = "") -> None:
+        """The durable consumer of one lane: a task type, or a task type at a
+        build (created when a worker of that build first polls)."""
         from nats.js.api import AckPolicy, ConsumerConfig
 
-        name = task_consumer(task_type)
+        name = task_consumer(task_type, build)
         config = ConsumerConfig(
             durable_name=name,
-            filter_subject=task_filter(task_type),
+            filter_subject=task_filter(task_type, build),
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ack_wait,
             max_deliver=-1,
@@ -771,12 +778,32 @@ class EngineStore:
         seconds for the first (see ``jsx.pull_now``)."""
         return [Delivery(m) for m in await jsx.pull_now(self.nc, stream, durable, batch, wait)]
 
-    async def pull_tasks(self, task_type: str, batch: int, wait: float) -> list[Delivery]:
-        """Tasks of one type for a poll; none once the connection is closing."""
+    async def pull_tasks(
+        self, task_type: str, batch: int, wait: float, build: str = ""
+    ) -> list[Delivery]:
+        """Tasks of one lane for a poll; none once the connection is closing."""
         try:
-            return await self.pull(jsx.TASKS, task_consumer(task_type), batch, wait)
+            return await self.pull(jsx.TASKS, task_consumer(task_type, build), batch, wait)
         except nats.errors.ConnectionClosedError:
             return []  # the engine is shutting down
+
+    async def build_present(self, task_type: str, build: str, lease: float) -> bool:
+        """Whether a worker of ``build`` is there for tasks of ``task_type``:
+        a poll of it waits on its lane's consumer, or the lane handed out a
+        task within the last ``lease`` seconds (its taker may hold it still;
+        a task left unacknowledged longer than its lease counts for no one).
+        False when no worker of that build ever polled."""
+        try:
+            info = await _retry(
+                lambda: self.js.consumer_info(jsx.TASKS, task_consumer(task_type, build)),
+                "read a build's consumer",
+            )
+        except nats.js.errors.NotFoundError:
+            return False
+        if info.num_waiting:
+            return True
+        last = info.delivered.last_active if info.delivered else None
+        return last is not None and (datetime.now(UTC) - last).total_seconds() < lease
 
     async def give_back(self, deliveries: list[Delivery]) -> None:
         """Deliver these again at once (their receiver is gone)."""

@@ -81,7 +81,11 @@ async def poll(b: BackendDep, body: bm.PollBody) -> bm.PollResult:
         check_token(task_type, field=f"task_types.{i}")
     wait = duration(body.wait)
     request = pb.PollTasksRequest(
-        task_types=body.task_types, max_tasks=body.max_tasks, wait=wait, worker_id=body.worker_id
+        task_types=body.task_types,
+        max_tasks=body.max_tasks,
+        wait=wait,
+        worker_id=body.worker_id,
+        build_id=body.build_id,
     )
     # Never repeated on a timeout (EngineRpc): a poll that timed out on our
     # side may have leased tasks, and a second poll would lease more.
@@ -101,6 +105,7 @@ def _leased(leased: pb.LeasedTask, body: bm.PollBody) -> bm.LeasedTaskView:
         worker_id=body.worker_id,
         restart_limit=body.restart_limit,
         budget=task.budget if task.HasField("budget") else None,
+        build_id=body.build_id,
     )
     view = bm.TaskView(
         run_id=task.run_id,

@@ -90,6 +90,14 @@ class PollBody(_Body):
         le=1000,
         description="deliveries of one iteration in a row without progress that fail it",
     )
+    build_id: Text = Field(
+        default="",
+        max_length=64,
+        description=(
+            "the build of the worker's code (A-Z, a-z, 0-9, '_' or '-'): its commits pin "
+            "their steps to it, and its polls take those steps' tasks too; empty: unversioned"
+        ),
+    )
 
 
 class TaskView(BaseModel):

@@ -139,6 +139,7 @@ async def settle(
     getattr(request, field).CopyFrom(outcome)
     if t.writer is not None:
         commit = jpb.CommitRequest(token=t.writer, commit=commit_of(outcome, state))
+        commit.commit.build_id = t.build_id  # the engine pins the step to it
         try:
             done = await writing(b, t, b.rpc.commit(commit))
         except ApiError as refused:

@@ -30,7 +30,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from dagnats.core.errors import InvalidArgument
-from dagnats.core.ids import check_run_id, check_token
+from dagnats.core.ids import check_build_id, check_run_id, check_token
 from dagnats.journal.v1 import journal_pb2 as jpb
 
 VERSION = 1
@@ -52,6 +52,7 @@ class BridgeToken:
         delivery: Delivery count of the task message.
         worker_id: The worker, recorded in the claim.
         restart_limit: Deliveries in a row without progress that fail the step.
+        build_id: The worker's build, stamped on its commits.
         writer: The journal writer once claimed.
         has_state: The claim found a committed state (carried to the next commit).
         position: Position of the next journaled call.
@@ -70,6 +71,7 @@ class BridgeToken:
     delivery: int = 1
     worker_id: str = ""
     restart_limit: int = 5
+    build_id: str = ""
     writer: jpb.WriterToken | None = None
     has_state: bool = False
     position: int = 0
@@ -93,6 +95,8 @@ class BridgeToken:
         }
         if self.budget is not None:
             data["bg"] = base64.b64encode(self.budget.SerializeToString()).decode()
+        if self.build_id:
+            data["bd"] = self.build_id
         if self.writer is not None:
             data["w"] = base64.b64encode(self.writer.SerializeToString()).decode()
             data["hs"] = self.has_state
@@ -129,6 +133,7 @@ class BridgeToken:
             delivery=_get(data, "dl", int),
             worker_id=_get(data, "wk", str),
             restart_limit=_get(data, "rl", int),
+            build_id=_get(data, "bd", str, ""),
             writer=_writer(data.get("w")),
             has_state=_get(data, "hs", bool, False),
             position=_get(data, "p", int, 0),
@@ -192,6 +197,7 @@ def _checked(token: BridgeToken) -> BridgeToken:
         raise _invalid("a number is out of range")
     if not 1 <= token.restart_limit <= 1000:
         raise _invalid("restart_limit is out of range")
+    check_build_id(token.build_id, field=_FIELD)
     try:  # JSON allows lone surrogates; the contract's strings are UTF-8
         token.lease.encode()
         token.worker_id.encode()

@@ -110,6 +110,14 @@ class CancelRun(_Body):
     reason: str = Field(default="", max_length=1024)
 
 
+class UpgradeRun(_Body):
+    build_id: str = Field(
+        min_length=1,
+        max_length=64,
+        description="the worker build to move the run to: A-Z, a-z, 0-9, '_' or '-'",
+    )
+
+
 class SubmitInput(_Body):
     request_id: str = Field(
         min_length=1, max_length=256, description="the caller's id; a repeat returns the original"
@@ -390,6 +398,20 @@ async def cancel_run(
 ) -> dict[str, Any]:
     reason = body.reason if body else ""
     return run_dict(await b.client.cancel_run(run_id, reason))
+
+
+@router.post(
+    "/runs/{run_id}/upgrade",
+    tags=["runs"],
+    summary="Move a running run to another worker build",
+    description=(
+        "Each step that recorded a build goes to `build_id`; a pinned step whose task "
+        "waits for its old build (`waiting_for_build`) is dispatched again to the new one. "
+        "409 when the run has ended."
+    ),
+)
+async def upgrade_run(b: BackendDep, run_id: ValidRun, body: UpgradeRun) -> dict[str, Any]:
+    return run_dict(await b.client.upgrade_run(run_id, body.build_id))
 
 
 @router.delete("/runs/{run_id}", tags=["runs"], summary="Purge a finished run", status_code=204)

@@ -25,7 +25,7 @@ from dagnats.core import errors, statechain
 from dagnats.core.approvals import call_digest, is_digest
 from dagnats.core.budget_wire import check_budget
 from dagnats.core.grpcutil import Context, abort_with, domain_errors
-from dagnats.core.ids import check_lease, check_run_id, check_token, check_worker_id
+from dagnats.core.ids import check_build_id, check_lease, check_run_id, check_token, check_worker_id
 from dagnats.core.payload import check_json
 from dagnats.core.seam import seam
 from dagnats.core.settings import env_int, env_seconds
@@ -706,6 +706,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
             _check_state(commit, self._state_max_bytes)
         if commit.action == pb.ACTION_PAUSE and commit.pause.ToNanoseconds() <= 0:
             raise errors.InvalidArgument("commit.pause must be positive", field="commit.pause")
+        check_build_id(commit.build_id, field="commit.build_id")
         lease = check_lease(request.lease) if request.lease else ""
         record = pb.Record(commit=commit)
         match request.WhichOneof("leading"):

@@ -78,6 +78,34 @@ BACKOFF_STRATEGY_EXPONENTIAL: BackoffStrategy.ValueType  # 3
 """initial_delay doubled after every failed attempt."""
 Global___BackoffStrategy: _TypeAlias = BackoffStrategy  # noqa: Y015
 
+class _BuildPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BuildPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BuildPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BUILD_POLICY_UNSPECIFIED: _BuildPolicy.ValueType  # 0
+    """Pinned."""
+    BUILD_POLICY_PINNED: _BuildPolicy.ValueType  # 1
+    """To workers of the build that first committed the step, while any polls."""
+    BUILD_POLICY_UPGRADE: _BuildPolicy.ValueType  # 2
+    """To any worker: the next iteration may run on a newer build, and its
+    replay is the handler's responsibility.
+    """
+
+class BuildPolicy(_BuildPolicy, metaclass=_BuildPolicyEnumTypeWrapper):
+    """BuildPolicy says which worker build runs a step's later dispatches."""
+
+BUILD_POLICY_UNSPECIFIED: BuildPolicy.ValueType  # 0
+"""Pinned."""
+BUILD_POLICY_PINNED: BuildPolicy.ValueType  # 1
+"""To workers of the build that first committed the step, while any polls."""
+BUILD_POLICY_UPGRADE: BuildPolicy.ValueType  # 2
+"""To any worker: the next iteration may run on a newer build, and its
+replay is the handler's responsibility.
+"""
+Global___BuildPolicy: _TypeAlias = BuildPolicy  # noqa: Y015
+
 class _RunStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -315,10 +343,13 @@ class Workflow(_message.Message):
     STEPS_FIELD_NUMBER: _builtins.int
     DEFAULT_RETRY_FIELD_NUMBER: _builtins.int
     BUDGET_FIELD_NUMBER: _builtins.int
+    BUILD_POLICY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name; one NATS token."""
     version: _builtins.str
     """Free-form version label."""
+    build_policy: Global___BuildPolicy.ValueType
+    """Where a step's later dispatches go once a worker build committed it."""
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___Step]:
         """The steps, in any order; dependencies form an acyclic graph."""
@@ -339,10 +370,11 @@ class Workflow(_message.Message):
         steps: _abc.Iterable[Global___Step] | None = ...,
         default_retry: Global___RetryPolicy | None = ...,
         budget: _journal_pb2.Budget | None = ...,
+        build_policy: Global___BuildPolicy.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "default_retry", b"default_retry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "default_retry", b"default_retry", "name", b"name", "steps", b"steps", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "build_policy", b"build_policy", "default_retry", b"default_retry", "name", b"name", "steps", b"steps", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -367,6 +399,8 @@ class StepState(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     WAKE_AT_FIELD_NUMBER: _builtins.int
     WAITING_FOR_INPUT_FIELD_NUMBER: _builtins.int
+    BUILD_ID_FIELD_NUMBER: _builtins.int
+    WAITING_FOR_BUILD_FIELD_NUMBER: _builtins.int
     step_id: _builtins.str
     """The step id."""
     status: Global___StepStatus.ValueType
@@ -385,6 +419,15 @@ class StepState(_message.Message):
     """Child run of a sub-workflow step."""
     waiting_for_input: _builtins.bool
     """True while the step waits for an input."""
+    build_id: _builtins.str
+    """The worker build whose commit the step recorded: under the pinned
+    policy its later dispatches go to workers of this build. Empty: no
+    build yet, or the step's workers declare none.
+    """
+    waiting_for_build: _builtins.bool
+    """True when the step's task waits for its build and no worker of that
+    build polls for it (set by GetRun; UpgradeRun moves it).
+    """
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp:
         """When the step was first dispatched."""
@@ -417,10 +460,12 @@ class StepState(_message.Message):
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         wake_at: _timestamp_pb2.Timestamp | None = ...,
         waiting_for_input: _builtins.bool = ...,
+        build_id: _builtins.str = ...,
+        waiting_for_build: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["dispatched_at", b"dispatched_at", "finished_at", b"finished_at", "started_at", b"started_at", "wake_at", b"wake_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "child_run_id", b"child_run_id", "dispatched_at", b"dispatched_at", "error", b"error", "finished_at", b"finished_at", "iteration", b"iteration", "iterations", b"iterations", "output", b"output", "started_at", b"started_at", "status", b"status", "step_id", b"step_id", "waiting_for_input", b"waiting_for_input", "wake_at", b"wake_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "build_id", b"build_id", "child_run_id", b"child_run_id", "dispatched_at", b"dispatched_at", "error", b"error", "finished_at", b"finished_at", "iteration", b"iteration", "iterations", b"iterations", "output", b"output", "started_at", b"started_at", "status", b"status", "step_id", b"step_id", "waiting_for_build", b"waiting_for_build", "waiting_for_input", b"waiting_for_input", "wake_at", b"wake_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1452,6 +1497,56 @@ class ForkRunResponse(_message.Message):
 Global___ForkRunResponse: _TypeAlias = ForkRunResponse  # noqa: Y015
 
 @_typing.final
+class UpgradeRunRequest(_message.Message):
+    """UpgradeRunRequest names the run and the worker build to move it to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    BUILD_ID_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run id."""
+    build_id: _builtins.str
+    """The build its steps go to: one token of at most 64 characters."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        build_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build_id", b"build_id", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpgradeRunRequest: _TypeAlias = UpgradeRunRequest  # noqa: Y015
+
+@_typing.final
+class UpgradeRunResponse(_message.Message):
+    """UpgradeRunResponse is the run after the move."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def run(self) -> Global___Run:
+        """The run."""
+
+    def __init__(
+        self,
+        *,
+        run: Global___Run | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpgradeRunResponse: _TypeAlias = UpgradeRunResponse  # noqa: Y015
+
+@_typing.final
 class Task(_message.Message):
     """Task is one dispatch of a step to a worker."""
 
@@ -1568,6 +1663,7 @@ class PollTasksRequest(_message.Message):
     CLAIM_JOURNAL_FIELD_NUMBER: _builtins.int
     RESTART_LIMIT_FIELD_NUMBER: _builtins.int
     CANCEL_WATCH_FIELD_NUMBER: _builtins.int
+    BUILD_ID_FIELD_NUMBER: _builtins.int
     max_tasks: _builtins.int
     """Most tasks to return; 0 means 1."""
     worker_id: _builtins.str
@@ -1580,6 +1676,11 @@ class PollTasksRequest(_message.Message):
     """
     restart_limit: _builtins.int
     """The restart limit of those claims (JournalService.Claim); 0 means 5."""
+    build_id: _builtins.str
+    """The build of the worker's code (one token, at most 64 characters): the
+    poll also takes the tasks of steps pinned to that build. Empty: the
+    worker is unversioned and takes only unpinned tasks.
+    """
     @_builtins.property
     def task_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Task types the worker handles."""
@@ -1606,10 +1707,11 @@ class PollTasksRequest(_message.Message):
         claim_journal: _builtins.bool = ...,
         restart_limit: _builtins.int = ...,
         cancel_watch: _abc.Iterable[_builtins.str] | None = ...,
+        build_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_watch", b"cancel_watch", "claim_journal", b"claim_journal", "max_tasks", b"max_tasks", "restart_limit", b"restart_limit", "task_types", b"task_types", "wait", b"wait", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build_id", b"build_id", "cancel_watch", b"cancel_watch", "claim_journal", b"claim_journal", "max_tasks", b"max_tasks", "restart_limit", b"restart_limit", "task_types", b"task_types", "wait", b"wait", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -90,6 +90,11 @@ class EngineServiceStub:
                 request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunRequest.SerializeToString,
                 response_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunResponse.FromString,
                 _registered_method=True)
+        self.UpgradeRun = channel.unary_unary(
+                '/dagnats.engine.v1.EngineService/UpgradeRun',
+                request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunRequest.SerializeToString,
+                response_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunResponse.FromString,
+                _registered_method=True)
         self.PollTasks = channel.unary_unary(
                 '/dagnats.engine.v1.EngineService/PollTasks',
                 request_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.PollTasksRequest.SerializeToString,
@@ -226,6 +231,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpgradeRun(self, request, context):
+        """UpgradeRun moves a running run's steps to another worker build: each
+        step's later dispatches go to workers of that build, and a step whose
+        task waits for its old build is dispatched again to the new one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PollTasks(self, request, context):
         """PollTasks waits up to a deadline for tasks of the given task types.
         """
@@ -327,6 +341,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.ForkRun,
                     request_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunRequest.FromString,
                     response_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunResponse.SerializeToString,
+            ),
+            'UpgradeRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpgradeRun,
+                    request_deserializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunRequest.FromString,
+                    response_serializer=dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunResponse.SerializeToString,
             ),
             'PollTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.PollTasks,
@@ -652,6 +671,33 @@ class EngineService:
             '/dagnats.engine.v1.EngineService/ForkRun',
             dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunRequest.SerializeToString,
             dagnats_dot_engine_dot_v1_dot_engine__pb2.ForkRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpgradeRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dagnats.engine.v1.EngineService/UpgradeRun',
+            dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunRequest.SerializeToString,
+            dagnats_dot_engine_dot_v1_dot_engine__pb2.UpgradeRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

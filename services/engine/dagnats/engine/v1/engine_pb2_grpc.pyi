@@ -86,6 +86,11 @@ class EngineServiceStub:
     repeat with the same idempotency key answers the run the first made,
     finishing its copy when the first stopped half-way.
     """
+    UpgradeRun: _grpc.UnaryUnaryMultiCallable[_engine_pb2.UpgradeRunRequest, _engine_pb2.UpgradeRunResponse]
+    """UpgradeRun moves a running run's steps to another worker build: each
+    step's later dispatches go to workers of that build, and a step whose
+    task waits for its old build is dispatched again to the new one.
+    """
     PollTasks: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PollTasksRequest, _engine_pb2.PollTasksResponse]
     """PollTasks waits up to a deadline for tasks of the given task types."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_engine_pb2.HeartbeatRequest, _engine_pb2.HeartbeatResponse]
@@ -165,6 +170,11 @@ class EngineServiceAsyncStub(EngineServiceStub):
     resume after (a cancel, a commit that ends the step or its attempt). A
     repeat with the same idempotency key answers the run the first made,
     finishing its copy when the first stopped half-way.
+    """
+    UpgradeRun: _aio.UnaryUnaryMultiCallable[_engine_pb2.UpgradeRunRequest, _engine_pb2.UpgradeRunResponse]  # type: ignore[assignment]
+    """UpgradeRun moves a running run's steps to another worker build: each
+    step's later dispatches go to workers of that build, and a step whose
+    task waits for its old build is dispatched again to the new one.
     """
     PollTasks: _aio.UnaryUnaryMultiCallable[_engine_pb2.PollTasksRequest, _engine_pb2.PollTasksResponse]  # type: ignore[assignment]
     """PollTasks waits up to a deadline for tasks of the given task types."""
@@ -308,6 +318,17 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         resume after (a cancel, a commit that ends the step or its attempt). A
         repeat with the same idempotency key answers the run the first made,
         finishing its copy when the first stopped half-way.
+        """
+
+    @_abc_1.abstractmethod
+    def UpgradeRun(
+        self,
+        request: _engine_pb2.UpgradeRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.UpgradeRunResponse, _abc.Awaitable[_engine_pb2.UpgradeRunResponse]]:
+        """UpgradeRun moves a running run's steps to another worker build: each
+        step's later dispatches go to workers of that build, and a step whose
+        task waits for its old build is dispatched again to the new one.
         """
 
     @_abc_1.abstractmethod

@@ -26,7 +26,7 @@ from dagnats.engine.v1 import engine_pb2 as dagnats_dot_engine_dot_v1_dot_engine
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n dagnats/engine/v1/internal.proto\x12\x11\x64\x61gnats.engine.v1\x1a\x1e\x64\x61gnats/engine/v1/engine.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\\\n\nStartChild\x12\x10\n\x08workflow\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x01(\x0c\x12\x15\n\rparent_run_id\x18\x03 \x01(\t\x12\x16\n\x0eparent_step_id\x18\x04 \x01(\t\"\x1f\n\rCancelRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"r\n\rChildFinished\x12\x14\n\x0c\x63hild_run_id\x18\x01 \x01(\t\x12,\n\x06status\x18\x02 \x01(\x0e\x32\x1c.dagnats.engine.v1.RunStatus\x12\x0e\n\x06output\x18\x03 \x01(\x0c\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"$\n\x0eInputSubmitted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"^\n\nStepInputs\x12\r\n\x05\x63lose\x18\x01 \x01(\x08\x12-\n\x06status\x18\x02 \x01(\x0e\x32\x1d.dagnats.engine.v1.StepStatus\x12\x12\n\niterations\x18\x03 \x01(\x05\"\xed\x05\n\x0cHistoryEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12\x11\n\titeration\x18\x03 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12H\n\rtrace_context\x18\x06 \x03(\x0b\x32\x31.dagnats.engine.v1.HistoryEvent.TraceContextEntry\x12\x13\n\x0bjournal_seq\x18\x07 \x01(\x04\x12\x10\n\x08kept_seq\x18\x08 \x01(\x04\x12\x0e\n\x06notify\x18\t \x01(\t\x12/\n\x08\x63ontinue\x18\n \x01(\x0b\x32\x1b.dagnats.engine.v1.ContinueH\x00\x12/\n\x08\x63omplete\x18\x0b \x01(\x0b\x32\x1b.dagnats.engine.v1.CompleteH\x00\x12\'\n\x04\x66\x61il\x18\x0c \x01(\x0b\x32\x17.dagnats.engine.v1.FailH\x00\x12)\n\x05pause\x18\r \x01(\x0b\x32\x18.dagnats.engine.v1.PauseH\x00\x12.\n\x05start\x18\x0e \x01(\x0b\x32\x1d.dagnats.engine.v1.StartChildH\x00\x12\x32\n\x06\x63\x61ncel\x18\x0f \x01(\x0b\x32 .dagnats.engine.v1.CancelRequestH\x00\x12\x31\n\x05\x63hild\x18\x10 \x01(\x0b\x32 .dagnats.engine.v1.ChildFinishedH\x00\x12\x32\n\x05input\x18\x11 \x01(\x0b\x32!.dagnats.engine.v1.InputSubmittedH\x00\x12/\n\x06inputs\x18\x12 \x01(\x0b\x32\x1d.dagnats.engine.v1.StepInputsH\x00\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\x99\x02\n\x05Timer\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.dagnats.engine.v1.TimerKind\x12\x11\n\titeration\x18\x04 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x05\x12\'\n\x03\x64ue\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x41\n\rtrace_context\x18\x07 \x03(\x0b\x32*.dagnats.engine.v1.Timer.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xaa\x01\n\x0bOutboxEntry\x12\x0f\n\x07subject\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06msg_id\x18\x03 \x01(\t\x12<\n\x07headers\x18\x04 \x03(\x0b\x32+.dagnats.engine.v1.OutboxEntry.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"F\n\nStepRecord\x12\x10\n\x08\x66\x61ilures\x18\x01 \x01(\x05\x12\x14\n\x0credispatches\x18\x02 \x01(\x05\x12\x10\n\x08kept_seq\x18\x03 \x01(\x04\"D\n\rEventDecision\x12%\n\x04next\x18\x01 \x01(\x0b\x32\x17.dagnats.engine.v1.Task\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\"\xfe\x03\n\tRunRecord\x12#\n\x03run\x18\x01 \x01(\x0b\x32\x16.dagnats.engine.v1.Run\x12-\n\x08workflow\x18\x02 \x01(\x0b\x32\x1b.dagnats.engine.v1.Workflow\x12\x43\n\x0cstep_records\x18\x03 \x03(\x0b\x32-.dagnats.engine.v1.RunRecord.StepRecordsEntry\x12.\n\x06outbox\x18\x04 \x03(\x0b\x32\x1e.dagnats.engine.v1.OutboxEntry\x12\x30\n\x0coutbox_since\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x45\n\rtrace_context\x18\x06 \x03(\x0b\x32..dagnats.engine.v1.RunRecord.TraceContextEntry\x12\x11\n\tunindexed\x18\x07 \x01(\x08\x12\x14\n\x0cparked_entry\x18\x08 \x01(\x04\x1aQ\n\x10StepRecordsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.dagnats.engine.v1.StepRecord:\x02\x38\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x8c\x01\n\tTimerKind\x12\x1a\n\x16TIMER_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fTIMER_KIND_WAKE\x10\x01\x12\x1b\n\x17TIMER_KIND_STEP_TIMEOUT\x10\x02\x12\x1b\n\x17TIMER_KIND_MAX_DURATION\x10\x03\x12\x14\n\x10TIMER_KIND_PURGE\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n dagnats/engine/v1/internal.proto\x12\x11\x64\x61gnats.engine.v1\x1a\x1e\x64\x61gnats/engine/v1/engine.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\\\n\nStartChild\x12\x10\n\x08workflow\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x01(\x0c\x12\x15\n\rparent_run_id\x18\x03 \x01(\t\x12\x16\n\x0eparent_step_id\x18\x04 \x01(\t\"\x1f\n\rCancelRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"r\n\rChildFinished\x12\x14\n\x0c\x63hild_run_id\x18\x01 \x01(\t\x12,\n\x06status\x18\x02 \x01(\x0e\x32\x1c.dagnats.engine.v1.RunStatus\x12\x0e\n\x06output\x18\x03 \x01(\x0c\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"$\n\x0eInputSubmitted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"^\n\nStepInputs\x12\r\n\x05\x63lose\x18\x01 \x01(\x08\x12-\n\x06status\x18\x02 \x01(\x0e\x32\x1d.dagnats.engine.v1.StepStatus\x12\x12\n\niterations\x18\x03 \x01(\x05\"\xff\x05\n\x0cHistoryEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12\x11\n\titeration\x18\x03 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12H\n\rtrace_context\x18\x06 \x03(\x0b\x32\x31.dagnats.engine.v1.HistoryEvent.TraceContextEntry\x12\x13\n\x0bjournal_seq\x18\x07 \x01(\x04\x12\x10\n\x08kept_seq\x18\x08 \x01(\x04\x12\x0e\n\x06notify\x18\t \x01(\t\x12\x10\n\x08\x62uild_id\x18Z \x01(\t\x12/\n\x08\x63ontinue\x18\n \x01(\x0b\x32\x1b.dagnats.engine.v1.ContinueH\x00\x12/\n\x08\x63omplete\x18\x0b \x01(\x0b\x32\x1b.dagnats.engine.v1.CompleteH\x00\x12\'\n\x04\x66\x61il\x18\x0c \x01(\x0b\x32\x17.dagnats.engine.v1.FailH\x00\x12)\n\x05pause\x18\r \x01(\x0b\x32\x18.dagnats.engine.v1.PauseH\x00\x12.\n\x05start\x18\x0e \x01(\x0b\x32\x1d.dagnats.engine.v1.StartChildH\x00\x12\x32\n\x06\x63\x61ncel\x18\x0f \x01(\x0b\x32 .dagnats.engine.v1.CancelRequestH\x00\x12\x31\n\x05\x63hild\x18\x10 \x01(\x0b\x32 .dagnats.engine.v1.ChildFinishedH\x00\x12\x32\n\x05input\x18\x11 \x01(\x0b\x32!.dagnats.engine.v1.InputSubmittedH\x00\x12/\n\x06inputs\x18\x12 \x01(\x0b\x32\x1d.dagnats.engine.v1.StepInputsH\x00\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\x99\x02\n\x05Timer\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.dagnats.engine.v1.TimerKind\x12\x11\n\titeration\x18\x04 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x05\x12\'\n\x03\x64ue\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x41\n\rtrace_context\x18\x07 \x03(\x0b\x32*.dagnats.engine.v1.Timer.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xaa\x01\n\x0bOutboxEntry\x12\x0f\n\x07subject\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06msg_id\x18\x03 \x01(\t\x12<\n\x07headers\x18\x04 \x03(\x0b\x32+.dagnats.engine.v1.OutboxEntry.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"F\n\nStepRecord\x12\x10\n\x08\x66\x61ilures\x18\x01 \x01(\x05\x12\x14\n\x0credispatches\x18\x02 \x01(\x05\x12\x10\n\x08kept_seq\x18\x03 \x01(\x04\"D\n\rEventDecision\x12%\n\x04next\x18\x01 \x01(\x0b\x32\x17.dagnats.engine.v1.Task\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\"\xfe\x03\n\tRunRecord\x12#\n\x03run\x18\x01 \x01(\x0b\x32\x16.dagnats.engine.v1.Run\x12-\n\x08workflow\x18\x02 \x01(\x0b\x32\x1b.dagnats.engine.v1.Workflow\x12\x43\n\x0cstep_records\x18\x03 \x03(\x0b\x32-.dagnats.engine.v1.RunRecord.StepRecordsEntry\x12.\n\x06outbox\x18\x04 \x03(\x0b\x32\x1e.dagnats.engine.v1.OutboxEntry\x12\x30\n\x0coutbox_since\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x45\n\rtrace_context\x18\x06 \x03(\x0b\x32..dagnats.engine.v1.RunRecord.TraceContextEntry\x12\x11\n\tunindexed\x18\x07 \x01(\x08\x12\x14\n\x0cparked_entry\x18\x08 \x01(\x04\x1aQ\n\x10StepRecordsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.dagnats.engine.v1.StepRecord:\x02\x38\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x8c\x01\n\tTimerKind\x12\x1a\n\x16TIMER_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fTIMER_KIND_WAKE\x10\x01\x12\x1b\n\x17TIMER_KIND_STEP_TIMEOUT\x10\x02\x12\x1b\n\x17TIMER_KIND_MAX_DURATION\x10\x03\x12\x14\n\x10TIMER_KIND_PURGE\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,8 +43,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNRECORD_STEPRECORDSENTRY']._serialized_options = b'8\001'
   _globals['_RUNRECORD_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_RUNRECORD_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_TIMERKIND']._serialized_start=2362
-  _globals['_TIMERKIND']._serialized_end=2502
+  _globals['_TIMERKIND']._serialized_start=2380
+  _globals['_TIMERKIND']._serialized_end=2520
   _globals['_STARTCHILD']._serialized_start=120
   _globals['_STARTCHILD']._serialized_end=212
   _globals['_CANCELREQUEST']._serialized_start=214
@@ -56,25 +56,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPINPUTS']._serialized_start=401
   _globals['_STEPINPUTS']._serialized_end=495
   _globals['_HISTORYEVENT']._serialized_start=498
-  _globals['_HISTORYEVENT']._serialized_end=1247
-  _globals['_HISTORYEVENT_TRACECONTEXTENTRY']._serialized_start=1188
-  _globals['_HISTORYEVENT_TRACECONTEXTENTRY']._serialized_end=1239
-  _globals['_TIMER']._serialized_start=1250
-  _globals['_TIMER']._serialized_end=1531
-  _globals['_TIMER_TRACECONTEXTENTRY']._serialized_start=1188
-  _globals['_TIMER_TRACECONTEXTENTRY']._serialized_end=1239
-  _globals['_OUTBOXENTRY']._serialized_start=1534
-  _globals['_OUTBOXENTRY']._serialized_end=1704
-  _globals['_OUTBOXENTRY_HEADERSENTRY']._serialized_start=1658
-  _globals['_OUTBOXENTRY_HEADERSENTRY']._serialized_end=1704
-  _globals['_STEPRECORD']._serialized_start=1706
-  _globals['_STEPRECORD']._serialized_end=1776
-  _globals['_EVENTDECISION']._serialized_start=1778
-  _globals['_EVENTDECISION']._serialized_end=1846
-  _globals['_RUNRECORD']._serialized_start=1849
-  _globals['_RUNRECORD']._serialized_end=2359
-  _globals['_RUNRECORD_STEPRECORDSENTRY']._serialized_start=2225
-  _globals['_RUNRECORD_STEPRECORDSENTRY']._serialized_end=2306
-  _globals['_RUNRECORD_TRACECONTEXTENTRY']._serialized_start=1188
-  _globals['_RUNRECORD_TRACECONTEXTENTRY']._serialized_end=1239
+  _globals['_HISTORYEVENT']._serialized_end=1265
+  _globals['_HISTORYEVENT_TRACECONTEXTENTRY']._serialized_start=1206
+  _globals['_HISTORYEVENT_TRACECONTEXTENTRY']._serialized_end=1257
+  _globals['_TIMER']._serialized_start=1268
+  _globals['_TIMER']._serialized_end=1549
+  _globals['_TIMER_TRACECONTEXTENTRY']._serialized_start=1206
+  _globals['_TIMER_TRACECONTEXTENTRY']._serialized_end=1257
+  _globals['_OUTBOXENTRY']._serialized_start=1552
+  _globals['_OUTBOXENTRY']._serialized_end=1722
+  _globals['_OUTBOXENTRY_HEADERSENTRY']._serialized_start=1676
+  _globals['_OUTBOXENTRY_HEADERSENTRY']._serialized_end=1722
+  _globals['_STEPRECORD']._serialized_start=1724
+  _globals['_STEPRECORD']._serialized_end=1794
+  _globals['_EVENTDECISION']._serialized_start=1796
+  _globals['_EVENTDECISION']._serialized_end=1864
+  _globals['_RUNRECORD']._serialized_start=1867
+  _globals['_RUNRECORD']._serialized_end=2377
+  _globals['_RUNRECORD_STEPRECORDSENTRY']._serialized_start=2243
+  _globals['_RUNRECORD_STEPRECORDSENTRY']._serialized_end=2324
+  _globals['_RUNRECORD_TRACECONTEXTENTRY']._serialized_start=1206
+  _globals['_RUNRECORD_TRACECONTEXTENTRY']._serialized_end=1257
 # @@protoc_insertion_point(module_scope)

@@ -248,6 +248,7 @@ class HistoryEvent(_message.Message):
     JOURNAL_SEQ_FIELD_NUMBER: _builtins.int
     KEPT_SEQ_FIELD_NUMBER: _builtins.int
     NOTIFY_FIELD_NUMBER: _builtins.int
+    BUILD_ID_FIELD_NUMBER: _builtins.int
     CONTINUE_FIELD_NUMBER: _builtins.int
     COMPLETE_FIELD_NUMBER: _builtins.int
     FAIL_FIELD_NUMBER: _builtins.int
@@ -277,6 +278,8 @@ class HistoryEvent(_message.Message):
     """Where the engine tells the holder what it decided, once the run is stored
     (core NATS, at most once): an inbox subject of the reporter; empty: nowhere.
     """
+    build_id: _builtins.str
+    """The worker build of the commit behind a step event; empty: none declared."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When the event was published."""
@@ -329,6 +332,7 @@ class HistoryEvent(_message.Message):
         journal_seq: _builtins.int = ...,
         kept_seq: _builtins.int = ...,
         notify: _builtins.str = ...,
+        build_id: _builtins.str = ...,
         complete: _engine_pb2.Complete | None = ...,
         fail: _engine_pb2.Fail | None = ...,
         pause: _engine_pb2.Pause | None = ...,
@@ -340,7 +344,7 @@ class HistoryEvent(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "inputs", b"inputs", "kind", b"kind", "pause", b"pause", "start", b"start", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "inputs", b"inputs", "iteration", b"iteration", "journal_seq", b"journal_seq", "kept_seq", b"kept_seq", "kind", b"kind", "notify", b"notify", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "build_id", b"build_id", "cancel", b"cancel", "child", b"child", "complete", b"complete", "continue", b"continue", "fail", b"fail", "input", b"input", "inputs", b"inputs", "iteration", b"iteration", "journal_seq", b"journal_seq", "kept_seq", b"kept_seq", "kind", b"kind", "notify", b"notify", "pause", b"pause", "run_id", b"run_id", "start", b"start", "step_id", b"step_id", "time", b"time", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause", "start", "cancel", "child", "input", "inputs"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015

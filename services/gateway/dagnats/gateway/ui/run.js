@@ -166,7 +166,7 @@ function stepRow(run, step, wait) {
   const journal = `#${path("runs", run.run_id, "steps", step.step_id)}`;
   return h(
     "tr",
-    { "data-step-id": step.step_id, "data-status": step.status },
+    { "data-step-id": step.step_id, "data-status": step.status, "data-build": step.build_id ?? "" },
     cell("Step", {}, h("a", { href: journal, class: "step-link" }, step.step_id)),
     cell("Status", { class: "status" }, badge(step.status)),
     cell("Iteration", { class: "iteration" }, String(step.iteration ?? 0)),
@@ -181,6 +181,10 @@ function stepRow(run, step, wait) {
 
 /** What a waiting step waits for: a delay, a time, an input; from its state and last commit. */
 export function waitText(step, commit) {
+  if (step.status === "running" && step.waiting_for_build) {
+    // Its task waits for a worker of its build: `dagnats run upgrade` moves it.
+    return h("span", { "data-wait": "build" }, `waiting for build ${step.build_id}`);
+  }
   if (step.status !== "waiting") return "";
   const parts = [];
   const wake = step.wake_at ? when(step.wake_at) : null;

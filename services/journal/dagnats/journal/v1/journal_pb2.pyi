@@ -578,6 +578,7 @@ class Commit(_message.Message):
     WAIT_UNTIL_FIELD_NUMBER: _builtins.int
     WAIT_UNTIL_INPUT_FIELD_NUMBER: _builtins.int
     STATE_DELTA_FIELD_NUMBER: _builtins.int
+    BUILD_ID_FIELD_NUMBER: _builtins.int
     action: Global___Action.ValueType
     """The next action."""
     state: _builtins.bytes
@@ -592,6 +593,10 @@ class Commit(_message.Message):
     """Machine-readable reason of a failure, e.g. "restart_limit"."""
     wait_until_input: _builtins.bool
     """With continue: wake the next iteration when an input arrives."""
+    build_id: _builtins.str
+    """The build of the worker that wrote the commit (Worker(build_id=)); the
+    engine pins the step to it. Empty: an unversioned worker.
+    """
     @_builtins.property
     def pause(self) -> _duration_pb2.Duration:
         """Delay of a pause."""
@@ -625,10 +630,11 @@ class Commit(_message.Message):
         wait_until: _timestamp_pb2.Timestamp | None = ...,
         wait_until_input: _builtins.bool = ...,
         state_delta: Global___StateDelta | None = ...,
+        build_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause", "state_delta", b"state_delta", "wait_delay", b"wait_delay", "wait_until", b"wait_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "error", b"error", "has_state", b"has_state", "output", b"output", "pause", b"pause", "reason", b"reason", "state", b"state", "state_delta", b"state_delta", "wait_delay", b"wait_delay", "wait_until", b"wait_until", "wait_until_input", b"wait_until_input"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "build_id", b"build_id", "error", b"error", "has_state", b"has_state", "output", b"output", "pause", b"pause", "reason", b"reason", "state", b"state", "state_delta", b"state_delta", "wait_delay", b"wait_delay", "wait_until", b"wait_until", "wait_until_input", b"wait_until_input"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
