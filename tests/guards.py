@@ -671,14 +671,39 @@ GUARDS = (
     Guard(
         name="a message off its pinned step's lane is moved, not leased",
         file="services/engine/dagnats/engine/service.py",
-        guard="        if pin := _misplaced(stored, current, msg.subject, build):\n",
-        removed='        if pin := "":\n',
+        guard="                await self._move_to_lane(current, msg, lane)\n",
+        removed="                pass\n",
         how="a pinned step's kept message, delivered again, is leased to a worker of any build",
         tests=(
             "tests/test_builds.py::"
             "test_an_iteration_cut_short_waits_for_its_build_and_is_never_replayed_by_another",
             "tests/test_builds.py::"
             "test_an_upgrade_that_dies_before_its_purge_leaves_one_dispatch_that_counts",
+        ),
+    ),
+    Guard(
+        name="the lease of a step without a build reads the build of its journal's holder",
+        file="services/engine/dagnats/engine/service.py",
+        guard=(
+            "            holder = convert.holder_build(tail, task.iteration)"
+            ' if tail is not None else ""\n'
+        ),
+        removed='            holder = ""\n',
+        how="a first iteration cut short is delivered again to a worker of another build",
+        tests=(
+            "tests/test_builds.py::"
+            "test_a_first_iteration_cut_short_belongs_to_the_build_that_claimed_it",
+        ),
+    ),
+    Guard(
+        name="each record a holder of a build appends carries its build",
+        file="services/journal/dagnats/journal/writer.py",
+        guard="            record.build_id = token.build_id\n",
+        removed="            pass\n",
+        how="a step's tail names no build; its first iteration cut short goes to any build",
+        tests=(
+            "tests/test_builds.py::"
+            "test_a_first_iteration_cut_short_belongs_to_the_build_that_claimed_it",
         ),
     ),
     Guard(

@@ -126,6 +126,48 @@ def test_which_lane_a_worker_may_lease_from(
     assert rules.leasable_on_lane(pin, lane, worker) is leasable
 
 
+@pytest.mark.parametrize(
+    ("pin", "holder", "worker", "decision"),
+    [
+        ("", "", "B", m.LeaseHere()),  # no build recorded, an unversioned holder or none
+        ("", "A", "A", m.LeaseHere()),  # delivered again to its first claim's build
+        ("", "A", "B", m.MoveToLane(build="A")),  # ... to another build: moved to A's lane
+        ("", "A", "", m.MoveToLane(build="A")),  # ... to an unversioned worker: moved too
+        ("A", "", "B", m.MoveToLane(build="A")),  # pinned: decided on the pin alone
+        ("A", "", "A", m.LeaseHere()),
+    ],
+)
+def test_a_step_without_a_build_belongs_to_its_first_claims_build(
+    pin: str, holder: str, worker: str, decision: m.LaneDecision
+) -> None:
+    found = rules.lane_for_lease(pin=pin, lane_build="", worker_build=worker, holder_build=holder)
+    assert found == decision
+
+
+def test_only_a_pinned_steps_redelivery_without_a_build_reads_its_holder() -> None:
+    assert rules.asks_holder(pinned_policy=True, step_build="", delivery=2)
+    assert not rules.asks_holder(pinned_policy=True, step_build="", delivery=1)  # first delivery
+    assert not rules.asks_holder(pinned_policy=True, step_build="A", delivery=2)  # has its pin
+    assert not rules.asks_holder(pinned_policy=False, step_build="", delivery=2)  # upgrade policy
+
+
+def test_a_step_moved_to_its_first_claims_lane_records_that_build() -> None:
+    run = loop()  # iteration 0 dispatched on the unpinned lane, nothing committed
+    moved = rules.apply(run, m.TaskVanished(step_id="agent", iteration=0, attempt=1, build="A"), T0)
+    assert isinstance(moved, m.Accepted)
+    step = moved.run.step("agent")
+    assert step.build == "A" and step.redispatches == 1
+    [task] = tasks(moved)
+    assert (task.build, task.iteration, task.attempt, task.redispatch) == ("A", 0, 1, 1)
+    upgraded = rules.apply(moved.run, m.UpgradeRequested(build="B"), T0 + 1)
+    assert isinstance(upgraded, m.Accepted) and [t.build for t in tasks(upgraded)] == ["B"]
+    # A step that recorded a build (upgraded meanwhile) keeps its own.
+    late = m.TaskVanished(step_id="agent", iteration=0, attempt=1, build="A")
+    again = rules.apply(upgraded.run, late, T0 + 2)
+    assert isinstance(again, m.Accepted) and again.run.step("agent").build == "B"
+    assert [t.build for t in tasks(again)] == ["B"]
+
+
 def test_a_pinned_lane_never_overlaps_the_unpinned_one_and_purges_with_its_run() -> None:
     run = "r" * 32
     pinned, unpinned = task_subject("agent", run, "s", "A"), task_subject("agent", run, "s")

@@ -4,8 +4,9 @@ policies, a run waiting for its build, and ``run upgrade``.
 Two builds of one handler whose call order changed: build A calls the tool
 ``lookup`` then ``draft`` in each iteration, build B ``draft`` then
 ``lookup``. An iteration of A cut short and replayed by B would be a
-``ReplayMismatch``; pinned, it never reaches B. The workers of both builds
-run in this process, on the module's engine.
+``ReplayMismatch``; pinned, it never reaches B. Build C keeps A's order:
+a run upgraded to it replays A's iteration. The workers of every build run
+in this process, on the module's engine.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tests.stack import loop_workflow, steps_by_id, unique
 from tests.test_cli import adagnats
 from tests.test_journal import journal_check
 
-ORDERS = {"A": ("lookup", "draft"), "B": ("draft", "lookup")}
+ORDERS = {"A": ("lookup", "draft"), "B": ("draft", "lookup"), "C": ("lookup", "draft")}
 
 
 class Build:
@@ -59,6 +60,7 @@ class Build:
         self.release = release or asyncio.Event()
         self.ran: list[tuple[str, int]] = []
         self.held = asyncio.Event()
+        self.holding: set[str] = set()  # the runs it holds
         self.signals: list[str] = []
 
     async def handler(self, tc: TaskContext) -> None:
@@ -69,6 +71,7 @@ class Build:
             await journal.tool(ToolCall(name=first, input={"i": tc.iteration}), Replay.SAFE, _tool)
             if tc.iteration == self.hold:
                 self.held.set()
+                self.holding.add(tc.run_id)
                 await self.release.wait()  # cut short when the worker stops under it
             await journal.tool(ToolCall(name=second, input={"i": tc.iteration}), Replay.SAFE, _tool)
         except BaseException as signal:
@@ -194,6 +197,44 @@ async def test_an_iteration_cut_short_waits_for_its_build_and_is_never_replayed_
     assert built_by(run) == "A" and again.iterations_of(run_id) == [1]
     assert b.iterations_of(run_id) == [] and not (await agent(client, run_id)).waiting_for_build
     assert list((await journal_check(engine, run_id)).violations) == []
+
+
+async def test_a_first_iteration_cut_short_belongs_to_the_build_that_claimed_it(
+    client: Client, engine: EngineServer
+) -> None:
+    task, name = await workflow(client, "firstclaim")
+    a, b = Build("A", hold=0), Build("B")
+    async with AsyncExitStack() as stack:
+        async with worker(engine, task, a) as stopping:
+            runs = [(await client.start_run(name, str(i))).run_id for i in range(2)]
+            await wait_for(lambda: a.holding == set(runs), timeout=30)
+            for run_id in runs:  # nothing committed: no build recorded yet
+                assert (await agent(client, run_id)).build_id == ""
+            await stack.enter_async_context(worker(engine, task, b))
+            await stopping.stop(grace=0)
+        # A's worker stopped inside each run's first iteration: its first
+        # tool stored, no commit. When the leases run out, B's poll gets
+        # both messages, delivered again on the unpinned lane; the tail of
+        # each step's journal names A, the build of the claim that began
+        # the iteration, and the engine moves the task to A's lane, where
+        # the step records A and waits, visibly, while B polls on.
+        for run_id in runs:
+            await wait_for(partial(_waiting_for_build, client, run_id), timeout=30)
+            step = await agent(client, run_id)
+            assert step.status == pb.STEP_STATUS_RUNNING and step.build_id == "A"
+        assert b.ran == [] and b.signals == []
+        moved = await client.upgrade_run(runs[1], "C")
+        assert steps_by_id(moved)["agent"].build_id == "C"
+        again, c = Build("A", kept=True), Build("C", kept=True)
+        async with worker(engine, task, again), worker(engine, task, c):
+            for run_id in runs:
+                await wait_for(partial(ended, client, run_id), timeout=30)
+    for run_id, build, ran in [(runs[0], "A", again), (runs[1], "C", c)]:
+        run = await client.get_run(run_id)
+        assert run.status == pb.RUN_STATUS_COMPLETED, run.error
+        assert built_by(run) == build and ran.iterations_of(run_id) == [0, 1]
+        assert list((await journal_check(engine, run_id)).violations) == []
+    assert b.ran == [] and "ReplayMismatch" not in again.signals + c.signals
 
 
 async def test_a_pinned_steps_kept_loop_keeps_its_message_past_the_reconciler(

@@ -8,8 +8,11 @@ from dagnats.engine.v1 import engine_pb2 as epb
 from dagnats.journal.v1 import journal_pb2 as jpb
 
 
-def lease_claim(leased: epb.LeasedTask, *, worker_id: str, restart_limit: int) -> jpb.ClaimRequest:
-    """The claim of ``leased``'s dispatch and delivery by ``worker_id``, to be
+def lease_claim(
+    leased: epb.LeasedTask, *, worker_id: str, restart_limit: int, build_id: str = ""
+) -> jpb.ClaimRequest:
+    """The claim of ``leased``'s dispatch and delivery by ``worker_id``, a
+    worker of ``build_id`` ("": unversioned) whose records carry it, to be
     stored with the holder's first record where it fences nothing (ADR 40);
     a claim the service settles is settled under ``leased.lease``."""
     task = leased.task
@@ -23,4 +26,5 @@ def lease_claim(leased: epb.LeasedTask, *, worker_id: str, restart_limit: int) -
         restart_limit=restart_limit,
         lease=leased.lease,
         may_ride=True,
+        build_id=build_id,
     )

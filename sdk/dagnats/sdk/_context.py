@@ -332,7 +332,10 @@ class TaskContext:
         """Claim the journal (``Claim``): the answer, and when it was sent."""
         assert self._session is not None
         request = lease_claim(
-            self._leased, worker_id=self._worker_id, restart_limit=self._restart_limit
+            self._leased,
+            worker_id=self._worker_id,
+            restart_limit=self._restart_limit,
+            build_id=self._build_id,
         )
         # A claim that raises Fenced lost to a concurrent claim of this
         # dispatch (between its read of the tail and its append): the task is

@@ -321,6 +321,16 @@ def pinned_build_of(record: ipb.RunRecord, step: pb.StepState) -> str:
     return "" if upgrade else step.build_id
 
 
+def holder_build(tail: jpb.Record, iteration: int) -> str:
+    """The build of the holder that appended ``tail``, a step's last journal
+    record, when it is a record of ``iteration`` (its claim's build, or its
+    commit's); "" for an earlier iteration's record, whose records the next
+    holder of ``iteration`` does not replay."""
+    if tail.iteration != iteration:
+        return ""
+    return tail.build_id or tail.commit.build_id
+
+
 def task_msg_id(run_id: str, step_id: str, iteration: int, attempt: int) -> str:
     """The Msg-Id of a dispatch's task (a re-dispatch appends ``.r<n>``)."""
     return f"{run_id}.{step_id}.{iteration}.{attempt}"

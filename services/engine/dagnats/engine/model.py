@@ -215,11 +215,15 @@ class CancelRequested:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskVanished:
-    """The reconciler saw no task in flight for the step's current dispatch."""
+    """The reconciler saw no task in flight for the step's current dispatch,
+    or the lease moves its message to the lane of ``build``: the build the
+    step belongs to, recorded on a step that has none yet (the build of its
+    first claim). Empty: the step's lane as recorded."""
 
     step_id: str
     iteration: int
     attempt: int
+    build: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -403,6 +407,22 @@ class Dropped:
 
 
 Decision = Accepted | Dropped
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseHere:
+    """The task message may be leased to the polling worker."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoveToLane:
+    """The task message is off the lane of ``build``, the build its step
+    belongs to: its dispatch is made again there and the message settled."""
+
+    build: str
+
+
+LaneDecision = LeaseHere | MoveToLane
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -74,6 +74,9 @@ from dagnats.engine.model import (
     Identity,
     InputArrived,
     JournalMark,
+    LaneDecision,
+    LeaseHere,
+    MoveToLane,
     NotifyParent,
     Paused,
     PurgeLater,
@@ -310,6 +313,36 @@ def leasable_on_lane(pin: str, lane_build: str, worker_build: str) -> bool:
     on an old build's lane by a move): it is dispatched again on the step's
     lane and settled, never given back."""
     return not pin or pin in (lane_build, worker_build)
+
+
+def asks_holder(*, pinned_policy: bool, step_build: str, delivery: int) -> bool:
+    """Whether the lease of a task message needs the build of its step's
+    journal holder: a step of a pinned workflow that recorded no build yet
+    (none of its iterations committed with one), delivered again (its holder
+    may have died inside the iteration, its records replayed by the next).
+    A first delivery has no holder before it, and a step with a build is
+    decided on it: neither reads anything more."""
+    return pinned_policy and not step_build and delivery > 1
+
+
+def lane_for_lease(
+    *, pin: str, lane_build: str, worker_build: str, holder_build: str = ""
+) -> LaneDecision:
+    """Where a message of a step's current dispatch goes when a worker of
+    ``worker_build`` polls it, on the lane of ``lane_build``. A step pinned
+    to ``pin`` (``pinned_build``) is decided by ``leasable_on_lane``. A step
+    of a pinned workflow with no build yet belongs to the build of its
+    journal's holder, ``holder_build`` (read only when ``asks_holder``): the
+    build of the claim that began the iteration, whose records the next
+    holder replays. A worker of another build, or an unversioned one, would
+    replay them with other code: the message moves to that build's lane,
+    where the step records it. An unversioned holder, or none, pins nothing."""
+    if pin:
+        leasable = leasable_on_lane(pin, lane_build, worker_build)
+        return LeaseHere() if leasable else MoveToLane(build=pin)
+    if holder_build and holder_build not in (lane_build, worker_build):
+        return MoveToLane(build=holder_build)
+    return LeaseHere()
 
 
 def _ends_iteration(outcome: StepOutcome) -> bool:
@@ -784,7 +817,10 @@ def _on_vanished(run: Run, gone: TaskVanished, now: float) -> Decision:
     same = (gone.iteration, gone.attempt) == (step.iteration, step.attempt)
     if not same or step.status is not StepStatus.RUNNING or step.child_run_id:
         return Dropped(reason=f"step {step.step_id} has moved on")
-    step = replace(step, redispatches=step.redispatches + 1)
+    # A step moved to the lane of its first claim's build records it; one
+    # that recorded a build (or was upgraded meanwhile) keeps its own.
+    build = step.build or gone.build
+    step = replace(step, build=build, redispatches=step.redispatches + 1)
     return _dispatch(run, step, step.iteration, step.attempt, now, ())
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
@@ -505,9 +505,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await msg.ack()
             return None
         assert stored is not None
-        if pin := _misplaced(stored, current, msg.subject, build):
-            await self._move_to_lane(current, msg, pin)
-            return None
+        match await self._lane_for(stored, current, msg, build):
+            case m.MoveToLane(build=lane):
+                await self._move_to_lane(current, msg, lane)
+                return None
+            case m.LeaseHere():
+                pass
+            case unknown:
+                assert_never(unknown)
         log.info(
             "run %s step %s: leased (%d, %d) delivery %d",
             current.run_id,
@@ -537,27 +542,58 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         dispatch, delivered once: its claim reads nothing (ADR 50)."""
         assert self.claims is not None
         task = leased.task
-        request = lease_claim(leased, worker_id=poll.worker_id, restart_limit=poll.restart_limit)
+        request = lease_claim(
+            leased,
+            worker_id=poll.worker_id,
+            restart_limit=poll.restart_limit,
+            build_id=poll.build_id,
+        )
         try:
             return await self.claims(request, first=first)
         except Exception as err:  # the worker's own claim tries again, and answers
             log.info("run %s step %s: no claim with the lease: %r", task.run_id, task.step_id, err)
             return None
 
+    async def _lane_for(
+        self, stored: StoredRun, task: pb.Task, msg: Delivery, build: str
+    ) -> m.LaneDecision:
+        """Whether the message ``msg`` of ``task`` may be leased to a worker of
+        ``build`` or moves to its step's lane (``rules.lane_for_lease``). Only
+        a pinned workflow's step with no build, delivered again, reads more:
+        the build of its journal's holder, on the tail (one direct get)."""
+        step = next((s for s in stored.record.run.steps if s.step_id == task.step_id), None)
+        if step is None:
+            return m.LeaseHere()
+        holder = ""
+        pinned_policy = stored.record.workflow.build_policy != pb.BUILD_POLICY_UPGRADE
+        if rules.asks_holder(
+            pinned_policy=pinned_policy, step_build=step.build_id, delivery=msg.delivered
+        ):
+            tail = await self.journal.tail(task.run_id, task.step_id)
+            holder = convert.holder_build(tail, task.iteration) if tail is not None else ""
+        return rules.lane_for_lease(
+            pin=convert.pinned_build_of(stored.record, step),
+            lane_build=lane_build(msg.subject),
+            worker_build=build,
+            holder_build=holder,
+        )
+
     async def _move_to_lane(self, task: pb.Task, msg: Delivery, build: str) -> None:
-        """Put a message of a step pinned to ``build``, found off that build's
-        lane, on the lane: its dispatch is made again there (as a vanished
-        task's is), unless the lane holds it already, then this message is
-        settled. Never given back: a delivery counts toward the restart
-        limit. A crash between the two leaves this message to be found again,
-        and the lane holding the dispatch."""
+        """Put a message of a step that belongs to ``build`` (pinned to it, or
+        its first claim's), found off that build's lane, on the lane: its
+        dispatch is made again there (as a vanished task's is) and the step
+        records the build if it has none, unless the lane holds it already,
+        then this message is settled. Never given back: a delivery counts
+        toward the restart limit. A crash between the two leaves this message
+        to be found again, its step pinned, and the lane holding the
+        dispatch."""
         run_id, step_id = task.run_id, task.step_id
         subject = task_subject(task.task_type, run_id, step_id, build)
         msg_id = convert.task_msg_id(run_id, step_id, task.iteration, task.attempt)
         if not await self.store.task_in_flight(subject, msg_id):
             log.info("run %s step %s: moved to the lane of build %s", run_id, step_id, build)
             vanished = m.TaskVanished(
-                step_id=step_id, iteration=task.iteration, attempt=task.attempt
+                step_id=step_id, iteration=task.iteration, attempt=task.attempt, build=build
             )
             await self.engine.apply(run_id, vanished)
             await seam("after_moved_to_lane")
@@ -769,17 +805,6 @@ def _current_task(stored: StoredRun | None, task: pb.Task, seq: int) -> pb.Task 
     kept.CopyFrom(task)
     kept.iteration, kept.attempt = carried.iteration, carried.attempt
     return kept
-
-
-def _misplaced(stored: StoredRun, task: pb.Task, subject: str, build: str) -> str:
-    """The build ``task``'s step is pinned to, when the message on ``subject``
-    may not be leased to a worker of ``build`` (``rules.leasable_on_lane``);
-    "" when it may. An unpinned step reads nothing more."""
-    step = next((s for s in stored.record.run.steps if s.step_id == task.step_id), None)
-    if step is None or not step.build_id:
-        return ""
-    pin = convert.pinned_build_of(stored.record, step)
-    return "" if rules.leasable_on_lane(pin, lane_build(subject), build) else pin
 
 
 def _task_type(workflow: pb.Workflow, step_id: str) -> str:

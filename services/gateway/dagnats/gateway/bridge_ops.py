@@ -61,6 +61,7 @@ async def claim(b: Backend, t: BridgeToken) -> tuple[BridgeToken, jpb.Claimed | 
                 worker_id=t.worker_id,
                 restart_limit=t.restart_limit,
                 lease=t.lease,
+                build_id=t.build_id,
             )
         ),
     )

@@ -96,6 +96,7 @@ def check_writer_token(token: pb.WriterToken) -> pb.WriterToken:
     if token.iteration < 0 or token.attempt < 1:
         raise errors.InvalidArgument("token names no dispatch", field="token")
     check_worker_id(token.claim.worker_id, field="token.claim.worker_id")
+    check_build_id(token.build_id, field="token.build_id")
     return token
 
 
@@ -155,6 +156,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         if request.delivery < 0:
             raise errors.InvalidArgument("delivery must be >= 0 (0: not known)", field="delivery")
         check_worker_id(request.worker_id)
+        check_build_id(request.build_id)
         limit = request.restart_limit or replay.DEFAULT_RESTART_LIMIT
         if not 1 <= limit <= MAX_RESTART_LIMIT:
             raise errors.InvalidArgument(
@@ -776,6 +778,7 @@ class JournalServicer(pb_grpc.JournalServiceServicer):
         )
         handed.snapshot_seq = commit.seq
         handed.claim.delivery = token.delivery
+        handed.build_id = token.build_id  # the same holder, of the same build
         self._writer.remember(handed, [])
         await self._now_holding(handed)
         return handed
@@ -981,8 +984,9 @@ def _new_writer(
 
 
 def _claimant(request: pb.ClaimRequest, tail: pb.Record | None, base: int) -> pb.WriterToken:
-    """The token of the writer a claim makes, appending after ``tail``."""
-    return _new_writer(
+    """The token of the writer a claim makes, appending after ``tail``: its
+    records carry the claimant's build."""
+    token = _new_writer(
         request.run_id,
         request.step_id,
         (request.iteration, request.attempt),
@@ -990,6 +994,8 @@ def _claimant(request: pb.ClaimRequest, tail: pb.Record | None, base: int) -> pb
         base=base,
         delivery=max(request.delivery, 0),
     )
+    token.build_id = request.build_id
+    return token
 
 
 def _asked(

@@ -106,6 +106,8 @@ class JournalWriter:
         record.time.CopyFrom(timestamp(self.clock()))
         if token.HasField("claim"):  # a dispatch handed over with the last commit
             record.leading_claim.CopyFrom(token.claim)
+        if token.build_id and not record.HasField("commit"):  # a commit carries its own
+            record.build_id = token.build_id
         headers: dict[str, str] = {}
         tracing.inject(headers)
         record.trace_context.update(headers)

@@ -787,6 +787,7 @@ class Record(_message.Message):
     TIME_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
+    BUILD_ID_FIELD_NUMBER: _builtins.int
     CLAIM_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     TOOL_INTENT_FIELD_NUMBER: _builtins.int
@@ -816,6 +817,13 @@ class Record(_message.Message):
     """Sequence of the last commit that ended an iteration before this record."""
     seq: _builtins.int
     """Stream sequence; filled when read, never written."""
+    build_id: _builtins.str
+    """The build of the holder that appended it (WriterToken.build_id); a
+    commit carries it in Commit.build_id instead. Empty: an unversioned
+    holder, or the engine. The lease of a pinned step that recorded no build
+    yet reads it on the step's tail: the step belongs to its first claim's
+    build.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When it was written."""
@@ -904,6 +912,7 @@ class Record(_message.Message):
         time: _timestamp_pb2.Timestamp | None = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         seq: _builtins.int = ...,
+        build_id: _builtins.str = ...,
         claim: Global___Claim | None = ...,
         model: Global___ModelCall | None = ...,
         tool_intent: Global___ToolIntent | None = ...,
@@ -920,7 +929,7 @@ class Record(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "claim", b"claim", "commit", b"commit", "fork", b"fork", "input_placed", b"input_placed", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "time", b"time", "tool_intent", b"tool_intent", "tool_intents", b"tool_intents", "tool_output", b"tool_output", "tool_result", b"tool_result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "cancel", b"cancel", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "fork", b"fork", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_intents", b"tool_intents", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "build_id", b"build_id", "cancel", b"cancel", "claim", b"claim", "commit", b"commit", "expected_seq", b"expected_seq", "fork", b"fork", "input_placed", b"input_placed", "iteration", b"iteration", "kind", b"kind", "leading", b"leading", "leading_claim", b"leading_claim", "leading_model", b"leading_model", "leading_tool_result", b"leading_tool_result", "model", b"model", "run_id", b"run_id", "seq", b"seq", "step_id", b"step_id", "time", b"time", "tool_intent", b"tool_intent", "tool_intents", b"tool_intents", "tool_output", b"tool_output", "tool_result", b"tool_result", "trace_context", b"trace_context", "writer", b"writer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["claim", "model", "tool_intent", "tool_output", "tool_result", "commit", "input_placed", "cancel", "tool_intents", "fork"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
@@ -955,6 +964,7 @@ class WriterToken(_message.Message):
     DELIVERY_FIELD_NUMBER: _builtins.int
     CLAIM_FIELD_NUMBER: _builtins.int
     REPLAY_POSITIONS_FIELD_NUMBER: _builtins.int
+    BUILD_ID_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -984,6 +994,11 @@ class WriterToken(_message.Message):
     iteration, of any attempt; 0 when it found none. A model call at this
     position or later has no response to replay: a worker whose last tail
     check is fresh may call the model without BeginModel (see BeginModel).
+    """
+    build_id: _builtins.str
+    """The holder's build (ClaimRequest.build_id), kept by a dispatch handed
+    over with a commit: every record the writer appends but a commit carries
+    it (Record.build_id). Empty: an unversioned holder.
     """
     @_builtins.property
     def honoured(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -1021,10 +1036,11 @@ class WriterToken(_message.Message):
         delivery: _builtins.int = ...,
         claim: Global___Claim | None = ...,
         replay_positions: _builtins.int = ...,
+        build_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "claim", b"claim", "delivery", b"delivery", "honoured", b"honoured", "honoured_members", b"honoured_members", "iteration", b"iteration", "last_seq", b"last_seq", "replay_positions", b"replay_positions", "run_id", b"run_id", "snapshot_seq", b"snapshot_seq", "step_id", b"step_id", "writer", b"writer", "written", b"written"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "build_id", b"build_id", "claim", b"claim", "delivery", b"delivery", "honoured", b"honoured", "honoured_members", b"honoured_members", "iteration", b"iteration", "last_seq", b"last_seq", "replay_positions", b"replay_positions", "run_id", b"run_id", "snapshot_seq", b"snapshot_seq", "step_id", b"step_id", "writer", b"writer", "written", b"written"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1045,6 +1061,7 @@ class ClaimRequest(_message.Message):
     RESTART_LIMIT_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     MAY_RIDE_FIELD_NUMBER: _builtins.int
+    BUILD_ID_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     step_id: _builtins.str
@@ -1082,6 +1099,11 @@ class ClaimRequest(_message.Message):
     Unset: the claim is stored before the answer, as the bridge's readers
     expect.
     """
+    build_id: _builtins.str
+    """The claimant's build (PollTasksRequest.build_id), one token of at most
+    64 characters: the writer's token keeps it and its records carry it.
+    Empty: an unversioned worker.
+    """
     def __init__(
         self,
         *,
@@ -1094,10 +1116,11 @@ class ClaimRequest(_message.Message):
         restart_limit: _builtins.int = ...,
         lease: _builtins.str = ...,
         may_ride: _builtins.bool = ...,
+        build_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "delivery", b"delivery", "iteration", b"iteration", "lease", b"lease", "may_ride", b"may_ride", "restart_limit", b"restart_limit", "run_id", b"run_id", "step_id", b"step_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "build_id", b"build_id", "delivery", b"delivery", "iteration", b"iteration", "lease", b"lease", "may_ride", b"may_ride", "restart_limit", b"restart_limit", "run_id", b"run_id", "step_id", b"step_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
