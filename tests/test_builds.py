@@ -211,13 +211,21 @@ async def test_a_first_iteration_cut_short_belongs_to_the_build_that_claimed_it(
             for run_id in runs:  # nothing committed: no build recorded yet
                 assert (await agent(client, run_id)).build_id == ""
             await stack.enter_async_context(worker(engine, task, b))
+            dies = DieOnce("after_moved_to_lane")
+            seam.install(dies)
+            stack.callback(seam.install, None)
             await stopping.stop(grace=0)
         # A's worker stopped inside each run's first iteration: its first
         # tool stored, no commit. When the leases run out, B's poll gets
         # both messages, delivered again on the unpinned lane; the tail of
         # each step's journal names A, the build of the claim that began
         # the iteration, and the engine moves the task to A's lane, where
-        # the step records A and waits, visibly, while B polls on.
+        # the step records A and waits, visibly, while B polls on. The
+        # first move dies between recording A with the dispatch on A's lane
+        # and the message's acknowledgement: the message comes back, finds
+        # its step pinned to A and the dispatch on the lane, and is settled.
+        await wait_for(lambda: _lane_empty(engine, task, ""), timeout=30, message="settled")
+        assert dies.hit
         for run_id in runs:
             await wait_for(partial(_waiting_for_build, client, run_id), timeout=30)
             step = await agent(client, run_id)

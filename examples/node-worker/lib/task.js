@@ -89,6 +89,8 @@ export class TaskContext {
           delivery: this.delivery,
           worker_id: this.#workerId,
           restart_limit: this.#restartLimit,
+          // Its records carry it: a step belongs to its first claim's build.
+          build_id: this.#buildId,
           // With the lease, a claim answered `settled` is settled by the
           // journal service itself: no Report follows.
           lease: this.#leased.lease,
