@@ -415,6 +415,11 @@ async def test_a_bad_build_id_is_refused_at_every_edge(engine: EngineServer) -> 
             (engine_api.PollTasks, pb.PollTasksRequest(task_types=["t"], build_id="*"), "build_id"),
             (engine_api.UpgradeRun, pb.UpgradeRunRequest(run_id="0" * 32), "build_id"),
             (journal_api.Commit, jpb.CommitRequest(token=token, commit=commit), "commit.build_id"),
+            (
+                journal_api.Claim,
+                jpb.ClaimRequest(run_id="0" * 32, step_id="agent", attempt=1, build_id="a.b"),
+                "build_id",
+            ),
         ]
         for call, request, field in calls:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
