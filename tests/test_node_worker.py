@@ -171,6 +171,8 @@ async def test_node_worker_completes_a_durable_run(
     run = await client.start_run(name, INPUT)
     done = await finish(client, engine, run.run_id, workers, worker)
     assert steps_by_id(done)["agent"].build_id == "node-1"  # its polls and commits name it
+    records = await read_journal(engine, run.run_id)  # and its claims: each record carries it
+    assert {r.build_id for r in records if r.WhichOneof("kind") != "commit"} == {"node-1"}
     assert lines(workers.starts) == [f"charge_card {run.run_id}.agent.0.1"]
     assert lines(workers.model_calls) == ["turn 0", "turn 1"]
     (result,) = await tool_results(engine, run.run_id)
