@@ -51,7 +51,7 @@ dev: setup ## run nats-server, the services and a demo agent (Ctrl-C stops)
 # TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 3
 test: setup ## run the test suite against a real nats-server (TEST_WORKERS processes, 3)
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The documentation site (mkdocs.yml, docs/): the reference pages are generated
 # from the code as it builds; --strict fails on a broken link or a warning.

@@ -142,6 +142,18 @@ async def gated(engine: EngineServer) -> AsyncIterator[tuple[str, Gates]]:
         gates.open_all()  # let a handler still waiting finish
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a parallel run's worker process, the modules that hold a ``slow``
+    test come first, each whole and in its own order: the run hands out
+    modules in this order (``--no-loadscope-reorder``), so the long ones
+    start early and the short ones fill the processes' ends."""
+    if not hasattr(config, "workerinput"):
+        return
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 # What the processes of a parallel run (``pytest -n``, ``make test``) counted:
 # each sends its soak reports and matrix cases back as it ends, and the
 # controlling process, which runs no test, prints them with its own.
