@@ -43,8 +43,15 @@ setup: $(VENV)/.installed $(NODE_WORKER)/node_modules/.installed chromium ## cre
 dev: setup ## run nats-server, the services and a demo agent (Ctrl-C stops)
 	$(BIN)/dagnats dev
 
-test: setup ## run the test suite against a real nats-server
-	$(BIN)/pytest -q
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each taking whole
+# modules (--dist loadfile), so a module's fixtures -- its nats-server, its
+# services, its browser -- are still started once, and one module's waits
+# (leases running out, restarts) overlap another's work: three processes on
+# two cores, as the suite waits more than it computes (ADR 72).
+# TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 3
+test: setup ## run the test suite against a real nats-server (TEST_WORKERS processes, 3)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The documentation site (mkdocs.yml, docs/): the reference pages are generated
 # from the code as it builds; --strict fails on a broken link or a warning.

@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -141,12 +142,59 @@ async def gated(engine: EngineServer) -> AsyncIterator[tuple[str, Gates]]:
         gates.open_all()  # let a handler still waiting finish
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a parallel run's worker process, the modules that hold a ``slow``
+    test come first, each whole and in its own order: the run hands out
+    modules in this order (``--no-loadscope-reorder``), so the long ones
+    start early and the short ones fill the processes' ends."""
+    if not hasattr(config, "workerinput"):
+        return
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
+# What the processes of a parallel run (``pytest -n``, ``make test``) counted:
+# each sends its soak reports and matrix cases back as it ends, and the
+# controlling process, which runs no test, prints them with its own.
+_WORKERS_CASES: Counter[tuple[str, str]] = Counter()
+_WORKERS_SOAKS: list[list[str]] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a parallel run's worker process: its soak reports and matrix cases,
+    for the controlling process's summary."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is None:
+        return
+    soak = sys.modules.get("tests.chaos.soak")
+    output["dagnats_soaks"] = [report.lines() for report in getattr(soak, "REPORTS", ())]
+    output["dagnats_cases"] = [[where, row, n] for (where, row), n in _matrix_cases().items()]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """A worker process of a parallel run ended: keep what it counted."""
+    output = getattr(node, "workeroutput", None) or {}
+    _WORKERS_SOAKS.extend(output.get("dagnats_soaks", ()))
+    for where, row, n in output.get("dagnats_cases", ()):
+        _WORKERS_CASES[where, row] += n
+
+
+def _matrix_cases() -> Counter[tuple[str, str]]:
+    matrix = sys.modules.get("tests.matrix")
+    return Counter(getattr(matrix, "CASES", None) or {})
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """The chaos soaks' reports, then the crash-point matrix's cases by seam
     and mode, on one server and on the cluster (``tests/matrix.py`` counts them)."""
     _soak_summary(terminalreporter)
-    matrix = sys.modules.get("tests.matrix")
-    cases = getattr(matrix, "CASES", None)
+    for lines in _WORKERS_SOAKS:
+        terminalreporter.section("chaos soak")
+        for line in lines:
+            terminalreporter.write_line(line)
+    cases = _matrix_cases() + _WORKERS_CASES
     if not cases:
         return
     places = sorted({where for where, _ in cases}, reverse=True)
