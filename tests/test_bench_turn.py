@@ -133,7 +133,7 @@ def test_the_routes_are_read_from_the_services_metrics_page() -> None:
 
     engine = SimpleNamespace(counters={"kept_unwritten": 12, "direct_applied": 20})
     sockets = SimpleNamespace(accepted=3, polled=40, watched=2, connections=[object()])
-    server = SimpleNamespace(engine=engine, local_socket=sockets)
+    server = SimpleNamespace(engine=engine, journal=None, local_socket=sockets)
     registry = CollectorRegistry()
     registry.register(ServicesCollector(cast(Any, server)))
     page = generate_latest(registry).decode()
