@@ -61,6 +61,9 @@ async def test_cli_round_trip_and_json(engine: EngineServer, tmp_path: Path) -> 
     assert run["status"] == "running" and run["input"] == {"a": 1}
     got = await adagnats("run", "cancel", run["run_id"], "--json", env=env)
     assert json.loads(got.stdout)["status"] == "cancelled"
+    shown = await adagnats("run", "get", run["run_id"], env=env)
+    assert "status    cancelled" in shown.stdout
+    assert "usage     none reported by its model calls" in shown.stdout  # no model was called
     listed = await adagnats("run", "list", "--workflow", name, "--json", env=env)
     assert [r["run_id"] for r in json.loads(listed.stdout)] == [run["run_id"]]
 

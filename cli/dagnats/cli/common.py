@@ -60,7 +60,13 @@ def print_run(run: pb.Run, as_json: bool) -> None:
 
 
 def print_usage(usage: pb.RunUsage) -> None:
-    """A run's usage under its ``run get``: the run's, then each step's."""
+    """A run's usage under its ``run get``: the run's, then each step's; one
+    line when no model call of the run reported any (a stand-in model, or
+    none called)."""
+    total = usage.total
+    if not (total.spent.calls or total.copied.calls):
+        print("usage     none reported by its model calls")
+        return
     print(f"usage     {usage_line(usage.total)}")
     for step in usage.steps:
         print(f"  usage {step.step_id:<15} {usage_line(step.usage)}")
