@@ -1,29 +1,61 @@
 """``ListRuns`` reads about its page, not every stored run: the pure rules of
-a page (``run_list.newest``, ``run_list.page_is_whole``), then the engine's
-answers, equal to what a read of every stored run gives whatever the filter
-and the limit (runs rewritten long after they were created, runs purged),
-and what nats-server sent the engine to answer the newest ten of 400 runs.
+a page (``run_list.newest``, ``run_list.page_is_whole``, and through the runs
+by creation time ``run_list.candidates``, ``run_list.settle_by_creation``),
+then the engine's answers, equal to what a read of every stored run gives
+whatever the filter and the limit (runs rewritten long after they were
+created, runs purged), what nats-server sent the engine to answer the newest
+ten of 400 runs, and of ten behind 200 older runs rewritten since; and the
+crash rule of the runs by creation time: an entry with no run is skipped, a
+create stopped before its entry is listed once a reconciler pass publishes
+its outbox, a run stored before the entries existed is given one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
+import pytest
 import pytest_asyncio
 
+from dagnats.core import jetstream as jsx
+from dagnats.core import seam
+from dagnats.core.ids import new_run_id
 from dagnats.core.natsserver import NatsServer
-from dagnats.engine.run_list import Filter, Listed, newest, page_is_whole
+from dagnats.core.subjects import created_subject
+from dagnats.engine import convert, rules
+from dagnats.engine.convert_workflow import stored_workflow
+from dagnats.engine.processor import Engine
+from dagnats.engine.run_list import (
+    Created,
+    Filter,
+    Listed,
+    PageWhole,
+    ReadEveryRun,
+    ReadMoreEntries,
+    candidates,
+    created_data,
+    created_entry,
+    most_loaded,
+    newest,
+    page_is_whole,
+    settle_by_creation,
+)
 from dagnats.engine.server import EngineServer, start_engine
+from dagnats.engine.store import CREATED_COMPLETE
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.sdk import Client
 from tests.stack import FAST, loop_workflow, unique
 
 RUNNING, CANCELLED = pb.RUN_STATUS_RUNNING, pb.RUN_STATUS_CANCELLED
 STORED = 400  # runs stored before the page of the cost test
+REWRITTEN = 200  # older runs rewritten after the page's runs were created
 PAGE = 10
 
 # ---- the rules ----------------------------------------------------------------------
@@ -59,6 +91,40 @@ def test_a_page_is_whole_once_no_unread_run_can_be_newer_than_its_oldest() -> No
     assert page_is_whole(full, two, unread_before=90, skew=5)
     assert not page_is_whole(full, two, unread_before=95, skew=5)
     assert not page_is_whole(full, two, unread_before=90, skew=10)
+
+
+def test_an_entry_holds_its_runs_creation_and_workflow() -> None:
+    assert created_entry("r1", created_data("wf", 1234)) == Created("r1", "wf", 1234)
+    assert created_entry("r1", b"") is None
+    assert created_entry("r1", b"soon wf") is None
+
+
+def test_the_candidates_are_the_entries_of_the_workflow_newest_first_each_run_once() -> None:
+    entries = [
+        Created("a", "w", 1),
+        Created("c", "w", 3),
+        Created("b", "w", 3),
+        Created("x", "v", 4),
+        Created("a", "w", 1),  # published again by a reconciler
+    ]
+    assert [e.run_id for e in candidates(entries, Filter(workflow="w"))] == ["c", "b", "a"]
+    assert [e.run_id for e in candidates(entries, Filter())] == ["x", "c", "b", "a"]
+
+
+def test_a_page_read_through_the_entries_reads_further_back_or_every_run() -> None:
+    full = [run("b", 200), run("a", 100)]
+    two = Filter(limit=2)
+    settle = settle_by_creation
+    # Every entry read: the page is all there is, full or not.
+    assert settle(full[:1], two, unread_before=None, loaded=1, skew=0) == PageWhole()
+    # An unread entry was stored before 90, its run created before 95.
+    assert settle(full, two, unread_before=90, loaded=2, skew=5) == PageWhole()
+    assert settle(full, two, unread_before=95, loaded=2, skew=5) == ReadMoreEntries()
+    assert settle(full[:1], two, unread_before=0, loaded=1, skew=0) == ReadMoreEntries()
+    # A status few runs have: past ``most_loaded`` runs loaded, the runs
+    # bucket's own read costs less.
+    most = most_loaded(two)
+    assert settle(full[:1], two, unread_before=0, loaded=most, skew=0) == ReadEveryRun()
 
 
 # ---- the engine ---------------------------------------------------------------------
@@ -149,3 +215,108 @@ async def sent_to(server: NatsServer, name: str) -> int:
         return int(found["out_msgs"])
 
     return await asyncio.to_thread(read)
+
+
+async def test_the_newest_ten_read_about_ten_though_older_runs_were_rewritten_since(
+    lister: EngineServer, nats_server: NatsServer
+) -> None:
+    """The runs bucket's newest writes are 200 older runs (cancelled after the
+    ten were started, as a reconciler pass parks them): the page reads the
+    newest entries of the runs by creation time, not the bucket's writes."""
+    async with Client(lister.target) as client:
+        old, new = await idle_workflow(client), await idle_workflow(client)
+        at_once = asyncio.Semaphore(20)
+
+        async def one(call: Callable[[], Awaitable[object]]) -> None:
+            async with at_once:
+                await call()
+
+        olds = [(await client.start_run(old)).run_id for _ in range(REWRITTEN)]
+        newest_first = [(await client.start_run(new)).run_id for _ in range(PAGE)][::-1]
+        await asyncio.gather(*(one(functools.partial(client.cancel_run, r)) for r in olds))
+        before = await sent_to(nats_server, "dagnats-engine")
+        listed = await client.list_runs(limit=PAGE)
+        cost = await sent_to(nats_server, "dagnats-engine") - before
+        assert [r.run_id for r in listed] == newest_first
+        # Through the bucket's newest writes it read every rewritten run.
+        assert cost < REWRITTEN / 2, cost
+        # A status few runs have falls back on the bucket's read, answering the same.
+        cancelled = await client.list_runs(workflow=old, status=CANCELLED, limit=PAGE)
+        assert [r.run_id for r in cancelled] == olds[::-1][:PAGE]
+
+
+async def test_an_entry_with_no_run_is_skipped_and_a_run_with_none_yet_is_listed_after_a_pass(
+    lister: EngineServer,
+) -> None:
+    store = lister.engine.store
+    async with Client(lister.target) as client:
+        workflow = await idle_workflow(client)
+        # A create whose run's write never landed, or a purge stopped
+        # between the run and its entry: an entry with no run.
+        ghost = new_run_id()
+        await store.publish(
+            ipb.OutboxEntry(
+                subject=created_subject(ghost),
+                data=created_data(workflow, time.time_ns()),
+                msg_id=f"{ghost}.created",
+            )
+        )
+        kept = (await client.start_run(workflow)).run_id
+        assert [r.run_id for r in await client.list_runs(workflow=workflow)] == [kept]
+
+        # A create stopped after the run's write, before its outbox (its
+        # first task, its entry) was published: the run has no entry yet.
+        run_id = new_run_id()
+
+        async def crash(point: str) -> None:
+            if point == "before_first_tasks":
+                raise RuntimeError("the engine died storing the run, its entry not published")
+
+        seam.install(crash)
+        try:
+            with pytest.raises(RuntimeError):
+                await create(run_id, workflow, Engine(store, FAST))
+        finally:
+            seam.install(None)
+        assert await store.load_run(run_id) is not None
+        assert [r.run_id for r in await client.list_runs(workflow=workflow)] == [kept]
+        # A reconciler pass publishes the outbox the create left.
+        await Engine(store, FAST, clock=lambda: time.time() + 2 * FAST.outbox_grace).reconcile()
+        listed = [r.run_id for r in await client.list_runs(workflow=workflow)]
+        assert listed == [run_id, kept]
+        await store.delete_run(run_id)
+        assert [r.run_id for r in await client.list_runs(workflow=workflow)] == [kept]
+
+
+async def test_runs_stored_before_the_entries_existed_are_given_one_by_the_engine_that_starts(
+    lister: EngineServer,
+) -> None:
+    store = lister.engine.store
+    async with Client(lister.target) as client:
+        workflow = await idle_workflow(client)
+        started = [(await client.start_run(workflow)).run_id for _ in range(3)]
+        # As a deployment from before: no entries, and no mark that they were given.
+        for run_id in started:
+            await store.purge_subject(jsx.RUNS_CREATED, created_subject(run_id))
+        await store.purge_subject(
+            f"KV_{jsx.KV_ACTIVE_RUNS}", f"$KV.{jsx.KV_ACTIVE_RUNS}.{CREATED_COMPLETE}"
+        )
+        assert await client.list_runs(workflow=workflow) == []
+        engine = Engine(store, FAST)
+        await engine.start()
+        await engine.stop()
+        listed = [r.run_id for r in await client.list_runs(workflow=workflow)]
+        assert listed == started[::-1]
+        assert await store.enter_created(convert.created_run_entry) == 0  # once a deployment
+
+
+async def create(run_id: str, workflow: str, engine: Engine) -> None:
+    """Create a run of ``workflow`` (registered) with ``engine`` itself."""
+    stored = await engine.store.get_workflow(workflow)
+    accepted = rules.start_run(
+        run_id=run_id,
+        workflow=stored_workflow(stored),
+        input=b"",
+        now=time.time(),
+    )
+    await engine.create(accepted, {})

@@ -61,6 +61,7 @@ HISTORY = "HISTORY"
 TIMERS = "SLEEP_TIMERS"
 DEAD_LETTERS = "DEAD_LETTERS"
 JOURNAL = "AGENT_JOURNAL"
+RUNS_CREATED = "RUNS_CREATED"
 KV_WORKFLOWS = "WORKFLOWS"
 KV_RUNS = "RUNS"
 KV_RUN_KEYS = "RUN_KEYS"
@@ -220,6 +221,17 @@ def _streams(topology: Topology) -> list[StreamConfig]:
             retention=RetentionPolicy.LIMITS,
             deny_delete=True,
             discard=DiscardPolicy.NEW,
+            **common,
+        ),
+        # The runs in creation order: one message a run, written with its
+        # create (its first outbox) and purged with it. ``ListRuns`` reads its
+        # newest entries instead of the runs bucket, whose newest writes are
+        # the runs written last, not created last.
+        StreamConfig(
+            name=RUNS_CREATED,
+            subjects=["created.>"],
+            retention=RetentionPolicy.LIMITS,
+            max_msgs_per_subject=1,
             **common,
         ),
         StreamConfig(

@@ -12,6 +12,7 @@ these subjects belong to are configured in ``dagnats.core.jetstream``.
 | ``timers.<run>`` | ``SLEEP_TIMERS``: an ended run's purge, its retention after its end |
 | ``journal.<run>.<step>`` | ``AGENT_JOURNAL``: a step's journal, fenced on this exact subject |
 | ``journal.<run>.<step>.spent`` | ``AGENT_JOURNAL``: usage of a step's fenced model calls |
+| ``created.<run>`` | ``RUNS_CREATED``: a run's entry in the runs by creation time |
 | ``dead.<subject>`` | ``DEAD_LETTERS``: a message the engine gave up on |
 | ``$KV.<bucket>.<key>`` | a key of a KV bucket |
 | ``dagnats.cancel.<run>`` | core NATS: a run was cancelled (at most once) |
@@ -154,3 +155,11 @@ def is_inbox(subject: str) -> bool:
         and tokens[0] == "_INBOX"
         and all(t and t not in ("*", ">") and not any(c.isspace() for c in t) for t in tokens)
     )
+
+
+CREATED_PREFIX = "created."
+
+
+def created_subject(run_id: str) -> str:
+    """A run's entry in ``RUNS_CREATED``, the runs by creation time."""
+    return CREATED_PREFIX + run_id

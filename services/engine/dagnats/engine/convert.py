@@ -9,6 +9,7 @@ from dagnats.core.outcomes import outcome_of
 from dagnats.core.status import step_status_from_proto, step_status_to_proto
 from dagnats.core.subjects import (
     cancel_subject,
+    created_subject,
     history_subject,
     journal_subject,
     purge_timer_subject,
@@ -21,6 +22,7 @@ from dagnats.engine.convert_workflow import (
     stored_workflow,
     stored_workflow_proto,
 )
+from dagnats.engine.run_list import created_data
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
@@ -334,6 +336,17 @@ def holder_build(tail: jpb.Record, iteration: int) -> str:
 def task_msg_id(run_id: str, step_id: str, iteration: int, attempt: int) -> str:
     """The Msg-Id of a dispatch's task (a re-dispatch appends ``.r<n>``)."""
     return f"{run_id}.{step_id}.{iteration}.{attempt}"
+
+
+def created_run_entry(run: pb.Run) -> ipb.OutboxEntry:
+    """The run's entry in the runs by creation time (``RUNS_CREATED``), in
+    its first outbox: published beside the run's write, or by the reconciler
+    when the create stopped before, and deduplicated by its Msg-Id."""
+    return ipb.OutboxEntry(
+        subject=created_subject(run.run_id),
+        data=created_data(run.workflow, run.created_at.ToNanoseconds()),
+        msg_id=f"{run.run_id}.created",
+    )
 
 
 def outbox_entry(effect: m.Effect, headers: dict[str, str], now: float) -> ipb.OutboxEntry:

@@ -58,6 +58,7 @@ from dagnats.core.errors import Unavailable
 from dagnats.core.seam import seam
 from dagnats.core.status import step_status_from_proto
 from dagnats.core.subjects import is_inbox, task_subject
+from dagnats.core.timestamps import timestamp
 from dagnats.engine import convert, rules
 from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
@@ -150,6 +151,7 @@ class Engine:
         )
         await self.store.ensure_consumer(jsx.TIMERS, TIMER_CONSUMER, self.config.timer_ack_wait)
         self.heard, self._unhear = await self.store.hear_run_writes()
+        await self.store.enter_created(convert.created_run_entry)
         self._tasks = [
             asyncio.create_task(self._consume(jsx.HISTORY, HISTORY_CONSUMER, self._on_event)),
             asyncio.create_task(self._consume(jsx.TIMERS, TIMER_CONSUMER, self._on_timer)),
@@ -415,6 +417,10 @@ class Engine:
         (``rules.awaits_its_run``) and settles after. A lease by this engine
         waits for the write (``creating``)."""
         record = self._record(accepted, trace_context)
+        # Its entry in the runs by creation time rides in its first outbox alone.
+        record.outbox.append(convert.created_run_entry(record.run))
+        if not record.HasField("outbox_since"):
+            record.outbox_since.CopyFrom(timestamp(self.clock()))
         run_id = accepted.run.run_id
         mark = self._mark()
         self._creating[run_id] = creating = asyncio.get_running_loop().create_future()
@@ -442,8 +448,11 @@ class Engine:
             creating.set_result(None)
 
     async def _publish_first(self, record: ipb.RunRecord) -> None:
+        """Publish a new run's outbox, its entries at once: its first
+        dispatches and its entry in the runs by creation time, none of which
+        waits for another."""
         await seam("before_first_tasks")
-        await self.publish_outbox(StoredRun(record, 0))
+        await asyncio.gather(*(self.store.publish(entry) for entry in record.outbox))
 
     async def creating(self, run_id: str) -> None:
         """Return once a create of ``run_id`` by this engine, if one is under

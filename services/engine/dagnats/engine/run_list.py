@@ -111,6 +111,105 @@ def page_is_whole(
     return len(page) == filter.limit and page[-1].created > unread_before + skew
 
 
+# ---- the page read through the runs by creation time ---------------------------
+#
+# Every run created since ``RUNS_CREATED`` exists has an entry there, written
+# with its create and never rewritten, so that stream's newest entries are the
+# newest runs whatever else was written since. A page reads the newest
+# entries, orders them by the creation time each carries, and loads only the
+# runs it needs, newest first. An entry is written with the run's first
+# outbox: beside the run's write, or after it by the reconciler when the
+# create stopped between the two (the run is left out of pages until that
+# pass, as it is while its create is under way). An entry whose run is not
+# stored (the run's write never landed, or the run was purged and its entry is
+# about to be) is skipped. A run stored before the stream existed is given an
+# entry once, by the first engine that starts (``EngineStore.enter_created``):
+# late, at the stream's end, which only makes pages read back further until
+# newer runs cover it.
+#
+# The stream's order is the order its entries were stored (nats-server's
+# clock); a creation time is an engine's. An entry not read was stored before
+# the oldest entry read, after its run was created: its run was created
+# before that time plus the allowance ``skew``, as :func:`page_is_whole` has it.
+
+
+@dataclass(frozen=True, slots=True)
+class Created:
+    """A run's entry in the runs by creation time."""
+
+    run_id: str
+    workflow: str
+    created: int  # creation time, in nanoseconds
+
+    @property
+    def order(self) -> tuple[int, str]:
+        return (self.created, self.run_id)
+
+
+def created_data(workflow: str, created: int) -> bytes:
+    """What a run's entry holds: its creation time and its workflow."""
+    return f"{created} {workflow}".encode()
+
+
+def created_entry(run_id: str, data: bytes) -> Created | None:
+    """The entry ``data`` of ``run_id`` holds; None when it is not one."""
+    created, _, workflow = data.decode(errors="replace").partition(" ")
+    if not created.isdigit() or not workflow:
+        return None
+    return Created(run_id, workflow, int(created))
+
+
+def candidates(entries: Iterable[Created], filter: Filter) -> list[Created]:
+    """The entries of runs ``filter`` may show, newest first, each run once:
+    the order a page loads runs in (the status is the run's, not the entry's)."""
+    seen: dict[str, Created] = {}
+    for entry in entries:
+        if not filter.workflow or entry.workflow == filter.workflow:
+            seen[entry.run_id] = entry
+    return sorted(seen.values(), key=lambda entry: entry.order, reverse=True)
+
+
+def most_loaded(filter: Filter) -> int:
+    """How many runs a page loads through the entries before it reads every
+    run instead: a filter on a status few runs have would load them one by
+    one, where one read of the runs bucket costs less a run."""
+    return 4 * filter.limit + 100
+
+
+@dataclass(frozen=True, slots=True)
+class PageWhole:
+    """The page is what every stored run would give."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadMoreEntries:
+    """A run whose entry was not read may belong in the page: read further back."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadEveryRun:
+    """The filter matched too few of the runs loaded (a status few runs
+    have): read the runs bucket from its newest writes instead
+    (:func:`page_is_whole`'s read), which costs less a run."""
+
+
+PageStep = PageWhole | ReadMoreEntries | ReadEveryRun
+
+
+def settle_by_creation(
+    page: list[Listed[V]], filter: Filter, *, unread_before: int | None, loaded: int, skew: int
+) -> PageStep:
+    """What a page read through the entries needs next. ``page``: :func:`newest`
+    of the runs loaded, which were the candidates' first ``loaded``, newest
+    first; ``unread_before``: every entry not read was stored before this time
+    (nanoseconds, nats-server's clock), None when every entry was read."""
+    if page_is_whole(page, filter, unread_before=unread_before, skew=skew):
+        return PageWhole()
+    if loaded >= most_loaded(filter):
+        return ReadEveryRun()
+    return ReadMoreEntries()
+
+
 @dataclass(frozen=True, slots=True)
 class Changes(Generic[V]):
     """What a watcher is told at once: ``runs`` changed or entered (newest

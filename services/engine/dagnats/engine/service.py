@@ -36,7 +36,21 @@ from dagnats.engine.processor import Engine
 from dagnats.engine.purge import purge_run
 from dagnats.engine.report import lease_position, outcome_event, publish_outcome
 from dagnats.engine.run_feed import RunFeed, listed
-from dagnats.engine.run_list import DEFAULT_LIMIT, MAX_LIMIT, Filter, newest, page_is_whole
+from dagnats.engine.run_list import (
+    DEFAULT_LIMIT,
+    MAX_LIMIT,
+    Created,
+    Filter,
+    Listed,
+    PageWhole,
+    ReadEveryRun,
+    ReadMoreEntries,
+    candidates,
+    most_loaded,
+    newest,
+    page_is_whole,
+    settle_by_creation,
+)
 from dagnats.engine.store import Delivery, StoredRun
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -56,6 +70,8 @@ DEFAULT_POLL_WAIT = 10.0
 MAX_IDEMPOTENCY_KEY = 256
 MAX_INPUT_BYTES = 4 << 20
 MAX_CANCEL_WATCH = 1024
+# Runs a page of ListRuns loads at once through the runs by creation time.
+LOAD_AT_ONCE = 100
 
 
 def _cancel_watch(request: pb.PollTasksRequest) -> list[str]:
@@ -297,16 +313,70 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if not 0 < limit <= 10_000:
             raise errors.InvalidArgument("limit must be between 1 and 10000", field="limit")
         wanted = Filter(workflow=workflow, status=request.status, limit=limit)
+        page = await self._newest_by_creation(wanted)
+        if page is None:
+            page = await self._newest_by_writes(wanted)
+        return pb.ListRunsResponse(runs=[run.view for run in page])
+
+    async def _newest_by_creation(self, wanted: Filter) -> list[Listed[pb.Run]] | None:
+        """A page of the newest runs read through the runs by creation time:
+        the newest entries, four times further back each time a run whose
+        entry was not read could still belong (``settle_by_creation``), and
+        of their runs only those the page needs, newest first. None when the
+        entries cannot settle it (``ReadEveryRun``)."""
         skew = round(self.engine.config.clock_skew * 1e9)
-        # A page costs the runs written since about its oldest run, not every
-        # stored run: read back from the newest writes, four times further
-        # each time the page could still miss a run (page_is_whole).
-        writes = 2 * limit
+        loaded: dict[str, Listed[pb.Run] | None] = {}
+        entries = 2 * wanted.limit
+        while True:
+            read = await self.store.created_runs(entries)
+            page = await self._load_page(candidates(read.entries, wanted), wanted, loaded)
+            step = settle_by_creation(
+                page, wanted, unread_before=read.unread_before, loaded=len(loaded), skew=skew
+            )
+            match step:
+                case PageWhole():
+                    return page
+                case ReadEveryRun():
+                    return None
+                case ReadMoreEntries():
+                    entries *= 4
+                case _:
+                    assert_never(step)
+
+    async def _load_page(
+        self,
+        order: list[Created],
+        wanted: Filter,
+        loaded: dict[str, Listed[pb.Run] | None],
+    ) -> list[Listed[pb.Run]]:
+        """The page of the runs of ``order`` (newest first), loaded in that
+        order, a page's worth at once, until the page is full, ``order`` is
+        done, or ``most_loaded`` runs were loaded. ``loaded`` keeps each run
+        read (None: not stored) across the reads of one page."""
+        most = most_loaded(wanted)
+        page: list[Listed[pb.Run]] = []
+        at = 0
+        while at < len(order) and len(page) < wanted.limit and len(loaded) < most:
+            batch = order[at : at + min(wanted.limit, LOAD_AT_ONCE)]
+            at += len(batch)
+            missing = [entry.run_id for entry in batch if entry.run_id not in loaded]
+            for run_id, stored in (await self.store.load_runs(missing)).items():
+                loaded[run_id] = None if stored is None else listed(stored, whole=True)
+            page = newest((run for e in order[:at] if (run := loaded[e.run_id])), wanted)
+        return page
+
+    async def _newest_by_writes(self, wanted: Filter) -> list[Listed[pb.Run]]:
+        """A page of the newest runs read through the runs bucket's newest
+        writes: it costs the runs written since about its oldest run, not
+        every stored run. Read back from the newest writes, four times
+        further each time the page could still miss a run (page_is_whole)."""
+        skew = round(self.engine.config.clock_skew * 1e9)
+        writes = 2 * wanted.limit
         while True:
             recent = await self.store.recent_runs(writes)
             page = newest((listed(s, whole=True) for s in recent.runs), wanted)
             if page_is_whole(page, wanted, unread_before=recent.unread_before, skew=skew):
-                return pb.ListRunsResponse(runs=[run.view for run in page])
+                return page
             writes *= 4
 
     async def WatchRuns(

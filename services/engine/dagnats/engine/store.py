@@ -22,7 +22,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import RawStreamMsg, StreamInfo
+from nats.js.api import RawStreamMsg, StreamInfo, StreamState
 from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
@@ -32,6 +32,7 @@ from dagnats.core.subjects import (
     COMMIT_EVENTS,
     DIRECT_QUEUE,
     cancelled_run,
+    created_subject,
     dead_letter,
     history_subject,
     kv_key,
@@ -39,6 +40,7 @@ from dagnats.core.subjects import (
     task_filter,
 )
 from dagnats.engine.heard import WRITER, Listening, RunWrites
+from dagnats.engine.run_list import Created, created_entry
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 
@@ -77,9 +79,12 @@ WATCH_INACTIVE = 5.0
 # The key in the active-run index that holds the runs bucket's sequence
 # through which a reconciler pass read every write.
 INDEX_THROUGH = "index-through"
+# The key in the active-run index that says every run stored before the runs
+# by creation time existed was given its entry there.
+CREATED_COMPLETE = "created-complete"
 # Keys of the index that name no run; the second was written before runs
 # were stored without an index entry (ADR 48).
-_INDEX_KEYS = frozenset({INDEX_THROUGH, "index-complete"})
+_INDEX_KEYS = frozenset({INDEX_THROUGH, "index-complete", CREATED_COMPLETE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +104,17 @@ class RecentRuns:
     began at the bucket's first write and left no run out."""
 
     runs: list[StoredRun]
+    unread_before: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedRuns:
+    """The entries :meth:`EngineStore.created_runs` read from the runs by
+    creation time, and when (nanoseconds, nats-server's clock) the oldest
+    entry read was stored, before which every entry not read was; None when
+    the read began at the stream's first entry."""
+
+    entries: list[Created]
     unread_before: int | None
 
 
@@ -368,15 +384,9 @@ class EngineStore:
         state = info.state
         if not state.messages:
             return RecentRuns([], None)
-        # The deleted writes are spread over the bucket's sequences: estimate
-        # how far back ``writes`` live ones begin from their overall density.
-        # Past half the bucket, the rest costs less than the read that would
-        # follow if this one fell short: read it all.
-        span = state.last_seq - state.first_seq + 1
-        start = state.last_seq + 1 - math.ceil(writes * span / state.messages)
-        whole = start <= state.first_seq or 2 * writes >= state.messages
-        read = await self._runs_from(0 if whole else start)
-        return _recent(read.runs, whole, read.oldest)
+        start = _start_of(state, writes)
+        read = await self._runs_from(start)
+        return _recent(read.runs, not start, read.oldest)
 
     async def _runs_info(self) -> StreamInfo:
         """The runs bucket's stream: its state (first and last write, how many)."""
@@ -413,16 +423,7 @@ class EngineStore:
         oldest: int | None = None
         last = max(start - 1, 0)
         try:
-            while True:
-                try:
-                    msg = await asyncio.wait_for(queue.get(), WATCH_IDLE)
-                except TimeoutError:
-                    # Nothing came: the writes from ``start`` on were removed
-                    # (a purge) before the consumer reached them. Done when
-                    # nothing was written after the last one read.
-                    if not await self._written_after(last):
-                        return _Read(found, oldest, last)
-                    continue
+            async for msg in _to_end(queue, last, self._written_after):
                 meta = msg.metadata
                 if oldest is None:
                     oldest = int(meta.timestamp.timestamp() * 1e9)
@@ -432,13 +433,97 @@ class EngineStore:
                     found.pop(key, None)
                 else:
                     found[key] = stored
-                seq = last = int(meta.sequence.stream)
-                # The pending count the consumer sends is no proof of the end:
-                # it can miss a rewrite between its removal and its write.
-                if meta.num_pending == 0 and not await self._written_after(seq):
-                    return _Read(found, oldest, last)
+                last = int(meta.sequence.stream)
+            return _Read(found, oldest, last)
         finally:
             await self._unwatch(sub)
+
+    async def created_runs(self, entries: int) -> CreatedRuns:
+        """About the ``entries`` newest entries of the runs by creation time
+        (``RUNS_CREATED``), or all of them when that is half the stream or
+        more: one ordered consumer from the estimated start to the stream's
+        end. An entry is written once, with its run's create (again only by
+        a reconciler that publishes an outbox the create left), so the
+        stream's newest entries are its newest runs, however many runs were
+        rewritten since."""
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        stream = jsx.RUNS_CREATED
+        info = await _retry(lambda: self.js.stream_info(stream), "read the runs by creation")
+        state = info.state
+        if not state.messages:
+            return CreatedRuns([], None)
+        start = _start_of(state, entries)
+        whole = not start
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def deliver(msg: Msg) -> None:
+            queue.put_nowait(msg)
+
+        sub = await _retry(
+            lambda: self.js.subscribe(
+                created_subject(">"),
+                stream=stream,
+                cb=deliver,
+                config=None if whole else ConsumerConfig(opt_start_seq=start),
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.ALL if whole else DeliverPolicy.BY_START_SEQUENCE,
+                idle_heartbeat=WATCH_HEARTBEAT,
+                inactive_threshold=WATCH_INACTIVE,
+            ),
+            "read the runs by creation",
+        )
+        found: list[Created] = []
+        oldest: int | None = None
+        prefix = created_subject("")
+        try:
+            async for msg in _to_end(queue, 0 if whole else start - 1, self._created_after):
+                if oldest is None:
+                    oldest = int(msg.metadata.timestamp.timestamp() * 1e9)
+                entry = created_entry((msg.subject or "").removeprefix(prefix), msg.data)
+                if entry is not None:
+                    found.append(entry)
+        finally:
+            with contextlib.suppress(Exception):  # the connection may be gone: so is the consumer
+                await sub.unsubscribe()
+        if whole:
+            return CreatedRuns(found, None)
+        return CreatedRuns(found, oldest if oldest is not None else _NEVER)
+
+    async def enter_created(self, entry_of: Callable[[pb.Run], ipb.OutboxEntry]) -> int:
+        """Give every stored run its entry in the runs by creation time
+        (``entry_of``), once a deployment: a run stored before that stream
+        existed has none. Done when the index holds ``CREATED_COMPLETE``,
+        put after the last entry: an engine stopped before does it again
+        (an entry published twice is one entry). How many runs it entered."""
+        try:
+            await self._get(jsx.KV_ACTIVE_RUNS, CREATED_COMPLETE, "read the index")
+            return 0
+        except nats.js.errors.KeyNotFoundError:
+            pass
+        runs = await self.latest_runs()
+        for stored in runs:
+            entry = entry_of(stored.record.run)
+            # Its own Msg-Id: a create's entry purged within the duplicate
+            # window would drop this one.
+            entry.msg_id += ".entered"
+            await self.publish(entry)
+        await _retry(lambda: self._active.put(CREATED_COMPLETE, b"1"), "mark the index")
+        return len(runs)
+
+    async def _created_after(self, seq: int) -> bool:
+        """Whether the runs by creation time hold an entry after ``seq`` now."""
+        where = {"seq": seq + 1, "subject": created_subject(">"), "next": True}
+        try:
+            await self._msg(jsx.RUNS_CREATED, "read the runs by creation", **where)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
+
+    async def load_runs(self, run_ids: list[str]) -> dict[str, StoredRun | None]:
+        """Each run as stored now (None: there is none), read at once."""
+        loaded = await asyncio.gather(*(self.load_run(run_id) for run_id in run_ids))
+        return dict(zip(run_ids, loaded, strict=True))
 
     async def _written_after(self, seq: int) -> bool:
         """Whether the runs bucket holds a write after ``seq`` now."""
@@ -532,6 +617,9 @@ class EngineStore:
 
     async def delete_run(self, run_id: str) -> None:
         await _retry(lambda: self._runs.purge(run_id), "purge the run")
+        # After the run: a purge stopped in between leaves an entry with no
+        # run, which a page skips, never a run with no entry.
+        await self.purge_subject(jsx.RUNS_CREATED, created_subject(run_id))
         await self.leave_active(run_id)
 
     # ---- the active-run index -----------------------------------------------------
@@ -937,6 +1025,41 @@ async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
         await watcher.stop()  # type: ignore[no-untyped-call]
 
 
+def _start_of(state: StreamState, newest: int) -> int:
+    """The sequence a read of about a stream's ``newest`` live messages
+    begins at; 0: its first. The deleted messages are spread over the
+    stream's sequences: estimate how far back ``newest`` live ones begin
+    from their overall density. Past half the stream, the rest costs less
+    than the read that would follow if this one fell short: read it all."""
+    span = state.last_seq - state.first_seq + 1
+    start = state.last_seq + 1 - math.ceil(newest * span / state.messages)
+    return 0 if start <= state.first_seq or 2 * newest >= state.messages else start
+
+
+async def _to_end(
+    queue: asyncio.Queue[Msg], last: int, written_after: Callable[[int], Awaitable[bool]]
+) -> AsyncIterator[Msg]:
+    """The messages an ordered consumer puts in ``queue``, after sequence
+    ``last``, to the stream's end: when the stream, asked directly
+    (``written_after``), holds nothing after the last one read. The pending
+    count the consumer sends is no proof of the end: it can miss a rewrite
+    between its removal and its write."""
+    while True:
+        try:
+            msg = await asyncio.wait_for(queue.get(), WATCH_IDLE)
+        except TimeoutError:
+            # Nothing came: the messages from the start on were removed (a
+            # purge) before the consumer reached them. Done when nothing was
+            # written after the last one read.
+            if not await written_after(last):
+                return
+            continue
+        yield msg
+        last = int(msg.metadata.sequence.stream)
+        if msg.metadata.num_pending == 0 and not await written_after(last):
+            return
+
+
 def _recent(found: dict[str, StoredRun], whole: bool, oldest: int | None) -> RecentRuns:
     """The end of a read of recent runs: with the time of its oldest write,
     unless it read the whole bucket. A partial read that found no write at
@@ -950,7 +1073,7 @@ def _recent(found: dict[str, StoredRun], whole: bool, oldest: int | None) -> Rec
 _NEVER = 2**63 - 1  # nanoseconds: later than any write
 
 
-__all__ = ["Delivery", "EngineStore", "RecentRuns", "StaleRevision", "StoredRun"]
+__all__ = ["CreatedRuns", "Delivery", "EngineStore", "RecentRuns", "StaleRevision", "StoredRun"]
 
 
 class _Notices:
