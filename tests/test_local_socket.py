@@ -232,6 +232,56 @@ async def test_a_clients_watch_on_the_socket_rides_out_a_services_restart(
         await engine.stop()
 
 
+# The keepalive of the frozen-process test, and what it allows a loaded machine more.
+KEEPALIVE, MARGIN = 1.0, 5.0
+
+
+async def test_a_frozen_services_process_ends_a_watch_and_a_poll_on_its_socket_within_the_keepalive(
+    nats_server: NatsServer, short_dir: Path, tmp_path: Path
+) -> None:
+    """A watch of a run that goes on and a long poll wait on the socket with
+    nothing arriving: their pings are answered and they go on. Then the
+    services process is frozen (SIGSTOP: its socket stays open, nothing
+    reads it): each ends within the keepalive, UNAVAILABLE, which the SDK
+    tries again as any broken connection."""
+    path = short_dir / "frozen.sock"
+    env = {"DAGNATS_LOCAL_SOCKET": str(path)}
+    engine = EngineProcess(nats_server.url, tmp_path, "engine", env=env)
+    await engine.start()
+    try:
+        async with Client(engine.target) as client:
+            name = unique("frozen")
+            await client.register_workflow(loop_workflow(name, unique("nobody")))
+            run = await client.start_run(name, {})
+        watches = LocalConnection(str(path), keepalive=KEEPALIVE)
+        watch, first = await _watch(watches, pb.WatchRunRequest(run_id=run.run_id))
+        assert first.run.status == pb.RUN_STATUS_RUNNING
+        watched = asyncio.create_task(anext(watch))
+        polls = LocalConnection(str(path), keepalive=KEEPALIVE)
+        request = pb.PollTasksRequest(task_types=[unique("none")], wait=Duration(seconds=60))
+        polled = asyncio.create_task(_poll(polls, request))
+        # Two pings each, the first answered, or the connection would have ended.
+        await wait_for(lambda: watches.pings >= 2 and polls.pings >= 2, timeout=30)
+        assert not watches.done() and not polls.done()
+        engine.freeze()
+        for waiting in (watched, polled):
+            with pytest.raises(TransportError) as ended:
+                await asyncio.wait_for(waiting, KEEPALIVE + MARGIN)
+            assert ended.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "DAGNATS_LOCAL_KEEPALIVE" in ended.value.message
+    finally:
+        engine.thaw()
+        await engine.stop()
+
+
+def test_the_sdk_reads_the_sockets_keepalive_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DAGNATS_LOCAL_KEEPALIVE", "2.5")
+    assert FoundSocket(None)._keepalive == 2.5
+    assert FoundSocket(None, keepalive=1.0)._keepalive == 1.0
+
+
 def _connection(sockets: LocalListener, token: str | None = None) -> LocalConnection:
     """A connection to ``sockets``, as a client that found it makes."""
     refusals: list[str] = []

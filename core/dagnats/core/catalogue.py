@@ -156,6 +156,15 @@ SETTINGS: tuple[Setting, ...] = (
         "retried, then fails `Unavailable`, instead of hanging",
     ),
     Setting(
+        TIMING,
+        ("DAGNATS_LOCAL_KEEPALIVE",),
+        "10",
+        "SDK: seconds within which a call on the services' local socket that nothing "
+        "answers, not even a ping, ends; a watch or long poll on a frozen services process "
+        "is then tried again as on a broken connection (a ping is sent only while a call "
+        "waits with nothing arriving)",
+    ),
+    Setting(
         SECURITY,
         ("DAGNATS_TLS_CA",),
         "unset",
@@ -299,8 +308,8 @@ SETTINGS: tuple[Setting, ...] = (
         ("DAGNATS_CLOCK_SKEW",),
         "5",
         "the most an engine's clock may be ahead of nats-server's: a run list reads back "
-        "from the newest writes until what is left was stored this long before its page's "
-        "oldest run was created",
+        "from the newest runs by creation time until what is left was stored this long "
+        "before its page's oldest run was created",
     ),
     Setting(
         TIMING,

@@ -1,7 +1,11 @@
 """Length-prefixed protobuf frames over a stream transport: the local socket
 on both of its ends, and the local transport's error.
 
-A frame is a 4-byte big-endian length and that many bytes, a message.
+A frame is a 4-byte big-endian length and that many bytes, a message. An
+empty frame after the first is a ping: the client sends one on a connection
+whose call has waited with nothing arriving, and the server answers it at
+once with an empty frame, whatever call it is serving (no call nor answer is
+ever empty; the first frame, a hello, may be).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import grpc
 HEADER = struct.Struct(">I")
 # As gRPC's default limit on a received message.
 MAX_FRAME = 4 * 1024 * 1024
+# An empty frame: a ping, or its answer.
+PING = HEADER.pack(0)
 
 
 class TransportError(Exception):
@@ -68,6 +74,11 @@ class Frames(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             data = message.SerializeToString()
             self.transport.write(HEADER.pack(len(data)) + data)
+
+    def send_ping(self) -> None:
+        """Send an empty frame: a ping, or the answer to one."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(PING)
 
     def on_frame(self, frame: bytes) -> None:
         raise NotImplementedError

@@ -10,6 +10,17 @@ the status gRPC would have ended it with: UNAVAILABLE when the socket cannot
 be reached or the connection ends (so the call is tried again within the
 lease, and a services restart costs nothing), DEADLINE_EXCEEDED, or the
 server's refusal (UNAUTHENTICATED, PERMISSION_DENIED, FAILED_PRECONDITION).
+
+A call that waits with nothing arriving (a watch of a run that goes on, a
+long poll) is kept alive by a ping: a connection looks every third of its
+``keepalive`` (``DAGNATS_LOCAL_KEEPALIVE``, seconds) whether a frame came
+since it last looked; when none did while a call waits, it sends a ping (an
+empty frame), and when none came after the ping either, it ends with
+UNAVAILABLE, as gRPC's keepalive breaks a stream to a frozen server. So a
+services process frozen (SIGSTOP), or a socket left open by a process that no
+longer reads it, ends the call within ``keepalive``; the SDK then tries again
+as after any broken connection. A call answered in time costs nothing more:
+the look is one timer a connection, not one a call.
 """
 
 from __future__ import annotations
@@ -27,12 +38,18 @@ from google.protobuf.message import Message
 
 from dagnats.core.frames import Frames, TransportError
 from dagnats.core.grpcutil import status_code
+from dagnats.core.settings import env_seconds
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk._errors import answered_error
 
 log = logging.getLogger("dagnats.sdk")
 # DAGNATS_LOCAL_SOCKET's value that keeps the journal calls on gRPC.
 OFF = "off"
+# Seconds within which a call on the socket that nothing answers, not even
+# a ping, ends (DAGNATS_LOCAL_KEEPALIVE).
+DEFAULT_LOCAL_KEEPALIVE = 10.0
+# A connection looks for silence this many times per keepalive.
+LOOKS = 3
 R = TypeVar("R", bound=Message)
 
 
@@ -65,9 +82,15 @@ class LocalConnection(Frames):
         *,
         instance: str = "",
         refused: Callable[[str], None] | None = None,
+        keepalive: float = DEFAULT_LOCAL_KEEPALIVE,
     ) -> None:
         super().__init__()
         self._path = path
+        self._keepalive = keepalive
+        self._heard = 0  # frames since the connection last looked for silence
+        self._pinged = False  # a ping went unanswered so far
+        self.pings = 0  # pings sent
+        self._look: asyncio.TimerHandle | None = None
         self._hello = pb.LocalHello(token=token or "", instance=instance)
         self._refused = refused
         self._answered = False
@@ -188,7 +211,40 @@ class LocalConnection(Frames):
             self._answered = True
             return answer
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._look_later()
+
+    def _look_later(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._look = loop.call_later(self._keepalive / LOOKS, self._look_for_silence)
+
+    def _look_for_silence(self) -> None:
+        """Every third of the keepalive: while a call waits and nothing came
+        since the last look, ping; if the ping got nothing back, end."""
+        self._look = None
+        if self._ended is not None:
+            return
+        waiting = self._waiter is not None and not self._waiter.done()
+        if self._heard or not waiting:
+            self._heard, self._pinged = 0, False
+        elif self._pinged:
+            self._end(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the local socket {self._path} did not answer a ping in "
+                f"{self._keepalive:g}s (DAGNATS_LOCAL_KEEPALIVE)",
+            )
+            return
+        else:
+            self._pinged = True
+            self.pings += 1
+            self.send_ping()
+        self._look_later()
+
     def on_frame(self, frame: bytes) -> None:
+        self._heard += 1
+        if not frame:  # the answer to a ping
+            return
         self._frames.append(frame)
         self._wake()
 
@@ -202,6 +258,9 @@ class LocalConnection(Frames):
     def _end(self, status: grpc.StatusCode, details: str) -> None:
         if self._ended is None:
             self._ended = TransportError(status, details)
+        if self._look is not None:
+            self._look.cancel()
+            self._look = None
         if self.transport is not None:
             self.transport.close()
         self._wake()
@@ -290,8 +349,13 @@ class FoundSocket:
     socket not refused before: that one is not taken again.
     """
 
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, *, keepalive: float | None = None) -> None:
         self._token = token
+        self._keepalive = (
+            env_seconds("DAGNATS_LOCAL_KEEPALIVE", DEFAULT_LOCAL_KEEPALIVE)
+            if keepalive is None
+            else keepalive
+        )
         self._socket: pb.LocalSocket | None = None
         self._refused: set[tuple[str, str]] = set()
 
@@ -324,6 +388,7 @@ class FoundSocket:
             self._token,
             instance=socket.instance,
             refused=lambda why: self._refuse(socket, why),
+            keepalive=self._keepalive,
         )
 
     def _refuse(self, socket: pb.LocalSocket, reason: str) -> None:

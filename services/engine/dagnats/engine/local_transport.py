@@ -21,6 +21,10 @@ may call without gRPC: the journal's Session calls, the engine's PollTasks
   call (the token's role may not make it; the table has no such method), a
   frame too long or unreadable, an unexpected failure (UNKNOWN, logged). The
   client reads a closed connection as a broken stream and opens another.
+  An empty frame after the hello is the client's ping: it is answered at
+  once with an empty frame, ahead of the call under way, which it does not
+  touch; a client whose call waited with nothing arriving sends it, and ends
+  the connection when no frame comes back (``DAGNATS_LOCAL_KEEPALIVE``).
 - **In the process** (:class:`LocalSession`), for the handlers the services
   run: the same table, called without bytes.
 
@@ -234,6 +238,7 @@ class _Connection(Frames):
         self._listener = listener
         self._frames: asyncio.Queue[bytes] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._greeted = False  # the hello came: an empty frame is a ping
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -247,6 +252,10 @@ class _Connection(Frames):
             self._task.cancel()  # as a gRPC stream's end cancels its handler
 
     def on_frame(self, frame: bytes) -> None:
+        if not frame and self._greeted:
+            self.send_ping()  # answered here: the call under way may wait long
+            return
+        self._greeted = True
         self._frames.put_nowait(frame)
         if self._frames.qsize() >= READ_AHEAD and self.transport is not None:
             self.transport.pause_reading()
