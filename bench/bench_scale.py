@@ -668,6 +668,44 @@ async def one_server(k: Knobs, data: Path) -> dict[str, Any]:
         bt.stop_stack(stack)
 
 
+async def list_runs_only(k: Knobs, data: Path) -> dict[str, Any]:
+    """``python -m bench.bench_scale list``: the ``ListRuns`` measure alone,
+    on ``dagnats dev``'s one server: the newest 100 with none parked, then
+    with ``k.waiters`` parked once the reconciler has parked them (its passes
+    rewrite every one, after the newest were created), five tries each; then
+    with 100 runs more started one after the other."""
+    import nats
+
+    from dagnats.sdk import Client
+
+    stack = bt.start_stack(data, k.turn, worker_module=MODULE)
+    try:
+        nc = await nats.connect(stack.nats_url, name="bench-scale")
+        js = nc.jetstream()
+        out: dict[str, Any] = {"waiters": k.waiters, "load_start": os.getloadavg()[0]}
+        async with Client(stack.engine) as client:
+            await register(client)
+            await client.run(bt.TASK, {"k": 1}, timeout=60)
+            for _ in range(100):
+                await client.run(bt.TASK, {"k": 1}, timeout=60)
+            out["none_parked_s"] = [await list_time(stack.engine) for _ in range(5)]
+            bt.progress(f"park: {k.waiters} runs")
+            _, seconds = await park(client, js, k.waiters)
+            out["park_s"] = round(seconds, 1)
+            out["unindexed_s"] = await index_drained(js, k.waiters)
+            out["parked_s"] = [await list_time(stack.engine) for _ in range(5)]
+            # 100 runs more, one after the other, after the parked ones: the
+            # newest 100 are no longer the end of the burst that parked.
+            for _ in range(100):
+                await client.run(bt.TASK, {"k": 1}, timeout=60)
+            out["after_parked_s"] = [await list_time(stack.engine) for _ in range(5)]
+        out["load_end"] = os.getloadavg()[0]
+        await nc.close()
+        return out
+    finally:
+        bt.stop_stack(stack)
+
+
 async def waiting(
     k: Knobs, client: Any, target: str, js: Any, procs: Procs, store: Path, monitor: str
 ) -> dict[str, Any]:
@@ -886,8 +924,14 @@ def main(argv: list[str] | None = None) -> None:
         handlers = {task: bt.turn_handler(), WAIT_TASK: wait_turn}
         asyncio.run(bt.serve_worker(targets, handlers, concurrency))
         return
+    if args[:1] == ["list"]:
+        k = Knobs.from_env(os.environ)
+        with tempfile.TemporaryDirectory(prefix="dagnats-bench-scale-") as tmp:
+            measured = asyncio.run(list_runs_only(k, Path(tmp) / "one"))
+        print(json.dumps(measured, indent=2))
+        return
     if args:
-        raise SystemExit(f"usage: python -m {MODULE} (knobs: BENCH_* variables); got {args}")
+        raise SystemExit(f"usage: python -m {MODULE} [list] (knobs: BENCH_* variables); got {args}")
     k = Knobs.from_env(os.environ)
     started, load = time.perf_counter(), os.getloadavg()
     got: dict[str, Any] = {}

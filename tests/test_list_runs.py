@@ -114,17 +114,27 @@ def test_the_candidates_are_the_entries_of_the_workflow_newest_first_each_run_on
 def test_a_page_read_through_the_entries_reads_further_back_or_every_run() -> None:
     full = [run("b", 200), run("a", 100)]
     two = Filter(limit=2)
-    settle = settle_by_creation
+
+    def settle(page: list[Listed[str]], before: int | None, *, loaded: int = 2) -> object:
+        # 10 entries read, stored from ``before`` to ``before + 10 ms``.
+        newest = (before or 0) + 10_000_000
+        return settle_by_creation(
+            page, two, unread_before=before, loaded=loaded, skew=5, read=10, newest=newest
+        )
+
     # Every entry read: the page is all there is, full or not.
-    assert settle(full[:1], two, unread_before=None, loaded=1, skew=0) == PageWhole()
+    assert settle(full[:1], None, loaded=1) == PageWhole()
     # An unread entry was stored before 90, its run created before 95.
-    assert settle(full, two, unread_before=90, loaded=2, skew=5) == PageWhole()
-    assert settle(full, two, unread_before=95, loaded=2, skew=5) == ReadMoreEntries()
-    assert settle(full[:1], two, unread_before=0, loaded=1, skew=0) == ReadMoreEntries()
+    assert settle(full, 90) == PageWhole()
+    # Before 95: the entries stored since 90 (100 - 5, and 1 ns), at a
+    # rate of one a millisecond, and a quarter over; at least a page.
+    assert settle(full, 95) == ReadMoreEntries(2)
+    assert settle(full, 2_000_095) == ReadMoreEntries(3)  # 2 ms and 1 ns, and a quarter
+    # Room in the page: three times as many again.
+    assert settle(full[:1], 0, loaded=1) == ReadMoreEntries(30)
     # A status few runs have: past ``most_loaded`` runs loaded, the runs
     # bucket's own read costs less.
-    most = most_loaded(two)
-    assert settle(full[:1], two, unread_before=0, loaded=most, skew=0) == ReadEveryRun()
+    assert settle(full[:1], 0, loaded=most_loaded(two)) == ReadEveryRun()
 
 
 # ---- the engine ---------------------------------------------------------------------

@@ -33,6 +33,7 @@ the latest state of each run instead of a backlog.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -183,7 +184,10 @@ class PageWhole:
 
 @dataclass(frozen=True, slots=True)
 class ReadMoreEntries:
-    """A run whose entry was not read may belong in the page: read further back."""
+    """A run whose entry was not read may belong in the page: read about
+    ``entries`` more, further back than those read."""
+
+    entries: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,17 +201,35 @@ PageStep = PageWhole | ReadMoreEntries | ReadEveryRun
 
 
 def settle_by_creation(
-    page: list[Listed[V]], filter: Filter, *, unread_before: int | None, loaded: int, skew: int
+    page: list[Listed[V]],
+    filter: Filter,
+    *,
+    unread_before: int | None,
+    loaded: int,
+    skew: int,
+    read: int,
+    newest: int,
 ) -> PageStep:
     """What a page read through the entries needs next. ``page``: :func:`newest`
     of the runs loaded, which were the candidates' first ``loaded``, newest
     first; ``unread_before``: every entry not read was stored before this time
-    (nanoseconds, nats-server's clock), None when every entry was read."""
+    (nanoseconds, nats-server's clock), None when every entry was read;
+    ``read`` entries were read, the newest stored at ``newest``.
+
+    A full page needs the entries stored back to its oldest run's creation
+    less ``skew``: as many more as were stored over that stretch at the rate
+    of those read, and a quarter over. A page with room reads three times as
+    many again."""
     if page_is_whole(page, filter, unread_before=unread_before, skew=skew):
         return PageWhole()
     if loaded >= most_loaded(filter):
         return ReadEveryRun()
-    return ReadMoreEntries()
+    assert unread_before is not None  # else the page was whole
+    if len(page) < filter.limit:
+        return ReadMoreEntries(max(3 * read, filter.limit))
+    stretch = unread_before + skew - page[-1].created + 1
+    per_ns = read / max(newest - unread_before, 1_000_000)
+    return ReadMoreEntries(max(math.ceil(stretch * per_ns * 5 / 4), filter.limit))
 
 
 @dataclass(frozen=True, slots=True)

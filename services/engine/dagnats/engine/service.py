@@ -320,26 +320,33 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     async def _newest_by_creation(self, wanted: Filter) -> list[Listed[pb.Run]] | None:
         """A page of the newest runs read through the runs by creation time:
-        the newest entries, four times further back each time a run whose
-        entry was not read could still belong (``settle_by_creation``), and
-        of their runs only those the page needs, newest first. None when the
-        entries cannot settle it (``ReadEveryRun``)."""
+        the newest entries, then the stretch before those read, as long as a
+        run whose entry was not read could still belong (``settle_by_creation``
+        says how far), and of their runs only those the page needs, newest
+        first. None when the entries cannot settle it (``ReadEveryRun``)."""
         skew = round(self.engine.config.clock_skew * 1e9)
         loaded: dict[str, Listed[pb.Run] | None] = {}
-        entries = 2 * wanted.limit
+        read = await self.store.created_runs(2 * wanted.limit)
+        entries, newest_at = read.entries, read.newest
         while True:
-            read = await self.store.created_runs(entries)
-            page = await self._load_page(candidates(read.entries, wanted), wanted, loaded)
+            page = await self._load_page(candidates(entries, wanted), wanted, loaded)
             step = settle_by_creation(
-                page, wanted, unread_before=read.unread_before, loaded=len(loaded), skew=skew
+                page,
+                wanted,
+                unread_before=read.unread_before,
+                loaded=len(loaded),
+                skew=skew,
+                read=len(entries),
+                newest=newest_at,
             )
             match step:
                 case PageWhole():
                     return page
                 case ReadEveryRun():
                     return None
-                case ReadMoreEntries():
-                    entries *= 4
+                case ReadMoreEntries(entries=more):
+                    read = await self.store.created_runs(more, before=read.start)
+                    entries = read.entries + entries
                 case _:
                     assert_never(step)
 

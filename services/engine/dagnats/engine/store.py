@@ -116,6 +116,8 @@ class CreatedRuns:
 
     entries: list[Created]
     unread_before: int | None
+    start: int  # the first sequence of the stretch read: a read further back ends before it
+    newest: int  # when (nanoseconds) the newest entry read was stored; 0: none was
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,22 +440,24 @@ class EngineStore:
         finally:
             await self._unwatch(sub)
 
-    async def created_runs(self, entries: int) -> CreatedRuns:
-        """About the ``entries`` newest entries of the runs by creation time
-        (``RUNS_CREATED``), or all of them when that is half the stream or
-        more: one ordered consumer from the estimated start to the stream's
-        end. An entry is written once, with its run's create (again only by
-        a reconciler that publishes an outbox the create left), so the
+    async def created_runs(self, entries: int, *, before: int = 0) -> CreatedRuns:
+        """About ``entries`` entries of the runs by creation time
+        (``RUNS_CREATED``): the newest, or the newest before sequence
+        ``before`` (a read further back than one made already); all of them
+        when that is half the stream or more. One ordered consumer over that
+        stretch. An entry is written once, with its run's create (again only
+        by a reconciler that publishes an outbox the create left), so the
         stream's newest entries are its newest runs, however many runs were
-        rewritten since."""
+        rewritten since, and a stretch read once needs no reading again."""
         from nats.js.api import ConsumerConfig, DeliverPolicy
 
         stream = jsx.RUNS_CREATED
         info = await _retry(lambda: self.js.stream_info(stream), "read the runs by creation")
         state = info.state
-        if not state.messages:
-            return CreatedRuns([], None)
-        start = _start_of(state, entries)
+        end = before - 1 if before else state.last_seq
+        if not state.messages or end < state.first_seq:
+            return CreatedRuns([], None, state.first_seq, 0)
+        start = _start_of(state, entries, end=end)
         whole = not start
         queue: asyncio.Queue[Msg] = asyncio.Queue()
 
@@ -475,20 +479,31 @@ class EngineStore:
         )
         found: list[Created] = []
         oldest: int | None = None
+        newest = 0
         prefix = created_subject("")
+        last = 0 if whole else start - 1
+
+        async def written_after(seq: int) -> bool:
+            return await self._created_after(seq, through=end if before else 0)
+
         try:
-            async for msg in _to_end(queue, 0 if whole else start - 1, self._created_after):
+            async for msg in _to_end(queue, last, written_after):
+                meta = msg.metadata
+                newest = int(meta.timestamp.timestamp() * 1e9)
                 if oldest is None:
-                    oldest = int(msg.metadata.timestamp.timestamp() * 1e9)
+                    oldest = newest
                 entry = created_entry((msg.subject or "").removeprefix(prefix), msg.data)
                 if entry is not None:
                     found.append(entry)
+                if before and meta.sequence.stream >= end:
+                    break
         finally:
             with contextlib.suppress(Exception):  # the connection may be gone: so is the consumer
                 await sub.unsubscribe()
+        first = state.first_seq if whole else start
         if whole:
-            return CreatedRuns(found, None)
-        return CreatedRuns(found, oldest if oldest is not None else _NEVER)
+            return CreatedRuns(found, None, first, newest)
+        return CreatedRuns(found, oldest if oldest is not None else _NEVER, first, newest)
 
     async def enter_created(self, entry_of: Callable[[pb.Run], ipb.OutboxEntry]) -> int:
         """Give every stored run its entry in the runs by creation time
@@ -511,14 +526,15 @@ class EngineStore:
         await _retry(lambda: self._active.put(CREATED_COMPLETE, b"1"), "mark the index")
         return len(runs)
 
-    async def _created_after(self, seq: int) -> bool:
-        """Whether the runs by creation time hold an entry after ``seq`` now."""
+    async def _created_after(self, seq: int, *, through: int = 0) -> bool:
+        """Whether the runs by creation time hold an entry after ``seq`` now
+        (and at ``through`` or before, unless 0)."""
         where = {"seq": seq + 1, "subject": created_subject(">"), "next": True}
         try:
-            await self._msg(jsx.RUNS_CREATED, "read the runs by creation", **where)
+            found = await self._msg(jsx.RUNS_CREATED, "read the runs by creation", **where)
         except nats.js.errors.NotFoundError:
             return False
-        return True
+        return not through or int(found.seq or 0) <= through
 
     async def load_runs(self, run_ids: list[str]) -> dict[str, StoredRun | None]:
         """Each run as stored now (None: there is none), read at once."""
@@ -1025,14 +1041,15 @@ async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
         await watcher.stop()  # type: ignore[no-untyped-call]
 
 
-def _start_of(state: StreamState, newest: int) -> int:
+def _start_of(state: StreamState, newest: int, *, end: int = 0) -> int:
     """The sequence a read of about a stream's ``newest`` live messages
-    begins at; 0: its first. The deleted messages are spread over the
-    stream's sequences: estimate how far back ``newest`` live ones begin
-    from their overall density. Past half the stream, the rest costs less
-    than the read that would follow if this one fell short: read it all."""
+    (through sequence ``end``, 0: its last) begins at; 0: its first. The
+    deleted messages are spread over the stream's sequences: estimate how far
+    back ``newest`` live ones begin from their overall density. Past half the
+    stream, the rest costs less than the read that would follow if this one
+    fell short: read it all."""
     span = state.last_seq - state.first_seq + 1
-    start = state.last_seq + 1 - math.ceil(newest * span / state.messages)
+    start = (end or state.last_seq) + 1 - math.ceil(newest * span / state.messages)
     return 0 if start <= state.first_seq or 2 * newest >= state.messages else start
 
 
