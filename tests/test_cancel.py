@@ -338,9 +338,10 @@ async def test_a_watch_sent_after_the_cancel_hears_it_at_once_and_bad_ones_are_r
     await client.cancel_run(cancelled.run_id, "operator stop")
     await wait_for(lambda: engine.cancels.was_heard(cancelled.run_id), timeout=10)
 
-    async def announced_for_good() -> bool:  # its outbox cleared: announced no more
-        stored = await engine.engine.store.load_run(cancelled.run_id)
-        return stored is not None and not stored.record.outbox
+    async def announced_for_good() -> bool:  # a reconciler pass read its end: announced no more
+        store = engine.engine.store
+        stored = await store.load_run(cancelled.run_id)
+        return stored is not None and await store.index_mark() >= stored.revision
 
     await wait_for(announced_for_good, timeout=20)
     wait = Duration()

@@ -14,6 +14,7 @@ import functools
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc.aio
 import nats.js.errors
@@ -26,12 +27,12 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import seam
 from dagnats.core.ids import new_run_id
 from dagnats.core.natsserver import NatsServer
-from dagnats.core.subjects import task_subject, timer_subject
+from dagnats.core.subjects import cancel_subject, task_subject, timer_subject
 from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
 from dagnats.engine.convert import task_msg_id
 from dagnats.engine.convert_workflow import stored_workflow
-from dagnats.engine.processor import Engine
+from dagnats.engine.processor import HISTORY_CONSUMER, Engine
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.store import INDEX_THROUGH, EngineStore
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -427,4 +428,112 @@ async def test_a_write_after_a_park_is_entered_again_beside_the_entry_the_park_p
     stored = await store.require_run(run_id)
     await store.update_run(stored.record, stored.revision)
     assert (await store.indexed_runs())[run_id] == newer
+    await forget(store, run_id, task_subject(task, run_id, "agent"))
+
+
+class RunWrites:
+    """Every write of one run nats-server takes in, as core subscribers hear
+    them: its key in the runs bucket, its key in the active-run index, a
+    purge of that key, and its cancel's announcement."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.heard: list[str] = []
+        self.announced = 0
+        self._subs: list[object] = []
+
+    async def listen(self, nc: NATS) -> None:
+        async def write(msg: Msg) -> None:
+            self.heard.append(msg.subject)
+
+        async def purge(msg: Msg) -> None:
+            if self.run_id in msg.data.decode(errors="replace"):
+                self.heard.append(msg.subject)
+
+        async def announce(msg: Msg) -> None:
+            self.announced += 1
+
+        self._subs = [
+            await nc.subscribe(f"$KV.{jsx.KV_RUNS}.{self.run_id}", cb=write),
+            await nc.subscribe(f"$KV.{jsx.KV_ACTIVE_RUNS}.{self.run_id}", cb=write),
+            await nc.subscribe(f"$JS.API.STREAM.PURGE.KV_{jsx.KV_ACTIVE_RUNS}", cb=purge),
+            await nc.subscribe(cancel_subject(self.run_id), cb=announce),
+        ]
+        await nc.flush()
+
+
+async def test_the_write_that_ends_a_run_leaves_the_reconciler_nothing_to_write(
+    nats_server: NatsServer,
+) -> None:
+    """A run ends with an outbox (its purge timer, its steps' inputs closed),
+    which its engine publishes. The reconciler's passes after it, the first
+    of which reads that write, write nothing of the run: no index entry, no
+    clear of the outbox, no purge of an entry (three writes before)."""
+    task, name = unique("ends"), unique("endswf")
+    config = replace(FAST, reconcile_interval=600.0, outbox_grace=0.0)  # passes by hand
+    engine = await start_engine(nats_server.url, config=config)
+    store = engine.engine.store
+
+    async def done(tc: TaskContext) -> None:
+        await tc.complete("done")
+
+    try:
+        async with Client(engine.target) as client:
+            await client.register_workflow(loop_workflow(name, task))
+            async with Worker(engine.target, handlers={task: done}, poll_wait=1.0):
+                run = await client.start_run(name)
+                ended = await client.wait_for_run(run.run_id, timeout=30)
+        assert ended.status == pb.RUN_STATUS_COMPLETED
+        stored = await store.load_run(run.run_id)
+        assert stored is not None and stored.record.outbox, "it ends with an outbox"
+        writes = RunWrites(run.run_id)
+        await writes.listen(store.nc)
+        runs_last = (await store._runs_info()).state.last_seq
+        for _ in range(3):
+            await engine.engine.reconcile()
+        await store.nc.flush()
+        assert await store.index_mark() >= stored.revision, "a pass read the run's end"
+        assert writes.heard == []
+        assert (await store._runs_info()).state.last_seq == runs_last
+        assert run.run_id not in await store.active_runs()
+    finally:
+        await engine.stop()
+
+
+async def test_an_end_whose_outbox_was_not_published_is_published_by_the_pass_that_reads_it(
+    short_window: EngineStore,
+) -> None:
+    """The engine that cancels a run stops after the write that ends it,
+    before publishing its outbox. The next reconciler pass, of an engine that
+    knows nothing of it, reads the write and publishes the outbox (the
+    cancel is announced), and writes nothing of the run."""
+    store, task, run_id = short_window, unique("unpublished"), new_run_id()
+    config = replace(FAST, outbox_grace=0.0)
+    # The consumer a pass reads the history's floor from, as a started engine makes it.
+    await store.ensure_consumer(jsx.HISTORY, HISTORY_CONSUMER, config.history_ack_wait)
+    await start_bare(run_id, task, Engine(store, config))
+
+    async def crash(point: str) -> None:
+        if point == "after_dispatch_saved":
+            raise RuntimeError("the engine died after the run's last write")
+
+    seam.install(crash)
+    try:
+        with pytest.raises(RuntimeError):
+            await Engine(store, config).apply(run_id, m.CancelRequested(reason="stop"))
+    finally:
+        seam.install(None)
+    stored = await store.load_run(run_id)
+    assert stored is not None and stored.record.run.status == pb.RUN_STATUS_CANCELLED
+    writes = RunWrites(run_id)
+    await writes.listen(store.nc)
+    later = Engine(store, config)
+    await later.reconcile()
+    await store.nc.flush()
+    assert writes.announced == 1, "the pass published the outbox the cancel left"
+    assert later.counters["end_outbox_published"] == 1
+    assert writes.heard == []
+    await later.reconcile()
+    await store.nc.flush()
+    assert writes.announced == 1 and writes.heard == []
     await forget(store, run_id, task_subject(task, run_id, "agent"))

@@ -56,7 +56,7 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
 from dagnats.core.seam import seam
-from dagnats.core.status import step_status_from_proto
+from dagnats.core.status import FINAL_RUN_STATUSES, step_status_from_proto
 from dagnats.core.subjects import is_inbox, task_subject
 from dagnats.core.timestamps import timestamp
 from dagnats.engine import convert, rules
@@ -80,6 +80,7 @@ HISTORY_CONSUMER = "engine"
 TIMER_CONSUMER = "engine-timers"
 MAX_CAS_RETRIES = 100
 WRITTEN_RUNS = 4096  # runs whose last write the engine keeps, to decide on without a read
+ENDS_PUBLISHED = 4096  # ended runs whose outbox the engine published, known to the reconciler
 WRITTEN_BYTES = 16 * 1024  # a larger run is read again instead
 
 Decide = Callable[[m.Run, float], m.Decision]
@@ -122,6 +123,10 @@ class Engine:
         # The runs as this engine last wrote them, their outboxes published by
         # it: a guess at what is stored, checked by the next compare-and-swap.
         self._written: OrderedDict[str, StoredRun] = OrderedDict()
+        # The ended runs whose last write's outbox this engine published (run
+        # id, revision): the reconciler's pass that reads the write has
+        # nothing to do for them (``_settle_end``).
+        self._ends_published: OrderedDict[str, int] = OrderedDict()
         # Runs whose guess holds kept iterations not written yet (deferred writes):
         # how many, and since when.
         self._deferred: dict[str, tuple[int, float]] = {}
@@ -223,9 +228,10 @@ class Engine:
                     self._deferred.pop(run_id, None)
                     return None
                 stored, guessed, read = read, False, None
-                if stored.record.outbox and stored.revision != published:
+                if stored.record.outbox and stored.revision != published and not _ended(stored):
                     # Maybe never published (its writer died first). Not
-                    # cleared: the write below replaces it.
+                    # cleared: the write below replaces it. An ended run's is
+                    # the reconciler's (``_settle_end``): no write follows.
                     await self.publish_outbox(stored)
             run = as_stored = stored.run or convert.record_from_proto(stored.record)
             if not guessed:
@@ -363,6 +369,8 @@ class Engine:
         if not published:
             await self.publish_outbox(written)
         await seam("after_dispatch_published")
+        if _ended(written) and written.record.outbox:
+            self._end_published(written)
         self._remember(written, mark)
 
     def _stored(self, written: StoredRun) -> None:
@@ -491,7 +499,10 @@ class Engine:
 
     async def flush(self, stored: StoredRun, *, published: bool = False) -> StoredRun:
         """Publish a run's outbox (unless ``published``: this engine did), then
-        clear it if nobody changed the run meanwhile."""
+        clear it if nobody changed the run meanwhile. An ended run is left as
+        it is: its outbox is the reconciler's (``_settle_end``)."""
+        if _ended(stored):
+            return stored
         if not published:
             await self.publish_outbox(stored)
         cleared = await self._rewrite(stored, clear=True)
@@ -820,7 +831,7 @@ class Engine:
         unapplied: dict[str, int] = {}
         recovered: dict[str, int] = {}
         applied = await self.store.history_applied_through(HISTORY_CONSUMER)
-        for run_id, entry in (await self.store.indexed_runs()).items():
+        for run_id, entry in (await self.store.indexed_runs(ended=self._settle_end)).items():
             stored = await self.store.load_run(run_id)
             self.counters["reconcile_reads"] += 1
             if stored is None:
@@ -833,6 +844,10 @@ class Engine:
                     missing.add(run_id)
                 continue
             record = stored.record
+            if _ended(stored) and record.outbox:  # indexed while it ran
+                await self._settle_end(stored)
+                await self.store.leave_active(run_id)
+                continue
             unindexed = False  # written flagged, by this pass, after the index was read
             if record.outbox:
                 since = record.outbox_since.ToNanoseconds() / 1e9
@@ -883,6 +898,28 @@ class Engine:
         self._missing = missing
         self._unapplied = unapplied
         self._recovered = recovered
+
+    def _end_published(self, written: StoredRun) -> None:
+        """This engine published the outbox of ``written``, a run's end."""
+        run_id = written.record.run.run_id
+        self._ends_published[run_id] = written.revision
+        self._ends_published.move_to_end(run_id)
+        while len(self._ends_published) > ENDS_PUBLISHED:
+            self._ends_published.popitem(last=False)
+
+    async def _settle_end(self, stored: StoredRun) -> None:
+        """What a reconciler pass does for an ended run whose write holds an
+        outbox: publish it, unless this engine published it after that write,
+        and write nothing. An ended run never changes again, so its outbox
+        is never cleared: nothing else publishes it again (``transition``
+        and ``flush`` leave an ended run's alone), and the pass that reads
+        the write that ended the run is the one the reconciler owes it; a
+        publish beside its writer's is deduplicated by Msg-Id."""
+        run_id = stored.record.run.run_id
+        if self._ends_published.pop(run_id, None) == stored.revision:
+            return
+        self.counters["end_outbox_published"] += 1
+        await self.publish_outbox(stored)
 
     async def _recover(self, run_id: str, *, after: int) -> bool:
         """Apply the run's events after the ack floor ``after``, which stood a
@@ -979,6 +1016,11 @@ class Engine:
             if not await self.store.task_in_flight(subject, prefix, kept_seq=kept, kept_on=on):
                 found.append((run.run_id, step.step_id, step.iteration, step.attempt))
         return found
+
+
+def _ended(stored: StoredRun) -> bool:
+    """Whether the run, as stored, has ended: it never changes again."""
+    return stored.record.run.status in FINAL_RUN_STATUSES
 
 
 def _decision(event: ipb.HistoryEvent, run: m.Run | None) -> bytes | None:

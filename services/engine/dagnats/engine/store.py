@@ -27,6 +27,7 @@ from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import NotFound, Unavailable
+from dagnats.core.status import FINAL_RUN_STATUSES
 from dagnats.core.subjects import (
     ALL_CANCELS,
     COMMIT_EVENTS,
@@ -695,7 +696,9 @@ class EngineStore:
             "leave the index",
         )
 
-    async def indexed_runs(self) -> dict[str, int]:
+    async def indexed_runs(
+        self, *, ended: Callable[[StoredRun], Awaitable[None]] | None = None
+    ) -> dict[str, int]:
         """The runs of the index, each with the revision of its entry (see
         :meth:`active_runs`), after entering the runs written after the
         index's mark that may need the reconciler, but for those flagged
@@ -705,12 +708,14 @@ class EngineStore:
         A run the index holds is entered again when its write names a park
         (``parked_entry``) that purges that entry or a newer one: the park
         may purge it after this read (``Engine._park``). Any other purge of
-        an entry is of a run that needs the reconciler no more."""
-        try:
-            entry = await self._get(jsx.KV_ACTIVE_RUNS, INDEX_THROUGH, "read the index's mark")
-            mark = int(entry.value or b"0")
-        except (nats.js.errors.KeyNotFoundError, ValueError):
-            mark = 0
+        an entry is of a run that needs the reconciler no more.
+
+        ``ended``: what to do, before the mark moves past its write, for a run
+        read that has ended with an outbox: instead of entering it, for the
+        later pass that would clear the outbox and take it out (three writes
+        after the run's end), the caller publishes the outbox and nothing is
+        written."""
+        mark = await self.index_mark()
         last = int((await self._runs_info()).state.last_seq or 0)
         if last <= mark:
             return await self.active_runs()
@@ -718,6 +723,10 @@ class EngineStore:
         indexed = await self.active_runs()
         for run_id, stored in read.runs.items():
             record = stored.record
+            if ended is not None and record.outbox and record.run.status in FINAL_RUN_STATUSES:
+                if run_id not in indexed:  # else the pass takes it out of the index
+                    await ended(stored)
+                continue
             if record.unindexed or not self.needs_reconciler(record):
                 continue
             if indexed.get(run_id, 0) > record.parked_entry:
@@ -728,6 +737,15 @@ class EngineStore:
         through = str(max(last, read.last)).encode()
         await _retry(lambda: self._active.put(INDEX_THROUGH, through), "mark the index")
         return indexed
+
+    async def index_mark(self) -> int:
+        """The runs bucket's sequence through which a reconciler pass read
+        every write (``INDEX_THROUGH``); 0 when none did yet."""
+        try:
+            entry = await self._get(jsx.KV_ACTIVE_RUNS, INDEX_THROUGH, "read the index's mark")
+            return int(entry.value or b"0")
+        except (nats.js.errors.KeyNotFoundError, ValueError):
+            return 0
 
     async def claim_run_key(self, workflow: str, key: str, run_id: str) -> str:
         """Bind an idempotency key to ``run_id``; returns the run it is bound to.
