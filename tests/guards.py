@@ -1521,6 +1521,42 @@ GUARDS = (
             "test_a_fenced_call_is_charged_once_even_when_reported_twice_or_also_stored",
         ),
     ),
+    Guard(
+        name="a page of runs skips an entry of the runs by creation time with no run",
+        file="services/engine/dagnats/engine/service.py",
+        guard="                loaded[run_id] = None if stored is None "
+        "else listed(stored, whole=True)\n",
+        removed="                loaded[run_id] = listed(stored, whole=True)  # type: ignore\n",
+        how="an entry whose run's write never landed, or whose run was purged, fails ListRuns",
+        tests=(
+            "tests/test_list_runs.py::"
+            "test_an_entry_with_no_run_is_skipped_and_a_run_with_none_yet_is_listed_after_a_pass",
+        ),
+    ),
+    Guard(
+        name="a run's entry by creation time rides in its first outbox",
+        file="services/engine/dagnats/engine/processor.py",
+        guard="        record.outbox.append(convert.created_run_entry(record.run))\n",
+        removed="",
+        how="runs are stored with no entry by creation time: ListRuns never shows them, and a "
+        "create stopped before its publish leaves nothing for a pass to publish",
+        tests=(
+            "tests/test_list_runs.py::"
+            "test_an_entry_with_no_run_is_skipped_and_a_run_with_none_yet_is_listed_after_a_pass",
+        ),
+    ),
+    Guard(
+        name="the pass that reads an ended run's write publishes its outbox",
+        file="services/engine/dagnats/engine/store.py",
+        guard="                    await ended(stored)\n",
+        removed="                    pass\n",
+        how="an engine that stopped after the write that ended a run, before publishing its "
+        "outbox, leaves the cancel unannounced and the purge timer unset for ever",
+        tests=(
+            "tests/test_engine_writes.py::"
+            "test_an_end_whose_outbox_was_not_published_is_published_by_the_pass_that_reads_it",
+        ),
+    ),
 )
 
 

@@ -386,6 +386,15 @@ async def test_checkpoint_agent_example_keeps_its_history_in_the_checkpoint(
     assert await load("checkpoint_agent").main(stack.target) == "It is 21 C in Lisbon."
 
 
+async def test_many_waiting_example_lists_the_newest_runs_and_the_cancelled_one(
+    stack: LocalStack,
+) -> None:
+    found = await load("many_waiting").main(stack.target, tickets=8)
+    started = found["started"]
+    assert [r.run_id for r in found["newest"]] == started[::-1][:5]
+    assert [r.run_id for r in found["cancelled"]] == [started[0]]
+
+
 async def test_run_and_wait_example_gets_the_output_the_changes_and_the_failure(
     stack: LocalStack,
 ) -> None:
