@@ -299,9 +299,10 @@ SETTINGS: tuple[Setting, ...] = (
         TIMING,
         ("DAGNATS_OUTBOX_GRACE",),
         "5",
-        "how old a run's outbox must be before the reconciler publishes it (unless this "
-        "engine did) and clears it; the engine's own writes leave it for the run's next "
-        "write to replace",
+        "how old a running run's outbox must be before the reconciler publishes it (unless "
+        "this engine did) and clears it; the engine's own writes leave it for the run's next "
+        "write to replace. An ended run's is published by the pass that reads its end, "
+        "unless its engine did, and never cleared",
     ),
     Setting(
         TIMING,

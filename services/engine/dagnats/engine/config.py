@@ -38,9 +38,11 @@ class EngineConfig:
             ``history_ack_wait``. It reads only the runs in motion: a run
             parked for an input or a timer is out of its index (a parked run),
             and such an event of it waits out ``history_ack_wait``.
-        outbox_grace: how old a run's outbox must be before the reconciler
-            publishes it on the writer's behalf (unless this engine did) and
-            clears it; the engine's own writes leave it for the next write.
+        outbox_grace: how old a running run's outbox must be before the
+            reconciler publishes it on the writer's behalf (unless this engine
+            did) and clears it; the engine's own writes leave it for the next
+            write. An ended run's is published by the pass that reads its end
+            (unless its engine did), and never cleared.
         history_batch: most events one fetch takes from the history.
         dead_letter_after: deliveries of an event that keeps failing before it
             is moved to the dead letters.
