@@ -99,7 +99,7 @@ async def stack(
             nats.url,
             base,
             f"engine-{i}",
-            replicas=replicas,
+            stream_replicas=replicas,
             arm=arm,
             hit=hit,
             env={**REPLICAS, "DAGNATS_REPLICA_ID": f"engine-{i}"},

