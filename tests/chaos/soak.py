@@ -95,6 +95,8 @@ STREAMS = (jsx.JOURNAL, jsx.TASKS, jsx.HISTORY, f"KV_{jsx.KV_RUNS}", f"KV_{jsx.K
 WEIGHTS = {"worker-kill": 3, "worker-stall": 3, "duplicate-delivery": 3}
 CLUSTER_WEIGHTS = {"stepdown": 2, "leader-kill": 1}
 REPLICA_WEIGHTS = {"replica-kill": 2, "replica-stall": 2, "replica-restart": 2}
+# A worker that spreads its polls over every replica, on gRPC alone.
+BALANCED = {"DAGNATS_GRPC_BALANCE": "1", "DAGNATS_LOCAL_SOCKET": "off"}
 OWNERS = "PARTITIONS"  # the bucket whose owner.<k> keys name each partition's owner
 REPORTS: list[Report] = []  # printed by conftest.pytest_terminal_summary
 
@@ -228,6 +230,7 @@ class Soak:
         self.workflow = f"chaos-{seed}"
         self.targets: list[str] = []
         self.worker_logs = 0
+        self.preferences: dict[int, int] = {}  # worker pid -> its preference
         self.lossy: list[LossyPublish] = []
         self.replicas: list[ReplicaProcess] = []
         self.replicas_down: set[str] = set()  # killed, frozen or stopped, not yet back
@@ -686,13 +689,23 @@ class Soak:
     # ---- workers ---------------------------------------------------------------------
 
     def _spawn_worker(self, preference: int) -> None:
+        """Worker ``preference``: an even one dials every replica, its
+        preferred one first, and moves to the local socket when the first
+        replica's polls name it; an odd one stays on gRPC and spreads its
+        polls over every replica (``DAGNATS_GRPC_BALANCE``). A replica hands
+        out only the tasks of the partitions it owns, so the odd ones keep
+        every partition's tasks handed out wherever the even ones went."""
+        env = {} if preference % 2 == 0 else BALANCED
         target = self._dial(preference % len(self.targets))
         args = [sys.executable, chaos_worker.__file__, target, self.task, str(self.state)]
         args.append(str(self.config.concurrency))
         self.worker_logs += 1
         with open(self.base / f"worker-{self.worker_logs}.log", "wb") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+            proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env=child_env(**env)
+            )
         self.workers.append(proc)
+        self.preferences[proc.pid] = preference
 
     def _all_ready(self) -> bool:
         return all((self.state / f"ready-{p.pid}").exists() for p in self.workers)
@@ -742,7 +755,7 @@ class Soak:
         _reap(victim)
         self.workers.remove(victim)
         self.faults["worker-kill"] += 1
-        preference = self.worker_logs
+        preference = self.preferences.pop(victim.pid)  # its like takes its place
         self._later(0.2 + 1.5 * delay, lambda: self._spawn_worker(preference))
 
     async def _worker_stall(self, pick: float, delay: float) -> None:
@@ -864,8 +877,10 @@ class Soak:
         self.healing.set()
         while self.pending:
             await asyncio.gather(*list(self.pending))
-        while len([p for p in self.workers if p.poll() is None]) < self.config.workers:
-            self._spawn_worker(self.worker_logs)
+        alive = {self.preferences[p.pid] for p in self.workers if p.poll() is None}
+        for preference in range(self.config.workers):
+            if preference not in alive:
+                self._spawn_worker(preference)
         if isinstance(self.nats, NatsCluster):
             await self.nats.wait_for_meta_leader()
 
