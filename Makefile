@@ -146,7 +146,7 @@ test-guards: setup ## delete each safety guard in a scratch copy; a named test m
 	$(PY) -m tests.guards
 
 # SEED=n replays a schedule; CHAOS_SECONDS (300) and CHAOS_TOPOLOGY (server, cluster, both).
-test-chaos: setup ## fault-injection soak (SEED=n replays, CHAOS_SECONDS, CHAOS_TOPOLOGY); 10,000 waits
+test-chaos: setup ## fault-injection soak, 3 replicas (SEED=n replays, CHAOS_SECONDS, CHAOS_TOPOLOGY); 10,000 waits
 	CHAOS_SEED="$(SEED)" CHAOS_SECONDS="$(or $(CHAOS_SECONDS),300)" \
 	  CHAOS_TOPOLOGY="$(or $(CHAOS_TOPOLOGY),both)" $(BIN)/pytest -q -s -m chaos tests/chaos
 	DAGNATS_TEST_WAITS=10000 $(BIN)/pytest -q tests/test_many_waits.py

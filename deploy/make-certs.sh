@@ -61,7 +61,7 @@ leaf() { # dir/name ca subject-alt-names extended-key-usage
 nodes="DNS:nats-1,DNS:nats-2,DNS:nats-3,DNS:localhost,IP:127.0.0.1"
 ca ca "dagnats CA"
 ca route-ca "dagnats route CA"
-engines="DNS:dagnats-1,DNS:dagnats-2,DNS:engine,DNS:engine-2,DNS:journal,DNS:inputs,DNS:localhost,IP:127.0.0.1"
+engines="DNS:dagnats,DNS:dagnats-1,DNS:dagnats-2,DNS:dagnats-3,DNS:engine,DNS:engine-2,DNS:journal,DNS:inputs,DNS:localhost,IP:127.0.0.1"
 leaf nats/nats-server ca "$nodes" serverAuth
 leaf nats/route route-ca "$nodes" "serverAuth,clientAuth"
 leaf services/services ca "DNS:dagnats-services" clientAuth

@@ -157,7 +157,8 @@ class EngineProcess:
     so workers dialling it reconnect to the next process as they would to a
     restarted service. ``arm`` and ``hit`` are the seam files the launcher
     watches; without them it installs no hook. ``env`` adds variables, such
-    as ``DAGNATS_*`` settings."""
+    as ``DAGNATS_*`` settings (a replica's partitions, lease and name, say);
+    ``stream_replicas`` is the streams' replication."""
 
     def __init__(
         self,
@@ -165,7 +166,7 @@ class EngineProcess:
         state: Path,
         name: str,
         *,
-        replicas: int = 1,
+        stream_replicas: int = 1,
         arm: Path | None = None,
         hit: Path | None = None,
         env: dict[str, str] | None = None,
@@ -173,7 +174,7 @@ class EngineProcess:
         self.nats_url = nats_url
         self.state = state
         self.name = name
-        self.replicas = replicas
+        self.stream_replicas = stream_replicas
         self.arm = arm
         self.hit = hit
         self.env = env or {}
@@ -212,7 +213,7 @@ class EngineProcess:
         if self.arm is not None and self.hit is not None:
             env |= {"DAGNATS_TEST_SEAM_ARM": str(self.arm), "DAGNATS_TEST_SEAM_HIT": str(self.hit)}
         args = [sys.executable, str(ENGINE_PROCESS), self.nats_url, str(self.port), str(ready)]
-        args.append(str(self.replicas))
+        args.append(str(self.stream_replicas))
         with open(self.state / f"{self.name}.log", "ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
         self.starts += 1

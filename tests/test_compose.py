@@ -122,25 +122,45 @@ def test_the_nats_config_requires_tls_credentials_and_keeps_jetstream_to_the_ser
     assert "route-ca.pem" in cluster["tls"] and "/certs/ca.pem" not in cluster["tls"]
 
 
-def test_the_services_run_as_two_replicas_of_serve_all() -> None:
+REPLICAS = ["dagnats-1", "dagnats-2", "dagnats-3"]
+
+
+def test_the_services_run_as_three_replicas_of_serve_all() -> None:
     served = {
         n: command(s).split()[2] for n, s in SERVICES.items() if "dagnats serve" in command(s)
     }
-    assert served == {"dagnats-1": "all", "dagnats-2": "all", "gateway": "gateway"}
+    assert served == {**dict.fromkeys(REPLICAS, "all"), "gateway": "gateway"}
     # Each replica serves the engine, the journal and the inputs service on
-    # one port: the gateway (and a worker) is given that one address.
+    # one port: the gateway (and a worker) is given that one address, the
+    # alias every replica answers to, and spreads its calls over them.
     gateway = command(SERVICES["gateway"])
-    assert "--engine dagnats-1:7233" in gateway
+    assert "--engine dns:///dagnats:7233" in gateway
+    assert SERVICES["gateway"]["environment"]["DAGNATS_GRPC_BALANCE"] == "1"
     assert "--journal" not in gateway and "--inputs" not in gateway
-    for replica in ("dagnats-1", "dagnats-2"):
-        assert "--port 7233" in command(SERVICES[replica])
-        assert "--metrics-port 9464" in command(SERVICES[replica])
-    assert set(SERVICES["gateway"]["depends_on"]) == {"dagnats-1", "dagnats-2"}
+    published = set()
+    for replica in REPLICAS:
+        service = SERVICES[replica]
+        assert "--port 7233" in command(service)
+        assert "--metrics-port 9464" in command(service)
+        assert service["networks"]["default"]["aliases"] == ["dagnats"]
+        published.add(service["ports"][0].split(":")[0])
+    assert len(published) == len(REPLICAS), "each replica on a host port of its own"
+    assert set(SERVICES["gateway"]["depends_on"]) == set(REPLICAS)
+
+
+def test_each_replica_has_a_name_and_they_agree_on_the_partitions() -> None:
+    env = [SERVICES[r]["environment"] for r in REPLICAS]
+    assert [e["DAGNATS_REPLICA_ID"] for e in env] == REPLICAS
+    partitions = {e["DAGNATS_PARTITIONS"] for e in env}
+    assert len(partitions) == 1, "P is fixed: every replica must say the same"
+    (p,) = partitions
+    assert 1 <= int(p) <= 64
+    assert int(p) % len(REPLICAS) == 0, "the replicas own equal shares"
 
 
 def test_every_service_that_reaches_nats_has_credentials_and_tls() -> None:
     engines = [n for n, s in SERVICES.items() if "--nats" in command(s)]
-    assert engines == ["dagnats-1", "dagnats-2"]
+    assert engines == REPLICAS
     for name, service in SERVICES.items():
         env = service.get("environment", {})
         if name in engines:
@@ -208,8 +228,9 @@ def test_the_services_certificate_names_every_replica_the_gateway_may_dial(
     names = set(re.findall(r"DNS:([\w.-]+)", shown))
     replicas = {n for n, s in SERVICES.items() if re.search(r"serve (engine|all)\b", command(s))}
     assert replicas and replicas <= names, (replicas, names)
-    dialled = re.search(r"--engine ([\w.-]+):", command(SERVICES["gateway"]))
-    assert dialled is not None and dialled.group(1) in replicas
+    assert "dagnats" in names, "the alias the gateway dials"
+    dialled = re.search(r"--engine dns:///([\w.-]+):", command(SERVICES["gateway"]))
+    assert dialled is not None and dialled.group(1) in names
 
 
 def test_make_certs_writes_keys_and_the_seed_for_their_owner_only(

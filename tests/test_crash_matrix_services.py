@@ -11,11 +11,14 @@ history, no answer come yet, its task not released) and
 ``after_kept_decision`` (a continue that keeps its task: its event applied
 and the engine's decision known, the worker not yet answered: the kept task).
 
-Two engine processes (engine, journal and inputs services each) share the
-history consumer, and a worker dials each. Whichever process reaches the seam
-stops there: it is killed (SIGKILL; a fresh process then starts on its port,
-as a supervisor would restart it), or frozen (SIGSTOP) until the other one has
-taken over, then thawed (SIGCONT) so it goes on as a zombie. On iteration 0,
+Two replicas (engine processes: engine, journal and inputs services each)
+split the runs' partitions between them (``REPLICAS``: two partitions, a
+one-second partition lease), and a worker dials each. Whichever replica
+reaches the seam stops there: it is killed (SIGKILL), and the run finishes on
+the survivor, which takes the dead replica's partition once its lease lapses;
+only then does a fresh process start on the dead one's port, as a supervisor
+would restart it. Or it is frozen (SIGSTOP) until the other one has taken over,
+then thawed (SIGCONT) so it goes on as a zombie. On iteration 0,
 the unsafe iteration and the one after it. Every case must end with the
 crash-free answer, a clean journal, the engine's iteration count equal to the
 commits, the unsafe tool started at most once, and an input placed exactly
@@ -63,6 +66,10 @@ SEAMS = (
 # second on (the first kept one writes that its message is kept: the deferred write).
 ITERATIONS = {"after_kept_unwritten": (2,)}
 PLACES = {"one server": 1, "3-node cluster": 3}
+# Each replica's settings: the partitions fixed at provisioning (this module's
+# own servers, so its first replica records them), a lease short enough that
+# the survivor takes a killed replica's partition within a second, and a name.
+REPLICAS = {"DAGNATS_PARTITIONS": "2", "DAGNATS_PARTITION_LEASE": "1"}
 REQUEST = "steer-1"
 
 
@@ -88,7 +95,15 @@ async def stack(
         nats = await NatsCluster.start(base / "nats", security=suite_security())
     arm, hit = base / "arm", base / "hit"
     engines = tuple(
-        EngineProcess(nats.url, base, f"engine-{i}", replicas=replicas, arm=arm, hit=hit)
+        EngineProcess(
+            nats.url,
+            base,
+            f"engine-{i}",
+            stream_replicas=replicas,
+            arm=arm,
+            hit=hit,
+            env={**REPLICAS, "DAGNATS_REPLICA_ID": f"engine-{i}"},
+        )
         for i in (1, 2)
     )
     try:
@@ -199,8 +214,8 @@ async def test_service_crash_point(
         if starting is not None:
             run = await up.start_run(name, {"ask": "weather"}, idempotency_key=key)
         if mode == "kill":
+            # The survivor alone finishes the run; the dead replica comes back after.
             await engines[down].exited()
-            await engines[down].start()  # a fresh process on the same port
         else:
             if inputs:
                 took_over = lambda: placed_by_successor(tmp_path, holder, iteration)  # noqa: E731
@@ -214,6 +229,8 @@ async def test_service_crash_point(
             await wait_for(took_over, timeout=30, message="no successor took over")
             engines[down].thaw()  # the zombie service goes on from the seam
         done = await up.wait_for_run(run.run_id, timeout=60)
+        if mode == "kill":
+            await engines[down].start()  # a fresh process on the same port
         if starting is not None:
             with contextlib.suppress(Unavailable):
                 assert (await starting).run_id == run.run_id

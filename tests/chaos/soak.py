@@ -2,12 +2,16 @@
 random schedule of faults, on one server or on a 3-node cluster with R3
 streams.
 
-Two engines (each with the journal and inputs services) run in this process
-and share the history consumer; worker processes (``tests/chaos/worker.py``)
-dial both, each preferring one. The first engine also serves a local socket,
-as ``dagnats dev`` does: workers whose polls it answers find it and move their
-journal calls and polls there, and the drivers on its client
-start and watch their runs there; the rest stay on gRPC. Faults:
+The services run as replicas over ``partitions`` partitions (P = 6). In the
+short soak of the suite, two replicas (engine, journal and inputs services
+each) run in this process; with ``replica_processes`` (``make test-chaos``:
+three), each replica is a process of its own (``tests/chaos/replica.py``, the
+services as ``dagnats serve all`` runs them), which the nemesis kills, freezes
+and stops. Worker processes (``tests/chaos/worker.py``) dial every replica,
+each preferring one. The first replica also serves a local socket, as
+``dagnats dev`` does: workers whose polls it answers find it and move their
+journal calls and polls there, and the drivers on its client start and watch
+their runs there; the rest stay on gRPC. Faults:
 
 * ``worker-kill``: SIGKILL a worker; a fresh one starts a moment later.
 * ``worker-stall``: SIGSTOP a worker past its leases, then SIGCONT: its
@@ -17,6 +21,14 @@ start and watch their runs there; the rest stay on gRPC. Faults:
   lost, so the same Msg-Id is sent again (see :mod:`tests.chaos.faults`).
 * cluster only: ``stepdown`` (a stream's leader steps down) and
   ``leader-kill`` (SIGKILL the node leading a stream, restarted a moment later).
+* replica processes only, while another replica serves: ``replica-kill`` (SIGKILL,
+  restarted a moment later: the others take its partitions once its
+  partition lease lapses), ``replica-stall`` (SIGSTOP past its partition
+  lease, then SIGCONT: it wakes to find its partitions taken by the others) and
+  ``replica-restart`` (SIGTERM: it hands its partitions over at once, and
+  starts again a moment later). The summary counts them, and the partition
+  moves seen in the ``PARTITIONS`` bucket (an owner key taken by another
+  replica).
 
 The seed fixes the schedule (which fault, when, against which target); the
 interleavings it meets still vary, so a replay repeats the pressure, not
@@ -39,13 +51,14 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import random
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -65,21 +78,26 @@ from dagnats.inputs.v1 import inputs_pb2 as ipb
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, JournalClient, run_output
+from tests.chaos import replica as chaos_replica
 from tests.chaos import worker as chaos_worker
-from tests.chaos.faults import JournalTap, LossyPublish, instrumented_journal
+from tests.chaos.faults import Ack, JournalTap, LossyPublish, instrumented_journal
+from tests.chaos.replica import SOAK, lossy_services
 from tests.helpers import wait_for
-from tests.matrix import child_env
+from tests.matrix import EngineProcess, child_env
 from tests.secured import suite_security
-from tests.stack import FAST, loop_workflow, socket_dir, steps_by_id
+from tests.stack import loop_workflow, socket_dir, steps_by_id
 from tests.workers import agent
 
 T = TypeVar("T")
 
-SOAK = dataclasses.replace(FAST, reconcile_interval=1.0)
 LEASE = SOAK.task_ack_wait
 STREAMS = (jsx.JOURNAL, jsx.TASKS, jsx.HISTORY, f"KV_{jsx.KV_RUNS}", f"KV_{jsx.KV_INPUTS}")
 WEIGHTS = {"worker-kill": 3, "worker-stall": 3, "duplicate-delivery": 3}
-CLUSTER_WEIGHTS = {**WEIGHTS, "stepdown": 2, "leader-kill": 1}
+CLUSTER_WEIGHTS = {"stepdown": 2, "leader-kill": 1}
+REPLICA_WEIGHTS = {"replica-kill": 2, "replica-stall": 2, "replica-restart": 2}
+# A worker that spreads its polls over every replica, on gRPC alone.
+BALANCED = {"DAGNATS_GRPC_BALANCE": "1", "DAGNATS_LOCAL_SOCKET": "off"}
+OWNERS = "PARTITIONS"  # the bucket whose owner.<k> keys name each partition's owner
 REPORTS: list[Report] = []  # printed by conftest.pytest_terminal_summary
 
 
@@ -95,10 +113,28 @@ class SoakConfig:
     fault_gap: tuple[float, float] = (0.3, 1.2)
     run_deadline: float = 120.0
     conversation_turns: int = 2000
+    replica_processes: int = 0  # 0: two replicas in this process
+    partitions: int = 6
+    partition_lease: float = 2.0
 
     @property
-    def replicas(self) -> int:
+    def stream_replicas(self) -> int:
+        """The streams' replicas (R3 on the cluster)."""
         return 3 if self.topology == "cluster" else 1
+
+    @property
+    def services(self) -> str:
+        """Where the services' replicas run."""
+        if self.replica_processes:
+            return f"{self.replica_processes} replica processes"
+        return "2 replicas in the test process"
+
+    def weights(self) -> dict[str, int]:
+        return {
+            **WEIGHTS,
+            **(CLUSTER_WEIGHTS if self.topology == "cluster" else {}),
+            **(REPLICA_WEIGHTS if self.replica_processes else {}),
+        }
 
 
 @dataclasses.dataclass
@@ -114,6 +150,7 @@ class Report:
     inputs: Counter[str] = dataclasses.field(default_factory=Counter)
     engine: Counter[str] = dataclasses.field(default_factory=Counter)
     socket: Counter[str] = dataclasses.field(default_factory=Counter)
+    moves: int = 0  # partitions whose owner changed to another replica
     conversation: Conversation | None = None
     violations: list[str] = dataclasses.field(default_factory=list)
 
@@ -126,8 +163,12 @@ class Report:
         unacked = ", ".join(f"{k} {v}" for k, v in sorted(self.unacknowledged.items())) or "none"
         socket = ", ".join(f"{k} {v}" for k, v in sorted(self.socket.items())) or "none"
         return [
-            f"seed {c.seed}, {c.topology} (R{c.replicas}), {c.seconds:g}s of faults, "
+            f"seed {c.seed}, {c.topology} (R{c.stream_replicas}), {c.seconds:g}s of faults, "
             f"{self.seconds:.0f}s in all",
+            f"services: {c.services}, {c.partitions} partitions; replicas killed "
+            f"{self.faults['replica-kill']}, frozen {self.faults['replica-stall']}, "
+            f"stopped (SIGTERM) {self.faults['replica-restart']}, each started again; "
+            f"partition moves: {self.moves}",
             f"runs checked: {self.runs}; journal records scanned: {self.records}; "
             f"acknowledged appends checked: {self.acks}",
             f"faults injected: {faults}",
@@ -135,7 +176,7 @@ class Report:
             f"records stored whose append returned no sequence, by how it ended: {unacked}",
             f"inputs: {inputs}",
             f"engine counters: {engine}",
-            f"the first engine's local socket carried: {socket}",
+            f"the first replica's local socket carried: {socket}",
             *([self.conversation.line()] if self.conversation else []),
             f"violations: {len(self.violations)}",
             *(f"  {v}" for v in self.violations[:50]),
@@ -189,7 +230,10 @@ class Soak:
         self.workflow = f"chaos-{seed}"
         self.targets: list[str] = []
         self.worker_logs = 0
+        self.preferences: dict[int, int] = {}  # worker pid -> its preference
         self.lossy: list[LossyPublish] = []
+        self.replicas: list[ReplicaProcess] = []
+        self.replicas_down: set[str] = set()  # killed, frozen or stopped, not yet back
 
     # ---- the whole soak ------------------------------------------------------------
 
@@ -225,22 +269,31 @@ class Soak:
 
     async def _soak(self, tap: JournalTap, sessions: Path) -> None:
         c = self.config
-        topology = jsx.Topology(replicas=c.replicas)
         engines: list[EngineServer] = []
         clients: list[Client] = []
+        lossy: list[LossyPublish] = []
         self.nc = await jsx.connect(self.nats.url, name="chaos-soak")
+        watching = asyncio.create_task(self._watch_owners())
         try:
-            for socket in (sessions, None):
-                engines.append(
-                    await start_engine(
-                        self.nats.url, config=SOAK, topology=topology, local_socket=socket
+            if c.replica_processes:
+                await self._start_replicas(sessions)
+                dials = [self._dial(i) for i in range(len(self.targets))]
+            else:
+                engines = await self._start_engines(sessions)
+                lossy = [
+                    publisher
+                    for i, engine in enumerate(engines)
+                    for publisher in lossy_services(
+                        engine,
+                        random.Random(f"{c.seed}/engine-acks/{i}"),
+                        random.Random(f"{c.seed}/input-acks/{i}"),
+                        self.faults,
+                        c.lost_ack_rate / 2,
                     )
-                )
-            lossy = [self._lossy_engine(i, e) for i, e in enumerate(engines)]
-            lossy += [self._lossy_inputs(i, e) for i, e in enumerate(engines)]
-            self.lossy = [*lossy, *tap.publishers]
-            self.targets = [e.target for e in engines]
-            clients = [Client(t) for t in self.targets]
+                ]
+                self.lossy = [*lossy, *tap.publishers]
+                self.targets = dials = [e.target for e in engines]
+            clients = [Client(t) for t in dials]
             await clients[0].register_workflow(loop_workflow(self.workflow, self.task))
             talk = loop_workflow(
                 chaos_worker.conversation_task(self.workflow),
@@ -251,11 +304,12 @@ class Soak:
             for i in range(c.workers):
                 self._spawn_worker(i)
             await wait_for(self._all_ready, timeout=60, message="chaos workers polling")
+            n = len(clients)
             drivers = [
-                asyncio.create_task(self._driver(i, clients[i % 2], engines[i % 2].target))
+                asyncio.create_task(self._driver(i, clients[i % n], dials[i % n]))
                 for i in range(c.runs_in_flight)
             ]
-            drivers.append(asyncio.create_task(self._conversation(clients[1], engines[1].target)))
+            drivers.append(asyncio.create_task(self._conversation(clients[1], dials[1])))
             nemesis = asyncio.create_task(self._nemesis())
             await asyncio.sleep(c.seconds)  # the soak's length, not a synchronisation
             self.stop.set()
@@ -264,11 +318,19 @@ class Soak:
             tap.lose_acks(False)
             for publisher in lossy:
                 publisher.active = False
+            for replica in self.replicas:
+                replica.heal()
             await asyncio.gather(*drivers)
+            if self.replicas:
+                for replica in self.replicas:
+                    await replica.stop()  # SIGTERM: its last counters written
+                tap = self._replicas_tap()
+                self._count_replicas()
+            else:
+                for engine in engines:
+                    self.report.engine.update(engine.engine.counters)
+                self._count_socket(engines[0])
             await self._scan(tap)
-            for engine in engines:
-                self.report.engine.update(engine.engine.counters)
-            self._count_socket(engines[0])
             if self.report.engine["dead_letters"]:
                 self.report.violations.append(
                     f"{self.report.engine['dead_letters']} history event(s) moved to dead letters"
@@ -276,45 +338,155 @@ class Soak:
         finally:
             self.healing.set()
             self.stop.set()
+            watching.cancel()
             for proc in self.workers:
                 _reap(proc)
             for client in clients:
                 await client.close()
             for engine in engines:
                 await engine.stop()
+            for replica in self.replicas:
+                replica.kill()
             await self.nc.close()
 
+    # ---- the replicas ------------------------------------------------------------------
+
+    def _partitioned(self, name: str) -> dict[str, str]:
+        """A replica's settings: the soak's partitions and lease, and its name."""
+        c = self.config
+        return {
+            "DAGNATS_PARTITIONS": str(c.partitions),
+            "DAGNATS_PARTITION_LEASE": f"{c.partition_lease:g}",
+            "DAGNATS_REPLICA_ID": name,
+        }
+
+    async def _start_engines(self, sessions: Path) -> list[EngineServer]:
+        """Two replicas in this process, the first with the local socket."""
+        topology = jsx.Topology(replicas=self.config.stream_replicas)
+        engines = []
+        for i, socket in enumerate((sessions, None)):
+            with _environment(self._partitioned(f"replica-{i + 1}")):
+                engines.append(
+                    await start_engine(
+                        self.nats.url, config=SOAK, topology=topology, local_socket=socket
+                    )
+                )
+        return engines
+
+    async def _start_replicas(self, sessions: Path) -> None:
+        """Replica processes, the first with the local socket."""
+        c = self.config
+        for i in range(c.replica_processes):
+            name = f"replica-{i + 1}"
+            self.replicas.append(
+                ReplicaProcess(
+                    self.nats.url,
+                    self.base,
+                    name,
+                    seed=c.seed,
+                    stream_replicas=c.stream_replicas,
+                    lost_ack_rate=c.lost_ack_rate,
+                    socket=sessions if i == 0 else None,
+                    env=self._partitioned(name),
+                )
+            )
+        for replica in self.replicas:
+            await replica.start(within=60)
+        self.targets = [r.target for r in self.replicas]
+
+    def _dial(self, preference: int) -> str:
+        """Every replica, the preferred one first: a call goes to the next
+        while one is down."""
+        n = len(self.targets)
+        order = [self.targets[(preference + k) % n] for k in range(n)]
+        return "ipv4:" + ",".join(order)
+
+    def _summaries(self, name: str = "") -> list[dict[str, Any]]:
+        """What each replica process (``name``'s alone, when given) wrote of itself."""
+        pattern = f"{name or 'replica-*'}-*.json"
+        return [json.loads(path.read_text()) for path in sorted(self.base.glob(pattern))]
+
+    def _replicas_tap(self) -> JournalTap:
+        """The acks the replica processes' journal stores logged."""
+        tap = JournalTap()
+        for path in sorted(self.base.glob("replica-*.acks")):
+            for line in path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the last line of a process killed mid-write
+                if "ack" in entry:
+                    subject, msg_id, kind, seq = entry["ack"]
+                    tap.acks.append(Ack(subject, msg_id, kind, seq))
+                else:
+                    msg_id, ended = entry["failed"]
+                    tap.failed[msg_id] = ended
+        return tap
+
+    def _count_replicas(self) -> None:
+        """The replica processes' engine counters and lost acks, and what the
+        first one's local socket carried."""
+        for summary in self._summaries():
+            self.report.engine.update(summary.get("engine", {}))
+            self.faults.update(summary.get("faults", {}))
+        carried: Counter[str] = Counter()
+        for summary in self._summaries(self.replicas[0].name):
+            carried.update(summary.get("socket", {}))
+        self._carried(carried)
+
+    def _lost_subjects(self) -> Counter[str]:
+        """The acks lost so far, by subject, in this process and the replicas."""
+        lost: Counter[str] = Counter()
+        for publisher in self.lossy:
+            lost.update(publisher.subjects)
+        for summary in self._summaries():
+            lost.update(summary.get("lost", {}))
+        return lost
+
     def _count_socket(self, engine: EngineServer) -> None:
-        """What the first engine's local socket carried: a soak whose socket
-        carried none would test gRPC alone."""
         sockets = engine.local_socket
         assert sockets is not None
-        carried = {
-            "connections": sockets.accepted,
-            "polls": sockets.polled,
-            "watches": sockets.watched,
-        }
+        self._carried(
+            Counter(connections=sockets.accepted, polls=sockets.polled, watches=sockets.watched)
+        )
+
+    def _carried(self, carried: Counter[str]) -> None:
+        """What the first replica's local socket carried: a soak whose socket
+        carried none would test gRPC alone."""
         self.report.socket.update(carried)
-        for kind, n in carried.items():
-            if not n:
+        for kind in ("connections", "polls", "watches"):
+            if not carried[kind]:
                 self.report.violations.append(f"the local socket carried no {kind}")
 
-    def _lossy_engine(self, index: int, engine: EngineServer) -> LossyPublish:
-        rng = random.Random(f"{self.config.seed}/engine-acks/{index}")
-        store = engine.engine.store
-        publisher = LossyPublish(store.js, rng, self.faults, self.config.lost_ack_rate / 2)
-        store.js = publisher  # type: ignore[assignment]
-        return publisher
-
-    def _lossy_inputs(self, index: int, engine: EngineServer) -> LossyPublish:
-        """Writes to the inputs bucket (claims, withdrawals, closes) sometimes
-        land without an ack, as when the bucket's leader steps down mid-write."""
-        rng = random.Random(f"{self.config.seed}/input-acks/{index}")
-        assert engine.journal is not None and engine.journal.inputs is not None
-        bucket = engine.journal.inputs._inputs
-        publisher = LossyPublish(bucket._js, rng, self.faults, self.config.lost_ack_rate / 2)
-        bucket._js = publisher  # type: ignore[assignment]
-        return publisher
+    async def _watch_owners(self) -> None:
+        """Count the partition moves: an owner key put naming another replica
+        than it last named (after a release, a lapsed lease or a rebalance)."""
+        js = self.nc.jetstream(timeout=5)
+        owners: dict[str, bytes] = {}
+        while True:
+            try:
+                kv = await js.key_value(OWNERS)
+                watcher = await kv.watch("owner.*")
+            except (nats.errors.Error, nats.js.errors.Error, OSError):
+                await asyncio.sleep(1.0)  # not provisioned yet, or the cluster is down
+                continue
+            try:
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=5)
+                    except nats.errors.TimeoutError:
+                        continue
+                    if entry is None or entry.operation is not None or not entry.value:
+                        continue  # the end of the initial values, or a release
+                    last = owners.get(entry.key)
+                    if last is not None and last != entry.value:
+                        self.report.moves += 1
+                    owners[entry.key] = entry.value
+            except (nats.errors.Error, nats.js.errors.Error, OSError):
+                await asyncio.sleep(1.0)  # watch again
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
 
     # ---- runs ------------------------------------------------------------------------
 
@@ -373,7 +545,7 @@ class Soak:
             talk.seconds, talk.ended = time.monotonic() - began, True
             talk.faults.update(Counter(self.faults) - before)
             talk.aimed["lost-ack"] = sum(
-                n for p in self.lossy for subject, n in p.subjects.items() if run.run_id in subject
+                n for subject, n in self._lost_subjects().items() if run.run_id in subject
             )
             problems = await self._check_conversation(talk, target, done, turns)
         except Exception as err:  # reported with the rest
@@ -517,14 +689,23 @@ class Soak:
     # ---- workers ---------------------------------------------------------------------
 
     def _spawn_worker(self, preference: int) -> None:
-        order = [self.targets[preference % 2], self.targets[1 - preference % 2]]
-        target = "ipv4:" + ",".join(order)
+        """Worker ``preference``: an even one dials every replica, its
+        preferred one first, and moves to the local socket when the first
+        replica's polls name it; an odd one stays on gRPC and spreads its
+        polls over every replica (``DAGNATS_GRPC_BALANCE``). A replica hands
+        out only the tasks of the partitions it owns, so the odd ones keep
+        every partition's tasks handed out wherever the even ones went."""
+        env = {} if preference % 2 == 0 else BALANCED
+        target = self._dial(preference % len(self.targets))
         args = [sys.executable, chaos_worker.__file__, target, self.task, str(self.state)]
         args.append(str(self.config.concurrency))
         self.worker_logs += 1
         with open(self.base / f"worker-{self.worker_logs}.log", "wb") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+            proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env=child_env(**env)
+            )
         self.workers.append(proc)
+        self.preferences[proc.pid] = preference
 
     def _all_ready(self) -> bool:
         return all((self.state / f"ready-{p.pid}").exists() for p in self.workers)
@@ -551,7 +732,7 @@ class Soak:
     # ---- the nemesis -------------------------------------------------------------------
 
     async def _nemesis(self) -> None:
-        weights = CLUSTER_WEIGHTS if self.config.topology == "cluster" else WEIGHTS
+        weights = self.config.weights()
         kinds, shares = list(weights), list(weights.values())
         while not self.stop.is_set():
             gap = self.schedule.uniform(*self.config.fault_gap)
@@ -574,7 +755,7 @@ class Soak:
         _reap(victim)
         self.workers.remove(victim)
         self.faults["worker-kill"] += 1
-        preference = self.worker_logs
+        preference = self.preferences.pop(victim.pid)  # its like takes its place
         self._later(0.2 + 1.5 * delay, lambda: self._spawn_worker(preference))
 
     async def _worker_stall(self, pick: float, delay: float) -> None:
@@ -638,6 +819,45 @@ class Soak:
 
         self._later(0.5 + 2.5 * delay, restart)
 
+    async def _hit_replica(
+        self,
+        kind: str,
+        pick: float,
+        hit: Callable[[ReplicaProcess], Awaitable[None] | None],
+        back_after: float,
+    ) -> None:
+        """Hit one replica, as long as another still serves, and start it
+        again, or thaw it, ``back_after`` seconds later."""
+        steady = [r for r in self.replicas if r.name not in self.replicas_down]
+        if len(steady) < 2:
+            return
+        replica = steady[int(pick * len(steady))]
+        self.replicas_down.add(replica.name)
+        result = hit(replica)
+        if result is not None:
+            await result
+        self.faults[kind] += 1
+
+        async def back() -> None:
+            await replica.ensure_serving()
+            self.replicas_down.discard(replica.name)
+
+        self._later(back_after, back)
+
+    async def _replica_kill(self, pick: float, delay: float) -> None:
+        await self._hit_replica("replica-kill", pick, ReplicaProcess.kill, 0.5 + 2.5 * delay)
+
+    async def _replica_stall(self, pick: float, delay: float) -> None:
+        """Frozen past its partition lease: the others take its partitions
+        meanwhile, and it wakes as a zombie."""
+        lease = self.config.partition_lease
+        thaw = lease + 0.5 + (lease + 1.0) * delay
+        await self._hit_replica("replica-stall", pick, ReplicaProcess.freeze, thaw)
+
+    async def _replica_restart(self, pick: float, delay: float) -> None:
+        """SIGTERM: it hands its partitions over at once; it starts again later."""
+        await self._hit_replica("replica-restart", pick, ReplicaProcess.stop, 0.2 + 1.5 * delay)
+
     def _later(self, seconds: float, undo: Callable[[], Awaitable[None] | None]) -> None:
         """Undo a fault after ``seconds``, or as soon as the soak heals."""
 
@@ -657,8 +877,10 @@ class Soak:
         self.healing.set()
         while self.pending:
             await asyncio.gather(*list(self.pending))
-        while len([p for p in self.workers if p.poll() is None]) < self.config.workers:
-            self._spawn_worker(self.worker_logs)
+        alive = {self.preferences[p.pid] for p in self.workers if p.poll() is None}
+        for preference in range(self.config.workers):
+            if preference not in alive:
+                self._spawn_worker(preference)
         if isinstance(self.nats, NatsCluster):
             await self.nats.wait_for_meta_leader()
 
@@ -698,6 +920,66 @@ class Soak:
                     f"{subject} record {seq} expected {expected}, follows {previous[subject]}"
                 )
             previous[subject] = seq
+
+
+class ReplicaProcess(EngineProcess):
+    """A replica process of the soak (``tests/chaos/replica.py``), started
+    again on its port after a kill or a stop."""
+
+    def __init__(
+        self,
+        nats_url: str,
+        base: Path,
+        name: str,
+        *,
+        seed: int,
+        stream_replicas: int,
+        lost_ack_rate: float,
+        socket: Path | None,
+        env: dict[str, str],
+    ) -> None:
+        super().__init__(nats_url, base, name, stream_replicas=stream_replicas, env=env)
+        self.seed = seed
+        self.lost_ack_rate = lost_ack_rate
+        self.socket = socket
+        self.healed = False
+
+    def _spawn(self) -> Path:
+        ready = self.state / f"{self.name}.ready"
+        ready.unlink(missing_ok=True)
+        rate = 0.0 if self.healed else self.lost_ack_rate
+        args = [sys.executable, chaos_replica.__file__, self.nats_url, str(self.port)]
+        args += [str(ready), str(self.state / self.name), str(self.seed)]
+        args += [str(self.stream_replicas), str(rate)]
+        if self.socket is not None:
+            args.append(str(self.socket))
+        with open(self.state / f"{self.name}.log", "ab") as out:
+            self.proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env=child_env(**self.env)
+            )
+        self.starts += 1
+        return ready
+
+    def heal(self) -> None:
+        """No more lost acks, in this process and any started after."""
+        self.healed = True
+        if self.running:
+            os.kill(self.pid, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment while the block runs."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 async def _headers_by_seq(js: JetStreamContext) -> dict[int, tuple[str, dict[str, str]]]:

@@ -165,6 +165,14 @@ SETTINGS: tuple[Setting, ...] = (
         "waits with nothing arriving)",
     ),
     Setting(
+        GENERAL,
+        ("DAGNATS_GRPC_BALANCE",),
+        "off",
+        "SDK, CLI and gateway: spread calls over every address the target names (a "
+        "list `ipv4:a:7233,b:7233`, or a DNS name with one address per replica, "
+        "`dns:///dagnats:7233`) in turn, instead of using the first that answers",
+    ),
+    Setting(
         SECURITY,
         ("DAGNATS_TLS_CA",),
         "unset",

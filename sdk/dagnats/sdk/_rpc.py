@@ -52,7 +52,7 @@ from dagnats.core import tracing
 from dagnats.core.errors import PermissionDenied, Unauthenticated, Unavailable
 from dagnats.core.frames import TransportError
 from dagnats.core.grpcutil import WireError, retriable, status_of
-from dagnats.core.settings import env_seconds
+from dagnats.core.settings import env_bool, env_seconds
 from dagnats.core.status import FINAL_RUN_STATUSES
 from dagnats.core.tracing import client_interceptors
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -113,6 +113,21 @@ CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
+# With ``DAGNATS_GRPC_BALANCE`` on, a channel whose target names several
+# services processes (a list, ``ipv4:a:7233,b:7233``, or a DNS name with an
+# address per replica, ``dns:///dagnats:7233``) keeps a connection to each and
+# sends its calls to them in turn (gRPC's ``round_robin``), skipping one that is
+# down. Off, it sends every call to the first address that answers and moves
+# to the next only when that one fails (``pick_first``).
+BALANCE = "DAGNATS_GRPC_BALANCE"
+
+
+def balancing_options() -> tuple[tuple[str, str], ...]:
+    """The channel option that spreads calls over the target's addresses,
+    when ``DAGNATS_GRPC_BALANCE`` asks for it."""
+    return (("grpc.lb_policy_name", "round_robin"),) if env_bool(BALANCE, False) else ()
+
+
 # Seconds of silence on a connection with calls open (a WatchRun, a session)
 # before it is pinged; a ping unanswered as long again (at most 20 s) ends the
 # connection, so an engine that froze or a peer that vanished without closing
@@ -594,7 +609,11 @@ class EngineRpc:
         channel = self._channels.get(target)
         if channel is None:
             interceptors = client_interceptors() + self._credentials.interceptors()
-            options = CHANNEL_OPTIONS + keepalive_options(self._retry.keepalive)
+            options = (
+                *CHANNEL_OPTIONS,
+                *keepalive_options(self._retry.keepalive),
+                *balancing_options(),
+            )
             if self._channel_credentials is None:
                 channel = grpc.aio.insecure_channel(
                     target, options=options, interceptors=interceptors
