@@ -8,6 +8,7 @@ from unittest import mock
 
 import grpc.aio
 
+from dagnats.core.subjects import task_consumer
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.store import InputStore
@@ -104,7 +105,7 @@ async def test_follow_up_wakes_a_waiting_step_that_holds_no_task(
         # follows), so its ack may still be on its way when the run shows
         # waiting; then no task is pending or held.
         async def holds_no_task() -> bool:
-            info = await engine.nc.jetstream().consumer_info("TASKS", f"tasks-{task}")
+            info = await engine.nc.jetstream().consumer_info("TASKS", task_consumer(task))
             return info.num_pending == 0 and info.num_ack_pending == 0
 
         await wait_for(holds_no_task, timeout=10, message="no task while waiting")
