@@ -172,8 +172,13 @@ class Engine:
         ]
 
     def owns_run(self, run_id: str) -> bool:
-        """Whether this engine consumes the run's partition now."""
+        """Whether this engine owns the run's partition now."""
         return self.ownership.owns_run(run_id)
+
+    def consuming(self) -> frozenset[int]:
+        """The partitions whose history, timers and commits' events this
+        engine consumes now: the owned ones, once it has followed a change."""
+        return frozenset(self._loops)
 
     def _owned_changed(self, owned: frozenset[int]) -> None:
         task = asyncio.create_task(self._follow(owned))
