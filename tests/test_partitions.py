@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc.aio
 import nats
 import pytest_asyncio
 from nats.aio.msg import Msg
@@ -43,6 +44,7 @@ from dagnats.engine.heard import WRITER
 from dagnats.engine.ownership import Ownership
 from dagnats.engine.server import EngineServer, start_services
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.sdk import Client, TaskContext, Worker, run_output
 from tests.helpers import wait_for
 from tests.stack import FAST, loop_workflow, unique
@@ -265,3 +267,40 @@ async def test_a_partition_moved_mid_run_carries_its_run_on_on_the_other_replica
     assert set(after[:takes_over]) <= {stack.writer(old)}
     check = await journal_check(stack.replicas[new], run_id)
     assert list(check.violations) == [], check.violations
+
+
+async def test_a_replica_that_owns_nothing_answers_its_polls_with_no_task(stack: Stack) -> None:
+    # Every partition on b: a run started through a goes on b's worker, and a
+    # task no worker takes is not handed out by a poll of a, only of b.
+    stack.owners["b"].move(set(range(P)))
+    stack.owners["a"].move(set())
+    engines = {r: s.engine for r, s in stack.replicas.items()}
+    await wait_for(
+        lambda: not engines["a"].consuming() and engines["b"].consuming() == set(range(P)),
+        timeout=10,
+        message="every partition on b",
+    )
+    idle, idle_workflow = unique("idle"), unique("idlewf")
+    async with Client(stack.replicas["a"].target) as client:
+        run = await client.start_run(stack.workflow)
+        done = await client.wait_for_run(run.run_id, timeout=60)
+        await client.register_workflow(loop_workflow(idle_workflow, idle))
+        waiting = await client.start_run(idle_workflow)
+        polled = {
+            r: await poll(stack.replicas[r], idle, wait_ms)
+            for r, wait_ms in (("a", 300), ("b", 5000))
+        }
+        await client.cancel_run(waiting.run_id)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    assert stack.loop.ran[run.run_id] == [("b", i) for i in range(K)]
+    assert polled["a"] == []
+    assert polled["b"] == [waiting.run_id]
+
+
+async def poll(replica: EngineServer, task: str, wait_ms: int) -> list[str]:
+    """The runs of the tasks one poll of ``replica`` hands out."""
+    request = pb.PollTasksRequest(task_types=[task], worker_id="probe")
+    request.wait.FromMilliseconds(wait_ms)
+    async with grpc.aio.insecure_channel(replica.target) as channel:
+        answer = await pb_grpc.EngineServiceStub(channel).PollTasks(request)
+    return [leased.task.run_id for leased in answer.tasks]

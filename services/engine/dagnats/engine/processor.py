@@ -261,10 +261,11 @@ class Engine:
 
     async def stop(self) -> None:
         self._stopping.set()
-        await self.stop_serving_commit_events()
-        await self.write_deferred(older_than=0.0)
-        loops = [task for _, tasks in self._loops.values() for task in tasks]
-        self._loops.clear()
+        async with self._following:  # a change being followed finishes first
+            await self.stop_serving_commit_events()
+            await self.write_deferred(older_than=0.0)
+            loops = [task for _, tasks in self._loops.values() for task in tasks]
+            self._loops.clear()
         for task in [*self._tasks, *loops]:
             task.cancel()
         for task in [*self._tasks, *loops]:
