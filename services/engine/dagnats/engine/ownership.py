@@ -6,11 +6,13 @@ leases replace it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from dagnats.core.partitions import partition_of
 
-__all__ = ["Ownership"]
+__all__ = ["OnChange", "Ownership"]
+
+OnChange = Callable[[frozenset[int]], Awaitable[None] | None]
 
 
 class Ownership:
@@ -19,10 +21,10 @@ class Ownership:
     def __init__(self, partitions: int, owned: frozenset[int]) -> None:
         self.partitions = partitions
         self._owned = owned
-        self._callbacks: list[Callable[[frozenset[int]], None]] = []
+        self._callbacks: list[OnChange] = []
 
     @classmethod
-    def whole(cls, partitions: int) -> Ownership:
+    def whole(cls, partitions: int = 1) -> Ownership:
         """Every partition, for good: one engine without leases."""
         return cls(partitions, frozenset(range(partitions)))
 
@@ -32,8 +34,9 @@ class Ownership:
     def owns_run(self, run_id: str) -> bool:
         return partition_of(run_id, self.partitions) in self._owned
 
-    def on_change(self, callback: Callable[[frozenset[int]], None]) -> None:
-        """Call ``callback`` with the new owned set whenever it changes."""
+    def on_change(self, callback: OnChange) -> None:
+        """Call ``callback`` with the new owned set at each change (awaited
+        when it returns an awaitable)."""
         self._callbacks.append(callback)
 
     async def start(self) -> None:
