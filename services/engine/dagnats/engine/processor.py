@@ -164,8 +164,8 @@ class Engine:
     async def start(self) -> None:
         self.heard, self._unhear = await self.store.hear_run_writes()
         self._serving = True
-        await self._follow(self.ownership.owned())
-        self.ownership.on_change(self._owned_changed)
+        self.ownership.on_change(self._follow)  # before the first follow: no change is missed
+        await self._follow()
         self._tasks = [
             asyncio.create_task(self._reconcile_loop()),
             asyncio.create_task(self._write_deferred_loop()),
@@ -180,19 +180,17 @@ class Engine:
         engine consumes now: the owned ones, once it has followed a change."""
         return frozenset(self._loops)
 
-    def _owned_changed(self, owned: frozenset[int]) -> None:
-        task = asyncio.create_task(self._follow(owned))
-        _background.add(task)
-        task.add_done_callback(_background.discard)
-
-    async def _follow(self, owned: frozenset[int]) -> None:
-        """Consume the partitions of ``owned`` and no other: a partition let
-        go ends its loops after their batch and its commits' events; one
-        taken gets its consumers and loops. Its runs' deferred writes are
-        written first: their next iterations are decided elsewhere."""
+    async def _follow(self, _told: frozenset[int] | None = None) -> None:
+        """Consume the partitions this engine owns now and no other (each
+        call reads the owned set afresh, so calls in any order end on the
+        latest): a partition let go ends its loops after their batch and its
+        commits' events, and the deferred writes are written, since the
+        runs' next iterations are decided elsewhere; one taken gets its
+        consumers and loops."""
         async with self._following:
             if self._stopping.is_set():
                 return
+            owned = self.ownership.owned()
             gone = sorted(set(self._loops) - owned)
             if gone:
                 for partition in gone:
@@ -1096,10 +1094,6 @@ def _is_commit_event(event: ipb.HistoryEvent) -> bool:
     Anything else must come on the durable history."""
     kind = event.WhichOneof("kind") or ""
     return kind in _REPORTS and event.attempt > 0 and bool(event.notify)
-
-
-# Tasks that follow a change of ownership, kept until they end.
-_background: set[asyncio.Task[None]] = set()
 
 
 def _trace_headers() -> dict[str, str]:

@@ -321,7 +321,7 @@ async def start_services(
     if engine is not None:
         # The claim with the lease (ADR 42).
         claims = journal.claim_with_lease if journal is not None else None
-        servicer = EngineServicer(engine, journal_store, claims=claims)
+        servicer = EngineServicer(engine, journal_store, claims=claims, ownership=ownership)
         await servicer.cancels.start()  # the cancels its workers' polls watch for
         pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
     served_health = await _add_health_and_reflection(server, [_NAMES[s] for s in served])

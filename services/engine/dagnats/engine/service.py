@@ -33,6 +33,7 @@ from dagnats.engine import model as m
 from dagnats.engine.cancels import CancelWatch
 from dagnats.engine.convert_workflow import stored_workflow, workflow_from_proto, workflow_to_proto
 from dagnats.engine.fork import Forks
+from dagnats.engine.ownership import Ownership
 from dagnats.engine.processor import Engine
 from dagnats.engine.purge import purge_run
 from dagnats.engine.report import lease_position, outcome_event, publish_outcome
@@ -96,9 +97,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     one, which claims a first delivery's journal with its lease."""
 
     def __init__(
-        self, engine: Engine, journal: JournalStore, *, claims: Claims | None = None
+        self,
+        engine: Engine,
+        journal: JournalStore,
+        *,
+        claims: Claims | None = None,
+        ownership: Ownership | None = None,
     ) -> None:
         self.engine = engine
+        # The partitions whose tasks a poll hands out: the engine's.
+        self.ownership = ownership or engine.ownership
         self.store = engine.store
         self.journal = journal
         self.claims = claims
@@ -229,7 +237,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         marked.CopyFrom(run)
         # The lane's consumer of the run's partition: the one its task is
         # delivered from, polled by the workers of the replica owning it.
-        partition = partition_of(run.run_id, self.engine.ownership.partitions)
+        partition = partition_of(run.run_id, self.ownership.partitions)
         for i, build, task in pinned:
             lease = self.engine.config.task_ack_wait
             present = await self.store.build_present(task, build, lease, partition)
@@ -395,7 +403,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # A worker of a build takes its build's lane of each type too: the
         # tasks of steps pinned to it; of each lane, the partitions this
         # replica owns.
-        owned = sorted(self.engine.ownership.owned())
+        owned = sorted(self.ownership.owned())
         lanes = [(t, b, k) for t in types for b in dict.fromkeys(("", build)) for k in owned]
         for task_type, lane, partition in lanes:
             await self._ensure_consumer(task_type, lane, partition)
@@ -421,7 +429,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 ack_wait,
                 build,
                 partition=partition,
-                partitions=self.engine.ownership.partitions,
+                partitions=self.ownership.partitions,
             )
             self._consumers.add(name)
 
