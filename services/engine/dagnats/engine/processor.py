@@ -51,6 +51,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
@@ -127,6 +128,7 @@ class Engine:
         # that ends them after their batch; its commits' events' unsubscribe.
         self._loops: dict[int, tuple[asyncio.Event, list[asyncio.Task[None]]]] = {}
         self._unserve: dict[int, Callable[[], Awaitable[None]]] = {}
+        self._pulling: set[asyncio.Task[Any]] = set()  # loops waiting on a pull
         self._serving = False
         self._following = asyncio.Lock()
         self._suspects: set[tuple[str, str, int, int]] = set()
@@ -193,8 +195,7 @@ class Engine:
             owned = self.ownership.owned()
             gone = sorted(set(self._loops) - owned)
             if gone:
-                for partition in gone:
-                    await self._let_go(partition)
+                await self._let_go(gone)
                 await self.write_deferred(older_than=0.0)
             for partition in sorted(owned - set(self._loops)):
                 await self._take(partition)
@@ -225,11 +226,21 @@ class Engine:
         if self._serving:
             await self._serve_partition(partition)
 
-    async def _let_go(self, partition: int) -> None:
-        until, loops = self._loops.pop(partition)
-        until.set()
-        if (unserve := self._unserve.pop(partition, None)) is not None:
-            await unserve()
+    async def _let_go(self, partitions: list[int]) -> None:
+        """End the loops and the commits' events of ``partitions``, all at
+        once: a loop waiting on its pull is cancelled (the pull withdrawn,
+        whatever reached it given back at once), one handling a batch ends
+        after it."""
+        let_go = [self._loops.pop(partition) for partition in partitions]
+        for until, _ in let_go:
+            until.set()
+        for partition in partitions:
+            if (unserve := self._unserve.pop(partition, None)) is not None:
+                await unserve()
+        loops = [task for _, tasks in let_go for task in tasks]
+        for task in loops:
+            if task in self._pulling:
+                task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
 
     async def _serve_partition(self, partition: int) -> None:
@@ -611,7 +622,10 @@ class Engine:
         handle: Callable[[Delivery], Awaitable[None]],
         until: asyncio.Event,
     ) -> None:
+        me = asyncio.current_task()
+        assert me is not None  # a loop runs as a task of its own
         while not self._stopping.is_set() and not until.is_set():
+            self._pulling.add(me)
             try:
                 msgs = await self.store.pull(stream, durable, self.config.history_batch, 1.0)
             except Exception as err:  # the connection is reconnecting; try again shortly
@@ -620,6 +634,8 @@ class Engine:
                 log.warning("fetch from %s failed: %r", durable, err)
                 await asyncio.sleep(0.5)
                 continue
+            finally:
+                self._pulling.discard(me)
             await self._handle_batch(msgs, handle)
 
     async def _handle_batch(
