@@ -380,8 +380,7 @@ async def consumers_idle(js: Any, *names: tuple[str, str]) -> bool:
 async def park(client: Any, js: Any, n: int) -> tuple[list[str], float]:
     """Start ``n`` runs that wait for input (64 starts at a time) and return
     their ids once every one waits, with the seconds it took."""
-    from dagnats.core.subjects import task_consumer
-    from dagnats.engine.processor import HISTORY_CONSUMER
+    from dagnats.core.subjects import history_consumer, task_consumer
 
     gate = asyncio.Semaphore(64)
     started = time.perf_counter()
@@ -394,7 +393,7 @@ async def park(client: Any, js: Any, n: int) -> tuple[list[str], float]:
             return str(run.run_id)
 
     run_ids = await asyncio.gather(*(start(i) for i in range(n)))
-    quiet = (("TASKS", task_consumer(WAIT_TASK)), ("HISTORY", HISTORY_CONSUMER))
+    quiet = (("TASKS", task_consumer(WAIT_TASK)), ("HISTORY", history_consumer(0)))
     unsure, seconds = set(run_ids), 300 + n / 10
     deadline = time.monotonic() + seconds
 

@@ -7,7 +7,15 @@ import pytest
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.ids import check_build_id, check_lease
-from dagnats.core.subjects import lane_build, run_tasks, task_consumer, task_filter, task_subject
+from dagnats.core.partitions import slot_of
+from dagnats.core.subjects import (
+    lane_build,
+    lane_prefix,
+    partition_filters,
+    run_tasks,
+    task_consumer,
+    task_subject,
+)
 from dagnats.engine import model as m
 from dagnats.engine import rules
 from dagnats.engine.convert_workflow import workflow_from_proto, workflow_to_proto
@@ -171,13 +179,14 @@ def test_a_step_moved_to_its_first_claims_lane_records_that_build() -> None:
 def test_a_pinned_lane_never_overlaps_the_unpinned_one_and_purges_with_its_run() -> None:
     run = "r" * 32
     pinned, unpinned = task_subject("agent", run, "s", "A"), task_subject("agent", run, "s")
-    assert pinned == f"tasks.agent@A.{run}.s" and unpinned == f"tasks.agent.{run}.s"
+    slot = slot_of(run)
+    assert pinned == f"tasks.agent@A.{slot}.{run}.s" and unpinned == f"tasks.agent.{slot}.{run}.s"
     assert (lane_build(pinned), lane_build(unpinned)) == ("A", "")
-    assert (
-        task_filter("agent") == "tasks.agent.>" and task_filter("agent", "A") == "tasks.agent@A.>"
-    )
-    assert run_tasks(run) == "tasks.*." + run + ".>"  # both lanes
-    lease = f"$JS.ACK.TASKS.{task_consumer('agent', 'A')}.1.5.3.1700000000000000000.0"
+    unpinned_lane, pinned_lane = lane_prefix("agent"), lane_prefix("agent", "A")
+    assert partition_filters(unpinned_lane, 0, 1) == ["tasks.agent.>"]
+    assert partition_filters(pinned_lane, 0, 1) == ["tasks.agent@A.>"]
+    assert run_tasks(run) == f"tasks.*.{slot}.{run}.>"  # both lanes
+    lease = f"$JS.ACK.TASKS.{task_consumer('agent', 'A', 3)}.1.5.3.1700000000000000000.0"
     assert check_lease(lease) == lease
 
 

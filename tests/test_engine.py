@@ -16,6 +16,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core.errors import InvalidArgument, NotFound
+from dagnats.core.subjects import history_subject
 from dagnats.engine import model as m
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.store import StaleRevision
@@ -121,7 +122,9 @@ async def test_duplicate_and_stale_continues_are_dropped(
             event.attempt = attempt if attempt else 7
             getattr(event, "continue").output = b"{}"
             await js.publish(
-                f"history.{run.run_id}", event.SerializeToString(), headers={"Nats-Msg-Id": msg_id}
+                history_subject(run.run_id),
+                event.SerializeToString(),
+                headers={"Nats-Msg-Id": msg_id},
             )
         await wait_for(lambda: engine.engine.counters["dropped"] >= dropped_before + 2, timeout=10)
         gate.set()
@@ -334,7 +337,7 @@ async def test_cancel_reaches_the_running_handler_and_children(
     event = ipb.HistoryEvent(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
     event.complete.output = b'"late"'
     await engine.nc.jetstream().publish(
-        f"history.{run.run_id}", event.SerializeToString(), headers={"Nats-Msg-Id": "late"}
+        history_subject(run.run_id), event.SerializeToString(), headers={"Nats-Msg-Id": "late"}
     )
     await wait_for(lambda: engine.engine.counters["dropped"] > dropped, timeout=10)
     assert (await client.get_run(run.run_id)).status == pb.RUN_STATUS_CANCELLED

@@ -21,7 +21,7 @@ from google.protobuf.duration_pb2 import Duration
 from dagnats.cli.journal import check_lines
 from dagnats.core import jetstream as jsx
 from dagnats.core.natsserver import NatsServer
-from dagnats.core.subjects import task_subject
+from dagnats.core.subjects import history_subject, task_subject
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -400,7 +400,7 @@ async def test_journal_check_flags_a_run_whose_outcome_is_not_the_last_commit(
     event = ipb.HistoryEvent(run_id=run_id, step_id="agent", iteration=0, attempt=1)
     event.complete.output = b'"zombie"'
     await engine.nc.jetstream().publish(
-        f"history.{run_id}", event.SerializeToString(), headers={"Nats-Msg-Id": unique("z")}
+        history_subject(run_id), event.SerializeToString(), headers={"Nats-Msg-Id": unique("z")}
     )
     run = await client.wait_for_run(run_id, timeout=20)
     assert run_output(run) == "zombie"
@@ -427,7 +427,7 @@ async def test_a_commit_of_an_earlier_iteration_does_not_settle_the_current_one(
     )
     getattr(event, "continue").output = b'"turn 0"'
     await engine.nc.jetstream().publish(
-        f"history.{run_id}", event.SerializeToString(), headers={"Nats-Msg-Id": unique("late")}
+        history_subject(run_id), event.SerializeToString(), headers={"Nats-Msg-Id": unique("late")}
     )
     await wait_for(lambda: engine.engine.counters["dropped"] > dropped, timeout=10)
     step = steps_by_id(await client.get_run(run_id))["agent"]

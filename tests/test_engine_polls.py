@@ -17,6 +17,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.natsserver import NatsServer
+from dagnats.core.subjects import task_consumer
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import Client, TaskContext, Worker
@@ -61,7 +62,7 @@ async def long_lease_engine(nats_server: NatsServer) -> AsyncIterator[EngineServ
 async def waiting_pulls(engine: EngineServer, task: str) -> int:
     """Pull requests the task type's consumer holds open."""
     try:
-        info = await engine.nc.jetstream().consumer_info(jsx.TASKS, f"tasks-{task}")
+        info = await engine.nc.jetstream().consumer_info(jsx.TASKS, task_consumer(task))
     except nats.js.errors.NotFoundError:
         return 0  # no poll has created it yet
     return info.num_waiting

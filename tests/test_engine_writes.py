@@ -27,12 +27,19 @@ from dagnats.core import jetstream as jsx
 from dagnats.core import seam
 from dagnats.core.ids import new_run_id
 from dagnats.core.natsserver import NatsServer
-from dagnats.core.subjects import cancel_subject, task_subject, timer_subject
+from dagnats.core.subjects import (
+    HISTORY_SUBJECTS,
+    cancel_subject,
+    history_consumer,
+    partition_filters,
+    task_subject,
+    timer_subject,
+)
 from dagnats.engine import convert, definition, rules
 from dagnats.engine import model as m
 from dagnats.engine.convert import task_msg_id
 from dagnats.engine.convert_workflow import stored_workflow
-from dagnats.engine.processor import HISTORY_CONSUMER, Engine
+from dagnats.engine.processor import Engine
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.store import INDEX_THROUGH, EngineStore
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -510,7 +517,12 @@ async def test_an_end_whose_outbox_was_not_published_is_published_by_the_pass_th
     store, task, run_id = short_window, unique("unpublished"), new_run_id()
     config = replace(FAST, outbox_grace=0.0)
     # The consumer a pass reads the history's floor from, as a started engine makes it.
-    await store.ensure_consumer(jsx.HISTORY, HISTORY_CONSUMER, config.history_ack_wait)
+    await store.ensure_consumer(
+        jsx.HISTORY,
+        history_consumer(0),
+        config.history_ack_wait,
+        partition_filters(HISTORY_SUBJECTS, 0, 1),
+    )
     await start_bare(run_id, task, Engine(store, config))
 
     async def crash(point: str) -> None:

@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from dagnats.core import errors
 from dagnats.core import jetstream as jsx
 from dagnats.core.grpcutil import WireError, error_from_rpc
+from dagnats.core.subjects import history_subject
 from dagnats.engine.runs import Runs
 from dagnats.engine.server import EngineServer
 from dagnats.engine.store import EngineStore
@@ -133,9 +134,9 @@ async def test_concurrent_repeats_create_exactly_one_input(
 
 async def history(nc: NATS, run_id: str) -> list[eipb.HistoryEvent]:
     js = nc.jetstream()
-    sub = await js.subscribe(f"history.{run_id}", stream=jsx.HISTORY, ordered_consumer=True)
+    sub = await js.subscribe(history_subject(run_id), stream=jsx.HISTORY, ordered_consumer=True)
     try:
-        last = await js.get_last_msg(jsx.HISTORY, f"history.{run_id}")
+        last = await js.get_last_msg(jsx.HISTORY, history_subject(run_id))
         events = []
         while True:
             msg = await sub.next_msg(timeout=10)

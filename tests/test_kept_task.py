@@ -333,11 +333,13 @@ async def test_a_commit_event_is_handed_over_by_a_call_only_while_its_engine_tak
     # The one decision of the route: the engine of the journal service's
     # process while it serves commits' events, else one engine over core NATS
     # (each ending on the history when it does not answer in its share).
-    assert commit_event_route(engine.engine) == InProcess(engine.engine)
+    assert commit_event_route(engine.engine, owned=True) == InProcess(engine.engine)
     async with commit_events_off(engine):
-        assert commit_event_route(engine.engine) == ToOneEngine()
-    assert commit_event_route(engine.engine) == InProcess(engine.engine)
-    assert commit_event_route(None) == ToOneEngine(), "a journal service apart"
+        assert commit_event_route(engine.engine, owned=True) == ToOneEngine()
+    assert commit_event_route(engine.engine, owned=True) == InProcess(engine.engine)
+    assert commit_event_route(None, owned=False) == ToOneEngine(), "a journal service apart"
+    # A run of a partition another replica owns: to its engine, on the run's slot.
+    assert commit_event_route(engine.engine, owned=False) == ToOneEngine()
 
 
 async def test_a_commit_event_goes_to_the_engine_of_its_own_process_by_a_call(
@@ -435,7 +437,7 @@ async def test_a_held_event_taken_by_an_engine_that_never_answers_is_stored_on_t
     try:
         async with commit_events_off(engine):
             queued = await run_loop(client, engine, Loop(k=k), kept_iterations=0)
-            await nc.subscribe(COMMIT_EVENTS, queue=DIRECT_QUEUE, cb=swallow)
+            await nc.subscribe(f"{COMMIT_EVENTS}.*", queue=DIRECT_QUEUE, cb=swallow)
             await nc.flush()
             before = await tasks_published(js)
             loop = Loop(k=k)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from dagnats.core.subjects import task_consumer
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.server import start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -55,7 +56,7 @@ async def test_thousands_of_waits_hold_no_worker_and_no_task(nats_server: Any) -
                 run_ids = await asyncio.gather(*(start(i) for i in range(RUNS)))
                 await wait_for(lambda: waited == RUNS, timeout=480, interval=0.5)
                 await wait_for(lambda: worker.in_flight == 0, timeout=30)
-                info = await engine.nc.jetstream().consumer_info("TASKS", f"tasks-{task}")
+                info = await engine.nc.jetstream().consumer_info("TASKS", task_consumer(task))
                 assert (info.num_pending, info.num_ack_pending) == (0, 0), "no task in flight"
                 sample = run_ids[:: max(1, RUNS // 50)]
 

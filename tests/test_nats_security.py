@@ -29,7 +29,7 @@ from dagnats.core.errors import InvalidArgument
 from dagnats.core.natsauth import NatsSettings
 from dagnats.core.natsconfig import SERVICES_ACCOUNT, NatsUser
 from dagnats.core.natsserver import NatsServer
-from dagnats.core.subjects import COMMIT_EVENTS
+from dagnats.core.subjects import commit_event_subject
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.sdk import Client, JournalClient, Worker
 from dagnats.sdk.testing import ScriptedModel
@@ -171,12 +171,13 @@ async def test_only_the_services_account_reaches_the_engines_held_events(
         async def observe(msg: Any) -> None:
             seen.append(msg.data)
 
-        await services.subscribe(COMMIT_EVENTS, cb=observe)
+        subject = commit_event_subject("run")
+        await services.subscribe(subject, cb=observe)
         await services.flush()
         with pytest.raises(nats.errors.NoRespondersError):
-            await guest.request(COMMIT_EVENTS, b"from a guest", timeout=2)
+            await guest.request(subject, b"from a guest", timeout=2)
         dropped = engine.engine.counters["direct_dropped"]
-        await services.publish(COMMIT_EVENTS, b"no event")
+        await services.publish(subject, b"no event")
         await wait_for(lambda: engine.engine.counters["direct_dropped"] > dropped, timeout=10)
         assert seen == [b"no event"]  # the guest's never reached the services' account
     finally:

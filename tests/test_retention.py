@@ -31,7 +31,7 @@ from nats.js.api import StreamConfig
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import Conflict, InvalidArgument, NotFound
 from dagnats.core.natsserver import NatsServer, free_port
-from dagnats.core.subjects import purge_timer_subject
+from dagnats.core.subjects import history_subject, purge_timer_subject, run_timers
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -171,9 +171,9 @@ async def test_a_wait_past_the_retention_keeps_its_state_and_the_ended_run_is_pu
         js = engine.nc.jetstream()
         for stream, subject in (
             (jsx.JOURNAL, f"journal.{run.run_id}.>"),
-            (jsx.HISTORY, f"history.{run.run_id}"),
+            (jsx.HISTORY, history_subject(run.run_id)),
             (f"KV_{jsx.KV_INPUTS}", f"$KV.{jsx.KV_INPUTS}.{run.run_id}.>"),
-            (jsx.TIMERS, f"timers.{run.run_id}.>"),
+            (jsx.TIMERS, run_timers(run.run_id)),
         ):
             info = await js.stream_info(stream, subjects_filter=subject)
             assert not info.state.subjects, f"{stream} holds nothing of the purged run"

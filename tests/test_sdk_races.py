@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from dagnats.core import jetstream as jsx
+from dagnats.core.subjects import task_consumer
 from dagnats.engine.server import EngineServer
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.sdk import (
@@ -46,7 +47,7 @@ async def register(client: Client, **step: Any) -> tuple[str, str]:
 
 async def no_task_left(engine: EngineServer, task: str) -> bool:
     """The task type's consumer holds nothing: every message was settled."""
-    info = await engine.nc.jetstream().consumer_info(jsx.TASKS, f"tasks-{task}")
+    info = await engine.nc.jetstream().consumer_info(jsx.TASKS, task_consumer(task))
     return info.num_pending == 0 and info.num_ack_pending == 0
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import grpc.aio
 
+from dagnats.core.natsserver import NatsServer
+from dagnats.core.subjects import task_consumer
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.store import InputStore
@@ -19,6 +22,7 @@ from dagnats.sdk.testing import ScriptedModel
 from examples.agent_turn.handler import make_agent_turn
 from tests.helpers import wait_for
 from tests.journal_agent import Crasher
+from tests.secured import suite_security
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
 from tests.test_journal import NO_HEARTBEAT, journal_check, read_journal
 
@@ -104,7 +108,7 @@ async def test_follow_up_wakes_a_waiting_step_that_holds_no_task(
         # follows), so its ack may still be on its way when the run shows
         # waiting; then no task is pending or held.
         async def holds_no_task() -> bool:
-            info = await engine.nc.jetstream().consumer_info("TASKS", f"tasks-{task}")
+            info = await engine.nc.jetstream().consumer_info("TASKS", task_consumer(task))
             return info.num_pending == 0 and info.num_ack_pending == 0
 
         await wait_for(holds_no_task, timeout=10, message="no task while waiting")
@@ -206,7 +210,10 @@ async def test_crash_between_claiming_and_recording_an_input(
     await client.cancel_run(run.run_id)
 
 
-async def test_time_wait_survives_an_engine_restart(client: Client, nats_server: Any) -> None:
+async def test_time_wait_survives_an_engine_restart(tmp_path: Path) -> None:
+    # A nats-server of its own: the engine restarted is the deployment's one
+    # replica, which owns every partition (the module's engine would share them).
+    nats_server = await NatsServer.start(tmp_path, security=suite_security())
     engine = await start_engine(nats_server.url, config=FAST)
     task, name = unique("tw"), unique("twwf")
     turns: list[int] = []
@@ -232,6 +239,7 @@ async def test_time_wait_survives_an_engine_restart(client: Client, nats_server:
                 done = await c.wait_for_run(run.run_id, timeout=30)
     finally:
         await engine.stop()
+        await nats_server.stop()
     assert done.status == pb.RUN_STATUS_COMPLETED
     # A handler without a journal runs at least once a dispatch: a stall past
     # FAST's 2-s lease delivers iteration 0 again before its continue is

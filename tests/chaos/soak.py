@@ -72,6 +72,7 @@ from nats.js.api import ConsumerConfig
 from dagnats.core import errors
 from dagnats.core import jetstream as jsx
 from dagnats.core.natsserver import NatsCluster, NatsServer
+from dagnats.core.partitions import slot_of
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.inputs.v1 import inputs_pb2 as ipb
@@ -779,7 +780,7 @@ class Soak:
             return
         runs = sorted(self.in_flight)
         run_id = runs[int(pick * len(runs))]
-        subject = f"tasks.{self.in_flight[run_id]}.{run_id}.agent"
+        subject = f"tasks.{self.in_flight[run_id]}.{slot_of(run_id)}.{run_id}.agent"
         js = self.nc.jetstream()
         try:
             task = await js.get_last_msg(jsx.TASKS, subject)

@@ -6,10 +6,10 @@ these subjects belong to are configured in ``dagnats.core.jetstream``.
 
 | subject | stream or kind |
 |---|---|
-| ``tasks.<lane>.<run>.<step>`` | ``TASKS`` (work queue), one durable consumer per lane |
-| ``history.<run>`` | ``HISTORY``: a run's lifecycle events |
-| ``timers.<run>.<step>`` | ``SLEEP_TIMERS`` (work queue) |
-| ``timers.<run>`` | ``SLEEP_TIMERS``: an ended run's purge, its retention after its end |
+| ``tasks.<lane>.<slot>.<run>.<step>`` | ``TASKS`` (work queue), a consumer per lane and partition |
+| ``history.<slot>.<run>`` | ``HISTORY``: a run's lifecycle events, one consumer per partition |
+| ``timers.<slot>.<run>.<step>`` | ``SLEEP_TIMERS`` (work queue), one consumer per partition |
+| ``timers.<slot>.<run>`` | ``SLEEP_TIMERS``: an ended run's purge, its retention after its end |
 | ``journal.<run>.<step>`` | ``AGENT_JOURNAL``: a step's journal, fenced on this exact subject |
 | ``journal.<run>.<step>.spent`` | ``AGENT_JOURNAL``: usage of a step's fenced model calls |
 | ``created.<run>`` | ``RUNS_CREATED``: a run's entry in the runs by creation time |
@@ -17,26 +17,38 @@ these subjects belong to are configured in ``dagnats.core.jetstream``.
 | ``$KV.<bucket>.<key>`` | a key of a KV bucket |
 | ``dagnats.cancel.<run>`` | core NATS: a run was cancelled (at most once) |
 | ``dagnats.stream.<run>.<step>`` | core NATS: the live token preview of a step |
-| ``dagnats.engine.commit-events`` | core NATS, queue ``engines``: a journal commit's event |
+| ``dagnats.engine.commit-events.<slot>`` | core NATS, queue ``engines``: a journal commit's event |
 | ``api.inputs.{submit,get,withdraw}`` | core NATS request-reply: the inputs endpoints |
 
 A task's lane (``task_lane``) is its type, for a task any worker may take,
 or its type at a build (``<type>@<build>``), for a step pinned to a build.
+
+``<slot>`` is the run's slot (``dagnats.core.partitions.slot_of``), computed
+here from the run id: a replica's consumers filter on the slots of the
+partitions it owns (``partition_filters``), or on the one wildcard when there
+is one partition. The consumers are named per partition: ``tasks-<lane>-<k>``,
+``history-<k>``, ``timers-<k>``.
 """
 
 from __future__ import annotations
+
+from dagnats.core.partitions import slot_of, slots_of
 
 INPUTS_SUBMIT = "api.inputs.submit"
 INPUTS_GET = "api.inputs.get"
 INPUTS_WITHDRAW = "api.inputs.withdraw"
 LIVE_STREAM = "dagnats.stream"
-# A journal commit's event, sent to one engine over core
-# NATS (ADR 33); a constant, so nothing of a request reaches the subject.
+# A journal commit's event, sent to one engine over core NATS (ADR 33) on
+# its run's slot (``commit_event_subject``); nothing of a request reaches the
+# subject but the slot, a number.
 COMMIT_EVENTS = "dagnats.engine.commit-events"
 DIRECT_QUEUE = "engines"
 
 
 BUILD_MARK = "@"
+# The first token of the history's and the timers' subjects.
+HISTORY_SUBJECTS = "history"
+TIMER_SUBJECTS = "timers"
 
 
 def task_lane(task_type: str, build: str = "") -> str:
@@ -58,7 +70,7 @@ def task_subject(task_type: str, run_id: str, step_id: str, build: str = "") -> 
     """The subject of a step's tasks on one lane: one per step and lane, so
     the stream's last message on it says whether a task of the step is in
     flight there."""
-    return f"tasks.{task_lane(task_type, build)}.{run_id}.{step_id}"
+    return f"tasks.{task_lane(task_type, build)}.{slot_of(run_id)}.{run_id}.{step_id}"
 
 
 def is_task_subject(subject: str) -> bool:
@@ -66,38 +78,70 @@ def is_task_subject(subject: str) -> bool:
     return subject.startswith("tasks.")
 
 
-def task_filter(task_type: str, build: str = "") -> str:
-    """Every task of one lane: the filter of its consumer."""
-    return f"tasks.{task_lane(task_type, build)}.>"
+def lane_prefix(task_type: str, build: str = "") -> str:
+    """Every task of one lane is under this prefix (``partition_filters``)."""
+    return f"tasks.{task_lane(task_type, build)}"
+
+
+def partition_filters(
+    prefix: str, partition: int, partitions: int, *, last: bool = False
+) -> list[str]:
+    """The ``filter_subjects`` of a consumer of one partition of the subjects
+    under ``prefix`` (a lane's, ``history``, ``timers``, ``COMMIT_EVENTS``):
+    one filter per slot of the partition, or the one wildcard when there is
+    one partition (the consumer costs what it did before partitions).
+    ``last``: the slot is the subject's last token (commit events)."""
+    if partitions == 1:
+        return [f"{prefix}.*" if last else f"{prefix}.>"]
+    return [
+        f"{prefix}.{slot}" if last else f"{prefix}.{slot}.>"
+        for slot in slots_of(partition, partitions)
+    ]
 
 
 def run_tasks(run_id: str) -> str:
     """Every task of a run, of any type and lane."""
-    return f"tasks.*.{run_id}.>"
+    return f"tasks.*.{slot_of(run_id)}.{run_id}.>"
 
 
-def task_consumer(task_type: str, build: str = "") -> str:
-    """The durable consumer of one lane (the lease names it)."""
-    return f"tasks-{task_lane(task_type, build)}"
+def task_consumer(task_type: str, build: str = "", partition: int = 0) -> str:
+    """The durable consumer of one lane's partition (the lease names it)."""
+    return f"tasks-{task_lane(task_type, build)}-{partition}"
+
+
+def history_consumer(partition: int) -> str:
+    """The durable consumer of one partition of the history."""
+    return f"history-{partition}"
+
+
+def timer_consumer(partition: int) -> str:
+    """The durable consumer of one partition of the timers."""
+    return f"timers-{partition}"
 
 
 def history_subject(run_id: str) -> str:
-    return f"history.{run_id}"
+    return f"{HISTORY_SUBJECTS}.{slot_of(run_id)}.{run_id}"
 
 
 def timer_subject(run_id: str, step_id: str) -> str:
-    return f"timers.{run_id}.{step_id}"
+    return f"{TIMER_SUBJECTS}.{slot_of(run_id)}.{run_id}.{step_id}"
 
 
 def run_timers(run_id: str) -> str:
     """Every step's timers of a run (not its purge: ``purge_timer_subject``)."""
-    return f"timers.{run_id}.>"
+    return f"{TIMER_SUBJECTS}.{slot_of(run_id)}.{run_id}.>"
 
 
 def purge_timer_subject(run_id: str) -> str:
     """An ended run's purge timer: one token shorter than a step's timers, so
     no step id can name it and purging the run's step timers leaves it."""
-    return f"timers.{run_id}"
+    return f"{TIMER_SUBJECTS}.{slot_of(run_id)}.{run_id}"
+
+
+def commit_event_subject(run_id: str) -> str:
+    """Where a journal commit's event for the run goes: its slot, which the
+    engines owning its partition serve (queue ``DIRECT_QUEUE``)."""
+    return f"{COMMIT_EVENTS}.{slot_of(run_id)}"
 
 
 def journal_subject(run_id: str, step_id: str) -> str:

@@ -51,19 +51,30 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import tracing
 from dagnats.core.errors import Unavailable
+from dagnats.core.partitions import partition_of
 from dagnats.core.seam import seam
 from dagnats.core.status import FINAL_RUN_STATUSES, step_status_from_proto
-from dagnats.core.subjects import is_inbox, task_subject
+from dagnats.core.subjects import (
+    HISTORY_SUBJECTS,
+    TIMER_SUBJECTS,
+    history_consumer,
+    is_inbox,
+    partition_filters,
+    task_subject,
+    timer_consumer,
+)
 from dagnats.core.timestamps import timestamp
 from dagnats.engine import convert, rules
 from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.convert_workflow import stored_workflow
 from dagnats.engine.heard import Mark, RunWrites
+from dagnats.engine.ownership import Ownership
 from dagnats.engine.purge import purge_run
 from dagnats.engine.runs import Runs
 from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
@@ -76,8 +87,6 @@ from dagnats.journal.store import JournalStore
 
 log = logging.getLogger(__name__)
 
-HISTORY_CONSUMER = "engine"
-TIMER_CONSUMER = "engine-timers"
 MAX_CAS_RETRIES = 100
 WRITTEN_RUNS = 4096  # runs whose last write the engine keeps, to decide on without a read
 ENDS_PUBLISHED = 4096  # ended runs whose outbox the engine published, known to the reconciler
@@ -100,8 +109,12 @@ class Engine:
         journal: JournalStore | None = None,
         clock: Callable[[], float] = time.time,
         runs: Runs | None = None,
+        ownership: Ownership | None = None,
     ) -> None:
         self.store = store
+        # The partitions this engine consumes (advisory: the run's
+        # compare-and-swap and the journal's fence keep two engines safe).
+        self.ownership = ownership or Ownership.whole(1)
         self.inputs = inputs
         self.journal = journal
         self.config = config
@@ -113,6 +126,13 @@ class Engine:
         self.counters: Counter[str] = self.runs.counters
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
+        # Per owned partition: its history and timer loops, and the event
+        # that ends them after their batch; its commits' events' unsubscribe.
+        self._loops: dict[int, tuple[asyncio.Event, list[asyncio.Task[None]]]] = {}
+        self._unserve: dict[int, Callable[[], Awaitable[None]]] = {}
+        self._pulling: set[asyncio.Task[Any]] = set()  # loops waiting on a pull
+        self._serving = False
+        self._following = asyncio.Lock()
         self._suspects: set[tuple[str, str, int, int]] = set()
         self._missing: set[str] = set()  # indexed runs not found on the last pass
         # Runs whose history had events past the consumer's ack floor on the
@@ -143,7 +163,6 @@ class Engine:
         # history fetch's worth at once; more waits in the subscription.
         self._commit_events: set[asyncio.Task[bytes | None]] = set()
         self._commit_event_slots = asyncio.Semaphore(config.history_batch)
-        self._unserve_commit_events: Callable[[], Awaitable[None]] | None = None
         # Runs this engine is creating: their first tasks may be delivered
         # before their write is acknowledged (``create``).
         self._creating: dict[str, asyncio.Future[None]] = {}
@@ -151,33 +170,105 @@ class Engine:
     # ---- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.store.ensure_consumer(
-            jsx.HISTORY, HISTORY_CONSUMER, self.config.history_ack_wait
-        )
-        await self.store.ensure_consumer(jsx.TIMERS, TIMER_CONSUMER, self.config.timer_ack_wait)
         self.heard, self._unhear = await self.store.hear_run_writes()
         await self.store.enter_created(convert.created_run_entry)
+        self._serving = True
+        self.ownership.on_change(self._follow)  # before the first follow: no change is missed
+        await self._follow()
         self._tasks = [
-            asyncio.create_task(self._consume(jsx.HISTORY, HISTORY_CONSUMER, self._on_event)),
-            asyncio.create_task(self._consume(jsx.TIMERS, TIMER_CONSUMER, self._on_timer)),
             asyncio.create_task(self._reconcile_loop()),
             asyncio.create_task(self._write_deferred_loop()),
         ]
-        await self.serve_commit_events()
+
+    def owns_run(self, run_id: str) -> bool:
+        """Whether this engine owns the run's partition now."""
+        return self.ownership.owns_run(run_id)
+
+    def consuming(self) -> frozenset[int]:
+        """The partitions whose history, timers and commits' events this
+        engine consumes now: the owned ones, once it has followed a change."""
+        return frozenset(self._loops)
+
+    async def _follow(self, _told: frozenset[int] | None = None) -> None:
+        """Consume the partitions this engine owns now and no other (each
+        call reads the owned set afresh, so calls in any order end on the
+        latest): a partition let go ends its loops after their batch and its
+        commits' events, and the deferred writes are written, since the
+        runs' next iterations are decided elsewhere; one taken gets its
+        consumers and loops."""
+        async with self._following:
+            if self._stopping.is_set():
+                return
+            owned = self.ownership.owned()
+            gone = sorted(set(self._loops) - owned)
+            if gone:
+                await self._let_go(gone)
+                await self.write_deferred(older_than=0.0)
+            for partition in sorted(owned - set(self._loops)):
+                await self._take(partition)
+
+    async def _take(self, partition: int) -> None:
+        parts = self.ownership.partitions
+        history, timers = history_consumer(partition), timer_consumer(partition)
+        await self.store.ensure_consumer(
+            jsx.HISTORY,
+            history,
+            self.config.history_ack_wait,
+            partition_filters(HISTORY_SUBJECTS, partition, parts),
+        )
+        await self.store.ensure_consumer(
+            jsx.TIMERS,
+            timers,
+            self.config.timer_ack_wait,
+            partition_filters(TIMER_SUBJECTS, partition, parts),
+        )
+        until = asyncio.Event()
+        self._loops[partition] = (
+            until,
+            [
+                asyncio.create_task(self._consume(jsx.HISTORY, history, self._on_event, until)),
+                asyncio.create_task(self._consume(jsx.TIMERS, timers, self._on_timer, until)),
+            ],
+        )
+        if self._serving:
+            await self._serve_partition(partition)
+
+    async def _let_go(self, partitions: list[int]) -> None:
+        """End the loops and the commits' events of ``partitions``, all at
+        once: a loop waiting on its pull is cancelled (the pull withdrawn,
+        whatever reached it given back at once), one handling a batch ends
+        after it."""
+        let_go = [self._loops.pop(partition) for partition in partitions]
+        for until, _ in let_go:
+            until.set()
+        for partition in partitions:
+            if (unserve := self._unserve.pop(partition, None)) is not None:
+                await unserve()
+        loops = [task for _, tasks in let_go for task in tasks]
+        for task in loops:
+            if task in self._pulling:
+                task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+
+    async def _serve_partition(self, partition: int) -> None:
+        if partition not in self._unserve:
+            self._unserve[partition] = await self.store.serve_commit_events(
+                self._on_commit_event, partition, self.ownership.partitions
+            )
 
     async def serve_commit_events(self) -> None:
-        """Take commits' events from the journal services (ADR 33)."""
-        if self._unserve_commit_events is None:
-            self._unserve_commit_events = await self.store.serve_commit_events(
-                self._on_commit_event
-            )
+        """Take commits' events from the journal services (ADR 33), of the
+        owned partitions' runs."""
+        self._serving = True
+        for partition in list(self._loops):
+            await self._serve_partition(partition)
 
     async def stop_serving_commit_events(self) -> None:
         """Take no more commits' events; those being applied are cut
         short (their journal services publish them on the history)."""
-        if self._unserve_commit_events is not None:
-            unserve, self._unserve_commit_events = self._unserve_commit_events, None
-            await unserve()
+        self._serving = False
+        for partition in list(self._unserve):
+            await self._unserve.pop(partition)()
         for task in list(self._commit_events):
             task.cancel()
         for task in list(self._commit_events):
@@ -186,11 +277,14 @@ class Engine:
 
     async def stop(self) -> None:
         self._stopping.set()
-        await self.stop_serving_commit_events()
-        await self.write_deferred(older_than=0.0)
-        for task in self._tasks:
+        async with self._following:  # a change being followed finishes first
+            await self.stop_serving_commit_events()
+            await self.write_deferred(older_than=0.0)
+            loops = [task for _, tasks in self._loops.values() for task in tasks]
+            self._loops.clear()
+        for task in [*self._tasks, *loops]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *loops]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
@@ -542,9 +636,16 @@ class Engine:
     # ---- consumers ------------------------------------------------------------------
 
     async def _consume(
-        self, stream: str, durable: str, handle: Callable[[Delivery], Awaitable[None]]
+        self,
+        stream: str,
+        durable: str,
+        handle: Callable[[Delivery], Awaitable[None]],
+        until: asyncio.Event,
     ) -> None:
-        while not self._stopping.is_set():
+        me = asyncio.current_task()
+        assert me is not None  # a loop runs as a task of its own
+        while not self._stopping.is_set() and not until.is_set():
+            self._pulling.add(me)
             try:
                 msgs = await self.store.pull(stream, durable, self.config.history_batch, 1.0)
             except Exception as err:  # the connection is reconnecting; try again shortly
@@ -553,6 +654,8 @@ class Engine:
                 log.warning("fetch from %s failed: %r", durable, err)
                 await asyncio.sleep(0.5)
                 continue
+            finally:
+                self._pulling.discard(me)
             await self._handle_batch(msgs, handle)
 
     async def _handle_batch(
@@ -611,7 +714,7 @@ class Engine:
     @property
     def takes_commit_events(self) -> bool:
         """Whether this engine takes commits' events now (``serve_commit_events``)."""
-        return self._unserve_commit_events is not None
+        return self._serving
 
     async def take_commit_event(self, event: ipb.HistoryEvent, *, wait: float) -> bytes | None:
         """Apply a journal commit's event handed over by the journal service
@@ -830,8 +933,16 @@ class Engine:
         missing: set[str] = set()
         unapplied: dict[str, int] = {}
         recovered: dict[str, int] = {}
-        applied = await self.store.history_applied_through(HISTORY_CONSUMER)
+        parts = self.ownership.partitions
+        applied_in = {
+            partition: await self.store.history_applied_through(history_consumer(partition))
+            for partition in list(self._loops)  # whose consumers exist
+        }
         for run_id, entry in (await self.store.indexed_runs(ended=self._settle_end)).items():
+            partition = partition_of(run_id, parts)
+            if partition not in applied_in:
+                continue  # another replica's partition: its reconciler's
+            applied = applied_in[partition]
             stored = await self.store.load_run(run_id)
             self.counters["reconcile_reads"] += 1
             if stored is None:

@@ -8,8 +8,9 @@ HISTORY stream drops.
 
 A stored journal commit's event takes one route, chosen in one place
 (``commit_event_route``): a call to the engine of the journal service's own
-process, when it takes commits' events (ADR 36), else core NATS to one
-engine of the queue group (ADR 33). A route that does not answer within a
+process, when it takes commits' events and owns the run's partition (ADR 36),
+else core NATS to one engine of the queue group on the run's slot subject,
+served by the engines owning its partition (ADR 33). A route that does not answer within a
 third of the commit's wait ends on the history, naming a notice inbox: the
 stored commit is the durable fact, and the task message, still leased, stays
 in the queue until the engine has applied the event or the event is on the
@@ -122,6 +123,8 @@ class LocalEngine(Protocol):
     @property
     def takes_commit_events(self) -> bool: ...
 
+    def owns_run(self, run_id: str) -> bool: ...
+
     async def take_commit_event(self, event: ipb.HistoryEvent, *, wait: float) -> bytes | None: ...
 
 
@@ -148,13 +151,14 @@ class ToOneEngine:
 CommitEventRoute = InProcess | ToOneEngine
 
 
-def commit_event_route(local: LocalEngine | None) -> CommitEventRoute:
+def commit_event_route(local: LocalEngine | None, *, owned: bool) -> CommitEventRoute:
     """The route a stored commit's event takes first, ``local`` being the
-    engine of this process, if any. Every route that does not answer within
-    ``DIRECT_SHARE`` of the wait ends on the history, where every engine
-    reads: published there, naming a notice inbox the engine that applies
-    it tells."""
-    if local is not None and local.takes_commit_events:
+    engine of this process, if any, and ``owned`` whether it owns the run's
+    partition (else an engine that does, on the run's slot subject). Every
+    route that does not answer within ``DIRECT_SHARE`` of the wait ends on
+    the history, where the owner's engine reads: published there, naming a
+    notice inbox the engine that applies it tells."""
+    if local is not None and owned and local.takes_commit_events:
         return InProcess(local)
     return ToOneEngine()
 
@@ -226,7 +230,9 @@ class TaskSettler:
         the engine's decision: done when it came within ``share`` seconds.
         Else the event is on the history, naming the notice inbox the future
         waits on (the caller cancels it when it stops waiting)."""
-        match commit_event_route(self._local):
+        local = self._local
+        owned = local is not None and local.owns_run(event.run_id)
+        match commit_event_route(local, owned=owned):
             case InProcess(engine=engine):
                 # The decision is the call's answer: an inbox is needed only
                 # if the history takes the event.

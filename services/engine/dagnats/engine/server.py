@@ -47,6 +47,7 @@ from dagnats.engine.access import Role, missing_for_open_host, tokens_of
 from dagnats.engine.cancels import CancelWatch
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.local_transport import LocalListener, LocalSession, Method
+from dagnats.engine.ownership import Ownership
 from dagnats.engine.processor import Engine
 from dagnats.engine.report import TaskSettler
 from dagnats.engine.run_feed import RunFeed
@@ -216,6 +217,7 @@ async def start_services(
     nats_settings: NatsSettings | None = None,
     own_port: bool = False,
     local_socket: Path | None = None,
+    ownership: Ownership | None = None,
 ) -> ServiceServer:
     """Connect, provision streams and buckets, and serve ``services`` on one port.
 
@@ -244,6 +246,7 @@ async def start_services(
             Unix socket at this path for clients on this host
             (``dagnats.engine.local_transport``); with the engine, each
             poll's and watch's answer names it.
+        ownership: the partitions the engine consumes; by default every one.
 
     Returns:
         An :class:`EngineServer` when the engine is among ``services``.
@@ -291,7 +294,14 @@ async def start_services(
     engine: Engine | None = None
     clock: Callable[[], float] = time.time
     if "engine" in served:
-        engine = Engine(engine_store, config, inputs=input_store, journal=journal_store, runs=runs)
+        engine = Engine(
+            engine_store,
+            config,
+            inputs=input_store,
+            journal=journal_store,
+            runs=runs,
+            ownership=ownership,
+        )
         await engine.start()
         clock = engine.clock
     journal: JournalServicer | None = None
@@ -311,7 +321,7 @@ async def start_services(
     if engine is not None:
         # The claim with the lease (ADR 42).
         claims = journal.claim_with_lease if journal is not None else None
-        servicer = EngineServicer(engine, journal_store, claims=claims)
+        servicer = EngineServicer(engine, journal_store, claims=claims, ownership=ownership)
         await servicer.cancels.start()  # the cancels its workers' polls watch for
         pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
     served_health = await _add_health_and_reflection(server, [_NAMES[s] for s in served])

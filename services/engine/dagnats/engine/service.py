@@ -21,6 +21,7 @@ from dagnats.core.ids import (
     check_worker_id,
     new_run_id,
 )
+from dagnats.core.partitions import partition_of
 from dagnats.core.payload import check_json
 from dagnats.core.run_settings import check_settings
 from dagnats.core.seam import seam
@@ -32,6 +33,7 @@ from dagnats.engine import model as m
 from dagnats.engine.cancels import CancelWatch
 from dagnats.engine.convert_workflow import stored_workflow, workflow_from_proto, workflow_to_proto
 from dagnats.engine.fork import Forks
+from dagnats.engine.ownership import Ownership
 from dagnats.engine.processor import Engine
 from dagnats.engine.purge import purge_run
 from dagnats.engine.report import lease_position, outcome_event, publish_outcome
@@ -111,9 +113,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     one, which claims a first delivery's journal with its lease."""
 
     def __init__(
-        self, engine: Engine, journal: JournalStore, *, claims: Claims | None = None
+        self,
+        engine: Engine,
+        journal: JournalStore,
+        *,
+        claims: Claims | None = None,
+        ownership: Ownership | None = None,
     ) -> None:
         self.engine = engine
+        # The partitions whose tasks a poll hands out: the engine's.
+        self.ownership = ownership or engine.ownership
         self.store = engine.store
         self.journal = journal
         self.claims = claims
@@ -242,9 +251,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             return run
         marked = pb.Run()
         marked.CopyFrom(run)
+        # The lane's consumer of the run's partition: the one its task is
+        # delivered from, polled by the workers of the replica owning it.
+        partition = partition_of(run.run_id, self.ownership.partitions)
         for i, build, task in pinned:
             lease = self.engine.config.task_ack_wait
-            present = await self.store.build_present(task, build, lease)
+            present = await self.store.build_present(task, build, lease, partition)
             marked.steps[i].waiting_for_build = not present
         return marked
 
@@ -466,10 +478,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             runs = _cancel_watch(request)
             return pb.PollTasksResponse(cancelled_runs=await self.cancels.wait(runs, wait))
         # A worker of a build takes its build's lane of each type too: the
-        # tasks of steps pinned to it.
-        lanes = [(t, b) for t in types for b in dict.fromkeys(("", build))]
-        for task_type, lane in lanes:
-            await self._ensure_consumer(task_type, lane)
+        # tasks of steps pinned to it; of each lane, the partitions this
+        # replica owns.
+        owned = sorted(self.ownership.owned())
+        lanes = [(t, b, k) for t in types for b in dict.fromkeys(("", build)) for k in owned]
+        for task_type, lane, partition in lanes:
+            await self._ensure_consumer(task_type, lane, partition)
         msgs = await self._fetch(lanes, max_tasks, wait)
         claiming = request if request.claim_journal and self.claims is not None else None
         try:
@@ -483,23 +497,34 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             raise
         return pb.PollTasksResponse(tasks=leased, local_socket=self.local_socket)
 
-    async def _ensure_consumer(self, task_type: str, build: str = "") -> None:
-        name = task_consumer(task_type, build)
+    async def _ensure_consumer(self, task_type: str, build: str, partition: int) -> None:
+        name = task_consumer(task_type, build, partition)
         if name not in self._consumers:
             ack_wait = self.engine.config.task_ack_wait
-            await self.store.ensure_task_consumer(task_type, ack_wait, build)
+            await self.store.ensure_task_consumer(
+                task_type,
+                ack_wait,
+                build,
+                partition=partition,
+                partitions=self.ownership.partitions,
+            )
             self._consumers.add(name)
 
     async def _fetch(
-        self, lanes: list[tuple[str, str]], max_tasks: int, wait: float
+        self, lanes: list[tuple[str, str, int]], max_tasks: int, wait: float
     ) -> list[Delivery]:
-        """Wait for tasks of any of the lanes (a task type, and a task type at
-        the worker's build). Once one lane answers, the pulls
-        of the others are withdrawn and whatever reached them is released at
-        once (nak), not held; so is everything when the caller leaves (the
-        poll is cancelled) first."""
+        """Wait for tasks of any of the lanes' partitions (a task type, and a
+        task type at the worker's build; each partition this replica owns).
+        Once one answers, the pulls of the others are withdrawn and whatever
+        reached them is released at once (nak), not held; so is everything
+        when the caller leaves (the poll is cancelled) first. A replica that
+        owns no partition waits the wait and answers no task."""
+        if not lanes:
+            await asyncio.sleep(wait)
+            return []
         fetches = [
-            asyncio.create_task(self.store.pull_tasks(t, max_tasks, wait, b)) for t, b in lanes
+            asyncio.create_task(self.store.pull_tasks(t, max_tasks, wait, b, k))
+            for t, b, k in lanes
         ]
         got: list[Delivery] = []
         pending = set(fetches)

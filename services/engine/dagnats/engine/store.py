@@ -33,12 +33,14 @@ from dagnats.core.subjects import (
     COMMIT_EVENTS,
     DIRECT_QUEUE,
     cancelled_run,
+    commit_event_subject,
     created_subject,
     dead_letter,
     history_subject,
     kv_key,
+    lane_prefix,
+    partition_filters,
     task_consumer,
-    task_filter,
 )
 from dagnats.engine.heard import WRITER, Listening, RunWrites
 from dagnats.engine.run_list import Created, created_entry
@@ -858,13 +860,17 @@ class EngineStore:
     async def purge_subject(self, stream: str, subject: str) -> None:
         await _retry(lambda: self.js.purge_stream(stream, subject=subject), f"purge {stream}")
 
-    async def ensure_consumer(self, stream: str, durable: str, ack_wait: float) -> None:
-        """A durable consumer of a whole stream that never gives up on a
+    async def ensure_consumer(
+        self, stream: str, durable: str, ack_wait: float, filters: list[str]
+    ) -> None:
+        """A durable consumer of a stream's subjects ``filters`` (a
+        partition's slots: ``partition_filters``) that never gives up on a
         message: explicit acks, no delivery limit, no limit on pending acks."""
         from nats.js.api import AckPolicy, ConsumerConfig
 
         config = ConsumerConfig(
             durable_name=durable,
+            **_filtered(filters),
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ack_wait,
             max_deliver=-1,
@@ -872,15 +878,25 @@ class EngineStore:
         )
         await _retry(lambda: self.js.add_consumer(stream, config), f"create {durable}")
 
-    async def ensure_task_consumer(self, task_type: str, ack_wait: float, build: str = "") -> None:
-        """The durable consumer of one lane: a task type, or a task type at a
-        build (created when a worker of that build first polls)."""
+    async def ensure_task_consumer(
+        self,
+        task_type: str,
+        ack_wait: float,
+        build: str = "",
+        *,
+        partition: int = 0,
+        partitions: int = 1,
+    ) -> None:
+        """The durable consumer of one partition of one lane: a task type, or
+        a task type at a build (created when a worker of that build first
+        polls a replica owning the partition)."""
         from nats.js.api import AckPolicy, ConsumerConfig
 
-        name = task_consumer(task_type, build)
+        name = task_consumer(task_type, build, partition)
+        filters = partition_filters(lane_prefix(task_type, build), partition, partitions)
         config = ConsumerConfig(
             durable_name=name,
-            filter_subject=task_filter(task_type, build),
+            **_filtered(filters),
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ack_wait,
             max_deliver=-1,
@@ -901,23 +917,29 @@ class EngineStore:
         return [Delivery(m) for m in await jsx.pull_now(self.nc, stream, durable, batch, wait)]
 
     async def pull_tasks(
-        self, task_type: str, batch: int, wait: float, build: str = ""
+        self, task_type: str, batch: int, wait: float, build: str = "", partition: int = 0
     ) -> list[Delivery]:
-        """Tasks of one lane for a poll; none once the connection is closing."""
+        """Tasks of one partition of one lane for a poll; none once the
+        connection is closing."""
+        consumer = task_consumer(task_type, build, partition)
         try:
-            return await self.pull(jsx.TASKS, task_consumer(task_type, build), batch, wait)
+            return await self.pull(jsx.TASKS, consumer, batch, wait)
         except nats.errors.ConnectionClosedError:
             return []  # the engine is shutting down
 
-    async def build_present(self, task_type: str, build: str, lease: float) -> bool:
-        """Whether a worker of ``build`` is there for tasks of ``task_type``:
-        a poll of it waits on its lane's consumer, or the lane handed out a
-        task within the last ``lease`` seconds (its taker may hold it still;
-        a task left unacknowledged longer than its lease counts for no one).
-        False when no worker of that build ever polled."""
+    async def build_present(
+        self, task_type: str, build: str, lease: float, partition: int = 0
+    ) -> bool:
+        """Whether a worker of ``build`` is there for tasks of ``task_type``
+        of the run's ``partition``: a poll of it waits on the lane's consumer
+        of that partition (the one the run's task comes from), or it handed
+        out a task within the last ``lease`` seconds (its taker may hold it
+        still; a task left unacknowledged longer than its lease counts for no
+        one). False when no worker of that build ever polled for it."""
+        consumer = task_consumer(task_type, build, partition)
         try:
             info = await _retry(
-                lambda: self.js.consumer_info(jsx.TASKS, task_consumer(task_type, build)),
+                lambda: self.js.consumer_info(jsx.TASKS, consumer),
                 "read a build's consumer",
             )
         except nats.js.errors.NotFoundError:
@@ -998,26 +1020,33 @@ class EngineStore:
         engine answers on). The caller cancels it when it stops waiting."""
         reply, refused = await self.expect_notice()
         try:
-            await self.nc.publish(COMMIT_EVENTS, event.SerializeToString(), reply=reply)
+            subject = commit_event_subject(event.run_id)
+            await self.nc.publish(subject, event.SerializeToString(), reply=reply)
         except BaseException:
             refused.cancel()
             raise
         return refused
 
     async def serve_commit_events(
-        self, handle: Callable[[bytes], Awaitable[None]]
+        self, handle: Callable[[bytes], Awaitable[None]], partition: int = 0, partitions: int = 1
     ) -> Callable[[], Awaitable[None]]:
-        """Take journal commits' events, one engine of the queue group each;
-        ``handle`` is awaited for one at a time. Returns the unsubscribe."""
+        """Take journal commits' events of one partition's runs (one
+        subscription per slot, or one wildcard when there is one partition),
+        one engine of the queue group each; ``handle`` is awaited for one at
+        a time. Returns the unsubscribe."""
 
         async def arrived(msg: Msg) -> None:
             await handle(msg.data)
 
-        sub = await self.nc.subscribe(COMMIT_EVENTS, queue=DIRECT_QUEUE, cb=arrived)
+        subs = [
+            await self.nc.subscribe(subject, queue=DIRECT_QUEUE, cb=arrived)
+            for subject in partition_filters(COMMIT_EVENTS, partition, partitions, last=True)
+        ]
 
         async def stop() -> None:
-            with contextlib.suppress(Exception):  # the connection may be closing
-                await sub.unsubscribe()
+            for sub in subs:
+                with contextlib.suppress(Exception):  # the connection may be closing
+                    await sub.unsubscribe()
 
         return stop
 
@@ -1036,6 +1065,14 @@ class EngineStore:
 
 async def _nothing() -> None:
     pass
+
+
+def _filtered(filters: list[str]) -> dict[str, Any]:
+    """A consumer's filter: one subject as ``filter_subject`` (any server
+    takes it), several as ``filter_subjects``."""
+    if len(filters) == 1:
+        return {"filter_subject": filters[0]}
+    return {"filter_subjects": filters}
 
 
 async def _values(kv: KeyValue) -> AsyncIterator[tuple[str, bytes, int]]:
