@@ -63,6 +63,7 @@ from dagnats.engine import model as m
 from dagnats.engine.config import EngineConfig
 from dagnats.engine.convert_workflow import stored_workflow
 from dagnats.engine.heard import Mark, RunWrites
+from dagnats.engine.ownership import Ownership
 from dagnats.engine.purge import purge_run
 from dagnats.engine.runs import Runs
 from dagnats.engine.store import Delivery, EngineStore, StaleRevision, StoredRun
@@ -98,8 +99,11 @@ class Engine:
         journal: JournalStore | None = None,
         clock: Callable[[], float] = time.time,
         runs: Runs | None = None,
+        ownership: Ownership | None = None,
     ) -> None:
         self.store = store
+        # The partitions this replica consumes (all of them when it runs alone).
+        self.ownership = ownership or Ownership.whole()
         self.inputs = inputs
         self.journal = journal
         self.config = config

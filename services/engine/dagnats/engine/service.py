@@ -32,6 +32,7 @@ from dagnats.engine import model as m
 from dagnats.engine.cancels import CancelWatch
 from dagnats.engine.convert_workflow import stored_workflow, workflow_from_proto, workflow_to_proto
 from dagnats.engine.fork import Forks
+from dagnats.engine.ownership import Ownership
 from dagnats.engine.processor import Engine
 from dagnats.engine.purge import purge_run
 from dagnats.engine.report import lease_position, outcome_event, publish_outcome
@@ -95,9 +96,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     one, which claims a first delivery's journal with its lease."""
 
     def __init__(
-        self, engine: Engine, journal: JournalStore, *, claims: Claims | None = None
+        self,
+        engine: Engine,
+        journal: JournalStore,
+        *,
+        claims: Claims | None = None,
+        ownership: Ownership | None = None,
     ) -> None:
         self.engine = engine
+        # The partitions whose tasks its polls fetch (the engine's by default).
+        self.ownership = ownership or engine.ownership
         self.store = engine.store
         self.journal = journal
         self.claims = claims
