@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -19,8 +20,9 @@ from dagnats.core.errors import InvalidArgument
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.config import ReplicaConfig
 from dagnats.engine.ownership import Ownership
-from dagnats.engine.server import start_services
+from dagnats.engine.server import start_engine, start_services
 from tests.helpers import wait_for
+from tests.matrix import child_env
 
 P = 6
 
@@ -88,6 +90,31 @@ async def test_release_hands_over_well_under_the_lease(nc: NATS) -> None:
         await b.stop()
 
 
+async def test_a_stopped_engine_server_hands_its_partitions_over_at_once(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """The serve CLI's SIGTERM path (``EngineServer.stop``) releases first."""
+    servers = [
+        await start_engine(
+            nats_server.url,
+            with_journal=False,
+            with_inputs=False,
+            replica=ReplicaConfig(partitions=2, lease=30.0, replica_id=rid),
+        )
+        for rid in ("one", "two")
+    ]
+    one, two = (s.ownership for s in servers)
+    assert servers[0].engine.ownership is one
+    try:
+        await wait_for(lambda: [len(one.owned()), len(two.owned())] == [1, 1])
+        await servers[0].stop()
+        # Well under the 30 s lease.
+        await wait_for(lambda: two.owned() == {0, 1}, timeout=10, message="two owns both")
+    finally:
+        for server in servers:
+            await server.stop()
+
+
 async def test_a_replica_cut_off_from_nats_stops_owning_after_its_lease(
     nats_server: NatsServer, nc: NATS
 ) -> None:
@@ -127,6 +154,27 @@ async def test_partitions_recorded_once_and_a_different_number_refused(
     assert "6 partitions" in caught.value.message
 
 
+async def test_serve_refuses_a_different_number_of_partitions_in_one_line(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    assert await jsx.record_partitions(nc.jetstream(), 6) == 6
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *("-m", "dagnats.cli.main", "serve", "engine", "--nats", nats_server.url),
+        *("--port", "0", "--partitions", "4"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=child_env(),
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1, (out, err)
+    assert err.decode().strip().splitlines() == [
+        "error: DAGNATS_PARTITIONS is 4 but this deployment has 6 partitions, "
+        "fixed when it was provisioned"
+    ]
+    assert await jsx.record_partitions(nc.jetstream(), None) == 6  # unchanged
+
+
 @pytest.mark.parametrize(
     ("name", "value", "says"),
     [
@@ -158,4 +206,5 @@ def test_replica_settings_read_from_the_environment(monkeypatch: pytest.MonkeyPa
     config = ReplicaConfig.from_env()
     assert (config.partitions, config.lease, config.replica_id) == (8, 3.0, "engine-1")
     assert ReplicaConfig.from_env(partitions=2).partitions == 2  # a flag over the variable
-    _ = asyncio  # the module's tests run in one loop
+    with pytest.raises(InvalidArgument, match="from 1 to 64, not 0"):
+        ReplicaConfig.from_env(partitions=0)  # a flag is checked as the variable is

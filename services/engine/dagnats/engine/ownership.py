@@ -44,6 +44,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
+from dagnats.core.errors import Unavailable
 from dagnats.core.partitions import check_partitions, partition_of
 from dagnats.engine.partition_rules import GiveUp, Owner, Take, View, decide, owned
 
@@ -85,6 +86,7 @@ class Ownership:
         self._tasks: list[asyncio.Task[None]] = []
         self._watch: asyncio.Task[None] | None = None
         self._beats: Subscription | None = None
+        self._settling: set[asyncio.Task[None]] = set()  # settles a beat heard started
 
     @classmethod
     def whole(cls, partitions: int = 1) -> Ownership:
@@ -102,6 +104,7 @@ class Ownership:
         stand_in._tasks = []
         stand_in._watch = None
         stand_in._beats = None
+        stand_in._settling = set()
         return stand_in
 
     def owned(self) -> frozenset[int]:
@@ -134,7 +137,12 @@ class Ownership:
         await jsx.retry_transient(self._beat, "announce this replica")
         self._watch = asyncio.create_task(self._watching(), name="ownership-watch")
         self._tasks = [asyncio.create_task(self._ticking(), name="ownership-beat")]
-        await self._synced.wait()
+        try:
+            async with asyncio.timeout(jsx.RETRY_BUDGET):
+                await self._synced.wait()
+        except TimeoutError:
+            await self.stop()
+            raise Unavailable("could not read the partitions bucket's owners") from None
 
     async def release(self) -> None:
         """Give up everything at once (a graceful stop): the others take over
@@ -156,7 +164,7 @@ class Ownership:
     async def stop(self) -> None:
         """Stop beating and watching, deleting nothing: the others take its
         partitions when they have not heard it for a lease."""
-        tasks = [*self._tasks, *([self._watch] if self._watch is not None else [])]
+        tasks = [*self._tasks, *self._settling, *([self._watch] if self._watch else [])]
         self._tasks, self._watch = [], None
         for task in tasks:
             task.cancel()
@@ -202,8 +210,10 @@ class Ownership:
                 return
             with contextlib.suppress(nats.errors.Error):  # a newcomer hears us at once
                 await self._nc.publish(f"{PRESENCE}.{self.replica_id}", _ALIVE)  # type: ignore[union-attr]
-        if self._synced.is_set():
-            asyncio.create_task(self._settle())  # noqa: RUF006 - the lock orders them
+        if self._synced.is_set():  # the lock orders it after any settle under way
+            settling = asyncio.create_task(self._settle())
+            self._settling.add(settling)
+            settling.add_done_callback(self._settling.discard)
 
     def _present(self, now: float) -> frozenset[str]:
         """The replicas heard within a lease, this one, and, for the first
