@@ -68,7 +68,7 @@ class Ownership:
     change of it, in order, from the ownership's own task.
     """
 
-    def __init__(self, nc: NATS, *, replica_id: str, partitions: int, lease: float) -> None:
+    def __init__(self, nc: NATS | None, *, replica_id: str, partitions: int, lease: float) -> None:
         self.partitions = check_partitions(partitions)
         self.replica_id = replica_id
         self.lease = lease
@@ -93,18 +93,8 @@ class Ownership:
         """A stand-in that owns every partition, with no leases: for one engine
         alone (and the tests that run one). ``start``, ``release`` and ``stop``
         do nothing."""
-        stand_in = cls.__new__(cls)
-        stand_in.partitions = check_partitions(partitions)
-        stand_in.replica_id = "whole"
-        stand_in.lease = math.inf
-        stand_in._nc = None
-        stand_in._kv = None
-        stand_in._owned = frozenset(range(partitions))
-        stand_in._callbacks = []
-        stand_in._tasks = []
-        stand_in._watch = None
-        stand_in._beats = None
-        stand_in._settling = set()
+        stand_in = cls(None, replica_id="whole", partitions=partitions, lease=math.inf)
+        stand_in._owned = frozenset(range(stand_in.partitions))
         return stand_in
 
     def owned(self) -> frozenset[int]:
