@@ -154,6 +154,19 @@ async def test_partitions_recorded_once_and_a_different_number_refused(
     assert "6 partitions" in caught.value.message
 
 
+async def test_two_first_provisionings_at_once_record_one_number(nc: NATS) -> None:
+    js = nc.jetstream()
+    four, six = await asyncio.gather(
+        jsx.record_partitions(js, 4), jsx.record_partitions(js, 6), return_exceptions=True
+    )
+    recorded = await jsx.record_partitions(js, None)
+    assert recorded in (4, 6)
+    # The one that lost the race with a different number refuses; the winner got its own.
+    winner, loser = (four, six) if recorded == 4 else (six, four)
+    assert winner == recorded
+    assert isinstance(loser, InvalidArgument)
+
+
 async def test_serve_refuses_a_different_number_of_partitions_in_one_line(
     nats_server: NatsServer, nc: NATS
 ) -> None:

@@ -45,6 +45,7 @@ from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import Unavailable
+from dagnats.core.ids import check_token
 from dagnats.core.partitions import check_partitions, partition_of
 from dagnats.engine.partition_rules import GiveUp, Owner, Take, View, decide, owned
 
@@ -70,7 +71,7 @@ class Ownership:
 
     def __init__(self, nc: NATS | None, *, replica_id: str, partitions: int, lease: float) -> None:
         self.partitions = check_partitions(partitions)
-        self.replica_id = replica_id
+        self.replica_id = check_token(replica_id, field="replica_id")
         self.lease = lease
         self._nc: NATS | None = nc
         self._kv: KeyValue | None = None
