@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-import time
 from collections.abc import AsyncIterator
 
 import nats
@@ -78,12 +77,10 @@ async def test_release_hands_over_well_under_the_lease(nc: NATS) -> None:
     a.on_change(changes.append)
     try:
         await wait_for(lambda: split(a, b) == [3, 3], message="a 3/3 split")
-        released = time.monotonic()
         await b.release()
         assert b.owned() == frozenset()
         # Well under the 30 s lease: nothing waited for it to run out.
         await wait_for(lambda: split(a) == [P], timeout=10, message="a owns all")
-        assert time.monotonic() - released < 15
         assert changes[-1] == frozenset(range(P))
     finally:
         await a.stop()

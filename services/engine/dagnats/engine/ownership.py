@@ -208,10 +208,14 @@ class Ownership:
 
     def _present(self, now: float) -> frozenset[str]:
         """The replicas heard within a lease, this one, and, for the first
-        lease after it started, the owners it has not heard from at all (they
-        may not have beaten yet)."""
+        third of a lease after it started, the owners it has not heard from
+        at all. A live replica beats that often, and at once when it hears a
+        newcomer; one that has not by then is taken for gone (its partitions
+        taken early from a replica merely slow is safe: ownership is advisory),
+        so a replica restarted under a new id after a kill does not wait out
+        its predecessor's lease."""
         present = {r for r, at in self._heard.items() if now - at <= self.lease}
-        if now - self._started_at <= self.lease:
+        if now - self._started_at <= self.lease / 3:
             named = {o.replica for o in self._owners.values() if o.replica is not None}
             present |= named - self._heard.keys() - self._gone
         return frozenset(present | {self.replica_id})
