@@ -115,7 +115,7 @@ async def test_a_stopped_engine_server_hands_its_partitions_over_at_once(
 async def test_a_replica_cut_off_from_nats_stops_owning_after_its_lease(
     nats_server: NatsServer, nc: NATS
 ) -> None:
-    own_nc = await nats.connect(nats_server.url)
+    own_nc = await jsx.connect(nats_server.url, name="test-ownership-cut-off")
     (a,) = await replicas(own_nc, "a")
     try:
         await wait_for(lambda: split(a) == [P], message="a owns all")
