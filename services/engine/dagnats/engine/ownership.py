@@ -137,20 +137,27 @@ class Ownership:
 
     async def release(self) -> None:
         """Give up everything at once (a graceful stop): the others take over
-        without waiting out the lease. Best effort, within one lease."""
+        without waiting out the lease. Best effort, within a third of a lease;
+        nothing is tried on a connection that is down (the others take over
+        when the lease runs out, as after a kill)."""
         if self._nc is None or self._kv is None:
             return
         await self.stop()
-        kv, mine = self._kv, {k: self._owners[k] for k in self._owned}
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(self.lease):
-                for k, owner in sorted(mine.items()):
-                    with contextlib.suppress(nats.js.errors.APIError):  # another took it
-                        await kv.delete(f"owner.{k}", last=owner.revision)
-                await self._nc.publish(f"{PRESENCE}.{self.replica_id}", _GONE_BEAT)
-                await self._nc.flush(timeout=self.lease / 3)  # type: ignore[arg-type]  # a float works
+        mine = {k: self._owners[k] for k in self._owned}
+        if self._nc.is_connected:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.lease / 3):
+                    await self._give_all_up(self._kv, mine)
         log.info("replica %s released partitions %s", self.replica_id, sorted(mine))
         await self._publish(frozenset())
+
+    async def _give_all_up(self, kv: KeyValue, mine: dict[int, Owner]) -> None:
+        for k, owner in sorted(mine.items()):
+            with contextlib.suppress(nats.js.errors.APIError):  # another took it
+                await kv.delete(f"owner.{k}", last=owner.revision)
+        assert self._nc is not None
+        await self._nc.publish(f"{PRESENCE}.{self.replica_id}", _GONE_BEAT)
+        await self._nc.flush(timeout=self.lease / 3)  # type: ignore[arg-type]  # a float works
 
     async def stop(self) -> None:
         """Stop beating and watching, deleting nothing: the others take its
