@@ -41,6 +41,17 @@ class Guard:
 
 GUARDS = (
     Guard(
+        name="an expired replica's partitions are free for the others to take",
+        file="services/engine/dagnats/engine/partition_rules.py",
+        guard="        if view.owner(k).replica not in present  # no owner, or one not present\n",
+        removed="        if view.owner(k).replica is None\n",
+        how="a killed replica keeps its partitions for ever: nobody consumes its runs' work",
+        tests=(
+            "tests/test_partition_rules.py::test_an_expired_replicas_partitions_are_taken",
+            "tests/test_ownership.py::test_replicas_join_split_evenly_and_take_a_killed_ones_share",
+        ),
+    ),
+    Guard(
         name="a fork's copied record names the copies before it, not the source's records",
         file="services/journal/dagnats/journal/fork.py",
         guard="    copy.expected_seq = to(record.expected_seq)\n",

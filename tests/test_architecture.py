@@ -73,16 +73,20 @@ RULE_MODULES = (
     "dagnats.journal.model",
     "dagnats.journal.limits",
     "dagnats.inputs.rules",
+    "dagnats.core.partitions",
+    "dagnats.engine.partition_rules",
 )
 FORBIDDEN_IN_RULES = frozenset({"grpc", "nats", "asyncio"})
 # The modules that may import nats-py: the adapters, the NATS endpoints of the
-# inputs service, and core's connection, provisioning and server fixture.
+# inputs service, core's connection, provisioning and server fixture, and the
+# partition leases (the replicas' beats and the PARTITIONS bucket).
 NATS_MODULES = frozenset(
     {
         "dagnats.core.jetstream",
         "dagnats.core.natsauth",
         "dagnats.engine.store",
         "dagnats.engine.server",
+        "dagnats.engine.ownership",
         "dagnats.journal.store",
         "dagnats.inputs.store",
         "dagnats.inputs.natsapi",

@@ -9,6 +9,15 @@ import pytest
 
 from dagnats.core.errors import InvalidArgument
 from dagnats.core.partitions import SLOTS, check_partitions, partition_of, slot_of, slots_of
+from dagnats.engine.partition_rules import (
+    GiveUp,
+    Owner,
+    Take,
+    View,
+    decide,
+    owned,
+    share_of,
+)
 
 
 def test_slot_is_stable_across_processes() -> None:
@@ -62,3 +71,84 @@ def test_partition_beyond_count_refused() -> None:
     with pytest.raises(InvalidArgument) as caught:
         slots_of(6, 6)
     assert caught.value.field == "partition"
+
+
+# ---- the rule that shares partitions among replicas -------------------------------
+
+
+def view(me: str, replicas: set[str], owners: dict[int, str | None], partitions: int = 6) -> View:
+    return View(
+        me=me,
+        partitions=partitions,
+        replicas=frozenset(replicas),
+        owners={k: Owner(replica=r, revision=10 + k) for k, r in owners.items()},
+    )
+
+
+def settle(replicas: list[str], partitions: int, owners: dict[int, str | None]) -> dict[int, str]:
+    """Apply every replica's decisions, one replica at a time, until none acts."""
+    owners = dict(owners)
+    for _ in range(4 * partitions):
+        acted = False
+        for me in replicas:
+            for action in decide(view(me, set(replicas), owners, partitions)):
+                acted = True
+                match action:
+                    case Take(k, _):
+                        owners[k] = me
+                    case GiveUp(k, _):
+                        owners[k] = None
+        if not acted:
+            return {k: r for k, r in owners.items() if r is not None}
+    raise AssertionError(f"no agreement: {owners}")
+
+
+def test_shares_add_up_and_differ_by_one_at_most() -> None:
+    for partitions in (1, 5, 6, 7, 64):
+        for n in (1, 2, 3, 4):
+            ids = frozenset(f"r{i}" for i in range(n))
+            shares = [share_of(r, ids, partitions) for r in sorted(ids)]
+            assert sum(shares) == partitions
+            assert max(shares) - min(shares) <= 1
+
+
+def test_a_lone_replica_takes_every_partition_at_the_revision_it_saw() -> None:
+    actions = decide(view("a", {"a"}, {0: None}))
+    assert sorted(actions, key=lambda a: a.partition) == [
+        Take(0, 10),
+        *[Take(k, 0) for k in range(1, 6)],
+    ]
+
+
+def test_three_replicas_split_six_two_each() -> None:
+    final = settle(["a", "b", "c"], 6, {})
+    assert sorted(final) == list(range(6))
+    assert sorted(list(final.values()).count(r) for r in "abc") == [2, 2, 2]
+
+
+def test_an_expired_replicas_partitions_are_taken() -> None:
+    # c's presence key expired: its two partitions go to a and b, the rest stay.
+    owners: dict[int, str | None] = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
+    assert decide(view("a", {"a", "b"}, owners)) == (Take(4, 14),)
+    final = settle(["a", "b"], 6, owners)
+    assert {k: final[k] for k in range(4)} == {0: "a", 1: "a", 2: "b", 3: "b"}
+    assert sorted(final.values()) == ["a", "a", "a", "b", "b", "b"]
+
+
+def test_a_joining_replica_gets_its_share_from_those_over_theirs() -> None:
+    owners: dict[int, str | None] = {0: "a", 1: "a", 2: "a", 3: "b", 4: "b", 5: "b"}
+    assert decide(view("a", {"a", "b", "c"}, owners)) == (GiveUp(2, 12),)
+    assert decide(view("c", {"a", "b", "c"}, owners)) == ()  # nothing free yet
+    final = settle(["a", "b", "c"], 6, owners)
+    assert sorted(list(final.values()).count(r) for r in "abc") == [2, 2, 2]
+    assert final[0] == final[1] == "a" and final[3] == final[4] == "b"  # no needless moves
+
+
+def test_owned_is_what_the_owner_keys_name() -> None:
+    v = view("b", {"a", "b"}, {0: "a", 1: "b", 2: None, 3: "b"})
+    assert owned(v) == frozenset({1, 3})
+
+
+def test_a_replica_at_its_share_does_nothing() -> None:
+    owners: dict[int, str | None] = {0: "a", 1: "a", 2: "a", 3: "b", 4: "b", 5: "b"}
+    assert decide(view("a", {"a", "b"}, owners)) == ()

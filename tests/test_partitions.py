@@ -42,6 +42,7 @@ from dagnats.core.subjects import (
     timer_subject,
 )
 from dagnats.engine.heard import WRITER
+from dagnats.engine.config import ReplicaConfig
 from dagnats.engine.ownership import OnChange, Ownership
 from dagnats.engine.server import EngineServer, start_services
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -174,7 +175,9 @@ async def stack(nats_server: NatsServer) -> AsyncIterator[Stack]:
     owners = {"a": Moving(P, {0, 1}), "b": Moving(P, {2, 3})}
     replicas: dict[str, EngineServer] = {}
     for name, owned in owners.items():
-        server = await start_services(nats_server.url, config=FAST, ownership=owned)
+        server = await start_services(
+            nats_server.url, config=FAST, ownership=owned, replica=ReplicaConfig(partitions=P)
+        )
         assert isinstance(server, EngineServer)
         replicas[name] = server
     writers: dict[str, list[str]] = defaultdict(list)

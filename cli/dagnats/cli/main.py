@@ -174,6 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine, journal, all: serve the services' counters for Prometheus at "
         "http://HOST:PORT/metrics (DAGNATS_METRICS_PORT; 0: a free port)",
     )
+    serve.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        metavar="P",
+        help="engine, all: the number of partitions, 1 to 64, fixed when the deployment is "
+        "first provisioned (DAGNATS_PARTITIONS; unset: the recorded number, 1 at first)",
+    )
+    serve.add_argument(
+        "--replica-id",
+        default=None,
+        metavar="ID",
+        help="engine, all: this replica's id among those sharing the partitions "
+        "(DAGNATS_REPLICA_ID; default random)",
+    )
     for setting, (flag, about) in NATS_FLAGS.items():
         serve.add_argument(flag, default=None, help=f"engine: {about} ({setting})")
     _with_handler_options(serve)
@@ -574,11 +589,13 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.service == "gateway":
         return await _serve_gateway(args)
     from dagnats.core.jetstream import Topology
+    from dagnats.engine.config import ReplicaConfig
     from dagnats.engine.metrics import MetricsEndpoint, serve_metrics
     from dagnats.engine.security import ServerSecurity
     from dagnats.engine.server import start_services
 
     services = SERVICES if args.service == "all" else (args.service,)
+    replica = ReplicaConfig.from_env(partitions=args.partitions, replica_id=args.replica_id)
     handlers = handlers_from_flags(args.handlers, args.handler_concurrency)
     replicas = int(os.environ.get("DAGNATS_REPLICAS", "1"))
     server = await start_services(
@@ -592,6 +609,7 @@ async def _serve(args: argparse.Namespace) -> int:
         nats_settings=_nats_settings(args),
         own_port=handlers is not None,
         local_socket=Path(args.local_socket) if args.local_socket else None,
+        replica=replica,
     )
     print(f"{' and '.join(server.services)} serving on {server.target}", flush=True)
     if server.local_socket is not None:

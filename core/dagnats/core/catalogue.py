@@ -92,6 +92,30 @@ SETTINGS: tuple[Setting, ...] = (
         "stream replicas (3 on a production cluster)",
     ),
     Setting(
+        GENERAL,
+        ("DAGNATS_PARTITIONS",),
+        "1",
+        "number of partitions the runs are split into among the replicas (1 to 64; "
+        "`dagnats serve --partitions`): recorded by the first process to provision, "
+        "fixed after; a process given a different number refuses to start. Unset, a "
+        "process takes the recorded number",
+    ),
+    Setting(
+        GENERAL,
+        ("DAGNATS_REPLICA_ID",),
+        "random",
+        "this replica's id in the `PARTITIONS` bucket (letters, digits, `_`, `-`; "
+        "`dagnats serve --replica-id`); each process that serves the engine is a replica",
+    ),
+    Setting(
+        TIMING,
+        ("DAGNATS_PARTITION_LEASE",),
+        "5",
+        "the partition lease, whole seconds (at least 1): a replica that stops renewing "
+        "its presence (killed, frozen, cut off) loses its partitions to the others this "
+        "long after; one stopped with SIGTERM hands them over at once",
+    ),
+    Setting(
         TIMING,
         ("DAGNATS_LOOP_STATE_MAX_BYTES",),
         "1048576",

@@ -46,7 +46,7 @@ from tenacity import (
 )
 
 from dagnats.core import deadline
-from dagnats.core.errors import Unavailable
+from dagnats.core.errors import InvalidArgument, Unavailable
 from dagnats.core.natsauth import NatsSettings, is_refusal
 from dagnats.core.settings import env_seconds
 
@@ -68,6 +68,7 @@ KV_RUN_KEYS = "RUN_KEYS"
 KV_CHECKPOINTS = "CHECKPOINTS"
 KV_INPUTS = "INPUTS"
 KV_ACTIVE_RUNS = "ACTIVE_RUNS"
+KV_PARTITIONS = "PARTITIONS"
 
 # Errors after which the same publish (same Msg-Id) may simply be sent again.
 TRANSIENT_NATS_ERRORS: tuple[type[BaseException], ...] = (
@@ -260,6 +261,9 @@ def _buckets(topology: Topology) -> list[KeyValueConfig]:
         # window ends expired, never vanishes); the journal's input.placed
         # record, not this bucket, is the truth about placement.
         KeyValueConfig(bucket=KV_INPUTS, history=1, replicas=r, storage=StorageType.FILE),
+        # The number of partitions (``count``) and each partition's owner
+        # (``owner.<k>``), changed by compare-and-swap only.
+        KeyValueConfig(bucket=KV_PARTITIONS, history=1, replicas=r, storage=StorageType.FILE),
     ]
 
 
@@ -319,6 +323,30 @@ async def _update_bucket(js: JetStreamContext, bucket: KeyValueConfig) -> None:
     config.max_msgs_per_subject = bucket.history
     config.duplicate_window = DEDUPE_WINDOW
     await js.update_stream(config)
+
+
+async def record_partitions(js: JetStreamContext, asked: int | None) -> int:
+    """The deployment's number of partitions: recorded by the first process
+    to provision (``asked``, or 1 when None), read by every later one.
+
+    Raises:
+        InvalidArgument: ``asked`` was given and differs from the recorded number.
+    """
+    kv = await retry_transient(lambda: js.key_value(KV_PARTITIONS), "open the partitions bucket")
+    wanted = 1 if asked is None else asked
+    try:
+        await retry_transient(lambda: kv.create("count", str(wanted).encode()), "record partitions")
+        return wanted
+    except nats.js.errors.KeyWrongLastSequenceError:
+        pass  # recorded before
+    recorded = int((await kv_get(js, KV_PARTITIONS, "count")).value or b"0")
+    if asked is not None and asked != recorded:
+        raise InvalidArgument(
+            f"DAGNATS_PARTITIONS is {asked} but this deployment has {recorded} partitions, "
+            "fixed when it was provisioned",
+            field="DAGNATS_PARTITIONS",
+        )
+    return recorded
 
 
 async def retry_transient(

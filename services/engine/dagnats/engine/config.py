@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
+import secrets
 from dataclasses import dataclass
 
+from dagnats.core.errors import InvalidArgument
+from dagnats.core.ids import check_token
+from dagnats.core.partitions import check_partitions
 from dagnats.core.settings import env_bool, env_int, env_seconds
 from dagnats.engine.model import RuleOptions
 
@@ -125,3 +131,67 @@ ENV: dict[str, tuple[str, str]] = {
     "run_retention": ("DAGNATS_RUN_RETENTION", "seconds"),
     "input_dedupe_window": ("DAGNATS_INPUT_DEDUPE_WINDOW", "seconds"),
 }
+
+
+DEFAULT_LEASE = 5.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaConfig:
+    """How a replica (a process that serves the engine) shares the partitions.
+
+    Attributes:
+        partitions: the number of partitions asked for (``DAGNATS_PARTITIONS``):
+            recorded by the first process to provision, and refused by any
+            later one when it differs; None takes the recorded number (1 at
+            the first provisioning).
+        lease: the partition lease, in seconds (whole seconds, at least 1,
+            nats-server's per-key TTL): a replica that stops renewing its
+            presence loses its partitions to the others this long after.
+        replica_id: this replica's id, a NATS token; random by default.
+    """
+
+    partitions: int | None = None
+    lease: float = DEFAULT_LEASE
+    replica_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(8))
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> ReplicaConfig:
+        """``DAGNATS_PARTITIONS``, ``DAGNATS_PARTITION_LEASE`` and
+        ``DAGNATS_REPLICA_ID``, then explicit overrides (None: not given).
+
+        Raises:
+            InvalidArgument: a value out of range, naming its variable.
+        """
+        given = {k: v for k, v in overrides.items() if v is not None}
+        raw = os.environ.get("DAGNATS_PARTITIONS")
+        partitions = given.get("partitions", None if raw is None else _whole(raw))
+        lease = given.get("lease", env_seconds("DAGNATS_PARTITION_LEASE", DEFAULT_LEASE))
+        replica_id = given.get("replica_id", os.environ.get("DAGNATS_REPLICA_ID"))
+        config = cls(
+            partitions=partitions,  # type: ignore[arg-type]
+            lease=lease,  # type: ignore[arg-type]
+            **({} if replica_id is None else {"replica_id": replica_id}),  # type: ignore[arg-type]
+        )
+        config.check()
+        return config
+
+    def check(self) -> None:
+        """Raises InvalidArgument for a value out of range, naming its variable."""
+        if self.partitions is not None:
+            check_partitions(self.partitions, field="DAGNATS_PARTITIONS")
+        if not (math.isfinite(self.lease) and self.lease >= 1 and self.lease == int(self.lease)):
+            raise InvalidArgument(
+                f"DAGNATS_PARTITION_LEASE must be a whole number of seconds, at least 1, "
+                f"got {self.lease!r}",
+                field="DAGNATS_PARTITION_LEASE",
+            )
+        check_token(self.replica_id, field="DAGNATS_REPLICA_ID")
+
+
+def _whole(raw: str) -> int | str:
+    """An int when ``raw`` reads as one, else ``raw`` (refused by the check)."""
+    try:
+        return int(raw)
+    except ValueError:
+        return raw

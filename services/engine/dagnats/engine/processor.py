@@ -112,9 +112,8 @@ class Engine:
         ownership: Ownership | None = None,
     ) -> None:
         self.store = store
-        # The partitions this engine consumes (advisory: the run's
-        # compare-and-swap and the journal's fence keep two engines safe).
-        self.ownership = ownership or Ownership.whole(1)
+        # The partitions this replica consumes (all of them when it runs alone).
+        self.ownership = ownership or Ownership.whole()
         self.inputs = inputs
         self.journal = journal
         self.config = config

@@ -45,7 +45,7 @@ from dagnats.core.settings import SERVICES, host_port, is_loopback
 from dagnats.engine import local_transport
 from dagnats.engine.access import Role, missing_for_open_host, tokens_of
 from dagnats.engine.cancels import CancelWatch
-from dagnats.engine.config import EngineConfig
+from dagnats.engine.config import EngineConfig, ReplicaConfig
 from dagnats.engine.local_transport import LocalListener, LocalSession, Method
 from dagnats.engine.ownership import Ownership
 from dagnats.engine.processor import Engine
@@ -140,6 +140,13 @@ class EngineServer(ServiceServer):
     watches: RunWatches
     feed: RunFeed
     cancels: CancelWatch
+    ownership: Ownership
+
+    async def stop(self, grace: float = 1.0) -> None:
+        # Its partitions first, so the other replicas take them over at once
+        # rather than after the partition lease.
+        await self.ownership.release()
+        await super().stop(grace)
 
     async def _stop_work(self) -> None:
         await self.cancels.close()  # the cancels that polls watch for
@@ -174,6 +181,7 @@ async def start_engine(
     security: ServerSecurity | None = None,
     nats_settings: NatsSettings | None = None,
     local_socket: Path | None = None,
+    replica: ReplicaConfig | None = None,
 ) -> EngineServer:
     """Serve the engine, and by default the journal and inputs services with
     it on the same port (``dagnats serve all``); see :func:`start_services`.
@@ -199,6 +207,7 @@ async def start_engine(
         security=security,
         nats_settings=nats_settings,
         local_socket=local_socket,
+        replica=replica,
     )
     assert isinstance(server, EngineServer)
     return server
@@ -218,6 +227,7 @@ async def start_services(
     own_port: bool = False,
     local_socket: Path | None = None,
     ownership: Ownership | None = None,
+    replica: ReplicaConfig | None = None,
 ) -> ServiceServer:
     """Connect, provision streams and buckets, and serve ``services`` on one port.
 
@@ -247,6 +257,10 @@ async def start_services(
             (``dagnats.engine.local_transport``); with the engine, each
             poll's and watch's answer names it.
         ownership: the partitions the engine consumes; by default every one.
+        replica: the number of partitions, the partition lease and this
+            replica's id; by default the ``DAGNATS_*`` environment. A process
+            that serves the engine is a replica: it owns a share of the
+            partitions (``dagnats.engine.ownership``).
 
     Returns:
         An :class:`EngineServer` when the engine is among ``services``.
@@ -256,7 +270,8 @@ async def start_services(
             ``host`` without both TLS and authentication (naming the missing
             settings), settings that do not fit together, or unreadable
             certificate, key or tokens files; a NATS setting that is
-            malformed, or refused by nats-server.
+            malformed, or refused by nats-server; a number of partitions
+            that differs from the one the deployment was provisioned with.
     """
     served = tuple(s for s in SERVICES if s in services)
     unknown = set(services) - set(SERVICES)
@@ -280,10 +295,16 @@ async def start_services(
     credentials = security.server_credentials()  # files read before anything starts
     guard = security.interceptor()
     config = config or EngineConfig.from_env()
+    replica = replica or ReplicaConfig.from_env()
     await _check_durability(monitor_url)
     # Named after its first service: dagnats-engine, -journal or -inputs in /connz.
     nc = await jsx.connect(nats_url, name=f"dagnats-{served[0]}", settings=nats_settings)
     await jsx.provision(nc.jetstream(), topology)
+    try:
+        partitions = await jsx.record_partitions(nc.jetstream(), replica.partitions)
+    except InvalidArgument:
+        await nc.close()
+        raise
     interceptors = tracing.server_interceptors() + ([guard] if guard is not None else [])
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     engine_store = await EngineStore.open(nc)  # runs, history, tasks: every service reads them
@@ -294,6 +315,14 @@ async def start_services(
     engine: Engine | None = None
     clock: Callable[[], float] = time.time
     if "engine" in served:
+        if ownership is None:  # a given one (a test's fixed split) was started by its maker
+            ownership = Ownership(
+                nc,
+                replica_id=replica.replica_id,
+                partitions=partitions,
+                lease=replica.lease,
+            )
+            await ownership.start()
         engine = Engine(
             engine_store,
             config,
@@ -365,10 +394,11 @@ async def start_services(
         local_socket=sockets,
         local_methods=table,
     )
-    if engine is None or servicer is None:
+    if engine is None or servicer is None or ownership is None:
         return parts
     return EngineServer(
         **vars(parts),
+        ownership=ownership,
         engine=engine,
         watches=servicer.watches,
         feed=servicer.feed,

@@ -121,7 +121,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         ownership: Ownership | None = None,
     ) -> None:
         self.engine = engine
-        # The partitions whose tasks a poll hands out: the engine's.
+        # The partitions whose tasks its polls fetch (the engine's by default).
         self.ownership = ownership or engine.ownership
         self.store = engine.store
         self.journal = journal
