@@ -16,7 +16,6 @@ from dagnats.engine.partition_rules import (
     View,
     decide,
     owned,
-    share_of,
 )
 
 
@@ -106,10 +105,34 @@ def settle(replicas: list[str], partitions: int, owners: dict[int, str | None]) 
 def test_shares_add_up_and_differ_by_one_at_most() -> None:
     for partitions in (1, 5, 6, 7, 64):
         for n in (1, 2, 3, 4):
-            ids = frozenset(f"r{i}" for i in range(n))
-            shares = [share_of(r, ids, partitions) for r in sorted(ids)]
-            assert sum(shares) == partitions
+            ids = [f"r{i}" for i in range(n)]
+            final = settle(ids, partitions, {})
+            assert sorted(final) == list(range(partitions))
+            shares = [list(final.values()).count(r) for r in ids]
             assert max(shares) - min(shares) <= 1
+
+
+def test_replicas_joining_one_at_a_time_reach_even_shares() -> None:
+    for partitions in (1, 2, 4, 6, 7, 12):
+        owners: dict[int, str | None] = {}
+        ids: list[str] = []
+        for joining in ("d", "b", "c", "a"):  # ids not in order of arrival
+            ids.append(joining)
+            owners = dict(settle(ids, partitions, owners))
+            shares = [list(owners.values()).count(r) for r in ids]
+            assert sum(shares) == partitions and max(shares) - min(shares) <= 1
+
+
+def test_a_newcomer_takes_nothing_from_owners_when_there_are_fewer_partitions() -> None:
+    # One partition, owned by b: a joins and sorts first, yet nothing moves.
+    owners: dict[int, str | None] = {0: "b"}
+    assert decide(view("a", {"a", "b"}, owners, 1)) == ()
+    assert decide(view("b", {"a", "b"}, owners, 1)) == ()
+    # Four partitions over three: 2/2 stays put but for the one c needs.
+    owners = {0: "a", 1: "a", 2: "b", 3: "b"}
+    final = settle(["a", "b", "c"], 4, owners)
+    assert sorted(list(final.values()).count(r) for r in "abc") == [1, 1, 2]
+    assert sum(final[k] != owners[k] for k in range(4)) == 1  # one move only
 
 
 def test_a_lone_replica_takes_every_partition_at_the_revision_it_saw() -> None:

@@ -1,17 +1,22 @@
 """The rule that shares partitions among replicas: pure, no I/O, no clock.
 
-Every replica reads the same bucket (``PARTITIONS``): the replicas present
-(their presence keys, alive while renewed within the partition lease) and each
+Every replica sees the same things: the replicas present (heard beating
+within the partition lease) and, in the bucket ``PARTITIONS``, each
 partition's owner (``owner.<k>``, with its revision). From that view,
 :func:`decide` says what this replica does next, as a closed union of actions:
 take a partition (compare-and-swap on the revision it saw), or give one up.
 
-Shares: the present replicas sorted by id; with ``n`` of them and ``P``
-partitions each owns ``P // n``, and the first ``P % n`` in that order one
-more. A replica under its share takes free partitions (no owner, or an owner
-that is not present: its lease expired or it released); one over its share
-gives up its highest-numbered partitions. Nothing moves that need not: a
-joining replica gets its share from those over theirs, the rest stay put.
+Shares: with ``n`` replicas present and ``P`` partitions, each owns
+``P // n`` (the floor) or one more (the ceiling), as many at the ceiling as
+``P % n``. Which ones own the ceiling is whichever already do: nothing moves
+that need not, so a replica joining a deployment with fewer partitions than
+replicas takes none from the owners, and one joining a deployment that can
+share takes only what brings everyone to the floor. A replica takes free
+partitions (no owner, or an owner that is not present: its lease expired or
+it released) up to the floor, and up to the ceiling once no replica present
+is below the floor; one over the ceiling gives up its highest-numbered
+partitions; when the replicas below the floor need more than is free, the
+replica owning the most (the first by id among equals) gives up one.
 
 Ownership is advisory (for speed only): two replicas that briefly both
 consume a partition are safe, so the rule needs no order between one giving
@@ -69,11 +74,22 @@ class GiveUp:
 Action = Take | GiveUp
 
 
-def share_of(me: str, replicas: frozenset[str], partitions: int) -> int:
-    """How many partitions ``me`` owns when ``replicas`` (with ``me``) are present."""
-    ordered = sorted(replicas | {me})
-    base, extra = divmod(partitions, len(ordered))
-    return base + (1 if ordered.index(me) < extra else 0)
+def bounds(view: View) -> tuple[int, int]:
+    """The floor and the ceiling of a present replica's share."""
+    present = len(view.replicas | {view.me})
+    floor, extra = divmod(view.partitions, present)
+    return floor, floor + (1 if extra else 0)
+
+
+def counts(view: View) -> dict[str, int]:
+    """How many partitions each present replica owns."""
+    present = view.replicas | {view.me}
+    owning = {r: 0 for r in present}
+    for k in range(view.partitions):
+        replica = view.owner(k).replica
+        if replica in owning:
+            owning[replica] += 1
+    return owning
 
 
 def owned(view: View) -> frozenset[int]:
@@ -98,10 +114,19 @@ def free(view: View) -> list[int]:
 
 
 def decide(view: View) -> tuple[Action, ...]:
-    """What this replica does next to reach its share; empty when it has it."""
+    """What this replica does next towards an even share; empty when nothing
+    needs to move."""
     mine = sorted(owned(view))
-    share = share_of(view.me, view.replicas, view.partitions)
-    if len(mine) > share:
-        return tuple(GiveUp(k, view.owner(k).revision) for k in mine[share:])
-    wanted = share - len(mine)
-    return tuple(Take(k, view.owner(k).revision) for k in free(view)[:wanted])
+    floor, ceiling = bounds(view)
+    if len(mine) > ceiling:
+        return tuple(GiveUp(k, view.owner(k).revision) for k in mine[ceiling:])
+    owning = counts(view)
+    loose = free(view)
+    short = sum(max(0, floor - n) for n in owning.values())
+    if short > len(loose):
+        # Some replica is below the floor and nothing free will bring it up:
+        # the one owning the most gives one up, one at a time.
+        donor = min((r for r in owning if owning[r] > floor), key=lambda r: (-owning[r], r))
+        return (GiveUp(mine[-1], view.owner(mine[-1]).revision),) if donor == view.me else ()
+    wanted = floor - len(mine) if short else ceiling - len(mine)
+    return tuple(Take(k, view.owner(k).revision) for k in loose[: max(wanted, 0)])
