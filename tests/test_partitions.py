@@ -41,8 +41,8 @@ from dagnats.core.subjects import (
     task_subject,
     timer_subject,
 )
-from dagnats.engine.heard import WRITER
 from dagnats.engine.config import ReplicaConfig
+from dagnats.engine.heard import WRITER
 from dagnats.engine.ownership import OnChange, Ownership
 from dagnats.engine.server import EngineServer, start_services
 from dagnats.engine.v1 import engine_pb2 as pb
