@@ -6,6 +6,7 @@ import asyncio
 
 from dagnats.core import jetstream as jsx
 from dagnats.core import seam
+from dagnats.core.partitions import TASK_GROUP
 from dagnats.core.subjects import task_consumer
 from dagnats.engine.server import EngineServer
 from dagnats.engine.store import INDEX_THROUGH
@@ -63,7 +64,9 @@ async def lose_the_task(engine: EngineServer, task: str) -> None:
     the step is still at its dispatch (acks are not fenced); returns once the
     reconciler has dispatched it again."""
     await engine.engine.store.ensure_task_consumer(task, FAST.task_ack_wait)
-    (msg,) = await jsx.pull_now(engine.nc, jsx.TASKS, task_consumer(task), 1, 10.0)
+    (msg,) = await jsx.pull_now(
+        engine.nc, jsx.TASKS, task_consumer(task), 1, 10.0, priority=(TASK_GROUP, 0)
+    )
     before = engine.engine.counters["redispatched"]
     await msg.ack_sync()
     await wait_for(lambda: engine.engine.counters["redispatched"] > before, timeout=20)

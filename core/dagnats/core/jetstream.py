@@ -30,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import (
+    ConsumerConfig,
     DiscardPolicy,
     KeyValueConfig,
     RawStreamMsg,
@@ -349,6 +350,26 @@ async def record_partitions(js: JetStreamContext, asked: int | None) -> int:
     return recorded
 
 
+async def add_prioritized_consumer(
+    js: JetStreamContext, stream: str, config: ConsumerConfig, group: str
+) -> None:
+    """Create (or keep) a durable pull consumer of a priority group with the
+    ``prioritized`` policy: a pull names the group and a priority, and a
+    message goes to a waiting pull of the lowest priority number. nats-py's
+    ``ConsumerConfig`` has no priority groups, so the create request is sent
+    with them added."""
+    body = {
+        "stream_name": stream,
+        "config": {
+            **config.as_dict(),
+            "priority_groups": [group],
+            "priority_policy": "prioritized",
+        },
+    }
+    subject = f"{js._prefix}.CONSUMER.CREATE.{stream}.{config.durable_name}"
+    await js._api_request(subject, json.dumps(body).encode(), timeout=js._timeout)
+
+
 async def retry_transient(
     call: Callable[[], Awaitable[T]], what: str, *, deadline: float = RETRY_BUDGET
 ) -> T:
@@ -616,7 +637,15 @@ _IDLE: weakref.WeakKeyDictionary[NATS, list[_Inbox]] = weakref.WeakKeyDictionary
 MAX_IDLE_INBOXES = 64
 
 
-async def pull_now(nc: NATS, stream: str, durable: str, batch: int, wait: float) -> list[Msg]:
+async def pull_now(
+    nc: NATS,
+    stream: str,
+    durable: str,
+    batch: int,
+    wait: float,
+    *,
+    priority: tuple[str, int] | None = None,
+) -> list[Msg]:
     """Wait up to ``wait`` seconds for a message of a pull consumer, then take
     whatever else is ready, up to ``batch``, and return.
 
@@ -639,10 +668,13 @@ async def pull_now(nc: NATS, stream: str, durable: str, batch: int, wait: float)
     msgs: list[Msg] = []
     ended = False
     try:
-        first = {"batch": 1, "expires": max(int(wait * 1e9) - 1_000_000, 1_000_000)}
+        # A consumer of a priority group (``priority``: the group and this
+        # pull's priority) takes pulls that name them.
+        group = {"group": priority[0], "priority": priority[1]} if priority else {}
+        first = {"batch": 1, "expires": max(int(wait * 1e9) - 1_000_000, 1_000_000), **group}
         ended = await _read_pull(nc, inbox, subject, first, msgs, 1, wait + 2.0)
         if ended and msgs and batch > 1 and msgs[0].metadata.num_pending > 0:
-            more = {"batch": batch - 1, "no_wait": True}
+            more = {"batch": batch - 1, "no_wait": True, **group}
             ended = await _read_pull(nc, inbox, subject, more, msgs, batch, 2.0)
         return msgs
     except asyncio.CancelledError:

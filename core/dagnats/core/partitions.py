@@ -24,7 +24,28 @@ from dagnats.core.errors import InvalidArgument
 SLOTS = 64
 """Slots in subjects; the most partitions a deployment can have."""
 
-__all__ = ["SLOTS", "check_partitions", "partition_of", "slot_of", "slots_of"]
+__all__ = [
+    "SLOTS",
+    "TASK_GROUP",
+    "check_partitions",
+    "partition_of",
+    "pull_priority",
+    "slot_of",
+    "slots_of",
+]
+
+TASK_GROUP = "tasks"
+"""The priority group of every task consumer (policy ``prioritized``)."""
+
+
+def pull_priority(partition: int, owned: frozenset[int]) -> int:
+    """The priority a poll pulls a partition's tasks with: 0 (first) on the
+    partition's owner, 1 on any other replica. nats-server hands a task to a
+    pull of priority 1 only when no pull of priority 0 waits on that
+    consumer: a task goes to its owner's workers while one of them is
+    free, and to any other replica's when none is (a busy owner, or one with
+    no workers at all), so no task waits on a replica nobody polls."""
+    return 0 if partition in owned else 1
 
 
 def check_partitions(value: int, *, field: str = "partitions") -> int:

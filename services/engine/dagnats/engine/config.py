@@ -145,9 +145,9 @@ class ReplicaConfig:
             recorded by the first process to provision, and refused by any
             later one when it differs; None takes the recorded number (1 at
             the first provisioning).
-        lease: the partition lease, in seconds (whole seconds, at least 1,
-            nats-server's per-key TTL): a replica that stops renewing its
-            presence loses its partitions to the others this long after.
+        lease: the partition lease, in whole seconds, at least 1: a replica
+            not heard beating for this long loses its partitions to the
+            others (it beats every third of it).
         replica_id: this replica's id, a NATS token; random by default.
     """
 

@@ -21,7 +21,7 @@ from dagnats.core.ids import (
     check_worker_id,
     new_run_id,
 )
-from dagnats.core.partitions import partition_of
+from dagnats.core.partitions import partition_of, pull_priority
 from dagnats.core.payload import check_json
 from dagnats.core.run_settings import check_settings
 from dagnats.core.seam import seam
@@ -478,11 +478,17 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             runs = _cancel_watch(request)
             return pb.PollTasksResponse(cancelled_runs=await self.cancels.wait(runs, wait))
         # A worker of a build takes its build's lane of each type too: the
-        # tasks of steps pinned to it; of each lane, the partitions this
-        # replica owns.
-        owned = sorted(self.ownership.owned())
-        lanes = [(t, b, k) for t in types for b in dict.fromkeys(("", build)) for k in owned]
-        for task_type, lane, partition in lanes:
+        # tasks of steps pinned to it. Of each lane, every partition: those
+        # this replica owns first, the others only when no poll of their
+        # owner waits (``pull_priority``).
+        owned = self.ownership.owned()
+        lanes = [
+            (t, b, k, pull_priority(k, owned))
+            for t in types
+            for b in dict.fromkeys(("", build))
+            for k in range(self.ownership.partitions)
+        ]
+        for task_type, lane, partition, _ in lanes:
             await self._ensure_consumer(task_type, lane, partition)
         msgs = await self._fetch(lanes, max_tasks, wait)
         claiming = request if request.claim_journal and self.claims is not None else None
@@ -511,20 +517,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             self._consumers.add(name)
 
     async def _fetch(
-        self, lanes: list[tuple[str, str, int]], max_tasks: int, wait: float
+        self, lanes: list[tuple[str, str, int, int]], max_tasks: int, wait: float
     ) -> list[Delivery]:
         """Wait for tasks of any of the lanes' partitions (a task type, and a
-        task type at the worker's build; each partition this replica owns).
-        Once one answers, the pulls of the others are withdrawn and whatever
-        reached them is released at once (nak), not held; so is everything
-        when the caller leaves (the poll is cancelled) first. A replica that
-        owns no partition waits the wait and answers no task."""
-        if not lanes:
-            await asyncio.sleep(wait)
-            return []
+        task type at the worker's build; each partition, pulled with its
+        priority). Once one answers, the pulls of the others are withdrawn and
+        whatever reached them is released at once (nak), not held; so is
+        everything when the caller leaves (the poll is cancelled) first."""
         fetches = [
-            asyncio.create_task(self.store.pull_tasks(t, max_tasks, wait, b, k))
-            for t, b, k in lanes
+            asyncio.create_task(self.store.pull_tasks(t, max_tasks, wait, b, k, priority))
+            for t, b, k, priority in lanes
         ]
         got: list[Delivery] = []
         pending = set(fetches)

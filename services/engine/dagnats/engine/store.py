@@ -27,6 +27,7 @@ from nats.js.kv import KeyValue
 
 from dagnats.core import jetstream as jsx
 from dagnats.core.errors import NotFound, Unavailable
+from dagnats.core.partitions import TASK_GROUP
 from dagnats.core.status import FINAL_RUN_STATUSES
 from dagnats.core.subjects import (
     ALL_CANCELS,
@@ -889,7 +890,8 @@ class EngineStore:
     ) -> None:
         """The durable consumer of one partition of one lane: a task type, or
         a task type at a build (created when a worker of that build first
-        polls a replica owning the partition)."""
+        polls), in the priority group ``TASK_GROUP``: its owner's polls pull
+        it first (``pull_priority``)."""
         from nats.js.api import AckPolicy, ConsumerConfig
 
         name = task_consumer(task_type, build, partition)
@@ -903,7 +905,10 @@ class EngineStore:
             max_ack_pending=-1,
             max_waiting=4096,
         )
-        await _retry(lambda: self.js.add_consumer(jsx.TASKS, config), "create the task consumer")
+        await _retry(
+            lambda: jsx.add_prioritized_consumer(self.js, jsx.TASKS, config, TASK_GROUP),
+            "create the task consumer",
+        )
 
     # ---- deliveries and leases ----------------------------------------------------
     #
@@ -917,13 +922,22 @@ class EngineStore:
         return [Delivery(m) for m in await jsx.pull_now(self.nc, stream, durable, batch, wait)]
 
     async def pull_tasks(
-        self, task_type: str, batch: int, wait: float, build: str = "", partition: int = 0
+        self,
+        task_type: str,
+        batch: int,
+        wait: float,
+        build: str = "",
+        partition: int = 0,
+        priority: int = 0,
     ) -> list[Delivery]:
-        """Tasks of one partition of one lane for a poll; none once the
-        connection is closing."""
+        """Tasks of one partition of one lane for a poll, pulled with
+        ``priority`` (``pull_priority``); none once the connection is closing."""
         consumer = task_consumer(task_type, build, partition)
         try:
-            return await self.pull(jsx.TASKS, consumer, batch, wait)
+            pulled = await jsx.pull_now(
+                self.nc, jsx.TASKS, consumer, batch, wait, priority=(TASK_GROUP, priority)
+            )
+            return [Delivery(m) for m in pulled]
         except nats.errors.ConnectionClosedError:
             return []  # the engine is shutting down
 
