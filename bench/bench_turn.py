@@ -911,26 +911,14 @@ def serve_one(
     name: str, nats: Any, logs: Path, metrics: bool, env: Mapping[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], str, str | None]:
     """``dagnats serve NAME`` on a free port against ``nats`` (a started
-    ``NatsServer``), its stderr into ``logs``, in ``env`` (this process's by
-    default); the process, its address and, with ``metrics``, its
-    ``/metrics`` URL, once it printed them."""
-    args = [sys.executable, "-m", "dagnats.cli.main", "serve", name, "--port", "0"]
-    args += ["--nats", nats.url, "--nats-monitor", nats.monitor_url]
-    args += ["--metrics-port", "0"] if metrics else []
-    with (logs / f"{name}.err").open("w") as err:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    assert proc.stdout is not None
-    target = url = None
-    for line in proc.stdout:
-        if " serving on " in line:
-            target = line.split()[-1]
-        elif line.startswith("metrics on "):
-            url = line.split()[-1]
-        if target is not None and (url is not None or not metrics):
-            return proc, target, url
-    proc.kill()
-    proc.wait()
-    raise SystemExit(f"dagnats serve {name} did not start: {(logs / f'{name}.err').read_text()}")
+    ``NatsServer``), its stderr into ``logs``, with ``env`` over this
+    process's environment; the process, its address and, with ``metrics``,
+    its ``/metrics`` URL, once it printed them."""
+    from bench.harness import serve
+
+    log = logs / f"{name}.err"
+    served = serve(name, nats.url, log, env=env, metrics=metrics, monitor=nats.monitor_url)
+    return served.proc, served.target, served.metrics
 
 
 async def start_split(data: Path, p: Params, worker_module: str = "bench.bench_turn") -> Stack:
