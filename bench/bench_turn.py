@@ -489,18 +489,20 @@ def spawn_worker(
     log: Path,
     local_socket: str | None = None,
     apart: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """``python -m module worker TARGET[,TARGET] TASK C [journal=ADDR inputs=ADDR]``,
-    its output into ``log``; with ``local_socket``, its journal calls go
-    there; with ``apart``, to the services' addresses it names."""
+    its output into ``log``, with ``env`` over this process's environment;
+    with ``local_socket``, its journal calls go there; with ``apart``, to the
+    services' addresses it names."""
     args = [sys.executable, "-m", module, "worker", ",".join(targets), task, str(c)]
     args += [f"{name}={target}" for name, target in (apart or {}).items()]
-    env = {k: v for k, v in os.environ.items() if k != "DAGNATS_LOCAL_SOCKET"}
+    child = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "DAGNATS_LOCAL_SOCKET"}
     if local_socket is not None:
-        env["DAGNATS_LOCAL_SOCKET"] = local_socket
+        child["DAGNATS_LOCAL_SOCKET"] = local_socket
     with log.open("ab") as out:
         return subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent, env=env
+            args, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent, env=child
         )
 
 
