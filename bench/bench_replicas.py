@@ -16,7 +16,8 @@ iterations) and finds the replica's local socket from its polls. Every
 replica is started with ``DAGNATS_PARTITIONS`` = ``BENCH_PARTITIONS`` (6).
 
 ``thr``: with 1, 2 and 3 replicas (``BENCH_REPLICAS``; each row adds
-replicas beside the ones already running), ``BENCH_C`` (20) runs of
+replicas beside the ones already running), then with one again (the others
+stopped with SIGTERM), ``BENCH_C`` (20) runs of
 ``BENCH_K`` (50) iterations at once, started on the replicas' gRPC ports in
 turn, one untimed round, then ``BENCH_ROUNDS`` (8) timed. Per row:
 iterations/s (the median round); messages into nats-server an iteration
@@ -24,8 +25,9 @@ iterations/s (the median round); messages into nats-server an iteration
 CPU ms an iteration (utime + stime from ``/proc``) of every process (the
 nats-servers, the replicas, their workers) and of the replicas alone; the
 engine's guesses that missed an iteration (``guess_missed`` on the replicas'
-``/metrics``). Each beside the 1-replica row of its topology, and the
-issue's bars checked: cost an iteration within 10% of one replica's, 2
+``/metrics``). Each beside the mean of the two 1-replica rows of its
+topology (the machine's drift between them shows), and the issue's bars
+checked: cost an iteration within 10% of one replica's, 2
 replicas' throughput at least one's.
 
 ``failover`` (``BENCH_KILLS`` = 5 stops of each kind; 0 skips it): on a new
@@ -390,7 +392,8 @@ async def measure_row(servers: Servers, replicas: Sequence[Replica], k: Knobs) -
 
 
 async def rows_of(topology: str, k: Knobs, data: Path) -> list[dict[str, Any]]:
-    """The ``thr`` rows of a topology, each adding replicas to the last's."""
+    """The ``thr`` rows of a topology, each adding replicas to the last's,
+    then one replica again."""
     import nats
 
     logs = data / "logs"
@@ -407,6 +410,12 @@ async def rows_of(topology: str, k: Knobs, data: Path) -> list[dict[str, Any]]:
                 await register(d.replicas[0].served.target)
             await settled(nc.jetstream(), n, k.partitions)
             out.append(await measure_row(servers, d.replicas, k))
+        if len(k.replicas) > 1:  # one again: the machine's drift since the first row
+            for r in d.replicas[1:]:
+                r.stop()
+            del d.replicas[1:]
+            await settled(nc.jetstream(), 1, k.partitions)
+            out.append({**await measure_row(servers, d.replicas, k), "again": True})
         await nc.close()
         for r in d.replicas:
             for proc in (r.served.proc, r.worker):
@@ -569,26 +578,34 @@ def ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "n/a"
 
 
+COSTS = ("iterations_per_s", "in_msgs_per_iteration", "cpu_ms_all", "cpu_ms_services")
+
+
+def one_replica(got: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """What the rows compare with: the mean of a topology's 1-replica rows
+    (its first and, with more replicas measured, its last), so that the
+    machine's drift between them counts against neither side."""
+    ones = [r for r in got if r["replicas"] == 1]
+    return {key: statistics.fmean(r[key] for r in ones) for key in COSTS}
+
+
 def thr_table(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
-    """The ``thr`` rows of every topology, each beside its topology's 1-replica row."""
+    """The ``thr`` rows of every topology, each beside its topology's 1-replica rows."""
     head = (
         "| topology | replicas | iterations/s | x 1 | msgs into nats-server /it | x 1 "
         "| CPU ms/it, all | x 1 | CPU ms/it, services | x 1 | guesses missed /it "
-        "| runs finished |"
+        "| runs finished | load |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for topology, got in rows.items():
-        one = got[0]
+        one = one_replica(got)
         for r in got:
-            cells = [TOPOLOGIES[topology], str(r["replicas"])]
-            for key, fmt in (
-                ("iterations_per_s", "{:.0f}"),
-                ("in_msgs_per_iteration", "{:.2f}"),
-                ("cpu_ms_all", "{:.3f}"),
-                ("cpu_ms_services", "{:.3f}"),
-            ):
+            replicas = f"{r['replicas']}{' again' if r.get('again') else ''}"
+            cells = [TOPOLOGIES[topology], replicas]
+            for key, fmt in zip(COSTS, ("{:.0f}", "{:.2f}", "{:.3f}", "{:.3f}"), strict=True):
                 cells += [fmt.format(r[key]), ratio(r[key], one[key])]
             cells += [f"{r['guess_missed_per_iteration']:.3f}", str(r["runs_finished"])]
+            cells.append("-".join(f"{x:.1f}" for x in r.get("load", ())))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -599,9 +616,11 @@ def bars(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[tuple[str, boo
     count of replicas; 2 replicas' throughput at least one's."""
     found = []
     for topology, got in rows.items():
-        one, where = got[0], TOPOLOGIES[topology]
-        for r in got[1:]:
+        one, where = one_replica(got), TOPOLOGIES[topology]
+        for r in got:
             n = r["replicas"]
+            if n == 1:
+                continue
             for key, what in (
                 ("in_msgs_per_iteration", "messages into nats-server /it"),
                 ("cpu_ms_all", "CPU ms/it, all processes"),
