@@ -270,7 +270,9 @@ class Deployment:
 
     def add(self) -> Replica:
         self.started += 1
-        replica = start_replica(f"r{self.started}", self.servers, self.env, self.k, self.logs)
+        name = f"r{self.started}"
+        env = {**self.env, "DAGNATS_REPLICA_ID": name}
+        replica = start_replica(name, self.servers, env, self.k, self.logs)
         self.replicas.append(replica)
         return replica
 
@@ -278,13 +280,17 @@ class Deployment:
         for r in self.replicas:
             r.stop()
 
+    def names(self) -> list[str]:
+        return [r.name for r in self.replicas]
 
-async def settled(js: Any, replicas: int, partitions: int) -> None:
+
+async def settled(js: Any, live: Sequence[str], partitions: int) -> None:
     """Once the engine records owners of partitions (the ``PARTITIONS``
-    bucket), until every partition has an owner and the owners are as many
-    as the replicas can be (at most 60 s); without it, at once: then every
-    replica consumes every partition."""
-    from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+    bucket), until every partition's owner is one of the ``live`` replicas
+    (not one stopped before) and the owners are as many as they can be (at
+    most 60 s); without it, at once: then every replica consumes every
+    partition."""
+    from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
 
     try:
         kv = await js.key_value(PARTITIONS_BUCKET)
@@ -292,18 +298,18 @@ async def settled(js: Any, replicas: int, partitions: int) -> None:
         return
     deadline = time.monotonic() + 60
     while True:
-        owners: list[bytes | None] = []
+        owners: list[str | None] = []
         for p in range(partitions):
             try:
-                owners.append((await kv.get(f"owner.{p}")).value)
-            except KeyNotFoundError:
+                owners.append(((await kv.get(f"owner.{p}")).value or b"").decode() or None)
+            except (KeyNotFoundError, KeyDeletedError):
                 owners.append(None)
-        if None not in owners and len(set(owners)) == min(replicas, partitions):
+        if set(owners) <= set(live) and len(set(owners)) == min(len(live), partitions):
             return
         if time.monotonic() > deadline:
-            bt.progress(f"the partitions' owners did not settle on {replicas} replicas: {owners}")
+            bt.progress(f"the partitions' owners did not settle on {sorted(live)}: {owners}")
             return
-        await asyncio.sleep(0.1)  # the owners move as the replicas renew their leases
+        await asyncio.sleep(0.1)  # the owners move as the replicas hear each other
 
 
 async def register(target: str) -> None:
@@ -408,13 +414,13 @@ async def rows_of(topology: str, k: Knobs, data: Path) -> list[dict[str, Any]]:
                 d.add()
             if n == 1:
                 await register(d.replicas[0].served.target)
-            await settled(nc.jetstream(), n, k.partitions)
+            await settled(nc.jetstream(), d.names(), k.partitions)
             out.append(await measure_row(servers, d.replicas, k))
         if len(k.replicas) > 1:  # one again: the machine's drift since the first row
             for r in d.replicas[1:]:
                 r.stop()
             del d.replicas[1:]
-            await settled(nc.jetstream(), 1, k.partitions)
+            await settled(nc.jetstream(), d.names(), k.partitions)
             out.append({**await measure_row(servers, d.replicas, k), "again": True})
         await nc.close()
         for r in d.replicas:
@@ -561,7 +567,7 @@ async def failover(topology: str, k: Knobs, data: Path) -> dict[str, Any]:
         for how in STOPS:
             stops = []
             for n in range(k.kills):
-                await settled(nc.jetstream(), len(d.replicas), k.partitions)
+                await settled(nc.jetstream(), d.names(), k.partitions)
                 stops.append(await one_stop(nc, d, n % len(d.replicas), how))
             out[how] = stops_result(stops)
         await nc.close()
