@@ -243,7 +243,8 @@ def start_replica(
     deadline = time.monotonic() + 60
     while b"worker ready" not in (log.read_bytes() if log.exists() else b""):
         if worker.poll() is not None or time.monotonic() > deadline:
-            bt.stop_process(served.proc)
+            for proc in (worker, served.proc):
+                bt.stop_process(proc)
             raise SystemExit(f"the worker of replica {name} did not start: see {log}")
         time.sleep(0.05)  # the worker's start-up, polled for its line
     return Replica(name, served, worker, held)
@@ -452,6 +453,17 @@ async def held_runs(replica: Replica, runs: set[str], least: int) -> list[str]:
         await asyncio.sleep(0.05)  # the runs are being started
 
 
+def gone(proc: subprocess.Popen[Any]) -> None:
+    """Once ``proc``, signalled, has exited (killed after 30 s)."""
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
 @dataclass
 class Moving:
     """When each watched run next had a journal record or a run write, in
@@ -502,7 +514,7 @@ async def one_stop(nc: Any, d: Deployment, victim: int, how: str) -> dict[str, A
         for proc in (dead.worker, dead.served.proc):
             proc.send_signal(sig)
         for proc in (dead.worker, dead.served.proc):
-            await asyncio.to_thread(bt.stop_process, proc, sig)
+            await asyncio.to_thread(gone, proc)
         exited = time.monotonic() - moving.t0
         await nc.flush()  # what the stopped processes sent has been seen before this
         moving.armed = True
