@@ -38,10 +38,15 @@ Each stop starts ``BENCH_C`` runs of ``BENCH_FAILOVER_K`` (100) iterations,
 waits until the victim replica's worker is running some of them, and stops
 that replica and its worker: ``kill -9``, then SIGTERM (the hand-over at
 once); the victims turn through the replicas, each restarted after its stop.
-Per run the victim's worker was running, the seconds from the signal to the
-run's next journal record or run write (a core NATS subscription to its
-journal's and its run's subjects) made once the stopped processes had
-exited: it moving again elsewhere. Every run of every stop must complete
+Per run the victim's worker was running, the seconds from the signal to
+the run moving again elsewhere: to its next iteration begun on another
+replica's worker (each worker keeps when each iteration began on the
+machine's monotonic clock, and tells it on SIGUSR1), so that what the
+stopped processes do before they exit (a SIGTERM'd one finishes what it
+was doing) is not taken for it. Beside it, the seconds to the stopped
+processes' exit, and to the run's first journal record or run write seen
+after that exit (a core NATS subscription to its journal's and its run's
+subjects). Every run of every stop must complete
 with the workload's answer.
 
 Results: markdown tables on stdout, the record as JSON with ``--json PATH``.
@@ -129,27 +134,23 @@ def partition_lease() -> str:
 
 @dataclass
 class Held:
-    """When each run's latest iteration began on this worker, written as
-    ``{run_id: seconds ago}`` to ``path`` on SIGUSR1; a run leaves it with
-    its last iteration."""
+    """When each iteration of each run began on this worker (the machine's
+    monotonic clock, which every process reads alike), written as ``{"now":
+    ..., "began": {run_id: [...]}}`` to ``path`` on SIGUSR1."""
 
     path: Path
-    began: dict[str, float] = field(default_factory=dict)
+    began: dict[str, list[float]] = field(default_factory=dict)
 
     def track(self, handler: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
         async def tracked(tc: Any) -> None:
-            self.began[tc.run_id] = time.monotonic()
+            self.began.setdefault(tc.run_id, []).append(time.monotonic())
             await handler(tc)
-            if tc.iteration + 1 >= tc.input["k"]:
-                self.began.pop(tc.run_id, None)
 
         return tracked
 
     def write(self) -> None:
-        now = time.monotonic()
-        ages = {run_id: round(now - at, 3) for run_id, at in self.began.items()}
         part = self.path.with_suffix(".part")
-        part.write_text(json.dumps(ages))
+        part.write_text(json.dumps({"now": time.monotonic(), "began": self.began}))
         part.replace(self.path)
 
 
@@ -159,9 +160,21 @@ async def serve_worker(targets: Sequence[str], c: int) -> None:
     await bt.serve_worker(targets, {bt.TASK: held.track(bt.turn_handler())}, c)
 
 
-def running(ages: Mapping[str, float], runs: set[str]) -> list[str]:
-    """Of ``runs``, those whose latest iteration began within ``HELD_WITHIN``."""
-    return sorted(r for r, age in ages.items() if r in runs and age < HELD_WITHIN)
+def running(told: Mapping[str, Any], runs: set[str]) -> list[str]:
+    """Of ``runs``, those whose latest iteration on the worker that ``told``
+    began within ``HELD_WITHIN`` of its telling."""
+    now, began = told["now"], told["began"]
+    return sorted(r for r in runs & began.keys() if now - began[r][-1] < HELD_WITHIN)
+
+
+def resumed(told: Mapping[str, Any], runs: set[str], t0: float) -> dict[str, float]:
+    """Of ``runs``, those with an iteration begun on the worker that
+    ``told`` after ``t0``: seconds from ``t0`` to the first such."""
+    out = {}
+    for run_id in runs & told["began"].keys():
+        if after := [t for t in told["began"][run_id] if t > t0]:
+            out[run_id] = min(after) - t0
+    return out
 
 
 # ---- the deployment ---------------------------------------------------------------------
@@ -437,20 +450,43 @@ async def rows_of(topology: str, k: Knobs, data: Path) -> list[dict[str, Any]]:
 # ---- failover ---------------------------------------------------------------------------
 
 
+async def told(replica: Replica) -> dict[str, Any]:
+    """What the replica's worker tells of the runs it ran (``Held``)."""
+    replica.held.unlink(missing_ok=True)
+    os.kill(replica.worker.pid, signal.SIGUSR1)
+    await bt.wait_until(replica.held.exists, 10, f"replica {replica.name}'s runs")
+    got: dict[str, Any] = json.loads(replica.held.read_text())
+    return got
+
+
 async def held_runs(replica: Replica, runs: set[str], least: int) -> list[str]:
     """Of ``runs``, those the replica's worker is running, once at least
     ``least`` (or one after 30 s)."""
     deadline = time.monotonic() + 30
     while True:
-        replica.held.unlink(missing_ok=True)
-        os.kill(replica.worker.pid, signal.SIGUSR1)
-        await bt.wait_until(replica.held.exists, 10, f"replica {replica.name}'s runs")
-        found = running(json.loads(replica.held.read_text()), runs)
+        found = running(await told(replica), runs)
         if len(found) >= least or (found and time.monotonic() > deadline):
             return found
         if time.monotonic() > deadline:
             raise SystemExit(f"replica {replica.name}'s worker ran none of the runs in 30 s")
         await asyncio.sleep(0.05)  # the runs are being started
+
+
+async def resumed_elsewhere(
+    others: Sequence[Replica], runs: set[str], t0: float, most: float
+) -> dict[str, float]:
+    """Seconds from ``t0`` until an iteration of each of ``runs`` began on
+    the worker of one of ``others``, once all have (or ``most`` seconds
+    passed: those that had not are left out)."""
+    deadline = time.monotonic() + most
+    while True:
+        found: dict[str, float] = {}
+        for replica in others:
+            for run_id, s in resumed(await told(replica), runs, t0).items():
+                found[run_id] = min(s, found.get(run_id, s))
+        if found.keys() == runs or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.2)  # the runs wait out their leases
 
 
 def gone(proc: subprocess.Popen[Any]) -> None:
@@ -523,9 +559,10 @@ async def one_stop(nc: Any, d: Deployment, victim: int, how: str) -> dict[str, A
             await bt.wait_until(lambda: len(moving.moved) == len(held), most, "the runs to move")
         for sub in subs:
             await sub.unsubscribe()
+        elsewhere = await resumed_elsewhere(others, set(held), moving.t0, most)
         bt.progress(
-            f"{label} of {dead.name}: {len(moving.moved)} of {len(held)} runs moved, "
-            f"the last after {max(moving.moved.values(), default=0):.2f}s"
+            f"{label} of {dead.name}: {len(elsewhere)} of {len(held)} runs began an iteration "
+            f"elsewhere, the last after {max(elsewhere.values(), default=0):.2f}s"
         )
         d.replicas.remove(dead)
         await asyncio.to_thread(d.add)
@@ -538,8 +575,9 @@ async def one_stop(nc: Any, d: Deployment, victim: int, how: str) -> dict[str, A
     return {
         "victim": dead.name,
         "held": len(held),
-        "moved_s": sorted(round(s, 3) for s in moving.moved.values()),
-        "not_moved": len(held) - len(moving.moved),
+        "moved_s": sorted(round(s, 3) for s in elsewhere.values()),
+        "not_moved": len(held) - len(elsewhere),
+        "record_s": sorted(round(s, 3) for s in moving.moved.values()),
         "exited_s": round(exited, 3),
         "runs_completed": len(run_ids),
     }
@@ -549,6 +587,7 @@ def stops_result(stops: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The stops of one kind as one: p50, p99 and the most of every run's
     seconds to move again, and the runs that did not."""
     moved = [s for stop in stops for s in stop["moved_s"]]
+    records = [s for stop in stops for s in stop["record_s"]]
     return {
         "stops": len(stops),
         "runs": sum(stop["held"] for stop in stops),
@@ -556,6 +595,8 @@ def stops_result(stops: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "p50_s": bt.pct(moved, 50),
         "p99_s": bt.pct(moved, 99),
         "max_s": max(moved, default=float("nan")),
+        "record_p50_s": bt.pct(records, 50),
+        "exited_p50_s": bt.pct([stop["exited_s"] for stop in stops], 50),
         "each": list(stops),
     }
 
@@ -655,14 +696,16 @@ def bars(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[tuple[str, boo
 
 def failover_table(got: Mapping[str, Mapping[str, Any]], k: Knobs) -> str:
     lines = [
-        "| topology | stop | stops | runs | p50 s | p99 s | max s | not moving |",
-        "|" + "---|" * 8,
+        "| topology | stop | stops | runs | p50 s | p99 s | max s | not moving "
+        "| exited p50 s | record p50 s |",
+        "|" + "---|" * 10,
     ]
     for topology, kinds in got.items():
         for how, r in kinds.items():
             cells = [TOPOLOGIES[topology], STOPS[how][0], str(r["stops"]), str(r["runs"])]
             cells += [f"{r[x]:.2f}" for x in ("p50_s", "p99_s", "max_s")]
             cells.append(str(r["not_moved"]))
+            cells += [f"{r[x]:.2f}" for x in ("exited_p50_s", "record_p50_s")]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -685,7 +728,9 @@ def report(got: Mapping[str, Any], k: Knobs) -> str:
             f"failover: runs of {k.failover_k} iterations, C={k.c}; the task's lease "
             f"(DAGNATS_TASK_ACK_WAIT) {k.ack_wait} s for this phase (30 s by default), "
             f"the partition lease (DAGNATS_PARTITION_LEASE) {partition_lease()}; "
-            "seconds from the signal to a run of the stopped replica moving again elsewhere",
+            "seconds from the signal to an iteration of a run the stopped replica's worker was "
+            "running beginning on another replica's worker; exited: to the stopped processes' "
+            "exit; record: to the run's first journal record or run write after that exit",
             "",
             failover_table(got["failover"], k),
         ]

@@ -91,30 +91,36 @@ def test_each_row_is_beside_one_replica_and_the_bars_are_checked() -> None:
 
 def test_failover_is_percentiles_over_every_stopped_run() -> None:
     stops = [
-        {"held": 3, "moved_s": [5.0, 5.1, 5.2], "not_moved": 0},
-        {"held": 3, "moved_s": [5.3, 9.0], "not_moved": 1},
+        {"held": 3, "moved_s": [5.0, 5.1, 5.2], "not_moved": 0, "record_s": [5.0], "exited_s": 0.1},
+        {"held": 3, "moved_s": [5.3, 9.0], "not_moved": 1, "record_s": [6.0], "exited_s": 0.3},
     ]
     got = br.stops_result(stops)
     assert (got["stops"], got["runs"], got["not_moved"]) == (2, 6, 1)
     assert (got["p50_s"], got["p99_s"], got["max_s"]) == (5.2, 9.0, 9.0)
+    assert (got["exited_p50_s"], got["record_p50_s"]) == (0.3, 6.0)  # nearest rank
     table = br.failover_table({"cluster": {"kill": got}}, br.Knobs()).splitlines()
-    assert table[2] == "| 3-node cluster, R3 | kill -9 | 2 | 6 | 5.20 | 9.00 | 9.00 | 1 |"
+    assert table[2] == (
+        "| 3-node cluster, R3 | kill -9 | 2 | 6 | 5.20 | 9.00 | 9.00 | 1 | 0.30 | 6.00 |"
+    )
 
 
-async def test_the_worker_tells_the_runs_it_is_running(tmp_path: Path) -> None:
+async def test_a_worker_tells_when_each_iteration_of_a_run_began(tmp_path: Path) -> None:
     held = br.Held(tmp_path / "held")
 
     async def handler(tc: Any) -> None:
         pass
 
     tracked = held.track(handler)
+    start = time.monotonic()
     await tracked(SimpleNamespace(run_id="a", iteration=0, input={"k": 3}))
-    await tracked(SimpleNamespace(run_id="b", iteration=2, input={"k": 3}))  # its last
-    held.began["c"] = time.monotonic() - 5  # an iteration long ago: it has moved on
+    await tracked(SimpleNamespace(run_id="a", iteration=1, input={"k": 3}))
+    held.began["b"] = [start - 5]  # an iteration long ago: it has moved on
     held.write()
-    ages = json.loads((tmp_path / "held").read_text())
-    assert set(ages) == {"a", "c"}
-    assert br.running(ages, {"a", "c", "d"}) == ["a"]
+    told = json.loads((tmp_path / "held").read_text())
+    assert len(told["began"]["a"]) == 2 and told["now"] >= told["began"]["a"][1] >= start
+    assert br.running(told, {"a", "b", "c"}) == ["a"]
+    after = br.resumed(told, {"a", "b"}, t0=start - 1)  # "b" began nothing since
+    assert set(after) == {"a"} and 1 <= after["a"] < 2
 
 
 async def test_the_bench_on_one_server_with_one_and_two_replicas() -> None:
