@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup chromium dev test docs docs-serve lint breaking fmt proto proto-check bench bench-state bench-parallel bench-scale bench-pair bench-peers jetstream-facts test-guards test-chaos clean
+.PHONY: help setup chromium dev test docs docs-serve lint breaking fmt proto proto-check bench bench-state bench-parallel bench-scale bench-replicas bench-pair bench-peers jetstream-facts test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -128,6 +128,11 @@ bench-parallel: setup ## five 200 ms tools of one response: a parallel group aga
 # BENCH_WAITERS (10,000), BENCH_WAKES, BENCH_LONG_K, BENCH_CLUSTER=0... scale it down.
 bench-scale: setup ## 10,000 waiting runs, wake latency, iteration 1,000, two engines, R3 cluster
 	$(PY) -m bench.bench_scale
+
+# BENCH_TOPOLOGIES (server,cluster), BENCH_REPLICAS (1,2,3), BENCH_PARTITIONS (6), BENCH_K,
+# BENCH_C, BENCH_ROUNDS, BENCH_KILLS (0: no failover), BENCH_ACK_WAIT; JSON=<path> keeps the record.
+bench-replicas: setup ## 1, 2 and 3 replicas, one server and an R3 cluster: throughput, cost an iteration, failover
+	$(PY) -m bench.bench_replicas $(if $(JSON),--json $(JSON))
 
 bench-pair: setup ## this checkout beside BASE=<another checkout>, runs alternated (seq, thr, K=1)
 	@test -n "$(BASE)" || { echo 'usage: make bench-pair BASE=<another checkout>'; exit 2; }

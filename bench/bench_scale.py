@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import os
 import signal
@@ -59,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import bench_turn as bt
+from bench.harness import Procs, Served, per_second, pooled, runner, serve, thr_of
 from dagnats.core.jetstream import KV_ACTIVE_RUNS, KV_RUNS
 from dagnats.engine.store import INDEX_THROUGH
 from dagnats.engine.v1 import engine_pb2 as pb
@@ -140,38 +140,9 @@ async def wait_turn(tc: Any) -> None:
 # ---- what the processes hold ------------------------------------------------------------
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident memory of ``pid`` (``VmRSS``)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise SystemExit(f"no VmRSS for process {pid}")
-
-
 def disk_bytes(root: Path) -> int:
     """Bytes on disk (allocated blocks) of every file under ``root``."""
     return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
-
-
-@dataclass
-class Procs:
-    """The processes of a deployment by name, this one (the client) aside."""
-
-    pids: dict[str, int]
-
-    def cpu(self) -> dict[str, float]:
-        seconds = {name: bt.cpu_seconds(pid) for name, pid in self.pids.items()}
-        return {**seconds, "client": bt.cpu_seconds(os.getpid())}
-
-    def rss(self) -> dict[str, int]:
-        return {name: rss_bytes(pid) for name, pid in self.pids.items()}
-
-
-def per_second(
-    before: Mapping[str, float], after: Mapping[str, float], seconds: float
-) -> dict[str, float]:
-    """CPU seconds per second (1.0 is one core busy) of each process."""
-    return {name: round((after[name] - before[name]) / seconds, 4) for name in before}
 
 
 # ---- the long run -----------------------------------------------------------------------
@@ -488,60 +459,18 @@ async def idle_cpu(procs: Procs, seconds: int) -> dict[str, float]:
 # ---- engines and throughput -------------------------------------------------------------
 
 
-def serve_engine(nats_url: str, log: Path, replicas: int = 1) -> tuple[subprocess.Popen[str], str]:
+def serve_all(nats_url: str, log: Path, replicas: int = 1) -> Served:
     """The services as ``dagnats dev`` runs them, the engine, the journal and
-    inputs on one port (``dagnats serve all``), in their own process on a
-    free port, once they serve."""
-    from dagnats.core.natsserver import free_port
-
-    args = [sys.executable, "-m", "dagnats.cli.main", "serve", "all", "--nats", nats_url]
-    args += ["--port", str(free_port())]
-    env = {**os.environ, "DAGNATS_REPLICAS": str(replicas)}
-    with log.open("a") as err:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if " serving on " in line:
-            return proc, line.rpartition(" serving on ")[2].split()[0]
-    proc.wait()
-    raise SystemExit(f"dagnats serve all exited {proc.returncode}: see {log}")
-
-
-def runner(clients: Sequence[Any]) -> Callable[[int], Awaitable[None]]:
-    """A run of the workload, started on each of ``clients`` in turn."""
-    turns = itertools.cycle(clients)
-
-    async def run(n: int) -> None:
-        out = await next(turns).run(bt.TASK, {"k": n}, timeout=120 + n)
-        if out != bt.tool_output({"n": n - 1}):
-            raise SystemExit(f"a run of {n} answered {out!r}")
-
-    return run
+    inputs on one port (``dagnats serve all``), in their own process, with
+    ``replicas`` copies of each stream."""
+    return serve("all", nats_url, log, env={"DAGNATS_REPLICAS": str(replicas)})
 
 
 async def throughput(
     name: str, k: Knobs, clients: Sequence[Any], cpu: Callable[[], dict[str, float]]
 ) -> dict[str, Any]:
     """``thr`` of the agent-turn bench, runs started on each client in turn."""
-    return await thr_of(name, k, runner(clients), cpu)
-
-
-async def thr_of(
-    name: str, k: Knobs, run: Callable[[int], Awaitable[Any]], cpu: Callable[[], dict[str, float]]
-) -> dict[str, Any]:
-    measured = bt.Measured()
-    load = os.getloadavg()[0]
-    p = k.turn
-    await bt.phases(name, p, run, cpu, measured, "thr")
-    thr = bt.thr_result(measured.thr, p.c, p.k)
-    return {
-        "steps_per_s": thr["steps_per_s"]["median"],
-        "rounds_steps_per_s": [
-            round(x, 1) for x in sorted(thr["steps_per_round"] / w for w in measured.thr)
-        ],
-        "cpu_ms_per_step": measured.cpu,
-        "load": [round(load, 2), round(os.getloadavg()[0], 2)],
-    }
+    return await thr_of(name, k.turn, runner(clients), cpu)
 
 
 async def floor_on(js: Any, replicas: int) -> bt.Floor:
@@ -597,10 +526,11 @@ async def one_and_two(
     out["one_engine"] = await throughput(f"{where}one engine", k, [client], d.procs.cpu)
     if count:
         out["messages_one"] = await count(runner([client]))
-    second, target = serve_engine(d.nats_url, d.logs / "engine2.log", d.replicas)
+    second = serve_all(d.nats_url, d.logs / "engine2.log", d.replicas)
+    target = second.target
     try:
         d.workers_on([d.target, target])
-        d.procs.pids["services 2"] = second.pid
+        d.procs.pids["services 2"] = second.proc.pid
         async with Client(target) as client2:
             for c in (client, client2):
                 await c.run(bt.TASK, {"k": 1}, timeout=60)  # both polled
@@ -609,7 +539,7 @@ async def one_and_two(
             if count:
                 out["messages_two"] = await count(runner(both))
     finally:
-        bt.stop_process(second, signal.SIGINT)
+        bt.stop_process(second.proc, signal.SIGINT)
         d.procs.pids.pop("services 2", None)
     d.workers_on([d.target])
     await client.run(bt.TASK, {"k": 1}, timeout=60)
@@ -617,14 +547,6 @@ async def one_and_two(
     out["one_engine_again"] = again
     out["one_engines"] = pooled(out["one_engine"], again)
     return out
-
-
-def pooled(*measured: Mapping[str, Any]) -> dict[str, Any]:
-    """Rounds of several ``thr`` measures as one: the median round, the mean CPU."""
-    rounds = [x for m in measured for x in m["rounds_steps_per_s"]]
-    names = measured[0]["cpu_ms_per_step"]
-    cpu = {n: round(statistics.fmean(m["cpu_ms_per_step"][n] for m in measured), 4) for n in names}
-    return {"steps_per_s": statistics.median(rounds), "rounds": len(rounds), "cpu_ms_per_step": cpu}
 
 
 async def one_server(k: Knobs, data: Path) -> dict[str, Any]:
@@ -646,7 +568,7 @@ async def one_server(k: Knobs, data: Path) -> dict[str, Any]:
             await client.run(bt.TASK, {"k": 1}, timeout=60)  # the worker polls
             bt.progress("thr: the floor, then one engine, two, one")
             floor = await floor_on(js, 1)
-            out = {"floor": await thr_of("floor", k, floor.run, procs.cpu)}
+            out = {"floor": await thr_of("floor", k.turn, floor.run, procs.cpu)}
 
             async def count(run: Callable[[int], Awaitable[None]]) -> dict[str, Any]:
                 return await bt.messages(stack, run, MESSAGES_K)
@@ -751,7 +673,8 @@ async def cluster(k: Knobs, data: Path) -> dict[str, Any]:
     first: subprocess.Popen[str] | None = None
     d: Deployment | None = None
     try:
-        first, target = serve_engine(nodes.url, logs / "engine1.log", replicas=3)
+        served = serve_all(nodes.url, logs / "engine1.log", replicas=3)
+        first, target = served.proc, served.target
         worker = bt.spawn_worker(MODULE, [target], bt.TASK, k.turn.c, logs / "worker.log")
         procs = Procs({f"nats-server n{i + 1}": s.pid for i, s in enumerate(nodes.servers)})
         procs.pids.update({"services": first.pid, "worker": worker.pid})
@@ -762,7 +685,7 @@ async def cluster(k: Knobs, data: Path) -> dict[str, Any]:
             await client.run(bt.TASK, {"k": 1}, timeout=60)
             bt.progress("cluster thr: the floor (R3), then one engine, two, one")
             floor = await floor_on(nc.jetstream(), 3)
-            out = {"floor": await thr_of("floor", k, floor.run, procs.cpu)}
+            out = {"floor": await thr_of("floor", k.turn, floor.run, procs.cpu)}
             out |= await one_and_two(d, client, k, "cluster, ")
         await nc.close()
         return out

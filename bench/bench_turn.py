@@ -489,18 +489,20 @@ def spawn_worker(
     log: Path,
     local_socket: str | None = None,
     apart: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """``python -m module worker TARGET[,TARGET] TASK C [journal=ADDR inputs=ADDR]``,
-    its output into ``log``; with ``local_socket``, its journal calls go
-    there; with ``apart``, to the services' addresses it names."""
+    its output into ``log``, with ``env`` over this process's environment;
+    with ``local_socket``, its journal calls go there; with ``apart``, to the
+    services' addresses it names."""
     args = [sys.executable, "-m", module, "worker", ",".join(targets), task, str(c)]
     args += [f"{name}={target}" for name, target in (apart or {}).items()]
-    env = {k: v for k, v in os.environ.items() if k != "DAGNATS_LOCAL_SOCKET"}
+    child = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "DAGNATS_LOCAL_SOCKET"}
     if local_socket is not None:
-        env["DAGNATS_LOCAL_SOCKET"] = local_socket
+        child["DAGNATS_LOCAL_SOCKET"] = local_socket
     with log.open("ab") as out:
         return subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent, env=env
+            args, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent, env=child
         )
 
 
@@ -911,26 +913,14 @@ def serve_one(
     name: str, nats: Any, logs: Path, metrics: bool, env: Mapping[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], str, str | None]:
     """``dagnats serve NAME`` on a free port against ``nats`` (a started
-    ``NatsServer``), its stderr into ``logs``, in ``env`` (this process's by
-    default); the process, its address and, with ``metrics``, its
-    ``/metrics`` URL, once it printed them."""
-    args = [sys.executable, "-m", "dagnats.cli.main", "serve", name, "--port", "0"]
-    args += ["--nats", nats.url, "--nats-monitor", nats.monitor_url]
-    args += ["--metrics-port", "0"] if metrics else []
-    with (logs / f"{name}.err").open("w") as err:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    assert proc.stdout is not None
-    target = url = None
-    for line in proc.stdout:
-        if " serving on " in line:
-            target = line.split()[-1]
-        elif line.startswith("metrics on "):
-            url = line.split()[-1]
-        if target is not None and (url is not None or not metrics):
-            return proc, target, url
-    proc.kill()
-    proc.wait()
-    raise SystemExit(f"dagnats serve {name} did not start: {(logs / f'{name}.err').read_text()}")
+    ``NatsServer``), its stderr into ``logs``, with ``env`` over this
+    process's environment; the process, its address and, with ``metrics``,
+    its ``/metrics`` URL, once it printed them."""
+    from bench.harness import serve
+
+    log = logs / f"{name}.err"
+    served = serve(name, nats.url, log, env=env, metrics=metrics, monitor=nats.monitor_url)
+    return served.proc, served.target, served.metrics
 
 
 async def start_split(data: Path, p: Params, worker_module: str = "bench.bench_turn") -> Stack:

@@ -14,6 +14,7 @@ import pytest
 
 from bench import bench_scale as bs
 from bench import bench_turn as bt
+from bench import harness
 from dagnats.journal.v1 import journal_pb2 as jpb
 
 
@@ -89,7 +90,7 @@ def test_wake_latencies_are_percentiles_in_ms_with_the_first_wake() -> None:
 
 
 def test_what_a_process_and_a_store_hold(tmp_path: Path) -> None:
-    assert bs.rss_bytes(os.getpid()) > 1 << 20
+    assert harness.rss_bytes(os.getpid()) > 1 << 20
     (tmp_path / "a").write_bytes(b"x" * 10_000)
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "b").write_bytes(b"y")
@@ -143,7 +144,8 @@ def one_server() -> dict[str, Any]:
 def test_pooled_rounds_are_one_measure() -> None:
     a = {"rounds_steps_per_s": [100.0, 300.0], "cpu_ms_per_step": {"total": 4.0}}
     b = {"rounds_steps_per_s": [200.0], "cpu_ms_per_step": {"total": 6.0}}
-    assert bs.pooled(a, b) == {"steps_per_s": 200.0, "rounds": 3, "cpu_ms_per_step": {"total": 5.0}}
+    pooled = {"steps_per_s": 200.0, "rounds": 3, "cpu_ms_per_step": {"total": 5.0}}
+    assert harness.pooled(a, b) == pooled
 
 
 def test_the_table_puts_each_figure_beside_its_baseline() -> None:

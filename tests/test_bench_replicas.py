@@ -1,0 +1,142 @@
+"""``bench/bench_replicas.py`` (``make bench-replicas``): its knobs, a row
+from the snapshots around its rounds, the tables and the issue's bars, the
+failover's percentiles and the worker's account of the runs it runs; and
+the bench itself, tiny, on one nats-server with 1 and 2 replicas. No timed
+assertion: the bench is run whole by ``make bench-replicas``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from bench import bench_replicas as br
+
+
+def test_knobs_scale_down_and_refuse_what_cannot_be_measured() -> None:
+    assert br.Knobs.from_env({}) == br.Knobs()
+    assert br.Knobs().replicas == (1, 2, 3) and br.Knobs().partitions == 6
+    small = br.Knobs.from_env(
+        {"BENCH_TOPOLOGIES": "server", "BENCH_REPLICAS": "1,2", "BENCH_KILLS": "0"}
+    )
+    assert (small.topologies, small.replicas, small.kills) == (("server",), (1, 2), 0)
+    for env, named in (
+        ({"BENCH_TOPOLOGIES": "server,moon"}, "BENCH_TOPOLOGIES"),
+        ({"BENCH_REPLICAS": "2,3"}, "rise from 1"),
+        ({"BENCH_REPLICAS": "1,3,2"}, "rise from 1"),
+        ({"BENCH_REPLICAS": "one"}, "counts like"),
+        ({"BENCH_PARTITIONS": "65"}, "at most 64"),
+        ({"BENCH_ACK_WAIT": "0"}, "at least 1"),
+    ):
+        with pytest.raises(SystemExit, match=named):
+            br.Knobs.from_env(env)
+
+
+def snap(cpu: dict[str, float], in_msgs: int, missed: float) -> dict[str, Any]:
+    return {"cpu": cpu, "in_msgs": in_msgs, "counters": {"guess_missed": missed}}
+
+
+def test_a_row_is_per_iteration_of_the_timed_rounds() -> None:
+    k = br.Knobs(k=10, c=5)  # 50 iterations a round
+    names = ("nats-server 1", "services r1", "worker r1", "client")
+    before = snap(dict.fromkeys(names, 1.0), 1_000, 3)
+    after = snap(
+        {"nats-server 1": 1.1, "services r1": 1.3, "worker r1": 1.1, "client": 2.0}, 1_500, 8
+    )
+    row = br.row_result(1, [0.5, 0.25], before, after, k)  # 100 iterations
+    assert row["iterations_per_s"] == 150.0  # the median of 100 and 200
+    assert row["rounds_iterations_per_s"] == [100.0, 200.0]
+    assert row["in_msgs_per_iteration"] == 5.0
+    assert row["cpu_ms_all"] == pytest.approx(5.0)  # the client left out
+    assert row["cpu_ms_services"] == pytest.approx(3.0)
+    assert row["guess_missed_per_iteration"] == 0.05
+
+
+def row(n: int, its: float, msgs: float, cpu: float) -> dict[str, Any]:
+    return {
+        "replicas": n,
+        "iterations_per_s": its,
+        "in_msgs_per_iteration": msgs,
+        "cpu_ms_all": cpu,
+        "cpu_ms_services": cpu / 2,
+        "guess_missed_per_iteration": 0.0,
+        "runs_finished": 180,
+    }
+
+
+def test_each_row_is_beside_one_replica_and_the_bars_are_checked() -> None:
+    rows = {
+        "server": [
+            row(1, 800, 5.0, 2.0),
+            row(2, 770, 5.4, 2.1),
+            row(3, 790, 5.6, 2.5),
+            {**row(1, 760, 5.0, 2.2), "again": True},  # one replica: 780, 5.0 and 2.1 on average
+        ]
+    }
+    table = br.thr_table(rows).splitlines()
+    assert len(table) == 2 + 4
+    assert table[3].startswith("| one nats-server | 2 | 770 | 0.99x | 5.40 | 1.08x | 2.100 | 1.00x")
+    assert table[5].startswith("| one nats-server | 1 again | 760 | 0.97x |")
+    got = dict(br.bars(rows))
+    two, three = "one nats-server, 2 replicas:", "one nats-server, 3 replicas:"
+    assert got[f"{two} iterations/s 0.99x of 1's (>= 1)"] is False
+    assert got[f"{two} messages into nats-server /it 1.08x of 1's (<= 1.1)"] is True
+    assert got[f"{three} CPU ms/it, all processes 1.19x of 1's (<= 1.1)"] is False
+    assert len(got) == 5  # two costs for 2 and for 3 replicas, the throughput of 2
+
+
+def test_failover_is_percentiles_over_every_stopped_run() -> None:
+    stops = [
+        {"held": 3, "moved_s": [5.0, 5.1, 5.2], "not_moved": 0, "record_s": [5.0], "exited_s": 0.1},
+        {"held": 3, "moved_s": [5.3, 9.0], "not_moved": 1, "record_s": [6.0], "exited_s": 0.3},
+    ]
+    got = br.stops_result(stops)
+    assert (got["stops"], got["runs"], got["not_moved"]) == (2, 6, 1)
+    assert (got["p50_s"], got["p99_s"], got["max_s"]) == (5.2, 9.0, 9.0)
+    assert (got["exited_p50_s"], got["record_p50_s"]) == (0.3, 6.0)  # nearest rank
+    table = br.failover_table({"cluster": {"kill": got}}, br.Knobs()).splitlines()
+    assert table[2] == (
+        "| 3-node cluster, R3 | kill -9 | 2 | 6 | 5.20 | 9.00 | 9.00 | 1 | 0.30 | 6.00 |"
+    )
+
+
+async def test_a_worker_tells_when_each_iteration_of_a_run_began(tmp_path: Path) -> None:
+    held = br.Held(tmp_path / "held")
+
+    async def handler(tc: Any) -> None:
+        pass
+
+    tracked = held.track(handler)
+    start = time.monotonic()
+    await tracked(SimpleNamespace(run_id="a", iteration=0, input={"k": 3}))
+    await tracked(SimpleNamespace(run_id="a", iteration=1, input={"k": 3}))
+    held.began["b"] = [start - 5]  # an iteration long ago: it has moved on
+    held.write()
+    told = json.loads((tmp_path / "held").read_text())
+    assert len(told["began"]["a"]) == 2 and told["now"] >= told["began"]["a"][1] >= start
+    assert br.running(told, {"a", "b", "c"}) == ["a"]
+    after = br.resumed(told, {"a", "b"}, t0=start - 1)  # "b" began nothing since
+    assert set(after) == {"a"} and 1 <= after["a"] < 2
+
+
+async def test_the_bench_on_one_server_with_one_and_two_replicas() -> None:
+    k = br.Knobs(topologies=("server",), replicas=(1, 2), k=3, c=3, rounds=1, kills=0)
+    got = await br.measure(k)
+    rows = got["thr"]["server"]
+    assert [(r["replicas"], r.get("again", False)) for r in rows] == [
+        (1, False),
+        (2, False),
+        (1, True),
+    ]
+    assert all(r["runs_finished"] == (k.rounds + 1) * k.c for r in rows)  # each answered
+    assert all(r["in_msgs_per_iteration"] > 0 and r["cpu_ms_all"] > 0 for r in rows)
+    assert set(rows[1]["cpu_ms_per_iteration"]) >= {"services r1", "services r2", "worker r2"}
+    report = br.report(got, k)
+    for replicas in ("1", "2", "1 again"):
+        assert f"| one nats-server | {replicas} |" in report
+    assert "one nats-server, 2 replicas: iterations/s" in report
+    assert "failover" not in report
