@@ -41,6 +41,17 @@ class Guard:
 
 GUARDS = (
     Guard(
+        name="a task goes to its owner's poll before another replica's",
+        file="core/dagnats/core/partitions.py",
+        guard="    return 0 if partition in owned else 1\n",
+        removed="    return 0\n",
+        how="a task goes to whichever replica's poll waited first: a run's work leaves its owner",
+        tests=(
+            "tests/test_partitions.py::"
+            "test_a_task_goes_to_its_owners_poll_and_to_another_replica_only_when_none_waits",
+        ),
+    ),
+    Guard(
         name="an expired replica's partitions are free for the others to take",
         file="services/engine/dagnats/engine/partition_rules.py",
         guard="        if view.owner(k).replica not in present  # no owner, or one not present\n",

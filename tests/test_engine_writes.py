@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 
 import grpc.aio
 import nats.js.errors
@@ -47,6 +48,7 @@ from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.sdk import Client, TaskContext, Worker
 from tests.helpers import wait_for
+from tests.secured import suite_security
 from tests.stack import FAST, loop_workflow, steps_by_id, unique
 
 ITERATIONS = 8
@@ -470,14 +472,16 @@ class RunWrites:
 
 
 async def test_the_write_that_ends_a_run_leaves_the_reconciler_nothing_to_write(
-    nats_server: NatsServer,
+    tmp_path: Path,
 ) -> None:
     """A run ends with an outbox (its purge timer, its steps' inputs closed),
     which its engine publishes. The reconciler's passes after it, the first
     of which reads that write, write nothing of the run: no index entry, no
-    clear of the outbox, no purge of an entry (three writes before)."""
+    clear of the outbox, no purge of an entry (three writes before). A
+    nats-server of its own, so that no other test's run is in the bucket."""
     task, name = unique("ends"), unique("endswf")
     config = replace(FAST, reconcile_interval=600.0, outbox_grace=0.0)  # passes by hand
+    nats_server = await NatsServer.start(tmp_path, security=suite_security())
     engine = await start_engine(nats_server.url, config=config)
     store = engine.engine.store
 
@@ -505,6 +509,7 @@ async def test_the_write_that_ends_a_run_leaves_the_reconciler_nothing_to_write(
         assert run.run_id not in await store.active_runs()
     finally:
         await engine.stop()
+        await nats_server.stop()
 
 
 async def test_an_end_whose_outbox_was_not_published_is_published_by_the_pass_that_reads_it(

@@ -280,7 +280,7 @@ async def test_a_task_goes_to_its_owners_poll_and_to_another_replica_only_when_n
     stack: Stack,
 ) -> None:
     # Every partition on b. While a poll of b waits, a new task goes to b,
-    # though a poll of a waits too; with no poll of b waiting, a poll of a
+    # though a poll of a waited first; with no poll of b waiting, a poll of a
     # takes it: no task waits on an owner that nobody polls.
     await stack.owners["b"].move(set(range(P)))
     await stack.owners["a"].move(set())
@@ -301,10 +301,12 @@ async def test_a_task_goes_to_its_owners_poll_and_to_another_replica_only_when_n
 
     async with Client(stack.replicas["a"].target) as client:
         await client.register_workflow(loop_workflow(idle_workflow, idle))
-        owner = asyncio.create_task(poll(stack.replicas["b"], idle, 8000))
-        await wait_for(lambda: waiting(1), timeout=10, message="b's poll never waited")
+        # a's poll waits first: it would get the task were it first in line.
+        # (It ends before the task's lease, 2 s, would hand the task on.)
         other = asyncio.create_task(poll(stack.replicas["a"], idle, 1500))
-        await wait_for(lambda: waiting(2), timeout=10, message="a's poll never waited")
+        await wait_for(lambda: waiting(1), timeout=10, message="a's poll never waited")
+        owner = asyncio.create_task(poll(stack.replicas["b"], idle, 8000))
+        await wait_for(lambda: waiting(2), timeout=10, message="b's poll never waited")
         first = await client.start_run(idle_workflow)
         assert await owner == [first.run_id]
         assert await other == []

@@ -933,10 +933,11 @@ class Engine:
         unapplied: dict[str, int] = {}
         recovered: dict[str, int] = {}
         parts = self.ownership.partitions
-        applied_in = {
-            partition: await self.store.history_applied_through(history_consumer(partition))
-            for partition in list(self._loops)  # whose consumers exist
-        }
+        applied_in: dict[int, int] = {}
+        for partition in sorted(self.ownership.owned()):
+            floor = await self.store.history_applied_through(history_consumer(partition))
+            if floor is not None:  # else just taken: its consumer is made, then a pass
+                applied_in[partition] = floor
         for run_id, entry in (await self.store.indexed_runs(ended=self._settle_end)).items():
             partition = partition_of(run_id, parts)
             if partition not in applied_in:

@@ -851,11 +851,15 @@ class EngineStore:
             yield seq, msg.data or b""
             seq += 1
 
-    async def history_applied_through(self, consumer: str) -> int:
-        """Every history event up to this sequence has been applied."""
-        info = await _retry(
-            lambda: self.js.consumer_info(jsx.HISTORY, consumer), "read the history consumer"
-        )
+    async def history_applied_through(self, consumer: str) -> int | None:
+        """Every history event up to this sequence has been applied; None
+        when the consumer is not made yet (a partition just taken)."""
+        try:
+            info = await _retry(
+                lambda: self.js.consumer_info(jsx.HISTORY, consumer), "read the history consumer"
+            )
+        except nats.js.errors.NotFoundError:
+            return None
         return int(info.ack_floor.stream_seq if info.ack_floor else 0)
 
     async def purge_subject(self, stream: str, subject: str) -> None:
