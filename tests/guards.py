@@ -522,6 +522,29 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="a late copy of a placement writes nothing once its writer went on",
+        file="services/journal/dagnats/journal/placement.py",
+        guard="        if not replay.placed_by_earlier_try("
+        "[convert.entry(r) for r in retried], position=position):\n",
+        removed="        if False:\n",
+        how="a late copy of a placement places an input after its writer's commit: lost",
+        tests=(
+            "tests/test_harness_regressions.py::"
+            "test_a_late_copy_of_a_placement_after_its_writer_committed_places_nothing",
+        ),
+    ),
+    Guard(
+        name="a retried placement's token carries its claim no more",
+        file="services/journal/dagnats/journal/placement.py",
+        guard='            moved.ClearField("claim")\n',
+        removed="",
+        how="the writer's next record after a retried placement stores its claim again",
+        tests=(
+            "tests/test_harness_regressions.py::"
+            "test_a_placement_retried_after_a_lost_answer_stores_its_riding_claim_once",
+        ),
+    ),
+    Guard(
         name="a retried placement carries each earlier input once",
         file="services/journal/dagnats/journal/placement.py",
         guard="                    if earlier_input.request_id in done:\n",

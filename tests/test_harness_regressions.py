@@ -39,13 +39,23 @@ async def journal(engine: EngineServer) -> AsyncIterator[jgrpc.JournalServiceAsy
         yield jgrpc.JournalServiceStub(channel)
 
 
-async def claimed_run(client: Client, journal: jgrpc.JournalServiceAsyncStub) -> jpb.WriterToken:
-    """A run whose iteration 0 is claimed by this test, acting as the worker."""
+async def claimed_run(
+    client: Client, journal: jgrpc.JournalServiceAsyncStub, *, ride: bool = False
+) -> jpb.WriterToken:
+    """A run whose iteration 0 is claimed by this test, acting as the worker;
+    with ``ride``, by its first delivery, whose claim rides its first record."""
     task, name = unique("regress"), unique("regresswf")
     await client.register_workflow(loop_workflow(name, task))
     run = await client.start_run(name, "go")
     claim = await journal.Claim(
-        jpb.ClaimRequest(run_id=run.run_id, step_id="agent", iteration=0, attempt=1)
+        jpb.ClaimRequest(
+            run_id=run.run_id,
+            step_id="agent",
+            iteration=0,
+            attempt=1,
+            delivery=1 if ride else 0,
+            may_ride=ride,
+        )
     )
     return claim.claimed.token
 
@@ -353,3 +363,53 @@ async def test_a_placement_whose_caller_went_away_still_gives_back_its_claim(
         seam.install(None)
     placed = await journal.PlaceInputs(mine)
     assert [p.request_id for p in placed.inputs] == ["late"]
+
+
+async def test_a_late_copy_of_a_placement_after_its_writer_committed_places_nothing(
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
+) -> None:
+    # A placement answered, and its writer committed; then a late copy of the
+    # same call reads the journal, with the token it was sent with: a try whose
+    # caller went away (its session broke, its deadline passed) runs to its end
+    # on the service, after the retry that answered. The writer's own records
+    # after that token are not all an earlier try of this call: its commit
+    # ended the iteration. Taken for a retry, the copy moved its token past the
+    # commit and placed an input queued since into the ended iteration, where
+    # no turn reads it (the chaos soak's lost input), and stored the claim the
+    # token still carried after the commit.
+    token = await claimed_run(client, journal, ride=True)
+    assert token.HasField("claim")  # it rides the first placement
+    run_id = token.run_id
+    await client.submit_input(run_id, "agent", "s1", {"steer": 1})
+    request = jpb.PlaceInputsRequest(token=token, position=0, mode=STEER)
+    placed = await journal.PlaceInputs(request)
+    assert [p.request_id for p in placed.inputs] == ["s1"]
+    committed = await journal.Commit(
+        jpb.CommitRequest(token=placed.token, commit=jpb.Commit(action=jpb.ACTION_CONTINUE))
+    )
+    await client.submit_input(run_id, "agent", "s2", {"steer": 2})
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await journal.PlaceInputs(request)
+    assert isinstance(error_from_rpc(refused.value), Fenced)
+    records = await read_journal(engine, run_id)
+    assert [r.seq for r in records if r.seq > committed.commit_seq] == []
+    got = await client.get_input(run_id, "agent", "s2")
+    assert got.status == ipb.STATUS_QUEUED
+
+
+async def test_a_placement_retried_after_a_lost_answer_stores_its_riding_claim_once(
+    client: Client, engine: EngineServer, journal: jgrpc.JournalServiceAsyncStub
+) -> None:
+    # The claim rode the first try's input record; the retry's token goes on
+    # after that record, so it carries the claim no more: the writer's next
+    # record would store it a second time, a claim after the step's progress.
+    token = await claimed_run(client, journal, ride=True)
+    await client.submit_input(token.run_id, "agent", "s1", {"steer": 1})
+    request = jpb.PlaceInputsRequest(token=token, position=0, mode=STEER)
+    await journal.PlaceInputs(request)
+    retried = await journal.PlaceInputs(request)
+    await journal.RecordModel(
+        jpb.RecordModelRequest(token=retried.token, position=1, response=b'{"answer": "ok"}')
+    )
+    records = await read_journal(engine, token.run_id)
+    assert [r.HasField("leading_claim") for r in records] == [True, False]

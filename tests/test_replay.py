@@ -20,6 +20,7 @@ from dagnats.journal.model import (
     CancelEntry,
     ClaimEntry,
     CommitEntry,
+    InputEntry,
     IntentEntry,
     ModelEntry,
     OutputEntry,
@@ -65,6 +66,7 @@ from dagnats.journal.replay import (
     deliveries_without_progress,
     fenced_out_write,
     partial_output,
+    placed_by_earlier_try,
     restart_limit_reached,
 )
 from dagnats.journal.v1 import journal_pb2 as pb
@@ -99,6 +101,9 @@ class J:
         its first record, and died before writing it: nothing is stored."""
         self._deliveries[(it, 1)] = delivery
         return self
+
+    def placed(self, request_id: str, *, p: int) -> J:
+        return self._add(InputEntry, position=p, request_id=request_id, mode=1, content=b"{}")
 
     def model(self, *, p: int, resp: bytes = b'{"text": "hi"}') -> J:
         return self._add(ModelEntry, position=p, response=resp)
@@ -1386,3 +1391,29 @@ def test_a_call_of_a_group_that_now_needs_approval_where_none_was_asked_is_a_mis
     j = J().claim().model(p=0).group(p=1, calls=[SEARCH_A, plain]).claim()
     decision = decide_tools(j.of(0), attempt=1, position=1, calls=[SEARCH_A, ASKING])
     assert isinstance(decision, Mismatch) and "position 2" in decision.reason
+
+
+# ---- a placement's earlier try ------------------------------------------------------
+
+
+def test_a_placements_earlier_try_wrote_only_its_inputs_at_its_position() -> None:
+    # What a retried place-inputs call finds of its writer after its token:
+    # nothing, or the inputs an earlier try of it placed, is a retry's lot.
+    j = J().claim().placed("s1", p=0).placed("s2", p=0)
+    assert placed_by_earlier_try([], position=0)
+    assert placed_by_earlier_try(j.entries[1:], position=0)
+
+
+@pytest.mark.parametrize("after", ["commit", "model", "placement"])
+def test_a_writer_that_went_on_past_a_placement_leaves_its_late_copy_behind(after: str) -> None:
+    # The writer went on past the call (another try answered it): a late copy
+    # of it must write nothing, least of all after the iteration's commit.
+    j = J().claim().placed("s1", p=0)
+    match after:
+        case "commit":
+            j.commit(Action.COMPLETE)
+        case "model":
+            j.model(p=1)
+        case _:
+            j.placed("s2", p=1)
+    assert not placed_by_earlier_try(j.entries[1:], position=0)

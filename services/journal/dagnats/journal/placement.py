@@ -15,6 +15,7 @@ import logging
 
 from dagnats.core import errors
 from dagnats.core.seam import seam
+from dagnats.core.subjects import journal_subject
 from dagnats.inputs import rules as input_rules
 from dagnats.inputs.store import InputStore, change
 from dagnats.journal import convert, replay
@@ -60,7 +61,7 @@ class InputPlacement:
         self, token: pb.WriterToken, request: pb.PlaceInputsRequest
     ) -> pb.PlaceInputsResponse:
         snapshot = await self._writer.snapshot(token)
-        token, earlier, retried = await self._own_records(token)
+        token, earlier, retried = await self._own_records(token, request.position)
         await seam("before_inputs_listed")
         entries = [*snapshot, *earlier]
         decision = replay.decide_place(
@@ -122,15 +123,17 @@ class InputPlacement:
             )
 
     async def _own_records(
-        self, token: pb.WriterToken
+        self, token: pb.WriterToken, position: int
     ) -> tuple[pb.WriterToken, list[jm.AnyEntry], list[pb.Record]]:
         """This writer's records since its claim: those its token knows (earlier
         calls of this dispatch), and those after its ``last_seq``, which an
-        earlier try of this very call wrote before its answer was lost. The token
-        returned goes on after those, so no new record reuses their Msg-Ids.
+        earlier try of this very call (at ``position``) wrote before its answer
+        was lost. The token returned goes on after those, so no new record
+        reuses their Msg-Ids, and carries no claim: the first of them stored it.
 
         Raises:
-            Fenced: another writer's record follows the claim.
+            Fenced: another writer's record follows the claim, or this writer
+                went on past the call (``replay.placed_by_earlier_try``).
         """
         after = token.snapshot_seq or token.last_seq
         records = await self._writer.store.read(token.run_id, token.step_id, after=after)
@@ -139,11 +142,14 @@ class InputPlacement:
                 raise fenced(token, record.seq)
         known = convert.all_entries(r for r in records if r.seq <= token.last_seq)
         retried = [r for r in records if r.seq > token.last_seq]
+        if not replay.placed_by_earlier_try([convert.entry(r) for r in retried], position=position):
+            raise _went_on(token, retried)
         if retried:
             moved = pb.WriterToken()
             moved.CopyFrom(token)
             moved.last_seq = retried[-1].seq
             moved.written = token.written + len(retried)
+            moved.ClearField("claim")
             token = moved
         return token, known, retried
 
@@ -199,6 +205,22 @@ class InputPlacement:
             token, stored = await self._writer.append(token, pb.Record(input_placed=record))
             placed.append(stored.input_placed)
         return token
+
+
+def _went_on(token: pb.WriterToken, records: list[pb.Record]) -> errors.Fenced:
+    """The error of a late copy of a placement: its writer's ``records`` after
+    its token show the writer went on past the call (its commit, a later
+    call), so the token it came with is behind."""
+    last = records[-1]
+    return errors.Fenced(
+        token.run_id,
+        token.step_id,
+        expected=token.last_seq,
+        actual=last.seq,
+        detail=f"{journal_subject(token.run_id, token.step_id)}: this writer went on past "
+        f"this placement after sequence {token.last_seq} (its {last.WhichOneof('kind')} "
+        f"at {last.seq}); the token the call came with is behind",
+    )
 
 
 def _full(placed: list[pb.InputPlaced], state: input_rules.InputState) -> bool:

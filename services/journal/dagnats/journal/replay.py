@@ -592,6 +592,17 @@ def decide_place(
     return PlaceNew(carry=tuple(carry.values()), recorded=recorded)
 
 
+def placed_by_earlier_try(records: Sequence[AnyEntry], *, position: int) -> bool:
+    """Whether ``records`` -- a writer's own records after the token a
+    place-inputs call at ``position`` came with, one entry each (its kind's)
+    -- are what an earlier try of that very call wrote: input placements at
+    ``position`` and nothing else. Any other record (the writer's commit, a
+    later call's) says the writer went on past the call, answered by another
+    try: this one is a late copy, its token behind, and it may write nothing
+    (placed after the commit, an input would be in an ended iteration)."""
+    return all(isinstance(r, InputEntry) and r.position == position for r in records)
+
+
 # ---- tool calls ---------------------------------------------------------------------
 
 
