@@ -26,6 +26,7 @@ SLOTS = 64
 
 __all__ = [
     "SLOTS",
+    "STANDBY_DELAY",
     "TASK_GROUP",
     "check_partitions",
     "partition_of",
@@ -36,6 +37,12 @@ __all__ = [
 
 TASK_GROUP = "tasks"
 """The priority group of every task consumer (policy ``prioritized``)."""
+
+
+STANDBY_DELAY = 0.5
+"""Seconds a poll waits on the partitions its replica owns before it also
+pulls the others (at priority 1): a burst of an owner's tasks goes to its own
+workers as they poll again, not to a worker idle on another replica."""
 
 
 def pull_priority(partition: int, owned: frozenset[int]) -> int:

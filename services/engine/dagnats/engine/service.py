@@ -21,7 +21,7 @@ from dagnats.core.ids import (
     check_worker_id,
     new_run_id,
 )
-from dagnats.core.partitions import partition_of, pull_priority
+from dagnats.core.partitions import STANDBY_DELAY, partition_of, pull_priority
 from dagnats.core.payload import check_json
 from dagnats.core.run_settings import check_settings
 from dagnats.core.seam import seam
@@ -521,20 +521,40 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     ) -> list[Delivery]:
         """Wait for tasks of any of the lanes' partitions (a task type, and a
         task type at the worker's build; each partition, pulled with its
-        priority). Once one answers, the pulls of the others are withdrawn and
-        whatever reached them is released at once (nak), not held; so is
-        everything when the caller leaves (the poll is cancelled) first."""
-        fetches = [
-            asyncio.create_task(self.store.pull_tasks(t, max_tasks, wait, b, k, priority))
-            for t, b, k, priority in lanes
-        ]
+        priority). The partitions this replica owns are pulled at once, the
+        others once the poll has waited ``STANDBY_DELAY`` (half its wait at
+        most) with nothing, or at once when it owns none of them: a burst of
+        an owner's tasks goes to its own workers as they poll again, and a
+        task whose owner has no poll waiting is taken by a worker idle here.
+        Once one answers, the pulls of the others are withdrawn and whatever
+        reached them is released at once (nak), not held; so is everything
+        when the caller leaves (the poll is cancelled) first."""
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + wait
+        owned = [lane for lane in lanes if lane[3] == 0] or lanes
+        standby = [lane for lane in lanes if lane not in owned]
+
+        def pull(chosen: list[tuple[str, str, int, int]]) -> set[asyncio.Task[list[Delivery]]]:
+            seconds = max(ends - loop.time(), 0.05)
+            return {
+                asyncio.create_task(self.store.pull_tasks(t, max_tasks, seconds, b, k, priority))
+                for t, b, k, priority in chosen
+            }
+
         got: list[Delivery] = []
-        pending = set(fetches)
+        pending = pull(owned)
+        standby_at = loop.time() + min(STANDBY_DELAY, wait / 2) if standby else None
         try:
             while pending and not got:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                timeout = None if standby_at is None else max(standby_at - loop.time(), 0.0)
+                done, pending = await asyncio.wait(
+                    pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
                 for task in done:
                     got.extend(task.result())
+                if not got and standby_at is not None and loop.time() >= standby_at:
+                    pending |= pull(standby)
+                    standby_at = None
         except asyncio.CancelledError:
             # Each pull, cancelled, gives back what reached it; a pull that
             # finished in the meantime is given back here.
