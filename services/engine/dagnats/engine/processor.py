@@ -62,6 +62,7 @@ from dagnats.core.status import FINAL_RUN_STATUSES, step_status_from_proto
 from dagnats.core.subjects import (
     HISTORY_SUBJECTS,
     TIMER_SUBJECTS,
+    created_subject,
     history_consumer,
     is_inbox,
     partition_filters,
@@ -138,6 +139,7 @@ class Engine:
         # last pass, with the newest event's sequence; and those the reconciler
         # applied itself, through that sequence.
         self._unapplied: dict[str, int] = {}
+        self._publishing: set[asyncio.Task[None]] = set()  # entries behind the first tasks
         self._recovered: dict[str, int] = {}
         # The runs as this engine last wrote them, their outboxes published by
         # it: a guess at what is stored, checked by the next compare-and-swap.
@@ -549,11 +551,27 @@ class Engine:
             creating.set_result(None)
 
     async def _publish_first(self, record: ipb.RunRecord) -> None:
-        """Publish a new run's outbox, its entries at once: its first
-        dispatches and its entry in the runs by creation time, none of which
-        waits for another."""
+        """Publish a new run's outbox: its first dispatches at once, beside
+        the run's write, and its entry in the runs by creation time behind
+        them, off the start's path (its fsync would wait beside theirs). An
+        entry not published stays in the outbox, which the reconciler
+        publishes."""
         await seam("before_first_tasks")
-        await asyncio.gather(*(self.store.publish(entry) for entry in record.outbox))
+        created = created_subject(record.run.run_id)
+        first = [e for e in record.outbox if e.subject != created]
+        await asyncio.gather(*(self.store.publish(entry) for entry in first))
+        for entry in record.outbox:
+            if entry.subject == created:
+                publishing = asyncio.create_task(self.store.publish(entry))
+                self._publishing.add(publishing)
+                publishing.add_done_callback(self._entry_published)
+
+    def _entry_published(self, task: asyncio.Task[None]) -> None:
+        self._publishing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "a run's entry by creation time waits for the reconciler: %s", task.exception()
+            )
 
     async def creating(self, run_id: str) -> None:
         """Return once a create of ``run_id`` by this engine, if one is under
