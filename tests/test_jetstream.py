@@ -127,11 +127,16 @@ async def test_a_followed_key_starts_at_its_value_while_it_is_written(nc: NATS) 
     assert got is not None and (got.value, got.revision) == (b"now", revision)
     await kv.delete("none")
     assert await anext(follow) is None
-    await kv.put("none", b"again")
+    # A value purged before its watch delivered it is gone from the stream, so
+    # it may never be given; what is given ends at the purge, and the key is
+    # at no value.
+    again = await kv.put("none", b"again")
     await kv.purge("none")
-    again = await anext(follow)
-    assert again is not None and again.value == b"again"
-    assert await anext(follow) is None
+    given = await anext(follow)
+    if given is not None:
+        assert (given.value, given.revision) == (b"again", again)
+        given = await anext(follow)
+    assert given is None
     await follow.aclose()
 
 

@@ -559,6 +559,8 @@ async def kv_get(js: JetStreamContext, bucket: str, key: str) -> KeyValue.Entry:
 async def follow_key(kv: KeyValue, key: str) -> AsyncGenerator[KeyValue.Entry | None, None]:
     """The entry of ``key`` now, then every later entry of the key in order;
     None whenever the key has no value (never written, deleted or purged).
+    A value purged before the watch delivered it is gone from the stream and
+    is not given: the purge's None follows the value before it.
 
     The watch starts first and the key is read after it, so no change is
     missed; what the watch delivers at or below the read's revision is
