@@ -71,6 +71,34 @@ async def test_replicas_join_split_evenly_and_take_a_killed_ones_share(nc: NATS)
             await o.stop()
 
 
+async def test_a_replica_slow_to_follow_a_change_still_beats(nc: NATS) -> None:
+    # The engine follows a change by making a partition's consumers, which a
+    # loaded cluster can take seconds over: the replica must not go silent
+    # meanwhile, or the others take its partitions while it still consumes.
+    (a,) = await replicas(nc, "a")
+    held = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def slow(now: frozenset[int]) -> None:
+        if len(now) < P:  # the give-up to the newcomer
+            held.set()
+            await go_on.wait()
+
+    a.on_change(slow)
+    (b,) = await replicas(nc, "b")
+    try:
+        await wait_for(held.is_set, message="a following its give-up")
+        # Three leases with a's settle held: b keeps hearing a.
+        with pytest.raises(AssertionError):
+            await wait_for(lambda: len(b.owned()) > P // 2, timeout=3.0)
+        go_on.set()
+        await wait_for(lambda: split(a, b) == [3, 3], message="a 3/3 split")
+    finally:
+        go_on.set()
+        await a.stop()
+        await b.stop()
+
+
 async def test_release_hands_over_well_under_the_lease(nc: NATS) -> None:
     a, b = await replicas(nc, "a", "b", lease=30.0)
     changes: list[frozenset[int]] = []

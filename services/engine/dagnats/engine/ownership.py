@@ -127,7 +127,10 @@ class Ownership:
         self._beats = await self._nc.subscribe(f"{PRESENCE}.*", cb=self._heard_beat)
         await jsx.retry_transient(self._beat, "announce this replica")
         self._watch = asyncio.create_task(self._watching(), name="ownership-watch")
-        self._tasks = [asyncio.create_task(self._ticking(), name="ownership-beat")]
+        self._tasks = [
+            asyncio.create_task(self._beating(), name="ownership-beat"),
+            asyncio.create_task(self._renewing(), name="ownership-renew"),
+        ]
         try:
             async with asyncio.timeout(jsx.RETRY_BUDGET):
                 await self._synced.wait()
@@ -174,16 +177,28 @@ class Ownership:
 
     # Presence.
 
-    async def _ticking(self) -> None:
+    async def _beating(self) -> None:
+        """Beat every third of a lease. Beats wait on nothing else: a settle
+        that is slow (the engine taking a partition's consumers on a loaded
+        cluster) must not make this replica look gone to the others."""
         while True:
             await asyncio.sleep(self.lease / 3)
             try:
                 await self._beat()
             except Exception as err:
                 log.warning("replica %s could not beat: %r", self.replica_id, err)
+
+    async def _renewing(self) -> None:
+        """Every third of a lease, open a watch that ended again and settle,
+        in case a change was missed or an action failed."""
+        while True:
+            await asyncio.sleep(self.lease / 3)
             if self._watch is not None and self._watch.done():
                 self._watch = asyncio.create_task(self._watching(), name="ownership-watch")
-            await self._settle()
+            try:
+                await self._settle()
+            except Exception:
+                log.exception("replica %s could not settle its partitions", self.replica_id)
 
     async def _beat(self) -> None:
         """Beat; the lease runs from before the beat once nats-server has it."""
