@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc.aio
@@ -243,12 +244,31 @@ class EngineProcess:
             await wait_for(lambda: not self.running, timeout=5.0)
         self.kill()
 
+    def log_tail(self, lines: int = 80) -> str:
+        """The last lines of this engine's log, every process it ran appended."""
+        path = self.state / f"{self.name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
     async def ensure_serving(self) -> None:
         """Thaw a frozen process, start a dead one: the state a case expects."""
         if self.running:
             self.thaw()
         else:
             await self.start()
+
+
+@contextlib.contextmanager
+def logs_on_failure(*engines: EngineProcess) -> Iterator[None]:
+    """Print the engines' log tails when the block fails: a failure on a
+    loaded machine is read from them."""
+    try:
+        yield
+    except BaseException:
+        for engine in engines:
+            print(f"---- {engine.name} (pid {engine.proc and engine.proc.pid}) ----")
+            print(engine.log_tail())
+        raise
 
 
 # ---- parallel groups ------------------------------------------------------------

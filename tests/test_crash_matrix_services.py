@@ -49,7 +49,15 @@ from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.journal.v1 import journal_pb2_grpc as jgrpc
 from dagnats.sdk import Client, run_output
 from tests.helpers import wait_for
-from tests.matrix import CASES, EngineProcess, lines, reap, spawn_worker, zombie_turn
+from tests.matrix import (
+    CASES,
+    EngineProcess,
+    lines,
+    logs_on_failure,
+    reap,
+    spawn_worker,
+    zombie_turn,
+)
 from tests.secured import suite_security
 from tests.stack import loop_workflow, steps_by_id, unique
 
@@ -166,6 +174,12 @@ def claimed(state: Path, iteration: int) -> bool:
 async def test_service_crash_point(
     stack: Stack, tmp_path: Path, seam: str, mode: str, iteration: int
 ) -> None:
+    with logs_on_failure(*stack.engines):
+        await crash_point(stack, tmp_path, seam, mode, iteration)
+    CASES[stack.where, f"{seam}/{mode}"] += 1
+
+
+async def crash_point(stack: Stack, tmp_path: Path, seam: str, mode: str, iteration: int) -> None:
     inputs = seam == "after_input_claimed"
     committing = seam in ("after_commit_stored", "after_commit_event_sent", "after_kept_decision")
     # Where the run waits while the test arms the seam: before the claim of the
@@ -277,4 +291,3 @@ async def test_service_crash_point(
             and ("a successor holds the step" in log or "was cancelled; cancelling step" in log)
         )
         assert fenced, f"the holder whose service froze must be stopped, got {outcome}"
-    CASES[stack.where, f"{seam}/{mode}"] += 1
