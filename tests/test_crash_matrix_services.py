@@ -141,10 +141,13 @@ def failover(*engines: EngineProcess) -> str:
     return "ipv4:" + ",".join(e.target for e in engines)
 
 
-async def answers(client: Client) -> bool:
+async def answers(client: Client, refusals: list[str]) -> bool:
     try:
         await client.list_workflows()
-    except Unavailable:
+    except Unavailable as err:
+        if not refusals or refusals[-1] != str(err):  # each new refusal, for a failure's report
+            refusals.append(str(err))
+            print(f"not answering: {err}")
         return False
     return True
 
@@ -197,7 +200,9 @@ async def crash_point(stack: Stack, tmp_path: Path, seam: str, mode: str, iterat
         for client in clients:
             # A channel to a port whose process was just replaced may still be
             # backing off from the refused connects of the last case.
-            await wait_for(functools.partial(answers, client), timeout=30, message="engine answers")
+            await wait_for(
+                functools.partial(answers, client, []), timeout=30, message="engine answers"
+            )
         await clients[1].register_workflow(loop_workflow(name, task))
         for i in range(len(engines)):
             # Each worker prefers its own engine and fails over to the other, as
