@@ -696,6 +696,14 @@ async def pull_now(
         else:
             with contextlib.suppress(nats.errors.Error):
                 await inbox.sub.unsubscribe()
+            # A request that had not ended by its deadline may have been
+            # answered since: what reached the inbox goes back, not nowhere.
+            late = []
+            while not inbox.arrived.empty():
+                msg = inbox.arrived.get_nowait()
+                if not JetStreamContext.is_status_msg(msg):
+                    late.append(msg)
+            await give_back(late)
 
 
 async def _open_inbox(nc: NATS) -> _Inbox:
