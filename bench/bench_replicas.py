@@ -15,20 +15,25 @@ one journaled unsafe tool call an iteration, its task kept between
 iterations) and finds the replica's local socket from its polls. Every
 replica is started with ``DAGNATS_PARTITIONS`` = ``BENCH_PARTITIONS`` (6).
 
-``thr``: with 1, 2 and 3 replicas (``BENCH_REPLICAS``; each row adds
-replicas beside the ones already running), then with one again (the others
-stopped with SIGTERM), ``BENCH_C`` (20) runs of
-``BENCH_K`` (50) iterations at once, started on the replicas' gRPC ports in
-turn, one untimed round, then ``BENCH_ROUNDS`` (8) timed. Per row:
-iterations/s (the median round); messages into nats-server an iteration
-(``/varz`` ``in_msgs``, summed over every server, around the timed rounds);
-CPU ms an iteration (utime + stime from ``/proc``) of every process (the
-nats-servers, the replicas, their workers) and of the replicas alone; the
-engine's guesses that missed an iteration (``guess_missed`` on the replicas'
-``/metrics``). Each beside the mean of the two 1-replica rows of its
-topology (the machine's drift between them shows), and the issue's bars
-checked: cost an iteration within 10% of one replica's, 2
-replicas' throughput at least one's.
+``thr``: with 1, 2 and 3 replicas (``BENCH_REPLICAS``), each replica
+carrying ``BENCH_C`` (20) runs of ``BENCH_K`` (50) iterations at once (a row
+of n replicas runs n * C, started on the replicas' gRPC ports in turn): the
+load grows with the replicas, as on N machines, so that each replica works
+as hard as one alone. On one deployment, a row of one replica to warm it
+up, then ``BENCH_REPEATS`` (3) passes over the counts in turn, replicas
+added or stopped (SIGTERM) between rows, so that the machine's drift falls
+on every count alike; each row one untimed round, then ``BENCH_ROUNDS``
+(5) timed. Per row: iterations/s (the median round); messages into
+nats-server an iteration (``/varz`` ``in_msgs``, summed over every server,
+around the timed rounds); CPU ms an iteration (utime + stime from
+``/proc``) of every process (the nats-servers, the replicas, their
+workers) and of the replicas alone; the engine's guesses that missed an
+iteration (``guess_missed`` on the replicas' ``/metrics``); the slowest
+round. The table gives, per count, the medians over the passes beside one
+replica's, the range of CPU an iteration, and the slowest round of any
+pass (a task delivered to nobody shows as a round as long as the task's
+lease); the issue's bars are checked on the medians: cost an iteration
+within 10% of one replica's, 2 replicas' throughput at least one's.
 
 ``failover`` (``BENCH_KILLS`` = 5 stops of each kind; 0 skips it): on a new
 deployment of each topology, 3 replicas with the task's lease
@@ -57,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -91,8 +97,9 @@ class Knobs:
     topologies: tuple[str, ...] = tuple(TOPOLOGIES)  # BENCH_TOPOLOGIES: server,cluster
     replicas: tuple[int, ...] = (1, 2, 3)  # BENCH_REPLICAS: the rows, from 1 up
     k: int = 50  # BENCH_K: iterations a run
-    c: int = 20  # BENCH_C: runs at once, in every row
-    rounds: int = 8  # BENCH_ROUNDS: timed rounds of C runs, after one untimed
+    c: int = 20  # BENCH_C: runs at once for each replica (a row of n replicas runs n * C)
+    rounds: int = 5  # BENCH_ROUNDS: timed rounds of a row, after one untimed
+    repeats: int = 3  # BENCH_REPEATS: passes over the rows, in turn
     kills: int = 5  # BENCH_KILLS: stops of each kind in each topology (0: no failover)
     failover_k: int = 100  # BENCH_FAILOVER_K: iterations of a run during a stop
     ack_wait: int = 5  # BENCH_ACK_WAIT: DAGNATS_TASK_ACK_WAIT while stopping replicas
@@ -117,6 +124,7 @@ class Knobs:
             k=bt.knob(env, "BENCH_K", cls.k, 1),
             c=bt.knob(env, "BENCH_C", cls.c, 1),
             rounds=bt.knob(env, "BENCH_ROUNDS", cls.rounds, 1),
+            repeats=bt.knob(env, "BENCH_REPEATS", cls.repeats, 1),
             kills=bt.knob(env, "BENCH_KILLS", cls.kills, 0),
             failover_k=bt.knob(env, "BENCH_FAILOVER_K", cls.failover_k, 2),
             ack_wait=bt.knob(env, "BENCH_ACK_WAIT", cls.ack_wait, 1),
@@ -252,7 +260,12 @@ def start_replica(
         monitor=servers.nodes[0].monitor_url,
     )
     held, log = logs / f"{name}.held", logs / f"{name}-worker.log"
-    worker = bt.spawn_worker(MODULE, [served.target], bt.TASK, k.c, log, env={HELD_FILE: str(held)})
+    # Room for every run of the largest row: a run's partition, not the
+    # worker's room, decides which replica's worker runs it.
+    room = k.c * max(k.replicas)
+    worker = bt.spawn_worker(
+        MODULE, [served.target], bt.TASK, room, log, env={HELD_FILE: str(held)}
+    )
     deadline = time.monotonic() + 60
     while b"worker ready" not in (log.read_bytes() if log.exists() else b""):
         if worker.poll() is not None or time.monotonic() > deadline:
@@ -374,9 +387,10 @@ def row_result(
 
 
 async def measure_row(servers: Servers, replicas: Sequence[Replica], k: Knobs) -> dict[str, Any]:
-    """``thr`` with ``replicas``: runs started on each in turn."""
+    """``thr`` with ``replicas``, C runs at once for each, started on each in turn."""
     from dagnats.sdk import Client
 
+    k = dataclasses.replace(k, c=k.c * len(replicas))
     pids = servers.pids()
     for r in replicas:
         pids |= r.pids()
@@ -406,14 +420,19 @@ async def measure_row(servers: Servers, replicas: Sequence[Replica], k: Knobs) -
             bt.progress(f"{servers.topology}, {len(replicas)} replicas: round {n + 1}/{k.rounds}")
         after = snapshot(servers, procs, metrics)
     out = row_result(len(replicas), walls, before, after, k)
+    out["runs_at_once"] = k.c
+    out["slowest_round_s"] = round(max(walls), 2)
     out["runs_finished"] = finished
     out["load"] = [round(load, 2), round(os.getloadavg()[0], 2)]
     return out
 
 
 async def rows_of(topology: str, k: Knobs, data: Path) -> list[dict[str, Any]]:
-    """The ``thr`` rows of a topology, each adding replicas to the last's,
-    then one replica again."""
+    """The ``thr`` rows of a topology, on one deployment: a row of one
+    replica to warm it up (kept, marked, in no summary), then
+    ``BENCH_REPEATS`` passes over the counts of replicas in turn, replicas
+    added or stopped (SIGTERM) between rows, so that the machine's drift
+    falls on every count alike."""
     import nats
 
     logs = data / "logs"
@@ -422,20 +441,18 @@ async def rows_of(topology: str, k: Knobs, data: Path) -> list[dict[str, Any]]:
     d = Deployment(servers, replica_env(servers, k), k, logs)
     try:
         nc = await nats.connect(servers.url.split(","), name="bench-replicas")
-        out = []
-        for n in k.replicas:
-            while len(d.replicas) < n:
-                d.add()
-            if n == 1:
-                await register(d.replicas[0].served.target)
-            await settled(nc.jetstream(), d.names(), k.partitions)
-            out.append(await measure_row(servers, d.replicas, k))
-        if len(k.replicas) > 1:  # one again: the machine's drift since the first row
-            for r in d.replicas[1:]:
-                r.stop()
-            del d.replicas[1:]
-            await settled(nc.jetstream(), d.names(), k.partitions)
-            out.append({**await measure_row(servers, d.replicas, k), "again": True})
+        d.add()
+        await register(d.replicas[0].served.target)
+        await settled(nc.jetstream(), d.names(), k.partitions)
+        out = [{**await measure_row(servers, d.replicas, k), "warm_up": True}]
+        for repeat in range(k.repeats):
+            for n in k.replicas:
+                while len(d.replicas) < n:
+                    d.add()
+                while len(d.replicas) > n:
+                    d.replicas.pop().stop()
+                await settled(nc.jetstream(), d.names(), k.partitions)
+                out.append({**await measure_row(servers, d.replicas, k), "repeat": repeat + 1})
         await nc.close()
         for r in d.replicas:
             for proc in (r.served.proc, r.worker):
@@ -640,43 +657,63 @@ def ratio(value: float, base: float) -> str:
 COSTS = ("iterations_per_s", "in_msgs_per_iteration", "cpu_ms_all", "cpu_ms_services")
 
 
-def one_replica(got: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """What the rows compare with: the mean of a topology's 1-replica rows
-    (its first and, with more replicas measured, its last), so that the
-    machine's drift between them counts against neither side."""
-    ones = [r for r in got if r["replicas"] == 1]
-    return {key: statistics.fmean(r[key] for r in ones) for key in COSTS}
+def summary(got: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A topology's measured rows (the warm-up left out), one per count of
+    replicas: the median of each cost over the repeats, the range of CPU
+    an iteration, the slowest round of any repeat and the runs finished."""
+    counts = sorted({r["replicas"] for r in got if not r.get("warm_up")})
+    out = []
+    for n in counts:
+        rows = [r for r in got if r["replicas"] == n and not r.get("warm_up")]
+        cpu = [r["cpu_ms_all"] for r in rows]
+        out.append(
+            {
+                "replicas": n,
+                "runs_at_once": rows[0].get("runs_at_once", 0),
+                "repeats": len(rows),
+                **{key: statistics.median(r[key] for r in rows) for key in COSTS},
+                "cpu_ms_all_range": (min(cpu), max(cpu)),
+                "guess_missed_per_iteration": max(r["guess_missed_per_iteration"] for r in rows),
+                "slowest_round_s": max(r.get("slowest_round_s", 0.0) for r in rows),
+                "runs_finished": sum(r["runs_finished"] for r in rows),
+            }
+        )
+    return out
 
 
 def thr_table(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
-    """The ``thr`` rows of every topology, each beside its topology's 1-replica rows."""
+    """Per topology and count of replicas, the medians over the repeats,
+    each beside one replica's."""
     head = (
-        "| topology | replicas | iterations/s | x 1 | msgs into nats-server /it | x 1 "
-        "| CPU ms/it, all | x 1 | CPU ms/it, services | x 1 | guesses missed /it "
-        "| runs finished | load |"
+        "| topology | replicas | runs at once | iterations/s | x 1 | msgs into nats-server /it "
+        "| x 1 | CPU ms/it, all | x 1 | CPU ms/it, services | x 1 | CPU ms/it, all: range "
+        "| guesses missed /it | slowest round s | runs finished |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 15]
     for topology, got in rows.items():
-        one = one_replica(got)
-        for r in got:
-            replicas = f"{r['replicas']}{' again' if r.get('again') else ''}"
-            cells = [TOPOLOGIES[topology], replicas]
+        summed = summary(got)
+        one = next(r for r in summed if r["replicas"] == 1)
+        for r in summed:
+            cells = [TOPOLOGIES[topology], str(r["replicas"]), str(r["runs_at_once"])]
             for key, fmt in zip(COSTS, ("{:.0f}", "{:.2f}", "{:.3f}", "{:.3f}"), strict=True):
                 cells += [fmt.format(r[key]), ratio(r[key], one[key])]
-            cells += [f"{r['guess_missed_per_iteration']:.3f}", str(r["runs_finished"])]
-            cells.append("-".join(f"{x:.1f}" for x in r.get("load", ())))
+            low, high = r["cpu_ms_all_range"]
+            cells += [f"{low:.3f}-{high:.3f}", f"{r['guess_missed_per_iteration']:.3f}"]
+            cells += [f"{r['slowest_round_s']:.1f}", str(r["runs_finished"])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def bars(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[tuple[str, bool]]:
-    """The issue's bars, each with whether this run met it: messages into
-    nats-server and CPU an iteration within 10% of one replica's, with every
-    count of replicas; 2 replicas' throughput at least one's."""
+    """The issue's bars on the medians, each with whether this run met it:
+    messages into nats-server and CPU an iteration within 10% of one
+    replica's, with every count of replicas; 2 replicas' throughput at
+    least one's."""
     found = []
     for topology, got in rows.items():
-        one, where = one_replica(got), TOPOLOGIES[topology]
-        for r in got:
+        summed, where = summary(got), TOPOLOGIES[topology]
+        one = next(r for r in summed if r["replicas"] == 1)
+        for r in summed:
             n = r["replicas"]
             if n == 1:
                 continue
@@ -713,7 +750,8 @@ def failover_table(got: Mapping[str, Mapping[str, Any]], k: Knobs) -> str:
 def report(got: Mapping[str, Any], k: Knobs) -> str:
     """The markdown the bench prints."""
     out = [
-        f"replicas: P={k.partitions}, K={k.k}, C={k.c}, {k.rounds} timed rounds a row; "
+        f"replicas: P={k.partitions}, K={k.k}, C={k.c} runs at once a replica, "
+        f"{k.rounds} timed rounds a row, {k.repeats} passes over the rows (medians); "
         f"{got['cpus']} cores, load {got['load']['start'][0]:.2f} at start, "
         f"{got['load']['end'][0]:.2f} at end; dagnats {got['commit']}; {got['seconds']:.0f}s",
         "",

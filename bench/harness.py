@@ -76,7 +76,8 @@ def serve(
     the local socket at that path; with ``monitor``, nats-server's monitoring
     URL (the start-up check of ``sync_interval``). Returns once it printed
     every address asked for."""
-    args = [sys.executable, "-m", "dagnats.cli.main", "serve", service, "--port", "0"]
+    verbose = ["-v"] if os.environ.get("BENCH_VERBOSE") else []  # every lease logged
+    args = [sys.executable, "-m", "dagnats.cli.main", *verbose, "serve", service, "--port", "0"]
     args += ["--nats", nats_url]
     args += ["--nats-monitor", monitor] if monitor else []
     args += ["--metrics-port", "0"] if metrics else []
