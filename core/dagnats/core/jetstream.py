@@ -684,11 +684,7 @@ async def pull_now(
         with contextlib.suppress(nats.errors.Error):
             # Unsubscribes, then waits for every message sent to it before that.
             await inbox.sub.drain()  # type: ignore[no-untyped-call]
-        while not inbox.arrived.empty():
-            msg = inbox.arrived.get_nowait()
-            if not JetStreamContext.is_status_msg(msg):
-                msgs.append(msg)
-        await give_back(msgs)
+        await give_back([*msgs, *_left_in(inbox)])
         raise
     finally:
         if ended and inbox.arrived.empty() and len(idle) < MAX_IDLE_INBOXES:
@@ -698,12 +694,17 @@ async def pull_now(
                 await inbox.sub.unsubscribe()
             # A request that had not ended by its deadline may have been
             # answered since: what reached the inbox goes back, not nowhere.
-            late = []
-            while not inbox.arrived.empty():
-                msg = inbox.arrived.get_nowait()
-                if not JetStreamContext.is_status_msg(msg):
-                    late.append(msg)
-            await give_back(late)
+            await give_back(_left_in(inbox))
+
+
+def _left_in(inbox: _Inbox) -> list[Msg]:
+    """The messages (not the status lines) still queued in ``inbox``, taken out."""
+    left = []
+    while not inbox.arrived.empty():
+        msg = inbox.arrived.get_nowait()
+        if not JetStreamContext.is_status_msg(msg):
+            left.append(msg)
+    return left
 
 
 async def _open_inbox(nc: NATS) -> _Inbox:
