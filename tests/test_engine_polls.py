@@ -1,7 +1,8 @@
-"""A poll whose worker left takes no task with it: the engine stops the pull
-and gives back at once whatever reached it, so the next poll gets the task.
-A poll answered by one of its task types leaves no pull behind on the others,
-so a task of a quieter type goes to a live poll on its first delivery."""
+"""A poll whose worker left takes no task with it: the replica's open pulls
+bring the task to the next poll, or give it back at once when none waits.
+A poll answered by one of its task types leaves its pulls of the others open
+for the next poll, so a task of a quieter type goes to a live poll on its
+first delivery."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
+import grpc.aio
 import nats.js.errors
 import pytest_asyncio
 from google.protobuf.duration_pb2 import Duration
@@ -20,6 +22,7 @@ from dagnats.core.natsserver import NatsServer
 from dagnats.core.subjects import task_consumer
 from dagnats.engine.server import EngineServer, start_engine
 from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from dagnats.sdk import Client, TaskContext, Worker
 from dagnats.sdk._local_transport import LocalConnection
 from dagnats.sdk._rpc import POLL_METHOD
@@ -83,7 +86,8 @@ async def run_after_a_poll_left(
     async with Client(engine.target) as client:
         await client.register_workflow(loop_workflow(name, task))
         async with Worker(engine.target, handlers={task: handler}, poll_wait=POLL_WAIT):
-            await wait_for(lambda: _at_least(engine, task, 2), timeout=20)
+            # Both polls wait on the one open pull of the type's consumer.
+            await wait_for(lambda: engine.pulls.polls_waiting >= 2, timeout=20)
             await leave()
             run = await client.start_run(name)
             done = await client.wait_for_run(run.run_id, timeout=20)
@@ -190,3 +194,39 @@ async def test_a_task_of_a_quiet_type_is_delivered_once_after_polls_another_type
             done = await client.wait_for_run(run.run_id, timeout=30)
     assert done.status == pb.RUN_STATUS_COMPLETED, done.error
     assert deliveries == [1]
+
+
+async def test_a_task_an_open_pull_brings_when_no_poll_waits_is_given_back(
+    long_lease_engine: EngineServer,
+) -> None:
+    # A poll answered by one task type leaves its pull of the other open for
+    # the next poll. A task it brings while no poll waits is given back after
+    # HOLD, not kept: the next worker gets it well within its lease.
+    engine, busy, quiet = long_lease_engine, unique("busy"), unique("quiet")
+    busy_workflow, quiet_workflow = unique("busywf"), unique("quietwf")
+    deliveries: list[int] = []
+
+    async def record(tc: TaskContext) -> None:
+        deliveries.append(tc.delivery)
+        await tc.complete("done")
+
+    async with Client(engine.target) as client:
+        await client.register_workflow(loop_workflow(busy_workflow, busy))
+        await client.register_workflow(loop_workflow(quiet_workflow, quiet))
+        async with grpc.aio.insecure_channel(engine.target) as channel:
+            stub = pb_grpc.EngineServiceStub(channel)
+            request = pb.PollTasksRequest(
+                task_types=[busy, quiet], wait=Duration(seconds=int(POLL_WAIT)), worker_id="w"
+            )
+            poll = asyncio.ensure_future(stub.PollTasks(request))
+            await wait_for(lambda: engine.pulls.polls_waiting >= 1, timeout=20)
+            await client.start_run(busy_workflow)
+            answered = await poll
+        assert [t.task.task_type for t in answered.tasks] == [busy]
+        assert await waiting_pulls(engine, quiet) == 1  # left open, no poll on it
+        run = await client.start_run(quiet_workflow)
+        async with Worker(engine.target, handlers={quiet: record}, poll_wait=POLL_WAIT):
+            done = await client.wait_for_run(run.run_id, timeout=LEASE / 4)
+    assert done.status == pb.RUN_STATUS_COMPLETED, done.error
+    # Brought to the open pull, given back after HOLD, or taken by the worker's poll.
+    assert deliveries in ([1], [2]), deliveries

@@ -47,6 +47,7 @@ from dagnats.engine.access import Role, missing_for_open_host, tokens_of
 from dagnats.engine.cancels import CancelWatch
 from dagnats.engine.config import EngineConfig, ReplicaConfig
 from dagnats.engine.local_transport import LocalListener, LocalSession, Method
+from dagnats.engine.open_pulls import OpenPulls
 from dagnats.engine.ownership import Ownership
 from dagnats.engine.processor import Engine
 from dagnats.engine.report import TaskSettler
@@ -140,6 +141,7 @@ class EngineServer(ServiceServer):
     watches: RunWatches
     feed: RunFeed
     cancels: CancelWatch
+    pulls: OpenPulls
     ownership: Ownership
 
     async def stop(self, grace: float = 1.0) -> None:
@@ -150,6 +152,7 @@ class EngineServer(ServiceServer):
 
     async def _stop_work(self) -> None:
         await self.cancels.close()  # the cancels that polls watch for
+        await self.pulls.close()  # the task pulls that polls wait on
         await self.watches.close()  # the run watches of WatchRun calls
         await self.feed.close()  # the runs watch of WatchRuns calls
         await self.engine.stop()
@@ -403,6 +406,7 @@ async def start_services(
         watches=servicer.watches,
         feed=servicer.feed,
         cancels=servicer.cancels,
+        pulls=servicer.pulls,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, Protocol, assert_never
+from typing import Protocol, assert_never
 
 from dagnats.core import errors, tracing
 from dagnats.core import jetstream as jsx
@@ -21,7 +21,7 @@ from dagnats.core.ids import (
     check_worker_id,
     new_run_id,
 )
-from dagnats.core.partitions import STANDBY_DELAY, partition_of, pull_priority
+from dagnats.core.partitions import partition_of, pull_priority
 from dagnats.core.payload import check_json
 from dagnats.core.run_settings import check_settings
 from dagnats.core.seam import seam
@@ -33,6 +33,7 @@ from dagnats.engine import model as m
 from dagnats.engine.cancels import CancelWatch
 from dagnats.engine.convert_workflow import stored_workflow, workflow_from_proto, workflow_to_proto
 from dagnats.engine.fork import Forks
+from dagnats.engine.open_pulls import Lane, OpenPulls
 from dagnats.engine.ownership import Ownership
 from dagnats.engine.processor import Engine
 from dagnats.engine.purge import purge_run
@@ -137,6 +138,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.feed = RunFeed(engine.store)
         self.cancels = CancelWatch(engine.store)
         self.forks = Forks(engine, journal)
+        self.pulls = OpenPulls(self._pull, self.store.give_back)
 
     # ---- workflows ----------------------------------------------------------------
 
@@ -483,14 +485,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # owner waits (``pull_priority``).
         owned = self.ownership.owned()
         lanes = [
-            (t, b, k, pull_priority(k, owned))
+            Lane(t, b, k, pull_priority(k, owned))
             for t in types
             for b in dict.fromkeys(("", build))
             for k in range(self.ownership.partitions)
         ]
         for task_type, lane, partition, _ in lanes:
             await self._ensure_consumer(task_type, lane, partition)
-        msgs = await self._fetch(lanes, max_tasks, wait)
+        msgs = await self.pulls.fetch(lanes, max_tasks, wait)
         claiming = request if request.claim_journal and self.claims is not None else None
         try:
             leased = [
@@ -516,78 +518,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             )
             self._consumers.add(name)
 
-    async def _fetch(
-        self, lanes: list[tuple[str, str, int, int]], max_tasks: int, wait: float
-    ) -> list[Delivery]:
-        """Wait for tasks of any of the lanes' partitions (a task type, and a
-        task type at the worker's build; each partition, pulled with its
-        priority). The partitions this replica owns are pulled at once, the
-        others once the poll has waited ``STANDBY_DELAY`` (half its wait at
-        most) with nothing, or at once when it owns none of them: a burst of
-        an owner's tasks goes to its own workers as they poll again, and a
-        task whose owner has no poll waiting is taken by a worker idle here.
-        Once one answers, the pulls of the others are withdrawn and whatever
-        reached them is released at once (nak), not held; so is everything
-        when the caller leaves (the poll is cancelled) first."""
-        loop = asyncio.get_running_loop()
-        ends = loop.time() + wait
-        owned = [lane for lane in lanes if lane[3] == 0] or lanes
-        standby = [lane for lane in lanes if lane not in owned]
-
-        def pull(chosen: list[tuple[str, str, int, int]]) -> set[asyncio.Task[list[Delivery]]]:
-            seconds = max(ends - loop.time(), 0.05)
-            return {
-                asyncio.create_task(self.store.pull_tasks(t, max_tasks, seconds, b, k, priority))
-                for t, b, k, priority in chosen
-            }
-
-        got: list[Delivery] = []
-        pending = pull(owned)
-        standby_at = loop.time() + min(STANDBY_DELAY, wait / 2) if standby else None
-        try:
-            while pending and not got:
-                timeout = None if standby_at is None else max(standby_at - loop.time(), 0.0)
-                done, pending = await asyncio.wait(
-                    pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                )
-                for task in done:
-                    got.extend(task.result())
-                if not got and standby_at is not None and loop.time() >= standby_at:
-                    pending |= pull(standby)
-                    standby_at = None
-        except asyncio.CancelledError:
-            # Each pull, cancelled, gives back what reached it; a pull that
-            # finished in the meantime is given back here.
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending)
-            finished = [t for t in pending if not t.cancelled() and t.exception() is None]
-            await self.store.give_back([*got, *(m for t in finished for m in t.result())])
-            raise
-        for task in pending:
-            # A pull left open would stay first in its consumer's line for the
-            # rest of the wait and take the next task of its type, only to give
-            # it back: one more delivery per answered poll before a live poll
-            # gets it. Cancelled, it withdraws its pull and gives back what
-            # reached it; one that finished before the cancel took hold returns
-            # its tasks, which the callback gives back.
-            task.cancel()
-            task.add_done_callback(self._release_late)
-            _background.add(task)
-            task.add_done_callback(_background.discard)
-        for extra in got[max_tasks:]:
-            await extra.nak()
-        return got[:max_tasks]
-
-    def _release_late(self, task: asyncio.Task[list[Delivery]]) -> None:
-        """A fetch that lost the race and still returned tasks (its cancel came
-        too late): give them back at once."""
-        if task.cancelled() or task.exception() is not None:
-            return
-        giving = asyncio.ensure_future(self.store.give_back(task.result()))
-        _background.add(giving)
-        giving.add_done_callback(_background.discard)
+    async def _pull(self, lane: Lane, batch: int, seconds: float) -> list[Delivery]:
+        return await self.store.pull_tasks(
+            lane.task_type, batch, seconds, lane.build, lane.partition, lane.priority
+        )
 
     async def _lease(
         self, msg: Delivery, claiming: pb.PollTasksRequest | None = None, build: str = ""
@@ -948,6 +882,3 @@ def _first_dispatch(stored: StoredRun, task: pb.Task, delivery: int) -> bool:
     # A forked step's journal starts with the copied prefix: not empty.
     forked = stored.record.run.forked_from.step_id == task.step_id
     return (task.iteration, task.attempt, delivery) == (0, 1, 1) and not again and not forked
-
-
-_background: set[asyncio.Task[Any]] = set()
