@@ -65,13 +65,14 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -793,11 +794,24 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nwrote {json_out}")
 
 
+@contextlib.contextmanager
+def kept_on_failure(prefix: str) -> Iterator[str]:
+    """A temporary directory, removed when the block ends well and kept
+    (its path printed) when it raises: the replicas' logs say what failed."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield tmp
+    except BaseException:
+        print(f"the replicas' data and logs are kept in {tmp}", file=sys.stderr)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 async def measure(k: Knobs) -> dict[str, Any]:
     """Every row and every stop, with the knobs and the machine's load."""
     started, load = time.perf_counter(), os.getloadavg()
     got: dict[str, Any] = {"thr": {}, "failover": {}}
-    with tempfile.TemporaryDirectory(prefix="dagnats-bench-replicas-") as tmp:
+    with kept_on_failure(prefix="dagnats-bench-replicas-") as tmp:
         for topology in k.topologies:
             bt.progress(
                 f"thr on {TOPOLOGIES[topology]}: {', '.join(map(str, k.replicas))} replicas"

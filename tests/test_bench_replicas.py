@@ -7,6 +7,7 @@ assertion: the bench is run whole by ``make bench-replicas``."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -114,6 +115,20 @@ def test_failover_is_percentiles_over_every_stopped_run() -> None:
     assert table[2] == (
         "| 3-node cluster, R3 | kill -9 | 2 | 6 | 5.20 | 9.00 | 9.00 | 1 | 0.30 | 6.00 |"
     )
+
+
+def test_the_data_is_kept_when_the_bench_stops_on_a_failure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with br.kept_on_failure("bench-replicas-test-") as fine:
+        Path(fine, "r1.err").write_text("served")
+    assert not Path(fine).exists()
+    with pytest.raises(SystemExit), br.kept_on_failure("bench-replicas-test-") as failed:
+        Path(failed, "r1.err").write_text("stopped answering")
+        raise SystemExit("replica r1's worker ran none of the runs in 30 s")
+    assert Path(failed, "r1.err").read_text() == "stopped answering"
+    assert failed in capsys.readouterr().err
+    shutil.rmtree(failed)
 
 
 async def test_a_worker_tells_when_each_iteration_of_a_run_began(tmp_path: Path) -> None:
