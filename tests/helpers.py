@@ -14,6 +14,8 @@ from typing import Any, TypeVar, cast, overload
 
 import grpc.aio
 
+from dagnats.core import jetstream as jsx
+
 T = TypeVar("T")
 
 
@@ -105,3 +107,20 @@ def trailing(err: grpc.aio.AioRpcError) -> dict[str, str]:
     """A failed call's trailing metadata as text by key (grpc.aio yields pairs)."""
     pairs = cast(Any, err.trailing_metadata() or ())
     return {str(k): str(v) for k, v in pairs}
+
+
+async def created(create: Callable[[], Awaitable[T]], name: str) -> T:
+    """``create()``, a stream or bucket, sent again while the cluster is
+    forming or busy (no answer in time, no peer for placement while one is
+    offline: ``jsx.cluster_forming``, as the services' own provisioning): a
+    create with the same configuration is answered as the first was."""
+
+    async def attempt() -> T | None:
+        try:
+            return await create()
+        except Exception as err:
+            if jsx.cluster_forming(err):
+                return None
+            raise
+
+    return await wait_for(attempt, timeout=60, message=f"{name} created")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import nats
@@ -31,9 +31,8 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from dagnats.core import jetstream as jsx
 from dagnats.core.natsserver import NatsServer
-from tests.helpers import wait_for
+from tests.helpers import created, wait_for
 
 WRONG_LAST_SEQUENCE = 10071
 T = TypeVar("T")
@@ -66,23 +65,6 @@ async def stream(
     if replicas > 1:
         await takes_writes(js, name, f"{prefix}.probe")
     return name, prefix
-
-
-async def created(create: Callable[[], Awaitable[T]], name: str) -> T:
-    """``create()``, a stream or bucket, sent again while the cluster is
-    forming or busy (no answer in time, no peer for placement while one is
-    offline: ``jsx.cluster_forming``, as the services' own provisioning): a
-    create with the same configuration is answered as the first was."""
-
-    async def attempt() -> T | None:
-        try:
-            return await create()
-        except Exception as err:
-            if jsx.cluster_forming(err):
-                return None
-            raise
-
-    return await wait_for(attempt, timeout=60, message=f"{name} created")
 
 
 async def takes_writes(js: JetStreamContext, name: str, subject: str) -> None:

@@ -22,6 +22,7 @@ from dagnats.core.natsserver import (
     free_port,
     server_binary,
 )
+from tests.helpers import created
 
 
 @asynccontextmanager
@@ -107,7 +108,11 @@ async def test_cluster_replicates_an_r3_stream(nats_cluster: NatsCluster) -> Non
     assert all([await check_sync_always(s.monitor_url) for s in nats_cluster.servers])
     async with connected(nats_cluster.urls) as nc:
         js = nc.jetstream()
-        info = await js.add_stream(name="R3", subjects=["r3.>"], num_replicas=3)
+        # A cluster still forming may not answer a create in time: sent again,
+        # as the services' provisioning does.
+        info = await created(
+            lambda: js.add_stream(name="R3", subjects=["r3.>"], num_replicas=3), "R3"
+        )
         # A new R3 stream may still be electing its leader: publish as the
         # services do, retrying by time with the same Msg-Id.
         seq = await publish(js, "r3.a", b"replicated", msg_id="r3-a")
