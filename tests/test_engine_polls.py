@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import grpc.aio
 import nats.js.errors
@@ -163,12 +163,30 @@ async def _never_runs(tc: TaskContext) -> None:
     raise AssertionError("the departing worker ran a task")
 
 
+@dataclass
+class BusyAndQuiet:
+    """Two task types on one engine, each a workflow of its own; the quiet
+    type's handler records the delivery of each task it runs."""
+
+    busy: str = field(default_factory=lambda: unique("busy"))
+    quiet: str = field(default_factory=lambda: unique("quiet"))
+    busy_workflow: str = field(default_factory=lambda: unique("busywf"))
+    quiet_workflow: str = field(default_factory=lambda: unique("quietwf"))
+    deliveries: list[int] = field(default_factory=list)
+
+    async def register(self, client: Client) -> None:
+        await client.register_workflow(loop_workflow(self.busy_workflow, self.busy))
+        await client.register_workflow(loop_workflow(self.quiet_workflow, self.quiet))
+
+    async def record(self, tc: TaskContext) -> None:
+        self.deliveries.append(tc.delivery)
+        await tc.complete("done")
+
+
 async def test_a_task_of_a_quiet_type_is_delivered_once_after_polls_another_type_answered(
     long_lease_engine: EngineServer,
 ) -> None:
-    engine, busy, quiet = long_lease_engine, unique("busy"), unique("quiet")
-    busy_workflow, quiet_workflow = unique("busywf"), unique("quietwf")
-    deliveries: list[int] = []
+    engine, two = long_lease_engine, BusyAndQuiet()
 
     async def keep_busy(tc: TaskContext) -> None:
         if tc.iteration < BUSY_ITERATIONS - 1:
@@ -176,24 +194,19 @@ async def test_a_task_of_a_quiet_type_is_delivered_once_after_polls_another_type
         else:
             await tc.complete("done")
 
-    async def record(tc: TaskContext) -> None:
-        deliveries.append(tc.delivery)
-        await tc.complete("done")
-
-    handlers = {busy: keep_busy, quiet: record}
+    handlers = {two.busy: keep_busy, two.quiet: two.record}
     async with Client(engine.target) as client:
-        await client.register_workflow(loop_workflow(busy_workflow, busy))
-        await client.register_workflow(loop_workflow(quiet_workflow, quiet))
+        await two.register(client)
         # Every poll names both types and waits far longer than the test runs:
         # a pull left behind on the quiet type would still be open at its task.
         async with Worker(engine.target, handlers=handlers, poll_wait=POLL_WAIT):
-            run = await client.start_run(busy_workflow)
+            run = await client.start_run(two.busy_workflow)
             busy_done = await client.wait_for_run(run.run_id, timeout=30)
             assert busy_done.status == pb.RUN_STATUS_COMPLETED, busy_done.error
-            run = await client.start_run(quiet_workflow)
+            run = await client.start_run(two.quiet_workflow)
             done = await client.wait_for_run(run.run_id, timeout=30)
     assert done.status == pb.RUN_STATUS_COMPLETED, done.error
-    assert deliveries == [1]
+    assert two.deliveries == [1]
 
 
 async def test_a_task_an_open_pull_brings_when_no_poll_waits_is_given_back(
@@ -202,31 +215,25 @@ async def test_a_task_an_open_pull_brings_when_no_poll_waits_is_given_back(
     # A poll answered by one task type leaves its pull of the other open for
     # the next poll. A task it brings while no poll waits is given back after
     # HOLD, not kept: the next worker gets it well within its lease.
-    engine, busy, quiet = long_lease_engine, unique("busy"), unique("quiet")
-    busy_workflow, quiet_workflow = unique("busywf"), unique("quietwf")
-    deliveries: list[int] = []
-
-    async def record(tc: TaskContext) -> None:
-        deliveries.append(tc.delivery)
-        await tc.complete("done")
-
+    engine, two = long_lease_engine, BusyAndQuiet()
     async with Client(engine.target) as client:
-        await client.register_workflow(loop_workflow(busy_workflow, busy))
-        await client.register_workflow(loop_workflow(quiet_workflow, quiet))
+        await two.register(client)
         async with grpc.aio.insecure_channel(engine.target) as channel:
             stub = pb_grpc.EngineServiceStub(channel)
             request = pb.PollTasksRequest(
-                task_types=[busy, quiet], wait=Duration(seconds=int(POLL_WAIT)), worker_id="w"
+                task_types=[two.busy, two.quiet],
+                wait=Duration(seconds=int(POLL_WAIT)),
+                worker_id="w",
             )
             poll = asyncio.ensure_future(stub.PollTasks(request))
             await wait_for(lambda: engine.pulls.polls_waiting >= 1, timeout=20)
-            await client.start_run(busy_workflow)
+            await client.start_run(two.busy_workflow)
             answered = await poll
-        assert [t.task.task_type for t in answered.tasks] == [busy]
-        assert await waiting_pulls(engine, quiet) == 1  # left open, no poll on it
-        run = await client.start_run(quiet_workflow)
-        async with Worker(engine.target, handlers={quiet: record}, poll_wait=POLL_WAIT):
+        assert [t.task.task_type for t in answered.tasks] == [two.busy]
+        assert await waiting_pulls(engine, two.quiet) == 1  # left open, no poll on it
+        run = await client.start_run(two.quiet_workflow)
+        async with Worker(engine.target, handlers={two.quiet: two.record}, poll_wait=POLL_WAIT):
             done = await client.wait_for_run(run.run_id, timeout=LEASE / 4)
     assert done.status == pb.RUN_STATUS_COMPLETED, done.error
     # Brought to the open pull, given back after HOLD, or taken by the worker's poll.
-    assert deliveries in ([1], [2]), deliveries
+    assert two.deliveries in ([1], [2]), two.deliveries
