@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -31,14 +33,16 @@ from dagnats.engine.report import (
     commit_event_route,
     outcome_msg_id,
 )
-from dagnats.engine.server import EngineServer, start_services
+from dagnats.engine.server import EngineServer, start_engine, start_services
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import internal_pb2 as ipb
 from dagnats.journal import service as journal_service
 from dagnats.journal.v1 import journal_pb2 as jpb
 from dagnats.sdk import Client, JournalClient, TaskContext, Worker, run_output
 from tests.helpers import wait_for
-from tests.stack import loop_workflow, steps_by_id, unique
+from tests.journal_agent import Crasher
+from tests.secured import suite_security
+from tests.stack import FAST, loop_workflow, socket_dir, steps_by_id, unique
 from tests.test_journal import journal_check
 
 K = 6
@@ -285,6 +289,43 @@ async def test_a_stopping_worker_releases_its_kept_task_with_its_next_commit(
     assert stopping.ran == [(0, 1, 1), (1, 1, 1), (2, 1, 1)]
     assert successor.ran[0] == (3, 1, 1)
     assert await tasks_published(js) - before == 2
+
+
+async def test_a_stopping_worker_gives_back_the_task_its_commit_kept_before_the_stop(
+    tmp_path: Path,
+) -> None:
+    # Iteration 2's commit asks to keep the task and is stored; the worker
+    # stops while its answer, the next dispatch, is on the way. The worker
+    # does not begin iteration 3: it hands the message back, and the other
+    # worker runs iteration 3 (dispatched anew: the run as stored is behind
+    # the kept iterations). The lease is ten minutes long, so the run
+    # finishes only if the message came back at once.
+    server = await NatsServer.start(tmp_path / "nats", security=suite_security())
+    config = dataclasses.replace(FAST, task_ack_wait=600.0)
+    with socket_dir() as sockets:
+        engine = await start_engine(server.url, config=config, local_socket=sockets / "l.sock")
+    try:
+        async with Client(engine.target) as client:
+            task, name = unique("kept"), unique("keptwf")
+            await client.register_workflow(loop_workflow(name, task))
+            stopping, successor = Loop(), Loop()
+            first = Worker(engine.target, handlers={task: stopping}, poll_wait=1.0, concurrency=1)
+            with Crasher("after_kept_decision", skip=2) as held:
+                async with first:
+                    run = await client.start_run(name)
+                    await asyncio.wait_for(held.hit.wait(), timeout=20)
+                    async with Worker(engine.target, handlers={task: successor}, poll_wait=1.0):
+                        stop = asyncio.create_task(first.stop())
+                        await wait_for(lambda: first._stopping.is_set(), timeout=5)
+                        held.release.set()  # the answer keeps the task for iteration 3
+                        await stop
+                        done = await client.wait_for_run(run.run_id, timeout=60)
+            await completed(engine, done)
+            assert stopping.ran == [(0, 1, 1), (1, 1, 1), (2, 1, 1)]
+            assert successor.ran[0] == (3, 1, 1)
+    finally:
+        await engine.stop()
+        await server.stop()
 
 
 # ---- the kept task's commit event goes to the engine directly (ADR 33) ------------------

@@ -609,6 +609,14 @@ class TaskContext:
         self._cancelled = True
         self._cancellation.set()
 
+    async def _give_back(self) -> None:
+        """Hand back a task whose handler never began: the engine delivers it
+        again at once, and its next taker claims the dispatch."""
+        request = self._request(pb.ReportRequest())
+        request.redeliver.SetInParent()
+        await self._rpc.report(request, lease=self._lease)
+        self._settle_done = True
+
     async def _give_up_cancelled(self) -> None:
         """Let go of the task of a cancelled run, which drops its outcome. A
         journaled dispatch cannot commit any more (the journal refuses the

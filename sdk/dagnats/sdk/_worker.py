@@ -246,7 +246,10 @@ class Worker:
                 log.info("worker %s stopped", self._worker_id)
 
     async def stop(self, *, grace: float = 10.0) -> None:
-        """Stop polling, let handlers in flight finish, then return.
+        """Stop polling, let handlers in flight finish, then return. Their
+        next commits release their tasks; a task a commit kept for the next
+        iteration anyway is given back, not begun, so another worker takes
+        it at once.
 
         Args:
             grace: Seconds to wait for handlers in flight; those still running
@@ -391,8 +394,9 @@ class Worker:
     async def _carry_on(self, tc: TaskContext) -> None:
         """Run the task, then each next iteration its commit kept the task
         for (the kept task), in the same slot on the same lease, up to
-        ``kept_iterations`` in a row. Once stopping, a kept task is left to
-        its lease: it is delivered again when that runs out."""
+        ``kept_iterations`` in a row. Once stopping, a task a commit kept
+        anyway (sent before the stop) is given back, not begun: it is
+        delivered again at once, rather than when its lease runs out."""
         kept_for = 0
         while True:
             tc._keep_task = tc._keep_task and not self._stopping.is_set()
@@ -402,7 +406,7 @@ class Worker:
             finally:
                 self._contexts.discard(tc)
             kept = tc.next_task()
-            if kept is None or self._stopping.is_set():
+            if kept is None:
                 return
             kept_for += 1
             tc = self._context(
@@ -411,6 +415,9 @@ class Worker:
                 keep_task=kept_for < self._kept_iterations,
                 handed=kept.handed,
             )
+            if self._stopping.is_set():
+                await _report(tc._give_back())
+                return
 
     async def _execute(self, tc: TaskContext) -> None:
         handler = self._handlers.get(tc.task_type)

@@ -690,6 +690,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await self._check_holder(lease, releasing=True)
             await self.store.release(lease)
             return pb.ReportResponse(cancelled=not await self.store.run_is_active(run_id))
+        if kind == "redeliver":
+            # Not begun by its holder: the next taker gets it now, claims its
+            # dispatch and fences the holder, as after the lease.
+            await self._check_holder(lease, releasing=False)
+            await self.store.redeliver(lease)
+            return pb.ReportResponse(cancelled=not await self.store.run_is_active(run_id))
         if request.iteration < 0 or request.attempt < 0:
             raise errors.InvalidArgument("iteration and attempt must be >= 0", field="attempt")
         if request.attempt == 0:

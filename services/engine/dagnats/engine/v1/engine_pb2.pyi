@@ -2178,6 +2178,26 @@ class Acknowledge(_message.Message):
 Global___Acknowledge: _TypeAlias = Acknowledge  # noqa: Y015
 
 @_typing.final
+class Redeliver(_message.Message):
+    """Redeliver hands a task back that its worker has not begun: it is delivered
+    again at once rather than when its lease runs out. A stopping worker sends
+    it for the dispatch its last commit kept the task for.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Redeliver: _TypeAlias = Redeliver  # noqa: Y015
+
+@_typing.final
 class ReportRequest(_message.Message):
     """ReportRequest settles a task."""
 
@@ -2193,6 +2213,7 @@ class ReportRequest(_message.Message):
     FAIL_FIELD_NUMBER: _builtins.int
     PAUSE_FIELD_NUMBER: _builtins.int
     ACKNOWLEDGE_FIELD_NUMBER: _builtins.int
+    REDELIVER_FIELD_NUMBER: _builtins.int
     JOURNAL_SEQ_FIELD_NUMBER: _builtins.int
     lease: _builtins.str
     """Lease from PollTasks; acknowledged once the outcome is stored."""
@@ -2222,6 +2243,10 @@ class ReportRequest(_message.Message):
     def acknowledge(self) -> Global___Acknowledge:
         """Nothing to report; only release the task."""
 
+    @_builtins.property
+    def redeliver(self) -> Global___Redeliver:
+        """Not begun; deliver the task again now."""
+
     def __init__(
         self,
         *,
@@ -2234,13 +2259,14 @@ class ReportRequest(_message.Message):
         fail: Global___Fail | None = ...,
         pause: Global___Pause | None = ...,
         acknowledge: Global___Acknowledge | None = ...,
+        redeliver: Global___Redeliver | None = ...,
         journal_seq: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "complete", b"complete", "continue", b"continue", "fail", b"fail", "outcome", b"outcome", "pause", b"pause"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "complete", b"complete", "continue", b"continue", "fail", b"fail", "outcome", b"outcome", "pause", b"pause", "redeliver", b"redeliver"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "attempt", b"attempt", "complete", b"complete", "continue", b"continue", "fail", b"fail", "iteration", b"iteration", "journal_seq", b"journal_seq", "lease", b"lease", "outcome", b"outcome", "pause", b"pause", "run_id", b"run_id", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "attempt", b"attempt", "complete", b"complete", "continue", b"continue", "fail", b"fail", "iteration", b"iteration", "journal_seq", b"journal_seq", "lease", b"lease", "outcome", b"outcome", "pause", b"pause", "redeliver", b"redeliver", "run_id", b"run_id", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause", "acknowledge"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["continue", "complete", "fail", "pause", "acknowledge", "redeliver"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
