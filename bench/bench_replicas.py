@@ -89,6 +89,7 @@ MODULE = "bench.bench_replicas"
 TOPOLOGIES = {"server": "one nats-server", "cluster": "3-node cluster, R3"}
 STOPS = {"kill": ("kill -9", signal.SIGKILL), "term": ("SIGTERM", signal.SIGTERM)}
 HELD_FILE = "BENCH_HELD_FILE"  # the worker's: where SIGUSR1 writes the runs it runs
+MODEL_MS = "BENCH_MODEL_MS"  # the worker's: how long the workload's model takes to answer
 HELD_WITHIN = 1.0  # a run whose iteration began on a worker this recently is that worker's
 PARTITIONS_BUCKET = "PARTITIONS"  # the owners of the partitions, when the engine has them
 BAR = 1.10  # the bar: cost an iteration within 10% of one replica's
@@ -109,6 +110,7 @@ class Knobs:
     kills: int = 5  # BENCH_KILLS: stops of each kind in each topology (0: no failover)
     failover_k: int = 100  # BENCH_FAILOVER_K: iterations of a run during a stop
     ack_wait: int = 5  # BENCH_ACK_WAIT: DAGNATS_TASK_ACK_WAIT while stopping replicas
+    model_ms: int = 0  # BENCH_MODEL_MS: how long the workload's model takes to answer
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Knobs:
@@ -134,6 +136,7 @@ class Knobs:
             kills=bt.knob(env, "BENCH_KILLS", cls.kills, 0),
             failover_k=bt.knob(env, "BENCH_FAILOVER_K", cls.failover_k, 2),
             ack_wait=bt.knob(env, "BENCH_ACK_WAIT", cls.ack_wait, 1),
+            model_ms=bt.knob(env, MODEL_MS, cls.model_ms, 0, 60_000),
         )
 
 
@@ -171,7 +174,8 @@ class Held:
 async def serve_worker(targets: Sequence[str], c: int) -> None:
     held = Held(Path(os.environ[HELD_FILE]))
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, held.write)
-    await bt.serve_worker(targets, {bt.TASK: held.track(bt.turn_handler())}, c)
+    model_s = int(os.environ.get(MODEL_MS, "0")) / 1000
+    await bt.serve_worker(targets, {bt.TASK: held.track(bt.turn_handler(model_s))}, c)
 
 
 def running(told: Mapping[str, Any], runs: set[str]) -> list[str]:
@@ -278,7 +282,12 @@ def start_replica(
     # worker's room, decides which replica's worker runs it.
     room = k.c * max(k.replicas)
     worker = bt.spawn_worker(
-        MODULE, [served.target], bt.TASK, room, log, env={HELD_FILE: str(held)}
+        MODULE,
+        [served.target],
+        bt.TASK,
+        room,
+        log,
+        env={HELD_FILE: str(held), MODEL_MS: str(k.model_ms)},
     )
     deadline = time.monotonic() + 60
     while b"worker ready" not in (log.read_bytes() if log.exists() else b""):

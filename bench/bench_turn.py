@@ -416,9 +416,10 @@ def deployment(value: str) -> str:
     return value
 
 
-def turn_handler() -> Callable[[Any], Awaitable[None]]:
+def turn_handler(model_s: float = 0.0) -> Callable[[Any], Awaitable[None]]:
     """The journaled handler: one model and one unsafe tool call an
-    iteration, ``k`` iterations (the run's input)."""
+    iteration, ``k`` iterations (the run's input); the model answers after
+    ``model_s`` seconds (a provider's answer time), at once by default."""
     from dagnats.sdk import Replay, TaskContext, ToolCall, ToolRun
 
     async def charge(run: ToolRun) -> dict[str, Any]:
@@ -429,6 +430,8 @@ def turn_handler() -> Callable[[Any], Awaitable[None]]:
         i = tc.iteration
 
         async def model() -> dict[str, Any]:
+            if model_s:
+                await asyncio.sleep(model_s)  # the provider thinking, not a wait on a condition
             return model_output(i)
 
         reply = await j.model(model)
