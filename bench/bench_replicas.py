@@ -20,6 +20,18 @@ sends through moves an iteration's messages on the cluster by up to a
 quarter, by whether its writes enter at their streams' leaders, and that
 would fall on the rows by chance.
 
+``thr`` runs twice on each topology, on a deployment each: with the
+workload's model answering at once, and answering in 100 ms
+(``BENCH_MODEL_MS``, ``0,100``, milliseconds). At once, the rows keep the two
+cores busy: three replicas' runs then go each about a third as fast as one
+replica's, and what goes with time costs them more an iteration (a kept
+iteration's run is written at the latest 0.2 s after it was decided, and a
+model call reads the journal's tail unless the holder wrote within 50 ms),
+as does nats-server's batching of what each connection sends. With the
+model taking 100 ms the cores are not all taken, each replica's runs go at
+the pace they go alone, as on N machines, and the throughput grows with the
+replicas.
+
 ``thr``: with 1, 2 and 3 replicas (``BENCH_REPLICAS``), each replica
 carrying ``BENCH_C`` (20) runs of ``BENCH_K`` (50) iterations at once (a row
 of n replicas runs n * C, started on the replicas' gRPC ports in turn): the
@@ -110,7 +122,8 @@ class Knobs:
     kills: int = 5  # BENCH_KILLS: stops of each kind in each topology (0: no failover)
     failover_k: int = 100  # BENCH_FAILOVER_K: iterations of a run during a stop
     ack_wait: int = 5  # BENCH_ACK_WAIT: DAGNATS_TASK_ACK_WAIT while stopping replicas
-    model_ms: int = 0  # BENCH_MODEL_MS: how long the workload's model takes to answer
+    paces: tuple[int, ...] = (0, 100)  # BENCH_MODEL_MS: the model's answer times, ms
+    model_ms: int = 0  # the answer time of the deployment at hand, one of ``paces``
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Knobs:
@@ -125,6 +138,13 @@ class Knobs:
             raise SystemExit(f"BENCH_REPLICAS must be counts like 1,2,3, got {raw!r}") from None
         if replicas[0] != 1 or list(replicas) != sorted(set(replicas)) or replicas[-1] > 9:
             raise SystemExit(f"BENCH_REPLICAS must rise from 1 (at most 9), got {raw!r}")
+        raw = env.get(MODEL_MS, "") or ",".join(map(str, cls.paces))
+        try:
+            paces = tuple(int(x) for x in raw.split(","))
+        except ValueError:
+            raise SystemExit(f"{MODEL_MS} must be milliseconds like 0,100, got {raw!r}") from None
+        if any(not 0 <= x <= 60_000 for x in paces) or len(set(paces)) < len(paces):
+            raise SystemExit(f"{MODEL_MS} must be distinct milliseconds up to 60000, got {raw!r}")
         return cls(
             partitions=bt.knob(env, "BENCH_PARTITIONS", cls.partitions, 1, 64),
             topologies=tops,
@@ -136,7 +156,8 @@ class Knobs:
             kills=bt.knob(env, "BENCH_KILLS", cls.kills, 0),
             failover_k=bt.knob(env, "BENCH_FAILOVER_K", cls.failover_k, 2),
             ack_wait=bt.knob(env, "BENCH_ACK_WAIT", cls.ack_wait, 1),
-            model_ms=bt.knob(env, MODEL_MS, cls.model_ms, 0, 60_000),
+            paces=paces,
+            model_ms=paces[0],
         )
 
 
@@ -673,6 +694,18 @@ async def failover(topology: str, k: Knobs, data: Path) -> dict[str, Any]:
 # ---- the report -------------------------------------------------------------------------
 
 
+def thr_key(topology: str, model_ms: int) -> str:
+    """The key of a deployment's rows: its topology, and the model's answer
+    time when the model does not answer at once."""
+    return f"{topology}/{model_ms}" if model_ms else topology
+
+
+def where(key: str) -> str:
+    """The words for a deployment's key (``thr_key``)."""
+    topology, _, model_ms = key.partition("/")
+    return TOPOLOGIES[topology] + (f", model {model_ms} ms" if model_ms else "")
+
+
 def ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "n/a"
 
@@ -713,11 +746,11 @@ def thr_table(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
         "| guesses missed /it | slowest round s | runs finished |"
     )
     lines = [head, "|" + "---|" * 15]
-    for topology, got in rows.items():
+    for deployment, got in rows.items():
         summed = summary(got)
         one = next(r for r in summed if r["replicas"] == 1)
         for r in summed:
-            cells = [TOPOLOGIES[topology], str(r["replicas"]), str(r["runs_at_once"])]
+            cells = [where(deployment), str(r["replicas"]), str(r["runs_at_once"])]
             for key, fmt in zip(COSTS, ("{:.0f}", "{:.2f}", "{:.3f}", "{:.3f}"), strict=True):
                 cells += [fmt.format(r[key]), ratio(r[key], one[key])]
             low, high = r["cpu_ms_all_range"]
@@ -733,8 +766,8 @@ def bars(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[tuple[str, boo
     replica's, with every count of replicas; 2 replicas' throughput at
     least one's."""
     found = []
-    for topology, got in rows.items():
-        summed, where = summary(got), TOPOLOGIES[topology]
+    for deployment, got in rows.items():
+        summed, words = summary(got), where(deployment)
         one = next(r for r in summed if r["replicas"] == 1)
         for r in summed:
             n = r["replicas"]
@@ -746,11 +779,11 @@ def bars(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[tuple[str, boo
             ):
                 x = r[key] / one[key] if one[key] else float("inf")
                 found.append(
-                    (f"{where}, {n} replicas: {what} {x:.2f}x of 1's (<= {BAR})", x <= BAR)
+                    (f"{words}, {n} replicas: {what} {x:.2f}x of 1's (<= {BAR})", x <= BAR)
                 )
             if n == 2:
                 x = r["iterations_per_s"] / one["iterations_per_s"]
-                found.append((f"{where}, 2 replicas: iterations/s {x:.2f}x of 1's (>= 1)", x >= 1))
+                found.append((f"{words}, 2 replicas: iterations/s {x:.2f}x of 1's (>= 1)", x >= 1))
     return found
 
 
@@ -774,6 +807,7 @@ def report(got: Mapping[str, Any], k: Knobs) -> str:
     """The markdown the bench prints."""
     out = [
         f"replicas: P={k.partitions}, K={k.k}, C={k.c} runs at once a replica, "
+        f"the model answering in {' and '.join(map(str, k.paces))} ms, "
         f"{k.rounds} timed rounds a row, {k.repeats} passes over the rows (medians); "
         f"{got['cpus']} cores, load {got['load']['start'][0]:.2f} at start, "
         f"{got['load']['end'][0]:.2f} at end; dagnats {got['commit']}; {got['seconds']:.0f}s",
@@ -835,10 +869,13 @@ async def measure(k: Knobs) -> dict[str, Any]:
     got: dict[str, Any] = {"thr": {}, "failover": {}}
     with kept_on_failure(prefix="dagnats-bench-replicas-") as tmp:
         for topology in k.topologies:
-            bt.progress(
-                f"thr on {TOPOLOGIES[topology]}: {', '.join(map(str, k.replicas))} replicas"
-            )
-            got["thr"][topology] = await rows_of(topology, k, Path(tmp) / f"thr-{topology}")
+            for pace in k.paces:
+                key = thr_key(topology, pace)
+                bt.progress(f"thr on {where(key)}: {', '.join(map(str, k.replicas))} replicas")
+                paced = dataclasses.replace(k, model_ms=pace)
+                got["thr"][key] = await rows_of(
+                    topology, paced, Path(tmp) / f"thr-{topology}-{pace}"
+                )
         for topology in k.topologies if k.kills else ():
             bt.progress(f"failover on {TOPOLOGIES[topology]}: {k.kills} stops of each kind")
             got["failover"][topology] = await failover(topology, k, Path(tmp) / f"stop-{topology}")

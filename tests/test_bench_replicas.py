@@ -25,6 +25,7 @@ def test_knobs_scale_down_and_refuse_what_cannot_be_measured() -> None:
         {"BENCH_TOPOLOGIES": "server", "BENCH_REPLICAS": "1,2", "BENCH_KILLS": "0"}
     )
     assert (small.topologies, small.replicas, small.kills) == (("server",), (1, 2), 0)
+    assert br.Knobs.from_env({"BENCH_MODEL_MS": "250"}).paces == (250,)
     for env, named in (
         ({"BENCH_TOPOLOGIES": "server,moon"}, "BENCH_TOPOLOGIES"),
         ({"BENCH_REPLICAS": "2,3"}, "rise from 1"),
@@ -32,6 +33,9 @@ def test_knobs_scale_down_and_refuse_what_cannot_be_measured() -> None:
         ({"BENCH_REPLICAS": "one"}, "counts like"),
         ({"BENCH_PARTITIONS": "65"}, "at most 64"),
         ({"BENCH_ACK_WAIT": "0"}, "at least 1"),
+        ({"BENCH_MODEL_MS": "0,fast"}, "milliseconds like"),
+        ({"BENCH_MODEL_MS": "100,100"}, "distinct"),
+        ({"BENCH_MODEL_MS": "-5"}, "up to 60000"),
     ):
         with pytest.raises(SystemExit, match=named):
             br.Knobs.from_env(env)
@@ -151,8 +155,18 @@ async def test_a_worker_tells_when_each_iteration_of_a_run_began(tmp_path: Path)
 
 
 async def test_the_bench_on_one_server_with_one_and_two_replicas() -> None:
-    k = br.Knobs(topologies=("server",), replicas=(1, 2), k=3, c=2, rounds=1, repeats=2, kills=0)
+    k = br.Knobs(
+        topologies=("server",),
+        replicas=(1, 2),
+        k=3,
+        c=2,
+        rounds=1,
+        repeats=2,
+        kills=0,
+        paces=(0, 20),  # the model answering at once, and in 20 ms
+    )
     got = await br.measure(k)
+    assert list(got["thr"]) == ["server", "server/20"]  # a deployment for each answer time
     rows = got["thr"]["server"]
     assert [(r["replicas"], r.get("warm_up", False), r.get("repeat")) for r in rows] == [
         (1, True, None),
@@ -169,5 +183,6 @@ async def test_the_bench_on_one_server_with_one_and_two_replicas() -> None:
     report = br.report(got, k)
     for replicas, runs in (("1", "2"), ("2", "4")):
         assert f"| one nats-server | {replicas} | {runs} |" in report
+        assert f"| one nats-server, model 20 ms | {replicas} | {runs} |" in report
     assert "one nats-server, 2 replicas: iterations/s" in report
     assert "failover" not in report
