@@ -343,6 +343,18 @@ GUARDS = (
         ),
     ),
     Guard(
+        name="engine check of a task let go or given back against the journal's holder",
+        file="services/engine/dagnats/engine/service.py",
+        guard='            await self._check_holder(lease, releasing=kind == "acknowledge")\n',
+        removed="",
+        how="a fenced holder's report acknowledges, or hands back, its successor's task",
+        tests=(
+            "tests/test_engine_fencing.py::test_a_fenced_holder_cannot_release_its_successors_task",
+            "tests/test_engine_fencing.py"
+            "::test_a_fenced_holder_cannot_give_back_its_successors_task",
+        ),
+    ),
+    Guard(
         name="restart limit",
         file="services/journal/dagnats/journal/replay.py",
         guard="    return deliveries_without_progress(records) >= limit\n",

@@ -390,6 +390,20 @@ async def test_a_fenced_holder_cannot_release_its_successors_task(
     assert run_output(await client.wait_for_run(run_id, timeout=20)) == "done"
 
 
+async def test_a_fenced_holder_cannot_give_back_its_successors_task(
+    client: Client, stubs: Stubs
+) -> None:
+    run_id, zombie, successor, token = await successor_takes_over(client, stubs)
+    give_back = pb.ReportRequest(
+        lease=zombie.lease, run_id=run_id, step_id="agent", redeliver=pb.Redeliver()
+    )
+    assert await refused(stubs.engine.Report(give_back)) == "fenced"
+    own = await stubs.engine.Heartbeat(pb.HeartbeatRequest(lease=successor.lease, run_id=run_id))
+    assert not own.cancelled, "the successor still holds its task"
+    await commit(stubs, token, successor, jpb.ACTION_COMPLETE, "done")
+    assert run_output(await client.wait_for_run(run_id, timeout=20)) == "done"
+
+
 async def test_journal_check_flags_a_run_whose_outcome_is_not_the_last_commit(
     client: Client, stubs: Stubs, engine: EngineServer
 ) -> None:

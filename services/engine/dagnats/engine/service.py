@@ -686,15 +686,15 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         kind = request.WhichOneof("outcome")
         if kind is None:
             raise errors.InvalidArgument("an outcome is required", field="outcome")
-        if kind == "acknowledge":
-            await self._check_holder(lease, releasing=True)
-            await self.store.release(lease)
-            return pb.ReportResponse(cancelled=not await self.store.run_is_active(run_id))
-        if kind == "redeliver":
-            # Not begun by its holder: the next taker gets it now, claims its
-            # dispatch and fences the holder, as after the lease.
-            await self._check_holder(lease, releasing=False)
-            await self.store.redeliver(lease)
+        if kind in ("acknowledge", "redeliver"):
+            # Only the holder lets its task go or gives it back.
+            await self._check_holder(lease, releasing=kind == "acknowledge")
+            if kind == "acknowledge":
+                await self.store.release(lease)
+            else:
+                # Not begun by its holder: the next taker gets it now, claims
+                # its dispatch and fences the holder, as after the lease.
+                await self.store.redeliver(lease)
             return pb.ReportResponse(cancelled=not await self.store.run_is_active(run_id))
         if request.iteration < 0 or request.attempt < 0:
             raise errors.InvalidArgument("iteration and attempt must be >= 0", field="attempt")
