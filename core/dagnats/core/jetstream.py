@@ -326,6 +326,12 @@ async def _update_bucket(js: JetStreamContext, bucket: KeyValueConfig) -> None:
     await js.update_stream(config)
 
 
+async def open_bucket(js: JetStreamContext, bucket: str) -> KeyValue:
+    """A provisioned bucket, opened again while JetStream does not answer (a
+    stream electing its leader as a service starts)."""
+    return await retry_transient(lambda: js.key_value(bucket), f"open the {bucket} bucket")
+
+
 async def record_partitions(js: JetStreamContext, asked: int | None) -> int:
     """The deployment's number of partitions: recorded by the first process
     to provision (``asked``, or 1 when None), read by every later one.
@@ -333,7 +339,7 @@ async def record_partitions(js: JetStreamContext, asked: int | None) -> int:
     Raises:
         InvalidArgument: ``asked`` was given and differs from the recorded number.
     """
-    kv = await retry_transient(lambda: js.key_value(KV_PARTITIONS), "open the partitions bucket")
+    kv = await open_bucket(js, KV_PARTITIONS)
     wanted = 1 if asked is None else asked
     try:
         await retry_transient(lambda: kv.create("count", str(wanted).encode()), "record partitions")

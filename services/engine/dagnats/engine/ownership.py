@@ -120,9 +120,7 @@ class Ownership:
         if self._nc is None:
             return
         js = self._nc.jetstream()
-        self._kv = await jsx.retry_transient(
-            lambda: js.key_value(jsx.KV_PARTITIONS), "open the partitions bucket"
-        )
+        self._kv = await jsx.open_bucket(js, jsx.KV_PARTITIONS)
         self._started_at = time.monotonic()
         self._beats = await self._nc.subscribe(f"{PRESENCE}.*", cb=self._heard_beat)
         await jsx.retry_transient(self._beat, "announce this replica")

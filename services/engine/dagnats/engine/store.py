@@ -217,11 +217,11 @@ class EngineStore:
         return cls(
             nc,
             js,
-            workflows=await js.key_value(jsx.KV_WORKFLOWS),
-            runs=await js.key_value(jsx.KV_RUNS),
-            run_keys=await js.key_value(jsx.KV_RUN_KEYS),
-            checkpoints=await js.key_value(jsx.KV_CHECKPOINTS),
-            active_runs=await js.key_value(jsx.KV_ACTIVE_RUNS),
+            workflows=await jsx.open_bucket(js, jsx.KV_WORKFLOWS),
+            runs=await jsx.open_bucket(js, jsx.KV_RUNS),
+            run_keys=await jsx.open_bucket(js, jsx.KV_RUN_KEYS),
+            checkpoints=await jsx.open_bucket(js, jsx.KV_CHECKPOINTS),
+            active_runs=await jsx.open_bucket(js, jsx.KV_ACTIVE_RUNS),
         )
 
     async def _get(self, bucket: str, key: str, what: str) -> KeyValue.Entry:

@@ -89,7 +89,7 @@ class InputStore:
         """The store over the bucket ``jsx.provision`` created; ``runs`` is the
         engine's (see :mod:`dagnats.inputs.peers`)."""
         js = nc.jetstream()
-        return cls(await js.key_value(jsx.KV_INPUTS), js, runs, dedupe_window=dedupe_window)
+        return cls(await jsx.open_bucket(js, jsx.KV_INPUTS), js, runs, dedupe_window=dedupe_window)
 
     # ---- inputs -------------------------------------------------------------------
 
