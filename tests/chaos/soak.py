@@ -57,6 +57,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -501,6 +502,8 @@ class Soak:
                     await self._one_run(client, journal, label)
                 except Exception as err:  # reported with the rest, the soak goes on
                     self.report.violations.append(f"run {label}: {type(err).__name__}: {err}")
+                    # Where it was raised, for the reader of the soak's output.
+                    traceback.print_exc(file=sys.stderr)
                 n += 1
 
     async def _one_run(self, client: Client, journal: Any, label: str) -> None:
