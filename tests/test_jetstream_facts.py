@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import AsyncIterator
-from typing import TypeVar
 
 import nats
 import nats.errors
@@ -35,7 +34,6 @@ from dagnats.core.natsserver import NatsServer
 from tests.helpers import created, wait_for
 
 WRONG_LAST_SEQUENCE = 10071
-T = TypeVar("T")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
