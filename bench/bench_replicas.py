@@ -123,7 +123,6 @@ class Knobs:
     failover_k: int = 100  # BENCH_FAILOVER_K: iterations of a run during a stop
     ack_wait: int = 5  # BENCH_ACK_WAIT: DAGNATS_TASK_ACK_WAIT while stopping replicas
     paces: tuple[int, ...] = (0, 100)  # BENCH_MODEL_MS: the model's answer times, ms
-    model_ms: int = 0  # the answer time of the deployment at hand, one of ``paces``
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Knobs:
@@ -157,7 +156,6 @@ class Knobs:
             failover_k=bt.knob(env, "BENCH_FAILOVER_K", cls.failover_k, 2),
             ack_wait=bt.knob(env, "BENCH_ACK_WAIT", cls.ack_wait, 1),
             paces=paces,
-            model_ms=paces[0],
         )
 
 
@@ -286,9 +284,10 @@ class Replica:
 
 
 def start_replica(
-    name: str, servers: Servers, env: Mapping[str, str], k: Knobs, logs: Path
+    name: str, servers: Servers, env: Mapping[str, str], k: Knobs, logs: Path, model_ms: int
 ) -> Replica:
-    """A replica on ``servers`` and its worker, once the worker is ready."""
+    """A replica on ``servers`` and its worker, whose model answers in
+    ``model_ms``, once the worker is ready."""
     served = harness.serve(
         "all",
         servers.replica_url,
@@ -308,7 +307,7 @@ def start_replica(
         bt.TASK,
         room,
         log,
-        env={HELD_FILE: str(held), MODEL_MS: str(k.model_ms)},
+        env={HELD_FILE: str(held), MODEL_MS: str(model_ms)},
     )
     deadline = time.monotonic() + 60
     while b"worker ready" not in (log.read_bytes() if log.exists() else b""):
@@ -336,6 +335,7 @@ class Deployment:
     env: dict[str, str]
     k: Knobs
     logs: Path
+    model_ms: int  # the workers' model's answer time, one of ``k.paces``
     replicas: list[Replica] = field(default_factory=list)
     started: int = 0
 
@@ -343,7 +343,7 @@ class Deployment:
         self.started += 1
         name = f"r{self.started}"
         env = {**self.env, "DAGNATS_REPLICA_ID": name}
-        replica = start_replica(name, self.servers, env, self.k, self.logs)
+        replica = start_replica(name, self.servers, env, self.k, self.logs, self.model_ms)
         self.replicas.append(replica)
         return replica
 
@@ -471,8 +471,9 @@ async def measure_row(servers: Servers, replicas: Sequence[Replica], k: Knobs) -
     return out
 
 
-async def rows_of(topology: str, k: Knobs, data: Path) -> list[dict[str, Any]]:
-    """The ``thr`` rows of a topology, on one deployment: a row of one
+async def rows_of(topology: str, k: Knobs, model_ms: int, data: Path) -> list[dict[str, Any]]:
+    """The ``thr`` rows of a topology, its workers' model answering in
+    ``model_ms``, on one deployment: a row of one
     replica to warm it up (kept, marked, in no summary), then
     ``BENCH_REPEATS`` passes over the counts of replicas in turn, replicas
     added or stopped (SIGTERM) between rows, so that the machine's drift
@@ -482,7 +483,7 @@ async def rows_of(topology: str, k: Knobs, data: Path) -> list[dict[str, Any]]:
     logs = data / "logs"
     logs.mkdir(parents=True)
     servers = await start_servers(topology, data)
-    d = Deployment(servers, replica_env(servers, k), k, logs)
+    d = Deployment(servers, replica_env(servers, k), k, logs, model_ms)
     try:
         nc = await nats.connect(servers.url.split(","), name="bench-replicas")
         d.add()
@@ -671,7 +672,7 @@ async def failover(topology: str, k: Knobs, data: Path) -> dict[str, Any]:
     logs.mkdir(parents=True)
     servers = await start_servers(topology, data)
     env = replica_env(servers, k, DAGNATS_TASK_ACK_WAIT=str(k.ack_wait))
-    d = Deployment(servers, env, k, logs)
+    d = Deployment(servers, env, k, logs, k.paces[0])
     try:
         for _ in range(3):
             d.add()
@@ -872,9 +873,8 @@ async def measure(k: Knobs) -> dict[str, Any]:
             for pace in k.paces:
                 key = thr_key(topology, pace)
                 bt.progress(f"thr on {where(key)}: {', '.join(map(str, k.replicas))} replicas")
-                paced = dataclasses.replace(k, model_ms=pace)
                 got["thr"][key] = await rows_of(
-                    topology, paced, Path(tmp) / f"thr-{topology}-{pace}"
+                    topology, k, pace, Path(tmp) / f"thr-{topology}-{pace}"
                 )
         for topology in k.topologies if k.kills else ():
             bt.progress(f"failover on {TOPOLOGIES[topology]}: {k.kills} stops of each kind")

@@ -68,7 +68,7 @@ async def probe(topology: str) -> int:
     logs = data / "logs"
     logs.mkdir()
     servers = await br.start_servers(topology, data)
-    d = br.Deployment(servers, br.replica_env(servers, k), k, logs)
+    d = br.Deployment(servers, br.replica_env(servers, k), k, logs, model_ms=0)
     slow = 0
     nc = await nats.connect(servers.url.split(","))
     d.add()
