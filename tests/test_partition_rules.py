@@ -16,6 +16,7 @@ from dagnats.engine.partition_rules import (
     View,
     decide,
     owned,
+    release,
 )
 
 
@@ -170,6 +171,16 @@ def test_a_joining_replica_gets_its_share_from_those_over_theirs() -> None:
 def test_owned_is_what_the_owner_keys_name() -> None:
     v = view("b", {"a", "b"}, {0: "a", 1: "b", 2: None, 3: "b"})
     assert owned(v) == frozenset({1, 3})
+
+
+def test_a_stopping_replica_gives_up_only_the_keys_that_name_it() -> None:
+    # Partition 1 was taken by c since b last published what it owns, and
+    # partition 4's key is not seen yet (b's watch of the bucket started over):
+    # b gives up 3 and 5 at the revisions it saw, deletes none of c's, and
+    # leaves 4 to its lease.
+    v = view("b", {"a", "b", "c"}, {0: "a", 1: "c", 2: None, 3: "b", 5: "b"})
+    assert release(v) == (GiveUp(3, 13), GiveUp(5, 15))
+    assert release(view("b", {"b"}, {})) == ()
 
 
 def test_a_replica_at_its_share_does_nothing() -> None:

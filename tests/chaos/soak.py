@@ -325,7 +325,7 @@ class Soak:
             await asyncio.gather(*drivers)
             if self.replicas:
                 for replica in self.replicas:
-                    await replica.stop()  # SIGTERM: its last counters written
+                    await self._stop_replica(replica)  # its last counters written
                 tap = self._replicas_tap()
                 self._count_replicas()
             else:
@@ -860,7 +860,18 @@ class Soak:
 
     async def _replica_restart(self, pick: float, delay: float) -> None:
         """SIGTERM: it hands its partitions over at once; it starts again later."""
-        await self._hit_replica("replica-restart", pick, ReplicaProcess.stop, 0.2 + 1.5 * delay)
+        await self._hit_replica("replica-restart", pick, self._stop_replica, 0.2 + 1.5 * delay)
+
+    async def _stop_replica(self, replica: ReplicaProcess) -> None:
+        """SIGTERM, and the exit it must make: 0, or SIGKILL's after the grace
+        when its stop takes longer. Any other code is a stop that failed, which
+        may have left its gRPC server to end open calls with CANCELLED."""
+        await replica.stop()
+        code = replica.proc.returncode if replica.proc is not None else 0
+        if code not in (0, -signal.SIGKILL):
+            self.report.violations.append(
+                f"{replica.name} exited with {code} on SIGTERM:\n{replica.log_tail(30)}"
+            )
 
     def _later(self, seconds: float, undo: Callable[[], Awaitable[None] | None]) -> None:
         """Undo a fault after ``seconds``, or as soon as the soak heals."""

@@ -47,7 +47,7 @@ from dagnats.core import jetstream as jsx
 from dagnats.core.errors import Unavailable
 from dagnats.core.ids import check_token
 from dagnats.core.partitions import check_partitions, partition_of
-from dagnats.engine.partition_rules import GiveUp, Owner, Take, View, decide, owned
+from dagnats.engine.partition_rules import GiveUp, Owner, Take, View, decide, owned, release
 
 log = logging.getLogger(__name__)
 
@@ -137,25 +137,33 @@ class Ownership:
             raise Unavailable("could not read the partitions bucket's owners") from None
 
     async def release(self) -> None:
-        """Give up everything at once (a graceful stop): the others take over
-        without waiting out the lease. Best effort, within a third of a lease;
-        nothing is tried on a connection that is down (the others take over
-        when the lease runs out, as after a kill)."""
+        """Give up what it owns at once (a graceful stop): the others take
+        over without waiting out the lease. What it gives up is the rule's
+        (``partition_rules.release``), from the owner keys as last seen. Best
+        effort, within a third of a lease; nothing is tried on a connection
+        that is down (the others take over when the lease runs out, as after
+        a kill)."""
         if self._nc is None or self._kv is None:
             return
         await self.stop()
-        mine = {k: self._owners[k] for k in self._owned}
+        view = View(
+            me=self.replica_id,
+            partitions=self.partitions,
+            replicas=frozenset(),
+            owners=dict(self._owners),
+        )
+        given = release(view)
         if self._nc.is_connected:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.lease / 3):
-                    await self._give_all_up(self._kv, mine)
-        log.info("replica %s released partitions %s", self.replica_id, sorted(mine))
+                    await self._give_all_up(self._kv, given)
+        log.info("replica %s released partitions %s", self.replica_id, [g.partition for g in given])
         await self._publish(frozenset())
 
-    async def _give_all_up(self, kv: KeyValue, mine: dict[int, Owner]) -> None:
-        for k, owner in sorted(mine.items()):
+    async def _give_all_up(self, kv: KeyValue, given: tuple[GiveUp, ...]) -> None:
+        for up in given:
             with contextlib.suppress(nats.js.errors.APIError):  # another took it
-                await kv.delete(f"owner.{k}", last=owner.revision)
+                await kv.delete(f"owner.{up.partition}", last=up.revision)
         assert self._nc is not None
         await self._nc.publish(f"{PRESENCE}.{self.replica_id}", _GONE_BEAT)
         await self._nc.flush(timeout=self.lease / 3)  # type: ignore[arg-type]  # a float works

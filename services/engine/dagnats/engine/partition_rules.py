@@ -16,7 +16,8 @@ partitions (no owner, or an owner that is not present: its lease expired or
 it released) up to the floor, and up to the ceiling once no replica present
 is below the floor; one over the ceiling gives up its highest-numbered
 partitions; when the replicas below the floor need more than is free, the
-replica owning the most (the first by id among equals) gives up one.
+replica owning the most (the first by id among equals) gives up one. A
+replica that stops gives up what its view says it owns (:func:`release`).
 
 Ownership is advisory (for speed only): two replicas that briefly both
 consume a partition are safe, so the rule needs no order between one giving
@@ -130,3 +131,12 @@ def decide(view: View) -> tuple[Action, ...]:
         return (GiveUp(mine[-1], view.owner(mine[-1]).revision),) if donor == view.me else ()
     wanted = floor - len(mine) if short else ceiling - len(mine)
     return tuple(Take(k, view.owner(k).revision) for k in loose[: max(wanted, 0)])
+
+
+def release(view: View) -> tuple[GiveUp, ...]:
+    """What a stopping replica gives up: each partition whose owner key names
+    it in ``view``, at the revision seen. A partition it consumes but whose
+    key it has not seen since its watch started over, or which another has
+    taken since, is not given up: its key is left to the lease, as after a
+    kill, and another's claim is never deleted."""
+    return tuple(GiveUp(k, view.owner(k).revision) for k in sorted(owned(view)))

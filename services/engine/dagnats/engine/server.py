@@ -146,9 +146,14 @@ class EngineServer(ServiceServer):
 
     async def stop(self, grace: float = 1.0) -> None:
         # Its partitions first, so the other replicas take them over at once
-        # rather than after the partition lease.
-        await self.ownership.release()
-        await super().stop(grace)
+        # rather than after the partition lease; the calls it serves end with
+        # the gRPC server's stop whatever the hand-over met (a process leaving
+        # its server running would end them with CANCELLED, which no client
+        # retries).
+        try:
+            await self.ownership.release()
+        finally:
+            await super().stop(grace)
 
     async def _stop_work(self) -> None:
         await self.cancels.close()  # the cancels that polls watch for
