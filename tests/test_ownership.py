@@ -8,10 +8,12 @@ import contextlib
 import sys
 from collections.abc import AsyncIterator
 
+import grpc
 import nats
 import nats.js.errors
 import pytest
 import pytest_asyncio
+from google.protobuf.duration_pb2 import Duration
 from nats.aio.client import Client as NATS
 
 from dagnats.core import jetstream as jsx
@@ -20,6 +22,8 @@ from dagnats.core.natsserver import NatsServer
 from dagnats.engine.config import ReplicaConfig
 from dagnats.engine.ownership import Ownership
 from dagnats.engine.server import start_engine, start_services
+from dagnats.engine.v1 import engine_pb2 as pb
+from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
 from tests.helpers import wait_for
 from tests.matrix import child_env
 
@@ -113,6 +117,35 @@ async def test_release_hands_over_well_under_the_lease(nc: NATS) -> None:
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_stopping_server_whose_hand_over_fails_still_ends_its_calls_as_unavailable(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """The gRPC server stops whatever the release meets: a process that left
+    it running would end its open calls with CANCELLED, which no client
+    retries, instead of UNAVAILABLE."""
+    server = await start_engine(
+        nats_server.url,
+        with_journal=False,
+        with_inputs=False,
+        replica=ReplicaConfig(partitions=2, lease=30.0, replica_id="failing"),
+    )
+
+    async def hand_over_fails() -> None:
+        raise RuntimeError("the hand-over failed")
+
+    server.ownership.release = hand_over_fails  # type: ignore[method-assign]
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        poll = pb_grpc.EngineServiceStub(channel).PollTasks(
+            pb.PollTasksRequest(task_types=["t"], wait=Duration(seconds=20))
+        )
+        await wait_for(lambda: server.pulls.polls_waiting == 1, message="the poll waiting")
+        with pytest.raises(RuntimeError, match="the hand-over failed"):
+            await server.stop()
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await poll
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_a_stopped_engine_server_hands_its_partitions_over_at_once(
