@@ -21,9 +21,10 @@ from dagnats.core.errors import InvalidArgument
 from dagnats.core.natsserver import NatsServer
 from dagnats.engine.config import ReplicaConfig
 from dagnats.engine.ownership import Ownership
-from dagnats.engine.server import start_engine, start_services
+from dagnats.engine.server import EngineServer, start_engine, start_services
 from dagnats.engine.v1 import engine_pb2 as pb
 from dagnats.engine.v1 import engine_pb2_grpc as pb_grpc
+from dagnats.sdk import Client
 from tests.helpers import wait_for
 from tests.matrix import child_env
 
@@ -56,6 +57,17 @@ def split(*owners: Ownership) -> list[int] | None:
     sets = [o.owned() for o in owners]
     every = sorted(k for s in sets for k in s)
     return [len(s) for s in sets] if every == list(range(P)) else None
+
+
+async def engine_replica(nats_server: NatsServer, replica_id: str) -> EngineServer:
+    """An engine alone in its process, one replica of two partitions, whose
+    partition lease (30 s) never runs out within a test."""
+    return await start_engine(
+        nats_server.url,
+        with_journal=False,
+        with_inputs=False,
+        replica=ReplicaConfig(partitions=2, lease=30.0, replica_id=replica_id),
+    )
 
 
 async def test_replicas_join_split_evenly_and_take_a_killed_ones_share(nc: NATS) -> None:
@@ -122,15 +134,10 @@ async def test_release_hands_over_well_under_the_lease(nc: NATS) -> None:
 async def test_a_stopping_server_whose_hand_over_fails_still_ends_its_calls_as_unavailable(
     nats_server: NatsServer, nc: NATS
 ) -> None:
-    """The gRPC server stops whatever the release meets: a process that left
-    it running would end its open calls with CANCELLED, which no client
-    retries, instead of UNAVAILABLE."""
-    server = await start_engine(
-        nats_server.url,
-        with_journal=False,
-        with_inputs=False,
-        replica=ReplicaConfig(partitions=2, lease=30.0, replica_id="failing"),
-    )
+    """The gRPC server stops whatever the release meets: its open calls end
+    as its stop ends them (UNAVAILABLE after the grace), not left open until
+    the process's exit cuts them off."""
+    server = await engine_replica(nats_server, "failing")
 
     async def hand_over_fails() -> None:
         raise RuntimeError("the hand-over failed")
@@ -148,19 +155,49 @@ async def test_a_stopping_server_whose_hand_over_fails_still_ends_its_calls_as_u
     assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_calls_that_meet_a_replicas_stop_go_on_at_the_other_one(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """A stopping gRPC server ends a call it accepted but had not begun with
+    CANCELLED (several a stop, with callers busy): the client tries it again
+    as after UNAVAILABLE, so a replica stopping costs its callers nothing."""
+    servers = [await engine_replica(nats_server, rid) for rid in ("first", "second")]
+    failed: list[BaseException] = []
+    answered = 0
+    done = asyncio.Event()
+
+    async def call_on(client: Client) -> None:
+        nonlocal answered
+        while not done.is_set():
+            try:
+                await client.list_runs(limit=1)
+                answered += 1
+            except Exception as err:
+                failed.append(err)
+
+    # One address after the other: every call goes to the first while it serves.
+    target = "ipv4:" + ",".join(s.target for s in servers)
+    try:
+        async with Client(target) as client:
+            callers = [asyncio.create_task(call_on(client)) for _ in range(20)]
+            await wait_for(lambda: answered >= 200, message="calls answered")
+            await servers[0].stop()
+            after = answered
+            await wait_for(lambda: answered >= after + 200, message="calls after the stop")
+            done.set()
+            await asyncio.gather(*callers)
+        assert failed == []
+    finally:
+        done.set()
+        for server in servers:
+            await server.stop()
+
+
 async def test_a_stopped_engine_server_hands_its_partitions_over_at_once(
     nats_server: NatsServer, nc: NATS
 ) -> None:
     """The serve CLI's SIGTERM path (``EngineServer.stop``) releases first."""
-    servers = [
-        await start_engine(
-            nats_server.url,
-            with_journal=False,
-            with_inputs=False,
-            replica=ReplicaConfig(partitions=2, lease=30.0, replica_id=rid),
-        )
-        for rid in ("one", "two")
-    ]
+    servers = [await engine_replica(nats_server, rid) for rid in ("one", "two")]
     one, two = (s.ownership for s in servers)
     assert servers[0].engine.ownership is one
     try:

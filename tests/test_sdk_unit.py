@@ -274,11 +274,14 @@ async def rpc(server: tuple[ScriptedStatuses, str]) -> AsyncIterator[EngineRpc]:
 # Transport retries and error mapping.
 
 
+# CANCELLED comes from a server that stopped before it began the call: the
+# caller's own cancel raises asyncio.CancelledError, never a status.
+@pytest.mark.parametrize("status", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
 async def test_transient_failures_are_retried(
-    server: tuple[ScriptedStatuses, str], rpc: EngineRpc
+    server: tuple[ScriptedStatuses, str], rpc: EngineRpc, status: grpc.StatusCode
 ) -> None:
     servicer, _ = server
-    servicer.script["GetRun"] = [grpc.StatusCode.UNAVAILABLE] * 2
+    servicer.script["GetRun"] = [status] * 2
 
     response = await rpc.get_run(pb.GetRunRequest(run_id="ab" * 16))
 

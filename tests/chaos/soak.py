@@ -1030,6 +1030,7 @@ async def _retry(call: Callable[[], Awaitable[T]], *, within: float = 60.0) -> T
         except (errors.Unavailable, errors.DeadlineExceeded, grpc.aio.AioRpcError) as err:
             transient = not isinstance(err, grpc.aio.AioRpcError) or err.code() in (
                 grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.CANCELLED,  # by a stopping replica, before it began the call
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.UNKNOWN,
             )

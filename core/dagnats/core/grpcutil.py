@@ -49,9 +49,12 @@ STATUS_OF: dict[type[WireError], grpc.StatusCode] = {
 
 # The error code carried in trailing metadata -> class, for the way back.
 _CLASS_OF_CODE: dict[str, type[WireError]] = {c.code: c for c in STATUS_OF}
-# Status codes that mean "the transport failed, try again". RESOURCE_EXHAUSTED
-# is not one: a message over a size limit is as large on every try.
-TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+# Status codes that mean "the transport failed, try again". CANCELLED is one: a
+# caller's own cancel raises asyncio.CancelledError, never a status, so a call
+# that ends CANCELLED was cancelled by the server, which a stopping gRPC server
+# does to the calls it accepted but had not begun. RESOURCE_EXHAUSTED is not
+# one: a message over a size limit is as large on every try.
+TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 # Domain errors a client may retry (with DEADLINE_EXCEEDED, only where repeating
 # is safe); every other dagnats error code answers the request for good.
 _RETRIABLE_ERRORS = frozenset({errors.Unavailable.code, errors.DeadlineExceeded.code})

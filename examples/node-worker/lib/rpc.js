@@ -6,7 +6,9 @@
 //
 // Invariants:
 // - Every call carries a deadline.
-// - UNAVAILABLE and RESOURCE_EXHAUSTED are retried with jittered exponential
+// - UNAVAILABLE, CANCELLED (a stopping server's, for a call it accepted but
+//   had not begun; a call this worker cancels rejects with its signal's reason
+//   first) and RESOURCE_EXHAUSTED are retried with jittered exponential
 //   backoff, and DEADLINE_EXCEEDED too for calls that are safe to repeat; when
 //   the tries run out the caller gets Unavailable. Any other status is a
 //   domain error and is never retried.
@@ -63,7 +65,11 @@ const METHODS = {
   commit: ['journal', 'Commit', true],
 };
 
-const TRANSIENT = new Set([grpc.status.UNAVAILABLE, grpc.status.RESOURCE_EXHAUSTED]);
+const TRANSIENT = new Set([
+  grpc.status.UNAVAILABLE,
+  grpc.status.CANCELLED,
+  grpc.status.RESOURCE_EXHAUSTED,
+]);
 const ATTEMPTS = 5;
 const BACKOFF = 0.1; // seconds; the wait before try n is random in [0, BACKOFF * 2^n]
 const MAX_BACKOFF = 2.0;

@@ -146,10 +146,9 @@ class EngineServer(ServiceServer):
 
     async def stop(self, grace: float = 1.0) -> None:
         # Its partitions first, so the other replicas take them over at once
-        # rather than after the partition lease; the calls it serves end with
-        # the gRPC server's stop whatever the hand-over met (a process leaving
-        # its server running would end them with CANCELLED, which no client
-        # retries).
+        # rather than after the partition lease; the gRPC server stops
+        # whatever the hand-over met, so the calls under way finish within
+        # its grace rather than being cut off by the process's exit.
         try:
             await self.ownership.release()
         finally:
