@@ -161,7 +161,7 @@ async def test_calls_that_meet_a_replicas_stop_go_on_at_the_other_one(
     """A stopping gRPC server ends a call it accepted but had not begun with
     CANCELLED (several a stop, with callers busy): the client tries it again
     as after UNAVAILABLE, so a replica stopping costs its callers nothing."""
-    servers = [await engine_replica(nats_server, rid) for rid in ("first", "second")]
+    running = [await engine_replica(nats_server, rid) for rid in ("first", "second")]
     failed: list[BaseException] = []
     answered = 0
     done = asyncio.Event()
@@ -176,12 +176,12 @@ async def test_calls_that_meet_a_replicas_stop_go_on_at_the_other_one(
                 failed.append(err)
 
     # One address after the other: every call goes to the first while it serves.
-    target = "ipv4:" + ",".join(s.target for s in servers)
+    target = "ipv4:" + ",".join(s.target for s in running)
     try:
         async with Client(target) as client:
             callers = [asyncio.create_task(call_on(client)) for _ in range(20)]
             await wait_for(lambda: answered >= 200, message="calls answered")
-            await servers[0].stop()
+            await running.pop(0).stop()
             after = answered
             await wait_for(lambda: answered >= after + 200, message="calls after the stop")
             done.set()
@@ -189,7 +189,7 @@ async def test_calls_that_meet_a_replicas_stop_go_on_at_the_other_one(
         assert failed == []
     finally:
         done.set()
-        for server in servers:
+        for server in running:
             await server.stop()
 
 
