@@ -72,6 +72,7 @@ from nats.js.api import ConsumerConfig
 
 from dagnats.core import errors
 from dagnats.core import jetstream as jsx
+from dagnats.core.grpcutil import error_code, retriable
 from dagnats.core.natsserver import NatsCluster, NatsServer
 from dagnats.core.partitions import slot_of
 from dagnats.engine.server import EngineServer, start_engine
@@ -1028,11 +1029,11 @@ async def _retry(call: Callable[[], Awaitable[T]], *, within: float = 60.0) -> T
         try:
             return await call()
         except (errors.Unavailable, errors.DeadlineExceeded, grpc.aio.AioRpcError) as err:
-            transient = not isinstance(err, grpc.aio.AioRpcError) or err.code() in (
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.CANCELLED,  # by a stopping replica, before it began the call
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.UNKNOWN,
+            # The clients' rule for a read (safe to repeat), and UNKNOWN besides.
+            transient = (
+                not isinstance(err, grpc.aio.AioRpcError)
+                or retriable(err.code(), error_code(err), idempotent=True)
+                or err.code() == grpc.StatusCode.UNKNOWN
             )
             if not transient or loop.time() > deadline:
                 raise
