@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Each contract is generated into the source root of the component that owns it.
 PROTO_ROOTS := engine:services/engine journal:services/journal inputs:services/inputs
 
-.PHONY: help setup chromium dev test docs docs-serve lint breaking fmt proto proto-check bench bench-state bench-parallel bench-scale bench-replicas bench-pair bench-peers jetstream-facts test-guards test-chaos clean
+.PHONY: help setup debian dev test docs docs-serve lint breaking fmt proto proto-check bench bench-state bench-parallel bench-scale bench-replicas bench-pair bench-peers jetstream-facts test-guards test-chaos clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -25,20 +25,23 @@ $(NODE_WORKER)/node_modules/.installed: $(NODE_WORKER)/package.json $(NODE_WORKE
 	npm ci --prefix $(NODE_WORKER) --no-audit --no-fund
 	touch $@
 
-# The console's browser tests (tests/test_console.py) drive Debian's chromium
-# through Playwright; nothing is downloaded at test time. Installed here when
-# missing and we are root; otherwise the tests fail saying how to install it.
-CHROMIUM := /usr/bin/chromium
-chromium:
-	@if [ ! -x $(CHROMIUM) ]; then \
+# Debian's packages the tests use: chromium, which the console's browser
+# tests (tests/test_console.py) drive through Playwright (nothing is
+# downloaded at test time), and valgrind, whose callgrind counts instructions
+# for make bench-replicas (tests/test_bench_replicas.py). Installed here when
+# missing and we are root; otherwise the tests fail saying how to install them.
+DEBIAN_PACKAGES := chromium valgrind
+debian:
+	@missing=$$(for p in $(DEBIAN_PACKAGES); do command -v $$p >/dev/null || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else \
-	    echo "chromium is missing: tests/test_console.py needs $(CHROMIUM) (apt-get install chromium, as root)" >&2; \
+	    echo "missing:" $$missing "- the tests need them (apt-get install" $$missing", as root)" >&2; \
 	  fi; \
 	fi
 
-setup: $(VENV)/.installed $(NODE_WORKER)/node_modules/.installed chromium ## create the virtualenv and install everything
+setup: $(VENV)/.installed $(NODE_WORKER)/node_modules/.installed debian ## create the virtualenv and install everything
 
 dev: setup ## run nats-server, the services and a demo agent (Ctrl-C stops)
 	$(BIN)/dagnats dev

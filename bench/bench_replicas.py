@@ -52,6 +52,13 @@ pass (a task delivered to nobody shows as a round as long as the task's
 lease); the issue's bars are checked on the medians: cost an iteration
 within 10% of one replica's, 2 replicas' throughput at least one's.
 
+``instructions`` (``BENCH_INSTRUCTIONS`` = 40 s counted a row; 0 skips
+it): the instructions one replica's processes execute an iteration, counted
+by callgrind, with 1, 2 and 3 replicas (``bench/replica_instructions.py``).
+CPU seconds rise on two cores with every process that wakes on them, for
+the same work; instructions do not, so these rows say what N replicas on N
+machines cost a replica an iteration.
+
 ``failover`` (``BENCH_KILLS`` = 5 stops of each kind; 0 skips it): on a new
 deployment of each topology, 3 replicas with the task's lease
 (``DAGNATS_TASK_ACK_WAIT``) shortened to ``BENCH_ACK_WAIT`` (5 s): an
@@ -123,6 +130,9 @@ class Knobs:
     failover_k: int = 100  # BENCH_FAILOVER_K: iterations of a run during a stop
     ack_wait: int = 5  # BENCH_ACK_WAIT: DAGNATS_TASK_ACK_WAIT while stopping replicas
     paces: tuple[int, ...] = (0, 100)  # BENCH_MODEL_MS: the model's answer times, ms
+    instructions: int = 40  # BENCH_INSTRUCTIONS: seconds counted a row (0: no such part)
+    c_counted: int = 4  # BENCH_C_COUNTED: runs of each replica while counting
+    model_ms_counted: int = 500  # BENCH_MODEL_MS_COUNTED: the model's answer time then
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Knobs:
@@ -156,6 +166,11 @@ class Knobs:
             failover_k=bt.knob(env, "BENCH_FAILOVER_K", cls.failover_k, 2),
             ack_wait=bt.knob(env, "BENCH_ACK_WAIT", cls.ack_wait, 1),
             paces=paces,
+            instructions=bt.knob(env, "BENCH_INSTRUCTIONS", cls.instructions, 0),
+            c_counted=bt.knob(env, "BENCH_C_COUNTED", cls.c_counted, 1),
+            model_ms_counted=bt.knob(
+                env, "BENCH_MODEL_MS_COUNTED", cls.model_ms_counted, 0, 60_000
+            ),
         )
 
 
@@ -284,10 +299,19 @@ class Replica:
 
 
 def start_replica(
-    name: str, servers: Servers, env: Mapping[str, str], k: Knobs, logs: Path, model_ms: int
+    name: str,
+    servers: Servers,
+    env: Mapping[str, str],
+    k: Knobs,
+    logs: Path,
+    model_ms: int,
+    under: Callable[[str], Sequence[str]] | None = None,
 ) -> Replica:
     """A replica on ``servers`` and its worker, whose model answers in
-    ``model_ms``, once the worker is ready."""
+    ``model_ms``, once the worker is ready; with ``under``, each process
+    runs under the command it gives for its role (``services``,
+    ``worker``)."""
+    wrap = under or (lambda role: ())
     served = harness.serve(
         "all",
         servers.replica_url,
@@ -296,6 +320,7 @@ def start_replica(
         metrics=True,
         local_socket=logs / f"{name}.sock",
         monitor=servers.nodes[0].monitor_url,
+        wrap=wrap("services"),
     )
     held, log = logs / f"{name}.held", logs / f"{name}-worker.log"
     # Room for every run of the largest row: a run's partition, not the
@@ -308,8 +333,9 @@ def start_replica(
         room,
         log,
         env={HELD_FILE: str(held), MODEL_MS: str(model_ms)},
+        wrap=wrap("worker"),
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + (600 if under else 60)
     while b"worker ready" not in (log.read_bytes() if log.exists() else b""):
         if worker.poll() is not None or time.monotonic() > deadline:
             for proc in (worker, served.proc):
@@ -339,13 +365,22 @@ class Deployment:
     replicas: list[Replica] = field(default_factory=list)
     started: int = 0
 
-    def add(self) -> Replica:
+    def add(self, under: Callable[[str], Sequence[str]] | None = None) -> Replica:
         self.started += 1
         name = f"r{self.started}"
         env = {**self.env, "DAGNATS_REPLICA_ID": name}
-        replica = start_replica(name, self.servers, env, self.k, self.logs, self.model_ms)
+        replica = start_replica(name, self.servers, env, self.k, self.logs, self.model_ms, under)
         self.replicas.append(replica)
         return replica
+
+    async def scale(self, n: int, js: Any) -> None:
+        """To ``n`` replicas, the newest stopped (SIGTERM) or new ones
+        started, until the partitions' owners settle on them."""
+        while len(self.replicas) < n:
+            self.add()
+        while len(self.replicas) > n:
+            self.replicas.pop().stop()
+        await settled(js, self.names(), self.k.partitions)
 
     def stop(self) -> None:
         for r in self.replicas:
@@ -355,30 +390,36 @@ class Deployment:
         return [r.name for r in self.replicas]
 
 
+async def owners(js: Any, partitions: int) -> list[str | None] | None:
+    """Each partition's owner as the ``PARTITIONS`` bucket has it (None:
+    none), or None when the engine records no owners."""
+    from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
+
+    try:
+        kv = await js.key_value(PARTITIONS_BUCKET)
+    except BucketNotFoundError:
+        return None
+    out: list[str | None] = []
+    for p in range(partitions):
+        try:
+            out.append(((await kv.get(f"owner.{p}")).value or b"").decode() or None)
+        except (KeyNotFoundError, KeyDeletedError):
+            out.append(None)
+    return out
+
+
 async def settled(js: Any, live: Sequence[str], partitions: int) -> None:
     """Once the engine records owners of partitions (the ``PARTITIONS``
     bucket), until every partition's owner is one of the ``live`` replicas
     (not one stopped before) and the owners are as many as they can be (at
     most 60 s); without it, at once: then every replica consumes every
     partition."""
-    from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
-
-    try:
-        kv = await js.key_value(PARTITIONS_BUCKET)
-    except BucketNotFoundError:
-        return
     deadline = time.monotonic() + 60
-    while True:
-        owners: list[str | None] = []
-        for p in range(partitions):
-            try:
-                owners.append(((await kv.get(f"owner.{p}")).value or b"").decode() or None)
-            except (KeyNotFoundError, KeyDeletedError):
-                owners.append(None)
-        if set(owners) <= set(live) and len(set(owners)) == min(len(live), partitions):
+    while (found := await owners(js, partitions)) is not None:
+        if set(found) <= set(live) and len(set(found)) == min(len(live), partitions):
             return
         if time.monotonic() > deadline:
-            bt.progress(f"the partitions' owners did not settle on {sorted(live)}: {owners}")
+            bt.progress(f"the partitions' owners did not settle on {sorted(live)}: {found}")
             return
         await asyncio.sleep(0.1)  # the owners move as the replicas hear each other
 
@@ -492,11 +533,7 @@ async def rows_of(topology: str, k: Knobs, model_ms: int, data: Path) -> list[di
         out = [{**await measure_row(servers, d.replicas, k), "warm_up": True}]
         for repeat in range(k.repeats):
             for n in k.replicas:
-                while len(d.replicas) < n:
-                    d.add()
-                while len(d.replicas) > n:
-                    d.replicas.pop().stop()
-                await settled(nc.jetstream(), d.names(), k.partitions)
+                await d.scale(n, nc.jetstream())
                 out.append({**await measure_row(servers, d.replicas, k), "repeat": repeat + 1})
         await nc.close()
         for r in d.replicas:
@@ -804,6 +841,11 @@ def failover_table(got: Mapping[str, Mapping[str, Any]], k: Knobs) -> str:
     return "\n".join(lines)
 
 
+def met(found: Sequence[tuple[str, bool]]) -> list[str]:
+    """Each bar's line: what was measured against it, and whether it was met."""
+    return [f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in found]
+
+
 def report(got: Mapping[str, Any], k: Knobs) -> str:
     """The markdown the bench prints."""
     out = [
@@ -817,7 +859,21 @@ def report(got: Mapping[str, Any], k: Knobs) -> str:
         "",
         "bars (issue 40):",
     ]
-    out += [f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in bars(got["thr"])]
+    out += met(bars(got["thr"]))
+    if got.get("instructions"):
+        from bench import replica_instructions as ri
+
+        out += [
+            "",
+            f"instructions (callgrind) of replica r1's processes an iteration of its runs: "
+            f"{k.c_counted} runs a replica, the model answering in {k.model_ms_counted} ms, "
+            f"{k.instructions} s counted a row, {k.repeats} passes (medians)",
+            "",
+            ri.table(got["instructions"]),
+            "",
+            "bars (issue 40), CPU as instructions:",
+        ]
+        out += met(ri.bars(got["instructions"]))
     if got.get("failover"):
         out += [
             "",
@@ -854,20 +910,25 @@ def main(argv: list[str] | None = None) -> None:
 @contextlib.contextmanager
 def kept_on_failure(prefix: str) -> Iterator[str]:
     """A temporary directory, removed when the block ends well and kept
-    (its path printed) when it raises: the replicas' logs say what failed."""
+    (its path printed) when it raises, or always with ``BENCH_KEEP`` set:
+    the replicas' logs say what failed, and callgrind's dumps where the
+    instructions went (``callgrind_annotate``)."""
     tmp = tempfile.mkdtemp(prefix=prefix)
     try:
         yield tmp
     except BaseException:
         print(f"the replicas' data and logs are kept in {tmp}", file=sys.stderr)
         raise
+    if os.environ.get("BENCH_KEEP"):
+        print(f"the replicas' data and logs are kept in {tmp}", file=sys.stderr)
+        return
     shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def measure(k: Knobs) -> dict[str, Any]:
     """Every row and every stop, with the knobs and the machine's load."""
     started, load = time.perf_counter(), os.getloadavg()
-    got: dict[str, Any] = {"thr": {}, "failover": {}}
+    got: dict[str, Any] = {"thr": {}, "instructions": {}, "failover": {}}
     with kept_on_failure(prefix="dagnats-bench-replicas-") as tmp:
         for topology in k.topologies:
             for pace in k.paces:
@@ -876,6 +937,12 @@ async def measure(k: Knobs) -> dict[str, Any]:
                 got["thr"][key] = await rows_of(
                     topology, k, pace, Path(tmp) / f"thr-{topology}-{pace}"
                 )
+        for topology in k.topologies if k.instructions else ():
+            from bench import replica_instructions as ri
+
+            got["instructions"][topology] = await ri.rows_of(
+                topology, k, Path(tmp) / f"instructions-{topology}"
+            )
         for topology in k.topologies if k.kills else ():
             bt.progress(f"failover on {TOPOLOGIES[topology]}: {k.kills} stops of each kind")
             got["failover"][topology] = await failover(topology, k, Path(tmp) / f"stop-{topology}")

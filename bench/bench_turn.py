@@ -493,12 +493,13 @@ def spawn_worker(
     local_socket: str | None = None,
     apart: Mapping[str, str] | None = None,
     env: Mapping[str, str] | None = None,
+    wrap: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """``python -m module worker TARGET[,TARGET] TASK C [journal=ADDR inputs=ADDR]``,
     its output into ``log``, with ``env`` over this process's environment;
     with ``local_socket``, its journal calls go there; with ``apart``, to the
-    services' addresses it names."""
-    args = [sys.executable, "-m", module, "worker", ",".join(targets), task, str(c)]
+    services' addresses it names; with ``wrap``, run under it."""
+    args = [*wrap, sys.executable, "-m", module, "worker", ",".join(targets), task, str(c)]
     args += [f"{name}={target}" for name, target in (apart or {}).items()]
     child = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "DAGNATS_LOCAL_SOCKET"}
     if local_socket is not None:

@@ -69,15 +69,18 @@ def serve(
     metrics: bool = False,
     local_socket: Path | None = None,
     monitor: str | None = None,
+    wrap: Sequence[str] = (),
 ) -> Served:
     """``dagnats serve SERVICE`` on a free port against ``nats_url``, its
     stderr appended to ``log``, this process's environment with ``env`` over
     it; with ``metrics``, its counters on a free port; with ``local_socket``,
     the local socket at that path; with ``monitor``, nats-server's monitoring
-    URL (the start-up check of ``sync_interval``). Returns once it printed
-    every address asked for."""
+    URL (the start-up check of ``sync_interval``); with ``wrap``, the
+    command run under it (``valgrind ...``). Returns once it printed every
+    address asked for."""
     verbose = ["-v"] if os.environ.get("BENCH_VERBOSE") else []  # every lease logged
-    args = [sys.executable, "-m", "dagnats.cli.main", *verbose, "serve", service, "--port", "0"]
+    args = [*wrap, sys.executable, "-m", "dagnats.cli.main", *verbose, "serve", service]
+    args += ["--port", "0"]
     args += ["--nats", nats_url]
     args += ["--nats-monitor", monitor] if monitor else []
     args += ["--metrics-port", "0"] if metrics else []

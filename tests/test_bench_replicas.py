@@ -1,13 +1,17 @@
 """``bench/bench_replicas.py`` (``make bench-replicas``): its knobs, a row
 from the snapshots around its rounds, the tables and the issue's bars, the
-failover's percentiles and the worker's account of the runs it runs; and
-the bench itself, tiny, on one nats-server with 1 and 2 replicas. No timed
-assertion: the bench is run whole by ``make bench-replicas``."""
+failover's percentiles and the worker's account of the runs it runs; the
+instructions part's counts (``bench/replica_instructions.py``), from a real
+callgrind; and the bench itself, tiny, on one nats-server with 1 and 2
+replicas. No timed assertion: the bench is run whole by ``make
+bench-replicas``."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +20,7 @@ from typing import Any
 import pytest
 
 from bench import bench_replicas as br
+from bench import replica_instructions as ri
 
 
 def test_knobs_scale_down_and_refuse_what_cannot_be_measured() -> None:
@@ -26,6 +31,7 @@ def test_knobs_scale_down_and_refuse_what_cannot_be_measured() -> None:
     )
     assert (small.topologies, small.replicas, small.kills) == (("server",), (1, 2), 0)
     assert br.Knobs.from_env({"BENCH_MODEL_MS": "250"}).paces == (250,)
+    assert br.Knobs.from_env({"BENCH_INSTRUCTIONS": "0"}).instructions == 0  # no such part
     for env, named in (
         ({"BENCH_TOPOLOGIES": "server,moon"}, "BENCH_TOPOLOGIES"),
         ({"BENCH_REPLICAS": "2,3"}, "rise from 1"),
@@ -36,6 +42,9 @@ def test_knobs_scale_down_and_refuse_what_cannot_be_measured() -> None:
         ({"BENCH_MODEL_MS": "0,fast"}, "milliseconds like"),
         ({"BENCH_MODEL_MS": "100,100"}, "distinct"),
         ({"BENCH_MODEL_MS": "-5"}, "up to 60000"),
+        ({"BENCH_INSTRUCTIONS": "-1"}, "BENCH_INSTRUCTIONS must be at least 0"),
+        ({"BENCH_C_COUNTED": "0"}, "BENCH_C_COUNTED must be at least 1"),
+        ({"BENCH_MODEL_MS_COUNTED": "60001"}, "at most 60000"),
     ):
         with pytest.raises(SystemExit, match=named):
             br.Knobs.from_env(env)
@@ -164,6 +173,7 @@ async def test_the_bench_on_one_server_with_one_and_two_replicas() -> None:
         repeats=2,
         kills=0,
         paces=(0, 20),  # the model answering at once, and in 20 ms
+        instructions=0,  # callgrind's start alone takes a minute
     )
     got = await br.measure(k)
     assert list(got["thr"]) == ["server", "server/20"]  # a deployment for each answer time
@@ -186,3 +196,85 @@ async def test_the_bench_on_one_server_with_one_and_two_replicas() -> None:
         assert f"| one nats-server, model 20 ms | {replicas} | {runs} |" in report
     assert "one nats-server, 2 replicas: iterations/s" in report
     assert "failover" not in report
+
+
+def counted(n: int, services: float, worker: float) -> dict[str, Any]:
+    return {
+        "replicas": n,
+        "counted_iterations_per_s": 5.0,
+        "instructions_per_iteration": {"services": services, "worker": worker},
+        "in_msgs_per_iteration": 7.0,
+    }
+
+
+def test_instructions_are_the_median_of_the_passes_beside_one_replicas() -> None:
+    rows = {
+        "cluster": [
+            counted(1, 5.0e6, 1.4e6),
+            counted(3, 5.6e6, 1.4e6),
+            counted(1, 5.2e6, 1.5e6),
+            counted(3, 5.5e6, 1.5e6),
+            counted(1, 5.4e6, 1.6e6),
+            counted(3, 6.9e6, 1.6e6),  # a pass beside a partition's move
+        ]
+    }
+    table = ri.table(rows).splitlines()
+    assert table[2:] == [
+        "| 3-node cluster, R3 | 1 | 5.0 | 5.20 | 1.00x | 5.00-5.40 | 1.50 | 1.00x | 7.00 | 1.00x |",
+        "| 3-node cluster, R3 | 3 | 5.0 | 5.60 | 1.08x | 5.50-6.90 | 1.50 | 1.00x | 7.00 | 1.00x |",
+    ]
+    # Both processes of the replica: (5.6 + 1.5) / (5.2 + 1.5).
+    assert ri.bars(rows) == [
+        (
+            "3-node cluster, R3, 3 replicas: instructions /it of a replica's processes "
+            "1.06x of 1's (<= 1.1)",
+            True,
+        )
+    ]
+
+
+def test_an_iteration_is_counted_in_the_window_it_began_in() -> None:
+    told = {"now": 30.0, "began": {"a": [1.0, 10.0, 19.9], "b": [20.0, 25.0], "c": [5.0]}}
+    assert ri.began_within(told, 10.0, 20.0) == 2  # a's at 10 and 19.9; b's at 20 is after
+
+
+WORK = """
+import sys
+for line in sys.stdin:
+    total = 0
+    for i in range(int(line)):
+        total += i * i
+    print(total, flush=True)
+"""
+
+
+def test_callgrind_counts_what_a_process_executed_since_its_last_dump(tmp_path: Path) -> None:
+    under = ri.callgrind(tmp_path / "r1")("worker")
+    proc = subprocess.Popen(
+        [*under, sys.executable, "-c", WORK],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    prefix = tmp_path / "r1-worker"
+
+    def work(n: int) -> int:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(f"{n}\n")
+        proc.stdin.flush()
+        return int(proc.stdout.readline())
+
+    with proc:
+        work(1)  # the interpreter has started
+        ri.dumped(proc.pid, prefix)  # what the start executed, left out
+        assert work(20_000) == sum(i * i for i in range(20_000))
+        small = ri.dumped(proc.pid, prefix)
+        work(200_000)
+        large = ri.dumped(proc.pid, prefix)
+        # Ten times the loop, about ten times the instructions, whatever
+        # else the machine does meanwhile.
+        assert 8 * small < large < 12 * small
+        with pytest.raises(SystemExit, match="no callgrind dump of process"):
+            ri.dumped(proc.pid, tmp_path / "elsewhere")  # its dumps are not there
+        proc.kill()
