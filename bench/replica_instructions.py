@@ -37,7 +37,7 @@ import shutil
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from pathlib import Path
 from typing import Any
 
@@ -87,14 +87,14 @@ async def dump_all(counted: br.Replica, logs: Path) -> dict[str, int]:
     return dict(zip(ROLES, got, strict=True))
 
 
-async def place(clients: Sequence[Any], owner: Sequence[str | None], c: int) -> list[str]:
+async def place(clients: Sequence[Any], owner: Sequence[str | None], c: int) -> dict[str, str]:
     """``c`` long runs for each live replica, of its own partitions: runs
     started on ``clients`` in turn, one whose owner has its share cancelled
-    at once. Returns the kept runs."""
+    at once. Returns the kept runs, each with its owner."""
     from dagnats.core.partitions import partition_of
 
     want = {name: c for name in set(owner) if name is not None}
-    kept: list[str] = []
+    kept: dict[str, str] = {}
     for i in itertools.count():
         if not any(want.values()):
             return kept
@@ -105,20 +105,32 @@ async def place(clients: Sequence[Any], owner: Sequence[str | None], c: int) -> 
         name = owner[partition_of(run.run_id, len(owner))]
         if name is not None and want.get(name):
             want[name] -= 1
-            kept.append(run.run_id)
+            kept[run.run_id] = name
         else:
             await client.cancel_run(run.run_id, "spare")
     raise AssertionError("unreachable")
 
 
-def began_within(told: Mapping[str, Any], t0: float, t1: float) -> int:
-    """Iterations the worker that ``told`` began between ``t0`` and ``t1``."""
-    return sum(t0 <= t < t1 for times in told["began"].values() for t in times)
+def began_within(
+    told: Mapping[str, Any], t0: float, t1: float, runs: Set[str] | None = None
+) -> int:
+    """Iterations the worker that ``told`` began between ``t0`` and ``t1``,
+    of ``runs`` when given."""
+    return sum(
+        t0 <= t < t1
+        for run_id, times in told["began"].items()
+        if runs is None or run_id in runs
+        for t in times
+    )
 
 
 async def count_row(nc: Any, d: br.Deployment, counted: br.Replica, k: br.Knobs) -> dict[str, Any]:
     """One row: every replica's share of runs, the warm-up, the counted
-    window, the runs cancelled."""
+    window, the runs cancelled. r1's services are counted against the
+    iterations of r1's runs, whichever worker began them (another
+    replica's worker may take a task its owner's worker had no pull
+    open for, and the owner's services still serve the run); r1's worker
+    against the iterations it began."""
     from dagnats.sdk import Client
 
     async with contextlib.AsyncExitStack() as stack:
@@ -128,28 +140,38 @@ async def count_row(nc: Any, d: br.Deployment, counted: br.Replica, k: br.Knobs)
             raise SystemExit("the engine records no owners of partitions")
         runs = await place(clients, owner, k.c_counted)
         await asyncio.sleep(max(10, k.instructions // 3))  # the warm-up, a wall time
+        metrics = {"r1": counted.served.metrics or ""}
         await dump_all(counted, d.logs)
-        t0, msgs0 = time.monotonic(), d.servers.in_msgs()
+        t0, msgs0, counters0 = time.monotonic(), d.servers.in_msgs(), bt.scrape(metrics)
         await asyncio.sleep(k.instructions)  # the counted window, a wall time
-        t1, msgs1 = time.monotonic(), d.servers.in_msgs()
+        t1, msgs1, counters1 = time.monotonic(), d.servers.in_msgs(), bt.scrape(metrics)
         executed = await dump_all(counted, d.logs)
-        began = {r.name: began_within(await br.told(r), t0, t1) for r in d.replicas}
+        told = {r.name: await br.told(r) for r in d.replicas}
         for run_id in runs:
             await clients[0].cancel_run(run_id, "row ended")
         for run_id in runs:
             await clients[0].wait_for_run(run_id, timeout=120)
-    mine = began[counted.name]
-    if not mine:
+    own = {run_id for run_id, name in runs.items() if name == counted.name}
+    served = {name: began_within(t, t0, t1, own) for name, t in told.items()}
+    ran = began_within(told[counted.name], t0, t1)
+    if not ran or not served[counted.name]:
         raise SystemExit(f"replica {counted.name}'s worker began no iteration in the window")
-    every = sum(began.values())
+    every = sum(began_within(t, t0, t1) for t in told.values())
+    mine = sum(served.values())
     return {
         "replicas": len(d.replicas),
         "runs_a_replica": k.c_counted,
         "counted_iterations": mine,
         "counted_iterations_per_s": round(mine / (t1 - t0), 2),
+        "counted_iterations_elsewhere": mine - served[counted.name],
+        "worker_iterations": ran,
         "iterations": every,
-        "instructions_per_iteration": {role: executed[role] / mine for role in ROLES},
+        "instructions_per_iteration": {
+            "services": executed["services"] / mine,
+            "worker": executed["worker"] / ran,
+        },
         "in_msgs_per_iteration": round((msgs1 - msgs0) / every, 3),
+        "counters_per_iteration": bt.per_iteration(counters0, counters1, mine, 3),
     }
 
 
@@ -178,7 +200,8 @@ async def rows_of(topology: str, k: br.Knobs, data: Path) -> list[dict[str, Any]
                 bt.progress(
                     f"instructions on {br.TOPOLOGIES[topology]}, {n} replicas: "
                     f"{per['services'] / 1e6:.2f} M (services), {per['worker'] / 1e6:.2f} M "
-                    f"(worker) an iteration of r1, {row['counted_iterations']} iterations"
+                    f"(worker) an iteration of r1, {row['counted_iterations']} iterations of its "
+                    f"runs, {row['counted_iterations_elsewhere']} of them on other workers"
                 )
         await nc.close()
         return out
