@@ -131,7 +131,7 @@ class Knobs:
     ack_wait: int = 5  # BENCH_ACK_WAIT: DAGNATS_TASK_ACK_WAIT while stopping replicas
     paces: tuple[int, ...] = (0, 100)  # BENCH_MODEL_MS: the model's answer times, ms
     instructions: int = 40  # BENCH_INSTRUCTIONS: seconds counted a row (0: no such part)
-    c_counted: int = 4  # BENCH_C_COUNTED: runs of each replica while counting
+    c_counted: int = 2  # BENCH_C_COUNTED: runs of each replica while counting
     model_ms_counted: int = 500  # BENCH_MODEL_MS_COUNTED: the model's answer time then
 
     @classmethod
@@ -305,13 +305,16 @@ def start_replica(
     k: Knobs,
     logs: Path,
     model_ms: int,
-    under: Callable[[str], Sequence[str]] | None = None,
+    under: Callable[[str, str], Sequence[str]] | None = None,
 ) -> Replica:
     """A replica on ``servers`` and its worker, whose model answers in
     ``model_ms``, once the worker is ready; with ``under``, each process
-    runs under the command it gives for its role (``services``,
-    ``worker``)."""
-    wrap = under or (lambda role: ())
+    runs under the command it gives for the replica and the process's role
+    (``services``, ``worker``)."""
+
+    def wrap(role: str) -> Sequence[str]:
+        return under(name, role) if under else ()
+
     served = harness.serve(
         "all",
         servers.replica_url,
@@ -364,12 +367,15 @@ class Deployment:
     model_ms: int  # the workers' model's answer time, one of ``k.paces``
     replicas: list[Replica] = field(default_factory=list)
     started: int = 0
+    under: Callable[[str, str], Sequence[str]] | None = None  # see ``start_replica``
 
-    def add(self, under: Callable[[str], Sequence[str]] | None = None) -> Replica:
+    def add(self) -> Replica:
         self.started += 1
         name = f"r{self.started}"
         env = {**self.env, "DAGNATS_REPLICA_ID": name}
-        replica = start_replica(name, self.servers, env, self.k, self.logs, self.model_ms, under)
+        replica = start_replica(
+            name, self.servers, env, self.k, self.logs, self.model_ms, self.under
+        )
         self.replicas.append(replica)
         return replica
 
@@ -868,7 +874,7 @@ def report(got: Mapping[str, Any], k: Knobs) -> str:
 
         out += [
             "",
-            f"instructions (callgrind) of replica r1's processes an iteration of its runs: "
+            f"instructions (callgrind) of the replicas' processes an iteration: "
             f"{k.c_counted} runs a replica, the model answering in {k.model_ms_counted} ms, "
             f"{k.instructions} s counted a row, {k.repeats} passes (medians)",
             "",

@@ -1,4 +1,4 @@
-"""What one replica's processes execute an iteration, counted in
+"""What the replicas' processes execute an iteration, counted in
 instructions, with 1, 2 and 3 replicas: the ``instructions`` part of
 ``make bench-replicas``.
 
@@ -9,23 +9,27 @@ becomes as replicas are added. Instructions can: ``valgrind --tool=callgrind``
 counts what a process executes, the same for the same work however busy the
 machine is.
 
-On one deployment of each topology, replica ``r1``'s ``serve all`` process
-and its worker run under callgrind (about fifty times slower); the other
-replicas run as they are. Each row gives every replica ``BENCH_C_COUNTED``
-(4) runs of its own partitions (runs started on the replicas in turn; a run
-whose partition's owner has its share already is cancelled at once), whose
-model answers in ``BENCH_MODEL_MS_COUNTED`` (500) ms, so that each replica
-goes at its own pace, as on N machines. After a warm-up, callgrind's
-counters of r1's two processes are dumped at the start and at the end of
-``BENCH_INSTRUCTIONS`` (40) seconds; the iterations r1's worker began in
-between divide them. Beside them, messages into nats-server an iteration
-of every replica. ``BENCH_REPEATS`` passes over the counts, as in ``thr``;
-the runs are cancelled after each row.
+On one deployment of each topology, every replica's ``serve all`` process
+and its worker run under callgrind (about fifty times slower), all alike:
+a replica slower than the others would see its tasks taken by the others'
+workers (a poll pulls the partitions its replica does not own after
+``STANDBY_DELAY``), which is not what N replicas of one speed do. Each row
+gives every replica ``BENCH_C_COUNTED`` (2) runs of its own partitions (runs
+started on the replicas in turn; a run whose partition's owner has its share
+already is cancelled at once), whose model answers in
+``BENCH_MODEL_MS_COUNTED`` (500) ms, so that each replica goes at its own
+pace, as on N machines. After a warm-up, callgrind's counters of every
+process are dumped at the start and at the end of ``BENCH_INSTRUCTIONS``
+(40) seconds; the iterations the workers began in between divide them: the
+services' instructions and the workers', each summed over the replicas.
+``BENCH_REPEATS`` passes over the counts, up and down in turn (1, 2, 3, then
+3, 2, 1), so that fewer replicas start under callgrind (a minute each); the
+runs are cancelled after each row.
 
-Under callgrind r1 goes slower than the others, so what waits on time
-(polls, leases, a run's write held up to 0.2 s) falls on fewer of its
-iterations than natively: the counts are for comparing rows, not for
-adding up to a native iteration's cost.
+Under callgrind the replicas go slower than natively, so what waits on time
+(polls, leases, a run's write held up to 0.2 s) falls on fewer iterations
+than natively: the counts are for comparing rows, not for adding up to a
+native iteration's cost.
 """
 
 from __future__ import annotations
@@ -37,25 +41,25 @@ import shutil
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench import bench_replicas as br
 from bench import bench_turn as bt
 
-ROLES = ("services", "worker")  # r1's processes, each counted
+ROLES = ("services", "worker")  # a replica's processes, each counted
 LONG = 50_000  # iterations of a counted row's run: more than a row runs; it is cancelled
 
 
-def callgrind(prefix: Path) -> Callable[[str], Sequence[str]]:
-    """The command a counted process of ``role`` runs under: callgrind,
-    dumping to ``<prefix>-<role>.<pid>.<part>``, no line numbers kept."""
+def callgrind(logs: Path) -> Callable[[str, str], Sequence[str]]:
+    """The command a replica's process of ``role`` runs under: callgrind,
+    dumping to ``logs/<replica>-<role>.<pid>.<part>``, no line numbers kept."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("the instructions part needs valgrind (apt install valgrind)")
 
-    def under(role: str) -> Sequence[str]:
-        out = f"--callgrind-out-file={prefix}-{role}.%p"
+    def under(name: str, role: str) -> Sequence[str]:
+        out = f"--callgrind-out-file={logs / name}-{role}.%p"
         return ("valgrind", "--tool=callgrind", "--dump-line=no", out)
 
     return under
@@ -77,14 +81,20 @@ def dumped(pid: int, prefix: Path) -> int:
     raise SystemExit(f"callgrind's dump of process {pid} has no summary")
 
 
-async def dump_all(counted: br.Replica, logs: Path) -> dict[str, int]:
-    """Each of r1's processes dumped at once: instructions since the last."""
-    pids = dict(zip(ROLES, (counted.served.proc.pid, counted.worker.pid), strict=True))
-    prefix = logs / counted.name
+async def dump_all(replicas: Sequence[br.Replica], logs: Path) -> dict[str, int]:
+    """Every replica's processes dumped at once: the instructions each role
+    executed since the last dump, summed over the replicas."""
+    procs = [
+        (role, pid, logs / f"{r.name}-{role}")
+        for r in replicas
+        for role, pid in zip(ROLES, (r.served.proc.pid, r.worker.pid), strict=True)
+    ]
     got = await asyncio.gather(
-        *(asyncio.to_thread(dumped, pid, Path(f"{prefix}-{role}")) for role, pid in pids.items())
+        *(asyncio.to_thread(dumped, pid, prefix) for _, pid, prefix in procs)
     )
-    return dict(zip(ROLES, got, strict=True))
+    return {
+        role: sum(n for (r, _, _), n in zip(procs, got, strict=True) if r == role) for role in ROLES
+    }
 
 
 async def place(clients: Sequence[Any], owner: Sequence[str | None], c: int) -> dict[str, str]:
@@ -111,26 +121,14 @@ async def place(clients: Sequence[Any], owner: Sequence[str | None], c: int) -> 
     raise AssertionError("unreachable")
 
 
-def began_within(
-    told: Mapping[str, Any], t0: float, t1: float, runs: Set[str] | None = None
-) -> int:
-    """Iterations the worker that ``told`` began between ``t0`` and ``t1``,
-    of ``runs`` when given."""
-    return sum(
-        t0 <= t < t1
-        for run_id, times in told["began"].items()
-        if runs is None or run_id in runs
-        for t in times
-    )
+def began_within(told: Mapping[str, Any], t0: float, t1: float) -> int:
+    """Iterations the worker that ``told`` began between ``t0`` and ``t1``."""
+    return sum(t0 <= t < t1 for times in told["began"].values() for t in times)
 
 
-async def count_row(nc: Any, d: br.Deployment, counted: br.Replica, k: br.Knobs) -> dict[str, Any]:
+async def count_row(nc: Any, d: br.Deployment, k: br.Knobs) -> dict[str, Any]:
     """One row: every replica's share of runs, the warm-up, the counted
-    window, the runs cancelled. r1's services are counted against the
-    iterations of r1's runs, whichever worker began them (another
-    replica's worker may take a task its owner's worker had no pull
-    open for, and the owner's services still serve the run); r1's worker
-    against the iterations it began."""
+    window, the runs cancelled."""
     from dagnats.sdk import Client
 
     async with contextlib.AsyncExitStack() as stack:
@@ -140,68 +138,60 @@ async def count_row(nc: Any, d: br.Deployment, counted: br.Replica, k: br.Knobs)
             raise SystemExit("the engine records no owners of partitions")
         runs = await place(clients, owner, k.c_counted)
         await asyncio.sleep(max(10, k.instructions // 3))  # the warm-up, a wall time
-        metrics = {"r1": counted.served.metrics or ""}
-        await dump_all(counted, d.logs)
+        metrics = {r.name: r.served.metrics or "" for r in d.replicas}
+        await dump_all(d.replicas, d.logs)
         t0, msgs0, counters0 = time.monotonic(), d.servers.in_msgs(), bt.scrape(metrics)
         await asyncio.sleep(k.instructions)  # the counted window, a wall time
         t1, msgs1, counters1 = time.monotonic(), d.servers.in_msgs(), bt.scrape(metrics)
-        executed = await dump_all(counted, d.logs)
-        told = {r.name: await br.told(r) for r in d.replicas}
+        executed = await dump_all(d.replicas, d.logs)
+        began = {r.name: began_within(await br.told(r), t0, t1) for r in d.replicas}
         for run_id in runs:
             await clients[0].cancel_run(run_id, "row ended")
         for run_id in runs:
             await clients[0].wait_for_run(run_id, timeout=120)
-    own = {run_id for run_id, name in runs.items() if name == counted.name}
-    served = {name: began_within(t, t0, t1, own) for name, t in told.items()}
-    ran = began_within(told[counted.name], t0, t1)
-    if not ran or not served[counted.name]:
-        raise SystemExit(f"replica {counted.name}'s worker began no iteration in the window")
-    every = sum(began_within(t, t0, t1) for t in told.values())
-    mine = sum(served.values())
+    every = sum(began.values())
+    if not all(began.values()):
+        raise SystemExit(f"a replica's worker began no iteration in the window: {began}")
     return {
         "replicas": len(d.replicas),
         "runs_a_replica": k.c_counted,
-        "counted_iterations": mine,
-        "counted_iterations_per_s": round(mine / (t1 - t0), 2),
-        "counted_iterations_elsewhere": mine - served[counted.name],
-        "worker_iterations": ran,
         "iterations": every,
-        "instructions_per_iteration": {
-            "services": executed["services"] / mine,
-            "worker": executed["worker"] / ran,
-        },
+        "iterations_per_s": round(every / (t1 - t0), 2),
+        "iterations_by_worker": began,
+        "instructions_per_iteration": {role: executed[role] / every for role in ROLES},
         "in_msgs_per_iteration": round((msgs1 - msgs0) / every, 3),
-        "counters_per_iteration": bt.per_iteration(counters0, counters1, mine, 3),
+        "counters_per_iteration": bt.per_iteration(counters0, counters1, every, 3),
     }
 
 
 async def rows_of(topology: str, k: br.Knobs, data: Path) -> list[dict[str, Any]]:
-    """The counted rows of a topology on one deployment: ``r1`` under
-    callgrind for its whole life, the other replicas added and stopped
-    between rows, ``BENCH_REPEATS`` passes over the counts."""
+    """The counted rows of a topology on one deployment, every replica under
+    callgrind, replicas added and stopped between rows, ``BENCH_REPEATS``
+    passes over the counts, up and down in turn."""
     import nats
 
     logs = data / "logs"
     logs.mkdir(parents=True)
     servers = await br.start_servers(topology, data)
-    d = br.Deployment(servers, br.replica_env(servers, k), k, logs, k.model_ms_counted)
+    d = br.Deployment(
+        servers, br.replica_env(servers, k), k, logs, k.model_ms_counted, under=callgrind(logs)
+    )
+    where = br.TOPOLOGIES[topology]
     try:
-        bt.progress(f"instructions on {br.TOPOLOGIES[topology]}: r1 starting under callgrind")
-        counted = d.add(under=callgrind(logs / "r1"))
-        await br.register(counted.served.target)
+        bt.progress(f"instructions on {where}: starting r1 under callgrind (a minute)")
+        await br.register(d.add().served.target)
         nc = await nats.connect(servers.url.split(","), name="bench-replicas")
         out = []
         for repeat in range(k.repeats):
-            for n in k.replicas:
+            for n in k.replicas if repeat % 2 == 0 else k.replicas[::-1]:
                 await d.scale(n, nc.jetstream())
-                row = await count_row(nc, d, counted, k)
+                row = await count_row(nc, d, k)
                 out.append({**row, "repeat": repeat + 1})
                 per = row["instructions_per_iteration"]
                 bt.progress(
-                    f"instructions on {br.TOPOLOGIES[topology]}, {n} replicas: "
-                    f"{per['services'] / 1e6:.2f} M (services), {per['worker'] / 1e6:.2f} M "
-                    f"(worker) an iteration of r1, {row['counted_iterations']} iterations of its "
-                    f"runs, {row['counted_iterations_elsewhere']} of them on other workers"
+                    f"instructions on {where}, {n} replicas: {per['services'] / 1e6:.2f} M "
+                    f"(services), {per['worker'] / 1e6:.2f} M (worker) an iteration, "
+                    f"{row['iterations']} iterations"
                 )
         await nc.close()
         return out
@@ -228,9 +218,7 @@ def summary(got: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                     min(r["instructions_per_iteration"]["services"] for r in rows),
                     max(r["instructions_per_iteration"]["services"] for r in rows),
                 ),
-                "counted_iterations_per_s": statistics.median(
-                    r["counted_iterations_per_s"] for r in rows
-                ),
+                "iterations_per_s": statistics.median(r["iterations_per_s"] for r in rows),
                 "in_msgs_per_iteration": statistics.median(
                     r["in_msgs_per_iteration"] for r in rows
                 ),
@@ -240,10 +228,10 @@ def summary(got: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(got: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
-    """Per topology and count of replicas, r1's instructions an iteration
-    beside one replica's."""
+    """Per topology and count of replicas, the replicas' instructions an
+    iteration beside one replica's."""
     lines = [
-        "| topology | replicas | r1's iterations/s | services, M instructions /it | x 1 "
+        "| topology | replicas | iterations/s | services, M instructions /it | x 1 "
         "| services: range | worker, M instructions /it | x 1 | msgs into nats-server /it | x 1 |",
         "|" + "---|" * 10,
     ]
@@ -254,7 +242,7 @@ def table(got: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
             per, base = r["instructions_per_iteration"], one["instructions_per_iteration"]
             low, high = r["services_range"]
             cells = [br.TOPOLOGIES[topology], str(r["replicas"])]
-            cells.append(f"{r['counted_iterations_per_s']:.1f}")
+            cells.append(f"{r['iterations_per_s']:.1f}")
             cells += [f"{per['services'] / 1e6:.2f}", br.ratio(per["services"], base["services"])]
             cells.append(f"{low / 1e6:.2f}-{high / 1e6:.2f}")
             cells += [f"{per['worker'] / 1e6:.2f}", br.ratio(per["worker"], base["worker"])]
@@ -265,8 +253,8 @@ def table(got: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
 
 
 def bars(got: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[tuple[str, bool]]:
-    """The issue's CPU bar on instructions: r1's processes an iteration
-    within 10% of one replica's, with every count."""
+    """The issue's CPU bar on instructions: the replicas' processes an
+    iteration within 10% of one replica's, with every count."""
     found = []
     for topology, rows in got.items():
         summed = summary(rows)
@@ -277,7 +265,7 @@ def bars(got: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[tuple[str, bool
             found.append(
                 (
                     f"{br.TOPOLOGIES[topology]}, {r['replicas']} replicas: instructions /it of "
-                    f"a replica's processes {x:.2f}x of 1's (<= {br.BAR})",
+                    f"the replicas' processes {x:.2f}x of 1's (<= {br.BAR})",
                     x <= br.BAR,
                 )
             )
