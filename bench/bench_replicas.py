@@ -262,6 +262,14 @@ class Servers:
     def in_msgs(self) -> int:
         return sum(int(bt.get_json(f"{n.monitor_url}/varz")["in_msgs"]) for n in self.nodes)
 
+    def route_msgs(self) -> int:
+        """Of ``in_msgs``, those the members sent each other (``/routez``)."""
+        return sum(
+            int(route.get("in_msgs", 0))
+            for n in self.nodes
+            for route in bt.get_json(f"{n.monitor_url}/routez").get("routes") or []
+        )
+
     async def stop(self) -> None:
         if self.cluster is not None:
             await self.cluster.stop()
@@ -445,6 +453,7 @@ def snapshot(servers: Servers, procs: harness.Procs, metrics: Sequence[str]) -> 
     return {
         "cpu": procs.cpu(),
         "in_msgs": servers.in_msgs(),
+        "route_msgs": servers.route_msgs(),
         "counters": bt.scrape({url: url for url in metrics}),
     }
 
@@ -468,6 +477,7 @@ def row_result(
         "iterations_per_s": round(statistics.median(k.c * k.k / w for w in walls), 1),
         "rounds_iterations_per_s": sorted(round(k.c * k.k / w, 1) for w in walls),
         "in_msgs_per_iteration": round((after["in_msgs"] - before["in_msgs"]) / its, 3),
+        "route_msgs_per_iteration": round((after["route_msgs"] - before["route_msgs"]) / its, 3),
         "cpu_ms_per_iteration": cpu,
         "cpu_ms_all": round(sum(v for n, v in cpu.items() if n != "client"), 4),
         "cpu_ms_services": round(sum(v for n, v in cpu.items() if n.startswith("services")), 4),
@@ -754,7 +764,13 @@ def ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "n/a"
 
 
-COSTS = ("iterations_per_s", "in_msgs_per_iteration", "cpu_ms_all", "cpu_ms_services")
+COSTS = (
+    "iterations_per_s",
+    "in_msgs_per_iteration",
+    "route_msgs_per_iteration",
+    "cpu_ms_all",
+    "cpu_ms_services",
+)
 
 
 def summary(got: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -771,7 +787,7 @@ def summary(got: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "replicas": n,
                 "runs_at_once": rows[0].get("runs_at_once", 0),
                 "repeats": len(rows),
-                **{key: statistics.median(r[key] for r in rows) for key in COSTS},
+                **{key: statistics.median(r.get(key, 0.0) for r in rows) for key in COSTS},
                 "cpu_ms_all_range": (min(cpu), max(cpu)),
                 "guess_missed_per_iteration": max(r["guess_missed_per_iteration"] for r in rows),
                 "slowest_round_s": max(r.get("slowest_round_s", 0.0) for r in rows),
@@ -786,16 +802,18 @@ def thr_table(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
     each beside one replica's."""
     head = (
         "| topology | replicas | runs at once | iterations/s | x 1 | msgs into nats-server /it "
-        "| x 1 | CPU ms/it, all | x 1 | CPU ms/it, services | x 1 | CPU ms/it, all: range "
+        "| x 1 | of which between members /it | x 1 | CPU ms/it, all | x 1 "
+        "| CPU ms/it, services | x 1 | CPU ms/it, all: range "
         "| guesses missed /it | slowest round s | runs finished |"
     )
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 17]
     for deployment, got in rows.items():
         summed = summary(got)
         one = next(r for r in summed if r["replicas"] == 1)
         for r in summed:
             cells = [where(deployment), str(r["replicas"]), str(r["runs_at_once"])]
-            for key, fmt in zip(COSTS, ("{:.0f}", "{:.2f}", "{:.3f}", "{:.3f}"), strict=True):
+            formats = ("{:.0f}", "{:.2f}", "{:.2f}", "{:.3f}", "{:.3f}")
+            for key, fmt in zip(COSTS, formats, strict=True):
                 cells += [fmt.format(r[key]), ratio(r[key], one[key])]
             low, high = r["cpu_ms_all_range"]
             cells += [f"{low:.3f}-{high:.3f}", f"{r['guess_missed_per_iteration']:.3f}"]

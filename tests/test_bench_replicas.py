@@ -61,10 +61,12 @@ def test_a_row_is_per_iteration_of_the_timed_rounds() -> None:
     after = snap(
         {"nats-server 1": 1.1, "services r1": 1.3, "worker r1": 1.1, "client": 2.0}, 1_500, 8
     )
+    before["route_msgs"], after["route_msgs"] = 200, 500  # members' messages, of in_msgs
     row = br.row_result(1, [0.5, 0.25], before, after, k)  # 100 iterations
     assert row["iterations_per_s"] == 150.0  # the median of 100 and 200
     assert row["rounds_iterations_per_s"] == [100.0, 200.0]
     assert row["in_msgs_per_iteration"] == 5.0
+    assert row["route_msgs_per_iteration"] == 3.0
     assert row["cpu_ms_all"] == pytest.approx(5.0)  # the client left out
     assert row["cpu_ms_services"] == pytest.approx(3.0)
     assert row["guess_missed_per_iteration"] == 0.05
@@ -104,8 +106,8 @@ def test_each_count_is_the_median_of_its_passes_beside_one_replicas() -> None:
     assert len(table) == 2 + 3
     # 1 replica: medians 780, 5.0, 2.1; 2 replicas: 790, 5.4, 2.2.
     assert table[3].startswith(
-        "| one nats-server | 2 | 40 | 790 | 1.01x | 5.40 | 1.08x | 2.200 | 1.05x | 1.100 | 1.05x "
-        "| 2.100-2.300 | 0.000 | 31.0 | 720 |"
+        "| one nats-server | 2 | 40 | 790 | 1.01x | 5.40 | 1.08x | 0.00 | n/a | 2.200 | 1.05x "
+        "| 1.100 | 1.05x | 2.100-2.300 | 0.000 | 31.0 | 720 |"
     )
     got = dict(br.bars(rows))
     two, three = "one nats-server, 2 replicas:", "one nats-server, 3 replicas:"
