@@ -42,22 +42,24 @@ added or stopped (SIGTERM) between rows, so that the machine's drift falls
 on every count alike; each row one untimed round, then ``BENCH_ROUNDS``
 (5) timed. Per row: iterations/s (the median round); messages into
 nats-server an iteration (``/varz`` ``in_msgs``, summed over every server,
-around the timed rounds); CPU ms an iteration (utime + stime from
+around the timed rounds), and of those what the members received from each
+other (``/routez``); CPU ms an iteration (utime + stime from
 ``/proc``) of every process (the nats-servers, the replicas, their
 workers) and of the replicas alone; the engine's guesses that missed an
 iteration (``guess_missed`` on the replicas' ``/metrics``); the slowest
 round. The table gives, per count, the medians over the passes beside one
 replica's, the range of CPU an iteration, and the slowest round of any
 pass (a task delivered to nobody shows as a round as long as the task's
-lease); the issue's bars are checked on the medians: cost an iteration
-within 10% of one replica's, 2 replicas' throughput at least one's.
+lease); the issue's bars are checked on the medians: messages an
+iteration within 10% of one replica's, 2 replicas' throughput at least
+one's.
 
 ``instructions`` (``BENCH_INSTRUCTIONS`` = 40 s counted a row; 0 skips
-it): the instructions one replica's processes execute an iteration, counted
+it): the instructions the replicas' processes execute an iteration, counted
 by callgrind, with 1, 2 and 3 replicas (``bench/replica_instructions.py``).
 CPU seconds rise on two cores with every process that wakes on them, for
 the same work; instructions do not, so these rows say what N replicas on N
-machines cost a replica an iteration.
+machines cost an iteration, and the CPU bar is checked on them.
 
 ``failover`` (``BENCH_KILLS`` = 5 stops of each kind; 0 skips it): on a new
 deployment of each topology, 3 replicas with the task's lease
