@@ -44,6 +44,21 @@ def pytest_configure(config: pytest.Config) -> None:
         config.add_cleanup(lambda: shutil.rmtree(certs.dir, ignore_errors=True))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report carries the end of the log of every nats-server
+    it used: a server that stopped answering says why there."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    for name, value in getattr(item, "funcargs", {}).items():
+        servers = value.servers if isinstance(value, NatsCluster) else [value]
+        for server in servers:
+            if isinstance(server, NatsServer) and (tail := server.log_tail()):
+                report.sections.append((f"nats-server log ({name}, {server.url})", tail))
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def nats_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[NatsServer]:
     """A JetStream server (sync_interval: always) shared by the tests of one module."""

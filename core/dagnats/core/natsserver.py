@@ -240,6 +240,10 @@ class NatsServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
 
+    def log_tail(self) -> str:
+        """The end of the server's log (empty when it has none yet)."""
+        return _log_tail(self.config.log_file)
+
     async def varz(self) -> dict[str, Any]:
         """The server's ``/varz`` monitoring document."""
         return await _get_json(f"{self.monitor_url}/varz")
