@@ -22,21 +22,27 @@ would fall on the rows by chance.
 
 ``thr`` runs twice on each topology, on a deployment each: with the
 workload's model answering at once, and answering in 100 ms
-(``BENCH_MODEL_MS``, ``0,100``, milliseconds). At once, the rows keep the two
-cores busy: three replicas' runs then go each about a third as fast as one
-replica's, and what goes with time costs them more an iteration (a kept
-iteration's run is written at the latest 0.2 s after it was decided, and a
-model call reads the journal's tail unless the holder wrote within 50 ms),
-as does nats-server's batching of what each connection sends. With the
-model taking 100 ms the cores are not all taken, each replica's runs go at
-the pace they go alone, as on N machines, and the throughput grows with the
-replicas.
+(``BENCH_MODEL_MS``, ``0,100``, milliseconds). Each row has 1, 2 or 3
+replicas (``BENCH_REPLICAS``) and runs of ``BENCH_K`` (50) iterations,
+started on the replicas' gRPC ports in turn; how many at once is what keeps
+each run at the pace it has on N machines (``runs_at_once``):
 
-``thr``: with 1, 2 and 3 replicas (``BENCH_REPLICAS``), each replica
-carrying ``BENCH_C`` (20) runs of ``BENCH_K`` (50) iterations at once (a row
-of n replicas runs n * C, started on the replicas' gRPC ports in turn): the
-load grows with the replicas, as on N machines, so that each replica works
-as hard as one alone. On one deployment, a row of one replica to warm it
+- With the model taking 100 ms, each replica carries ``BENCH_C`` (20) runs
+  (a row of n replicas runs n * C). The model sets each run's pace, the
+  cores are not all taken, the load grows with the replicas as it would on
+  N machines, and so does the throughput.
+- With the model answering at once, the two cores set the pace, and the
+  row carries C runs in all, spread over the replicas. With C for each
+  replica, three replicas' runs would go each a third as fast as one
+  replica's, which N machines do not do, and what goes with time on the
+  iteration's path would cost them more an iteration: a kept iteration's
+  run is written at the latest 0.2 s after it was decided
+  (``DAGNATS_KEPT_WRITE_DELAY``), and a model call reads the journal's tail
+  unless the holder wrote within 50 ms (``FRESH_TAIL``). So spread, each
+  run goes at the pace it goes with one replica, and the row tells what a
+  replica adds to an iteration, not what a slower run costs.
+
+On one deployment, a row of one replica to warm it
 up, then ``BENCH_REPEATS`` (3) passes over the counts in turn, replicas
 added or stopped (SIGTERM) between rows, so that the machine's drift falls
 on every count alike; each row one untimed round, then ``BENCH_ROUNDS``
@@ -125,7 +131,7 @@ class Knobs:
     topologies: tuple[str, ...] = tuple(TOPOLOGIES)  # BENCH_TOPOLOGIES: server,cluster
     replicas: tuple[int, ...] = (1, 2, 3)  # BENCH_REPLICAS: the rows, from 1 up
     k: int = 50  # BENCH_K: iterations a run
-    c: int = 20  # BENCH_C: runs at once for each replica (a row of n replicas runs n * C)
+    c: int = 20  # BENCH_C: runs at once, of each replica when paced, in all at 0 ms
     rounds: int = 5  # BENCH_ROUNDS: timed rounds of a row, after one untimed
     repeats: int = 3  # BENCH_REPEATS: passes over the rows, in turn
     kills: int = 5  # BENCH_KILLS: stops of each kind in each topology (0: no failover)
@@ -489,11 +495,21 @@ def row_result(
     }
 
 
-async def measure_row(servers: Servers, replicas: Sequence[Replica], k: Knobs) -> dict[str, Any]:
-    """``thr`` with ``replicas``, C runs at once for each, started on each in turn."""
+def runs_at_once(c: int, replicas: int, model_ms: int) -> int:
+    """The runs a ``thr`` row carries at once: C for each replica while the
+    model sets each run's pace, C in all when the model answers at once
+    and the two cores set it (see the module's docstring)."""
+    return c * replicas if model_ms > 0 else c
+
+
+async def measure_row(
+    servers: Servers, replicas: Sequence[Replica], k: Knobs, model_ms: int
+) -> dict[str, Any]:
+    """``thr`` with ``replicas``, :func:`runs_at_once` runs at once, started
+    on each replica in turn."""
     from dagnats.sdk import Client
 
-    k = dataclasses.replace(k, c=k.c * len(replicas))
+    k = dataclasses.replace(k, c=runs_at_once(k.c, len(replicas), model_ms))
     pids = servers.pids()
     for r in replicas:
         pids |= r.pids()
@@ -548,11 +564,12 @@ async def rows_of(topology: str, k: Knobs, model_ms: int, data: Path) -> list[di
         d.add()
         await register(d.replicas[0].served.target)
         await settled(nc.jetstream(), d.names(), k.partitions)
-        out = [{**await measure_row(servers, d.replicas, k), "warm_up": True}]
+        out = [{**await measure_row(servers, d.replicas, k, model_ms), "warm_up": True}]
         for repeat in range(k.repeats):
             for n in k.replicas:
                 await d.scale(n, nc.jetstream())
-                out.append({**await measure_row(servers, d.replicas, k), "repeat": repeat + 1})
+                row = await measure_row(servers, d.replicas, k, model_ms)
+                out.append({**row, "repeat": repeat + 1})
         await nc.close()
         for r in d.replicas:
             for proc in (r.served.proc, r.worker):
@@ -878,7 +895,8 @@ def met(found: Sequence[tuple[str, bool]]) -> list[str]:
 def report(got: Mapping[str, Any], k: Knobs) -> str:
     """The markdown the bench prints."""
     out = [
-        f"replicas: P={k.partitions}, K={k.k}, C={k.c} runs at once a replica, "
+        f"replicas: P={k.partitions}, K={k.k}, C={k.c} runs at once "
+        "(a replica's with the model paced, in all when it answers at once), "
         f"the model answering in {' and '.join(map(str, k.paces))} ms, "
         f"{k.rounds} timed rounds a row, {k.repeats} passes over the rows (medians); "
         f"{got['cpus']} cores, load {got['load']['start'][0]:.2f} at start, "

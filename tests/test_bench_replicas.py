@@ -72,6 +72,11 @@ def test_a_row_is_per_iteration_of_the_timed_rounds() -> None:
     assert row["guess_missed_per_iteration"] == 0.05
 
 
+def test_a_row_carries_c_runs_for_each_replica_only_while_the_model_sets_the_pace() -> None:
+    assert [br.runs_at_once(20, n, 100) for n in (1, 2, 3)] == [20, 40, 60]
+    assert [br.runs_at_once(20, n, 0) for n in (1, 2, 3)] == [20, 20, 20]
+
+
 def row(n: int, its: float, msgs: float, cpu: float, **extra: Any) -> dict[str, Any]:
     return {
         "replicas": n,
@@ -187,14 +192,17 @@ async def test_the_bench_on_one_server_with_one_and_two_replicas() -> None:
         (1, False, 2),
         (2, False, 2),
     ]
-    # Each replica carries C runs at once, and every run answered.
-    assert all(r["runs_at_once"] == k.c * r["replicas"] for r in rows)
-    assert all(r["runs_finished"] == (k.rounds + 1) * r["runs_at_once"] for r in rows)
-    assert all(r["in_msgs_per_iteration"] > 0 and r["cpu_ms_all"] > 0 for r in rows)
+    # At once, C runs in all; paced, C runs for each replica; every run answered.
+    paced = got["thr"]["server/20"]
+    assert all(r["runs_at_once"] == k.c for r in rows)
+    assert all(r["runs_at_once"] == k.c * r["replicas"] for r in paced)
+    for r in [*rows, *paced]:
+        assert r["runs_finished"] == (k.rounds + 1) * r["runs_at_once"]
+        assert r["in_msgs_per_iteration"] > 0 and r["cpu_ms_all"] > 0
     assert set(rows[2]["cpu_ms_per_iteration"]) >= {"services r1", "services r2", "worker r2"}
     report = br.report(got, k)
     for replicas, runs in (("1", "2"), ("2", "4")):
-        assert f"| one nats-server | {replicas} | {runs} |" in report
+        assert f"| one nats-server | {replicas} | 2 |" in report
         assert f"| one nats-server, model 20 ms | {replicas} | {runs} |" in report
     assert "one nats-server, 2 replicas: iterations/s" in report
     assert "failover" not in report
