@@ -42,6 +42,11 @@ each run at the pace it has on N machines (``runs_at_once``):
   run goes at the pace it goes with one replica, and the row tells what a
   replica adds to an iteration, not what a slower run costs.
 
+With ``BENCH_KINDS=1`` every row also counts its messages by kind
+(``bench/message_kinds.py``, a core subscription to every subject): what an
+iteration sends into nats-server, by what each message does, and what
+nats-server sends out.
+
 On one deployment, a row of one replica to warm it
 up, then ``BENCH_REPEATS`` (3) passes over the counts in turn, replicas
 added or stopped (SIGTERM) between rows, so that the machine's drift falls
@@ -111,6 +116,7 @@ from typing import Any
 
 from bench import bench_turn as bt
 from bench import harness
+from bench import message_kinds as mk
 
 MODULE = "bench.bench_replicas"
 TOPOLOGIES = {"server": "one nats-server", "cluster": "3-node cluster, R3"}
@@ -139,6 +145,7 @@ class Knobs:
     ack_wait: int = 5  # BENCH_ACK_WAIT: DAGNATS_TASK_ACK_WAIT while stopping replicas
     paces: tuple[int, ...] = (0, 100)  # BENCH_MODEL_MS: the model's answer times, ms
     instructions: int = 40  # BENCH_INSTRUCTIONS: seconds counted a row (0: no such part)
+    kinds: int = 0  # BENCH_KINDS: 1 counts the thr rows' messages by kind
     c_counted: int = 2  # BENCH_C_COUNTED: runs of each replica while counting
     model_ms_counted: int = 500  # BENCH_MODEL_MS_COUNTED: the model's answer time then
 
@@ -175,6 +182,7 @@ class Knobs:
             ack_wait=bt.knob(env, "BENCH_ACK_WAIT", cls.ack_wait, 1),
             paces=paces,
             instructions=bt.knob(env, "BENCH_INSTRUCTIONS", cls.instructions, 0),
+            kinds=bt.knob(env, "BENCH_KINDS", cls.kinds, 0, 1),
             c_counted=bt.knob(env, "BENCH_C_COUNTED", cls.c_counted, 1),
             model_ms_counted=bt.knob(
                 env, "BENCH_MODEL_MS_COUNTED", cls.model_ms_counted, 0, 60_000
@@ -457,12 +465,15 @@ async def register(target: str) -> None:
 # ---- thr --------------------------------------------------------------------------------
 
 
-def snapshot(servers: Servers, procs: harness.Procs, metrics: Sequence[str]) -> dict[str, Any]:
+def snapshot(
+    servers: Servers, procs: harness.Procs, metrics: Sequence[str], kinds: mk.Kinds | None
+) -> dict[str, Any]:
     return {
         "cpu": procs.cpu(),
         "in_msgs": servers.in_msgs(),
         "route_msgs": servers.route_msgs(),
         "counters": bt.scrape({url: url for url in metrics}),
+        "kinds": kinds.snapshot() if kinds is not None else {},
     }
 
 
@@ -491,6 +502,9 @@ def row_result(
         "cpu_ms_services": round(sum(v for n, v in cpu.items() if n.startswith("services")), 4),
         "guess_missed_per_iteration": counters.get("guess_missed", 0.0),
         "counters_per_iteration": counters,
+        "kinds_per_iteration": mk.per_iteration(
+            before.get("kinds", {}), after.get("kinds", {}), its
+        ),
         "iterations": its,
     }
 
@@ -503,7 +517,11 @@ def runs_at_once(c: int, replicas: int, model_ms: int) -> int:
 
 
 async def measure_row(
-    servers: Servers, replicas: Sequence[Replica], k: Knobs, model_ms: int
+    servers: Servers,
+    replicas: Sequence[Replica],
+    k: Knobs,
+    model_ms: int,
+    kinds: mk.Kinds | None = None,
 ) -> dict[str, Any]:
     """``thr`` with ``replicas``, :func:`runs_at_once` runs at once, started
     on each replica in turn."""
@@ -532,12 +550,12 @@ async def measure_row(
             await asyncio.gather(*(one() for _ in range(k.c)))
 
         await round_()
-        before = snapshot(servers, procs, metrics)
+        before = snapshot(servers, procs, metrics, kinds)
         walls = []
         for n in range(k.rounds):
             walls.append(await bt.timed(round_))
             bt.progress(f"{servers.topology}, {len(replicas)} replicas: round {n + 1}/{k.rounds}")
-        after = snapshot(servers, procs, metrics)
+        after = snapshot(servers, procs, metrics, kinds)
     out = row_result(len(replicas), walls, before, after, k)
     out["runs_at_once"] = k.c
     out["slowest_round_s"] = round(max(walls), 2)
@@ -559,16 +577,19 @@ async def rows_of(topology: str, k: Knobs, model_ms: int, data: Path) -> list[di
     logs.mkdir(parents=True)
     servers = await start_servers(topology, data)
     d = Deployment(servers, replica_env(servers, k), k, logs, model_ms)
+    kinds = mk.Kinds() if k.kinds else None
     try:
         nc = await nats.connect(servers.url.split(","), name="bench-replicas")
+        if kinds is not None:
+            await kinds.start(servers.url.split(","))
         d.add()
         await register(d.replicas[0].served.target)
         await settled(nc.jetstream(), d.names(), k.partitions)
-        out = [{**await measure_row(servers, d.replicas, k, model_ms), "warm_up": True}]
+        out = [{**await measure_row(servers, d.replicas, k, model_ms, kinds), "warm_up": True}]
         for repeat in range(k.repeats):
             for n in k.replicas:
                 await d.scale(n, nc.jetstream())
-                row = await measure_row(servers, d.replicas, k, model_ms)
+                row = await measure_row(servers, d.replicas, k, model_ms, kinds)
                 out.append({**row, "repeat": repeat + 1})
         await nc.close()
         for r in d.replicas:
@@ -577,6 +598,8 @@ async def rows_of(topology: str, k: Knobs, model_ms: int, data: Path) -> list[di
                     raise SystemExit(f"replica {r.name} exited early (logs in {logs})")
         return out
     finally:
+        if kinds is not None:
+            await kinds.stop()
         d.stop()
         await servers.stop()
 
@@ -841,6 +864,29 @@ def thr_table(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def kinds_table(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """Per deployment, each kind's messages an iteration (``BENCH_KINDS``),
+    the median over the passes of each count of replicas."""
+    lines = []
+    for deployment, got in rows.items():
+        passes = [r for r in got if not r.get("warm_up")]
+        counts = sorted({r["replicas"] for r in passes})
+        names = sorted({name for r in passes for name in r["kinds_per_iteration"]})
+        lines += [f"{where(deployment)}, messages an iteration by kind:", ""]
+        lines.append("| kind | " + " | ".join(f"{n} replicas" for n in counts) + " |")
+        lines.append("|" + "---|" * (len(counts) + 1))
+        for name in names:
+            cells = [
+                statistics.median(
+                    r["kinds_per_iteration"].get(name, 0.0) for r in passes if r["replicas"] == n
+                )
+                for n in counts
+            ]
+            lines.append(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def bars(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[tuple[str, bool]]:
     """The issue's bars on the medians of ``thr``, each with whether this
     run met it: messages into nats-server an iteration within 10% of one
@@ -904,6 +950,7 @@ def report(got: Mapping[str, Any], k: Knobs) -> str:
         "",
         thr_table(got["thr"]),
         "",
+        *([kinds_table(got["thr"]), ""] if k.kinds else []),
         "bars (issue 40):",
     ]
     out += met(bars(got["thr"]))

@@ -77,6 +77,36 @@ def test_a_row_carries_c_runs_for_each_replica_only_while_the_model_sets_the_pac
     assert [br.runs_at_once(20, n, 0) for n in (1, 2, 3)] == [20, 20, 20]
 
 
+KINDS = [
+    ("journal.r1.s1", "_INBOX.x.1", "append JOURNAL"),
+    ("$KV.RUNS.r1", "_INBOX.x.2", "write RUNS"),
+    ("$JS.API.STREAM.MSG.GET.KV_RUNS", "_INBOX.x.3", "get KV_RUNS"),
+    ("$JS.API.DIRECT.GET.AGENT_JOURNAL", "_INBOX.x.4", "get AGENT_JOURNAL"),
+    ("$JS.API.CONSUMER.MSG.NEXT.TASKS.tasks-t-0", "_INBOX.x.5", "pull TASKS"),
+    ("$JS.ACK.TASKS.tasks-t-0.1.2.3.4.5", "", "ack TASKS"),
+    ("$JS.API.CONSUMER.CREATE.KV_RUNS", "_INBOX.x.6", "api CONSUMER.CREATE"),
+    ("dagnats.stream.r1.s1", "", "publish dagnats.stream"),
+    ("tasks.t.3.r1.s1", "", "publish TASKS"),
+    # What nats-server sends out: replies, deliveries, advisories.
+    ("_INBOX.x.1", "", "out reply"),
+    ("$KV.RUNS.r1", "$JS.ACK.KV_RUNS.watch.1.2.3.4.0", "out delivered KV_RUNS"),
+    ("$JS.EVENT.ADVISORY.CONSUMER.CREATED.KV_RUNS.x", "", "out advisory"),
+]
+
+
+@pytest.mark.parametrize(("subject", "reply", "expected"), KINDS)
+def test_a_message_is_counted_by_what_it_does(subject: str, reply: str, expected: str) -> None:
+    from bench.message_kinds import kind
+
+    assert kind(subject, reply) == expected
+
+
+def test_kinds_are_counted_an_iteration_between_two_snapshots() -> None:
+    from bench.message_kinds import per_iteration
+
+    assert per_iteration({"a": 10, "b": 4}, {"a": 30, "b": 4, "c": 5}, 10) == {"a": 2.0, "c": 0.5}
+
+
 def row(n: int, its: float, msgs: float, cpu: float, **extra: Any) -> dict[str, Any]:
     return {
         "replicas": n,
@@ -181,6 +211,7 @@ async def test_the_bench_on_one_server_with_one_and_two_replicas() -> None:
         kills=0,
         paces=(0, 20),  # the model answering at once, and in 20 ms
         instructions=0,  # callgrind's start alone takes a minute
+        kinds=1,
     )
     got = await br.measure(k)
     assert list(got["thr"]) == ["server", "server/20"]  # a deployment for each answer time
@@ -206,6 +237,11 @@ async def test_the_bench_on_one_server_with_one_and_two_replicas() -> None:
         assert f"| one nats-server, model 20 ms | {replicas} | {runs} |" in report
     assert "one nats-server, 2 replicas: iterations/s" in report
     assert "failover" not in report
+    # Every iteration appends its tool call's intent and its commit to the
+    # journal, and a run at most one record more (a claim that rode no record).
+    for r in [*rows, *paced]:
+        assert 2.0 <= r["kinds_per_iteration"]["append JOURNAL"] <= 2.0 + 1 / k.k
+    assert "| append JOURNAL | 2." in report
 
 
 def counted(n: int, services: float, worker: float) -> dict[str, Any]:
