@@ -882,7 +882,8 @@ def kinds_table(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
                 )
                 for n in counts
             ]
-            lines.append(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+            if any(round(c, 3) for c in cells):  # a kind of some run's alone is noise
+                lines.append(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
         lines.append("")
     return "\n".join(lines).rstrip()
 

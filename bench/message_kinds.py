@@ -30,6 +30,7 @@ _OURS = {
     "tasks": "publish TASKS",
     "history": "publish HISTORY",
     "timers": "publish TIMERS",
+    "created": "publish RUNS_CREATED",
     "api": "request api",
 }
 

@@ -87,6 +87,7 @@ KINDS = [
     ("$JS.API.CONSUMER.CREATE.KV_RUNS", "_INBOX.x.6", "api CONSUMER.CREATE"),
     ("dagnats.stream.r1.s1", "", "publish dagnats.stream"),
     ("tasks.t.3.r1.s1", "", "publish TASKS"),
+    ("created.r1", "", "publish RUNS_CREATED"),
     # What nats-server sends out: replies, deliveries, advisories.
     ("_INBOX.x.1", "", "out reply"),
     ("$KV.RUNS.r1", "$JS.ACK.KV_RUNS.watch.1.2.3.4.0", "out delivered KV_RUNS"),
