@@ -133,7 +133,8 @@ bench-scale: setup ## 10,000 waiting runs, wake latency, iteration 1,000, two en
 	$(PY) -m bench.bench_scale
 
 # BENCH_TOPOLOGIES (server,cluster), BENCH_REPLICAS (1,2,3), BENCH_PARTITIONS (6), BENCH_K,
-# BENCH_C, BENCH_ROUNDS, BENCH_KILLS (0: no failover), BENCH_ACK_WAIT; JSON=<path> keeps the record.
+# BENCH_C, BENCH_ROUNDS, BENCH_KILLS (0: no failover), BENCH_ACK_WAIT, BENCH_INSTRUCTIONS (0: not
+# counted), BENCH_KINDS=1 (messages by kind); JSON=<path> keeps the record.
 bench-replicas: setup ## 1, 2 and 3 replicas, one server and an R3 cluster: throughput, cost an iteration, failover
 	$(PY) -m bench.bench_replicas $(if $(JSON),--json $(JSON))
 
