@@ -13,8 +13,10 @@ subject and a ``$JS.ACK`` reply (``out delivered KV_RUNS``). nats-server's
 advisories are ``out advisory``.
 
 The subscription is a client of its own: it adds the messages it receives
-to what nats-server sends, and takes CPU on the machine, so a bench counts
-kinds only when asked (``BENCH_KINDS=1``).
+to what nats-server sends, and takes CPU on the machine; on a cluster every
+message published at another member also crosses a route to the
+subscription's member, which adds to what the members send each other. So
+a bench counts kinds only when asked (``BENCH_KINDS=1``).
 """
 
 from __future__ import annotations
