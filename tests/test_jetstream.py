@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -332,3 +335,37 @@ def test_without_a_tracer_provider_an_incoming_context_is_still_passed_on() -> N
     for carrier in (*traced, session):
         assert carrier["traceparent"].split("-")[1] == trace_id
     assert quiet is True
+
+
+async def test_a_connection_reads_on_after_a_flush_gave_up_on_its_pong(
+    nats_server: NatsServer,
+) -> None:
+    # A flush that times out (or is cancelled) leaves its PING's answer to
+    # come: the PONG must not stop the connection from reading.
+    conn = await jsx.connect(nats_server.url, name="test-jetstream-pong")
+    try:
+        os.kill(nats_server.pid, signal.SIGSTOP)  # no PONG until it goes on
+        try:
+            await wait_for(lambda: _stopped(nats_server.pid), message="nats-server never stopped")
+            with pytest.raises(nats.errors.TimeoutError):
+                await conn.flush(timeout=0.2)  # type: ignore[arg-type]
+        finally:
+            os.kill(nats_server.pid, signal.SIGCONT)
+        await conn.flush(timeout=5)
+
+        async def echo(msg: Any) -> None:
+            await msg.respond(b"again: " + msg.data)
+
+        await conn.subscribe("adapter-echo", cb=echo)
+        answer = await conn.request("adapter-echo", b"hello", timeout=5)
+        assert answer.data == b"again: hello"
+        assert conn.is_connected
+    finally:
+        await conn.close()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (SIGSTOP reaches
+    each thread when it is next scheduled)."""
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)

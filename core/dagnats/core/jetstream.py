@@ -143,7 +143,7 @@ async def connect(url: str, *, name: str, settings: NatsSettings | None = None) 
     }
     if "tls" in options:
         logging.getLogger("asyncio").addFilter(_quiet_tls_eof)
-    nc = NATS()
+    nc = _Client()
     refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
 
     async def on_error(err: Exception) -> None:
@@ -170,6 +170,26 @@ async def connect(url: str, *, name: str, settings: NatsSettings | None = None) 
     finally:
         refused.cancel()
     return nc
+
+
+class _Client(NATS):
+    """nats-py's client, reading on after a PONG whose flush gave up.
+
+    Each PING waits in ``_pongs`` for its PONG, in order. A flush that timed
+    out or was cancelled leaves its future there, cancelled; nats-py sets the
+    result of the next PONG's future regardless, and the ``InvalidStateError``
+    ends the connection's read loop for good while the connection still
+    counts as up: every later request times out, and nothing reconnects
+    (nats-py 2.16.0). Such a PONG answers the PING it belongs to, and is
+    taken as that."""
+
+    async def _process_pong(self) -> None:
+        if self._pongs and self._pongs[0].done():
+            self._pongs.pop(0)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+            return
+        await super()._process_pong()
 
 
 def _quiet_tls_eof(record: logging.LogRecord) -> bool:
