@@ -6,6 +6,7 @@ tracing without a provider still passes an incoming context on."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -360,6 +361,40 @@ async def test_a_connection_reads_on_after_a_flush_gave_up_on_its_pong(
         answer = await conn.request("adapter-echo", b"hello", timeout=5)
         assert answer.data == b"again: hello"
         assert conn.is_connected
+    finally:
+        await conn.close()
+
+
+async def test_a_connection_whose_reading_failed_reconnects(nats_server: NatsServer) -> None:
+    # An error nats-py does not expect while it parses what it read ends its
+    # read loop with a log line; the connection must not stay up unread.
+    conn = await jsx.connect(nats_server.url, name="test-jetstream-read-error")
+    try:
+
+        async def echo(msg: Any) -> None:
+            await msg.respond(b"again: " + msg.data)
+
+        await conn.subscribe("adapter-echo-2", cb=echo)
+        parse, failed = conn._ps.parse, list[bytes]()
+
+        async def fails_once(data: bytes) -> None:
+            if not failed:
+                failed.append(data)
+                raise RuntimeError("a parser error nats-py only logs")
+            await parse(data)
+
+        conn._ps.parse = fails_once  # type: ignore[method-assign,assignment]
+        with contextlib.suppress(nats.errors.TimeoutError):
+            await conn.flush(timeout=1)  # its PONG is what fails to parse
+
+        async def answered() -> bool:
+            with contextlib.suppress(nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                reply = await conn.request("adapter-echo-2", b"hello", timeout=0.5)
+                return reply.data == b"again: hello"
+            return False
+
+        await wait_for(answered, timeout=20, message="the connection never read again")
+        assert failed and conn.stats["reconnects"] >= 1
     finally:
         await conn.close()
 

@@ -173,15 +173,25 @@ async def connect(url: str, *, name: str, settings: NatsSettings | None = None) 
 
 
 class _Client(NATS):
-    """nats-py's client, reading on after a PONG whose flush gave up.
+    """nats-py's client, never left up with its reading stopped.
 
-    Each PING waits in ``_pongs`` for its PONG, in order. A flush that timed
-    out or was cancelled leaves its future there, cancelled; nats-py sets the
-    result of the next PONG's future regardless, and the ``InvalidStateError``
-    ends the connection's read loop for good while the connection still
-    counts as up: every later request times out, and nothing reconnects
-    (nats-py 2.16.0). Such a PONG answers the PING it belongs to, and is
-    taken as that."""
+    nats-py's read loop ends on an error it does not expect with only a log
+    line, while the connection still counts as up: every later request
+    times out, and nothing reconnects (nats-py 2.16.0). Here such an end
+    reconnects, as a socket error does.
+
+    The one such error seen: each PING waits in ``_pongs`` for its PONG, in
+    order. A flush that timed out or was cancelled leaves its future there,
+    cancelled, and nats-py sets the result of the next PONG's future
+    regardless (``InvalidStateError``). Such a PONG answers the PING it
+    belongs to, and is taken as that."""
+
+    async def _read_loop(self) -> None:
+        await super()._read_loop()
+        reading = asyncio.current_task()
+        cancelled = reading is not None and reading.cancelling() > 0  # swallowed by nats-py
+        if self._status == NATS.CONNECTED and not cancelled:  # an error nats-py only logged
+            await self._process_op_err(nats.errors.UnexpectedEOF())
 
     async def _process_pong(self) -> None:
         if self._pongs and self._pongs[0].done():
