@@ -824,6 +824,7 @@ def summary(got: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for n in counts:
         rows = [r for r in got if r["replicas"] == n and not r.get("warm_up")]
         cpu = [r["cpu_ms_all"] for r in rows]
+        kinds = [r.get("kinds_per_iteration", {}) for r in rows]
         out.append(
             {
                 "replicas": n,
@@ -834,6 +835,10 @@ def summary(got: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "guess_missed_per_iteration": max(r["guess_missed_per_iteration"] for r in rows),
                 "slowest_round_s": max(r.get("slowest_round_s", 0.0) for r in rows),
                 "runs_finished": sum(r["runs_finished"] for r in rows),
+                "kinds_per_iteration": {
+                    name: statistics.median(k.get(name, 0.0) for k in kinds)
+                    for name in sorted({name for k in kinds for name in k})
+                },
             }
         )
     return out
@@ -866,23 +871,17 @@ def thr_table(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
 
 def kinds_table(rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
     """Per deployment, each kind's messages an iteration (``BENCH_KINDS``),
-    the median over the passes of each count of replicas."""
+    the median over the passes of each count of replicas (:func:`summary`)."""
     lines = []
     for deployment, got in rows.items():
-        passes = [r for r in got if not r.get("warm_up")]
-        counts = sorted({r["replicas"] for r in passes})
-        names = sorted({name for r in passes for name in r["kinds_per_iteration"]})
+        summed = summary(got)
+        names = sorted({name for r in summed for name in r["kinds_per_iteration"]})
         lines += [f"{where(deployment)}, messages an iteration by kind:", ""]
-        lines.append("| kind | " + " | ".join(f"{n} replicas" for n in counts) + " |")
-        lines.append("|" + "---|" * (len(counts) + 1))
+        lines.append("| kind | " + " | ".join(f"{r['replicas']} replicas" for r in summed) + " |")
+        lines.append("|" + "---|" * (len(summed) + 1))
         for name in names:
-            cells = [
-                statistics.median(
-                    r["kinds_per_iteration"].get(name, 0.0) for r in passes if r["replicas"] == n
-                )
-                for n in counts
-            ]
-            if any(round(c, 3) for c in cells):  # a kind of some run's alone is noise
+            cells = [r["kinds_per_iteration"].get(name, 0.0) for r in summed]
+            if any(round(c, 3) for c in cells):  # not one run's own subject, seen once
                 lines.append(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
         lines.append("")
     return "\n".join(lines).rstrip()
